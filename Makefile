@@ -1,0 +1,45 @@
+# dflash-qaic: the two commands a new user types are `make demo` and `make test`;
+# both set up what they need themselves.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+OUT    ?= artifacts/default
+
+.PHONY: setup test test-slow lint format demo bench clean
+
+setup: $(STAMP)
+
+# torch is pinned (a bare `torch` pulls a multi-GB CUDA build); the reference package `dflash`
+# (the test oracle) is installed without its dependencies.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps dflash==0.1.0
+	touch $(STAMP)
+
+# pytest exits 5 when it collects no tests: that is a failure here, not a pass.
+test: setup
+	$(PY) -m pytest -q
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+demo: setup
+	$(PY) -m dflash_qaic.demo --out $(OUT)
+
+bench: setup
+	$(VENV)/bin/dflash-bench $(OUT) --out bench
+
+clean:
+	rm -rf $(VENV) artifacts .pytest_cache

@@ -1,0 +1,1 @@
+"""QPC compilation for AI100: specializations, custom IO, compiler command line, cache."""

@@ -1,0 +1,177 @@
+"""The I/O contract of the two programs: names, symbols, shapes and dtypes.
+
+This is the one place that defines what the target and draft ONNX programs take and return.
+The exporters name their graph inputs/outputs from here; the runtime binds buffers from here;
+the compiler step derives `specializations.json` and `custom_io.yaml` from here. Nothing else
+spells an I/O name.
+
+Shapes are tuples whose entries are either ints (static) or symbol names (str) that a
+specialization binds: `batch_size`, `seq_len`, `ctx_len`.
+
+KV cache slots (both programs): a cache has `ctx_len` slots indexed by absolute position. The
+last slot, `ctx_len - 1`, is the *padding slot*: rows whose position is -1 write there, and no
+real token is ever placed there (the runtime stops a sequence at `ctx_len - 1` positions), so
+the causal/visibility masks never let any query read it. That is how "a position of -1 never
+changes a slot that can later be read" holds on ONNX Runtime and on the device alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BATCH = "batch_size"
+SEQ = "seq_len"
+CTX = "ctx_len"
+SYMBOLS = (BATCH, SEQ, CTX)
+
+# Common input names (QEfficient conventions).
+INPUT_IDS = "input_ids"
+POSITION_IDS = "position_ids"
+# Target outputs.
+NEXT_TOKENS = "next_tokens"
+HIDDEN_STATES = "hidden_states"
+LOGITS = "logits"
+# Draft inputs / outputs.
+TARGET_HIDDEN = "target_hidden"
+POSITION_IDS_TARGET = "position_ids_target"
+DRAFT_TOKENS = "draft_tokens"
+
+RETAINED_SUFFIX = "_RetainedState"
+PAD_POSITION = -1
+
+# Specialization names (the named form of specializations.json).
+PREFILL = "Prefill"
+VERIFY = "Verify"
+DECODE = "Decode"
+DRAFT_DECODE = "DraftDecode"
+DRAFT_PREFILL = "DraftPrefill"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # numpy dtype name: "int64" | "float32"
+    shape: tuple[int | str, ...]
+
+    def bind(self, **symbols: int) -> tuple[int, ...]:
+        """Concrete shape with the symbols bound, e.g. spec.bind(batch_size=1, seq_len=16, ctx_len=256)."""
+        return tuple(symbols[d] if isinstance(d, str) else d for d in self.shape)
+
+
+def past_key(i: int) -> str:
+    return f"past_key.{i}"
+
+
+def past_value(i: int) -> str:
+    return f"past_value.{i}"
+
+
+def retained(name: str) -> str:
+    return name + RETAINED_SUFFIX
+
+
+def kv_specs(n_layers: int, n_kv_heads: int, head_dim: int) -> list[TensorSpec]:
+    """past_key.{i}, past_value.{i} for every layer, interleaved as QEfficient orders them."""
+    shape = (BATCH, n_kv_heads, CTX, head_dim)
+    out = []
+    for i in range(n_layers):
+        out.append(TensorSpec(past_key(i), "float32", shape))
+        out.append(TensorSpec(past_value(i), "float32", shape))
+    return out
+
+
+@dataclass(frozen=True)
+class TargetIO:
+    """I/O of the target program (prefill, verify and decode in one graph)."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    emit_logits: bool = False
+
+    @property
+    def kv(self) -> list[TensorSpec]:
+        return kv_specs(self.n_layers, self.n_kv_heads, self.head_dim)
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        return [
+            TensorSpec(INPUT_IDS, "int64", (BATCH, SEQ)),
+            TensorSpec(POSITION_IDS, "int64", (BATCH, SEQ)),
+            *self.kv,
+        ]
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        out = [
+            TensorSpec(NEXT_TOKENS, "int64", (BATCH, SEQ)),
+            TensorSpec(HIDDEN_STATES, "float32", (BATCH, SEQ, self.hidden_size)),
+        ]
+        if self.emit_logits:
+            out.append(TensorSpec(LOGITS, "float32", (BATCH, SEQ, self.vocab_size)))
+        out += [TensorSpec(retained(s.name), s.dtype, s.shape) for s in self.kv]
+        return out
+
+
+@dataclass(frozen=True)
+class DraftIO:
+    """I/O of the draft program. The block length B is static in the graph."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    block_size: int
+    emit_logits: bool = False
+
+    @property
+    def kv(self) -> list[TensorSpec]:
+        return kv_specs(self.n_layers, self.n_kv_heads, self.head_dim)
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        b = self.block_size
+        return [
+            TensorSpec(TARGET_HIDDEN, "float32", (BATCH, SEQ, self.hidden_size)),
+            TensorSpec(POSITION_IDS_TARGET, "int64", (BATCH, SEQ)),
+            TensorSpec(INPUT_IDS, "int64", (BATCH, b)),
+            TensorSpec(POSITION_IDS, "int64", (BATCH, b)),
+            *self.kv,
+        ]
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        out = [TensorSpec(DRAFT_TOKENS, "int64", (BATCH, self.block_size - 1))]
+        if self.emit_logits:
+            out.append(TensorSpec(LOGITS, "float32", (BATCH, self.block_size - 1, self.vocab_size)))
+        out += [TensorSpec(retained(s.name), s.dtype, s.shape) for s in self.kv]
+        return out
+
+
+def target_specializations(
+    batch_size: int, prefill_seq_len: int, block_size: int, ctx_len: int
+) -> list[dict]:
+    """Named specializations of the target program: prefill chunk, verify block, single-token decode."""
+    return [
+        {"name": PREFILL, "symbols": {BATCH: batch_size, SEQ: prefill_seq_len, CTX: ctx_len}},
+        {"name": VERIFY, "symbols": {BATCH: batch_size, SEQ: block_size, CTX: ctx_len}},
+        {"name": DECODE, "symbols": {BATCH: batch_size, SEQ: 1, CTX: ctx_len}},
+    ]
+
+
+def draft_specializations(
+    batch_size: int, prefill_seq_len: int, block_size: int, ctx_len: int
+) -> list[dict]:
+    """Named specializations of the draft program: context chunk = block (decode) and = prefill chunk."""
+    return [
+        {"name": DRAFT_DECODE, "symbols": {BATCH: batch_size, SEQ: block_size, CTX: ctx_len}},
+        {"name": DRAFT_PREFILL, "symbols": {BATCH: batch_size, SEQ: prefill_seq_len, CTX: ctx_len}},
+    ]
+
+
+def max_positions(ctx_len: int) -> int:
+    """Real tokens a sequence may hold: every slot but the padding slot."""
+    return ctx_len - 1

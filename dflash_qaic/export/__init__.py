@@ -1,0 +1,1 @@
+"""Trace to ONNX, check graphs, write the artifacts directory."""

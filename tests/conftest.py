@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny pairs written once per session in the real on-disk formats."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dflash_qaic.tiny import make_tiny_pair
+
+
+def _key(kw: dict) -> str:
+    return "-".join(f"{k}={v}" for k, v in sorted(kw.items())).replace(" ", "")
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """tiny_pair(family="qwen3", **TinySpec fields) -> (target_dir, draft_dir), cached."""
+    cache: dict[str, tuple] = {}
+
+    def make(**kw):
+        k = _key(kw)
+        if k not in cache:
+            cache[k] = make_tiny_pair(tmp_path_factory.mktemp("pair"), **kw)
+        return cache[k]
+
+    return make
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _reference_on_cpu():
+    """dflash 0.1.0 times with torch.cuda.synchronize; on a CPU machine use the wall clock."""
+    import dflash.model as ref
+
+    ref._cuda_time = time.perf_counter

@@ -1,0 +1,226 @@
+"""Checkpoint loading and pair validation: one clear error per problem."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_qaic import checkpoints as ck
+
+
+@pytest.fixture
+def pair(tiny_pair, tmp_path):
+    t, d = tiny_pair(family="qwen3", target_layer_ids=[0, 3])
+    shutil.copytree(t, tmp_path / "target")
+    shutil.copytree(d, tmp_path / "draft")
+    return tmp_path / "target", tmp_path / "draft"
+
+
+def edit_config(directory, **changes):
+    path = directory / "config.json"
+    cfg = json.loads(path.read_text())
+    for key, value in changes.items():
+        if "." in key:
+            outer, inner = key.split(".")
+            if value is None:
+                cfg[outer].pop(inner, None)
+            else:
+                cfg[outer][inner] = value
+        elif value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    path.write_text(json.dumps(cfg))
+
+
+def edit_tensors(directory, fn):
+    path = directory / "model.safetensors"
+    state = load_file(str(path))
+    fn(state)
+    save_file(state, str(path))
+
+
+def test_good_pair_reads(pair):
+    p = ck.read_pair(*pair)
+    assert p.target.family == "qwen3"
+    assert p.draft.target_layer_ids == (0, 3)
+    assert p.draft.block_size == 8 and p.draft.mask_token_id == 255
+
+
+def test_llama_family(tiny_pair):
+    p = ck.read_pair(*tiny_pair(family="llama", target_layer_ids=[1, 2]))
+    assert p.target.family == "llama"
+
+
+def test_default_layer_rule():
+    assert ck.default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert ck.default_target_layer_ids(36, 1) == [18]
+    assert ck.default_target_layer_ids(28, 3) == [1, 13, 25]
+
+
+def test_default_layer_ids_when_absent(pair):
+    _, d = pair
+    edit_config(d, **{"dflash_config.target_layer_ids": None})
+    cfg = ck.read_draft_config(d)
+    assert cfg.target_layer_ids == tuple(ck.default_target_layer_ids(4, 2))
+
+
+def test_block_size_inside_dflash_config(pair):
+    _, d = pair
+    edit_config(d, block_size=None, **{"dflash_config.block_size": 16})
+    assert ck.read_draft_config(d).block_size == 16
+
+
+def test_rope_theta_both_spellings(pair):
+    t, d = pair
+    edit_config(d, rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    assert ck.read_draft_config(d).rope_theta == 5e5
+    assert ck.read_target_config(t).rope_theta == 10000.0
+
+
+def _raises(match, fn, *args):
+    with pytest.raises(ck.CheckpointError, match=match) as e:
+        fn(*args)
+    return str(e.value)
+
+
+def test_missing_directory(tmp_path):
+    _raises("does not exist", ck.read_target_config, tmp_path / "nope")
+
+
+def test_missing_config(pair):
+    t, d = pair
+    (d / "config.json").unlink()
+    msg = _raises("config.json is missing", ck.read_pair, t, d)
+    assert str(d) in msg
+
+
+def test_missing_weights(pair):
+    t, d = pair
+    (t / "model.safetensors").unlink()
+    _raises(r"no \*\.safetensors", ck.read_pair, t, d)
+
+
+def test_unknown_keys_dflash2(pair):
+    t, d = pair
+    edit_tensors(
+        d, lambda s: s.update({"candidate_selector.hidden_projection.weight": torch.zeros(4, 64)})
+    )
+    msg = _raises("unknown tensor keys", ck.read_pair, t, d)
+    assert "candidate_selector.hidden_projection.weight" in msg and "model.safetensors" in msg
+
+
+def test_missing_keys(pair):
+    t, d = pair
+    edit_tensors(d, lambda s: s.pop("layers.1.mlp.up_proj.weight"))
+    msg = _raises("missing tensor keys", ck.read_pair, t, d)
+    assert "layers.1.mlp.up_proj.weight" in msg
+
+
+def test_wrong_tensor_shape(pair):
+    t, d = pair
+    edit_tensors(d, lambda s: s.update({"fc.weight": torch.zeros(64, 192)}))
+    _raises(r"`fc.weight` has shape \[64, 192\], expected \[64, 128\]", ck.read_pair, t, d)
+
+
+def test_wrong_architecture(pair):
+    t, d = pair
+    edit_config(d, architectures=["Qwen3ForCausalLM"])
+    _raises("expected \\['DFlashDraftModel'\\]", ck.read_pair, t, d)
+
+
+def test_unsupported_target(pair):
+    t, d = pair
+    edit_config(t, architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    _raises("not supported", ck.read_pair, t, d)
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("num_attention_heads", 8, "`num_attention_heads` is 8 but the target"),
+        ("num_key_value_heads", 4, "`num_key_value_heads` is 4 but the target"),
+        ("head_dim", 32, "`head_dim` is 32 but the target"),
+        ("vocab_size", 512, "`vocab_size` is 512 but the target"),
+        ("num_target_layers", 6, "`num_target_layers` is 6 but the target has 4"),
+    ],
+)
+def test_pair_mismatch(pair, field, value, match):
+    t, d = pair
+    edit_config(d, **{field: value})
+    if field in ("num_attention_heads", "head_dim"):
+        # keep the tensor layout consistent so the config mismatch is what is reported
+        c = ck.read_draft_config(d)
+        from dflash_qaic.tiny import TinySpec, random_draft_state
+
+        spec = TinySpec(num_heads=c.num_heads, head_dim=c.head_dim, target_layer_ids=[0, 3])
+        save_file(random_draft_state(spec, torch.Generator()), str(d / "model.safetensors"))
+    if field == "num_key_value_heads":
+        from dflash_qaic.tiny import TinySpec, random_draft_state
+
+        spec = TinySpec(num_kv_heads=4, target_layer_ids=[0, 3])
+        save_file(random_draft_state(spec, torch.Generator()), str(d / "model.safetensors"))
+    msg = _raises(match, ck.read_pair, t, d)
+    assert str(d / "config.json") in msg
+
+
+def test_hidden_size_mismatch(pair):
+    t, d = pair
+    edit_config(t, hidden_size=128, head_dim=16)
+    _raises("`hidden_size` is 64 but the target", ck.read_pair, t, d)
+
+
+def test_layer_ids_out_of_range(pair):
+    t, d = pair
+    edit_config(d, **{"dflash_config.target_layer_ids": [0, 4]})
+    msg = _raises(r"target_layer_ids` \[0, 4\] has ids out of range \[4\]", ck.read_pair, t, d)
+    assert "0 … 3" in msg
+
+
+def test_mask_outside_vocab(pair):
+    t, d = pair
+    edit_config(d, **{"dflash_config.mask_token_id": 256})
+    _raises("mask_token_id` 256 is outside the target's vocabulary", ck.read_pair, t, d)
+
+
+def test_mask_missing(pair):
+    t, d = pair
+    edit_config(d, **{"dflash_config.mask_token_id": None})
+    _raises("mask_token_id` is missing", ck.read_pair, t, d)
+
+
+def test_block_size_too_small(pair):
+    t, d = pair
+    edit_config(d, block_size=1, **{"dflash_config.block_size": 1})
+    _raises("`block_size` is 1", ck.read_pair, t, d)
+
+
+def test_block_size_missing(pair):
+    t, d = pair
+    edit_config(d, block_size=None, **{"dflash_config.block_size": None})
+    _raises("`block_size` is missing", ck.read_pair, t, d)
+
+
+def test_causal_draft_refused(pair):
+    t, d = pair
+    edit_config(d, is_causal=True)
+    _raises("not supported", ck.read_pair, t, d)
+
+
+def test_loads_weights(pair):
+    p = ck.read_pair(*pair)
+    model = ck.load_target_model(p.target)
+    state = ck.load_draft_state(p.draft)
+    assert model.config.num_hidden_layers == 4
+    assert len(state) == 3 + 11 * 2 and all(v.dtype == torch.float32 for v in state.values())
+    assert len(ck.file_digest(pair[1])) == 64
+
+
+def test_fp16_fc_scale():
+    w = torch.full((4, 16), 100.0)
+    assert ck.fp16_fc_scale(w) == pytest.approx(4 * 400 / 128)
+    assert ck.fp16_fc_scale(torch.full((4, 16), 0.01)) == 1.0
