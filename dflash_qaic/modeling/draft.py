@@ -179,3 +179,82 @@ class DFlashDraft(nn.Module):
             self.fuse(features), ctx_positions, self.embed(block_ids, embed_w), block_positions
         )
         return self.logits(h[:, 1:], head_w).argmax(-1)
+
+
+class RopeTable(nn.Module):
+    """cos/sin for positions 0 … ctx_len−1 as constants, gathered by position. Computing
+    cos(position · inv_freq) in the graph would break under fp16 (positions in the thousands
+    lose all angle precision); a table is exact in any precision."""
+
+    def __init__(self, rope: Rope, ctx_len: int):
+        super().__init__()
+        cos, sin = rope(torch.arange(ctx_len)[None])
+        self.register_buffer("cos", cos[0], persistent=False)  # [ctx_len, hd]
+        self.register_buffer("sin", sin[0], persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        p = positions.clamp(min=0)  # padding rows (−1) read row 0; their output is never used
+        return self.cos[p], self.sin[p]
+
+
+MASKED = -10000.0  # finite in fp16; exp() of it is 0 next to any real score
+
+
+class ExportDraft(nn.Module):
+    """The draft program: KV injection into a static cache, block forward, proposals.
+
+    Inputs follow `contract.DraftIO`. Each call:
+      1. writes K/V of the new context rows (`target_hidden`, already fused by the target
+         program) into every layer's cache at `position_ids_target` (−1 → the padding slot);
+      2. runs the block `[anchor, MASK…]` at `position_ids` against every cached slot below the
+         block start plus the block's own K/V (bidirectional; the block K/V are not persisted);
+      3. returns argmax of the target's head over rows 1 … B−1, and the updated caches.
+    """
+
+    def __init__(
+        self,
+        draft: DFlashDraft,
+        embed_weight: torch.Tensor,
+        head_weight: torch.Tensor,
+        ctx_len: int,
+        emit_logits: bool = False,
+    ):
+        super().__init__()
+        self.c = draft.config
+        self.layers, self.norm = draft.layers, draft.norm
+        self.rope = RopeTable(draft.rope, ctx_len)
+        self.embed = nn.Parameter(embed_weight.detach().float(), requires_grad=False)
+        tied = head_weight.data_ptr() == embed_weight.data_ptr()
+        self.head = (
+            self.embed if tied else nn.Parameter(head_weight.detach().float(), requires_grad=False)
+        )
+        self.ctx_len = ctx_len
+        self.emit_logits = emit_logits
+
+    def forward(self, target_hidden, position_ids_target, input_ids, position_ids, *past):
+        from dflash_qaic.modeling.ops import cache_slots, ctx_scatter
+
+        slots = cache_slots(position_ids_target, self.ctx_len)  # [b, s]
+        ccos, csin = self.rope(position_ids_target)  # [b, s, hd]
+        cos, sin = self.rope(position_ids)  # [b, B, hd]
+        # Cached slot i is visible iff i < block start; this hides the padding slot
+        # (ctx_len − 1) and every stale slot at or past the block after a rollback.
+        start = position_ids[:, :1]  # [b, 1]
+        kv_index = torch.arange(self.ctx_len, device=start.device)[None, :]  # [1, ctx]
+        ctx_mask = torch.where(kv_index < start, 0.0, MASKED)[:, None, None, :]  # [b,1,1,ctx]
+
+        h = F.embedding(input_ids, self.embed) * self.c.input_embedding_scale  # [b, B, H]
+        retained = []
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv(target_hidden, ccos, csin)  # [b, n_kv, s, hd]
+            cache_k = ctx_scatter(past[2 * i], slots, k)  # [b, n_kv, ctx, hd]
+            cache_v = ctx_scatter(past[2 * i + 1], slots, v)
+            h = layer(h, cos, sin, cache_k, cache_v, ctx_mask)
+            retained += [cache_k, cache_v]
+
+        logits = F.linear(self.norm(h[:, 1:]), self.head) * self.c.output_multiplier
+        if self.c.final_logit_softcapping:
+            cap = self.c.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        draft_tokens = logits.argmax(-1)  # [b, B−1]
+        return (draft_tokens, *([logits] if self.emit_logits else []), *retained)

@@ -1,0 +1,477 @@
+"""Compile profiles: how the two programs are compiled for Cloud AI 100.
+
+A profile is one YAML file in `qpc_configs/` (`qpc_configs/<name>.yaml`), chosen with
+`dflash-export --qpc-config FILE`. It says nothing about the model (dims, block size, context
+length come from the export recipe); it says how the compiler should place and quantise the
+programs. Schema (every key is optional unless marked *required*)::
+
+    name: ai100_fp16              # str; default: the file's stem
+    description: "..."            # str; default ""
+    hw_version: ai100             # ai100 (the only supported hardware version); default ai100
+    cores_per_device: 16          # NSP cores one device (SoC) offers, 1..16; default 16.
+                                  # Used to check the core budget of every device.
+    kv_dtype: float16             # *required*: float16 | bfloat16 | mxint8 (KV cache precision,
+                                  # sent to the compiler through custom_io.yaml)
+    mxfp6_matmul: false           # bool; MXFP6 weights for MatMuls (-mxfp6-matmul); default false
+    convert_to_fp16: true         # bool; fp32 ONNX compiled as fp16 (-convert-to-fp16); default true
+    specializations_format: named # named (current SDKs) | flat (older SDKs); default named
+    compiler: qaic-compile        # qaic-compile | qaic-exec (older SDKs: qaic-exec -compile-only)
+    target:                       # *required*: the target program (prefill, verify, decode)
+      num_cores: 12               # *required*: int, 1..cores_per_device (per device when sliced)
+      device_ids: [0]             # list of distinct ints >= 0; where the runtime loads the QPC.
+                                  # Default [0], or [0..N-1] with tensor_slicing: N.
+      mos: null                   # int >= 1 -> -mos=<n>; null omits the flag
+      aic_enable_depth_first: false   # bool -> -aic-enable-depth-first
+      extra_flags: []             # list of extra compiler flags, each starting with '-'; flags
+                                  # that other keys control are refused
+      tensor_slicing: null        # int >= 1: slice the program over this many devices
+                                  # (> 1 emits an mdp partition config, -mdp-load-partition-config)
+      disaggregate: false         # target only: the Prefill specialization in its own QPC,
+                                  # Verify + Decode in another
+      prefill:                    # target only, only with disaggregate: true. Overrides for the
+        num_cores: 16             # prefill QPC (same keys as a program section, minus
+        device_ids: [1]           # disaggregate/prefill); keys not given come from `target:`
+    draft:                        # *required*: the draft program; same keys as `target:` minus
+      num_cores: 4                # disaggregate and prefill
+      device_ids: [0]
+
+Validation is strict: an unknown key raises `ProfileError` naming the file, the key (dotted:
+`target.num_corse`) and the allowed keys; a bad value names the key and what is allowed; two
+QPCs that would share a device must fit in `cores_per_device` together (all QPCs of an export
+stay loaded at once: target, draft, and with disaggregation both target parts). `device_ids`
+do not change the binary (they are where the runtime loads it), so they are not part of the
+QPC cache key; everything else is.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+HW_VERSIONS = ("ai100",)
+KV_DTYPES = ("float16", "bfloat16", "mxint8")
+SPECIALIZATION_FORMATS = ("named", "flat")
+COMPILERS = ("qaic-compile", "qaic-exec")
+PROGRAMS = ("target", "draft")
+MAX_CORES_PER_DEVICE = 16  # an AI 100 SoC has up to 16 NSP cores
+
+#: where the shipped profiles live (the repository's `qpc_configs/`)
+PROFILE_DIR = Path(__file__).resolve().parents[2] / "qpc_configs"
+DEFAULT_PROFILE = "ai100_fp16"
+
+# Flags that profile keys (or the compile step itself) control; `extra_flags` may not repeat them.
+_MANAGED_FLAGS = {
+    "-aic-hw": "hw_version",
+    "-aic-hw-version": "hw_version",
+    "-compile-only": "compiler",
+    "-m": "(the ONNX path)",
+    "-retained-state": "(always on)",
+    "-convert-to-fp16": "convert_to_fp16",
+    "-mxfp6-matmul": "mxfp6_matmul",
+    "-aic-num-cores": "num_cores",
+    "-mos": "mos",
+    "-aic-enable-depth-first": "aic_enable_depth_first",
+    "-mdp-load-partition-config": "tensor_slicing",
+    "-network-specialization-config": "(written by the compile step)",
+    "-custom-IO-list-file": "kv_dtype",
+    "-aic-binary-dir": "(the QPC cache)",
+}
+
+_TOP_KEYS = (
+    "name",
+    "description",
+    "hw_version",
+    "cores_per_device",
+    "kv_dtype",
+    "mxfp6_matmul",
+    "convert_to_fp16",
+    "specializations_format",
+    "compiler",
+    "target",
+    "draft",
+)
+_PROGRAM_KEYS = (
+    "num_cores",
+    "device_ids",
+    "mos",
+    "aic_enable_depth_first",
+    "extra_flags",
+    "tensor_slicing",
+)
+_TARGET_KEYS = (*_PROGRAM_KEYS, "disaggregate", "prefill")
+
+
+class ProfileError(ValueError):
+    """A compile profile that cannot be used; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class ProgramProfile:
+    """How one QPC is compiled and placed."""
+
+    num_cores: int
+    device_ids: tuple[int, ...] = (0,)
+    mos: int | None = None
+    aic_enable_depth_first: bool = False
+    extra_flags: tuple[str, ...] = ()
+    tensor_slicing: int | None = None
+
+    @property
+    def num_devices(self) -> int:
+        return self.tensor_slicing or 1
+
+    @property
+    def uses_mdp(self) -> bool:
+        """True when the program is sliced over several devices (mdp partition config)."""
+        return self.num_devices > 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_cores": self.num_cores,
+            "device_ids": list(self.device_ids),
+            "mos": self.mos,
+            "aic_enable_depth_first": self.aic_enable_depth_first,
+            "extra_flags": list(self.extra_flags),
+            "tensor_slicing": self.tensor_slicing,
+        }
+
+
+@dataclass(frozen=True)
+class TargetProfile(ProgramProfile):
+    """The target's section: a program profile, optionally split into two QPCs."""
+
+    disaggregate: bool = False
+    prefill: ProgramProfile | None = None  # set exactly when disaggregate is true
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out["disaggregate"] = self.disaggregate
+        if self.prefill is not None:
+            out["prefill"] = self.prefill.to_dict()
+        return out
+
+
+@dataclass(frozen=True)
+class CompileProfile:
+    """A validated compile profile (see the module docstring for the YAML schema)."""
+
+    name: str
+    kv_dtype: str
+    target: TargetProfile
+    draft: ProgramProfile
+    description: str = ""
+    hw_version: str = "ai100"
+    cores_per_device: int = MAX_CORES_PER_DEVICE
+    mxfp6_matmul: bool = False
+    convert_to_fp16: bool = True
+    specializations_format: str = "named"
+    compiler: str = "qaic-compile"
+    source: str = field(default="<profile>", compare=False)
+
+    def program(self, program: str) -> ProgramProfile:
+        """The section of `program` ("target" | "draft")."""
+        if program == "target":
+            return self.target
+        if program == "draft":
+            return self.draft
+        raise ValueError(f"program must be one of {PROGRAMS}, got {program!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for the manifest (round-trips through `profile_from_dict`)."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "hw_version": self.hw_version,
+            "cores_per_device": self.cores_per_device,
+            "kv_dtype": self.kv_dtype,
+            "mxfp6_matmul": self.mxfp6_matmul,
+            "convert_to_fp16": self.convert_to_fp16,
+            "specializations_format": self.specializations_format,
+            "compiler": self.compiler,
+            "target": self.target.to_dict(),
+            "draft": self.draft.to_dict(),
+        }
+
+
+# ----------------------------------------------------------------------------------------------
+# loading
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (YAML would keep the last)."""
+
+
+def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False):
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def available_profiles() -> list[str]:
+    """Names of the profiles shipped in `qpc_configs/`."""
+    if not PROFILE_DIR.is_dir():
+        return []
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+
+
+def find_profile(name_or_path: str | os.PathLike[str]) -> Path:
+    """Resolve a profile argument: an existing file, or a name looked up in `qpc_configs/`
+    (the current directory's first, then the repository's)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    if path.suffix == "" and len(path.parts) == 1:
+        for base in (Path.cwd() / "qpc_configs", PROFILE_DIR):
+            candidate = base / f"{path.name}.yaml"
+            if candidate.is_file():
+                return candidate
+    known = ", ".join(available_profiles()) or "none"
+    raise ProfileError(f"{name_or_path}: no such compile profile (shipped profiles: {known})")
+
+
+def load_profile(name_or_path: str | os.PathLike[str] = DEFAULT_PROFILE) -> CompileProfile:
+    """Load and validate a compile profile from a YAML file or a shipped profile's name."""
+    path = find_profile(name_or_path)
+    source = str(path)
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"{source}: not valid YAML: {exc}") from exc
+    except OSError as exc:
+        raise ProfileError(f"{source}: cannot read: {exc}") from exc
+    return profile_from_dict(data, source=source, default_name=path.stem)
+
+
+def profile_from_dict(
+    data: Any, *, source: str = "<profile>", default_name: str | None = None
+) -> CompileProfile:
+    """Validate plain data (as parsed from YAML) into a `CompileProfile`.
+
+    `source` names the origin in error messages; `default_name` is used when `name` is absent.
+    """
+    v = _Validator(source)
+    top = v.mapping(data, "", _TOP_KEYS)
+    for key in ("kv_dtype", "target", "draft"):
+        v.require(top, key, "")
+
+    name = top.get("name", default_name)
+    if name is None:
+        raise ProfileError(f"{source}: missing required key 'name'")
+    name = v.string(name, "name", nonempty=True)
+    cores_per_device = v.integer(
+        top.get("cores_per_device", MAX_CORES_PER_DEVICE),
+        "cores_per_device",
+        minimum=1,
+        maximum=MAX_CORES_PER_DEVICE,
+    )
+
+    target_raw = v.mapping(top["target"], "target", _TARGET_KEYS)
+    disaggregate = v.boolean(target_raw.get("disaggregate", False), "target.disaggregate")
+    prefill = None
+    if "prefill" in target_raw:
+        if not disaggregate:
+            raise ProfileError(
+                f"{source}: key 'target.prefill' is only allowed with 'target.disaggregate: true'"
+            )
+        overrides = v.mapping(target_raw["prefill"], "target.prefill", _PROGRAM_KEYS)
+        base = {k: target_raw[k] for k in _PROGRAM_KEYS if k in target_raw}
+        # device_ids derived from tensor_slicing must not leak from the parent when the
+        # prefill section changes the slicing.
+        if "tensor_slicing" in overrides and "device_ids" not in overrides:
+            base.pop("device_ids", None)
+        prefill = v.program({**base, **overrides}, "target.prefill", cores_per_device)
+    elif disaggregate:
+        prefill = v.program(
+            {k: target_raw[k] for k in _PROGRAM_KEYS if k in target_raw},
+            "target",
+            cores_per_device,
+        )
+    base_target = v.program(
+        {k: target_raw[k] for k in _PROGRAM_KEYS if k in target_raw}, "target", cores_per_device
+    )
+    target = TargetProfile(
+        **{k: getattr(base_target, k) for k in _PROGRAM_KEYS},
+        disaggregate=disaggregate,
+        prefill=prefill,
+    )
+    draft = v.program(v.mapping(top["draft"], "draft", _PROGRAM_KEYS), "draft", cores_per_device)
+
+    profile = CompileProfile(
+        name=name,
+        description=v.string(top.get("description", ""), "description"),
+        hw_version=v.choice(top.get("hw_version", "ai100"), "hw_version", HW_VERSIONS),
+        cores_per_device=cores_per_device,
+        kv_dtype=v.choice(top["kv_dtype"], "kv_dtype", KV_DTYPES),
+        mxfp6_matmul=v.boolean(top.get("mxfp6_matmul", False), "mxfp6_matmul"),
+        convert_to_fp16=v.boolean(top.get("convert_to_fp16", True), "convert_to_fp16"),
+        specializations_format=v.choice(
+            top.get("specializations_format", "named"),
+            "specializations_format",
+            SPECIALIZATION_FORMATS,
+        ),
+        compiler=v.choice(top.get("compiler", "qaic-compile"), "compiler", COMPILERS),
+        target=target,
+        draft=draft,
+        source=source,
+    )
+    _check_core_budget(profile)
+    return profile
+
+
+def placements(profile: CompileProfile) -> list[tuple[str, ProgramProfile]]:
+    """Every QPC the profile produces, as (label, program profile): the target (or its
+    `target.prefill` and `target` parts when disaggregated) and the draft."""
+    out: list[tuple[str, ProgramProfile]] = []
+    if profile.target.disaggregate and profile.target.prefill is not None:
+        out.append(("target.prefill", profile.target.prefill))
+    out.append(("target", profile.target))
+    out.append(("draft", profile.draft))
+    return out
+
+
+def _check_core_budget(profile: CompileProfile) -> None:
+    used: dict[int, list[tuple[str, int]]] = {}
+    for label, prog in placements(profile):
+        for dev in prog.device_ids:
+            used.setdefault(dev, []).append((label, prog.num_cores))
+    for dev, users in sorted(used.items()):
+        total = sum(c for _, c in users)
+        if total > profile.cores_per_device:
+            detail = " + ".join(f"{label} {c}" for label, c in users)
+            raise ProfileError(
+                f"{profile.source}: device {dev} is over its core budget: {detail} = {total} "
+                f"cores > cores_per_device {profile.cores_per_device}; lower num_cores or use "
+                f"different device_ids"
+            )
+
+
+class _Validator:
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, key: str, message: str) -> ProfileError:
+        return ProfileError(f"{self.source}: key {key!r}: {message}")
+
+    def mapping(self, value: Any, key: str, allowed: tuple[str, ...]) -> dict[str, Any]:
+        where = f"key {key!r}" if key else "the profile"
+        if value is None and not key:
+            raise ProfileError(f"{self.source}: empty profile")
+        if not isinstance(value, Mapping):
+            raise ProfileError(f"{self.source}: {where} must be a mapping, got {_kind(value)}")
+        for k in value:
+            if not isinstance(k, str) or k not in allowed:
+                dotted = f"{key}.{k}" if key else str(k)
+                raise ProfileError(
+                    f"{self.source}: unknown key {dotted!r}; allowed keys"
+                    f"{' in ' + repr(key) if key else ''}: {', '.join(allowed)}"
+                )
+        return dict(value)
+
+    def require(self, data: Mapping[str, Any], key: str, parent: str) -> None:
+        if key not in data:
+            dotted = f"{parent}.{key}" if parent else key
+            raise ProfileError(f"{self.source}: missing required key {dotted!r}")
+
+    def string(self, value: Any, key: str, *, nonempty: bool = False) -> str:
+        if not isinstance(value, str) or (nonempty and not value.strip()):
+            raise self.fail(
+                key, f"must be a{' non-empty' if nonempty else ''} string, got {value!r}"
+            )
+        return value
+
+    def boolean(self, value: Any, key: str) -> bool:
+        if not isinstance(value, bool):
+            raise self.fail(key, f"must be true or false, got {value!r}")
+        return value
+
+    def integer(
+        self, value: Any, key: str, *, minimum: int | None = None, maximum: int | None = None
+    ) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(key, f"must be an integer, got {value!r}")
+        if minimum is not None and value < minimum:
+            raise self.fail(key, f"must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise self.fail(key, f"must be <= {maximum}, got {value}")
+        return value
+
+    def choice(self, value: Any, key: str, allowed: tuple[str, ...]) -> str:
+        if value not in allowed:
+            raise self.fail(key, f"must be one of {', '.join(allowed)}; got {value!r}")
+        return value
+
+    def program(self, raw: Mapping[str, Any], key: str, cores_per_device: int) -> ProgramProfile:
+        self.require(raw, "num_cores", key)
+        num_cores = self.integer(
+            raw["num_cores"], f"{key}.num_cores", minimum=1, maximum=cores_per_device
+        )
+        tensor_slicing = raw.get("tensor_slicing")
+        if tensor_slicing is not None:
+            tensor_slicing = self.integer(tensor_slicing, f"{key}.tensor_slicing", minimum=1)
+        n_devices = tensor_slicing or 1
+        device_ids = raw.get("device_ids", list(range(n_devices)))
+        if not isinstance(device_ids, list) or not device_ids:
+            raise self.fail(f"{key}.device_ids", f"must be a non-empty list, got {device_ids!r}")
+        for d in device_ids:
+            self.integer(d, f"{key}.device_ids", minimum=0)
+        if len(set(device_ids)) != len(device_ids):
+            raise self.fail(f"{key}.device_ids", f"lists a device twice: {device_ids}")
+        if len(device_ids) != n_devices:
+            if tensor_slicing is None:
+                raise self.fail(
+                    f"{key}.device_ids",
+                    f"lists {len(device_ids)} devices but a program without tensor_slicing "
+                    f"runs on one device; set tensor_slicing: {len(device_ids)} to slice it",
+                )
+            raise self.fail(
+                f"{key}.device_ids",
+                f"must list tensor_slicing = {tensor_slicing} devices, got {device_ids}",
+            )
+        mos = raw.get("mos")
+        if mos is not None:
+            mos = self.integer(mos, f"{key}.mos", minimum=1)
+        flags = raw.get("extra_flags", [])
+        if not isinstance(flags, list):
+            raise self.fail(f"{key}.extra_flags", f"must be a list of strings, got {flags!r}")
+        for flag in flags:
+            if not isinstance(flag, str) or not flag.startswith("-") or flag != flag.strip():
+                raise self.fail(
+                    f"{key}.extra_flags",
+                    f"each flag must be a string starting with '-' (no spaces around), "
+                    f"got {flag!r}",
+                )
+            stem = flag.split("=", 1)[0]
+            if stem in _MANAGED_FLAGS:
+                raise self.fail(
+                    f"{key}.extra_flags",
+                    f"{flag!r} is controlled by the profile key {_MANAGED_FLAGS[stem]}, "
+                    f"not by extra_flags",
+                )
+        return ProgramProfile(
+            num_cores=num_cores,
+            device_ids=tuple(device_ids),
+            mos=mos,
+            aic_enable_depth_first=self.boolean(
+                raw.get("aic_enable_depth_first", False), f"{key}.aic_enable_depth_first"
+            ),
+            extra_flags=tuple(flags),
+            tensor_slicing=tensor_slicing,
+        )
+
+
+def _kind(value: Any) -> str:
+    return "nothing" if value is None else type(value).__name__

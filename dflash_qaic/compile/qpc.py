@@ -1,0 +1,777 @@
+"""The compiler step: specializations.json, custom_io.yaml, the compiler command line, the QPC cache.
+
+For one program (target or draft) `compile_program` writes, under the program's directory::
+
+    <program_dir>/qpc-<key>/specializations.json   the specializations this QPC serves
+    <program_dir>/qpc-<key>/custom_io.yaml         KV cache precision of every past_* in/out
+    <program_dir>/qpc-<key>/mdp.json               only when the program is tensor-sliced
+    <program_dir>/qpc-<key>/compile.cmd            the exact command line (shell-quoted)
+    <program_dir>/qpc-<key>/qpc/programqpc.bin     the binary; its presence marks a finished QPC
+
+`<key>` is the first 16 hex digits of a sha256 over everything that affects the binary: the
+ONNX bytes (and every external-data file it references), the specializations.json and
+custom_io.yaml texts, the mdp config, the command-line flags (paths normalised, so moving the
+artifacts directory keeps the key) and the compiler's path. `device_ids` are not in it: they
+say where the runtime loads a QPC, not how it is built.
+
+The compiler runs in its own process (one per QPC: back-to-back compiles in one process have
+segfaulted), writes into a staging directory `qpc-<key>/.build-*/qpc`, and only a run that
+exits 0 *and* wrote `programqpc.bin` is renamed to `qpc-<key>/qpc`; so a directory that looks
+finished always is. Its stdout and stderr are kept in `qpc-<key>/compile.{stdout,stderr}.log`.
+The command that runs is `compile.cmd` with one difference: `-aic-binary-dir` names the staging
+directory instead of `qpc-<key>/qpc`. Running `compile.cmd` by hand on an AI100 host writes
+`qpc-<key>/qpc` directly, which the cache then accepts.
+
+Without a compiler the step still writes everything but the binary and returns a result with
+`skipped=True`, the places it looked, and the commands to run on an AI100 host.
+
+A disaggregated target (profile `target.disaggregate: true`) yields two QPCs: `prefill` (the
+Prefill specialization only) and `verify_decode` (the others), each with its own key, cores and
+devices; `CompileResult.qpcs` lists both and `CompileResult.qpc_for(name)` picks the one that
+serves a specialization.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_qaic import contract
+from dflash_qaic.compile.profiles import (
+    KV_DTYPES,
+    SPECIALIZATION_FORMATS,
+    CompileProfile,
+    ProgramProfile,
+)
+
+try:  # POSIX only; AI100 hosts are Linux
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None  # type: ignore[assignment]
+
+COMPILER_ENV = "QAIC_COMPILER"
+#: where the AI100 Apps/Platform SDK installs its compilers (tests may point this elsewhere)
+SDK_EXEC_DIR = Path("/opt/qti-aic/exec")
+
+SPECIALIZATIONS_FILE = "specializations.json"
+CUSTOM_IO_FILE = "custom_io.yaml"
+MDP_FILE = "mdp.json"
+COMMAND_FILE = "compile.cmd"
+STDOUT_LOG = "compile.stdout.log"
+STDERR_LOG = "compile.stderr.log"
+QPC_SUBDIR = "qpc"
+QPC_MARKER = "programqpc.bin"
+_LOCK_FILE = ".compile.lock"
+_STAGING_PREFIX = ".build-"
+_CACHE_VERSION = "dflash-qaic/qpc-cache/1"
+
+# Placeholders that stand for the paths when the command line is hashed.
+_ONNX_PLACEHOLDER = "{onnx}"
+_DIR_PLACEHOLDER = "{qpc_dir}"
+
+#: part names of a program's QPCs
+PART_ALL = "all"
+PART_PREFILL = "prefill"
+PART_VERIFY_DECODE = "verify_decode"
+
+Progress = Callable[[str], None]
+
+
+class CompileError(RuntimeError):
+    """The compiler could not be run, failed, or produced no programqpc.bin."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        command: Sequence[str] | None = None,
+        returncode: int | None = None,
+        stderr_tail: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.command = list(command) if command is not None else None
+        self.returncode = returncode
+        self.stderr_tail = stderr_tail
+
+
+# ----------------------------------------------------------------------------------------------
+# the compiler's input files
+
+
+def _check_specs(specs: Sequence[Mapping[str, Any]]) -> list[tuple[str, dict[str, int]]]:
+    if not specs:
+        raise ValueError("at least one specialization is required")
+    out = []
+    for spec in specs:
+        name = spec.get("name") if isinstance(spec, Mapping) else None
+        symbols = spec.get("symbols") if isinstance(spec, Mapping) else None
+        if not isinstance(name, str) or not isinstance(symbols, Mapping) or not symbols:
+            raise ValueError(
+                f"a specialization must be {{'name': str, 'symbols': {{symbol: int}}}}, got {spec!r}"
+            )
+        values = {}
+        for sym, val in symbols.items():
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(
+                    f"specialization {name!r}: {sym} must be a positive int, got {val!r}"
+                )
+            values[str(sym)] = val
+        out.append((name, values))
+    names = [n for n, _ in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"specialization names must be unique, got {names}")
+    return out
+
+
+def specializations_json(specs: Sequence[Mapping[str, Any]], fmt: str = "named") -> dict:
+    """The `specializations.json` object for named specializations (as `contract` makes them).
+
+    `named`: `{"specializations": [{"name": "Prefill", "symbols": {"batch_size": "1", ...}}]}`;
+    `flat` (older SDKs): `{"specializations": [{"batch_size": "1", ...}]}`, same order.
+    Symbol values are strings, in the order the specialization gives them.
+    """
+    if fmt not in SPECIALIZATION_FORMATS:
+        raise ValueError(f"fmt must be one of {SPECIALIZATION_FORMATS}, got {fmt!r}")
+    items: list[dict] = []
+    for name, symbols in _check_specs(specs):
+        strs = {k: str(v) for k, v in symbols.items()}
+        items.append({"name": name, "symbols": strs} if fmt == "named" else strs)
+    return {"specializations": items}
+
+
+def specializations_text(specs: Sequence[Mapping[str, Any]], fmt: str = "named") -> str:
+    """`specializations_json` rendered as the file's text: one specialization per line."""
+    items = specializations_json(specs, fmt)["specializations"]
+    body = ",\n".join("    " + json.dumps(item) for item in items)
+    return '{\n  "specializations": [\n' + body + "\n  ]\n}\n"
+
+
+def custom_io(io: contract.TargetIO | contract.DraftIO, kv_dtype: str) -> list[dict[str, str]]:
+    """The custom IO entries: every `past_*` input, then every `_RetainedState` output."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    past = [spec.name for spec in io.kv]
+    retained = [o.name for o in io.outputs if o.name.endswith(contract.RETAINED_SUFFIX)]
+    missing = [contract.retained(n) for n in past if contract.retained(n) not in retained]
+    if missing:
+        raise ValueError(f"the I/O contract has no retained output for {missing}")
+    return [{"IOName": name, "Precision": kv_dtype} for name in past + retained]
+
+
+def custom_io_yaml(io: contract.TargetIO | contract.DraftIO, kv_dtype: str) -> str:
+    """`custom_io.yaml`: a YAML list of `{IOName: <name>, Precision: <kv_dtype>}`."""
+    return "".join(
+        f"- IOName: {e['IOName']}\n  Precision: {e['Precision']}\n" for e in custom_io(io, kv_dtype)
+    )
+
+
+def mdp_partition_config(num_devices: int, num_cores: int) -> dict:
+    """Multi-device partition config: one partition over devices 0..N-1 (logical ids; the
+    runtime maps them to the profile's device_ids), `num_cores` on each, p2p connected."""
+    if num_devices < 2 or num_cores < 1:
+        raise ValueError(
+            f"need num_devices >= 2 and num_cores >= 1, got {num_devices}, {num_cores}"
+        )
+    devices = list(range(num_devices))
+    return {
+        "connections": [{"devices": devices, "type": "p2p"}],
+        "partitions": [
+            {
+                "name": "Partition0",
+                "devices": [{"deviceId": d, "numCores": num_cores} for d in devices],
+            }
+        ],
+    }
+
+
+def mdp_text(num_devices: int, num_cores: int) -> str:
+    """`mdp_partition_config` rendered as the file's text, one device per line."""
+    cfg = mdp_partition_config(num_devices, num_cores)
+    (part,) = cfg["partitions"]
+    devices = ",\n".join("        " + json.dumps(d) for d in part["devices"])
+    return (
+        "{\n"
+        f'  "connections": {json.dumps(cfg["connections"])},\n'
+        '  "partitions": [\n'
+        "    {\n"
+        f'      "name": {json.dumps(part["name"])},\n'
+        '      "devices": [\n'
+        f"{devices}\n"
+        "      ]\n"
+        "    }\n"
+        "  ]\n"
+        "}\n"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# the command line
+
+
+def compile_command(
+    compiler_path: str | os.PathLike[str],
+    onnx_path: str | os.PathLike[str],
+    qpc_dir: str | os.PathLike[str],
+    program_profile: ProgramProfile,
+    profile: CompileProfile,
+    *,
+    binary_dir: str | os.PathLike[str] | None = None,
+) -> list[str]:
+    """The compiler's argv for one QPC whose input files live in `qpc_dir`.
+
+    `<compiler> -aic-hw [-compile-only] -aic-hw-version=ai100 -m=<onnx> -retained-state
+    [-convert-to-fp16] [-mxfp6-matmul] -aic-num-cores=<N> [-mos=<n>] [-aic-enable-depth-first]
+    [-mdp-load-partition-config=<dir>/mdp.json] [extra flags...]
+    -network-specialization-config=<dir>/specializations.json
+    -custom-IO-list-file=<dir>/custom_io.yaml -aic-binary-dir=<dir>/qpc`
+    (`-compile-only` for the older `qaic-exec`). `binary_dir` overrides `<dir>/qpc`.
+    """
+    d = os.fspath(qpc_dir)
+    argv = [os.fspath(compiler_path), "-aic-hw"]
+    if profile.compiler == "qaic-exec":
+        argv.append("-compile-only")
+    argv += [
+        f"-aic-hw-version={profile.hw_version}",
+        f"-m={os.fspath(onnx_path)}",
+        "-retained-state",
+    ]
+    if profile.convert_to_fp16:
+        argv.append("-convert-to-fp16")
+    if profile.mxfp6_matmul:
+        argv.append("-mxfp6-matmul")
+    argv.append(f"-aic-num-cores={program_profile.num_cores}")
+    if program_profile.mos is not None:
+        argv.append(f"-mos={program_profile.mos}")
+    if program_profile.aic_enable_depth_first:
+        argv.append("-aic-enable-depth-first")
+    if program_profile.uses_mdp:
+        argv.append(f"-mdp-load-partition-config={os.path.join(d, MDP_FILE)}")
+    argv += list(program_profile.extra_flags)
+    out = os.fspath(binary_dir) if binary_dir is not None else os.path.join(d, QPC_SUBDIR)
+    argv += [
+        f"-network-specialization-config={os.path.join(d, SPECIALIZATIONS_FILE)}",
+        f"-custom-IO-list-file={os.path.join(d, CUSTOM_IO_FILE)}",
+        f"-aic-binary-dir={out}",
+    ]
+    return argv
+
+
+def default_compiler_path(kind: str = "qaic-compile") -> Path:
+    """Where the SDK installs compiler `kind` (qaic-compile, or qaic-exec on older SDKs)."""
+    return SDK_EXEC_DIR / kind
+
+
+def _is_executable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def compiler_search(kind: str = "qaic-compile") -> tuple[Path | None, list[str]]:
+    """Find the compiler: `$QAIC_COMPILER` (a path to an executable), else the SDK's
+    `/opt/qti-aic/exec/<kind>`, else `<kind>` on PATH. Returns (path or None, where it looked).
+
+    A `$QAIC_COMPILER` that is set but not an executable file is an error, not a fallback.
+    """
+    looked: list[str] = []
+    env = os.environ.get(COMPILER_ENV)
+    if env:
+        looked.append(f"${COMPILER_ENV}={env}")
+        path = Path(env).expanduser().absolute()
+        if not _is_executable(path):
+            raise CompileError(f"${COMPILER_ENV}={env} is not an executable file")
+        return path, looked
+    looked.append(f"${COMPILER_ENV} (not set)")
+    default = default_compiler_path(kind)
+    looked.append(str(default))
+    if _is_executable(default):
+        return default, looked
+    looked.append(f"{kind} on PATH")
+    which = shutil.which(kind)
+    if which:
+        return Path(which).absolute(), looked
+    return None, looked
+
+
+def find_compiler(kind: str = "qaic-compile") -> Path | None:
+    """The compiler to use, or None; see `compiler_search` for the order and the locations."""
+    return compiler_search(kind)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# results
+
+
+@dataclass(frozen=True)
+class QpcBuild:
+    """One QPC of a program: where it is, what it serves, how it is (or would be) built."""
+
+    program: str  # "target" | "draft"
+    part: str  # "all" | "prefill" | "verify_decode"
+    specializations: tuple[str, ...]  # names, in specializations.json order
+    key: str  # 16 hex digits
+    dir: Path  # <program_dir>/qpc-<key>
+    command: tuple[str, ...]  # the argv in compile.cmd
+    num_cores: int
+    device_ids: tuple[int, ...]
+    tensor_slicing: int | None
+    status: str  # "built" | "cached" | "skipped"
+
+    @property
+    def qpc_path(self) -> Path:
+        """The directory the runtime loads (`qpc-<key>/qpc`)."""
+        return self.dir / QPC_SUBDIR
+
+    @property
+    def ready(self) -> bool:
+        return (self.qpc_path / QPC_MARKER).is_file()
+
+    @property
+    def cached(self) -> bool:
+        return self.status == "cached"
+
+    @property
+    def skipped(self) -> bool:
+        return self.status == "skipped"
+
+    @property
+    def command_line(self) -> str:
+        return shlex.join(self.command)
+
+    def to_dict(self, relative_to: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+        def rel(p: Path) -> str:
+            return os.path.relpath(p, relative_to) if relative_to is not None else str(p)
+
+        return {
+            "part": self.part,
+            "specializations": list(self.specializations),
+            "key": self.key,
+            "dir": rel(self.dir),
+            "qpc": rel(self.qpc_path),
+            "command": self.command_line,
+            "num_cores": self.num_cores,
+            "device_ids": list(self.device_ids),
+            "tensor_slicing": self.tensor_slicing,
+            "status": self.status,
+        }
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    """What `compile_program` did for one program: one QPC, or two for a disaggregated target."""
+
+    program: str
+    qpcs: tuple[QpcBuild, ...]
+    compiler: Path | None
+    looked_in: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def cached(self) -> bool:
+        """Every QPC came from the cache; the compiler did not run."""
+        return all(q.cached for q in self.qpcs)
+
+    @property
+    def skipped(self) -> bool:
+        """No compiler was found and at least one QPC is missing."""
+        return any(q.skipped for q in self.qpcs)
+
+    @property
+    def ready(self) -> bool:
+        return all(q.ready for q in self.qpcs)
+
+    @property
+    def commands(self) -> list[str]:
+        """The shell command lines that build the QPCs (to run on an AI100 host when skipped)."""
+        return [q.command_line for q in self.qpcs]
+
+    def _single(self) -> QpcBuild:
+        if len(self.qpcs) != 1:
+            parts = ", ".join(q.part for q in self.qpcs)
+            raise AttributeError(f"{self.program} has {len(self.qpcs)} QPCs ({parts}); use .qpcs")
+        return self.qpcs[0]
+
+    @property
+    def key(self) -> str:
+        return self._single().key
+
+    @property
+    def qpc_dir(self) -> Path:
+        """`qpc-<key>` of a single-QPC program."""
+        return self._single().dir
+
+    @property
+    def qpc_path(self) -> Path:
+        """`qpc-<key>/qpc` of a single-QPC program."""
+        return self._single().qpc_path
+
+    @property
+    def command(self) -> list[str]:
+        return list(self._single().command)
+
+    def qpc_for(self, specialization: str) -> QpcBuild:
+        """The QPC that serves a named specialization."""
+        for q in self.qpcs:
+            if specialization in q.specializations:
+                return q
+        raise KeyError(f"{self.program} has no QPC for specialization {specialization!r}")
+
+    def summary(self) -> str:
+        """One readable paragraph: where the QPCs are, or what to run to build them."""
+        if self.skipped:
+            lines = [
+                f"{self.program}: no AI100 compiler found (looked in: {', '.join(self.looked_in)}); "
+                f"compiler inputs written. On an AI100 host run:"
+            ]
+            lines += [f"  {c}" for c in self.commands]
+            return "\n".join(lines)
+        return "\n".join(f"{self.program} [{q.part}]: {q.status} {q.qpc_path}" for q in self.qpcs)
+
+    def to_dict(self, relative_to: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+        """Plain data for the manifest; paths relative to `relative_to` when given."""
+        return {
+            "program": self.program,
+            "compiler": str(self.compiler) if self.compiler is not None else None,
+            "qpcs": [q.to_dict(relative_to) for q in self.qpcs],
+        }
+
+
+# ----------------------------------------------------------------------------------------------
+# hashing
+
+
+def onnx_files(onnx_path: str | os.PathLike[str]) -> list[Path]:
+    """The ONNX file and every external-data file it references, in a stable order.
+
+    A file that does not parse as ONNX (e.g. a test's placeholder) counts as one opaque file.
+    """
+    path = Path(onnx_path)
+    files = [path]
+    try:
+        import onnx
+
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:
+        return files
+    locations = set()
+    for tensor in _all_tensors(model):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    locations.add(entry.value)
+    for loc in sorted(locations):
+        ext = path.parent / loc
+        if not ext.is_file():
+            raise CompileError(f"{path}: external data file {loc!r} is missing ({ext})")
+        files.append(ext)
+    return files
+
+
+def _all_tensors(model: Any) -> Iterator[Any]:
+    def graph_tensors(graph: Any) -> Iterator[Any]:
+        yield from graph.initializer
+        for sparse in graph.sparse_initializer:
+            yield sparse.values
+            yield sparse.indices
+        for node in graph.node:
+            yield from node_tensors(node)
+
+    def node_tensors(node: Any) -> Iterator[Any]:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from graph_tensors(attr.g)
+            for g in attr.graphs:
+                yield from graph_tensors(g)
+
+    yield from graph_tensors(model.graph)
+    for fn in model.functions:
+        for node in fn.node:
+            yield from node_tensors(node)
+
+
+def _file_digest(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _onnx_digest(onnx_path: Path) -> list[list[str]]:
+    files = onnx_files(onnx_path)
+    # The main file is hashed under a fixed name: renaming it does not change the binary.
+    names = ["<onnx>"] + [os.path.relpath(f, onnx_path.parent) for f in files[1:]]
+    return [[n, _file_digest(f)] for n, f in zip(names, files)]
+
+
+def _cache_key(
+    compiler: Path, argv: list[str], texts: Mapping[str, str], onnx_digest: list[list[str]]
+) -> str:
+    blob = json.dumps(
+        {
+            "version": _CACHE_VERSION,
+            "compiler": str(compiler),
+            "argv": argv,
+            "files": dict(sorted(texts.items())),
+            "onnx": onnx_digest,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------
+# compile
+
+
+@dataclass(frozen=True)
+class _Part:
+    part: str
+    specs: list[Mapping[str, Any]]
+    program_profile: ProgramProfile
+
+
+def _plan(specs: Sequence[Mapping[str, Any]], profile: CompileProfile, program: str) -> list[_Part]:
+    prog = profile.program(program)
+    if program == "target" and profile.target.disaggregate:
+        assert profile.target.prefill is not None
+        prefill = [s for s in specs if s.get("name") == contract.PREFILL]
+        rest = [s for s in specs if s.get("name") != contract.PREFILL]
+        if not prefill or not rest:
+            names = [s.get("name") for s in specs]
+            raise ValueError(
+                f"profile {profile.name!r} disaggregates the target: it needs the "
+                f"{contract.PREFILL!r} specialization and at least one other, got {names}"
+            )
+        return [
+            _Part(PART_PREFILL, prefill, profile.target.prefill),
+            _Part(PART_VERIFY_DECODE, rest, prog),
+        ]
+    return [_Part(PART_ALL, list(specs), prog)]
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Write atomically, and not at all when the file already holds `text`."""
+    try:
+        if path.read_text(encoding="utf-8") == text:
+            return
+    except OSError:
+        pass
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _locked(qpc_dir: Path) -> Iterator[None]:
+    """Serialise builds of one QPC across processes (a second process then finds it cached)."""
+    with open(qpc_dir / _LOCK_FILE, "a+") as fh:
+        if fcntl is not None:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def _tail(path: Path, max_lines: int = 40, max_bytes: int = 16384) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - max_bytes))
+            data = fh.read()
+    except OSError:
+        return ""
+    lines = data.decode("utf-8", errors="replace").rstrip().splitlines()
+    return "\n".join(lines[-max_lines:])
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def _run_compiler(
+    argv: list[str], shown: list[str], cwd: Path, log_dir: Path, timeout: float | None
+) -> int:
+    """Run `argv` in its own process (and process group), logs to `log_dir`; errors quote
+    `shown` (the compile.cmd form of the command)."""
+    with open(log_dir / STDOUT_LOG, "wb") as out, open(log_dir / STDERR_LOG, "wb") as err:
+        try:
+            proc = subprocess.Popen(
+                argv,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise CompileError(
+                f"cannot run the compiler: {exc}\ncommand: {shlex.join(shown)}", command=shown
+            ) from exc
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            raise CompileError(
+                f"the compiler did not finish within {timeout} s and was stopped\n"
+                f"command: {shlex.join(shown)}",
+                command=shown,
+            ) from None
+        except BaseException:
+            _kill_group(proc)
+            raise
+
+
+def _build(
+    program: str,
+    part: _Part,
+    qpc_dir: Path,
+    argv: list[str],
+    onnx: Path,
+    compiler: Path,
+    profile: CompileProfile,
+    timeout: float | None,
+    say: Progress,
+) -> str:
+    """Build one QPC under the lock; returns "built" or "cached"."""
+    final = qpc_dir / QPC_SUBDIR
+    with _locked(qpc_dir):
+        if (final / QPC_MARKER).is_file():
+            return "cached"
+        if final.exists() or final.is_symlink():
+            say(f"{program}: discarding a half-finished {final} (no {QPC_MARKER})")
+            _remove(final)
+        for stale in qpc_dir.glob(_STAGING_PREFIX + "*"):
+            _remove(stale)
+        staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=qpc_dir))
+        try:
+            out_dir = staging / QPC_SUBDIR
+            run_argv = compile_command(
+                compiler, onnx, qpc_dir, part.program_profile, profile, binary_dir=out_dir
+            )
+            say(f"{program}: compiling {'+'.join(s['name'] for s in part.specs)} → {final}")
+            rc = _run_compiler(run_argv, argv, staging, qpc_dir, timeout)
+            if rc != 0 or not (out_dir / QPC_MARKER).is_file():
+                what = (
+                    f"exited with status {rc}" if rc != 0 else f"exited 0 but wrote no {QPC_MARKER}"
+                )
+                tail = _tail(qpc_dir / STDERR_LOG)
+                raise CompileError(
+                    f"the AI100 compiler {what} for {program} ({part.part})\n"
+                    f"command: {shlex.join(argv)}\n"
+                    f"stderr (last lines; full log {qpc_dir / STDERR_LOG}):\n{tail or '(empty)'}",
+                    command=argv,
+                    returncode=rc,
+                    stderr_tail=tail,
+                )
+            os.rename(out_dir, final)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return "built"
+
+
+def compile_program(
+    onnx_path: str | os.PathLike[str],
+    program_dir: str | os.PathLike[str],
+    io: contract.TargetIO | contract.DraftIO,
+    specs: Sequence[Mapping[str, Any]],
+    profile: CompileProfile,
+    program: str,
+    *,
+    progress: Progress | None = None,
+    timeout: float | None = None,
+) -> CompileResult:
+    """Compile one program (`"target"` or `"draft"`) into `program_dir/qpc-<key>/qpc`.
+
+    `specs` are named specializations (`contract.target_specializations` /
+    `draft_specializations`). Reuses a finished QPC (`status="cached"`), rebuilds a
+    half-finished one, and without a compiler writes the inputs and returns `skipped=True`.
+    Raises `CompileError` when the compiler fails (its stderr tail and the command included).
+    `progress` receives one-line messages; `timeout` bounds each compiler run in seconds.
+    """
+    if program not in ("target", "draft"):
+        raise ValueError(f"program must be 'target' or 'draft', got {program!r}")
+    expected = contract.TargetIO if program == "target" else contract.DraftIO
+    if not isinstance(io, expected):
+        raise TypeError(f"program {program!r} needs a {expected.__name__}, got {type(io).__name__}")
+    say: Progress = progress or (lambda _msg: None)
+    onnx = Path(onnx_path).absolute()
+    if not onnx.is_file():
+        raise FileNotFoundError(f"no ONNX file at {onnx}")
+    pdir = Path(program_dir).absolute()
+    pdir.mkdir(parents=True, exist_ok=True)
+
+    found, looked_in = compiler_search(profile.compiler)
+    compiler = found if found is not None else default_compiler_path(profile.compiler)
+    parts = _plan(specs, profile, program)
+    digest = _onnx_digest(onnx)
+    io_text = custom_io_yaml(io, profile.kv_dtype)
+
+    builds: list[QpcBuild] = []
+    for part in parts:
+        pp = part.program_profile
+        texts = {
+            SPECIALIZATIONS_FILE: specializations_text(part.specs, profile.specializations_format),
+            CUSTOM_IO_FILE: io_text,
+        }
+        if pp.uses_mdp:
+            texts[MDP_FILE] = mdp_text(pp.num_devices, pp.num_cores)
+        normalised = compile_command(compiler, _ONNX_PLACEHOLDER, _DIR_PLACEHOLDER, pp, profile)
+        key = _cache_key(compiler, normalised, texts, digest)
+        qpc_dir = pdir / f"qpc-{key}"
+        qpc_dir.mkdir(exist_ok=True)
+        argv = compile_command(compiler, onnx, qpc_dir, pp, profile)
+        for name, text in texts.items():
+            _write_text(qpc_dir / name, text)
+        _write_text(qpc_dir / COMMAND_FILE, shlex.join(argv) + "\n")
+
+        if (qpc_dir / QPC_SUBDIR / QPC_MARKER).is_file():
+            status = "cached"
+            say(f"{program}: using cached {qpc_dir / QPC_SUBDIR}")
+        elif found is None:
+            status = "skipped"
+            say(f"{program}: no AI100 compiler; wrote {qpc_dir / COMMAND_FILE}")
+        else:
+            status = _build(program, part, qpc_dir, argv, onnx, compiler, profile, timeout, say)
+        builds.append(
+            QpcBuild(
+                program=program,
+                part=part.part,
+                specializations=tuple(str(s["name"]) for s in part.specs),
+                key=key,
+                dir=qpc_dir,
+                command=tuple(argv),
+                num_cores=pp.num_cores,
+                device_ids=pp.device_ids,
+                tensor_slicing=pp.tensor_slicing,
+                status=status,
+            )
+        )
+    return CompileResult(
+        program=program, qpcs=tuple(builds), compiler=found, looked_in=tuple(looked_in)
+    )

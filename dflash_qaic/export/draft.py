@@ -1,0 +1,115 @@
+"""Export the draft program: ExportDraft -> ONNX -> graph checks -> facts for the manifest."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_qaic import contract
+from dflash_qaic.checkpoints import DraftConfig
+from dflash_qaic.export.graph_check import check_graph
+from dflash_qaic.export.onnx_export import data_file_name, export_onnx
+from dflash_qaic.export.target import _spec_facts
+from dflash_qaic.modeling.draft import DFlashDraft, ExportDraft
+
+
+def draft_io(c: DraftConfig, vocab_size: int, block_size: int, emit_logits=False):
+    return contract.DraftIO(
+        n_layers=c.num_layers,
+        n_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        hidden_size=c.hidden_size,
+        vocab_size=vocab_size,
+        block_size=block_size,
+        emit_logits=emit_logits,
+    )
+
+
+def check_feeds(io: contract.DraftIO, specializations: list[dict], mask_id: int, seed=0):
+    """One feed per specialization: context rows at 0.. with the last one padded (−1),
+    features of unit RMS (what hidden_norm produces), the block right after, empty caches."""
+    rng = np.random.default_rng(seed)
+    feeds = []
+    for spec in specializations:
+        sym = spec["symbols"]
+        b, s, B = sym[contract.BATCH], sym[contract.SEQ], io.block_size
+        pos_t = np.tile(np.arange(s, dtype=np.int64), (b, 1))
+        if s > 1:
+            pos_t[:, -1] = contract.PAD_POSITION
+        start = s - 1 if s > 1 else s
+        block = np.full((b, B), mask_id, dtype=np.int64)
+        block[:, 0] = rng.integers(0, io.vocab_size, b)
+        feed = {
+            contract.TARGET_HIDDEN: rng.standard_normal((b, s, io.hidden_size)).astype(np.float32),
+            contract.POSITION_IDS_TARGET: pos_t,
+            contract.INPUT_IDS: block,
+            contract.POSITION_IDS: np.tile(np.arange(start, start + B, dtype=np.int64), (b, 1)),
+        }
+        for kv in io.kv:
+            feed[kv.name] = np.zeros(kv.bind(**sym), dtype=np.float32)
+        feeds.append(feed)
+    return feeds
+
+
+def export_draft(
+    draft_cfg: DraftConfig,
+    draft_state: dict[str, torch.Tensor],
+    embed_weight: torch.Tensor,
+    head_weight: torch.Tensor,
+    out_path: str | os.PathLike,
+    *,
+    ctx_len: int,
+    prefill_seq_len: int,
+    block_size: int,
+    batch_size: int = 1,
+    emit_logits: bool = False,
+    external_data: bool | None = None,
+    fp16_check: bool = True,
+) -> dict:
+    """Export the draft program to `out_path` and check it; returns facts for the manifest.
+
+    `embed_weight` / `head_weight` are the target's (pass the same tensor twice for a tied head).
+    """
+    if not 2 <= block_size <= contract.max_positions(ctx_len):
+        raise ValueError(f"block_size {block_size} must be in [2, ctx_len - 1 = {ctx_len - 1}]")
+    draft = DFlashDraft.from_checkpoint(draft_cfg, draft_state)
+    module = ExportDraft(draft, embed_weight, head_weight, ctx_len, emit_logits).eval()
+    io = draft_io(draft_cfg, embed_weight.shape[0], block_size, emit_logits)
+    specializations = contract.draft_specializations(
+        batch_size, prefill_seq_len, block_size, ctx_len
+    )
+    mask_id = draft_cfg.mask_token_id
+    trace = {"symbols": {contract.BATCH: batch_size, contract.SEQ: max(prefill_seq_len, 2)}}
+    trace["symbols"][contract.CTX] = ctx_len
+    example = check_feeds(io, [trace], mask_id)[0]
+    example_inputs = tuple(torch.from_numpy(example[s.name]) for s in io.inputs)
+    path = export_onnx(
+        module, example_inputs, io.inputs, io.outputs, out_path, external_data=external_data
+    )
+    feeds = check_feeds(io, specializations, mask_id) if fp16_check else None
+    report = check_graph(path, io, specializations, feeds)
+    data = path.parent / data_file_name(path)
+    return {
+        "path": str(path),
+        "external_data": str(data) if data.exists() else None,
+        "inputs": _spec_facts(io.inputs),
+        "outputs": _spec_facts(io.outputs),
+        "specializations": specializations,
+        "batch_size": batch_size,
+        "prefill_seq_len": prefill_seq_len,
+        "block_size": block_size,
+        "ctx_len": ctx_len,
+        "emit_logits": emit_logits,
+        "n_layers": io.n_layers,
+        "n_kv_heads": io.n_kv_heads,
+        "head_dim": io.head_dim,
+        "hidden_size": io.hidden_size,
+        "vocab_size": io.vocab_size,
+        "mask_token_id": mask_id,
+        "tied_head": head_weight.data_ptr() == embed_weight.data_ptr(),
+        "onnx_bytes": Path(path).stat().st_size + (data.stat().st_size if data.exists() else 0),
+        "check": report,
+    }

@@ -1,0 +1,318 @@
+"""Validate an exported program before it goes to the compiler.
+
+`check_graph` asserts what the AI100 toolchain and the runtime rely on:
+  1. `onnx.checker` with `full_check=True` (path form, so external data and > 2 GB work);
+  2. every op is a standard ONNX op or one of the custom functions `CtxScatter` / `CtxGather`
+     of domain `com.qualcomm.cloud`, defined in the model (function bodies are checked too);
+  3. graph inputs/outputs have exactly the names, dtypes and dims of the contract specs, so
+     binding a specialization's symbols leaves no dynamic dimension; shape inference with the
+     symbols bound must agree with the specs wherever it resolves a dimension;
+  4. fp16 safety: the graph converted to fp16 (what `-convert-to-fp16` does on the device) runs
+     in ONNX Runtime on the given inputs with no inf/NaN in any float output.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from dflash_qaic.contract import TensorSpec
+from dflash_qaic.export.onnx_export import initializer_bytes
+from dflash_qaic.modeling.ops import QAIC_DOMAIN
+
+CUSTOM_FUNCTIONS = frozenset({(QAIC_DOMAIN, "CtxScatter"), (QAIC_DOMAIN, "CtxGather")})
+STANDARD_DOMAINS = ("", "ai.onnx")
+# Beyond this size an in-memory ModelProto cannot be serialized (protobuf's 2 GB cap).
+_INLINE_LIMIT = int(1.5 * 1024**3)
+
+
+class GraphCheckError(Exception):
+    """An exported graph violates the contract or the AI100 constraints."""
+
+
+def check_graph(
+    path: str | os.PathLike,
+    io_specs,
+    symbols_list: list[dict],
+    fp16_inputs: list[dict] | None = None,
+) -> dict:
+    """Check the ONNX file at `path`; raise GraphCheckError on the first violated rule.
+
+    io_specs: an object with `.inputs` / `.outputs` lists of TensorSpec (contract.TargetIO,
+        contract.DraftIO) or a pair (inputs, outputs).
+    symbols_list: the specializations' symbol bindings, e.g. [{"batch_size": 1, "seq_len": 16,
+        "ctx_len": 256}, ...] (a specialization dict with a "symbols" key is accepted too).
+    fp16_inputs: feeds (name -> numpy array, fp32 for float inputs) to run the fp16 graph on.
+
+    Returns {"ops": {op_type: count}, "n_nodes", "unresolved_intermediates", "fp16_max_abs":
+    largest |value| in the fp16 float outputs (None without fp16_inputs), "fp16_runs"}.
+    """
+    path = Path(path)
+    inputs, outputs = _split_specs(io_specs)
+    symbols_list = [s.get("symbols", s) for s in symbols_list]
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except Exception as e:  # checker raises several types
+        raise GraphCheckError(f"{path.name}: onnx.checker failed: {e}") from e
+    model = onnx.load(str(path), load_external_data=False)
+
+    ops = _check_ops(model, path.name)
+    _check_io(model.graph.input, inputs, "input", path.name)
+    _check_io(model.graph.output, outputs, "output", path.name)
+    unresolved = [_check_bound_shapes(model, inputs, outputs, s, path.name) for s in symbols_list]
+
+    report = {
+        "ops": dict(sorted(ops.items())),
+        "n_nodes": len(model.graph.node),
+        # intermediate values whose shape onnx inference leaves unresolved (informational; the
+        # compiler folds shapes itself), per specialization
+        "unresolved_intermediates": unresolved,
+    }
+    report["fp16_max_abs"], report["fp16_runs"] = None, 0
+    if fp16_inputs:
+        del model
+        full = onnx.load(str(path))  # with external data
+        report["fp16_max_abs"] = _check_fp16(full, fp16_inputs, path.name)
+        report["fp16_runs"] = len(fp16_inputs)
+    return report
+
+
+# ---------------------------------------------------------------- ops
+
+
+def _iter_nodes(graph: onnx.GraphProto) -> Iterable[onnx.NodeProto]:
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _iter_nodes(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from _iter_nodes(g)
+
+
+def _is_standard(node: onnx.NodeProto, opset: int) -> bool:
+    if node.domain not in STANDARD_DOMAINS:
+        return False
+    try:
+        onnx.defs.get_schema(node.op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return False
+    return True
+
+
+def _check_ops(model: onnx.ModelProto, name: str) -> collections.Counter:
+    imports = {o.domain: o.version for o in model.opset_import}
+    opset = imports.get("", imports.get("ai.onnx", 0))
+    defined = {(f.domain, f.name) for f in model.functions}
+    ops: collections.Counter = collections.Counter()
+    bad = set()
+    for node in _iter_nodes(model.graph):
+        ops[node.op_type] += 1
+        key = (node.domain, node.op_type)
+        if key in CUSTOM_FUNCTIONS and key in defined:
+            continue
+        if not _is_standard(node, opset):
+            bad.add(f"{node.domain or 'ai.onnx'}::{node.op_type}")
+    for f in model.functions:
+        if (f.domain, f.name) not in CUSTOM_FUNCTIONS:
+            bad.add(f"function {f.domain}::{f.name}")
+            continue
+        f_opset = {o.domain: o.version for o in f.opset_import}.get("", opset)
+        for node in f.node:
+            if not _is_standard(node, f_opset):
+                bad.add(f"{node.domain or 'ai.onnx'}::{node.op_type} (in {f.name})")
+    if bad:
+        allowed = ", ".join(f"{d}::{n}" for d, n in sorted(CUSTOM_FUNCTIONS))
+        raise GraphCheckError(
+            f"{name}: ops outside the allowed set (standard ONNX + {allowed}): "
+            + ", ".join(sorted(bad))
+        )
+    return ops
+
+
+# ---------------------------------------------------------------- I/O
+
+
+def _split_specs(io_specs) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    if hasattr(io_specs, "inputs") and hasattr(io_specs, "outputs"):
+        return list(io_specs.inputs), list(io_specs.outputs)
+    inputs, outputs = io_specs
+    return list(inputs), list(outputs)
+
+
+def _dims(vi: onnx.ValueInfoProto) -> list[int | str | None]:
+    out = []
+    for d in vi.type.tensor_type.shape.dim:
+        if d.HasField("dim_value"):
+            out.append(d.dim_value)
+        elif d.HasField("dim_param"):
+            out.append(d.dim_param)
+        else:
+            out.append(None)
+    return out
+
+
+def _dtype_name(elem_type: int) -> str:
+    return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)).name
+
+
+def _check_io(values, specs: list[TensorSpec], kind: str, name: str) -> None:
+    got = [v.name for v in values]
+    want = [s.name for s in specs]
+    if got != want:
+        raise GraphCheckError(f"{name}: graph {kind}s {got} != contract {want}")
+    for v, s in zip(values, specs):
+        dtype = _dtype_name(v.type.tensor_type.elem_type)
+        if dtype != s.dtype:
+            raise GraphCheckError(f"{name}: {kind} {s.name} has dtype {dtype}, contract {s.dtype}")
+        dims = _dims(v)
+        if dims != list(s.shape):
+            raise GraphCheckError(
+                f"{name}: {kind} {s.name} has dims {dims}, contract {list(s.shape)} "
+                "(a dim that is neither a contract symbol nor the contract int stays dynamic)"
+            )
+
+
+def _check_bound_shapes(model, inputs, outputs, symbols: Mapping[str, int], name: str) -> int:
+    """Shape inference from the inputs with the symbols bound: every output must come out fully
+    static and equal to its bound spec. Returns how many intermediate values stay unresolved."""
+    try:
+        bound = {s.name: s.bind(**symbols) for s in inputs + outputs}
+    except KeyError as e:
+        raise GraphCheckError(f"{name}: specialization {symbols} does not bind {e}") from e
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    del m.graph.value_info[:]
+    for vi in m.graph.input:
+        for d, n in zip(vi.type.tensor_type.shape.dim, bound[vi.name]):
+            d.Clear()
+            d.dim_value = n
+    for vi in m.graph.output:
+        vi.type.tensor_type.ClearField("shape")  # to be inferred, not assumed
+    try:
+        inferred = onnx.shape_inference.infer_shapes(m, strict_mode=True, data_prop=True)
+    except Exception as e:
+        raise GraphCheckError(f"{name}: shape inference failed for {symbols}: {e}") from e
+    for vi in inferred.graph.output:
+        dims, want = _dims(vi), list(bound[vi.name])
+        if dims != want:
+            raise GraphCheckError(
+                f"{name}: with {symbols}, output {vi.name} infers to {dims}, expected {want}"
+            )
+    return sum(
+        1
+        for vi in inferred.graph.value_info
+        if not all(d.HasField("dim_value") for d in vi.type.tensor_type.shape.dim)
+    )
+
+
+# ---------------------------------------------------------------- fp16
+
+
+def _fp16_tensor(t: TensorProto) -> TensorProto:
+    arr = numpy_helper.to_array(t).astype(np.float16)
+    return numpy_helper.from_array(arr, t.name)
+
+
+def _convert_nodes(nodes) -> None:
+    for node in nodes:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == TensorProto.FLOAT:
+                attr.t.CopyFrom(_fp16_tensor(attr.t))
+            elif attr.name in ("to", "dtype") and attr.type == onnx.AttributeProto.INT:
+                if attr.i == TensorProto.FLOAT:
+                    attr.i = TensorProto.FLOAT16
+            elif attr.type == onnx.AttributeProto.GRAPH:
+                _convert_graph(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    _convert_graph(g)
+            elif node.op_type == "Constant" and attr.name in ("value_float", "value_floats"):
+                val = attr.f if attr.name == "value_float" else list(attr.floats)
+                value = numpy_helper.from_array(np.array(val, np.float16))
+                attr.CopyFrom(helper.make_attribute("value", value))
+
+
+def _convert_graph(graph: onnx.GraphProto) -> None:
+    for i, t in enumerate(graph.initializer):
+        if t.data_type == TensorProto.FLOAT:
+            graph.initializer[i].CopyFrom(_fp16_tensor(t))
+    for vi in list(graph.input) + list(graph.output):
+        if vi.type.tensor_type.elem_type == TensorProto.FLOAT:
+            vi.type.tensor_type.elem_type = TensorProto.FLOAT16
+    del graph.value_info[:]
+    _convert_nodes(graph.node)
+
+
+def convert_to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of `model` computing in fp16, like the compiler's `-convert-to-fp16`.
+
+    Float initializers, Constant tensors, float graph inputs/outputs and Cast-to-float become
+    float16; integer tensors are untouched. The model must be loaded with its external data.
+    """
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    _convert_graph(m.graph)
+    for f in m.functions:
+        del f.value_info[:]
+        _convert_nodes(f.node)
+    return m
+
+
+def fp16_session(model: onnx.ModelProto, workdir: str | os.PathLike | None = None):
+    """An onnxruntime CPU session of the fp16 conversion of `model`.
+
+    Models over ~1.5 GB are written with external data to `workdir` (a temp dir if None; it
+    must outlive the session creation only).
+    """
+    import onnxruntime as ort
+
+    fp16 = convert_to_fp16(model)
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    if initializer_bytes(fp16) < _INLINE_LIMIT:
+        return ort.InferenceSession(
+            fp16.SerializeToString(), opts, providers=["CPUExecutionProvider"]
+        )
+    with tempfile.TemporaryDirectory(dir=workdir) as d:
+        p = os.path.join(d, "fp16.onnx")
+        onnx.save_model(fp16, p, save_as_external_data=True, location="fp16.onnx.data")
+        return ort.InferenceSession(p, opts, providers=["CPUExecutionProvider"])
+
+
+def fp16_feed(feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Cast the float32 arrays of a feed to float16."""
+    return {
+        k: (np.asarray(v).astype(np.float16) if np.asarray(v).dtype == np.float32 else v)
+        for k, v in feed.items()
+    }
+
+
+def _check_fp16(model: onnx.ModelProto, feeds: list[dict], name: str) -> float:
+    try:
+        sess = fp16_session(model)
+    except Exception as e:
+        raise GraphCheckError(f"{name}: the fp16 conversion does not load in ORT: {e}") from e
+    out_names = [o.name for o in sess.get_outputs()]
+    max_abs = 0.0
+    for i, feed in enumerate(feeds):
+        results = sess.run(None, fp16_feed(feed))
+        for out_name, r in zip(out_names, results):
+            if not np.issubdtype(r.dtype, np.floating):
+                continue
+            if not np.isfinite(r).all():
+                raise GraphCheckError(
+                    f"{name}: fp16 run {i} gives inf/NaN in {out_name} "
+                    f"({int((~np.isfinite(r)).sum())} of {r.size} values)"
+                )
+            if r.size:
+                max_abs = max(max_abs, float(np.abs(r).max()))
+    return max_abs

@@ -1,0 +1,149 @@
+"""Trace a module to ONNX with the TorchScript exporter, named and shaped by contract specs.
+
+`export_onnx` is shared by the target and draft exporters: graph input/output names and dynamic
+axes come from `TensorSpec`s, so no I/O name is spelled here. Writes are atomic: the model is
+exported into a temporary directory beside the destination and renamed into place, the `.onnx`
+last, so an interrupted export never leaves a file at `path`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import onnx
+import torch
+
+from dflash_qaic.contract import TensorSpec
+
+# Above this many bytes of weights the model goes to external data (protobuf caps at 2 GB).
+EXTERNAL_DATA_THRESHOLD = int(1.5 * 1024**3)
+# onnxruntime 1.31 reads IR <= 13; onnx 1.23 stamps 14 on models it builds.
+MAX_IR_VERSION = 10
+
+
+def data_file_name(path: str | os.PathLike) -> str:
+    """Name of the external-data file of an .onnx file: `<name>.data`, beside it."""
+    return Path(path).name + ".data"
+
+
+def _dynamic_axes(specs: list[TensorSpec]) -> dict[str, dict[int, str]]:
+    return {
+        s.name: {i: d for i, d in enumerate(s.shape) if isinstance(d, str)}
+        for s in specs
+        if any(isinstance(d, str) for d in s.shape)
+    }
+
+
+def initializer_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the main graph's initializers (from their dims, so external data need not be loaded)."""
+    total = 0
+    for t in model.graph.initializer:
+        n = 1
+        for d in t.dims:
+            n *= d
+        total += n * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    return total
+
+
+def export_onnx(
+    module: torch.nn.Module,
+    example_inputs: tuple,
+    inputs: list[TensorSpec],
+    outputs: list[TensorSpec],
+    path: str | os.PathLike,
+    *,
+    opset: int = 17,
+    external_data: bool | None = None,
+) -> Path:
+    """Export `module(*example_inputs)` to `path`; returns `path`.
+
+    external_data: True writes all weights to one `<name>.data` file beside the .onnx; None
+    does so only when the weights exceed EXTERNAL_DATA_THRESHOLD.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        raw = tmp_dir / "raw" / path.name
+        raw.parent.mkdir()
+        module = module.eval()
+        with torch.no_grad(), _quiet():
+            torch.onnx.export(
+                module,
+                tuple(example_inputs),
+                str(raw),
+                input_names=[s.name for s in inputs],
+                output_names=[s.name for s in outputs],
+                dynamic_axes=_dynamic_axes(inputs + outputs),
+                opset_version=opset,
+                do_constant_folding=True,
+                dynamo=False,
+            )
+        # Reload (pulling in any per-tensor external files the exporter wrote for > 2 GB) and
+        # write the final form: IR version readable by onnxruntime, one data file at most.
+        model = onnx.load(str(raw))
+        model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+        _stamp_io_shapes(model.graph, inputs, outputs)
+        if external_data is None:
+            external_data = initializer_bytes(model) > EXTERNAL_DATA_THRESHOLD
+        final = tmp_dir / path.name
+        data_name = data_file_name(path)
+        if external_data:
+            onnx.save_model(
+                model,
+                str(final),
+                save_as_external_data=True,
+                all_tensors_to_one_file=True,
+                location=data_name,
+                size_threshold=1024,
+            )
+        else:
+            onnx.save_model(model, str(final))
+        del model
+
+        # Commit: data file first, .onnx last (its appearance marks a complete export).
+        stale_data = path.parent / data_name
+        if external_data:
+            os.replace(tmp_dir / data_name, stale_data)
+        os.replace(final, path)
+        if not external_data and stale_data.exists():
+            stale_data.unlink()
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return path
+
+
+def _stamp_io_shapes(graph: onnx.GraphProto, inputs, outputs) -> None:
+    """Graph input/output dims exactly as the contract says: symbols by name, static sizes as
+    values (the tracer names dims it cannot prove static, e.g. an ArgMax output's)."""
+    for values, specs in ((graph.input, inputs), (graph.output, outputs)):
+        by_name = {s.name: s for s in specs}
+        for v in values:
+            spec = by_name.get(v.name)
+            if spec is None:
+                continue
+            dims = v.type.tensor_type.shape.dim
+            del dims[:]
+            for d in spec.shape:
+                dim = dims.add()
+                if isinstance(d, str):
+                    dim.dim_param = d
+                else:
+                    dim.dim_value = d
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence the TorchScript exporter's tracer/deprecation warnings and its stdout chatter."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        yield

@@ -1,0 +1,126 @@
+"""Export the target program: ExportTarget -> ONNX -> graph checks -> facts for the manifest."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_qaic import contract
+from dflash_qaic.export.graph_check import check_graph
+from dflash_qaic.export.onnx_export import data_file_name, export_onnx
+from dflash_qaic.modeling.target import ExportTarget
+
+
+def _spec_facts(specs: list[contract.TensorSpec]) -> list[dict]:
+    return [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]
+
+
+def check_feeds(io: contract.TargetIO, specializations: list[dict], seed: int = 0) -> list[dict]:
+    """One feed per specialization for the fp16 check: random tokens at positions 0.. (prefill)
+    or right after them (verify, decode), the last row of each padded (-1), empty caches."""
+    rng = np.random.default_rng(seed)
+    feeds = []
+    for spec in specializations:
+        sym = spec["symbols"]
+        b, s = sym[contract.BATCH], sym[contract.SEQ]
+        start = 0 if spec["name"] == contract.PREFILL else min(s, sym[contract.CTX] - 1 - s)
+        pos = np.tile(np.arange(start, start + s, dtype=np.int64), (b, 1))
+        if s > 1:
+            pos[:, -1] = contract.PAD_POSITION
+        feed = {
+            contract.INPUT_IDS: rng.integers(0, io.vocab_size, (b, s), dtype=np.int64),
+            contract.POSITION_IDS: pos,
+        }
+        for kv in io.kv:
+            feed[kv.name] = np.zeros(kv.bind(**sym), dtype=np.float32)
+        feeds.append(feed)
+    return feeds
+
+
+def export_target(
+    hf_model: torch.nn.Module,
+    fc_weight: torch.Tensor,
+    hidden_norm_weight: torch.Tensor,
+    hidden_norm_eps: float,
+    target_layer_ids: Sequence[int],
+    out_path: str | os.PathLike,
+    *,
+    ctx_len: int,
+    prefill_seq_len: int,
+    block_size: int,
+    batch_size: int = 1,
+    emit_logits: bool = False,
+    external_data: bool | None = None,
+    fp16_check: bool = True,
+) -> dict:
+    """Export the target program to `out_path` and check it; returns facts for the manifest.
+
+    fp16_check runs the fp16 conversion of the graph in ONNX Runtime once per specialization
+    (cheap for small models; turn it off for multi-GB targets on a small host).
+    """
+    if not 1 <= block_size <= contract.max_positions(ctx_len):
+        raise ValueError(f"block_size {block_size} must be in [1, ctx_len - 1 = {ctx_len - 1}]")
+    if not 1 <= prefill_seq_len <= contract.max_positions(ctx_len):
+        raise ValueError(f"prefill_seq_len {prefill_seq_len} must be in [1, ctx_len - 1]")
+    cfg = hf_model.config
+    module = ExportTarget.from_hf(
+        hf_model,
+        fc_weight,
+        hidden_norm_weight,
+        hidden_norm_eps,
+        target_layer_ids,
+        ctx_len=ctx_len,
+        emit_logits=emit_logits,
+    ).eval()
+    attn = module.layers[0].self_attn
+    io = contract.TargetIO(
+        n_layers=len(module.layers),
+        n_kv_heads=attn.n_kv_heads,
+        head_dim=attn.head_dim,
+        hidden_size=cfg.hidden_size,
+        vocab_size=module.lm_head.out_features,
+        emit_logits=emit_logits,
+    )
+    specializations = contract.target_specializations(
+        batch_size, prefill_seq_len, block_size, ctx_len
+    )
+
+    # Trace at the prefill shape (at least 2 rows, so no size-1 dim gets specialised away).
+    trace_sym = {contract.BATCH: batch_size, contract.SEQ: max(prefill_seq_len, 2)}
+    trace_sym[contract.CTX] = ctx_len
+    example = check_feeds(io, [{"name": contract.PREFILL, "symbols": trace_sym}])[0]
+    example_inputs = tuple(torch.from_numpy(example[s.name]) for s in io.inputs)
+    path = export_onnx(
+        module, example_inputs, io.inputs, io.outputs, out_path, external_data=external_data
+    )
+
+    feeds = check_feeds(io, specializations) if fp16_check else None
+    report = check_graph(path, io, specializations, feeds)
+    data = path.parent / data_file_name(path)
+    return {
+        "path": str(path),
+        "external_data": str(data) if data.exists() else None,
+        "inputs": _spec_facts(io.inputs),
+        "outputs": _spec_facts(io.outputs),
+        "specializations": specializations,
+        "batch_size": batch_size,
+        "prefill_seq_len": prefill_seq_len,
+        "block_size": block_size,
+        "ctx_len": ctx_len,
+        "emit_logits": emit_logits,
+        "target_layer_ids": list(module.target_layer_ids),
+        "n_layers": io.n_layers,
+        "n_kv_heads": io.n_kv_heads,
+        "head_dim": io.head_dim,
+        "hidden_size": io.hidden_size,
+        "vocab_size": io.vocab_size,
+        "model_type": cfg.model_type,
+        "fc_scale": module.fc_scale,
+        "hidden_norm_eps": float(hidden_norm_eps),
+        "onnx_bytes": Path(path).stat().st_size + (data.stat().st_size if data.exists() else 0),
+        "check": report,
+    }

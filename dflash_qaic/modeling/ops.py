@@ -1,0 +1,105 @@
+"""AI100 custom KV-cache ops: `CtxScatter` and `CtxGather` (domain `com.qualcomm.cloud`, v1).
+
+Each op is a `torch.autograd.Function`: `forward` is plain eager torch, `symbolic` emits a call to
+an ONNX function of the same name whose body is standard ONNX (ScatterND / GatherND). The AI100
+compiler recognises the call by name and domain; ONNX Runtime simply runs the body.
+
+Cache layout: [batch, n_kv_heads, ctx_len, head_dim], one slot per absolute position.
+
+Padding: a row with position -1 must never change a slot that can later be read. `cache_slots`
+maps -1 to the padding slot `ctx_len - 1` with a plain `Where` *before* the custom op, so the op
+only ever sees in-range indices and both backends do the same thing: on the device the compiled
+CtxScatter writes slot ctx_len - 1, in ONNX Runtime the ScatterND body writes slot ctx_len - 1.
+No real token is ever placed there (the runtime stops a sequence at ctx_len - 1 positions, see
+`contract.max_positions`), and a key slot is visible only to queries with position >= its index,
+so no valid query ever reads it. Several padding rows may write it in one call; ScatterND leaves
+the winner unspecified, which is harmless because nobody reads it.
+"""
+
+from __future__ import annotations
+
+import onnxscript
+import torch
+from onnxscript import opset17 as op
+
+QAIC_DOMAIN = "com.qualcomm.cloud"
+_qaic = onnxscript.values.Opset(QAIC_DOMAIN, 1)
+
+
+def cache_slots(position_ids: torch.Tensor, ctx_len: int | torch.Tensor) -> torch.Tensor:
+    """Slot each row writes: its position, or the padding slot ctx_len - 1 for position -1."""
+    return torch.where(position_ids < 0, ctx_len - 1, position_ids)
+
+
+# ---------------------------------------------------------------- ONNX function bodies
+
+
+class QaicFunctions:
+    """The ONNX functions; their names and domain are what the AI100 compiler matches on."""
+
+    @onnxscript.script(_qaic, default_opset=op)
+    def CtxScatter(data, position_ids, updates):
+        # data [b, h, ctx, d]; position_ids [b, s], already in [0, ctx); updates [b, h, s, d]
+        zero = op.Constant(value_ints=[0])
+        one = op.Constant(value_ints=[1])
+        b = op.Gather(op.Shape(data), zero)
+        h = op.Gather(op.Shape(data), one)
+        s = op.Gather(op.Shape(position_ids), one)
+        idx_shape = op.Concat(b, h, s, one, axis=0)  # [b, h, s, 1]
+        bi = op.Expand(op.Unsqueeze(op.Range(0, op.Squeeze(b), 1), [1, 2, 3]), idx_shape)
+        hi = op.Expand(op.Unsqueeze(op.Range(0, op.Squeeze(h), 1), [0, 2, 3]), idx_shape)
+        pi = op.Expand(op.Unsqueeze(position_ids, [1, 3]), idx_shape)
+        indices = op.Concat(bi, hi, pi, axis=3)  # [b, h, s, 3]: (batch, head, slot)
+        return op.ScatterND(data, indices, updates)
+
+    @onnxscript.script(_qaic, default_opset=op)
+    def CtxGather(data, ctx_indices):
+        # data [b, h, ctx, d]; ctx_indices [b, n] in [0, ctx) -> [b, h, n, d]
+        b_h = op.Slice(op.Shape(data), [0], [2])
+        n = op.Slice(op.Shape(ctx_indices), [1], [2])
+        idx = op.Expand(op.Unsqueeze(ctx_indices, [1]), op.Concat(b_h, n, axis=0))  # [b, h, n]
+        return op.GatherND(data, op.Unsqueeze(idx, [3]), batch_dims=2)
+
+
+# ---------------------------------------------------------------- torch ops
+
+
+class CtxScatter(torch.autograd.Function):
+    """cache[b, h, position_ids[b, s], :] = updates[b, h, s, :]; returns the new cache.
+
+    position_ids must already be in [0, ctx_len): pass them through `cache_slots` first.
+    """
+
+    @staticmethod
+    def forward(ctx, data: torch.Tensor, position_ids: torch.Tensor, updates: torch.Tensor):
+        b, h, s, d = updates.shape
+        index = position_ids[:, None, :, None].expand(b, h, s, d)
+        return data.scatter(2, index, updates)
+
+    @staticmethod
+    def symbolic(g, data, position_ids, updates):
+        out = g.onnxscript_op(QaicFunctions.CtxScatter, data, position_ids, updates)
+        return out.setTypeAs(data)
+
+
+class CtxGather(torch.autograd.Function):
+    """out[b, h, n, :] = cache[b, h, ctx_indices[b, n], :]; indices in [0, ctx_len)."""
+
+    @staticmethod
+    def forward(ctx, data: torch.Tensor, ctx_indices: torch.Tensor):
+        b, h, _, d = data.shape
+        index = ctx_indices[:, None, :, None].expand(b, h, ctx_indices.shape[1], d)
+        return data.gather(2, index)
+
+    @staticmethod
+    def symbolic(g, data, ctx_indices):
+        out = g.onnxscript_op(QaicFunctions.CtxGather, data, ctx_indices)
+        return out.setTypeAs(data)
+
+
+def ctx_scatter(cache: torch.Tensor, slots: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
+    return CtxScatter.apply(cache, slots, updates)
+
+
+def ctx_gather(cache: torch.Tensor, ctx_indices: torch.Tensor) -> torch.Tensor:
+    return CtxGather.apply(cache, ctx_indices)

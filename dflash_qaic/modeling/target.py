@@ -1,0 +1,289 @@
+"""The target LLM as one export-friendly program: prefill, verify and decode in one forward.
+
+Built from a loaded Hugging Face `Qwen3ForCausalLM` or `LlamaForCausalLM`: only its weights and
+its rotary tables are used; the forward is ours (static KV cache, masks from positions only).
+
+    slots  = position, or the padding slot ctx_len - 1 for position -1        # [b, s]
+    x      = embed(input_ids)                                                  # [b, s, H]
+    per layer i:
+        q, k, v = proj(input_layernorm(x)); (Qwen3: q_norm/k_norm per head); RoPE at position
+        cache_k[i], cache_v[i] = CtxScatter(cache, slots, k / v)               # [b, kvh, ctx, hd]
+        x += o_proj(softmax(q·kᵀ, key slot j visible iff j <= position) · v)   # over the full cache
+        x += mlp(post_attention_layernorm(x))
+    logits      = lm_head(norm(x))                   next_tokens = argmax(logits)   # [b, s]
+    hidden      = hidden_norm(fc(concat(taps)))      # [b, s, H], the draft's context feature
+
+Taps follow Hugging Face's `output_hidden_states`: layer id j is `hidden_states[j + 1]`, the raw
+output of decoder layer j, except the last layer, whose entry is taken after the final norm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dflash_qaic.checkpoints import fp16_fc_scale
+from dflash_qaic.modeling.ops import cache_slots, ctx_scatter
+
+# Score of a masked key slot: large enough to vanish in softmax, finite in fp16 (max 65504), so a
+# row that sees nothing (padding, position -1) gets a uniform, finite average instead of NaN.
+MASK_VALUE = -1.0e4
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    # .float() does not copy an fp32 tensor, so an fp32 HF model's weights are shared, not doubled.
+    return nn.Parameter(t.detach().float(), requires_grad=False)
+
+
+def _linear(hf: nn.Linear) -> nn.Linear:
+    lin = nn.Linear(hf.in_features, hf.out_features, bias=hf.bias is not None, device="meta")
+    lin.weight = _param(hf.weight)
+    if hf.bias is not None:
+        lin.bias = _param(hf.bias)
+    return lin
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm. Weights and activations are fp32 throughout this module, so it runs in fp32
+    without explicit casts (which would only add Cast nodes to the graph)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = _param(weight)
+        self.eps = float(eps)
+
+    @classmethod
+    def from_hf(cls, hf: nn.Module) -> RMSNorm:
+        return cls(hf.weight, hf.variance_epsilon)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int):
+    """x [b, heads, s, hd]; cos/sin [b, s, hd]. HF's rotate_half, with a static split point
+    (a Python int, so the exported Slices are constant, not computed from Shape)."""
+    half = head_dim // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def rope_tables(inv_freq: torch.Tensor, scaling: float, n_positions: int):
+    """cos/sin [n_positions, hd] exactly as HF's rotary embedding computes them (fp32)."""
+    pos = torch.arange(n_positions, dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq.float()[None, :]  # [n, hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [n, hd]
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def fp16_safe_fc_weight(fc_weight: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """fc.weight / s with s = max(sqrt(in_features) * max_row_norm / 128, 1) (QEfficient #995).
+
+    Keeps fc's output inside fp16 range. The RMSNorm that follows is scale-invariant up to eps:
+    hidden_norm(y / s) = w * y / sqrt(mean(y^2) + eps * s^2), i.e. the effective eps grows by s^2.
+    That is negligible while mean(y^2) >> eps * s^2 (it is for real features); eps is kept as is.
+    """
+    s = fp16_fc_scale(fc_weight)
+    w = fc_weight.detach().float()
+    return (w / s if s > 1.0 else w), s
+
+
+class MLP(nn.Module):
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        self.gate_proj = _linear(hf.gate_proj)
+        self.up_proj = _linear(hf.up_proj)
+        self.down_proj = _linear(hf.down_proj)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, hf: nn.Module, n_heads: int, n_kv_heads: int):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, hf.head_dim
+        self.scale = hf.scaling
+        self.q_proj = _linear(hf.q_proj)
+        self.k_proj = _linear(hf.k_proj)
+        self.v_proj = _linear(hf.v_proj)
+        self.o_proj = _linear(hf.o_proj)
+        qk_norm = getattr(hf, "q_norm", None) is not None  # Qwen3: per-head RMSNorm before RoPE
+        self.q_norm = RMSNorm.from_hf(hf.q_norm) if qk_norm else None
+        self.k_norm = RMSNorm.from_hf(hf.k_norm) if qk_norm else None
+
+    def forward(self, x, cos, sin, slots, visible, cache_k, cache_v):
+        # x [b, s, H]; cos/sin [b, s, hd]; slots [b, s]; visible [b, s, ctx] bool
+        # cache_k/cache_v [b, kvh, ctx, hd]
+        b, s, _ = x.shape
+        nh, kvh, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        q = self.q_proj(x).view(b, s, nh, hd)
+        k = self.k_proj(x).view(b, s, kvh, hd)
+        v = self.v_proj(x).view(b, s, kvh, hd).transpose(1, 2)  # [b, kvh, s, hd]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin, hd)  # [b, nh, s, hd]
+        k = apply_rope(k.transpose(1, 2), cos, sin, hd)  # [b, kvh, s, hd]
+
+        cache_k = ctx_scatter(cache_k, slots, k)  # [b, kvh, ctx, hd]
+        cache_v = ctx_scatter(cache_v, slots, v)
+
+        # GQA without repeating the cache: query head h uses kv head h // g, so fold each kv
+        # head's g query heads into the row axis: [b, nh, s, hd] -> [b, kvh, g*s, hd].
+        g = nh // kvh
+        q = q.reshape(b, kvh, g * s, hd) * self.scale
+        scores = (q @ cache_k.transpose(2, 3)).view(b, kvh, g, s, -1)  # [b, kvh, g, s, ctx]
+        scores = torch.where(visible[:, None, None], scores, MASK_VALUE)
+        probs = scores.softmax(dim=-1).view(b, kvh, g * s, -1)  # [b, kvh, g*s, ctx]
+        out = (probs @ cache_v).view(b, nh, s, hd)  # [b, nh, s, hd]
+        out = out.transpose(1, 2).reshape(b, s, nh * hd)
+        return self.o_proj(out), cache_k, cache_v
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hf: nn.Module, n_heads: int, n_kv_heads: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm.from_hf(hf.input_layernorm)
+        self.self_attn = Attention(hf.self_attn, n_heads, n_kv_heads)
+        self.post_attention_layernorm = RMSNorm.from_hf(hf.post_attention_layernorm)
+        self.mlp = MLP(hf.mlp)
+
+    def forward(self, x, cos, sin, slots, visible, cache_k, cache_v):
+        a, cache_k, cache_v = self.self_attn(
+            self.input_layernorm(x), cos, sin, slots, visible, cache_k, cache_v
+        )
+        x = x + a
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, cache_k, cache_v
+
+
+class ExportTarget(nn.Module):
+    """forward(input_ids, position_ids, *past) ->
+    (next_tokens, hidden_states, [logits], *retained past), past as past_key.0, past_value.0, ...
+    """
+
+    def __init__(
+        self,
+        embed: torch.Tensor,
+        layers: Sequence[DecoderLayer],
+        norm: RMSNorm,
+        lm_head: nn.Linear,
+        rope_cos: torch.Tensor,
+        rope_sin: torch.Tensor,
+        fc_weight: torch.Tensor,
+        hidden_norm: RMSNorm,
+        target_layer_ids: Sequence[int],
+        emit_logits: bool = False,
+    ):
+        super().__init__()
+        self.embed = _param(embed)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.lm_head = lm_head
+        self.register_buffer("rope_cos", rope_cos, persistent=False)  # [ctx_len, hd]
+        self.register_buffer("rope_sin", rope_sin, persistent=False)
+        self.fc = nn.Linear(fc_weight.shape[1], fc_weight.shape[0], bias=False, device="meta")
+        self.fc.weight = _param(fc_weight)
+        self.hidden_norm = hidden_norm
+        self.target_layer_ids = [int(j) for j in target_layer_ids]
+        self.emit_logits = emit_logits
+        self.fc_scale = 1.0
+
+    @property
+    def ctx_len(self) -> int:
+        return self.rope_cos.shape[0]
+
+    @classmethod
+    def from_hf(
+        cls,
+        hf_model: nn.Module,
+        fc_weight: torch.Tensor,
+        hidden_norm_weight: torch.Tensor,
+        hidden_norm_eps: float,
+        target_layer_ids: Sequence[int],
+        ctx_len: int,
+        emit_logits: bool = False,
+    ) -> ExportTarget:
+        cfg = hf_model.config
+        _check_supported(hf_model, fc_weight, target_layer_ids)
+        base = hf_model.model
+        layers = [
+            DecoderLayer(layer, cfg.num_attention_heads, cfg.num_key_value_heads)
+            for layer in base.layers
+        ]
+        rotary = base.rotary_emb  # inv_freq / attention_scaling already hold any rope scaling
+        cos, sin = rope_tables(rotary.inv_freq, float(rotary.attention_scaling), ctx_len)
+        fc_w, fc_scale = fp16_safe_fc_weight(fc_weight)
+        target = cls(
+            embed=base.embed_tokens.weight,
+            layers=layers,
+            norm=RMSNorm.from_hf(base.norm),
+            lm_head=_linear(hf_model.lm_head),  # tied or not: whatever HF's head holds
+            rope_cos=cos,
+            rope_sin=sin,
+            fc_weight=fc_w,
+            hidden_norm=RMSNorm(hidden_norm_weight, hidden_norm_eps),
+            target_layer_ids=target_layer_ids,
+            emit_logits=emit_logits,
+        )
+        target.fc_scale = fc_scale  # fc.weight was divided by this (1.0: unchanged)
+        return target
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor):
+        # input_ids, position_ids [b, s] int64 (position -1 = padding); past[2i], past[2i+1]
+        # = key / value cache of layer i [b, kvh, ctx, hd]
+        ctx_len = self.ctx_len
+        slots = cache_slots(position_ids, ctx_len)  # [b, s]; -1 -> padding slot ctx_len - 1
+        rope_pos = position_ids.clamp(min=0)
+        cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]  # [b, s, hd]
+        # key slot j is visible to a query iff j <= its position: causal within the call, stale
+        # slots after a rejection hidden, and a padding row (position -1) sees nothing.
+        kv_index = torch.arange(ctx_len, device=position_ids.device)
+        visible = kv_index <= position_ids[..., None]  # [b, s, ctx]
+
+        x = F.embedding(input_ids, self.embed)  # [b, s, H]
+        last = len(self.layers) - 1
+        taps, retained = {}, []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer(x, cos, sin, slots, visible, past[2 * i], past[2 * i + 1])
+            retained += [k, v]
+            if i in self.target_layer_ids and i != last:
+                taps[i] = x  # raw decoder-layer output = HF hidden_states[i + 1]
+        x = self.norm(x)  # [b, s, H]
+        if last in self.target_layer_ids:
+            taps[last] = x  # HF's last hidden_states entry is taken after the final norm
+
+        logits = self.lm_head(x)  # [b, s, V]
+        next_tokens = logits.argmax(dim=-1)  # [b, s] int64
+        feats = torch.cat([taps[j] for j in self.target_layer_ids], dim=-1)  # [b, s, k*H]
+        hidden = self.hidden_norm(self.fc(feats))  # [b, s, H]
+        extra = (logits,) if self.emit_logits else ()
+        return (next_tokens, hidden, *extra, *retained)
+
+
+def _check_supported(hf_model: nn.Module, fc_weight: torch.Tensor, target_layer_ids) -> None:
+    cfg = hf_model.config
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported target model_type {cfg.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
+        )
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r} (only silu)")
+    layer_types = getattr(cfg, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        raise ValueError(f"sliding-window layers are not supported: {sorted(set(layer_types))}")
+    rope_type = getattr(hf_model.model.rotary_emb, "rope_type", "default")
+    if rope_type in ("dynamic", "longrope"):
+        raise ValueError(f"rope_type {rope_type!r} depends on sequence length; not supported")
+    n_layers = cfg.num_hidden_layers
+    ids = list(target_layer_ids)
+    if not ids or any(not 0 <= j < n_layers for j in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"target_layer_ids {ids} must be distinct layer ids in [0, {n_layers})")
+    expected = (cfg.hidden_size, len(ids) * cfg.hidden_size)
+    if tuple(fc_weight.shape) != expected:
+        raise ValueError(f"fc weight shape {tuple(fc_weight.shape)} != {expected}")

@@ -1,0 +1,231 @@
+"""Program backends: one interface, the KV caches kept where the program runs.
+
+A `Program` runs one exported program (target or draft) call after call. Callers pass only the
+small per-call inputs (ids, positions, feature rows) and get only the small outputs back; the
+`past_*` caches are retained state that never crosses to the host:
+
+- `OrtProgram`: ONNX Runtime. The caches are `OrtValue`s bound with IOBinding; each call reads
+  one set and writes the other (double buffering), so no cache is ever copied through numpy.
+- `QaicProgram`: AI100 through a QAICInferenceSession-like session (QEfficient's, over qaicrt).
+  Retained-state buffers are skipped (zero-size on the host, the cache stays on the card) and
+  output buffers are pre-sized per specialization, which the card picks from the input shapes.
+- `StrictStandinSession`: a QAICInferenceSession stand-in that runs the ONNX in ONNX Runtime
+  but refuses what the card would refuse: an input shape that is not a compiled
+  specialization, a retained-state buffer sent from the host, an output buffer of the wrong
+  size. It tests QaicProgram's buffer logic without a card.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dflash_qaic import contract
+
+
+class BackendError(RuntimeError):
+    """A backend cannot be created or a call breaks its contract."""
+
+
+def _is_kv(name: str) -> bool:
+    return name.startswith("past_")
+
+
+class OrtProgram:
+    def __init__(
+        self,
+        onnx_path,
+        inputs: list[dict],
+        outputs: list[dict],
+        symbols: dict,
+        threads: int | None = None,
+    ):
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:
+            so.intra_op_num_threads = threads
+            so.inter_op_num_threads = 1
+        self.sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+        self.kv_names = [i["name"] for i in inputs if _is_kv(i["name"])]
+        self.out_names = [
+            o["name"] for o in outputs if not o["name"].endswith(contract.RETAINED_SUFFIX)
+        ]
+        kv_shape = [
+            symbols.get(d, d) if isinstance(d, str) else d
+            for d in next(i for i in inputs if _is_kv(i["name"]))["shape"]
+        ]
+        # Two sets of cache buffers: a call reads `cur` and writes `nxt`, then they swap.
+        self._kv = [
+            [
+                ort.OrtValue.ortvalue_from_numpy(np.zeros(kv_shape, np.float32))
+                for _ in self.kv_names
+            ]
+            for _ in range(2)
+        ]
+        self._cur = 0
+        self.device_s = 0.0
+        self.calls = 0
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        b = self.sess.io_binding()
+        for name, arr in feeds.items():
+            b.bind_cpu_input(name, arr)
+        cur, nxt = self._kv[self._cur], self._kv[1 - self._cur]
+        for name in self.out_names:
+            b.bind_output(name)
+        for name, src, dst in zip(self.kv_names, cur, nxt):
+            b.bind_ortvalue_input(name, src)
+            b.bind_ortvalue_output(contract.retained(name), dst)
+        t = time.perf_counter()
+        self.sess.run_with_iobinding(b)
+        self.device_s += time.perf_counter() - t
+        self.calls += 1
+        self._cur = 1 - self._cur
+        values = b.get_outputs()
+        return {name: values[i].numpy() for i, name in enumerate(self.out_names)}
+
+
+class QaicProgram:
+    """A program on a QAICInferenceSession-like `session` (QEfficient's API)."""
+
+    def __init__(self, session, inputs: list[dict], outputs: list[dict], specializations):
+        self.session = session
+        retained = [o["name"] for o in outputs if o["name"].endswith(contract.RETAINED_SUFFIX)]
+        session.skip_buffers([i["name"] for i in inputs if _is_kv(i["name"])] + retained)
+        self.outputs = [o for o in outputs if o["name"] not in retained]
+        # Output buffers pre-sized per specialization, keyed by seq_len.
+        self._buffers = {}
+        for spec in specializations:
+            sym = spec["symbols"]
+            self._buffers[sym[contract.SEQ]] = {
+                o["name"]: np.zeros(
+                    [sym.get(d, d) if isinstance(d, str) else d for d in o["shape"]],
+                    np.dtype(o["dtype"]),
+                )
+                for o in self.outputs
+            }
+        self._active = None
+        self.device_s = 0.0
+        self.calls = 0
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        # The target's row count picks its specialization; the draft's context chunk picks its.
+        seq = feeds.get(contract.TARGET_HIDDEN, feeds[contract.INPUT_IDS]).shape[1]
+        if seq not in self._buffers:
+            raise BackendError(f"no compiled specialization has seq_len {seq}")
+        if self._active != seq:
+            self.session.set_buffers(self._buffers[seq])
+            self._active = seq
+        t = time.perf_counter()
+        out = self.session.run(feeds)
+        self.device_s += time.perf_counter() - t
+        self.calls += 1
+        return {o["name"]: out[o["name"]] for o in self.outputs}
+
+
+class StrictStandinSession:
+    """QAICInferenceSession stand-in over ONNX Runtime that refuses what the card refuses."""
+
+    def __init__(self, onnx_path, inputs: list[dict], outputs: list[dict], specializations):
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        self.sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+        self.input_names = [i["name"] for i in inputs]
+        self.output_names = [o["name"] for o in outputs]
+        self._in = {i["name"]: i for i in inputs}
+        self._out = {o["name"]: o for o in outputs}
+        self._specs = [s["symbols"] for s in specializations]
+        self._skipped: set[str] = set()
+        self._buffers: dict[str, np.ndarray] = {}
+        sym0 = self._specs[0]
+        self._state = {
+            n: np.zeros(self._bind(i["shape"], sym0), np.float32)
+            for n, i in self._in.items()
+            if _is_kv(n)
+        }
+
+    @staticmethod
+    def _bind(shape, sym):
+        return tuple(sym[d] if isinstance(d, str) else d for d in shape)
+
+    def skip_buffers(self, names):
+        self._skipped.update(names)
+
+    def set_buffers(self, buffers: dict[str, np.ndarray]):
+        for name, arr in buffers.items():
+            if name not in self._out and name not in self._in:
+                raise BackendError(f"set_buffers: no binding named {name}")
+            if name.endswith(contract.RETAINED_SUFFIX) or _is_kv(name):
+                raise BackendError(f"set_buffers: {name} is retained state, it stays on device")
+            self._buffers[name] = arr
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        kv_in = [n for n in self._in if _is_kv(n)]
+        kv_out = [n for n in self._out if n.endswith(contract.RETAINED_SUFFIX)]
+        if not set(kv_in + kv_out) <= self._skipped:
+            raise BackendError("retained-state buffers were not skipped before run()")
+        for n in inputs:
+            if _is_kv(n):
+                raise BackendError(f"retained-state buffer {n} sent from the host")
+        spec = next(
+            (
+                s
+                for s in self._specs
+                if all(
+                    tuple(inputs[n].shape) == self._bind(self._in[n]["shape"], s) for n in inputs
+                )
+            ),
+            None,
+        )
+        if spec is None or set(inputs) != {n for n in self._in if not _is_kv(n)}:
+            shapes = {n: a.shape for n, a in inputs.items()}
+            raise BackendError(f"input shapes {shapes} match no compiled specialization")
+        for name, o in self._out.items():
+            if name in kv_out:
+                continue
+            buf = self._buffers.get(name)
+            if buf is None or buf.shape != self._bind(o["shape"], spec):
+                raise BackendError(f"output buffer {name} is not sized for specialization {spec}")
+        res = dict(zip(self.output_names, self.sess.run(None, {**inputs, **self._state})))
+        for n in kv_in:
+            self._state[n] = res[contract.retained(n)]
+        out = {}
+        for name in self._out:
+            if name not in kv_out:
+                self._buffers[name][...] = res[name]
+                out[name] = self._buffers[name]
+        return out
+
+
+QAICRT_PATHS = (f"/opt/qti-aic/dev/lib/{platform.machine()}", "/opt/qti-aic/dev/python")
+
+
+def qaic_session_factory():
+    """QEfficient's QAICInferenceSession (over qaicrt), or a clear error naming what is missing."""
+    try:
+        from QEfficient.generation.cloud_infer import QAICInferenceSession  # noqa: F401
+    except Exception as e:  # ImportError, or qaicrt missing inside QEfficient
+        found = [p for p in QAICRT_PATHS if Path(p).is_dir()]
+        raise BackendError(
+            "the 'qaic' backend needs the AI100 runtime: QEfficient's QAICInferenceSession over "
+            f"qaicrt (looked for the Python module QEfficient and qaicrt in {list(QAICRT_PATHS)}; "
+            f"found: {found or 'nothing'}; import error: {e}). Install the AI100 Platform and "
+            "Apps SDKs and QEfficient on the AI100 host, or use backend='ort'"
+        ) from e
+    return QAICInferenceSession
+
+
+def qaic_available() -> bool:
+    try:
+        qaic_session_factory()
+        return True
+    except BackendError:
+        return False
