@@ -1,0 +1,5 @@
+import sys
+
+from dflash_qaic.runtime.cli import main
+
+sys.exit(main())

@@ -1,0 +1,104 @@
+"""`dflash-run`: generate from an artifacts directory and print the output and statistics.
+
+dflash-run artifacts/default --prompt "def fib(n):" --max-new-tokens 64
+dflash-run artifacts/default --prompt-ids 1,2,3 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-run", description=__doc__.split("\n\n")[0])
+    p.add_argument("artifacts", help="artifacts directory written by dflash-export")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt", help="prompt text (needs the target's tokenizer)")
+    g.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--backend", default="ort", choices=["ort", "qaic", "auto"])
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    p.add_argument(
+        "--stop-token-ids",
+        default=None,
+        help="comma-separated stop ids (default: the target's EOS; '' for none)",
+    )
+    p.add_argument("--baseline", action="store_true", help="also run the target alone")
+    p.add_argument("--stream", action="store_true", help="print text as it is committed")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    return p
+
+
+def _ids(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError as e:
+        raise SystemExit(f"dflash-run: error: --prompt-ids must be integers: {e}") from e
+
+
+def format_stats(s: dict) -> str:
+    return (
+        f"τ {s['tau']:.2f} over {s['steps']} steps · {s['new_tokens']} tokens · "
+        f"TTFT {s['ttft_s'] * 1e3:.1f} ms · {s['tpot_s'] * 1e3:.2f} ms/token · "
+        f"{s['tokens_per_s']:.1f} tok/s · host {s['host_s'] / max(s['decode_s'], 1e-12):.0%} · "
+        f"{s['bytes_per_step'] / 1e3:.1f} kB/step"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        import dflash_qaic
+        from dflash_qaic.runtime import ArtifactsError, BackendError, GenerationError
+
+        pipe = dflash_qaic.load(args.artifacts, backend=args.backend, threads=args.threads)
+        prompt = args.prompt if args.prompt is not None else _ids(args.prompt_ids)
+        stop = _ids(args.stop_token_ids)
+        stream = None
+        if args.stream and not args.json:
+            tok = pipe.tokenizer
+
+            def stream(chunk):
+                text = tok.decode(chunk) if tok is not None else " ".join(map(str, chunk)) + " "
+                print(text, end="", flush=True)
+
+        res = pipe.generate(prompt, args.max_new_tokens, stop, on_tokens=stream)
+        base = pipe.generate_baseline(prompt, args.max_new_tokens, stop) if args.baseline else None
+    except (ArtifactsError, BackendError, GenerationError) as e:
+        if args.debug:
+            raise
+        print(f"dflash-run: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        obj = {
+            "tokens": res.tokens,
+            "text": res.text,
+            "acceptance_lengths": res.acceptance_lengths,
+            "stop_reason": res.stop_reason,
+            "stats": res.stats,
+            "backend": pipe.backend,
+        }
+        if base is not None:
+            obj["baseline"] = {"tokens": base.tokens, "stats": base.stats}
+            obj["speedup"] = base.stats["tpot_s"] / res.stats["tpot_s"]
+        print(json.dumps(obj))
+        return 0
+    if args.stream:
+        print()
+    else:
+        print(res.text if res.text is not None else " ".join(map(str, res.tokens)))
+    print(f"[dflash] {format_stats(res.stats)} · stop: {res.stop_reason}", file=sys.stderr)
+    if base is not None:
+        same = "identical" if base.tokens == res.tokens else "DIFFERENT"
+        print(f"[target] {format_stats(base.stats)} · output {same}", file=sys.stderr)
+        print(f"speedup {base.stats['tpot_s'] / res.stats['tpot_s']:.2f}×", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

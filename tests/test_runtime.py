@@ -1,0 +1,291 @@
+"""The host runtime on ONNX Runtime: lossless against Hugging Face greedy generate, per-step
+acceptance equal to the reference `dflash_generate`, the AI100 buffer logic through a strict
+stand-in, stops, limits, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from dflash.model import DFlashDraftModel, dflash_generate
+
+import dflash_qaic
+from dflash_qaic import checkpoints as ck
+from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
+from dflash_qaic.runtime import ArtifactsError, BackendError, GenerationError
+
+# family, block, prefill chunk, ctx, agreement bias (see dflash_qaic.tiny)
+CONFIGS = [("qwen3", 4, 8, 160, 1.25), ("llama", 8, 16, 160, 1.25), ("qwen3", 16, 16, 192, 1.5)]
+
+
+@pytest.fixture(scope="module")
+def built(tiny_pair, tmp_path_factory):
+    cache = {}
+
+    def make(family, B, chunk, ctx, agree, **kw):
+        key = (family, B, chunk, ctx, agree, tuple(sorted(kw.items())))
+        if key not in cache:
+            t, d = tiny_pair(
+                family=family,
+                block_size=B,
+                agree=agree,
+                tie_word_embeddings=False,
+                target_layer_ids=[1, 3],
+                **kw,
+            )
+            out = tmp_path_factory.mktemp("art")
+            build_artifacts(
+                t,
+                d,
+                out,
+                ExportOptions(prefill_seq_len=chunk, ctx_len=ctx, compile=False),
+                progress=lambda m: None,
+            )
+            cache[key] = (t, d, out, ck.load_target_model(t))
+        return cache[key]
+
+    return make
+
+
+def prompt(n, seed):
+    return torch.randint(1, 200, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_greedy(model, ids, n, eos=None):
+    out = model.generate(
+        torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=0
+    )
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c[0]}-B{c[1]}")
+def test_lossless_against_hf_generate(built, cfg):
+    family, B, chunk, ctx, _ = cfg
+    _, _, art, model = built(*cfg)
+    pipe = dflash_qaic.load(art)
+    lengths = []
+    for seed, (n, new) in enumerate(
+        [(1, 30), (chunk - 1, 41), (chunk + 3, 25), (2 * chunk + 5, 57), (3 * chunk - 2, 33)]
+    ):
+        ids = prompt(n, seed)
+        res = pipe.generate(ids, max_new_tokens=new)
+        assert res.tokens == hf_greedy(model, ids, new), (n, new)
+        assert len(res.tokens) == new and res.stop_reason == "max_new_tokens"
+        assert sum(res.acceptance_lengths) == new - 1
+        assert res.stats["draft_prefill_calls"] == -(-n // chunk)
+        assert res.stats["prefill_calls"] == -(-n // chunk)
+        lengths += res.acceptance_lengths
+    # the biased pair makes acceptance vary from 1 to B step to step
+    assert min(lengths) == 1 and max(lengths) >= B - 1 and len(set(lengths)) >= 3, lengths
+
+
+def _full_block_steps(ref_lengths, P, max_new, B):
+    """How many leading reference steps verified a whole block (it shrinks its last blocks)."""
+    start, k = P, 0
+    for n in ref_lengths:
+        if P + max_new - start < B:
+            break
+        start += n
+        k += 1
+    return k
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c[0]}-B{c[1]}")
+@torch.no_grad()
+def test_acceptance_equals_reference(built, cfg):
+    family, B, chunk, ctx, _ = cfg
+    t, d, art, model = built(*cfg)
+    ref = DFlashDraftModel.from_pretrained(d, dtype=torch.float32).eval()
+    pipe = dflash_qaic.load(art)
+    compared = 0
+    for seed, n in enumerate([3, chunk + 1, 2 * chunk + 7]):
+        ids = prompt(n, 100 + seed)
+        out = dflash_generate(ref, model, torch.tensor([ids]), 48, None, return_stats=True)
+        res = pipe.generate(ids, max_new_tokens=48)
+        assert res.tokens == out.output_ids[0, n:].tolist()
+        k = _full_block_steps(out.acceptance_lengths, n, 48, B)
+        assert res.acceptance_lengths[:k] == out.acceptance_lengths[:k]
+        compared += k
+    assert compared >= 6
+
+
+def test_strict_standin_runs_the_same_loop(built):
+    _, _, art, _ = built(*CONFIGS[1])
+    ort_pipe = dflash_qaic.load(art)
+    standin = dflash_qaic.load(art, backend="qaic-standin")
+    for seed, n in enumerate([5, 20, 37]):
+        ids = prompt(n, seed)
+        a, b = ort_pipe.generate(ids, 40), standin.generate(ids, 40)
+        assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths
+        assert standin.generate_baseline(ids, 12).tokens == a.tokens[:12]
+
+
+def test_standin_refuses_what_the_card_refuses(built):
+    import numpy as np
+
+    from dflash_qaic import contract
+
+    _, _, art, _ = built(*CONFIGS[1])
+    pipe = dflash_qaic.load(art, backend="qaic-standin")
+    sess = pipe.target.session
+    with pytest.raises(BackendError, match="no compiled specialization has seq_len 5"):
+        pipe.target.run(
+            {
+                contract.INPUT_IDS: np.zeros((1, 5), np.int64),
+                contract.POSITION_IDS: np.zeros((1, 5), np.int64),
+            }
+        )
+    with pytest.raises(BackendError, match="match no compiled specialization"):
+        sess.run(
+            {
+                contract.INPUT_IDS: np.zeros((1, 5), np.int64),
+                contract.POSITION_IDS: np.zeros((1, 5), np.int64),
+            }
+        )
+    with pytest.raises(BackendError, match="sent from the host"):
+        sess.run({"past_key.0": np.zeros((1, 2, 160, 16), np.float32)})
+    with pytest.raises(BackendError, match="retained state"):
+        sess.set_buffers({"past_key.0_RetainedState": np.zeros(1)})
+
+
+def test_stop_token_inside_accepted_run(built):
+    _, _, art, model = built(*CONFIGS[1])
+    pipe = dflash_qaic.load(art)
+    # find a step that committed several tokens, and stop on one in the middle of it
+    for seed in range(20):
+        ids = prompt(9 + seed, seed)
+        res = pipe.generate(ids, 60, stop_token_ids=[])
+        pos = 1  # index in res.tokens of the first token of the current step
+        for n in res.acceptance_lengths:
+            # a step that committed ≥ 3 tokens whose first is new: stopping on it cuts the
+            # step's accepted run in the middle
+            if n >= 3 and res.tokens[pos] not in res.tokens[:pos]:
+                stop = res.tokens[pos]
+                break
+            pos += n
+        else:
+            continue
+        got = pipe.generate(ids, 60, stop_token_ids=[stop])
+        assert got.stop_reason == "stop_token"
+        assert got.tokens == res.tokens[: pos + 1]
+        assert got.tokens == hf_greedy(model, ids, 60, eos=stop)
+        assert sum(got.acceptance_lengths) == len(got.tokens) - 1
+        return
+    pytest.fail("no multi-token step with a fresh token found")
+
+
+def test_context_limit_stops_cleanly(tiny_pair, tmp_path):
+    t, d = tiny_pair(
+        family="qwen3", block_size=8, agree=1.25, tie_word_embeddings=False, target_layer_ids=[1, 3]
+    )
+    build_artifacts(
+        t,
+        d,
+        tmp_path,
+        ExportOptions(prefill_seq_len=8, ctx_len=40, compile=False),
+        progress=lambda m: None,
+    )
+    pipe = dflash_qaic.load(tmp_path)
+    model = ck.load_target_model(t)
+    ids = prompt(10, 3)
+    res = pipe.generate(ids, max_new_tokens=100)
+    assert res.stop_reason == "ctx_len"
+    # positions 0 … 38 hold tokens (slot 39 is the padding slot); the last token is never written
+    assert len(ids) + len(res.tokens) <= 40
+    assert res.tokens == hf_greedy(model, ids, len(res.tokens))
+    base = pipe.generate_baseline(ids, max_new_tokens=100)
+    assert base.stop_reason == "ctx_len" and len(ids) + len(base.tokens) == 40
+    assert base.tokens[: len(res.tokens)] == res.tokens
+
+
+def test_streaming_and_baseline(built):
+    _, _, art, model = built(*CONFIGS[0])
+    pipe = dflash_qaic.load(art)
+    ids = prompt(11, 7)
+    chunks = []
+    res = pipe.generate(ids, 30, on_tokens=chunks.append)
+    assert [t for c in chunks for t in c] == res.tokens
+    assert [len(c) for c in chunks[1:]] == res.acceptance_lengths
+    assert list(pipe.stream(ids, 30)) == res.tokens
+    base = pipe.generate_baseline(ids, 30)
+    assert base.tokens == res.tokens and base.stats["tau"] == 1.0
+    for key in ("tau", "ttft_s", "tpot_s", "tokens_per_s", "host_s", "device_s", "bytes_per_step"):
+        assert key in res.stats and key in base.stats
+    # per step: B ids + B positions in, B ids + B feature rows out (verify), and for the draft
+    # B feature rows + B context positions + B ids + B positions in, B−1 ids out: no logits, no KV
+    B, H = 4, 64
+    verify = 2 * B * 8 + B * 8 + B * H * 4
+    draft = B * H * 4 + 3 * B * 8 + (B - 1) * 8
+    assert res.stats["bytes_per_step"] <= verify + draft
+
+
+def test_kv_stays_in_ortvalues(built):
+    _, _, art, _ = built(*CONFIGS[0])
+    pipe = dflash_qaic.load(art)
+    before = [id(v) for pair in pipe.target._kv for v in pair]
+    pipe.generate(prompt(9, 1), 20)
+    assert [id(v) for pair in pipe.target._kv for v in pair] == before
+
+
+def test_bad_inputs(built, tmp_path):
+    _, _, art, _ = built(*CONFIGS[0])
+    pipe = dflash_qaic.load(art)
+    with pytest.raises(GenerationError, match="empty"):
+        pipe.generate([], 5)
+    with pytest.raises(GenerationError, match="outside the vocabulary"):
+        pipe.generate([1, 256, 3], 5)
+    with pytest.raises(GenerationError, match="allows at most 155"):
+        pipe.generate([1] * 156, 5)
+    with pytest.raises(GenerationError, match="tokenizer"):
+        pipe.generate("hello", 5)
+    with pytest.raises(GenerationError, match="max_new_tokens"):
+        pipe.generate([1], 0)
+    with pytest.raises(ArtifactsError, match="does not exist"):
+        dflash_qaic.load(tmp_path / "nope")
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "target").mkdir()
+    with pytest.raises(ArtifactsError, match="not a finished artifacts directory"):
+        dflash_qaic.load(half)
+    with pytest.raises(BackendError, match="needs the AI100 runtime"):
+        dflash_qaic.load(art, backend="qaic")
+    with pytest.raises(BackendError, match="unknown backend"):
+        dflash_qaic.load(art, backend="cuda")
+    assert dflash_qaic.load(art, backend="auto").backend == "ort"
+
+
+def test_dflash_run_cli(built, capsys):
+    from dflash_qaic.runtime.cli import main
+
+    _, _, art, model = built(*CONFIGS[0])
+    ids = prompt(6, 2)
+    assert (
+        main(
+            [
+                str(art),
+                "--prompt-ids",
+                ",".join(map(str, ids)),
+                "--max-new-tokens",
+                "12",
+                "--json",
+                "--baseline",
+            ]
+        )
+        == 0
+    )
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["tokens"] == hf_greedy(model, ids, 12)
+    assert obj["baseline"]["tokens"] == obj["tokens"]
+    assert len(obj["acceptance_lengths"]) == obj["stats"]["steps"]
+    assert main([str(art), "--prompt-ids", "", "--json"]) == 2
+    assert "empty" in capsys.readouterr().err
+
+
+def test_import_needs_no_sdk():
+    import subprocess
+    import sys
+
+    code = "import dflash_qaic, sys; assert 'torch' not in sys.modules; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", out.stderr
