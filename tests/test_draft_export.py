@@ -173,3 +173,46 @@ def test_draft_traffic_is_tokens_only(tiny_pair, tmp_path):
     ]
     assert "Softmax" in facts["check"]["ops"] and "ArgMax" in facts["check"]["ops"]
     assert facts["check"]["fp16_runs"] == 2 and np.isfinite(facts["check"]["fp16_max_abs"])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_vocab_table_stored_once_and_debug_logits(tiny_pair, tmp_path, tied):
+    """A tied head is also the embedding: the V×H table is stored once. --emit-logits adds the
+    full logits (QEfficient/vllm-qaic compatibility), whose argmax are the proposals."""
+    import onnx
+
+    t, d = tiny_pair(family="qwen3", target_layer_ids=[0, 3], tie_word_embeddings=tied)
+    pair = ck.read_pair(t, d)
+    target = ck.load_target_model(pair.target)
+    embed = target.get_input_embeddings().weight
+    head = target.get_output_embeddings().weight
+    facts = export_draft(
+        pair.draft,
+        ck.load_draft_state(pair.draft),
+        embed,
+        head,
+        tmp_path / "d.onnx",
+        ctx_len=CTX,
+        prefill_seq_len=16,
+        block_size=8,
+        emit_logits=True,
+    )
+    model = onnx.load(facts["path"])
+    vocab_tables = [i for i in model.graph.initializer if 256 in i.dims and 64 in i.dims]
+    assert len(vocab_tables) == (1 if tied else 2)
+    sess = _ort(facts["path"])
+    run = DraftRunner(sess, facts)
+    feeds_out = {}
+    orig = sess.run
+
+    def spy(names, feed):
+        res = orig(names, feed)
+        feeds_out.update(zip([o.name for o in sess.get_outputs()], res))
+        return res
+
+    sess.run = spy
+    fused = np.random.default_rng(0).standard_normal((5, 64)).astype(np.float32)
+    tokens = run.call(fused, range(5), 16, [3] + [pair.draft.mask_token_id] * 7, 5)
+    logits = feeds_out[contract.LOGITS]
+    assert logits.shape == (1, 7, 256)
+    np.testing.assert_array_equal(logits[0].argmax(-1), tokens)

@@ -223,11 +223,12 @@ class ExportDraft(nn.Module):
         self.c = draft.config
         self.layers, self.norm = draft.layers, draft.norm
         self.rope = RopeTable(draft.rope, ctx_len)
-        self.embed = nn.Parameter(embed_weight.detach().float(), requires_grad=False)
-        tied = head_weight.data_ptr() == embed_weight.data_ptr()
-        self.head = (
-            self.embed if tied else nn.Parameter(head_weight.detach().float(), requires_grad=False)
-        )
+        # The head is stored transposed, [H, V], so the graph multiplies by it directly. A tied
+        # head also serves as the embedding (a Gather along V), so the V×H table is stored once
+        # (a plain F.linear would leave a transposed copy next to the embedding).
+        self.tied = head_weight.data_ptr() == embed_weight.data_ptr()
+        self.head_t = nn.Parameter(head_weight.detach().float().t().contiguous(), False)
+        self.embed = None if self.tied else nn.Parameter(embed_weight.detach().float(), False)
         self.ctx_len = ctx_len
         self.emit_logits = emit_logits
 
@@ -243,7 +244,12 @@ class ExportDraft(nn.Module):
         kv_index = torch.arange(self.ctx_len, device=start.device)[None, :]  # [1, ctx]
         ctx_mask = torch.where(kv_index < start, 0.0, MASKED)[:, None, None, :]  # [b,1,1,ctx]
 
-        h = F.embedding(input_ids, self.embed) * self.c.input_embedding_scale  # [b, B, H]
+        if self.tied:  # [H, V] gathered along V -> [H, b·B] -> [b, B, H]
+            rows = self.head_t.index_select(1, input_ids.reshape(-1)).t()
+            h = rows.reshape(*input_ids.shape, -1)
+        else:
+            h = F.embedding(input_ids, self.embed)
+        h = h * self.c.input_embedding_scale  # [b, B, H]
         retained = []
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.kv(target_hidden, ccos, csin)  # [b, n_kv, s, hd]
@@ -252,7 +258,7 @@ class ExportDraft(nn.Module):
             h = layer(h, cos, sin, cache_k, cache_v, ctx_mask)
             retained += [cache_k, cache_v]
 
-        logits = F.linear(self.norm(h[:, 1:]), self.head) * self.c.output_multiplier
+        logits = (self.norm(h[:, 1:]) @ self.head_t) * self.c.output_multiplier  # [b, B−1, V]
         if self.c.final_logit_softcapping:
             cap = self.c.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
