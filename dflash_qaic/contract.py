@@ -27,6 +27,13 @@ SYMBOLS = (BATCH, SEQ, CTX)
 # Common input names (QEfficient conventions).
 INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"
+# Target sampling inputs (per row of the batch; per position for the random numbers).
+TEMPERATURE = "temperature"  # float [batch]: 0 = greedy argmax, exactly
+TOP_K = "top_k"  # int64 [batch]: keep the k most likely tokens; 0 = off
+TOP_P = "top_p"  # float [batch]: keep the smallest head of mass >= top_p; 1 = off
+RANDOM_U = "random_u"  # float [batch, seq_len, 2]: uniforms in [0, 1) from the host
+N_RANDOM = 2  # per position: [..., 0] the accept test, [..., 1] the inverse-CDF sample
+SAMPLING_INPUTS = (TEMPERATURE, TOP_K, TOP_P, RANDOM_U)
 # Target outputs.
 NEXT_TOKENS = "next_tokens"
 HIDDEN_STATES = "hidden_states"
@@ -80,9 +87,27 @@ def kv_specs(n_layers: int, n_kv_heads: int, head_dim: int) -> list[TensorSpec]:
     return out
 
 
+def sampling_specs() -> list[TensorSpec]:
+    """The target's sampling inputs (see `TargetIO`)."""
+    return [
+        TensorSpec(TEMPERATURE, "float32", (BATCH,)),
+        TensorSpec(TOP_K, "int64", (BATCH,)),
+        TensorSpec(TOP_P, "float32", (BATCH,)),
+        TensorSpec(RANDOM_U, "float32", (BATCH, SEQ, N_RANDOM)),
+    ]
+
+
 @dataclass(frozen=True)
 class TargetIO:
-    """I/O of the target program (prefill, verify and decode in one graph)."""
+    """I/O of the target program (prefill, verify and decode in one graph).
+
+    With `sampling` (the default) the program also takes `temperature`, `top_k`, `top_p` per
+    batch row and `random_u` per position, and `next_tokens` is the token committed at every
+    position under the lossless rule (REFERENCE.md §3): row j's proposal is the next row's
+    input token when that row exists and is not padding; it is accepted with probability p(d),
+    else the row samples from p with d removed; a row without a proposal samples from p.
+    Temperature 0 is the plain argmax. Without `sampling`, `next_tokens` is always the argmax.
+    """
 
     n_layers: int
     n_kv_heads: int
@@ -90,6 +115,7 @@ class TargetIO:
     hidden_size: int
     vocab_size: int
     emit_logits: bool = False
+    sampling: bool = True
 
     @property
     def kv(self) -> list[TensorSpec]:
@@ -100,6 +126,7 @@ class TargetIO:
         return [
             TensorSpec(INPUT_IDS, "int64", (BATCH, SEQ)),
             TensorSpec(POSITION_IDS, "int64", (BATCH, SEQ)),
+            *(sampling_specs() if self.sampling else ()),
             *self.kv,
         ]
 

@@ -212,10 +212,11 @@ def test_streaming_and_baseline(built):
     assert base.tokens == res.tokens and base.stats["tau"] == 1.0
     for key in ("tau", "ttft_s", "tpot_s", "tokens_per_s", "host_s", "device_s", "bytes_per_step"):
         assert key in res.stats and key in base.stats
-    # per step: B ids + B positions in, B ids + B feature rows out (verify), and for the draft
+    # per step: B ids + B positions + the sampling inputs (temperature, top_k, top_p, two
+    # uniforms per row) in, B ids + B feature rows out (verify), and for the draft
     # B feature rows + B context positions + B ids + B positions in, B−1 ids out: no logits, no KV
     B, H = 4, 64
-    verify = 2 * B * 8 + B * 8 + B * H * 4
+    verify = 2 * B * 8 + (4 + 8 + 4 + B * 2 * 4) + B * 8 + B * H * 4
     draft = B * H * 4 + 3 * B * 8 + (B - 1) * 8
     assert res.stats["bytes_per_step"] <= verify + draft
 

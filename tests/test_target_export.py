@@ -93,19 +93,35 @@ def margin_ok(logits: np.ndarray, eps: float) -> np.ndarray:
     return (top2[..., 1] - top2[..., 0]) > eps
 
 
+def greedy_feed(batch: int, seq: int, dtype=np.float32) -> dict[str, np.ndarray]:
+    """The sampling inputs set to greedy (temperature 0: next_tokens is the plain argmax)."""
+    return {
+        contract.TEMPERATURE: np.zeros(batch, dtype),
+        contract.TOP_K: np.zeros(batch, np.int64),
+        contract.TOP_P: np.ones(batch, dtype),
+        contract.RANDOM_U: np.zeros((batch, seq, contract.N_RANDOM), dtype),
+    }
+
+
+def input_type(sess: ort.InferenceSession, name: str) -> str:
+    return next(i.type for i in sess.get_inputs() if i.name == name)
+
+
 class Runner:
     """One ORT session with its KV cache carried from call to call (numpy, test only)."""
 
     def __init__(self, sess: ort.InferenceSession, io: contract.TargetIO):
         self.sess, self.io = sess, io
         self.out_names = [o.name for o in sess.get_outputs()]
-        kv_dtype = np.float16 if "float16" in sess.get_inputs()[2].type else np.float32
-        self.kv = {s.name: np.zeros(s.bind(batch_size=1, ctx_len=CTX), kv_dtype) for s in io.kv}
+        fp16 = "float16" in input_type(sess, contract.past_key(0))
+        self.dtype = np.float16 if fp16 else np.float32
+        self.kv = {s.name: np.zeros(s.bind(batch_size=1, ctx_len=CTX), self.dtype) for s in io.kv}
 
     def __call__(self, ids, pos) -> dict[str, np.ndarray]:
         feed = {
             contract.INPUT_IDS: np.asarray([ids], np.int64),
             contract.POSITION_IDS: np.asarray([pos], np.int64),
+            **greedy_feed(1, len(ids), self.dtype),
             **self.kv,
         }
         out = dict(zip(self.out_names, self.sess.run(None, feed)))
@@ -240,7 +256,8 @@ def test_batch_rows_are_independent(exported):
     ids = rng.integers(0, VOCAB, (2, CHUNK))
     pos = np.stack([np.arange(CHUNK), np.r_[np.arange(5), [contract.PAD_POSITION] * 3]])
     kv = {s.name: np.zeros(s.bind(batch_size=2, ctx_len=CTX), np.float32) for s in e["io"].kv}
-    both = e["sess"].run(None, {contract.INPUT_IDS: ids, contract.POSITION_IDS: pos, **kv})
+    feed = {contract.INPUT_IDS: ids, contract.POSITION_IDS: pos, **greedy_feed(2, CHUNK), **kv}
+    both = e["sess"].run(None, feed)
     for row in range(2):
         one = Runner(e["sess"], e["io"])(ids[row], pos[row])
         valid = pos[row] >= 0
@@ -310,7 +327,7 @@ def test_fp16_graph_picks_same_tokens(exported):
     e = exported
     model = onnx.load(str(e["path"]))
     s16 = fp16_session(model)
-    assert s16.get_inputs()[2].type == "tensor(float16)"
+    assert input_type(s16, contract.past_key(0)) == "tensor(float16)"
     for prompt_len in (16, 13):
         seq = np.random.default_rng(prompt_len).integers(0, VOCAB, prompt_len + BLOCK + 1)
         ref = run_flow(Runner(e["sess"], e["io"]), seq.tolist(), prompt_len)

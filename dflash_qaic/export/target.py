@@ -12,16 +12,26 @@ import torch
 from dflash_qaic import contract
 from dflash_qaic.export.graph_check import check_graph
 from dflash_qaic.export.onnx_export import data_file_name, export_onnx
-from dflash_qaic.modeling.target import ExportTarget
+from dflash_qaic.modeling.target import SAMPLING_CANDIDATES, ExportTarget
 
 
 def _spec_facts(specs: list[contract.TensorSpec]) -> list[dict]:
     return [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]
 
 
+# Sampling settings of the fp16 check, per specialization: the check exercises the sampling
+# path (temperature > 0, with and without top-k / top-p); greedy rows are a plain ArgMax.
+CHECK_SAMPLING = {
+    contract.PREFILL: (1.0, 0, 1.0),
+    contract.VERIFY: (0.7, 5, 0.9),
+    contract.DECODE: (1.5, 0, 0.8),
+}
+
+
 def check_feeds(io: contract.TargetIO, specializations: list[dict], seed: int = 0) -> list[dict]:
     """One feed per specialization for the fp16 check: random tokens at positions 0.. (prefill)
-    or right after them (verify, decode), the last row of each padded (-1), empty caches."""
+    or right after them (verify, decode), the last row of each padded (-1), empty caches, and
+    (with sampling) the settings of CHECK_SAMPLING with random uniforms."""
     rng = np.random.default_rng(seed)
     feeds = []
     for spec in specializations:
@@ -35,6 +45,13 @@ def check_feeds(io: contract.TargetIO, specializations: list[dict], seed: int = 
             contract.INPUT_IDS: rng.integers(0, io.vocab_size, (b, s), dtype=np.int64),
             contract.POSITION_IDS: pos,
         }
+        if io.sampling:
+            t, k, p = CHECK_SAMPLING.get(spec["name"], (1.0, 0, 1.0))
+            feed[contract.TEMPERATURE] = np.full((b,), t, np.float32)
+            feed[contract.TOP_K] = np.full((b,), k, np.int64)
+            feed[contract.TOP_P] = np.full((b,), p, np.float32)
+            shape = (b, s, contract.N_RANDOM)
+            feed[contract.RANDOM_U] = rng.random(shape, dtype=np.float32)
         for kv in io.kv:
             feed[kv.name] = np.zeros(kv.bind(**sym), dtype=np.float32)
         feeds.append(feed)
@@ -54,11 +71,17 @@ def export_target(
     block_size: int,
     batch_size: int = 1,
     emit_logits: bool = False,
+    sampling: bool = True,
+    sampling_candidates: int = SAMPLING_CANDIDATES,
     external_data: bool | None = None,
     fp16_check: bool = True,
 ) -> dict:
     """Export the target program to `out_path` and check it; returns facts for the manifest.
 
+    sampling: the program takes temperature / top_k / top_p / random_u and returns the
+    lossless speculative-sampling choice (contract.TargetIO); False: argmax only.
+    sampling_candidates: how many most likely tokens the top-k / top-p thresholds are read from
+    (see modeling.target.sampling_weights): the largest top_k the program takes.
     fp16_check runs the fp16 conversion of the graph in ONNX Runtime once per specialization
     (cheap for small models; turn it off for multi-GB targets on a small host).
     """
@@ -75,6 +98,8 @@ def export_target(
         target_layer_ids,
         ctx_len=ctx_len,
         emit_logits=emit_logits,
+        sampling=sampling,
+        sampling_candidates=sampling_candidates,
     ).eval()
     attn = module.layers[0].self_attn
     io = contract.TargetIO(
@@ -84,6 +109,7 @@ def export_target(
         hidden_size=cfg.hidden_size,
         vocab_size=module.lm_head.out_features,
         emit_logits=emit_logits,
+        sampling=sampling,
     )
     specializations = contract.target_specializations(
         batch_size, prefill_seq_len, block_size, ctx_len
@@ -112,6 +138,8 @@ def export_target(
         "block_size": block_size,
         "ctx_len": ctx_len,
         "emit_logits": emit_logits,
+        "sampling": sampling,
+        "sampling_candidates": module.sampling_candidates if sampling else None,
         "target_layer_ids": list(module.target_layer_ids),
         "n_layers": io.n_layers,
         "n_kv_heads": io.n_kv_heads,

@@ -8,6 +8,13 @@
               acc = leading proposals equal to the target's choice; commit them + 1 target token
               draft(features of the acc+1 committed rows, block [new anchor, MASK…]) -> proposals
 
+Sampling (temperature > 0) is decided inside the target program (REFERENCE.md §3): row j of a
+verify block keeps proposal j+1 with probability p(proposal), else returns a sample from p with
+the proposal removed, so the same "accept while proposal == choice" loop commits exactly what
+lossless speculative sampling commits; the last row (and every decode call) samples from p. The
+host only supplies the sampling settings and one pair of uniforms per row, drawn from
+`np.random.default_rng(seed)` into preallocated buffers.
+
 Per step one verify call and one draft call; only ids, positions and committed feature rows
 cross the host. The KV caches stay in the programs (retained state). No cache is ever reset:
 a query at position p sees only slots written at positions ≤ p (target) or < the block start
@@ -17,6 +24,8 @@ overwrites from position 0 and a rejection needs no rollback.
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -38,6 +47,47 @@ class GenerationResult:
     stop_reason: str  # "max_new_tokens" | "stop_token" | "ctx_len"
     text: str | None = None
     call_times: dict[str, list[float]] = field(default_factory=dict, repr=False)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Validated sampling settings of one generation (temperature 0 = greedy)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @classmethod
+    def checked(cls, temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Sampling:
+        def real(name, x):
+            if isinstance(x, bool) or not isinstance(x, numbers.Real):
+                raise GenerationError(f"{name} must be a number (got {x!r})")
+            return float(x)
+
+        def integer(name, x):
+            if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+                raise GenerationError(f"{name} must be an integer (got {x!r})")
+            return int(x)
+
+        t = real("temperature", temperature)
+        if not math.isfinite(t) or t < 0:
+            raise GenerationError(
+                f"temperature must be a finite number ≥ 0 (got {temperature!r}); 0 is greedy"
+            )
+        k = integer("top_k", top_k)
+        if k < 0:
+            raise GenerationError(f"top_k must be ≥ 0 (got {top_k!r}); 0 turns top-k off")
+        p = real("top_p", top_p)
+        if not 0.0 < p <= 1.0:  # NaN fails too
+            raise GenerationError(f"top_p must be in (0, 1] (got {top_p!r}); 1 turns top-p off")
+        if seed is not None and integer("seed", seed) < 0:
+            raise GenerationError(f"seed must be an integer ≥ 0 or None (got {seed!r})")
+        return cls(t, k, p, None if seed is None else int(seed))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
 
 
 class _Clock:
@@ -88,6 +138,17 @@ class Pipeline:
         self._blk_ids = np.full((1, B), self.mask_id, np.int64)
         self._blk_pos = np.zeros((1, B), np.int64)
         self._arange_b = np.arange(B, dtype=np.int64)
+        # Sampling inputs of the target (absent in artifacts exported before sampling existed:
+        # those run greedy only). The uniforms are refilled in place, one pair per row.
+        target_inputs = {i["name"] for i in m["target"]["inputs"]}
+        self.can_sample = all(n in target_inputs for n in contract.SAMPLING_INPUTS)
+        # the largest top_k the program takes (its top-k/top-p candidates; all of V if unknown)
+        self.max_top_k = int(m["target"].get("sampling_candidates") or self.vocab)
+        self._temperature = np.zeros((1,), np.float32)
+        self._top_k = np.zeros((1,), np.int64)
+        self._top_p = np.ones((1,), np.float32)
+        self._u = {n: np.zeros((1, n, contract.N_RANDOM), np.float32) for n in {1, B, C}}
+        self._rng: np.random.Generator | None = None
 
     # ------------------------------------------------------------------ inputs
 
@@ -119,6 +180,55 @@ class Pipeline:
     def _stop_set(self, stop_token_ids) -> set[int]:
         return set(self.eos if stop_token_ids is None else stop_token_ids)
 
+    def _set_sampling(self, temperature, top_k, top_p, seed) -> Sampling:
+        """Validate the settings, load them into the target's inputs and seed the generator.
+        seed None draws fresh entropy; the seed used is returned (and reported in stats)."""
+        sp = Sampling.checked(temperature, top_k, top_p, seed)
+        if not sp.greedy and not self.can_sample:
+            raise GenerationError(
+                "these artifacts' target program has no sampling inputs (exported by an older "
+                "version or without sampling): use temperature=0, or re-export with dflash-export"
+            )
+        if sp.top_k > self.max_top_k and not sp.greedy and self.max_top_k < self.vocab:
+            raise GenerationError(
+                f"top_k {sp.top_k} is above the {self.max_top_k} candidates this target program "
+                f"reads its top-k / top-p thresholds from: use top_k ≤ {self.max_top_k} or 0 (off)"
+            )
+        self._temperature[0] = sp.temperature
+        self._top_k[0] = sp.top_k
+        self._top_p[0] = sp.top_p
+        if sp.greedy:
+            self._rng = None  # the program takes the argmax; the uniforms stay zero
+            for u in self._u.values():
+                u.fill(0.0)
+            return sp
+        if sp.seed is None:
+            sp = Sampling(sp.temperature, sp.top_k, sp.top_p, np.random.SeedSequence().entropy)
+        self._rng = np.random.default_rng(sp.seed)
+        return sp
+
+    def _target_call(self, kind: str, clock: _Clock, ids: np.ndarray, pos: np.ndarray) -> dict:
+        """One target call on preallocated ids/positions, with fresh uniforms when sampling."""
+        feeds = {contract.INPUT_IDS: ids, contract.POSITION_IDS: pos}
+        if self.can_sample:
+            u = self._u[ids.shape[1]]
+            if self._rng is not None:
+                self._rng.random(out=u, dtype=np.float32)
+            feeds[contract.TEMPERATURE] = self._temperature
+            feeds[contract.TOP_K] = self._top_k
+            feeds[contract.TOP_P] = self._top_p
+            feeds[contract.RANDOM_U] = u
+        return clock.call(kind, self.target, feeds)
+
+    @staticmethod
+    def _sampling_stats(sp: Sampling) -> dict:
+        return {
+            "temperature": sp.temperature,
+            "top_k": sp.top_k,
+            "top_p": sp.top_p,
+            "seed": sp.seed,
+        }
+
     # ------------------------------------------------------------------ program calls
 
     def _target_prefill(self, ids: list[int], clock: _Clock, with_draft: bool):
@@ -132,11 +242,7 @@ class Pipeline:
             self._pre_ids[0, n:] = 0
             self._pre_pos[0, :n] = np.arange(lo, lo + n)
             self._pre_pos[0, n:] = contract.PAD_POSITION
-            out = clock.call(
-                "prefill",
-                self.target,
-                {contract.INPUT_IDS: self._pre_ids, contract.POSITION_IDS: self._pre_pos},
-            )
+            out = self._target_call("prefill", clock, self._pre_ids, self._pre_pos)
             if lo + n == P:
                 first = int(out[contract.NEXT_TOKENS][0, n - 1])
             if with_draft:
@@ -169,13 +275,14 @@ class Pipeline:
 
     # ------------------------------------------------------------------ DFlash
 
-    def _dflash(self, prompt, max_new_tokens, stop_token_ids) -> Iterator[list[int]]:
+    def _dflash(self, prompt, max_new_tokens, stop_token_ids, sampling) -> Iterator[list[int]]:
         ids = self._prompt_ids(prompt)
         if max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be ≥ 1 (got {max_new_tokens})")
         B, P = self.B, len(ids)
         self._check_room(P, self.ctx_len - 1 - B, "DFlash (prompt + one verify block)")
         stop = self._stop_set(stop_token_ids)
+        sp = self._set_sampling(*sampling)
         clock = _Clock()
         d0 = self.target.device_s + self.draft.device_s
         t0 = time.perf_counter()
@@ -199,8 +306,9 @@ class Pipeline:
             self._ver_ids[0, 0] = tokens[-1]
             self._ver_ids[0, 1:] = proposals
             np.add(self._arange_b, start, out=self._ver_pos[0])
-            feeds = {contract.INPUT_IDS: self._ver_ids, contract.POSITION_IDS: self._ver_pos}
-            out = clock.call("verify", self.target, feeds)
+            # the program's choice per row: argmax, or (sampling) the proposal of the next row
+            # kept with probability p(proposal), else a sample from p without it
+            out = self._target_call("verify", clock, self._ver_ids, self._ver_pos)
             choice = out[contract.NEXT_TOKENS][0]
             feats = out[contract.HIDDEN_STATES][0]
 
@@ -222,6 +330,11 @@ class Pipeline:
                 continue
             # the committed rows (anchor + accepted) become draft context
             new_start = start + acc + 1
+            if new_start + B > contract.max_positions(self.ctx_len):
+                # no room for another verify block, so no draft call either (its block would
+                # reach past the last slot: positions ≥ ctx_len have no RoPE row)
+                reason = "ctx_len"
+                break
             proposals = self._draft_call(
                 "draft", clock, feats[: acc + 1], start, B, committed[-1], new_start
             )
@@ -252,19 +365,21 @@ class Pipeline:
                 "prefill_calls": len(clock.times.get("prefill", ())),
                 "draft_prefill_calls": len(clock.times.get("draft_prefill", ())),
                 "device_s_total": device - d0,
+                **self._sampling_stats(sp),
             },
             call_times=clock.times,
         )
 
     # ------------------------------------------------------------------ target alone
 
-    def _baseline(self, prompt, max_new_tokens, stop_token_ids) -> Iterator[list[int]]:
+    def _baseline(self, prompt, max_new_tokens, stop_token_ids, sampling) -> Iterator[list[int]]:
         ids = self._prompt_ids(prompt)
         if max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be ≥ 1 (got {max_new_tokens})")
         P = len(ids)
         self._check_room(P, contract.max_positions(self.ctx_len) - 1, "the target")
         stop = self._stop_set(stop_token_ids)
+        sp = self._set_sampling(*sampling)
         clock = _Clock()
         t0 = time.perf_counter()
         first, _ = self._target_prefill(ids, clock, with_draft=False)
@@ -283,8 +398,8 @@ class Pipeline:
                 break
             self._dec_ids[0, 0] = tokens[-1]
             self._dec_pos[0, 0] = start
-            feeds = {contract.INPUT_IDS: self._dec_ids, contract.POSITION_IDS: self._dec_pos}
-            out = clock.call("decode", self.target, feeds)
+            # one row, no proposal: argmax, or a sample from p
+            out = self._target_call("decode", clock, self._dec_ids, self._dec_pos)
             t = int(out[contract.NEXT_TOKENS][0, 0])
             tokens.append(t)
             start += 1
@@ -314,6 +429,7 @@ class Pipeline:
                 "new_tokens": n,
                 "prefill_calls": len(clock.times.get("prefill", ())),
                 "draft_prefill_calls": 0,
+                **self._sampling_stats(sp),
             },
             call_times=clock.times,
         )
@@ -335,18 +451,41 @@ class Pipeline:
         max_new_tokens: int = 64,
         stop_token_ids: list[int] | None = None,
         on_tokens: Callable[[list[int]], None] | None = None,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
     ) -> GenerationResult:
-        """DFlash greedy generation; token for token the target's own greedy output.
+        """DFlash generation. Greedy by default: token for token the target's own greedy output.
 
         prompt: token ids, or text when the artifacts carry a tokenizer.
         stop_token_ids: None = the target's EOS ids from the manifest; [] = never stop early.
         on_tokens: called with each run of newly committed tokens, as they are committed.
+        temperature, top_k, top_p: sampling from the target's distribution after temperature,
+            top-k (0 = off) and top-p (1 = off) filtering; lossless (the output is distributed
+            exactly as the target's own sampling); temperature 0 = greedy.
+        seed: seeds the host's random numbers; the same seed gives the same tokens. None draws
+            fresh entropy (the value used is in `stats["seed"]`).
         """
-        return self._drive(self._dflash(prompt, max_new_tokens, stop_token_ids), on_tokens)
+        sampling = (temperature, top_k, top_p, seed)
+        gen = self._dflash(prompt, max_new_tokens, stop_token_ids, sampling)
+        return self._drive(gen, on_tokens)
 
-    def stream(self, prompt, max_new_tokens: int = 64, stop_token_ids=None) -> Iterator[int]:
-        """Yield generated tokens one by one as steps commit them (DFlash)."""
-        for chunk in self._dflash(prompt, max_new_tokens, stop_token_ids):
+    def stream(
+        self,
+        prompt,
+        max_new_tokens: int = 64,
+        stop_token_ids=None,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> Iterator[int]:
+        """Yield generated tokens one by one as steps commit them (DFlash; arguments as generate)."""
+        sampling = (temperature, top_k, top_p, seed)
+        for chunk in self._dflash(prompt, max_new_tokens, stop_token_ids, sampling):
             yield from chunk
 
     def generate_baseline(
@@ -355,6 +494,14 @@ class Pipeline:
         max_new_tokens: int = 64,
         stop_token_ids: list[int] | None = None,
         on_tokens: Callable[[list[int]], None] | None = None,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
     ) -> GenerationResult:
-        """The target alone on the decode specialization of the same program; same statistics."""
-        return self._drive(self._baseline(prompt, max_new_tokens, stop_token_ids), on_tokens)
+        """The target alone on the decode specialization of the same program; same statistics
+        and the same sampling arguments as generate (each decode call samples from p)."""
+        sampling = (temperature, top_k, top_p, seed)
+        gen = self._baseline(prompt, max_new_tokens, stop_token_ids, sampling)
+        return self._drive(gen, on_tokens)
