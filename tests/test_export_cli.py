@@ -185,3 +185,22 @@ def test_shipped_recipes_parse():
     for p in RECIPE_DIR.glob("*.yaml"):
         data = yaml.safe_load(p.read_text())
         assert set(data) <= RECIPE_KEYS and data["block_size"] == 16
+
+
+def test_greedy_only_export(pair, tmp_path, no_compiler):
+    t, d = pair
+    out = tmp_path / "g"
+    assert (
+        main(["--target", str(t), "--draft", str(d), "--out", str(out), *SMALL, "--no-sampling"])
+        == 0
+    )
+    m = json.loads((out / "manifest.json").read_text())
+    assert [i["name"] for i in m["target"]["inputs"][:3]] == [
+        "input_ids",
+        "position_ids",
+        "past_key.0",
+    ]
+    pipe = dflash_qaic.load(out)
+    assert len(pipe.generate([5, 6, 7], 6).tokens) == 6
+    with pytest.raises(dflash_qaic.runtime.GenerationError, match="sampl"):
+        pipe.generate([5, 6, 7], 6, temperature=1.0)

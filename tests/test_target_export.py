@@ -471,3 +471,30 @@ def test_export_onnx_external_data_and_atomicity(exported, tmp_path, monkeypatch
 def test_fp16_feed_casts_only_floats():
     f = fp16_feed({"a": np.ones(2, np.float32), "b": np.ones(2, np.int64)})
     assert f["a"].dtype == np.float16 and f["b"].dtype == np.int64
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_vocab_table_stored_once(tiny_pair, tmp_path, tied):
+    """A tied head doubles as the embedding: the V×H table appears once in the graph."""
+    from dflash_qaic import checkpoints as ck
+    from dflash_qaic.export.target import export_target
+
+    t, d = tiny_pair(family="qwen3", target_layer_ids=[0, 3], tie_word_embeddings=tied)
+    pair = ck.read_pair(t, d)
+    model = ck.load_target_model(pair.target)
+    state = ck.load_draft_state(pair.draft)
+    facts = export_target(
+        model,
+        state["fc.weight"],
+        state["hidden_norm.weight"],
+        1e-6,
+        [0, 3],
+        tmp_path / "t.onnx",
+        ctx_len=64,
+        prefill_seq_len=8,
+        block_size=4,
+        fp16_check=False,
+    )
+    graph = onnx.load(facts["path"]).graph
+    tables = [i for i in graph.initializer if sorted(i.dims) == [64, 256]]
+    assert len(tables) == (1 if tied else 2)

@@ -48,6 +48,7 @@ class ExportOptions:
     ctx_len: int = 4096
     batch_size: int = 1
     emit_logits: bool = False
+    sampling: bool = True  # False: a greedy-only target program (no sampler in the graph)
     qpc_config: str = "ai100_fp16"
     compile: bool = True
     fp16_check: bool = True
@@ -201,6 +202,7 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, progress, steps) -> d
             block_size=B,
             batch_size=o.batch_size,
             emit_logits=o.emit_logits,
+            sampling=o.sampling,
             fp16_check=o.fp16_check,
         )
     steps.append(("export target", f"{tfacts['onnx_bytes'] / 1e6:.1f} MB", time.perf_counter() - t))

@@ -97,6 +97,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, help="batch size (default 1)")
     p.add_argument("--no-compile", action="store_true", help="export ONNX only")
     p.add_argument("--emit-logits", action="store_true", help="also output full logits")
+    p.add_argument(
+        "--no-sampling",
+        action="store_true",
+        help="greedy-only target program (no on-device sampler: cheaper verify calls)",
+    )
     p.add_argument("--no-fp16-check", action="store_true", help="skip the fp16 graph run")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -118,6 +123,7 @@ def resolve(args) -> tuple[Path, Path, dict]:
         "ctx_len": args.ctx_len or recipe.get("ctx_len", 4096),
         "batch_size": args.batch_size or recipe.get("batch_size", 1),
         "emit_logits": args.emit_logits,
+        "sampling": not args.no_sampling,
         "qpc_config": str(args.qpc_config or recipe.get("qpc_config", "ai100_fp16")),
         "compile": not args.no_compile,
         "fp16_check": not args.no_fp16_check,

@@ -107,7 +107,7 @@ def export_target(
         n_kv_heads=attn.n_kv_heads,
         head_dim=attn.head_dim,
         hidden_size=cfg.hidden_size,
-        vocab_size=module.lm_head.out_features,
+        vocab_size=module.vocab_size,
         emit_logits=emit_logits,
         sampling=sampling,
     )

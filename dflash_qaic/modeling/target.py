@@ -416,10 +416,18 @@ class ExportTarget(nn.Module):
         sampling_candidates: int = SAMPLING_CANDIDATES,
     ):
         super().__init__()
-        self.embed = _param(embed)
+        # The head is stored transposed, [H, V], and multiplied by directly. A tied head also
+        # serves as the embedding (a Gather along V), so the V×H table is stored once; with
+        # F.linear the exporter would fold a transposed copy next to the embedding (≈1.5 GB
+        # more for Qwen3-4B).
+        if lm_head.bias is not None:
+            raise ValueError("an lm_head with a bias is not supported")
+        self.tied = lm_head.weight.data_ptr() == embed.data_ptr()
+        self.vocab_size = lm_head.out_features
+        self.head_t = _param(lm_head.weight.detach().float().t().contiguous())  # [H, V]
+        self.embed = None if self.tied else _param(embed)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
-        self.lm_head = lm_head
         self.register_buffer("rope_cos", rope_cos, persistent=False)  # [ctx_len, hd]
         self.register_buffer("rope_sin", rope_sin, persistent=False)
         self.fc = nn.Linear(fc_weight.shape[1], fc_weight.shape[0], bias=False, device="meta")
@@ -428,7 +436,7 @@ class ExportTarget(nn.Module):
         self.target_layer_ids = [int(j) for j in target_layer_ids]
         self.emit_logits = emit_logits
         self.sampling = sampling
-        self.sampling_candidates = min(int(sampling_candidates), lm_head.out_features)
+        self.sampling_candidates = min(int(sampling_candidates), self.vocab_size)
         self.fc_scale = 1.0
 
     @property
@@ -462,7 +470,7 @@ class ExportTarget(nn.Module):
             embed=base.embed_tokens.weight,
             layers=layers,
             norm=RMSNorm.from_hf(base.norm),
-            lm_head=_linear(hf_model.lm_head),  # tied or not: whatever HF's head holds
+            lm_head=hf_model.lm_head,  # tied or not: whatever HF's head holds
             rope_cos=cos,
             rope_sin=sin,
             fc_weight=fc_w,
@@ -490,7 +498,10 @@ class ExportTarget(nn.Module):
         kv_index = torch.arange(ctx_len, device=position_ids.device)
         visible = kv_index <= position_ids[..., None]  # [b, s, ctx]
 
-        x = F.embedding(input_ids, self.embed)  # [b, s, H]
+        if self.tied:  # [H, V] gathered along V -> [H, b·s] -> [b, s, H]
+            x = self.head_t.index_select(1, input_ids.reshape(-1)).t().reshape(*input_ids.shape, -1)
+        else:
+            x = F.embedding(input_ids, self.embed)  # [b, s, H]
         last = len(self.layers) - 1
         taps, retained = {}, []
         for i, layer in enumerate(self.layers):
@@ -502,9 +513,9 @@ class ExportTarget(nn.Module):
         if last in self.target_layer_ids:
             taps[last] = x  # HF's last hidden_states entry is taken after the final norm
 
-        logits = self.lm_head(x)  # [b, s, V]
+        logits = x @ self.head_t  # [b, s, V]
         if self.sampling:
-            vocab = self.lm_head.out_features
+            vocab = self.vocab_size
             next_tokens = sample_next_tokens(
                 logits, input_ids, position_ids, *sampling, vocab, self.sampling_candidates
             )
