@@ -245,6 +245,7 @@ class Pipeline:
             out = self._target_call("prefill", clock, self._pre_ids, self._pre_pos)
             if lo + n == P:
                 first = int(out[contract.NEXT_TOKENS][0, n - 1])
+                self._t_first = time.perf_counter()  # the first token exists from here on
             if with_draft:
                 last = lo + n == P
                 anchor = first if last else self.mask_id
@@ -284,11 +285,9 @@ class Pipeline:
         stop = self._stop_set(stop_token_ids)
         sp = self._set_sampling(*sampling)
         clock = _Clock()
-        d0 = self.target.device_s + self.draft.device_s
         t0 = time.perf_counter()
 
         first, proposals = self._target_prefill(ids, clock, with_draft=True)
-        t_first = t0 + clock.total("prefill")
         t_dec = time.perf_counter()
         d_dec = self.target.device_s + self.draft.device_s
         tokens = [first]
@@ -340,35 +339,35 @@ class Pipeline:
             )
             start = new_start
 
-        t_end = time.perf_counter()
-        decode_s = t_end - t_dec
-        device = self.target.device_s + self.draft.device_s
-        n = len(tokens)
-        self._result = GenerationResult(
-            tokens=tokens,
-            acceptance_lengths=lengths,
-            stop_reason=reason,
-            stats={
-                "tau": float(np.mean(lengths)) if lengths else 0.0,
-                "steps": len(lengths),
-                "ttft_s": t_first - t0,
-                "prefill_s": t_dec - t0,
-                "decode_s": decode_s,
-                "tpot_s": decode_s / n,
-                "tokens_per_s": n / decode_s if decode_s > 0 else float("inf"),
-                "device_s": device - d_dec,
-                "host_s": decode_s - (device - d_dec),
-                "bytes_per_step": (clock.bytes.get("verify", 0) + clock.bytes.get("draft", 0))
-                / max(len(lengths), 1),
-                "prompt_tokens": P,
-                "new_tokens": n,
-                "prefill_calls": len(clock.times.get("prefill", ())),
-                "draft_prefill_calls": len(clock.times.get("draft_prefill", ())),
-                "device_s_total": device - d0,
-                **self._sampling_stats(sp),
-            },
-            call_times=clock.times,
+        self._result = self._finish(
+            tokens, lengths, reason, clock, P, t0, t_dec, d_dec, ("verify", "draft"), sp
         )
+
+    def _finish(self, tokens, lengths, reason, clock, P, t0, t_dec, d_dec, step_kinds, sp):
+        """The result and its statistics. Decode time runs from the end of prefill (the draft's
+        included) to the end, as the reference measures it; device time is time inside program
+        calls, host time the rest of the decode loop."""
+        decode_s = time.perf_counter() - t_dec
+        device_s = self.target.device_s + self.draft.device_s - d_dec
+        n = len(tokens)
+        stats = {
+            "tau": float(np.mean(lengths)) if lengths else 0.0,
+            "steps": len(lengths),
+            "ttft_s": self._t_first - t0,
+            "prefill_s": t_dec - t0,
+            "decode_s": decode_s,
+            "tpot_s": decode_s / n,
+            "tokens_per_s": n / decode_s if decode_s > 0 else float("inf"),
+            "device_s": device_s,
+            "host_s": decode_s - device_s,
+            "bytes_per_step": sum(clock.bytes.get(k, 0) for k in step_kinds) / max(len(lengths), 1),
+            "prompt_tokens": P,
+            "new_tokens": n,
+            "prefill_calls": len(clock.times.get("prefill", ())),
+            "draft_prefill_calls": len(clock.times.get("draft_prefill", ())),
+            **self._sampling_stats(sp),
+        }
+        return GenerationResult(tokens, lengths, stats, reason, call_times=clock.times)
 
     # ------------------------------------------------------------------ target alone
 
@@ -384,7 +383,7 @@ class Pipeline:
         t0 = time.perf_counter()
         first, _ = self._target_prefill(ids, clock, with_draft=False)
         t_dec = time.perf_counter()
-        d_dec = self.target.device_s
+        d_dec = self.target.device_s + self.draft.device_s
         tokens = [first]
         yield [first]
         reason = "stop_token" if first in stop else None
@@ -406,32 +405,8 @@ class Pipeline:
             yield [t]
             if t in stop:
                 reason = "stop_token"
-        decode_s = time.perf_counter() - t_dec
-        n = len(tokens)
-        device = self.target.device_s - d_dec
-        steps = n - 1
-        self._result = GenerationResult(
-            tokens=tokens,
-            acceptance_lengths=[1] * steps,
-            stop_reason=reason,
-            stats={
-                "tau": 1.0,
-                "steps": steps,
-                "ttft_s": t_dec - t0,
-                "prefill_s": t_dec - t0,
-                "decode_s": decode_s,
-                "tpot_s": decode_s / n,
-                "tokens_per_s": n / decode_s if decode_s > 0 else float("inf"),
-                "device_s": device,
-                "host_s": decode_s - device,
-                "bytes_per_step": clock.bytes.get("decode", 0) / max(steps, 1),
-                "prompt_tokens": P,
-                "new_tokens": n,
-                "prefill_calls": len(clock.times.get("prefill", ())),
-                "draft_prefill_calls": 0,
-                **self._sampling_stats(sp),
-            },
-            call_times=clock.times,
+        self._result = self._finish(
+            tokens, [1] * (len(tokens) - 1), reason, clock, P, t0, t_dec, d_dec, ("decode",), sp
         )
 
     # ------------------------------------------------------------------ public
