@@ -1,0 +1,613 @@
+"""Train a DFlash draft for a target directory, on CPU, in the published checkpoint format.
+
+    python -m dflash_qaic.train.draft --target DIR --corpus PATH... --out DIR
+        [--block-size 16] [--draft-layers 1] [--target-layer-ids 1 3] [--steps N] [--seed S]
+        [--resume] [--eval-prompts FILE]
+    dflash-train-draft ...
+
+Recipe (the DFlash paper's): the target is frozen. Training sequences are the target's *own*
+greedy continuations of prompts cut from the corpus (generated once, cached in
+`OUT/train_state/sequences.pt`), so every label is what the target itself would say at decode
+time. Each step draws sequences and random anchor positions p in the continuation; the block is
+`[token at p, MASK × (B−1)]` at positions p … p+B−1 (MASK is the target's own embedding row
+`mask_token_id`); the context is the fused target feature (`hidden_norm(fc(concat))` of the
+target layers `target_layer_ids`; id j is Hugging Face's `hidden_states[j + 1]`) of every position
+< p; block row j (1 … B−1) is trained to predict the token at p + j with cross-entropy weighted by
+exp(−(j − 1)/γ). The draft's embedding and head are the target's, frozen and not saved.
+
+Many anchors of one sequence train in one forward: the block rows of all anchors are laid side by
+side, and an attention mask lets each block see its own context prefix and its own rows only
+(`multi_block_forward`, which computes exactly what `DFlashDraft.forward` computes per block).
+
+`OUT/config.json` + `OUT/model.safetensors` (3 + 11·L tensors) are written at the end;
+`OUT/train_state/` holds the sequence cache, the checkpoint (draft, optimizer, RNG state; written
+atomically every `--save-every` steps), the log and a summary. `--resume` continues from the
+checkpoint; the data of step s is drawn from a generator seeded with (seed, s), so a resumed run
+equals an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from dflash_qaic import checkpoints as ck
+from dflash_qaic.modeling.draft import DFlashDraft, apply_rope
+from dflash_qaic.train.common import (
+    DTYPES,
+    THREADS_HELP,
+    Log,
+    atomic_save,
+    atomic_write_text,
+    load_checkpoint,
+    lr_at,
+    save_safetensors_atomic,
+    step_generator,
+    torch_settings,
+)
+
+# Settings that must match for --resume.
+RESUME_KEYS = (
+    "block_size",
+    "draft_layers",
+    "target_layer_ids",
+    "mask_token_id",
+    "intermediate_size",
+    "steps",
+    "seed",
+    "batch_size",
+    "anchors",
+    "lr",
+    "warmup",
+    "weight_decay",
+    "gamma",
+    "threads",
+    "data_key",
+)
+
+
+def default_gamma(block_size: int) -> float:
+    """The paper's loss decay: γ = 7 for B = 16, 5 for B = 10, 4 for B = 8."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, 7.0 * block_size / 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Target side: tokens, greedy continuations, features
+
+
+def load_tokenizer(target_dir: Path):
+    """The target's own tokenizer, or None when the directory ships none."""
+    if not any((target_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+
+
+def encode_docs(docs: list[tuple[str, str]], tokenizer, vocab_size: int) -> list[torch.Tensor]:
+    """Token ids of every document: the target's tokenizer, else raw UTF-8 bytes."""
+    out = []
+    for _, text in docs:
+        if tokenizer is not None:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = list(text.encode("utf-8"))
+            if ids and max(ids) >= vocab_size:
+                raise SystemExit(
+                    f"the target has no tokenizer and a vocabulary of {vocab_size}: its corpus "
+                    "must be bytes below that (ship a tokenizer with the target)"
+                )
+        out.append(torch.tensor(ids, dtype=torch.long))
+    return out
+
+
+@torch.no_grad()
+def greedy_continue(model, prompts: torch.Tensor, n_new: int) -> torch.Tensor:
+    """[n, P] prompts (one length) -> [n, P + n_new]: the target's greedy continuation, not
+    stopped at EOS (as `dflash_generate(..., stop_token_ids=None)` decodes)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=prompts, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    new = [out.logits[:, -1].argmax(-1)]
+    for _ in range(n_new - 1):
+        out = model(input_ids=new[-1][:, None], past_key_values=cache, use_cache=True)
+        new.append(out.logits[:, -1].argmax(-1))
+    return torch.cat([prompts, torch.stack(new, dim=1)], dim=1)
+
+
+def make_sequences(model, doc_ids: list[torch.Tensor], a, gen: torch.Generator) -> list[dict]:
+    """`a.num_seqs` training sequences: a prompt cut from a random document (chosen in proportion
+    to its length) followed by `a.gen_len` greedy target tokens. Prompts of one generation batch
+    share a length (drawn from `a.prompt_len`), so no padding ever enters the target."""
+    from tqdm import tqdm
+
+    lengths = torch.tensor([len(d) for d in doc_ids], dtype=torch.float64)
+    lo, hi = a.prompt_len
+    seqs: list[dict] = []
+    bar = tqdm(total=a.num_seqs, desc="greedy sequences", mininterval=2)
+    while len(seqs) < a.num_seqs:
+        n = min(a.gen_batch, a.num_seqs - len(seqs))
+        plen = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+        weights = torch.where(lengths >= plen, lengths, torch.zeros_like(lengths))
+        if weights.sum() == 0:
+            raise SystemExit(f"no corpus document has {plen} tokens; lower --prompt-len")
+        docs = torch.multinomial(weights, n, replacement=True, generator=gen)
+        room = lengths[docs] - plen + 1
+        starts = (torch.rand(n, generator=gen, dtype=torch.float64) * room).long()
+        prompts = torch.stack([doc_ids[d][s : s + plen] for d, s in zip(docs.tolist(), starts)])
+        for row in greedy_continue(model, prompts, a.gen_len):
+            seqs.append({"tokens": row.clone(), "prompt_len": plen})
+        bar.update(n)
+    bar.close()
+    return seqs
+
+
+@torch.no_grad()
+def target_features(model, tokens: torch.Tensor, layer_ids) -> torch.Tensor:
+    """[b, L] -> concat of hidden_states[j + 1] for j in layer_ids: [b, L, k·H]."""
+    hs = model(input_ids=tokens, output_hidden_states=True).hidden_states
+    return torch.cat([hs[j + 1] for j in layer_ids], dim=-1).float()
+
+
+# ---------------------------------------------------------------------------------------------
+# The draft side
+
+
+def draft_config_dict(
+    t: ck.TargetConfig,
+    *,
+    block_size: int,
+    draft_layers: int,
+    target_layer_ids: list[int],
+    mask_token_id: int,
+    intermediate_size: int,
+    dtype: str,
+) -> dict:
+    """config.json of a DFlash draft for target `t`, in the published (z-lab) layout."""
+    raw = t.raw
+    cfg = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": t.hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": draft_layers,
+        "num_attention_heads": t.num_heads,
+        "num_key_value_heads": t.num_kv_heads,
+        "head_dim": t.head_dim,
+        "vocab_size": t.vocab_size,
+        "rms_norm_eps": t.rms_norm_eps,
+        "rope_theta": t.rope_theta,
+        "max_position_embeddings": int(raw.get("max_position_embeddings", 4096)),
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "num_target_layers": t.num_layers,
+        "block_size": block_size,
+        "dflash_config": {
+            "mask_token_id": mask_token_id,
+            "target_layer_ids": list(target_layer_ids),
+            "block_size": block_size,
+        },
+        "torch_dtype": dtype,
+    }
+    rp = raw.get("rope_parameters") or {}
+    if rp.get("rope_type", "default") != "default" or raw.get("rope_scaling"):
+        cfg["rope_parameters"] = rp or None
+        cfg["rope_scaling"] = raw.get("rope_scaling")
+    return cfg
+
+
+def init_draft(c: ck.DraftConfig, seed: int, std: float = 0.02) -> DFlashDraft:
+    """A fresh draft: normal(0, std) matrices, unit norms (Hugging Face's Qwen3 init)."""
+    draft = DFlashDraft(c)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return draft
+
+
+def multi_block_forward(
+    draft: DFlashDraft, ctx: torch.Tensor, block_emb: torch.Tensor, anchors: torch.Tensor
+) -> torch.Tensor:
+    """Many blocks against one context in one pass.
+
+    ctx [S, T, H]: fused features at positions 0 … T−1; anchors [S, A]: block start positions;
+    block_emb [S, A·B, H]: the A blocks' embeddings side by side. Returns the normed block hidden
+    [S, A·B, H]. Block a's rows attend to context positions < anchors[a] and to the rows of block
+    a (bidirectionally), nothing else: per block, exactly `DFlashDraft.forward(ctx[:, :p],
+    arange(p), block_emb_a, p + arange(B))` with p = anchors[a]."""
+    S, T, _ = ctx.shape
+    A = anchors.shape[1]
+    B = block_emb.shape[1] // A
+    block_pos = (anchors[:, :, None] + torch.arange(B)).reshape(S, A * B)
+    ctx_pos = torch.arange(T).expand(S, T)
+    ccos, csin = draft.rope(ctx_pos)
+    cos, sin = draft.rope(block_pos)
+    starts = anchors.repeat_interleave(B, dim=1)  # [S, A·B]: each row's block start
+    sees_ctx = ctx_pos[:, None, :] < starts[:, :, None]  # [S, A·B, T]
+    blk = torch.arange(A * B) // B
+    sees_blk = (blk[:, None] == blk[None, :]).expand(S, -1, -1)  # [S, A·B, A·B]
+    mask = torch.cat([sees_ctx, sees_blk], dim=-1)[:, None]  # [S, 1, A·B, T + A·B]
+
+    h = block_emb
+    for layer in draft.layers:
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = attn.q_norm(attn.q_proj(x).view(S, A * B, attn.n_heads, attn.hd)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        ctx_k, ctx_v = attn.kv(ctx, ccos, csin)  # no input_layernorm on the context
+        blk_k, blk_v = attn.kv(x, cos, sin)
+        k = torch.cat([ctx_k, blk_k], dim=2)
+        v = torch.cat([ctx_v, blk_v], dim=2)
+        # A dense mask (block-diagonal between blocks) in the fused kernel: on CPU this is faster
+        # than computing the block-to-block scores per block with materialised softmax.
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=attn.hd**-0.5, enable_gqa=True
+        )
+        h = h + attn.o_proj(out.transpose(1, 2).reshape(S, A * B, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return draft.norm(h)
+
+
+def sample_batch(
+    seqs: list[dict], n_anchors: int, batch_size: int, block_size: int, gen: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """Sequence indices, anchors in each continuation (p ∈ [prompt_len, len − 2], so at least one
+    label), block token ids and labels (−100 past a sequence's end)."""
+    idx = torch.randint(0, len(seqs), (batch_size,), generator=gen)
+    lens = torch.tensor([seqs[i]["tokens"].numel() for i in idx.tolist()])
+    plen = torch.tensor([seqs[i]["prompt_len"] for i in idx.tolist()])
+    span = (lens - 1 - plen).clamp(min=1)  # number of anchor choices
+    anchors = (
+        plen[:, None] + (torch.rand(batch_size, n_anchors, generator=gen) * span[:, None]).long()
+    )
+    L = int(lens.max())
+    tokens = torch.zeros(batch_size, L, dtype=torch.long)
+    for r, i in enumerate(idx.tolist()):
+        tokens[r, : lens[r]] = seqs[i]["tokens"]
+    pos = anchors[:, :, None] + torch.arange(block_size)  # [S, A, B]
+    labels = tokens.gather(1, pos.clamp(max=L - 1).view(batch_size, -1)).view(pos.shape)
+    labels = torch.where(pos < lens[:, None, None], labels, -100)
+    return {"idx": idx, "lens": lens, "tokens": tokens, "anchors": anchors, "labels": labels}
+
+
+def block_loss(
+    draft: DFlashDraft,
+    ctx: torch.Tensor,
+    batch: dict[str, torch.Tensor],
+    embed_w: torch.Tensor,
+    head_w: torch.Tensor,
+    mask_token_id: int,
+    weights: torch.Tensor,
+) -> tuple[torch.Tensor, dict]:
+    """Weighted cross-entropy of block rows 1 … B−1, plus the training acceptance estimate
+    (1 + the number of leading rows whose argmax is right, averaged over blocks)."""
+    labels = batch["labels"]  # [S, A, B]
+    S, A, B = labels.shape
+    block_ids = torch.full_like(labels, mask_token_id)
+    block_ids[:, :, 0] = labels[:, :, 0]  # the anchor's own token (always valid)
+    emb = draft.embed(block_ids.view(S, A * B), embed_w)
+    h = multi_block_forward(draft, ctx, emb, batch["anchors"]).view(S, A, B, -1)[:, :, 1:]
+    logits = draft.logits(h, head_w).float()  # [S, A, B−1, V]
+    target = labels[:, :, 1:]
+    valid = target >= 0
+    ce = F.cross_entropy(logits.flatten(0, 2), target.flatten().clamp(min=0), reduction="none")
+    w = weights.view(1, 1, -1) * valid
+    loss = (ce.view(S, A, B - 1) * w).sum() / w.sum()
+    with torch.no_grad():
+        right = (logits.argmax(-1) == target) & valid
+        tau = 1 + right.long().cumprod(-1).sum(-1).float().mean()
+        acc = right.sum() / valid.sum()
+    return loss, {"tau": tau.item(), "acc": acc.item()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+
+
+def _data_key(a, target_digest: str, corpus_digest: str) -> str:
+    fields = [
+        target_digest,
+        corpus_digest,
+        a.seed,
+        a.num_seqs,
+        a.prompt_len,
+        a.gen_len,
+        a.gen_batch,
+    ]
+    return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]
+
+
+class FeatureSource:
+    """Target features of training sequences: all computed once and kept in memory when they fit
+    in `budget_gb`, else computed per batch (the target is causal, so right-padding a batch
+    leaves every real position's features unchanged)."""
+
+    def __init__(self, model, seqs, layer_ids, budget_gb: float, group: int):
+        self.model, self.seqs, self.layer_ids = model, seqs, list(layer_ids)
+        k_h = len(self.layer_ids) * model.config.hidden_size
+        need = sum(s["tokens"].numel() for s in seqs) * k_h * 4 / 1e9
+        self.cache: list[torch.Tensor] | None = None
+        if need <= budget_gb:
+            from tqdm import tqdm
+
+            self.cache = []
+            i = 0
+            bar = tqdm(total=len(seqs), desc=f"features ({need:.2f} GB)", mininterval=2)
+            while i < len(seqs):  # runs of equal length, as generated
+                j = i
+                while (
+                    j < len(seqs)
+                    and j - i < group
+                    and len(seqs[j]["tokens"]) == len(seqs[i]["tokens"])
+                ):
+                    j += 1
+                toks = torch.stack([s["tokens"] for s in seqs[i:j]])
+                self.cache.extend(target_features(model, toks, self.layer_ids).unbind(0))
+                bar.update(j - i)
+                i = j
+            bar.close()
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.cache is None:
+            return target_features(self.model, batch["tokens"], self.layer_ids)
+        S, L = batch["tokens"].shape
+        out = torch.zeros(S, L, self.cache[0].shape[-1])
+        for r, i in enumerate(batch["idx"].tolist()):
+            f = self.cache[i]
+            out[r, : f.shape[0]] = f
+        return out
+
+
+def train(a: argparse.Namespace, stop_after: int | None = None) -> dict:
+    """Run (or resume) training as `a` says; returns the summary."""
+    with torch_settings(a.seed, a.threads):
+        return _train(a, stop_after)
+
+
+def _train(a: argparse.Namespace, stop_after: int | None) -> dict:
+    from tqdm import tqdm
+
+    from dflash_qaic.train.corpus import corpus_digest, read_corpus
+
+    t_start = time.time()
+    out = Path(a.out)
+    state_dir = Path(a.state_dir) if a.state_dir else out / "train_state"
+    ckpt_path = state_dir / "checkpoint.pt"
+    if not a.resume and ckpt_path.is_file():
+        raise SystemExit(f"{ckpt_path} exists: pass --resume to continue it, or use a new --out")
+
+    tdir = Path(a.target)
+    t = ck.read_target_config(tdir)
+    target = ck.load_target_model(t)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    tokenizer = load_tokenizer(tdir)
+    layer_ids = a.target_layer_ids or ck.default_target_layer_ids(t.num_layers, a.draft_layers)
+    if a.mask_token_id is None:
+        mid = getattr(tokenizer, "mask_token_id", None) if tokenizer is not None else None
+        a.mask_token_id = int(mid) if mid is not None else t.vocab_size - 1
+    a.target_layer_ids = [int(i) for i in layer_ids]
+    a.intermediate_size = a.intermediate_size or int(t.raw.get("intermediate_size"))
+    a.gamma = a.gamma or default_gamma(a.block_size)
+
+    # The draft's config is written first (into the state dir) and read back, so the draft is
+    # built from exactly the config.json that ships with it.
+    cfg = draft_config_dict(
+        t,
+        block_size=a.block_size,
+        draft_layers=a.draft_layers,
+        target_layer_ids=a.target_layer_ids,
+        mask_token_id=a.mask_token_id,
+        intermediate_size=a.intermediate_size,
+        dtype=a.dtype,
+    )
+    atomic_write_text(state_dir / "config.json", json.dumps(cfg, indent=2) + "\n")
+    c = ck.read_draft_config(state_dir)
+    ck.validate_pair(t, c)
+
+    # Training sequences: the target's greedy continuations, generated once.
+    docs = read_corpus(a.corpus, a.glob)
+    a.data_key = _data_key(a, ck.file_digest(tdir), corpus_digest(docs))
+    seq_path = state_dir / "sequences.pt"
+    t_gen = 0.0
+    cached = torch.load(seq_path, weights_only=False) if seq_path.is_file() else None
+    if cached is not None and cached.get("key") == a.data_key:
+        seqs = cached["seqs"]
+    else:
+        if cached is not None:
+            print(f"{seq_path} was made for other data; regenerating", file=sys.stderr)
+        t0 = time.time()
+        doc_ids = encode_docs(docs, tokenizer, t.vocab_size)
+        seqs = make_sequences(target, doc_ids, a, torch.Generator().manual_seed(a.seed))
+        t_gen = time.time() - t0
+        atomic_save({"key": a.data_key, "seqs": seqs, "seconds": t_gen}, seq_path)
+    features = FeatureSource(target, seqs, a.target_layer_ids, a.feature_cache_gb, a.gen_batch)
+
+    draft = init_draft(c, a.seed)
+    draft.train()
+    decay = [p for p in draft.parameters() if p.dim() >= 2]
+    no_decay = [p for p in draft.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": a.weight_decay},
+            {"params": no_decay, "weight_decay": 0},
+        ],
+        lr=a.lr,
+        betas=(0.9, 0.95),
+    )
+    settings = {k: getattr(a, k) for k in RESUME_KEYS}
+    start, history, elapsed = 0, [], 0.0
+    if a.resume and ckpt_path.is_file():
+        ckpt = load_checkpoint(ckpt_path, settings)
+        draft.load_state_dict(ckpt["draft"])
+        opt.load_state_dict(ckpt["optimizer"])
+        torch.set_rng_state(ckpt["rng"])
+        start, history, elapsed = ckpt["step"], ckpt["history"], ckpt["elapsed"]
+        print(f"resumed from {ckpt_path} at step {start}", file=sys.stderr)
+
+    embed_w = target.get_input_embeddings().weight.detach()
+    head_w = target.get_output_embeddings().weight.detach()
+    weights = torch.exp(-torch.arange(a.block_size - 1, dtype=torch.float32) / a.gamma)
+    log = Log(state_dir / "log.jsonl")
+    n_params = sum(p.numel() for p in draft.parameters())
+    if start == 0:
+        log.write(
+            event="start", params=n_params, sequences=len(seqs), gen_s=round(t_gen, 1), **settings
+        )
+
+    t0 = time.time()
+
+    def checkpoint(step: int) -> None:
+        atomic_save(
+            {
+                "step": step,
+                "draft": draft.state_dict(),
+                "optimizer": opt.state_dict(),
+                "rng": torch.get_rng_state(),
+                "history": history,
+                "elapsed": elapsed + time.time() - t0,
+                "settings": settings,
+            },
+            ckpt_path,
+        )
+
+    end = a.steps if stop_after is None else min(a.steps, stop_after)
+    bar = tqdm(range(start, end), initial=start, total=a.steps, desc="draft", mininterval=2)
+    for step in bar:
+        lr = lr_at(step, a.steps, a.lr, a.warmup)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        batch = sample_batch(
+            seqs, a.anchors, a.batch_size, a.block_size, step_generator(a.seed, step)
+        )
+        ctx = draft.fuse(features(batch))
+        loss, stats = block_loss(draft, ctx, batch, embed_w, head_w, c.mask_token_id, weights)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        history.append((loss.item(), stats["tau"]))
+        recent = history[-20:]
+        mean_loss = sum(x[0] for x in recent) / len(recent)
+        mean_tau = sum(x[1] for x in recent) / len(recent)
+        bar.set_postfix(loss=f"{mean_loss:.3f}", tau=f"{mean_tau:.2f}", lr=f"{lr:.1e}")
+        if (step + 1) % 20 == 0:
+            log.write(step=step + 1, loss=round(mean_loss, 4), tau_train=round(mean_tau, 3), lr=lr)
+        if (step + 1) % a.save_every == 0 and step + 1 < end:
+            checkpoint(step + 1)
+    bar.close()
+    checkpoint(end)
+    elapsed += time.time() - t0
+    if end < a.steps:
+        print(f"stopped at step {end}; continue with --resume", file=sys.stderr)
+        return {"step": end, "history": history}
+
+    save_draft(draft, cfg, out, DTYPES[a.dtype])
+    tail = history[-50:]
+    summary = {
+        "steps": a.steps,
+        "params": n_params,
+        "sequences": len(seqs),
+        "final_loss": round(sum(x[0] for x in tail) / len(tail), 4),
+        "final_tau_train": round(sum(x[1] for x in tail) / len(tail), 3),
+        "train_wall_time_s": round(elapsed, 1),
+        "run_wall_time_s": round(time.time() - t_start, 1),
+        "generation_s": round(t_gen, 1),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "settings": settings,
+    }
+    if a.eval_prompts:
+        from dflash_qaic.train.tau import measure_tau, read_prompts
+
+        res = measure_tau(
+            tdir, out, read_prompts(a.eval_prompts), max_new_tokens=a.eval_max_new_tokens
+        )
+        summary["eval"] = {k: res[k] for k in ("mean_tau", "pooled_tau", "per_prompt_tau")}
+    atomic_write_text(state_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    log.write(event="done", **{k: v for k, v in summary.items() if k != "settings"})
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("settings",)}))
+    summary["history"] = history
+    return summary
+
+
+def save_draft(draft: DFlashDraft, cfg: dict, out: Path, dtype: torch.dtype) -> None:
+    """config.json + model.safetensors (the 3 + 11·L tensors), each written atomically."""
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(dtype) for k, v in draft.state_dict().items()}
+    save_safetensors_atomic(state, out / "model.safetensors")
+    atomic_write_text(out / "config.json", json.dumps(cfg, indent=2) + "\n")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dflash_qaic.train.draft",
+        description="Train a DFlash draft for a target directory (CPU).",
+    )
+    p.add_argument("--target", required=True, help="Hugging Face target directory (frozen)")
+    p.add_argument("--corpus", nargs="+", default=["stdlib"], help="stdlib | files | dirs")
+    p.add_argument("--glob", default="*.py", help="files taken from corpus directories")
+    p.add_argument("--out", required=True, help="draft directory to write")
+    p.add_argument("--state-dir", default=None, help="default OUT/train_state")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--draft-layers", type=int, default=1)
+    p.add_argument("--target-layer-ids", type=int, nargs="+", default=None)
+    p.add_argument("--mask-token-id", type=int, default=None, help="default: tokenizer's mask")
+    p.add_argument("--intermediate-size", type=int, default=None, help="default: target's")
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    p.add_argument("--anchors", type=int, default=32, help="anchors (blocks) per sequence")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--gamma", type=float, default=None, help="loss decay; default 7 at B=16")
+    p.add_argument("--num-seqs", type=int, default=2048, help="greedy training sequences")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 320], metavar=("MIN", "MAX"))
+    p.add_argument("--gen-len", type=int, default=192, help="greedy tokens per sequence")
+    p.add_argument("--gen-batch", type=int, default=32)
+    p.add_argument("--feature-cache-gb", type=float, default=4.0)
+    p.add_argument("--threads", type=int, default=1, help=THREADS_HELP)
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float16", help="saved weights")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint")
+    p.add_argument("--stop-after", type=int, default=None, help="checkpoint and stop at this step")
+    p.add_argument("--eval-prompts", default=None, help="JSONL prompts: measure τ at the end")
+    p.add_argument("--eval-max-new-tokens", type=int, default=128)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parser().parse_args(argv)
+    if a.gen_len < 2 or a.block_size < 2:
+        raise SystemExit("--gen-len and --block-size must be at least 2")
+    train(a, stop_after=a.stop_after)
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = [
+    "default_gamma",
+    "draft_config_dict",
+    "greedy_continue",
+    "multi_block_forward",
+    "sample_batch",
+    "target_features",
+    "train",
+]

@@ -1,0 +1,232 @@
+"""The trainers (`dflash_qaic.train`) and the committed trained pair (`dflash_qaic.assets`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_qaic import assets
+from dflash_qaic import checkpoints as ck
+from dflash_qaic.modeling.draft import DFlashDraft
+from dflash_qaic.train import corpus as C
+from dflash_qaic.train import draft as D
+from dflash_qaic.train import target as T
+
+CODE_A = "def f(x):\n    return x + 1\n\n" * 20
+CODE_B = "for i in range(10):\n    print(i, i * i)\n" * 20
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Small matrices on a shared 2-core machine: one thread is much faster (see THREADS_HELP)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random target (layer ids 1 and 3 named) and a two-file corpus."""
+    from dflash_qaic.tiny import make_tiny_pair
+
+    root = tmp_path_factory.mktemp("train")
+    tdir, _ = make_tiny_pair(root / "pair", target_layer_ids=[1, 3], block_size=8)
+    (root / "a.py").write_text(CODE_A)
+    (root / "b.py").write_text(CODE_B)
+    return root, tdir
+
+
+def _draft_args(root, tdir, out, *extra: str):
+    argv = ["--target", str(tdir), "--corpus", str(root / "a.py"), str(root / "b.py")]
+    argv += ["--out", str(out), "--block-size", "8", "--target-layer-ids", "1", "3"]
+    argv += ["--num-seqs", "8", "--gen-batch", "8", "--gen-len", "16", "--prompt-len", "8", "24"]
+    argv += ["--batch-size", "4", "--anchors", "6", "--warmup", "4", "--lr", "3e-3"]
+    argv += ["--save-every", "3", "--dtype", "float32", *extra]
+    return D.parser().parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# The draft trainer
+
+
+@torch.no_grad()
+def test_multi_block_forward_equals_dflash_draft(tiny_pair):
+    """The batched training forward (many anchors, one masked pass) computes, for every block,
+    exactly what `DFlashDraft.forward` computes on that block's context prefix."""
+    tdir, ddir = tiny_pair(target_layer_ids=[1, 3], draft_layers=2, block_size=8)
+    pair = ck.read_pair(tdir, ddir)
+    target = ck.load_target_model(pair.target)
+    draft = DFlashDraft.from_checkpoint(pair.draft, ck.load_draft_state(pair.draft))
+    embed = target.get_input_embeddings().weight
+    gen = torch.Generator().manual_seed(0)
+    S, L, A, B = 2, 30, 5, pair.draft.block_size
+    tokens = torch.randint(0, 250, (S, L), generator=gen)
+    ctx = draft.fuse(D.target_features(target, tokens, pair.draft.target_layer_ids))
+    anchors = torch.randint(1, L - B, (S, A), generator=gen)
+    block_ids = torch.full((S, A, B), pair.draft.mask_token_id)
+    block_ids[:, :, 0] = tokens.gather(1, anchors)
+    emb = draft.embed(block_ids.view(S, A * B), embed)
+    got = D.multi_block_forward(draft, ctx, emb, anchors).view(S, A, B, -1)
+    for s in range(S):
+        for a in range(A):
+            p = int(anchors[s, a])
+            expect = draft(
+                ctx[s : s + 1, :p],
+                torch.arange(p)[None],
+                emb[s : s + 1, a * B : (a + 1) * B],
+                torch.arange(p, p + B)[None],
+            )
+            torch.testing.assert_close(got[s, a], expect[0], atol=2e-5, rtol=1e-5)
+
+
+def test_sample_batch_anchors_and_labels():
+    seqs = [{"tokens": torch.arange(100, 120), "prompt_len": 12}] * 3
+    b = D.sample_batch(seqs, 50, 3, 4, torch.Generator().manual_seed(0))
+    assert b["anchors"].min() >= 12 and b["anchors"].max() <= 18  # ≥ one label after the anchor
+    lab = b["labels"]
+    assert torch.equal(lab[..., 0], 100 + b["anchors"])
+    pos = b["anchors"][..., None] + torch.arange(4)
+    assert torch.equal(lab, torch.where(pos < 20, 100 + pos, -100))
+
+
+def test_train_tiny_writes_valid_draft_and_loss_decreases(tiny, tmp_path):
+    from dflash.model import DFlashDraftModel
+
+    root, tdir = tiny
+    out = tmp_path / "draft"
+    summary = D.train(_draft_args(root, tdir, out, "--steps", "36"))
+    pair = ck.read_pair(tdir, out)
+    assert pair.draft.target_layer_ids == (1, 3) and pair.draft.block_size == 8
+    assert pair.draft.mask_token_id == 255  # no tokenizer: the last vocabulary row
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "train_state",
+    ]
+    ref = DFlashDraftModel.from_pretrained(str(out), dtype=torch.float32)
+    assert list(ref.target_layer_ids) == [1, 3]
+    losses = [x[0] for x in summary["history"]]
+    assert sum(losses[-4:]) < 0.5 * sum(losses[:4]), losses
+    assert (out / "train_state" / "summary.json").is_file()
+
+
+def test_resume_equals_uninterrupted_run(tiny, tmp_path):
+    root, tdir = tiny
+    full, part = tmp_path / "full", tmp_path / "part"
+    D.train(_draft_args(root, tdir, full, "--steps", "8"))
+    # The interrupted run reuses the sequence cache (same data key), as a real resume does.
+    (part / "train_state").mkdir(parents=True)
+    seq = (full / "train_state" / "sequences.pt").read_bytes()
+    (part / "train_state" / "sequences.pt").write_bytes(seq)
+    stopped = D.train(_draft_args(root, tdir, part, "--steps", "8"), stop_after=5)
+    assert stopped["step"] == 5 and not (part / "model.safetensors").exists()
+    ckpt = torch.load(part / "train_state" / "checkpoint.pt", weights_only=False)
+    assert ckpt["step"] == 5 and len(ckpt["optimizer"]["state"]) > 0
+    with pytest.raises(SystemExit, match="--resume"):
+        D.train(_draft_args(root, tdir, part, "--steps", "8"))
+    with pytest.raises(SystemExit, match="other settings"):
+        D.train(_draft_args(root, tdir, part, "--steps", "8", "--lr", "1e-3", "--resume"))
+    D.train(_draft_args(root, tdir, part, "--steps", "8", "--resume"))
+    a, b = load_file(full / "model.safetensors"), load_file(part / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+# ---------------------------------------------------------------------------------------------
+# The target trainer, the corpus and the tokenizer
+
+
+def _target_args(root, out, *extra: str):
+    argv = ["--corpus", str(root / "a.py"), str(root / "b.py"), "--out", str(out)]
+    argv += ["--hidden-size", "32", "--layers", "2", "--heads", "2", "--kv-heads", "1"]
+    argv += ["--intermediate-size", "64", "--seq-len", "32", "--batch-size", "2", "--warmup", "1"]
+    argv += ["--save-every", "2", "--dtype", "float32", "--no-eval-heldout", *extra]
+    return T.parser().parse_args(argv)
+
+
+def test_target_trainer_writes_hf_dir_and_resumes_exactly(tiny, tmp_path):
+    from transformers import AutoTokenizer
+
+    root, _ = tiny
+    full, part = tmp_path / "full", tmp_path / "part"
+    summary = T.train(_target_args(root, full, "--steps", "6"))
+    assert summary["steps"] == 6
+    t = ck.read_target_config(full)
+    assert t.family == "qwen3" and t.vocab_size == C.BYTE_VOCAB_SIZE and t.num_layers == 2
+    ck.load_target_model(t)
+    tok = AutoTokenizer.from_pretrained(full, local_files_only=True)
+    assert tok.eos_token_id == C.EOS_ID and tok.mask_token_id == C.MASK_ID
+
+    assert T.train(_target_args(root, part, "--steps", "6"), stop_after=3) == {"step": 3}
+    T.train(_target_args(root, part, "--steps", "6", "--resume"))
+    a, b = load_file(full / "model.safetensors"), load_file(part / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_byte_tokenizer_round_trips(tmp_path):
+    from transformers import AutoTokenizer
+
+    C.build_byte_tokenizer().save_pretrained(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    for s in ["def f(x):\n\treturn  x ", "héllo wörld — 日本語 😀\r\n", "", " \x00\x7f"]:
+        ids = tok(s, add_special_tokens=False)["input_ids"]
+        assert ids == C.byte_ids(s)
+        assert tok.decode(ids) == s
+
+
+def test_stdlib_split_is_disjoint_and_deterministic():
+    train, held = C.stdlib_files("train"), C.stdlib_files("heldout")
+    assert len(train) > 100 and len(held) > 10
+    assert not set(train) & set(held)
+    assert C.stdlib_files("heldout") == held
+    root = C.stdlib_root()
+    assert all(C.is_heldout(p.relative_to(root).as_posix()) for p in held)
+
+
+# ---------------------------------------------------------------------------------------------
+# The committed pair
+
+
+def test_committed_pair_loads_and_validates():
+    from transformers import AutoTokenizer
+
+    tdir, ddir = assets.default_pair()
+    pair = ck.read_pair(tdir, ddir)
+    tok = AutoTokenizer.from_pretrained(tdir, local_files_only=True)
+    s = "    def __init__(self, name='ü'):\n        self.name = name\n"
+    assert tok.decode(tok(s, add_special_tokens=False)["input_ids"]) == s
+    assert pair.draft.mask_token_id == tok.mask_token_id == C.MASK_ID
+    assert pair.draft.block_size == 16
+    size = sum(f.stat().st_size for d in (tdir, ddir) for f in d.iterdir())
+    assert size < 6.5e6, size
+    assert not (ddir / "train_state").exists() and not (tdir / "train_state").exists()
+    prompts = assets.heldout_prompts()
+    assert 16 <= len(prompts) <= 32 and all(100 <= len(p.encode()) <= 300 for p in prompts)
+    # Held-out prompts come from held-out files only.
+    rows = (assets.ROOT / "prompts" / "heldout.jsonl").read_text().splitlines()
+    assert all(C.is_heldout(json.loads(r)["source"].rsplit(":", 1)[0]) for r in rows)
+
+
+def test_committed_pair_reference_is_greedy_and_accepts():
+    """dflash_generate on the committed pair equals HF greedy generate, and the trained draft is
+    accepted (τ > 3) on held-out prompts."""
+    from dflash_qaic.train.tau import measure_tau
+
+    tdir, ddir = assets.default_pair()
+    res = measure_tau(tdir, ddir, assets.heldout_prompts()[:4], 64, check_greedy=True)
+    assert all(res["greedy_equal"])
+    assert res["mean_tau"] > 3.0, res
+
+
+@pytest.mark.slow
+def test_committed_pair_tau_at_block_16():
+    from dflash_qaic.train.tau import measure_tau
+
+    tdir, ddir = assets.default_pair()
+    res = measure_tau(tdir, ddir, assets.heldout_prompts(), 128, block_size=16)
+    assert res["mean_tau"] >= 4.0, res
