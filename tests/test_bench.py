@@ -78,6 +78,79 @@ def test_traffic_model_real_recipes():
     assert m["draft_in"] == 16 * 8 * 2 + 4 * 2560 * 4 + 4 * 8
 
 
+def test_chi2_sf_against_scipy():
+    sps = pytest.importorskip("scipy.stats")
+    for x, df in [(0.5, 1), (3.0, 2), (10.0, 5), (100.0, 80), (300.0, 250), (50.0, 3), (1e-3, 3)]:
+        assert stats.chi2_sf(x, df) == pytest.approx(sps.chi2.sf(x, df), rel=1e-9, abs=1e-300)
+    assert stats.chi2_sf(0.0, 4) == 1.0
+    # df 2: the survival function is exp(-x/2)
+    assert stats.chi2_sf(6.0, 2) == pytest.approx(math.exp(-3.0))
+    with pytest.raises(ValueError):
+        stats.chi2_sf(1.0, 0)
+
+
+def test_token_distribution_check_by_hand():
+    # two pairs; A has tokens 1,1,2,2 and B 1,2,2,2 in all: a 2 × 2 table with no merging
+    pairs = [([1, 1], [1, 2]), ([2, 2], [2, 2])]
+    r = stats.token_distribution_check(pairs, min_expected=0.5, permutations=0)
+    # pooled: token 1 3 of 8, token 2 5 of 8; expected per side 1.5 and 2.5
+    chi2 = 2 * ((2 - 1.5) ** 2 / 1.5 + (2 - 2.5) ** 2 / 2.5)
+    assert r["chi2"] == pytest.approx(chi2) and r["df"] == 1 and r["bins"] == 2
+    assert r["p_asymptotic"] == pytest.approx(stats.chi2_sf(chi2, 1))
+    assert r["p_permutation"] is None and r["tokens"] == [4, 4]
+    assert r["total_variation"] == pytest.approx(0.25)  # |2/4 − 1/4| over two tokens, halved
+    # rare tokens (expected < 5) are merged into one bin
+    r = stats.token_distribution_check(pairs, permutations=0)
+    assert r["bins"] == 1 and r["merged_tokens"] == 2 and r["p_asymptotic"] == 1.0
+    with pytest.raises(ValueError):
+        stats.token_distribution_check([])
+
+
+def test_token_distribution_check_null_and_alternative():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.full(30, 0.5))
+    q = np.roll(p, 1)  # a different distribution over the same tokens
+
+    def runs(dist_a, dist_b, n=24, length=64):
+        return [
+            (rng.choice(30, length, p=dist_a).tolist(), rng.choice(30, length, p=dist_b).tolist())
+            for _ in range(n)
+        ]
+
+    same = stats.token_distribution_check(runs(p, p), permutations=400, seed=1)
+    diff = stats.token_distribution_check(runs(p, q), permutations=400, seed=1)
+    assert same["p_permutation"] > 0.001 and same["p_asymptotic"] > 0.001
+    assert diff["p_permutation"] == pytest.approx(1 / 401)  # no swap reaches the statistic
+    assert diff["p_asymptotic"] < 1e-6 and diff["total_variation"] > same["total_variation"]
+    small = runs(p, p, n=4)  # deterministic for a seed
+    once = stats.token_distribution_check(small, permutations=50, seed=3)
+    assert once == stats.token_distribution_check(small, permutations=50, seed=3)
+
+
+def test_sample_seeds_are_deterministic_and_distinct():
+    from dflash_qaic.bench.run import sample_seed
+
+    keys = [(0, 1.0, i, r, m) for i in range(4) for r in range(3) for m in ("baseline", "dflash")]
+    seeds = [sample_seed(*k) for k in keys]
+    assert seeds == [sample_seed(*k) for k in keys]
+    assert len(set(seeds)) == len(seeds) and all(s >= 0 for s in seeds)
+    assert sample_seed(1, 1.0, 0, 0, "dflash") != sample_seed(0, 1.0, 0, 0, "dflash")
+    assert sample_seed(0, 0.7, 0, 0, "dflash") != sample_seed(0, 1.0, 0, 0, "dflash")
+
+
+def test_parse_temperatures():
+    from dflash_qaic.bench.cli import parse_temperatures
+    from dflash_qaic.bench.run import BenchError
+
+    assert parse_temperatures("0,1") == [0.0, 1.0]
+    assert parse_temperatures(" 0.7 , 0 ,") == [0.7, 0.0]
+    for bad in ("", "a", "-1", "nan", "inf", "1,1.0"):
+        with pytest.raises(BenchError):
+            parse_temperatures(bad)
+
+
 # ---------------------------------------------------------------------------- end to end
 
 
@@ -117,6 +190,7 @@ def test_cli_end_to_end(tiny_artifacts, tmp_path):
 
     out = tmp_path / "bench"
     args = [str(tiny_artifacts), "--out", str(out), "--num-prompts", "2", "--repeats", "1"]
+    args += ["--temperatures", "0,1", "--seed", "5", "--sampled-repeats", "2"]
     rc = main([*args, "--max-new-tokens", "16", "--peer-repeats", "1", "--threads", "1"])
     assert rc == 0
     for name in ("results.json", "report.md", "report.png"):
@@ -156,8 +230,52 @@ def test_cli_end_to_end(tiny_artifacts, tmp_path):
     for s in peers.values():
         assert s["tokens_match_ours"] == 2
     assert res["peers"]["reference_acceptance_equal_ours"] == 2
+    # one section per temperature; the top level is the T = 0 one
+    t0, t1 = res["temperatures"]
+    assert (t0["temperature"], t1["temperature"]) == (0.0, 1.0)
+    assert t0["status"] == t1["status"] == "measured"
+    assert t0["aggregate"] == a and res["primary_temperature"] == 0.0
+    assert t0["lossless"]["passed"] and "distribution_check" not in t0
+    assert (t1["num_prompts"], t1["repeats"], t1["seed"]) == (2, 2, 5)
+    assert t1["reduced"] and "lossless" not in t1 and t1["problems"] == []
+    a1 = t1["aggregate"]
+    assert 1.0 <= a1["tau"] <= 8 and a1["speedup"]["n"] == 2
+    for p in t1["prompts"]:  # acceptance pooled over both sampled rounds
+        assert p["rounds"] == 2 and sum(p["acceptance_lengths"]) == 2 * 15
+        assert sum(p["acceptance_histogram"]) == p["steps"] == len(p["acceptance_lengths"])
+    assert sum(t1["acceptance"]["histogram"]) == a1["steps"]
+    assert t1["bound"]["bound"] > 0
+    dc = t1["distribution_check"]
+    assert dc["tokens"] == [2 * 2 * 16, 2 * 2 * 16] and dc["pairs"] == 4
+    assert 0 < dc["p_asymptotic"] <= 1 and 0 < dc["p_permutation"] <= 1
+    assert res["config"]["temperatures"] == [0.0, 1.0]
     md = (out / "report.md").read_text()
-    assert "Lossless check: passed" in md and "dflash-bench" in md
+    assert "Lossless check (T = 0): passed" in md and "dflash-bench" in md
+    assert "## Speedup by temperature" in md and "## Sampling at T = 1" in md
+    assert "not a proof" in md and "tests/test_sampling.py" in md and "T = 0 only" in md
+    assert "fewer runs than at T = 0" in md
+
+
+def test_cli_without_sampler_skips_sampling(tiny_pair, tmp_path):
+    from dflash_qaic.bench.cli import main
+    from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
+
+    t, d = tiny_pair(family="qwen3", agree=1.25, block_size=8, target_layer_ids=[1, 3])
+    art = tmp_path / "art"
+    opts = ExportOptions(prefill_seq_len=16, ctx_len=64, compile=False, sampling=False)
+    build_artifacts(t, d, art, opts, progress=lambda _m: None)
+    out = tmp_path / "bench"
+    base = [str(art), "--num-prompts", "1", "--repeats", "1", "--warmup", "0"]
+    base += ["--max-new-tokens", "16", "--no-peers", "--threads", "1"]
+    assert main([*base, "--out", str(out), "--temperatures", "0,1"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    t0, t1 = res["temperatures"]
+    assert t0["status"] == "measured" and res["lossless"]["passed"]
+    assert t1["status"] == "skipped" and "--no-sampling" in t1["note"]
+    md = (out / "report.md").read_text()
+    assert "T = 1 skipped:" in md and "no sampler" in md
+    # sampling alone cannot run on these artifacts: bad input, not a crash
+    assert main([*base, "--out", str(tmp_path / "b2"), "--temperature", "1"]) == 2
 
 
 def test_cli_bad_input(tiny_artifacts, tmp_path, capsys):
@@ -170,3 +288,6 @@ def test_cli_bad_input(tiny_artifacts, tmp_path, capsys):
     assert main([str(tiny_artifacts), "--prompts", str(bad), "--out", str(tmp_path / "o")]) == 2
     assert "prompt" in capsys.readouterr().err
     assert main([str(tiny_artifacts), "--profile-shapes", "qwen9-1b"]) == 2
+    for bad in (["--temperatures", "0,-1"], ["--top-p", "0"], ["--top-k", "-2"]):
+        assert main([str(tiny_artifacts), "--out", str(tmp_path / "o"), *bad]) == 2, bad
+    assert "dflash-bench: error:" in capsys.readouterr().err

@@ -3,11 +3,19 @@
     dflash-bench artifacts/default --out bench
     dflash-bench ARTIFACTS [--prompts FILE] [--num-prompts N] [--max-new-tokens N]
                  [--backend ort|qaic|auto] [--out DIR] [--repeats R] [--warmup W] [--threads T]
+                 [--temperatures 0,1 | --temperature T] [--top-k K] [--top-p P] [--seed S]
+                 [--sampled-prompts N] [--sampled-repeats R]
                  [--no-peers] [--profile-shapes qwen3-0.6b,qwen3-4b:2:1]
     dflash-bench --profile-shapes qwen3-0.6b:8 --out bench-profile     # the cost profile alone
 
+Each temperature gets the same alternating baseline / DFlash measurement. At T = 0 DFlash must
+give the target's own tokens (the lossless check); at T > 0 every run samples with its own seed
+(derived from --seed, T, prompt, round and mode), tokens differ, and a token-histogram sanity
+check compares the two distributions. Artifacts exported with --no-sampling skip T > 0 (noted
+in the report). The PyTorch peers run at T = 0 only.
+
 Writes DIR/results.json, DIR/report.md and DIR/report.png. Exits 1 when the lossless check
-fails (DFlash tokens differ from the target alone), 2 on bad input.
+fails (DFlash tokens differ from the target alone at T = 0), 2 on bad input.
 """
 
 from __future__ import annotations
@@ -18,6 +26,11 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+
+# Defaults at T > 0, chosen so that `make bench` (the defaults on the default pair) stays under
+# 15 minutes on 2 cores; 0 means "the same as at T = 0".
+SAMPLED_PROMPTS = 0
+SAMPLED_REPEATS = 0
 
 
 def parser() -> argparse.ArgumentParser:
@@ -42,7 +55,38 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed rounds (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="discarded rounds first (default 1)")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime / PyTorch threads")
-    p.add_argument("--no-peers", action="store_true", help="skip the PyTorch peers")
+    temps = p.add_mutually_exclusive_group()
+    temps.add_argument(
+        "--temperatures",
+        default="0,1",
+        help="comma-separated sampling temperatures to measure, 0 = greedy (default 0,1)",
+    )
+    temps.add_argument(
+        "--temperature", type=float, default=None, help="one temperature (--temperatures T)"
+    )
+    p.add_argument("--top-k", type=int, default=0, help="top-k at T > 0 (default 0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p at T > 0 (default 1: off)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="base seed of the sampled runs (T > 0); each run's seed is derived from it, the "
+        "temperature, the prompt index, the round and the mode (default 0)",
+    )
+    p.add_argument(
+        "--sampled-prompts",
+        type=int,
+        default=SAMPLED_PROMPTS,
+        help=f"at T > 0, use the first N prompts only (default {SAMPLED_PROMPTS}; 0 = all, as "
+        "at T = 0)",
+    )
+    p.add_argument(
+        "--sampled-repeats",
+        type=int,
+        default=SAMPLED_REPEATS,
+        help=f"timed rounds at T > 0 (default {SAMPLED_REPEATS}; 0 = --repeats)",
+    )
+    p.add_argument("--no-peers", action="store_true", help="skip the PyTorch peers (T = 0 only)")
     p.add_argument(
         "--peer-repeats",
         type=int,
@@ -90,8 +134,45 @@ def _check_args(args) -> None:
             raise BenchError(f"--{name.replace('_', '-')} must be ≥ 1")
     if args.warmup < 0:
         raise BenchError("--warmup must be ≥ 0")
+    for name in ("sampled_prompts", "sampled_repeats"):
+        if getattr(args, name) < 0:
+            raise BenchError(f"--{name.replace('_', '-')} must be ≥ 0 (0 = as at T = 0)")
+    args.temperatures = parse_temperatures(
+        args.temperatures if args.temperature is None else str(args.temperature)
+    )
+    if any(t > 0 for t in args.temperatures):
+        from dflash_qaic.runtime.pipeline import GenerationError, Sampling
+
+        try:
+            Sampling.checked(1.0, args.top_k, args.top_p, args.seed)
+        except GenerationError as e:
+            raise BenchError(str(e).replace("top_k", "--top-k").replace("top_p", "--top-p")) from e
     if args.artifacts is None and not args.profile_shapes:
         raise BenchError("give an ARTIFACTS directory (or --profile-shapes for the profile alone)")
+
+
+def parse_temperatures(text: str) -> list[float]:
+    """'0,1' -> [0.0, 1.0]: distinct finite numbers ≥ 0, in the order given."""
+    import math
+
+    from dflash_qaic.bench.run import BenchError
+
+    out: list[float] = []
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        try:
+            t = float(part)
+        except ValueError as e:
+            raise BenchError(f"--temperatures: {part.strip()!r} is not a number") from e
+        if not math.isfinite(t) or t < 0:
+            raise BenchError(f"--temperatures: {part.strip()} must be a finite number ≥ 0")
+        if t in out:
+            raise BenchError(f"--temperatures: {t:g} is given twice")
+        out.append(t)
+    if not out:
+        raise BenchError("--temperatures: give at least one temperature, e.g. 0,1")
+    return out
 
 
 def _main(args, command: str) -> int:
@@ -130,13 +211,8 @@ def _main(args, command: str) -> int:
     )
     _log(f"{len(prompts)} prompts from {source}")
     copy_bw = [run.copy_bandwidth()]
-    _log(
-        f"measuring: {args.warmup} warm-up + {args.repeats} timed rounds × {len(prompts)} prompts "
-        f"× (target alone, DFlash), {args.max_new_tokens} new tokens each"
-    )
-    measured = run.run_pipeline(
-        pipe, prompts, args.max_new_tokens, args.repeats, args.warmup, progress=_log
-    )
+    measurements = _measure(pipe, prompts, args)
+    greedy = next((x for x in measurements if x["temperature"] == 0 and "runs" in x), None)
     copy_bw.append(run.copy_bandwidth())
     backend = pipe.backend
     del pipe
@@ -145,9 +221,11 @@ def _main(args, command: str) -> int:
 
     if args.no_peers:
         peers = {"skipped": "skipped (--no-peers)"}
+    elif greedy is None:
+        peers = {"skipped": "skipped: they run at T = 0 only, and T = 0 was not measured"}
     else:
-        _log("peers: the reference dflash_generate and Hugging Face generate (PyTorch, CPU)")
-        ours = [r[0]["baseline"].tokens if r else [] for r in measured["runs"]]
+        _log("peers (T = 0): the reference dflash_generate and Hugging Face generate (PyTorch)")
+        ours = [r[0]["baseline"].tokens if r else [] for r in greedy["runs"]]
         peers = run.run_peers(
             m,
             prompts,
@@ -170,6 +248,12 @@ def _main(args, command: str) -> int:
         "threads": args.threads,
         "backend": backend,
         "peer_repeats": args.peer_repeats,
+        "temperatures": args.temperatures,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "sampled_prompts": args.sampled_prompts,
+        "sampled_repeats": args.sampled_repeats,
     }
     res = report.build_results(
         manifest=m,
@@ -179,7 +263,7 @@ def _main(args, command: str) -> int:
         machine=machine,
         prompts=prompts,
         prompts_source=source,
-        measured=measured,
+        measurements=measurements,
         weights=weights,
         copy_bw=copy_bw,
         peers=peers,
@@ -189,21 +273,102 @@ def _main(args, command: str) -> int:
         started=started,
     )
     paths = report.write_outputs(res, args.out)
-    a = res["aggregate"]
-    _log(
-        f"τ {a['tau']:.2f} · speedup {a['speedup']['median']:.2f}× "
-        f"[{a['speedup']['min']:.2f}–{a['speedup']['max']:.2f}] · "
-        f"{res['bound']['fraction_of_bound']:.0%} of the bound {res['bound']['bound']:.2f}× · "
-        f"{res['seconds']:.0f} s"
-    )
+    for sec in res["temperatures"]:
+        if sec["status"] == "skipped":
+            _log(f"T={sec['temperature']:g}: skipped: {sec['note']}")
+            continue
+        a, bd = sec["aggregate"], sec["bound"]
+        _log(
+            f"T={sec['temperature']:g}: τ {a['tau']:.2f} · speedup {a['speedup']['median']:.2f}× "
+            f"[{a['speedup']['min']:.2f}–{a['speedup']['max']:.2f}] · "
+            f"{bd['fraction_of_bound']:.0%} of the bound {bd['bound']:.2f}×"
+            + (
+                f" · token histograms p = {sec['distribution_check']['p_permutation']:.2f}"
+                if "distribution_check" in sec
+                else ""
+            )
+        )
+    _log(f"{res['seconds']:.0f} s in all")
     _log(f"wrote {', '.join(str(p) for p in paths.values())}")
-    if not res["lossless"]["passed"]:
+    if res["lossless"]["passed"] is False:
         _log(
             f"dflash-bench: LOSSLESS CHECK FAILED: {len(res['lossless']['failures'])} problems "
             f"(see {paths['md']}); DFlash output differs from the target alone"
         )
         return 1
     return 0
+
+
+def _measure(pipe, prompts, args) -> list[dict]:
+    """Run every temperature in turn (same prompts, warm-up and rounds; at T > 0 possibly
+    fewer, see --sampled-prompts / --sampled-repeats); T > 0 is skipped, with a note, when the
+    artifacts have no sampler."""
+    from dflash_qaic.bench import run
+
+    can_sample = bool(getattr(pipe, "can_sample", False))
+    sampled = [t for t in args.temperatures if t > 0]
+    if sampled and can_sample:
+        # fail on settings these programs cannot take (e.g. top_k above their candidates) now,
+        # not after the T = 0 measurement
+        pipe.generate(
+            prompts[0].ids,
+            max_new_tokens=1,
+            stop_token_ids=[],
+            temperature=sampled[0],
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
+    if not can_sample and sampled and all(t > 0 for t in args.temperatures):
+        raise run.BenchError(
+            "these artifacts have no sampler (exported with --no-sampling), so only T = 0 can be "
+            "measured: add 0 to --temperatures, or re-export without --no-sampling"
+        )
+    out = []
+    for t in args.temperatures:
+        head = {"temperature": t, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
+        if t == 0:
+            head.update(top_k=0, top_p=1.0, seed=None)  # greedy: the settings play no part
+        if t > 0 and not can_sample:
+            note = (
+                "these artifacts' target program has no sampler (exported with "
+                "`dflash-export --no-sampling`), so only greedy decoding (T = 0) can run; "
+                "re-export without --no-sampling to measure sampling"
+            )
+            _log(f"T={t:g}: skipped: {note}")
+            out.append({**head, "skipped": note})
+            continue
+        use, repeats, reduced = prompts, args.repeats, None
+        if t > 0:
+            if args.sampled_prompts and args.sampled_prompts < len(prompts):
+                use = prompts[: args.sampled_prompts]
+            if args.sampled_repeats:
+                repeats = args.sampled_repeats
+            if len(use) < len(prompts) or repeats != args.repeats:
+                reduced = (
+                    f"fewer runs than at T = 0 to keep the benchmark short: the first {len(use)} "
+                    f"of {len(prompts)} prompts × {repeats} timed round(s) (T = 0: "
+                    f"{len(prompts)} × {args.repeats}); --sampled-prompts 0 --sampled-repeats 0 "
+                    "measures as many as at T = 0"
+                )
+        _log(
+            f"measuring T={t:g}: {args.warmup} warm-up + {repeats} timed rounds × {len(use)} "
+            f"prompts × (target alone, DFlash), {args.max_new_tokens} new tokens each"
+        )
+        meas = run.run_pipeline(
+            pipe,
+            use,
+            args.max_new_tokens,
+            repeats,
+            args.warmup,
+            progress=_log,
+            temperature=t,
+            top_k=head["top_k"],
+            top_p=head["top_p"],
+            seed=args.seed,
+        )
+        out.append({**head, **meas, "warmup": args.warmup, "reduced": reduced})
+    return out
 
 
 def _profiles(shapes: list[str], args) -> list[dict]:

@@ -56,12 +56,18 @@ def _mode_summary(runs: list[list[dict]], mode: str) -> dict:
     }
 
 
-def _prompt_summary(p, pairs: list[dict], B: int) -> dict:
+def _prompt_summary(p, pairs: list[dict], B: int, sampled: bool = False) -> dict:
+    """One prompt's numbers. Acceptance lengths: at T = 0 every round commits the same steps, so
+    one round's; at T > 0 each round samples anew, so all timed rounds' steps, pooled."""
     d0 = pairs[0]["dflash"]
-    lengths = d0.acceptance_lengths
+    if sampled:
+        lengths = [n for x in pairs for n in x["dflash"].acceptance_lengths]
+    else:
+        lengths = d0.acceptance_lengths
     out = {
         **p.to_dict(),
         "new_tokens": len(d0.tokens),
+        "rounds": len(pairs),
         "steps": len(lengths),
         "tau": stats.tau(lengths),
         "acceptance_lengths": lengths,
@@ -232,41 +238,35 @@ def _traffic(manifest: dict, runs, tau_: float) -> dict:
     }
 
 
-def build_results(
-    *,
-    manifest: dict,
-    artifacts: str,
-    backend: str,
-    config: dict,
-    machine: dict,
-    prompts,
-    prompts_source: str,
-    measured: dict,
-    weights: dict,
-    copy_bw: list[dict],
-    peers: dict,
-    profiles: list[dict],
-    command: str,
-    seconds: float,
-    started: str,
-) -> dict:
-    runs = measured["runs"]
-    B = int(manifest["block_size"])
-    per_prompt = [_prompt_summary(p, pairs, B) for p, pairs in zip(prompts, runs)]
+def _temperature_section(meas: dict, prompts, B: int) -> dict:
+    """Everything measured at one temperature: aggregate, acceptance, per prompt, the bound,
+    and the check (T = 0: lossless token equality; T > 0: the token-distribution sanity check)."""
+    T = float(meas["temperature"])
+    head = {
+        "temperature": T,
+        "top_k": meas.get("top_k", 0),
+        "top_p": meas.get("top_p", 1.0),
+        "seed": meas.get("seed"),
+    }
+    if "skipped" in meas:
+        return {**head, "status": "skipped", "note": meas["skipped"]}
+    sampled = T > 0
+    runs = meas["runs"]
+    used = prompts[: len(runs)]
+    per_prompt = [_prompt_summary(p, pairs, B, sampled) for p, pairs in zip(used, runs)]
     lengths = [n for p in per_prompt for n in p["acceptance_lengths"]]
     tau_ = stats.tau(lengths)
     reps = len(runs[0])
     summ = {m: _mode_summary(runs, m) for m in MODES}
-    sp_r = [
-        stats.speedup(
-            sum(per[r]["baseline"].stats["decode_s"] for per in runs)
-            / sum(per[r]["baseline"].stats["new_tokens"] for per in runs),
-            sum(per[r]["dflash"].stats["decode_s"] for per in runs)
-            / sum(per[r]["dflash"].stats["new_tokens"] for per in runs),
+
+    def _tpot(r: int, mode: str) -> float:
+        return sum(per[r][mode].stats["decode_s"] for per in runs) / sum(
+            per[r][mode].stats["new_tokens"] for per in runs
         )
-        for r in range(reps)
-    ]
-    speedup = stats.spread(sp_r)
+
+    speedup = stats.spread(
+        [stats.speedup(_tpot(r, "baseline"), _tpot(r, "dflash")) for r in range(reps)]
+    )
 
     def _e2e(rec) -> float:  # the whole generate call: prefill (with the draft's) + decode
         return rec.stats["prefill_s"] + rec.stats["decode_s"]
@@ -278,8 +278,96 @@ def build_results(
             for r in range(reps)
         ]
     )
-    bound = _bound(runs, tau_, speedup["median"], B)
-    failures = measured["failures"]
+    failures = meas["failures"]
+    out = {
+        **head,
+        "status": "measured",
+        "num_prompts": len(runs),
+        "repeats": reps,
+        "warmup": meas.get("warmup"),
+        "reduced": meas.get("reduced"),
+        "aggregate": {
+            "tau": tau_,
+            "tau_mean_of_prompts": sum(p["tau"] for p in per_prompt) / len(per_prompt),
+            "steps": len(lengths),
+            "speedup": speedup,
+            "speedup_end_to_end": speedup_e2e,
+            **summ,
+        },
+        "acceptance": {
+            "block_size": B,
+            "histogram": stats.acceptance_histogram(lengths, B),
+            "position_acceptance": stats.position_acceptance(lengths, B),
+        },
+        "prompts": per_prompt,
+        "bound": _bound(runs, tau_, speedup["median"], B),
+        "measure_seconds": meas["seconds"],
+    }
+    if sampled:
+        pairs = [(x["baseline"].tokens, x["dflash"].tokens) for per in runs for x in per]
+        out["distribution_check"] = stats.token_distribution_check(
+            pairs, seed=int(head["seed"] or 0)
+        )
+        out["problems"] = failures
+    else:
+        out["lossless"] = {
+            "checked": True,
+            "passed": not failures,
+            "pairs_checked": len(runs) * (reps + (meas.get("warmup") or 0)),
+            "failures": failures,
+        }
+    return out
+
+
+def primary_section(sections: list[dict]) -> dict:
+    """The section the top-level keys describe: T = 0 when measured, else the first measured."""
+    measured = [s for s in sections if s["status"] == "measured"]
+    if not measured:
+        raise ValueError("no temperature was measured")
+    return next((s for s in measured if s["temperature"] == 0), measured[0])
+
+
+def build_results(
+    *,
+    manifest: dict,
+    artifacts: str,
+    backend: str,
+    config: dict,
+    machine: dict,
+    prompts,
+    prompts_source: str,
+    measurements: list[dict],
+    weights: dict,
+    copy_bw: list[dict],
+    peers: dict,
+    profiles: list[dict],
+    command: str,
+    seconds: float,
+    started: str,
+) -> dict:
+    """`measurements`: one per temperature, in the order given: the `run_pipeline` dict plus
+    temperature, top_k, top_p, seed, warmup (and `reduced`: a note when fewer prompts or rounds
+    ran than at T = 0), or {temperature, skipped: note}. The top-level aggregate, acceptance,
+    prompts and bound describe the T = 0 section (else the first measured one), as before
+    temperatures existed; `temperatures` holds every section."""
+    B = int(manifest["block_size"])
+    sections = [_temperature_section(meas, prompts, B) for meas in measurements]
+    prim = primary_section(sections)
+    prim_meas = measurements[sections.index(prim)]
+    greedy = next(
+        (s for s in sections if s["status"] == "measured" and s["temperature"] == 0), None
+    )
+    lossless = (
+        greedy["lossless"]
+        if greedy
+        else {
+            "checked": False,
+            "passed": None,
+            "pairs_checked": 0,
+            "failures": [],
+            "note": "T = 0 was not among the temperatures: no token-equality check ran",
+        }
+    )
     t = manifest["target"]
     d = manifest["draft"]
     return {
@@ -303,33 +391,20 @@ def build_results(
         },
         "config": {**config, "prompts_source": prompts_source, "num_prompts": len(prompts)},
         "machine": machine,
-        "lossless": {
-            "passed": not failures,
-            "pairs_checked": len(prompts) * (config["repeats"] + config["warmup"]),
-            "failures": failures,
-        },
-        "aggregate": {
-            "tau": tau_,
-            "tau_mean_of_prompts": sum(p["tau"] for p in per_prompt) / len(per_prompt),
-            "steps": len(lengths),
-            "speedup": speedup,
-            "speedup_end_to_end": speedup_e2e,
-            **summ,
-        },
-        "acceptance": {
-            "block_size": B,
-            "histogram": stats.acceptance_histogram(lengths, B),
-            "position_acceptance": stats.position_acceptance(lengths, B),
-        },
-        "prompts": per_prompt,
-        "bound": bound,
+        "lossless": lossless,
+        "primary_temperature": prim["temperature"],
+        "aggregate": prim["aggregate"],
+        "acceptance": prim["acceptance"],
+        "prompts": prim["prompts"],
+        "bound": prim["bound"],
+        "temperatures": sections,
         "bandwidth": _bandwidth(
-            manifest, weights, copy_bw, bound["per_call_s"], int(manifest["ctx_len"])
+            manifest, weights, copy_bw, prim["bound"]["per_call_s"], int(manifest["ctx_len"])
         ),
-        "peers": _peers(peers, summ, per_prompt),
-        "traffic": _traffic(manifest, runs, tau_),
+        "peers": _peers(peers, prim["aggregate"], greedy["prompts"] if greedy else []),
+        "traffic": _traffic(manifest, prim_meas["runs"], prim["aggregate"]["tau"]),
         "profiles": profiles,
-        "measure_seconds": measured["seconds"],
+        "measure_seconds": sum(s.get("measure_seconds", 0.0) for s in sections),
     }
 
 
@@ -384,10 +459,13 @@ def render_markdown(res: dict) -> str:
     B = art["block_size"]
     out: list[str] = ["# dflash-bench report", ""]
     ll = res["lossless"]
-    if ll["passed"]:
+    if ll.get("checked") is False:
+        out.append(f"**Lossless check: not run** ({ll['note']}).")
+    elif ll["passed"]:
         out.append(
-            f"**Lossless check: passed.** DFlash produced exactly the target-alone tokens in all "
-            f"{ll['pairs_checked']} (prompt, round) pairs, {cfg['max_new_tokens']} tokens each."
+            f"**Lossless check (T = 0): passed.** DFlash produced exactly the target-alone tokens "
+            f"in all {ll['pairs_checked']} (prompt, round) pairs, {cfg['max_new_tokens']} tokens "
+            "each."
         )
     else:
         out += [
@@ -418,8 +496,10 @@ def render_markdown(res: dict) -> str:
         f"{cfg['max_new_tokens']} tokens. Time per output token (TPOT) = decode time after the "
         "first token / new tokens (the reference's convention). Speedup = baseline TPOT / "
         "DFlash TPOT, per round, over all prompts; reported as median [min–max] over rounds.",
+        *_sampling_method_md(res),
         "",
-        "## Aggregate",
+        *_temperatures_md(res),
+        f"## Aggregate ({_temp(res.get('primary_temperature', 0.0))})",
         "",
     ]
     rows = []
@@ -446,7 +526,7 @@ def render_markdown(res: dict) -> str:
         f"draft's context prefill is {_sp(a['dflash']['prefill_s'])} ms. End to end (whole "
         f"`generate` calls, prefill included): speedup {_sp(a['speedup_end_to_end'], _x)}.",
         "",
-        "## Per prompt",
+        f"## Per prompt ({_temp(res.get('primary_temperature', 0.0))})",
         "",
     ]
     rows = [
@@ -469,7 +549,7 @@ def render_markdown(res: dict) -> str:
             rows,
         ),
         "",
-        "## Acceptance",
+        f"## Acceptance ({_temp(res.get('primary_temperature', 0.0))})",
         "",
         "Tokens committed per step (accepted proposals + 1); the last step of a run is capped by "
         "the token budget, as the reference counts it.",
@@ -496,7 +576,7 @@ def render_markdown(res: dict) -> str:
     pc = bd["per_call_s"]
     dc = bd["decomposition"]
     out += [
-        "## The bound and where the loop loses time",
+        f"## The bound and where the loop loses time ({_temp(res.get('primary_temperature', 0.0))})",
         "",
         "Per-call wall times, pooled over all timed runs (median, IQR, number of calls):",
         "",
@@ -548,6 +628,9 @@ def render_markdown(res: dict) -> str:
         ),
         "",
     ]
+    for sec in res.get("temperatures", []):
+        if sec["status"] == "measured" and sec["temperature"] > 0:
+            out += _sampled_md(sec, B, cfg)
     bw = res["bandwidth"]
     rows = [
         [
@@ -589,7 +672,12 @@ def render_markdown(res: dict) -> str:
             "bandwidth is not their limit; the rows above are for reference.)",
             "",
         ]
-    out += ["## Peers on the same machine", ""]
+    out += [
+        "## Peers on the same machine (T = 0 only)",
+        "",
+        "The peers run greedy decoding only; they are compared with our T = 0 runs.",
+        "",
+    ]
     pe = res["peers"]
     if "skipped" in pe:
         out += [f"Peers {pe['skipped']}.", ""]
@@ -691,6 +779,184 @@ def render_markdown(res: dict) -> str:
     return "\n".join(out)
 
 
+def _temp(t: float) -> str:
+    return f"T = {t:g}"
+
+
+def _sampling_method_md(res: dict) -> list[str]:
+    secs = res.get("temperatures") or []
+    if not any(sec["temperature"] > 0 for sec in secs):
+        return []
+    cfg = res["config"]
+    return [
+        f"- temperatures: {', '.join(format(sec['temperature'], 'g') for sec in secs)}; at T > 0 "
+        f"top_k {cfg.get('top_k', 0)} (0 = off), top_p {cfg.get('top_p', 1.0):g} (1 = off). "
+        "Each sampled run has its own seed, a hash of "
+        f"--seed {cfg.get('seed', 0)}, T, the prompt index, the round and the mode (baseline and "
+        "DFlash differ), so the runs are reproducible and the two runs of a pair independent. "
+        "Sampling is lossless (the same output distribution as the target's own sampling), not "
+        "token-identical: randomness is consumed differently, so at T > 0 there is no token "
+        "equality to check; a distribution sanity check replaces it.",
+    ]
+
+
+def _temperatures_md(res: dict) -> list[str]:
+    """The summary table: one row per temperature."""
+    secs = res.get("temperatures") or []
+    if len(secs) < 2 and not any(sec["status"] == "skipped" for sec in secs):
+        return []
+    rows, notes = [], []
+    for sec in secs:
+        if sec["status"] == "skipped":
+            rows.append([_temp(sec["temperature"]), "skipped", *["—"] * 8])
+            notes.append(f"**{_temp(sec['temperature'])} skipped:** {sec['note']}")
+            continue
+        a, bd = sec["aggregate"], sec["bound"]
+        if sec["temperature"] == 0:
+            ll = sec["lossless"]
+            check = "tokens identical" if ll["passed"] else f"FAILED ({len(ll['failures'])})"
+        else:
+            dc = sec["distribution_check"]
+            p = dc["p_permutation"] if dc["p_permutation"] is not None else dc["p_asymptotic"]
+            check = f"token histograms p = {p:.2f}"
+        rows.append(
+            [
+                _temp(sec["temperature"]),
+                f"{sec['num_prompts']} × {sec['repeats']}",
+                f"{a['tau']:.2f}",
+                _sp(a["baseline"]["tpot_s"]),
+                _sp(a["dflash"]["tpot_s"]),
+                _sp(a["baseline"]["tokens_per_s"], lambda v: f"{v:.1f}"),
+                _sp(a["dflash"]["tokens_per_s"], lambda v: f"{v:.1f}"),
+                f"**{_sp(a['speedup'], _x)}**",
+                f"{_x(bd['bound'])} ({_pct(bd['fraction_of_bound'])})",
+                check,
+            ]
+        )
+        if sec.get("reduced"):
+            notes.append(f"**{_temp(sec['temperature'])}:** {sec['reduced']}")
+    out = [
+        "## Speedup by temperature",
+        "",
+        _table(
+            [
+                "",
+                "prompts × rounds",
+                "τ",
+                "baseline TPOT ms",
+                "DFlash TPOT ms",
+                "baseline tokens/s",
+                "DFlash tokens/s",
+                "speedup",
+                "bound (measured share)",
+                "check",
+            ],
+            rows,
+        ),
+        "",
+        "Speedup and timings: median [min–max] over rounds. Bound τ·T_decode / (T_verify + "
+        "T_draft) from that temperature's median call times, with the measured speedup as a share "
+        "of it. The check: at T = 0, DFlash tokens equal the target's; at T > 0, the permutation "
+        "p-value of the two-sample χ² on pooled token histograms (a sanity check, see below).",
+        "",
+    ]
+    for n in notes:
+        out += [n, ""]
+    return out
+
+
+def _sampled_md(sec: dict, B: int, cfg: dict) -> list[str]:
+    """Details of one sampled temperature: acceptance, per prompt, the distribution check."""
+    T = _temp(sec["temperature"])
+    a, acc, dc = sec["aggregate"], sec["acceptance"], sec["distribution_check"]
+    hist = acc["histogram"]
+    total = sum(hist) or 1
+    out = [
+        f"## Sampling at {T} (top_k {sec['top_k']}, top_p {sec['top_p']:g})",
+        "",
+        f"{sec['num_prompts']} prompts × {sec['warmup']} warm-up + {sec['repeats']} timed "
+        f"round(s), {cfg['max_new_tokens']} tokens per run. **Speedup {_sp(a['speedup'], _x)}** "
+        f"at **τ = {a['tau']:.2f}** over {a['steps']} steps (pooled over all timed rounds: each "
+        f"round samples anew); end to end {_sp(a['speedup_end_to_end'], _x)}. Bound "
+        f"{_x(sec['bound']['bound'])}, measured {_pct(sec['bound']['fraction_of_bound'])} of it.",
+        "",
+        _table(
+            ["length", *range(1, B + 1)],
+            [["steps", *hist], ["share", *(f"{h / total:.2f}" for h in hist)]],
+        ),
+        "",
+        _table(
+            ["j", *range(1, B)],
+            [["accepted", *(f"{f:.2f}" for f in acc["position_acceptance"])]],
+        ),
+        "",
+        _table(
+            ["prompt", "τ", "steps (all rounds)", "baseline TPOT ms", "DFlash TPOT ms", "speedup"],
+            [
+                [
+                    p["name"],
+                    f"{p['tau']:.2f}",
+                    p["steps"],
+                    _sp(p["baseline"]["tpot_s"]),
+                    _sp(p["dflash"]["tpot_s"]),
+                    _sp(p["speedup"], _x),
+                ]
+                for p in sec["prompts"]
+            ],
+        ),
+        "",
+        f"### Same distribution? A sanity check at {T}, not a proof",
+        "",
+        "No token equality holds at T > 0, so instead: pool the tokens of all timed runs of each "
+        "mode into one histogram and compare the two with a two-sample χ² test (tokens whose "
+        f"expected count is below {dc['min_expected']:g} merged into one bin). Tokens within a "
+        "run depend on each other, so the asymptotic χ² p-value (which assumes independent "
+        "tokens) runs small; the permutation p-value swaps the baseline and DFlash runs of random "
+        "pairs (exchangeable when both sample the same distribution) and needs no independence. "
+        "A small p-value says look closer; a large one proves nothing. The proof that DFlash "
+        "sampling is lossless is the exact-distribution test, `tests/test_sampling.py`.",
+        "",
+        _table(
+            [
+                "tokens (baseline, DFlash)",
+                "distinct",
+                "bins",
+                "χ²",
+                "df",
+                "p (asymptotic)",
+                "p (permutation)",
+                "total variation",
+            ],
+            [
+                [
+                    f"{dc['tokens'][0]}, {dc['tokens'][1]}",
+                    dc["distinct_tokens"],
+                    dc["bins"],
+                    f"{dc['chi2']:.1f}",
+                    dc["df"],
+                    f"{dc['p_asymptotic']:.3g}",
+                    "—"
+                    if dc["p_permutation"] is None
+                    else f"{dc['p_permutation']:.3g} ({dc['permutations']} swaps)",
+                    f"{dc['total_variation']:.3f}",
+                ]
+            ],
+        ),
+        "",
+    ]
+    if sec["problems"]:
+        out += [
+            f"**{len(sec['problems'])} problems at {T}:**",
+            "",
+            _table(
+                ["prompt", "round", "problem"],
+                [[f["prompt"], f["round"], f["problem"]] for f in sec["problems"][:20]],
+            ),
+            "",
+        ]
+    return out
+
+
 def _contention_md(mi: dict) -> list[str]:
     """Say so when other work was running: it competes with the timings."""
     start = mi.get("load_average_start")
@@ -768,6 +1034,10 @@ def _profiles_md(profiles: list[dict]) -> list[str]:
 # ---------------------------------------------------------------------------- PNG
 
 
+_COLORS = ("#4c72b0", "#55a868", "#8172b2", "#937860", "#da8bc3", "#8c8c8c")
+_MARKERS = ("o", "s", "^", "v", "P", "X")
+
+
 def render_png(res: dict, path: str | os.PathLike) -> None:
     import matplotlib
 
@@ -775,38 +1045,71 @@ def render_png(res: dict, path: str | os.PathLike) -> None:
     import matplotlib.pyplot as plt
 
     B = res["acceptance"]["block_size"]
-    hist = res["acceptance"]["histogram"]
+    secs = [s for s in res.get("temperatures") or [] if s["status"] == "measured"]
+    if not secs:  # results without per-temperature sections: the top level alone
+        secs = [
+            {
+                "temperature": res.get("primary_temperature", 0.0),
+                "aggregate": res["aggregate"],
+                "acceptance": res["acceptance"],
+                "prompts": res["prompts"],
+            }
+        ]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    ax1.bar(range(1, B + 1), hist, color="#4c72b0")
+    width = 0.8 / len(secs)
+    for k, sec in enumerate(secs):
+        hist = sec["acceptance"]["histogram"]
+        total = sum(hist) or 1
+        ax1.bar(
+            [L - 0.4 + width * (k + 0.5) for L in range(1, B + 1)],
+            [h / total for h in hist],
+            width=width,
+            color=_COLORS[k % len(_COLORS)],
+            label=f"{_temp(sec['temperature'])}: τ = {sec['aggregate']['tau']:.2f}, "
+            f"{sum(hist)} steps",
+        )
     ax1.set_xlabel("tokens committed per step (acceptance length)")
-    ax1.set_ylabel("steps")
-    ax1.set_title(f"Acceptance histogram (τ = {res['aggregate']['tau']:.2f}, {sum(hist)} steps)")
+    ax1.set_ylabel("share of steps")
+    ax1.set_title("Acceptance histogram")
     ax1.set_xticks(range(1, B + 1))
+    ax1.legend(fontsize=8)
 
     curve = res["bound"]["curve"]
     ax2.plot(
         [c["tau"] for c in curve],
         [c["bound"] for c in curve],
         color="#dd8452",
-        label="bound τ·T_decode/(T_verify+T_draft)",
+        label=f"bound τ·T_decode/(T_verify+T_draft) "
+        f"({_temp(res.get('primary_temperature', 0.0))} call times)",
     )
     ax2.axhline(1.0, color="grey", lw=0.8, ls=":")
-    xs = [p["tau"] for p in res["prompts"]]
-    ys = [p["speedup"]["median"] for p in res["prompts"]]
-    lo = [p["speedup"]["median"] - p["speedup"]["min"] for p in res["prompts"]]
-    hi = [p["speedup"]["max"] - p["speedup"]["median"] for p in res["prompts"]]
-    ax2.errorbar(
-        xs, ys, yerr=[lo, hi], fmt="o", color="#4c72b0", ms=4, label="measured, per prompt"
-    )
-    ag = res["aggregate"]
-    ax2.plot(
-        [ag["tau"]],
-        [ag["speedup"]["median"]],
-        "D",
-        color="#c44e52",
-        ms=8,
-        label="measured, all prompts",
-    )
+    for k, sec in enumerate(secs):
+        color, marker = _COLORS[k % len(_COLORS)], _MARKERS[k % len(_MARKERS)]
+        ps = sec["prompts"]
+        ax2.errorbar(
+            [p["tau"] for p in ps],
+            [p["speedup"]["median"] for p in ps],
+            yerr=[
+                [p["speedup"]["median"] - p["speedup"]["min"] for p in ps],
+                [p["speedup"]["max"] - p["speedup"]["median"] for p in ps],
+            ],
+            fmt=marker,
+            color=color,
+            ms=4,
+            alpha=0.8,
+            label=f"{_temp(sec['temperature'])}, per prompt",
+        )
+        ag = sec["aggregate"]
+        ax2.plot(
+            [ag["tau"]],
+            [ag["speedup"]["median"]],
+            "D",
+            color=color,
+            mec="#c44e52",
+            mew=2,
+            ms=9,
+            label=f"{_temp(sec['temperature'])}, all prompts",
+        )
     for p in res["profiles"]:
         pr = p["full_depth"]["predicted"] if p["full_depth"] else p["predicted"]
         ax2.plot(

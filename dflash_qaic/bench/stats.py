@@ -226,3 +226,138 @@ REAL_RECIPES = {
     "Qwen3-4B + DFlash-b16": {"hidden_size": 2560, "vocab_size": 151936, "block_size": 16},
     "Qwen3-8B + DFlash-b16": {"hidden_size": 4096, "vocab_size": 151936, "block_size": 16},
 }
+
+
+# ---------------------------------------------------------------------------- sampling (T > 0)
+
+
+def chi2_sf(x: float, df: int) -> float:
+    """P(χ²_df ≥ x): the regularized upper incomplete gamma Q(df/2, x/2) (series below
+    a + 1, Lentz's continued fraction above; Numerical Recipes §6.2). No scipy at run time."""
+    if df <= 0:
+        raise ValueError("df must be ≥ 1")
+    if not x > 0:
+        return 1.0
+    a, z = df / 2.0, x / 2.0
+    log_pre = -z + a * math.log(z) - math.lgamma(a)
+    if z < a + 1.0:  # series for the lower function P
+        ap, term = a, 1.0 / a
+        total = term
+        for _ in range(100_000):
+            ap += 1.0
+            term *= z / ap
+            total += term
+            if abs(term) < abs(total) * 1e-16:
+                break
+        return max(0.0, 1.0 - total * math.exp(log_pre))
+    tiny = 1e-300
+    b = z + 1.0 - a
+    c, d = 1.0 / tiny, 1.0 / b
+    h = d
+    for i in range(1, 100_000):
+        an = -i * (i - a)
+        b += 2.0
+        d = an * d + b
+        d = tiny if abs(d) < tiny else d
+        c = b + an / c
+        c = tiny if abs(c) < tiny else c
+        d = 1.0 / d
+        delta = d * c
+        h *= delta
+        if abs(delta - 1.0) < 1e-16:
+            break
+    return min(1.0, math.exp(log_pre) * h)
+
+
+def _chi2_homogeneity(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Two-sample χ² over the last axis (bins): Σ (obs − exp)² / exp over both rows, with
+    exp = row total × pooled column share. Works on stacked rows (…, K)."""
+    na = a.sum(axis=-1, keepdims=True)
+    nb = b.sum(axis=-1, keepdims=True)
+    col = a + b
+    n = na + nb
+    ea, eb = na * col / n, nb * col / n
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(col > 0, (a - ea) ** 2 / ea + (b - eb) ** 2 / eb, 0.0)
+    return t.sum(axis=-1)
+
+
+def token_distribution_check(
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+    *,
+    min_expected: float = 5.0,
+    permutations: int = 2000,
+    seed: int = 0,
+) -> dict:
+    """Do two samplers draw the same tokens? A sanity check on pooled token histograms.
+
+    `pairs`: (tokens of run A, tokens of run B) per (prompt, round): the same prompt, independent
+    seeds. Tokens are pooled per side into one histogram over the vocabulary; tokens whose
+    expected count would fall below `min_expected` on either side are merged into one bin; the
+    two-sample (homogeneity) χ² of the 2 × K table has K − 1 degrees of freedom.
+
+    The asymptotic p-value treats every token as an independent draw, which the tokens of one
+    run are not (each depends on the ones before), so it runs small. The permutation p-value
+    does not need that: under "same distribution" the two runs of a pair are exchangeable, so
+    swapping them (a fair coin per pair) gives the statistic's null distribution, whatever the
+    dependence inside a run. A small p-value says "look closer", a large one proves nothing:
+    the proof that the sampler is lossless is the exact-distribution test (tests/test_sampling.py).
+    """
+    if not pairs:
+        raise ValueError("no pairs")
+    vocab = sorted({int(t) for a, b in pairs for t in (*a, *b)})
+    index = {t: k for k, t in enumerate(vocab)}
+    A = np.zeros((len(pairs), len(vocab)), np.float64)
+    Bm = np.zeros_like(A)
+    for i, (a, b) in enumerate(pairs):
+        np.add.at(A[i], [index[int(t)] for t in a], 1.0)
+        np.add.at(Bm[i], [index[int(t)] for t in b], 1.0)
+    a_tot, b_tot = A.sum(axis=0), Bm.sum(axis=0)
+    na, nb = float(a_tot.sum()), float(b_tot.sum())
+    if na == 0 or nb == 0:
+        raise ValueError("a side has no tokens")
+    tv = 0.5 * float(np.abs(a_tot / na - b_tot / nb).sum())
+    # bins: tokens with enough pooled mass for the χ² approximation, the rest merged into one
+    pooled = a_tot + b_tot
+    big = pooled * min(na, nb) / (na + nb) >= min_expected
+    rare = ~big
+
+    def binned(M: np.ndarray) -> np.ndarray:
+        cols = [M[..., big]]
+        if rare.any():
+            cols.append(M[..., rare].sum(axis=-1, keepdims=True))
+        return np.concatenate(cols, axis=-1)
+
+    Ab, Bb = binned(A), binned(Bm)
+    K = Ab.shape[1]
+    out = {
+        "tokens": [int(na), int(nb)],
+        "pairs": len(pairs),
+        "distinct_tokens": len(vocab),
+        "bins": K,
+        "merged_tokens": int(rare.sum()),
+        "min_expected": min_expected,
+        "total_variation": tv,
+        "permutations": 0,
+    }
+    if K < 2:
+        return {**out, "chi2": 0.0, "df": 0, "p_asymptotic": 1.0, "p_permutation": 1.0}
+    sa, sb = Ab.sum(axis=0), Bb.sum(axis=0)
+    chi2 = float(_chi2_homogeneity(sa, sb))
+    out.update(chi2=chi2, df=K - 1, p_asymptotic=chi2_sf(chi2, K - 1))
+    if permutations > 0:
+        rng = np.random.default_rng(seed)
+        half_sum, half_diff = (Ab + Bb) / 2.0, (Ab - Bb) / 2.0
+        total = half_sum.sum(axis=0)
+        hits, done = 0, 0
+        while done < permutations:  # in chunks: (chunk × pairs) @ (pairs × K)
+            m = min(500, permutations - done)
+            signs = rng.choice(np.array([-1.0, 1.0]), size=(m, len(pairs)))
+            pa = total + signs @ half_diff
+            pb = total - signs @ half_diff
+            hits += int((_chi2_homogeneity(pa, pb) >= chi2 * (1 - 1e-12)).sum())
+            done += m
+        out.update(permutations=permutations, p_permutation=(1 + hits) / (1 + permutations))
+    else:
+        out["p_permutation"] = None
+    return out
