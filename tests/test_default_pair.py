@@ -1,0 +1,57 @@
+"""The built-in default pair through the whole pipeline: `dflash-export` with no arguments beyond
+--out, then ONNX Runtime generation on held-out prompts — lossless, acceptance equal to the
+reference step for step, and real acceptance (τ ≥ 4 at block 16)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from dflash.model import DFlashDraftModel, dflash_generate
+
+import dflash_qaic
+from dflash_qaic import assets
+from dflash_qaic import checkpoints as ck
+from dflash_qaic.export.cli import main as export_main
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    out = tmp_path_factory.mktemp("default")
+    assert export_main(["--out", str(out), "--no-compile", "--quiet"]) == 0
+    return out
+
+
+def test_default_export_is_complete_and_reused(artifacts, capsys):
+    m = json.loads((artifacts / "manifest.json").read_text())
+    assert m["block_size"] == 16 and m["tokenizer"] == "tokenizer"
+    assert m["sources"]["target"]["sha256"] == ck.file_digest(assets.default_pair()[0])
+    capsys.readouterr()
+    assert export_main(["--out", str(artifacts), "--no-compile"]) == 0
+    assert "reusing the exported programs" in capsys.readouterr().out
+
+
+@torch.no_grad()
+def test_heldout_prompts_lossless_with_reference_acceptance(artifacts):
+    tdir, ddir = assets.default_pair()
+    target = ck.load_target_model(tdir)
+    ref = DFlashDraftModel.from_pretrained(ddir, dtype=torch.float32).eval()
+    pipe = dflash_qaic.load(artifacts)
+    assert pipe.tokenizer is not None
+    lengths = []
+    for text in assets.heldout_prompts()[:4]:
+        ids = pipe.tokenizer(text)["input_ids"]
+        res = pipe.generate(text, max_new_tokens=96, stop_token_ids=[])
+        out = dflash_generate(ref, target, torch.tensor([ids]), 96, None, return_stats=True)
+        assert res.tokens == out.output_ids[0, len(ids) :].tolist()
+        # every reference step whose whole block fit before max_new_tokens
+        start, k = len(ids), 0
+        for n in out.acceptance_lengths:
+            if len(ids) + 96 - start < 16:
+                break
+            start, k = start + n, k + 1
+        assert k >= 1 and res.acceptance_lengths[:k] == out.acceptance_lengths[:k]
+        assert res.text == pipe.tokenizer.decode(res.tokens)
+        lengths += res.acceptance_lengths
+    assert sum(lengths) / len(lengths) >= 4.0, lengths
