@@ -291,3 +291,21 @@ def test_cli_bad_input(tiny_artifacts, tmp_path, capsys):
     for bad in (["--temperatures", "0,-1"], ["--top-p", "0"], ["--top-k", "-2"]):
         assert main([str(tiny_artifacts), "--out", str(tmp_path / "o"), *bad]) == 2, bad
     assert "dflash-bench: error:" in capsys.readouterr().err
+
+
+def test_cli_sampling_alone(tiny_artifacts, tmp_path):
+    from dflash_qaic.bench.cli import main
+
+    out = tmp_path / "bench"
+    args = [str(tiny_artifacts), "--out", str(out), "--num-prompts", "1", "--repeats", "1"]
+    args += ["--warmup", "0", "--max-new-tokens", "16", "--threads", "1", "--temperature", "1"]
+    assert main([*args, "--top-k", "5", "--top-p", "0.9"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    (sec,) = res["temperatures"]
+    assert sec["temperature"] == res["primary_temperature"] == 1.0
+    assert (sec["top_k"], sec["top_p"], sec["seed"]) == (5, 0.9, 0)
+    assert res["aggregate"] == sec["aggregate"] and "distribution_check" in sec
+    assert res["lossless"]["checked"] is False and res["lossless"]["passed"] is None
+    assert "T = 0" in res["peers"]["skipped"]  # the peers run greedy only
+    md = (out / "report.md").read_text()
+    assert "Lossless check: not run" in md and "## Aggregate (T = 1)" in md

@@ -1108,6 +1108,7 @@ def render_png(res: dict, path: str | os.PathLike) -> None:
             mec="#c44e52",
             mew=2,
             ms=9,
+            zorder=5,
             label=f"{_temp(sec['temperature'])}, all prompts",
         )
     for p in res["profiles"]:
