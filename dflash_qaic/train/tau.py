@@ -78,6 +78,8 @@ def measure_tau(
         "mean_tau": round(statistics.mean(per_prompt), 3),
         "pooled_tau": round(statistics.mean(steps), 3),
         "per_prompt_tau": [round(x, 3) for x in per_prompt],
+        # histogram[i]: steps that committed i + 1 tokens (the last step may be cut short)
+        "histogram": [steps.count(n) for n in range(1, (block_size or draft.block_size) + 1)],
         "block_size": block_size or draft.block_size,
         "max_new_tokens": max_new_tokens,
         "outputs": outputs,
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompts", default=None, help="JSONL with a 'prompt' field per line")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--check-greedy", action="store_true", help="compare with HF greedy generate")
     p.add_argument("--show", action="store_true", help="print the first output as text")
     a = p.parse_args(argv)
