@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -11,8 +10,7 @@ import torch
 from dflash_qaic import contract
 from dflash_qaic.checkpoints import DraftConfig
 from dflash_qaic.export.graph_check import check_graph
-from dflash_qaic.export.onnx_export import data_file_name, export_onnx
-from dflash_qaic.export.target import _spec_facts
+from dflash_qaic.export.onnx_export import export_onnx, program_facts
 from dflash_qaic.modeling.draft import DFlashDraft, ExportDraft
 
 
@@ -91,25 +89,10 @@ def export_draft(
     )
     feeds = check_feeds(io, specializations, mask_id) if fp16_check else None
     report = check_graph(path, io, specializations, feeds)
-    data = path.parent / data_file_name(path)
     return {
-        "path": str(path),
-        "external_data": str(data) if data.exists() else None,
-        "inputs": _spec_facts(io.inputs),
-        "outputs": _spec_facts(io.outputs),
-        "specializations": specializations,
-        "batch_size": batch_size,
+        **program_facts(path, io, specializations, report),
         "prefill_seq_len": prefill_seq_len,
         "block_size": block_size,
-        "ctx_len": ctx_len,
-        "emit_logits": emit_logits,
-        "n_layers": io.n_layers,
-        "n_kv_heads": io.n_kv_heads,
-        "head_dim": io.head_dim,
-        "hidden_size": io.hidden_size,
-        "vocab_size": io.vocab_size,
         "mask_token_id": mask_id,
         "tied_head": head_weight.data_ptr() == embed_weight.data_ptr(),
-        "onnx_bytes": Path(path).stat().st_size + (data.stat().st_size if data.exists() else 0),
-        "check": report,
     }

@@ -19,6 +19,7 @@ from pathlib import Path
 import onnx
 import torch
 
+from dflash_qaic import contract
 from dflash_qaic.contract import TensorSpec
 
 # Above this many bytes of weights the model goes to external data (protobuf caps at 2 GB).
@@ -147,3 +148,27 @@ def _quiet():
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", UserWarning)
         yield
+
+
+def program_facts(path: Path, io, specializations: list[dict], report: dict) -> dict:
+    """What the manifest records of any exported program: files, I/O specs, specializations,
+    dimensions (from the contract's io object) and the graph-check report."""
+    data = path.parent / data_file_name(path)
+    sym = specializations[0]["symbols"]
+    return {
+        "path": str(path),
+        "external_data": str(data) if data.exists() else None,
+        "inputs": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in io.inputs],
+        "outputs": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in io.outputs],
+        "specializations": specializations,
+        "batch_size": sym[contract.BATCH],
+        "ctx_len": sym[contract.CTX],
+        "emit_logits": io.emit_logits,
+        "n_layers": io.n_layers,
+        "n_kv_heads": io.n_kv_heads,
+        "head_dim": io.head_dim,
+        "hidden_size": io.hidden_size,
+        "vocab_size": io.vocab_size,
+        "onnx_bytes": path.stat().st_size + (data.stat().st_size if data.exists() else 0),
+        "check": report,
+    }

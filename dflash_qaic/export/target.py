@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from dflash_qaic import contract
 from dflash_qaic.export.graph_check import check_graph
-from dflash_qaic.export.onnx_export import data_file_name, export_onnx
+from dflash_qaic.export.onnx_export import export_onnx, program_facts
 from dflash_qaic.modeling.target import SAMPLING_CANDIDATES, ExportTarget
-
-
-def _spec_facts(specs: list[contract.TensorSpec]) -> list[dict]:
-    return [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]
-
 
 # Sampling settings of the fp16 check, per specialization: the check exercises the sampling
 # path (temperature > 0, with and without top-k / top-p); greedy rows are a plain ArgMax.
@@ -126,29 +120,14 @@ def export_target(
 
     feeds = check_feeds(io, specializations) if fp16_check else None
     report = check_graph(path, io, specializations, feeds)
-    data = path.parent / data_file_name(path)
     return {
-        "path": str(path),
-        "external_data": str(data) if data.exists() else None,
-        "inputs": _spec_facts(io.inputs),
-        "outputs": _spec_facts(io.outputs),
-        "specializations": specializations,
-        "batch_size": batch_size,
+        **program_facts(path, io, specializations, report),
         "prefill_seq_len": prefill_seq_len,
         "block_size": block_size,
-        "ctx_len": ctx_len,
-        "emit_logits": emit_logits,
         "sampling": sampling,
         "sampling_candidates": module.sampling_candidates if sampling else None,
         "target_layer_ids": list(module.target_layer_ids),
-        "n_layers": io.n_layers,
-        "n_kv_heads": io.n_kv_heads,
-        "head_dim": io.head_dim,
-        "hidden_size": io.hidden_size,
-        "vocab_size": io.vocab_size,
         "model_type": cfg.model_type,
         "fc_scale": module.fc_scale,
         "hidden_norm_eps": float(hidden_norm_eps),
-        "onnx_bytes": Path(path).stat().st_size + (data.stat().st_size if data.exists() else 0),
-        "check": report,
     }
