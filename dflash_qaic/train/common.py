@@ -102,3 +102,29 @@ def load_checkpoint(path: Path, expect: dict) -> dict:
         lines = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
         raise SystemExit(f"--resume: {path} was made with other settings ({lines})")
     return ckpt
+
+
+def adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW (β 0.9 / 0.95) with weight decay on matrices only (not norms or biases)."""
+    params = list(model.parameters())
+    return torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0},
+        ],
+        lr=lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+
+
+def resume(ckpt_path: Path, settings: dict, model, key: str, opt) -> tuple[int, list, float]:
+    """Restore model, optimizer and RNG from a checkpoint; returns (step, history, elapsed)."""
+    import sys
+
+    ckpt = load_checkpoint(ckpt_path, settings)
+    model.load_state_dict(ckpt[key])
+    opt.load_state_dict(ckpt["optimizer"])
+    torch.set_rng_state(ckpt["rng"])
+    print(f"resumed from {ckpt_path} at step {ckpt['step']}", file=sys.stderr)
+    return ckpt["step"], ckpt["history"], ckpt["elapsed"]

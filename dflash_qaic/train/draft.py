@@ -44,10 +44,11 @@ from dflash_qaic.train.common import (
     DTYPES,
     THREADS_HELP,
     Log,
+    adamw,
     atomic_save,
     atomic_write_text,
-    load_checkpoint,
     lr_at,
+    resume,
     save_safetensors_atomic,
     step_generator,
     torch_settings,
@@ -439,25 +440,11 @@ def _train(a: argparse.Namespace, stop_after: int | None) -> dict:
 
     draft = init_draft(c, a.seed)
     draft.train()
-    decay = [p for p in draft.parameters() if p.dim() >= 2]
-    no_decay = [p for p in draft.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": a.weight_decay},
-            {"params": no_decay, "weight_decay": 0},
-        ],
-        lr=a.lr,
-        betas=(0.9, 0.95),
-    )
+    opt = adamw(draft, a.lr, a.weight_decay)
     settings = {k: getattr(a, k) for k in RESUME_KEYS}
     start, history, elapsed = 0, [], 0.0
     if a.resume and ckpt_path.is_file():
-        ckpt = load_checkpoint(ckpt_path, settings)
-        draft.load_state_dict(ckpt["draft"])
-        opt.load_state_dict(ckpt["optimizer"])
-        torch.set_rng_state(ckpt["rng"])
-        start, history, elapsed = ckpt["step"], ckpt["history"], ckpt["elapsed"]
-        print(f"resumed from {ckpt_path} at step {start}", file=sys.stderr)
+        start, history, elapsed = resume(ckpt_path, settings, draft, "draft", opt)
 
     embed_w = target.get_input_embeddings().weight.detach()
     head_w = target.get_output_embeddings().weight.detach()

@@ -28,10 +28,11 @@ from dflash_qaic.train.common import (
     DTYPES,
     THREADS_HELP,
     Log,
+    adamw,
     atomic_save,
     atomic_write_text,
-    load_checkpoint,
     lr_at,
+    resume,
     step_generator,
     torch_settings,
 )
@@ -156,25 +157,10 @@ def _train(a: argparse.Namespace, stop_after: int | None) -> dict:
     config._attn_implementation = "sdpa"  # training speed; the saved config is plain
     model = Qwen3ForCausalLM(config)
     init_weights(model)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": a.weight_decay},
-            {"params": no_decay, "weight_decay": 0},
-        ],
-        lr=a.lr,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-    )
+    opt = adamw(model, a.lr, a.weight_decay)
     start, history, elapsed = 0, [], 0.0
     if a.resume and ckpt_path.is_file():
-        ckpt = load_checkpoint(ckpt_path, settings)
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
-        torch.set_rng_state(ckpt["rng"])
-        start, history, elapsed = ckpt["step"], ckpt["history"], ckpt["elapsed"]
-        print(f"resumed from {ckpt_path} at step {start}", file=sys.stderr)
+        start, history, elapsed = resume(ckpt_path, settings, model, "model", opt)
     elif not a.resume and ckpt_path.is_file():
         raise SystemExit(f"{ckpt_path} exists: pass --resume to continue it, or use a new --out")
     n_params = sum(p.numel() for p in model.parameters())
