@@ -60,8 +60,8 @@ COMPILERS = ("qaic-compile", "qaic-exec")
 PROGRAMS = ("target", "draft")
 MAX_CORES_PER_DEVICE = 16  # an AI 100 SoC has up to 16 NSP cores
 
-#: where the shipped profiles live (the repository's `qpc_configs/`)
-PROFILE_DIR = Path(__file__).resolve().parents[2] / "qpc_configs"
+#: where the shipped profiles live: package data (the repository's `qpc_configs/` links here)
+PROFILE_DIR = Path(__file__).resolve().parents[1] / "qpc_configs"
 DEFAULT_PROFILE = "ai100_fp16"
 
 # Flags that profile keys (or the compile step itself) control; `extra_flags` may not repeat them.

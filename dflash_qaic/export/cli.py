@@ -27,7 +27,8 @@ RECIPE_KEYS = {
     "batch_size",
     "qpc_config",
 }
-RECIPE_DIR = Path(__file__).resolve().parents[2] / "export"
+# Shipped recipes are package data (the repository's `export/` links here).
+RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_RECIPE = "default"
 
 
