@@ -38,7 +38,7 @@ from dflash_qaic import contract
 from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
 from dflash_qaic.export.graph_check import check_graph, fp16_feed, fp16_session
 from dflash_qaic.export.onnx_export import export_onnx
-from dflash_qaic.modeling.target import (
+from dflash_qaic.modeling.sampler import (
     inverse_cdf,
     sample_next_tokens,
     sampling_weights,

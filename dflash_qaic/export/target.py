@@ -11,7 +11,8 @@ import torch
 from dflash_qaic import contract
 from dflash_qaic.export.graph_check import check_graph
 from dflash_qaic.export.onnx_export import export_onnx, program_facts
-from dflash_qaic.modeling.target import SAMPLING_CANDIDATES, ExportTarget
+from dflash_qaic.modeling.sampler import SAMPLING_CANDIDATES
+from dflash_qaic.modeling.target import ExportTarget
 
 # Sampling settings of the fp16 check, per specialization: the check exercises the sampling
 # path (temperature > 0, with and without top-k / top-p); greedy rows are a plain ArgMax.
@@ -75,7 +76,7 @@ def export_target(
     sampling: the program takes temperature / top_k / top_p / random_u and returns the
     lossless speculative-sampling choice (contract.TargetIO); False: argmax only.
     sampling_candidates: how many most likely tokens the top-k / top-p thresholds are read from
-    (see modeling.target.sampling_weights): the largest top_k the program takes.
+    (see modeling.sampler.sampling_weights): the largest top_k the program takes.
     fp16_check runs the fp16 conversion of the graph in ONNX Runtime once per specialization
     (cheap for small models; turn it off for multi-GB targets on a small host).
     """

@@ -1,0 +1,230 @@
+"""The target program's on-device sampler: the lossless speculative-sampling choice per row.
+
+See docs/DESIGN.md, Sampling. Used by `modeling.target.ExportTarget`; every function works on
+[b, s, V] logits and is traced into the target graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Precision (the compiler runs this in fp16). The math works on unnormalised weights
+# w = exp((logit - max) / T) <= 1 (the most likely token has w = 1), never on normalised
+# probabilities, and every comparison is made against sums computed in the same graph:
+#   accept   u1 * sum(w) < w[d]                                   (p(d) = w[d] / sum(w))
+#   sample   first index where cumsum(w') > u2 * sum(w')          (w' = w with d removed)
+# so fp16 rounding of the sums moves a threshold but never sends the search off the end, and
+# the search returns a token of positive weight even when a runtime rounds two uses of one
+# value differently (ONNX Runtime's fp16 run does: it computes some ops in fp32 and drops
+# casts), see `_first_above`.
+# Sums and cumulative sums are hierarchical: the vocabulary is a tree of `levels` levels with
+# `branch` ≈ V^(1/levels) <= 64 children per node (3 levels of 54 for V = 152k), and the inverse
+# CDF descends it, choosing a child on the cumulative sum of its siblings' totals. A token then
+# competes for fp16 resolution only with ~64 siblings per level. (A single running sum over V in
+# fp16 drops every token whose weight is below ~2^-12 of the running total: most of a long
+# tail.) Remaining caveat for large vocabularies in fp16: a node whose total is below ~2^-12 of
+# its siblings' running sum is still rounded away, at most ~branch · 2^-12 ≈ 1.3% of the mass per
+# level in the worst case; a numpy simulation of fp16 cumulative sums over V = 152k puts the
+# total-variation error at ≈ 0.5–1% for 3 levels (vs ≈ 2–8% for 2 levels and ≈ 30–60% for one
+# running sum). Weights below fp16's subnormal floor (~6e-8 of the top token's) are zero, and
+# sum(w) overflows fp16 only for a near-uniform distribution over more than 65504 tokens.
+# Keeping these nodes in fp32 (a node-precision override in the compiler) removes all of it.
+# `random_u` itself arrives in fp16 on the device: p(d) and the inverse CDF are quantised to
+# 2^-11 ≈ 5e-4.
+
+# Largest uniform the sampler uses: 1 - 2**-11, exact in fp32 and fp16 (fp16 rounds a uniform
+# just below 1 up to 1.0, which would make "u * mass < mass" false).
+U_MAX = 1.0 - 2.0**-11
+MAX_BRANCH = 64  # children per node of the vocabulary tree
+# Most likely tokens the top-k / top-p thresholds are read from (QEfficient's on-device sampler
+# bounds its candidates the same way, max_top_k_ids = 512): a TopK of 512 costs a small
+# fraction of a sort of the vocabulary (≈ 1 ms vs ≈ 60 ms per row for V = 152k in ONNX Runtime).
+SAMPLING_CANDIDATES = 512
+
+
+def vocab_tree(vocab: int) -> tuple[int, int]:
+    """(levels, branch): at least 2 levels, branch = ceil(V^(1/levels)) <= MAX_BRANCH."""
+    levels = max(2, math.ceil(math.log(max(vocab, 2)) / math.log(MAX_BRANCH)))
+    branch = max(2, math.ceil(vocab ** (1.0 / levels)))
+    while branch**levels < vocab:  # float rounding of the root
+        branch += 1
+    return levels, branch
+
+
+def _tree(x: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[b, s, V] -> [b, s, branch, …, branch] (levels axes, the root's children first), zero
+    padded at the end (static Concat and Reshape, so every shape stays inferable)."""
+    levels, branch = vocab_tree(vocab)
+    if branch**levels > vocab:
+        pad = branch**levels - vocab
+        while pad > 0:  # a slice of x is at most V long
+            n = min(pad, vocab)
+            x = torch.cat([x, x[..., :n] * 0], dim=-1)
+            pad -= n
+    return x.view(x.shape[0], x.shape[1], *([branch] * levels))
+
+
+def _untree(x: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Inverse of `_tree`: [b, s, branch, …] -> [b, s, V]."""
+    return x.view(x.shape[0], x.shape[1], -1)[..., :vocab]
+
+
+def _node_sums(x: torch.Tensor, vocab: int) -> list[torch.Tensor]:
+    """Totals per tree level, leaves first: sums[0] = the leaves [b, s, n, …, n], sums[k] =
+    totals of the level-k nodes [b, s, n, …] (levels - k axes). A total is the last entry of
+    the cumulative sum of its children, the same op the descent uses."""
+    sums = [_tree(x, vocab)]
+    for _ in range(vocab_tree(vocab)[0] - 1):
+        sums.append(sums[-1].cumsum(-1)[..., -1])
+    return sums
+
+
+def _exclusive(c: torch.Tensor) -> torch.Tensor:
+    """Exclusive cumulative sum from an inclusive one (the same values, shifted by one)."""
+    return torch.cat([c[..., :1] * 0, c[..., :-1]], dim=-1)
+
+
+def _first_above(c: torch.Tensor, t: torch.Tensor, positive: torch.Tensor, n: int) -> torch.Tensor:
+    """Index of the first entry of the cumulative sum c [b, s, n] that exceeds t [b, s] >= 0.
+
+    That entry has a positive increment, so a zero-weight entry is never chosen. If rounding
+    left no entry above t, the last entry of positive weight (`positive` [b, s, n] bool) is
+    taken. Nothing here assumes that two uses of one value see the same rounding (a runtime
+    may keep one consumer's copy in fp32 and round another's to fp16): the answer always has
+    positive weight.
+    """
+    above = c > t[..., None]
+    first = above.to(torch.int32).argmax(-1)
+    idx = torch.arange(n, device=c.device)
+    last = torch.where(positive, idx, 0).amax(-1)
+    return torch.where(above[..., -1], first, last)
+
+
+def _select(x: torch.Tensor, onehot: torch.Tensor) -> torch.Tensor:
+    """x [b, s, n, …] at the child marked by onehot [b, s, n] -> [b, s, …] (a sum of one term
+    and zeros: exact in any precision)."""
+    for _ in range(x.dim() - 3):
+        onehot = onehot[..., None]
+    return torch.where(onehot, x, 0.0).sum(2)
+
+
+def inverse_cdf(x: torch.Tensor, u: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A token drawn from the unnormalised weights x [b, s, V] >= 0 by the uniform u [b, s]:
+    the first token whose cumulative weight exceeds u · sum(x), found by descending the
+    vocabulary tree. Returns (token [b, s] int64, sum(x) [b, s]); with sum(x) = 0, token 0."""
+    levels, n = vocab_tree(vocab)
+    sums = _node_sums(x, vocab)  # leaves first
+    c = sums[-1].cumsum(-1)  # [b, s, n]: the root's children
+    mass = c[..., -1]
+    rest = u * mass  # >= 0
+    token = None
+    for level in range(levels - 1, -1, -1):
+        nodes = sums[level]  # [b, s, n]: children of the node chosen so far
+        if level < levels - 1:
+            c = nodes.cumsum(-1)
+        j = _first_above(c, rest, nodes > 0, n)  # [b, s]
+        onehot = torch.arange(n, device=x.device) == j[..., None]  # [b, s, n]
+        rest = (rest - torch.where(onehot, _exclusive(c), 0.0).sum(-1)).clamp(min=0.0)
+        token = j if token is None else token * n + j
+        sums = [_select(s, onehot) for s in sums[:level]] + sums[level:]
+    return token, mass
+
+
+def _tree_total(x: torch.Tensor, vocab: int) -> torch.Tensor:
+    """sum(x) over the vocabulary [b, s], level by level."""
+    return _node_sums(x, vocab)[-1].cumsum(-1)[..., -1]
+
+
+def sampling_weights(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    vocab: int,
+    candidates: int = SAMPLING_CANDIDATES,
+) -> torch.Tensor:
+    """Unnormalised target distribution after temperature, top-k and top-p.
+
+    logits [b, s, V]; temperature, top_k, top_p [b] (top_k 0 = off, top_p >= 1 = off; a
+    temperature of 0 is treated as 1 here, the caller takes the argmax for it).
+    Returns w [b, s, V] >= 0 with p = w / sum(w) and w = 1 at the most likely token.
+    Like Hugging Face's warpers, top-k keeps every token tied with the k-th, and top-p keeps the
+    smallest head of the (top-k filtered) distribution whose mass reaches top_p.
+
+    The thresholds come from the `candidates` most likely tokens (one TopK, not a sort of the
+    vocabulary): top-k is exact for k <= candidates (a larger k counts as `candidates`; the
+    runtime refuses one), top-p is exact whenever its head fits in the candidates, and a row
+    whose head would not (top-k off, the candidates' mass below top_p) keeps the whole
+    distribution, i.e. gains at most 1 - top_p of mass. With V <= candidates all is exact.
+    Sampling itself always runs over the whole vocabulary.
+    """
+    n = min(candidates, vocab)
+    t = torch.where(temperature > 0, temperature, 1.0)[:, None, None]  # [b, 1, 1]
+    srt = logits.topk(n, dim=-1).values  # [b, s, n], descending
+    top = srt[..., :1]  # [b, s, 1]
+    rank = torch.arange(n, device=logits.device)
+    k = top_k[:, None, None]  # [b, 1, 1]
+    k_on = k > 0
+    keep_k = (rank < k) | ~k_on  # [b, 1, n]
+    e = torch.where(keep_k, torch.exp((srt - top) / t), 0.0)  # [b, s, n] sorted weights
+    w_all = torch.exp((logits - top) / t)  # [b, s, V]
+    # top-p's reference mass: the top-k head, or the whole vocabulary when top-k is off
+    head = _tree_total(e, n)[..., None]  # [b, s, 1]
+    mass = torch.where(k_on, head, _tree_total(w_all, vocab)[..., None])
+    # mass ahead of each sorted candidate: the exclusive prefix of its siblings, per tree level
+    sums = _node_sums(e, n)
+    before = _exclusive(sums[0].cumsum(-1))
+    for level in range(1, len(sums)):
+        ahead = _exclusive(sums[level].cumsum(-1))
+        for _ in range(level):
+            ahead = ahead[..., None]
+        before = before + ahead
+    p = top_p[:, None, None]
+    keep = keep_k & ((_untree(before, n) < p * mass) | (p >= 1.0))  # a prefix of the order
+    # no filter at all, or a top-p head longer than the candidates: keep the whole vocabulary
+    keep_all = ~k_on & ((p >= 1.0) | (head < p * mass))  # [b, s, 1]
+    # the top token is always kept (the clamp covers a top_p that fp16 rounds to 0)
+    n_keep = keep.sum(-1, keepdim=True).clamp(min=1)  # [b, s, 1]
+    threshold = srt.gather(-1, n_keep - 1)  # smallest kept logit
+    return torch.where((logits >= threshold) | keep_all, w_all, 0.0)
+
+
+def sample_next_tokens(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    random_u: torch.Tensor,
+    vocab: int,
+    candidates: int = SAMPLING_CANDIDATES,
+) -> torch.Tensor:
+    """The token committed at every row under the lossless rule (docs/DESIGN.md, Sampling).
+
+    logits [b, s, V]; input_ids, position_ids [b, s]; temperature, top_k, top_p [b];
+    random_u [b, s, 2] uniforms in [0, 1). Row j's proposal d is input_ids[j + 1] when row
+    j + 1 exists and is not padding. With a proposal: d if u1 < p(d), else a sample (by u2)
+    from p with d removed and renormalised, so a rejected row never returns d. Without one: a
+    sample from p. Rows with temperature 0 return the argmax of the logits, exactly.
+    p is `sampling_weights` (see there for `candidates`).
+    """
+    greedy = logits.argmax(dim=-1)  # [b, s]
+    w = sampling_weights(logits, temperature, top_k, top_p, vocab, candidates)  # [b, s, V]
+    u = random_u.clamp(0.0, U_MAX)
+    u_accept, u_sample = u[..., 0], u[..., 1]  # [b, s]
+    # proposal of row j: the next row's input token, if that row exists and is not padding
+    proposal = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)  # [b, s]
+    next_pos = torch.cat([position_ids[:, 1:], position_ids[:, :1] * 0 - 1], dim=1)
+    has = next_pos >= 0  # [b, s]
+    w_d = torch.where(has, w.gather(-1, proposal[..., None])[..., 0], 0.0)  # [b, s]
+    total = _tree_total(w, vocab)  # [b, s]
+    hit = (torch.arange(vocab, device=logits.device) == proposal[..., None]) & has[..., None]
+    # a sample from p with d removed (from p itself where there is no proposal)
+    sampled, mass = inverse_cdf(torch.where(hit, 0.0, w), u_sample, vocab)
+    # an empty residual (all of p on d) can only mean d: accept it
+    accept = has & ((u_accept * total < w_d) | (mass <= 0))
+    chosen = torch.where(accept, proposal, sampled)
+    return torch.where(temperature[:, None] == 0, greedy, chosen)
