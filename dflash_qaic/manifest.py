@@ -79,11 +79,15 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def _plain(rel: str) -> bool:
+    p = PurePosixPath(rel)
+    return bool(rel) and not p.is_absolute() and ".." not in p.parts and "\\" not in rel
+
+
 def inside(root: str | os.PathLike, rel: str, what: str = "path") -> Path:
     """`root/rel`, refusing anything that leaves `root` (absolute, `..`, symlinks out)."""
     root = Path(root)
-    p = PurePosixPath(rel)
-    if not rel or p.is_absolute() or ".." in p.parts or "\\" in rel:
+    if not isinstance(rel, str) or not _plain(rel):
         raise ArtifactsError(
             f"{root / NAME}: {what} {rel!r} is not a plain relative path inside the artifacts "
             "directory; refusing it (re-run dflash-export to write a clean manifest)"
@@ -146,6 +150,16 @@ class _Check:
             self.fail(self.key(name), f"must be a non-empty string, got {v!r}")
         return v
 
+    def relpath(self, name: str, default: Any = ..., optional: bool = False) -> Any:
+        """A plain relative path (no `..`, not absolute): it must name something inside."""
+        v = self.str(name, default, optional)
+        if v is not None and not _plain(v):
+            self.fail(
+                self.key(name),
+                f"{v!r} is not a plain relative path inside the artifacts directory; refusing it",
+            )
+        return v
+
     def ints(self, name: str, lo: int = 0, hi: int = INT64_MAX, default: Any = ...) -> tuple:
         v = self.get(name, default)
         ok = isinstance(v, list) and all(
@@ -202,7 +216,7 @@ class FileRecord:
         digest = c.str("sha256")
         if len(digest) != 64 or any(ch not in "0123456789abcdef" for ch in digest):
             c.fail(c.key("sha256"), f"must be 64 lowercase hex digits, got {digest!r}")
-        return cls(c.str("path"), c.int("size"), digest)
+        return cls(c.relpath("path"), c.int("size"), digest)
 
 
 @dataclass(frozen=True)
@@ -241,8 +255,8 @@ class QpcRecord:
             part=c.str("part"),
             specializations=tuple(names),
             key=c.str("key"),
-            dir=c.str("dir"),
-            qpc=c.str("qpc"),
+            dir=c.relpath("dir"),
+            qpc=c.relpath("qpc"),
             command=c.str("command"),
             num_cores=c.int("num_cores", 1, 1024),
             device_ids=c.ints("device_ids", 0, 1 << 16),
@@ -320,8 +334,8 @@ class Program:
         known |= {"inputs", "outputs", "qpc"}
         return cls(
             io=io,
-            onnx=c.str("onnx"),
-            external_data=c.str("external_data", None, optional=True),
+            onnx=c.relpath("onnx"),
+            external_data=c.relpath("external_data", None, optional=True),
             specializations=tuple(_specs(c)),
             onnx_bytes=c.int("onnx_bytes", 1),
             sampling_candidates=c.int("sampling_candidates", 1, 1 << 24, default=None),
@@ -384,6 +398,13 @@ class Manifest:
             out += [f"{q.qpc}/programqpc.bin" for q in p.qpcs if q.ready]
         return out
 
+    def __getitem__(self, key: str):
+        """The JSON form's value (for readers that still take the raw dict; prefer attributes)."""
+        return self.to_json()[key]
+
+    def get(self, key: str, default=None):
+        return self.to_json().get(key, default)
+
     def replace(self, **changes) -> Manifest:
         return replace(self, **changes)
 
@@ -428,7 +449,7 @@ class Manifest:
             draft=Program.from_json(c.sub(c.obj("draft"), "draft"), "draft"),
             files=tuple(FileRecord.from_json(c.sub(f, "files[]")) for f in c.list("files")),
             eos_token_ids=c.ints("eos_token_ids", 0, INT64_MAX, default=[]),
-            tokenizer=c.str("tokenizer", None, optional=True),
+            tokenizer=c.relpath("tokenizer", None, optional=True),
             input_hash=c.str("input_hash", ""),
             options=c.obj("options", {}),
             qpc_config=c.str("qpc_config", None, optional=True),

@@ -209,23 +209,27 @@ def _check_target_support(pair: ck.Pair) -> None:
                 f"{path / 'config.json'}: hidden_act {act!r} is not supported (the {what} "
                 "modules implement silu only)"
             )
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rtype = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else 0
-        if not isinstance(rtype, str) or rtype in UNSUPPORTED_ROPE:
-            raise ExportError(
-                f"{path / 'config.json'}: rope type {rtype!r} is not supported (it depends on the "
-                f"sequence length); supported: default and the static scalings"
-            )
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        if rtype != "default" and rtype not in ROPE_INIT_FUNCTIONS:
-            raise ExportError(f"{path / 'config.json'}: unknown rope type {rtype!r}")
+        for key in ("rope_parameters", "rope_scaling"):
+            _check_rope(raw.get(key) or {}, path / "config.json")
     types = pair.target.raw.get("layer_types") or []
     if any(t != "full_attention" for t in types):
         raise ExportError(
             f"{pair.target.path / 'config.json'}: sliding-window layers are not supported "
             f"(layer_types {sorted(set(types))})"
         )
+
+
+def _check_rope(rope, where: Path) -> None:
+    rtype = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
+    if not isinstance(rtype, str) or rtype in UNSUPPORTED_ROPE:
+        raise ExportError(
+            f"{where}: rope type {rtype!r} is not supported (it depends on the sequence "
+            "length); supported: default and the static scalings (linear, llama3, yarn, …)"
+        )
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rtype != "default" and rtype not in ROPE_INIT_FUNCTIONS:
+        raise ExportError(f"{where}: unknown rope type {rtype!r}")
 
 
 def _check_tokenizer(target_dir: Path) -> None:

@@ -76,11 +76,11 @@ def check_ours(out: Path) -> None:
             "choose a new or empty --out"
         )
     allowed = set(LAYOUT[:3]) | ({"tokenizer"} if manifest.get("tokenizer") else set())
-    foreign = [e for e in entries if e not in allowed]
-    links = [e for e in entries if e in allowed and (out / e).is_symlink()]
+    links = [e for e in entries if (out / e).is_symlink()]
+    foreign = [e for e in entries if e not in allowed and e not in links]
     if foreign or links:
-        what = [f"{e} (not written by dflash-export)" for e in foreign]
-        what += [f"{e} (a symlink to {os.readlink(out / e)})" for e in links]
+        what = [f"{e} (a symlink to {os.readlink(out / e)})" for e in links]
+        what += [f"{e} (not written by dflash-export)" for e in foreign]
         raise TransactionError(
             f"--out {out} holds {_names(what)}; dflash-export replaces the whole directory and "
             "will not delete them: move them out of the way, or choose another --out"
