@@ -743,6 +743,18 @@ def _build(job: _Job, profile: CompileProfile, timeout: float, say: Progress) ->
     return "built"
 
 
+def _check_program(program: str, io, onnx_path) -> Path:
+    if program not in ("target", "draft"):
+        raise ValueError(f"program must be 'target' or 'draft', got {program!r}")
+    expected = contract.TargetIO if program == "target" else contract.DraftIO
+    if not isinstance(io, expected):
+        raise TypeError(f"program {program!r} needs a {expected.__name__}, got {type(io).__name__}")
+    onnx = Path(onnx_path).absolute()
+    if not onnx.is_file():
+        raise FileNotFoundError(f"no ONNX file at {onnx}")
+    return onnx
+
+
 def compile_program(
     onnx_path: str | os.PathLike[str],
     program_dir: str | os.PathLike[str],
@@ -765,15 +777,8 @@ def compile_program(
     (default: the profile's `compile_timeout_s`). `root` is the artifacts directory the paths
     of compile.cmd are relative to (default: `program_dir`'s parent).
     """
-    if program not in ("target", "draft"):
-        raise ValueError(f"program must be 'target' or 'draft', got {program!r}")
-    expected = contract.TargetIO if program == "target" else contract.DraftIO
-    if not isinstance(io, expected):
-        raise TypeError(f"program {program!r} needs a {expected.__name__}, got {type(io).__name__}")
+    onnx = _check_program(program, io, onnx_path)
     say: Progress = progress or (lambda _msg: None)
-    onnx = Path(onnx_path).absolute()
-    if not onnx.is_file():
-        raise FileNotFoundError(f"no ONNX file at {onnx}")
     pdir = Path(program_dir).absolute()
     pdir.mkdir(parents=True, exist_ok=True)
     base = Path(root).absolute() if root is not None else pdir.parent
