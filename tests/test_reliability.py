@@ -600,3 +600,29 @@ def test_compile_overrides_checked(pair, tmp_path, capsys):
     args = ["--target", pair[0], "--draft", pair[1], "--out", tmp_path / "o", *SMALL[:-1]]
     rc, _, err = run(capsys, *args, "--num-cores", "16")  # + the draft's 4 on device 0
     assert rc == 2 and "over its core budget" in err
+
+
+def test_tokenizer_is_recorded_and_tracked(pair, tmp_path, capsys):
+    t, d = copy_pair(pair, tmp_path)
+    assets = Path(dflash_qaic.__file__).parent / "assets" / "pair" / "target"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(assets / name, t / name)
+    out = tmp_path / "o"
+    args = ["--target", t, "--draft", d, "--out", out, *SMALL]
+    assert run(capsys, *args)[0] == 0
+    m = dflash_qaic.load(out).artifacts
+    assert m.tokenizer == "tokenizer"
+    assert {"tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"} <= {
+        f.path for f in m.files
+    }
+    (out / "tokenizer" / "tokenizer.json").write_text("{}")  # damaged: caught at load
+    with pytest.raises(ArtifactsError, match="tokenizer/tokenizer.json"):
+        dflash_qaic.load(out)
+    rc, stdout, _ = run(capsys, *args)  # rebuilt, not reused
+    assert rc == 0 and "not reusing" in stdout
+    dflash_qaic.load(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the target loses its tokenizer
+        (t / name).unlink()
+    rc, stdout, _ = run(capsys, *args)
+    assert rc == 0 and "reusing the exported" not in stdout
+    assert dflash_qaic.load(out).tokenizer is None and not (out / "tokenizer").exists()
