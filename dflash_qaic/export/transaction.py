@@ -69,6 +69,11 @@ def check_ours(out: Path) -> None:
     if not entries:
         return
     manifest = _manifest_json(out)
+    if manifest is None and set(entries) <= set(LAYOUT) | {".compile.lock"}:
+        raise TransactionError(
+            f"--out {out} holds {_names(entries)} but no dflash-qaic manifest: it looks like an "
+            f"export an older version left unfinished; delete it (rm -r {out}) and run again"
+        )
     if manifest is None:
         raise TransactionError(
             f"--out {out} is not empty and is not a dflash-qaic artifacts directory (it holds "
