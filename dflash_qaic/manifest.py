@@ -1,66 +1,505 @@
-"""`manifest.json`: everything the runtime needs from an artifacts directory.
+"""`manifest.json`: the typed record of an artifacts directory (docs/DESIGN.md, Artifacts).
 
-The exporter writes it last and atomically; a directory without a complete, readable manifest
-is not an artifact. Paths inside are relative to the artifacts directory, so it can be moved.
+The exporter writes it last; a directory without a complete, valid manifest is not an artifact.
+`Manifest.from_json` validates every value (a malformed one is an `ArtifactsError` naming the
+field, never a traceback), and `read_manifest` also checks that every path stays inside the
+artifacts directory and that every file it names has its recorded size (and, for small files or
+with `verify="full"`, its recorded sha256). Paths are relative, so the directory can be moved.
+
+Program facts carry the contract's own I/O object (`contract.TargetIO` / `contract.DraftIO`);
+the JSON form also lists the expanded inputs and outputs for readers of the raw file, and
+`from_json` checks that they agree with the contract.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from dflash_qaic import contract
 
 FORMAT = "dflash-qaic-artifacts"
-VERSION = 1
+VERSION = 2
 NAME = "manifest.json"
-REQUIRED = (
-    "format",
-    "version",
-    "block_size",
-    "mask_token_id",
-    "target_layer_ids",
-    "prefill_seq_len",
-    "ctx_len",
-    "batch_size",
-    "vocab_size",
-    "hidden_size",
-    "target",
-    "draft",
-)
+#: at load, files up to this size are hashed; larger ones (weights, QPCs) are size-checked only
+#: (docs/DESIGN.md, Artifacts: full hashes run at export, at reuse and with verify="full")
+HASH_AT_LOAD_BYTES = 64 << 20
+VERIFY_MODES = ("fast", "full", "none")
+INT64_MAX = 2**63 - 1
 
 
 class ArtifactsError(ValueError):
-    """An artifacts directory is missing, incomplete or from another version."""
+    """An artifacts directory is missing, incomplete, damaged or from another version."""
+
+
+# ---------------------------------------------------------------------------------------------
+# files
+
+
+def umask() -> int:
+    """The process umask (read without changing it for longer than a call)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def fix_mode(path: str | os.PathLike, directory: bool = False) -> None:
+    """Give a file made by `tempfile` (0600 / 0700) the mode a plain `open` would have given."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~umask())
 
 
 def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    """Write JSON to a temp file beside `path`, fsync, then rename over it."""
+    """Write JSON to a temp file beside `path` (umask permissions), fsync, then rename over it."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=False)
+            json.dump(obj, f, indent=2, sort_keys=False, allow_nan=False)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
+        fix_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
-def write_manifest(out_dir: str | os.PathLike, manifest: dict) -> Path:
-    manifest = {"format": FORMAT, "version": VERSION, **manifest}
-    missing = [k for k in REQUIRED if k not in manifest]
-    if missing:
-        raise ValueError(f"manifest lacks {missing}")
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _plain(rel: str) -> bool:
+    p = PurePosixPath(rel)
+    return bool(rel) and not p.is_absolute() and ".." not in p.parts and "\\" not in rel
+
+
+def inside(root: str | os.PathLike, rel: str, what: str = "path") -> Path:
+    """`root/rel`, refusing anything that leaves `root` (absolute, `..`, symlinks out)."""
+    root = Path(root)
+    if not isinstance(rel, str) or not _plain(rel):
+        raise ArtifactsError(
+            f"{root / NAME}: {what} {rel!r} is not a plain relative path inside the artifacts "
+            "directory; refusing it (re-run dflash-export to write a clean manifest)"
+        )
+    full = root / rel
+    real_root = root.resolve()
+    if not full.resolve().is_relative_to(real_root):
+        raise ArtifactsError(
+            f"{root / NAME}: {what} {rel!r} resolves to {full.resolve()}, outside {real_root} "
+            "(a symlink out of the artifacts directory); refusing it"
+        )
+    return full
+
+
+# ---------------------------------------------------------------------------------------------
+# validation of JSON values
+
+
+class _Check:
+    """Typed reads of a JSON object; every failure names the field."""
+
+    def __init__(self, source: str, data: Any, where: str = ""):
+        self.source, self.where = source, where
+        if not isinstance(data, dict):
+            self.fail(where or "the manifest", f"must be a JSON object, got {_kind(data)}")
+        self.data = data
+
+    def fail(self, key: str, msg: str):
+        raise ArtifactsError(f"{self.source}: `{key}` {msg}; re-run dflash-export")
+
+    def key(self, name: str) -> str:
+        return f"{self.where}.{name}" if self.where else name
+
+    def get(self, name: str, default: Any = ...) -> Any:
+        if name not in self.data:
+            if default is ...:
+                self.fail(self.key(name), "is missing")
+            return default
+        return self.data[name]
+
+    def int(self, name: str, lo: int = 0, hi: int = INT64_MAX, default: Any = ...) -> Any:
+        v = self.get(name, default)
+        if v is None and default is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            self.fail(self.key(name), f"must be an integer in [{lo}, {hi}], got {v!r}")
+        return v
+
+    def bool(self, name: str, default: Any = ...) -> bool:
+        v = self.get(name, default)
+        if not isinstance(v, bool):
+            self.fail(self.key(name), f"must be true or false, got {v!r}")
+        return v
+
+    def str(self, name: str, default: Any = ..., optional: bool = False) -> Any:
+        v = self.get(name, default)
+        if v is None and optional:
+            return None
+        if not isinstance(v, str) or not v:
+            self.fail(self.key(name), f"must be a non-empty string, got {v!r}")
+        return v
+
+    def relpath(self, name: str, default: Any = ..., optional: bool = False) -> Any:
+        """A plain relative path (no `..`, not absolute): it must name something inside."""
+        v = self.str(name, default, optional)
+        if v is not None and not _plain(v):
+            self.fail(
+                self.key(name),
+                f"{v!r} is not a plain relative path inside the artifacts directory; refusing it",
+            )
+        return v
+
+    def ints(self, name: str, lo: int = 0, hi: int = INT64_MAX, default: Any = ...) -> tuple:
+        v = self.get(name, default)
+        ok = isinstance(v, list) and all(
+            isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi for x in v
+        )
+        if not ok:
+            self.fail(self.key(name), f"must be a list of integers in [{lo}, {hi}], got {v!r}")
+        return tuple(v)
+
+    def obj(self, name: str, default: Any = ...) -> Any:
+        v = self.get(name, default)
+        if v is None and default is None:
+            return None
+        if not isinstance(v, dict):
+            self.fail(self.key(name), f"must be a JSON object, got {_kind(v)}")
+        return v
+
+    def list(self, name: str, default: Any = ...) -> list:
+        v = self.get(name, default)
+        if not isinstance(v, list):
+            self.fail(self.key(name), f"must be a list, got {_kind(v)}")
+        return v
+
+    def sub(self, value: Any, name: str) -> _Check:
+        return _Check(self.source, value, self.key(name))
+
+
+def _kind(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+# ---------------------------------------------------------------------------------------------
+# the typed manifest
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One file the manifest names: path relative to the artifacts directory, size, sha256."""
+
+    path: str
+    size: int
+    sha256: str
+
+    @classmethod
+    def of(cls, root: Path, rel: str) -> FileRecord:
+        f = root / rel
+        return cls(rel, f.stat().st_size, sha256_file(f))
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, c: _Check) -> FileRecord:
+        digest = c.str("sha256")
+        if len(digest) != 64 or any(ch not in "0123456789abcdef" for ch in digest):
+            c.fail(c.key("sha256"), f"must be 64 lowercase hex digits, got {digest!r}")
+        return cls(c.relpath("path"), c.int("size"), digest)
+
+
+@dataclass(frozen=True)
+class QpcRecord:
+    """One compiled (or to-be-compiled) QPC of a program (see `compile.qpc.QpcBuild`)."""
+
+    part: str
+    specializations: tuple[str, ...]
+    key: str
+    dir: str
+    qpc: str
+    command: str
+    num_cores: int
+    device_ids: tuple[int, ...]
+    tensor_slicing: int | None
+    status: str  # "built" | "cached" | "skipped"
+
+    @property
+    def ready(self) -> bool:
+        return self.status != "skipped"
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["specializations"], d["device_ids"] = list(self.specializations), list(self.device_ids)
+        return d
+
+    @classmethod
+    def from_json(cls, c: _Check) -> QpcRecord:
+        names = c.list("specializations")
+        if not all(isinstance(n, str) for n in names):
+            c.fail(c.key("specializations"), f"must be a list of names, got {names!r}")
+        status = c.str("status")
+        if status not in ("built", "cached", "skipped"):
+            c.fail(c.key("status"), f"must be built, cached or skipped, got {status!r}")
+        return cls(
+            part=c.str("part"),
+            specializations=tuple(names),
+            key=c.str("key"),
+            dir=c.relpath("dir"),
+            qpc=c.relpath("qpc"),
+            command=c.str("command"),
+            num_cores=c.int("num_cores", 1, 1024),
+            device_ids=c.ints("device_ids", 0, 1 << 16),
+            tensor_slicing=c.int("tensor_slicing", 1, 1024, default=None),
+            status=status,
+        )
+
+
+_TARGET_IO = ("n_layers", "n_kv_heads", "head_dim", "hidden_size", "vocab_size")
+
+
+@dataclass(frozen=True)
+class Program:
+    """An exported program: its contract I/O object, files, specializations and QPCs."""
+
+    io: contract.TargetIO | contract.DraftIO
+    onnx: str
+    external_data: str | None
+    specializations: tuple[dict, ...]
+    onnx_bytes: int
+    sampling_candidates: int | None = None  # target with sampling: the largest top_k it takes
+    qpcs: tuple[QpcRecord, ...] = ()
+    compiler: str | None = None
+    check: dict = field(default_factory=dict)  # the graph check's report (free-form)
+    facts: dict = field(default_factory=dict)  # other exporter facts (free-form, informative)
+
+    @property
+    def kind(self) -> str:
+        return "target" if isinstance(self.io, contract.TargetIO) else "draft"
+
+    @property
+    def files(self) -> list[str]:
+        return [self.onnx] + ([self.external_data] if self.external_data else [])
+
+    def to_json(self) -> dict:
+        spec = lambda s: {"name": s.name, "dtype": s.dtype, "shape": list(s.shape)}  # noqa: E731
+        return {
+            **self.facts,
+            **asdict(self.io),
+            "onnx": self.onnx,
+            "external_data": self.external_data,
+            "onnx_bytes": self.onnx_bytes,
+            "inputs": [spec(s) for s in self.io.inputs],
+            "outputs": [spec(s) for s in self.io.outputs],
+            "specializations": [dict(s) for s in self.specializations],
+            "sampling_candidates": self.sampling_candidates,
+            "qpc": [q.to_json() for q in self.qpcs],
+            "compiler": self.compiler,
+            "check": self.check,
+        }
+
+    @classmethod
+    def from_json(cls, c: _Check, kind: str) -> Program:
+        dims = {k: c.int(k, 1, 1 << 24) for k in _TARGET_IO}
+        if kind == "target":
+            # the listed inputs are what the runtime binds: they decide `sampling` when given
+            listed = c.get("inputs", None)
+            sampling = c.bool("sampling", True)
+            if isinstance(listed, list):
+                names = {i.get("name") for i in listed if isinstance(i, dict)}
+                sampling = all(n in names for n in contract.SAMPLING_INPUTS)
+            io = contract.TargetIO(**dims, emit_logits=c.bool("emit_logits"), sampling=sampling)
+        else:
+            io = contract.DraftIO(
+                **dims, emit_logits=c.bool("emit_logits"), block_size=c.int("block_size", 2, 4096)
+            )
+        for which, specs in (("inputs", io.inputs), ("outputs", io.outputs)):
+            want = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]
+            if c.get(which, want) != want:
+                c.fail(c.key(which), "do not match the I/O contract of this dflash-qaic version")
+        qpcs = tuple(QpcRecord.from_json(c.sub(q, "qpc[]")) for q in c.list("qpc", []))
+        known = (
+            {f.name for f in fields(cls)} | set(dims) | {"emit_logits", "sampling", "block_size"}
+        )
+        known |= {"inputs", "outputs", "qpc"}
+        return cls(
+            io=io,
+            onnx=c.relpath("onnx"),
+            external_data=c.relpath("external_data", None, optional=True),
+            specializations=tuple(_specs(c)),
+            onnx_bytes=c.int("onnx_bytes", 1),
+            sampling_candidates=c.int("sampling_candidates", 1, 1 << 24, default=None),
+            qpcs=qpcs,
+            compiler=c.str("compiler", None, optional=True),
+            check=c.obj("check", {}),
+            facts={k: v for k, v in c.data.items() if k not in known},
+        )
+
+
+def _specs(c: _Check) -> list[dict]:
+    out = []
+    for s in c.list("specializations"):
+        sc = c.sub(s, "specializations[]")
+        name = sc.str("name")
+        sym = sc.obj("symbols")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sym.values()):
+            sc.fail(sc.key("symbols"), f"must map symbols to integers >= 1, got {sym!r}")
+        out.append({"name": name, "symbols": dict(sym)})
+    return out
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything the runtime needs from an artifacts directory (docs/DESIGN.md, Artifacts)."""
+
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    prefill_seq_len: int
+    ctx_len: int
+    batch_size: int
+    vocab_size: int
+    hidden_size: int
+    target: Program
+    draft: Program
+    files: tuple[FileRecord, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+    tokenizer: str | None = None  # relative directory holding the target's tokenizer files
+    input_hash: str = ""  # the reuse key: every input and option that changes the programs
+    options: dict = field(default_factory=dict)
+    qpc_config: str | None = None
+    compile_skipped: dict | None = None  # {"looked_in": [...], "commands": [...]}
+    sources: dict = field(default_factory=dict)
+    versions: dict = field(default_factory=dict)
+
+    def program(self, name: str) -> Program:
+        if name not in ("target", "draft"):
+            raise ValueError(f"program must be 'target' or 'draft', got {name!r}")
+        return self.target if name == "target" else self.draft
+
+    @property
+    def compiled(self) -> bool:
+        return all(p.qpcs and all(q.ready for q in p.qpcs) for p in (self.target, self.draft))
+
+    def named_files(self) -> list[str]:
+        """Every file the manifest must record: the programs' files and their QPC binaries."""
+        out = self.target.files + self.draft.files
+        for p in (self.target, self.draft):
+            out += [f"{q.qpc}/programqpc.bin" for q in p.qpcs if q.ready]
+        return out
+
+    def __getitem__(self, key: str):
+        """The JSON form's value (for readers that still take the raw dict; prefer attributes)."""
+        return self.to_json()[key]
+
+    def get(self, key: str, default=None):
+        return self.to_json().get(key, default)
+
+    def replace(self, **changes) -> Manifest:
+        return replace(self, **changes)
+
+    def to_json(self) -> dict:
+        d = {"format": FORMAT, "version": VERSION}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, Program):
+                v = v.to_json()
+            elif f.name == "files":
+                v = [r.to_json() for r in v]
+            elif isinstance(v, tuple):
+                v = list(v)
+            d[f.name] = v
+        return d
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = NAME, complete: bool = True) -> Manifest:
+        """Validate plain JSON data; `complete=False` skips the check that every named file
+        has a record (for a manifest still being built)."""
+        c = _Check(source, data)
+        if c.get("format", None) != FORMAT:
+            raise ArtifactsError(
+                f"{source} is not a dflash-qaic manifest (format {data.get('format')!r})"
+            )
+        if c.get("version", None) != VERSION:
+            raise ArtifactsError(
+                f"{source} has manifest version {data.get('version')!r}, this dflash-qaic reads "
+                f"{VERSION}: re-export with `dflash-export` of this version"
+            )
+        vocab = c.int("vocab_size", 1, 1 << 24)
+        m = cls(
+            block_size=c.int("block_size", 2, 4096),
+            mask_token_id=c.int("mask_token_id", 0, vocab - 1),
+            target_layer_ids=c.ints("target_layer_ids", 0, 4096),
+            prefill_seq_len=c.int("prefill_seq_len", 1, 1 << 20),
+            ctx_len=c.int("ctx_len", 4, 1 << 22),
+            batch_size=c.int("batch_size", 1, 4096),
+            vocab_size=vocab,
+            hidden_size=c.int("hidden_size", 1, 1 << 20),
+            target=Program.from_json(c.sub(c.obj("target"), "target"), "target"),
+            draft=Program.from_json(c.sub(c.obj("draft"), "draft"), "draft"),
+            files=tuple(FileRecord.from_json(c.sub(f, "files[]")) for f in c.list("files")),
+            eos_token_ids=c.ints("eos_token_ids", 0, INT64_MAX, default=[]),
+            tokenizer=c.relpath("tokenizer", None, optional=True),
+            input_hash=c.str("input_hash", ""),
+            options=c.obj("options", {}),
+            qpc_config=c.str("qpc_config", None, optional=True),
+            compile_skipped=c.obj("compile_skipped", None),
+            sources=c.obj("sources", {}),
+            versions=c.obj("versions", {}),
+        )
+        _consistent(m, c, complete)
+        return m
+
+
+def _consistent(m: Manifest, c: _Check, complete: bool) -> None:
+    """Cross-field checks: the values the runtime sizes its buffers from agree everywhere."""
+    for prog in (m.target, m.draft):
+        if (prog.io.hidden_size, prog.io.vocab_size) != (m.hidden_size, m.vocab_size):
+            c.fail(f"{prog.kind}.hidden_size/vocab_size", "disagree with the top-level values")
+    if m.draft.io.block_size != m.block_size:
+        c.fail("draft.block_size", f"is {m.draft.io.block_size}, block_size is {m.block_size}")
+    if m.block_size > m.prefill_seq_len or m.ctx_len < m.prefill_seq_len + m.block_size + 2:
+        c.fail("ctx_len", "is too small for prefill_seq_len and block_size")
+    args = (m.batch_size, m.prefill_seq_len, m.block_size, m.ctx_len)
+    for prog, want in (
+        (m.target, contract.target_specializations(*args)),
+        (m.draft, contract.draft_specializations(*args)),
+    ):
+        if list(prog.specializations) != want:
+            c.fail(f"{prog.kind}.specializations", f"must be {want} for these dimensions")
+    recorded = {f.path for f in m.files}
+    missing = [p for p in m.named_files() if p not in recorded]
+    if missing and complete:
+        c.fail("files", f"has no size and sha256 for {missing}")
+    for t in m.eos_token_ids:
+        if t >= m.vocab_size:
+            c.fail("eos_token_ids", f"holds {t}, outside the vocabulary of {m.vocab_size}")
+
+
+# ---------------------------------------------------------------------------------------------
+# reading and verifying
+
+
+def write_manifest(out_dir: str | os.PathLike, manifest: Manifest) -> Path:
+    """Write `manifest` as `out_dir/manifest.json` (atomically, umask permissions)."""
+    Manifest.from_json(manifest.to_json())  # never write what would not read back
     path = Path(out_dir) / NAME
-    write_json_atomic(path, manifest)
+    write_json_atomic(path, manifest.to_json())
     return path
 
 
-def read_manifest(artifacts_dir: str | os.PathLike) -> dict:
+def load_json(artifacts_dir: str | os.PathLike) -> Any:
+    """The raw JSON of a manifest (ArtifactsError when the directory is not an artifact)."""
     d = Path(artifacts_dir)
     if not d.is_dir():
         raise ArtifactsError(
@@ -73,23 +512,59 @@ def read_manifest(artifacts_dir: str | os.PathLike) -> dict:
             f"interrupted or failed). Re-run `dflash-export --out {d}`"
         )
     try:
-        m = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        return json.loads(path.read_bytes().decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ArtifactsError(f"{path} is not valid JSON ({e}); re-run dflash-export") from e
-    if m.get("format") != FORMAT:
-        raise ArtifactsError(f"{path} is not a dflash-qaic manifest (format {m.get('format')!r})")
-    if m.get("version") != VERSION:
-        raise ArtifactsError(
-            f"{path} has manifest version {m.get('version')}, this dflash-qaic reads {VERSION}: "
-            "re-export with this version"
-        )
-    missing = [k for k in REQUIRED if k not in m]
-    if missing:
-        raise ArtifactsError(f"{path} lacks fields {missing}; re-run dflash-export")
-    for prog in ("target", "draft"):
-        onnx_path = d / m[prog]["onnx"]
-        if not onnx_path.is_file():
-            raise ArtifactsError(
-                f"{path} names {m[prog]['onnx']} but {onnx_path} is missing; re-run dflash-export"
-            )
+
+
+def _no_constant(name: str):
+    raise ValueError(f"non-finite number {name}")
+
+
+def read_manifest(
+    artifacts_dir: str | os.PathLike,
+    verify: str = "fast",
+    progress: Callable[[str], None] | None = None,
+) -> Manifest:
+    """Read, validate and verify the manifest of an artifacts directory.
+
+    verify: "fast" (default) checks the size of every recorded file and the sha256 of files up
+        to HASH_AT_LOAD_BYTES; "full" hashes every file; "none" checks only that the files exist.
+    """
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+    d = Path(artifacts_dir)
+    m = Manifest.from_json(load_json(d), str(d / NAME))
+    paths = [("tokenizer", m.tokenizer)] if m.tokenizer else []
+    for p in (m.target, m.draft):
+        paths += [(f"{p.kind}.qpc", q.qpc) for q in p.qpcs] + [
+            (f"{p.kind}.qpc", q.dir) for q in p.qpcs
+        ]
+    for what, rel in paths:
+        inside(d, rel, what)
+    for rec in m.files:
+        verify_file(d, rec, verify, progress)
     return m
+
+
+def verify_file(root: Path, rec: FileRecord, mode: str, progress=None) -> None:
+    f = inside(root, rec.path, "file")
+    fix = f"re-run `dflash-export --out {root}` (it rebuilds damaged programs)"
+    if not f.is_file():
+        raise ArtifactsError(f"{root} is damaged: {rec.path} is missing; {fix}")
+    if mode == "none":
+        return
+    size = f.stat().st_size
+    if size != rec.size:
+        raise ArtifactsError(
+            f"{root} is damaged: {rec.path} has {size} bytes, the manifest recorded {rec.size} "
+            f"(truncated or replaced); {fix}"
+        )
+    if mode == "full" or size <= HASH_AT_LOAD_BYTES:
+        if progress and size > HASH_AT_LOAD_BYTES:
+            progress(f"verifying {rec.path} ({size / 1e9:.1f} GB)")
+        if sha256_file(f) != rec.sha256:
+            raise ArtifactsError(
+                f"{root} is damaged: {rec.path} does not match its recorded sha256 "
+                f"(changed after export); {fix}"
+            )

@@ -253,6 +253,14 @@ if mode == "fail":
     sys.exit(1)
 if mode == "nomarker":
     sys.exit(0)
+if mode == "tiny":
+    (out / "programqpc.bin").write_bytes(b"QPC")
+    sys.exit(0)
+if mode == "spawn":  # a child that would outlive the compiler unless its group is killed
+    import subprocess, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    pathlib.Path(os.environ["FAKE_QAIC_CHILD"]).write_text(str(child.pid))
+    time.sleep(60)
 if mode == "hang":
     import time
     time.sleep(60)
@@ -566,10 +574,11 @@ def test_no_compiler_writes_inputs(name, art, no_compiler):
             assert (q.dir / "specializations.json").read_text() == spec_text
             assert (q.dir / "custom_io.yaml").read_text() == io_text
             assert (q.dir / "compile.cmd").read_text() == q.command_line + "\n"
-            # the command is the pinned one, with the real paths and the SDK's compiler
+            # the command is the pinned one, with paths relative to the artifacts directory
+            # (so the directory can be copied to an AI100 host) and the SDK's compiler
             pinned = COMMANDS[(name, program, q.part)]
-            pinned = pinned.replace(f"/art/{program}/qpc-K", str(q.dir))
-            pinned = pinned.replace(f"/art/{program}/{program}.onnx", str(onnx))
+            pinned = pinned.replace(f"/art/{program}/qpc-K", f"{program}/qpc-{q.key}")
+            pinned = pinned.replace(f"/art/{program}/{program}.onnx", f"{program}/{program}.onnx")
             # (the fixture points the SDK directory at an empty one, so no real compiler is found)
             pinned = pinned.replace(SDK, str(qpc.SDK_EXEC_DIR / "qaic-compile"))
             assert q.command_line == pinned
@@ -579,7 +588,7 @@ def test_no_compiler_writes_inputs(name, art, no_compiler):
                 assert (q.dir / "mdp.json").read_text() == MDP_4x12
             assert not q.qpc_path.exists()
         assert res.commands == [q.command_line for q in res.qpcs]
-        assert "On an AI100 host run:" in res.summary()
+        assert "On an AI100 host, in the artifacts directory, run:" in res.summary()
         # the result lists every specialization exactly once
         served = [s for q in res.qpcs for s in q.specializations]
         assert served == [s["name"] for s in specs]
@@ -628,8 +637,9 @@ def test_invocation_and_cache(art, fake_compiler):
     # The run is compile.cmd exactly, except that the compiler writes into a staging directory
     # that is renamed to qpc/ once programqpc.bin exists.
     assert argv[:-1] == cmd[:-1]
-    assert cmd[-1] == f"-aic-binary-dir={res.qpc_dir / 'qpc'}"
-    staging = Path(argv[-1].removeprefix("-aic-binary-dir="))
+    assert cmd[-1] == f"-aic-binary-dir=target/qpc-{res.key}/qpc"
+    assert "-m=target/target.onnx" in cmd  # relative to the artifacts directory
+    staging = art / argv[-1].removeprefix("-aic-binary-dir=")
     assert staging.parent.parent == res.qpc_dir and staging.name == "qpc"
     assert not staging.parent.exists()
     marker = res.qpc_path / "programqpc.bin"
@@ -677,7 +687,7 @@ def test_draft_and_disaggregated_builds(art, fake_compiler):
 def test_multidevice_passes_mdp(art, fake_compiler):
     res = compile_target(art, load_profile("ai100_multidevice"))
     (argv,) = fake_compiler()
-    assert f"-mdp-load-partition-config={res.qpc_dir / 'mdp.json'}" in argv
+    assert f"-mdp-load-partition-config=target/qpc-{res.key}/mdp.json" in argv
     assert (res.qpc_dir / "mdp.json").read_text() == MDP_4x12
     assert res.qpcs[0].device_ids == (0, 1, 2, 3)
 
@@ -701,7 +711,12 @@ def test_failing_compiler(art, fake_compiler, monkeypatch):
     assert "CtxScatter" in (qpc_dir / "compile.stderr.log").read_text()
 
     monkeypatch.setenv("FAKE_QAIC_MODE", "nomarker")
-    with pytest.raises(qpc.CompileError, match="exited 0 but wrote no programqpc.bin"):
+    with pytest.raises(qpc.CompileError, match="exited 0 but wrote no plausible programqpc.bin"):
+        compile_target(art, profile)
+    assert not (qpc_dir / "qpc").exists()
+
+    monkeypatch.setenv("FAKE_QAIC_MODE", "tiny")  # a 3-byte "success" is not a program
+    with pytest.raises(qpc.CompileError, match="no plausible programqpc.bin"):
         compile_target(art, profile)
     assert not (qpc_dir / "qpc").exists()
 

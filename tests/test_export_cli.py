@@ -31,8 +31,19 @@ def no_compiler(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(empty))
 
 
+def snapshot(root):
+    """Every file under `root` with its bytes, and every directory (byte-for-byte comparison)."""
+    return {
+        str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None)
+        for p in sorted(root.rglob("*"))
+    }
+
+
 def run(capsys, *args):
-    rc = main([str(a) for a in args])
+    try:
+        rc = main([str(a) for a in args])
+    except SystemExit as e:  # argparse refuses a bad flag value: exit 2, usage + message
+        rc = e.code
     cap = capsys.readouterr()
     return rc, cap.out, cap.err
 
@@ -96,21 +107,23 @@ def test_compile_with_stand_in_compiler(pair, tmp_path, capsys, monkeypatch):
     assert not list(out2.glob("*/qpc-*/qpc/programqpc.bin"))
 
 
-def test_interrupted_export_leaves_no_artifact(pair, tmp_path, monkeypatch, no_compiler):
+def test_interrupted_export_keeps_the_previous_artifact(pair, tmp_path, monkeypatch, no_compiler):
     t, d = pair
     out = tmp_path / "art"
     assert main(["--target", str(t), "--draft", str(d), "--out", str(out), *SMALL]) == 0
+    before = snapshot(out)
     import dflash_qaic.export.draft as draft_mod
 
     def boom(*a, **k):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(draft_mod, "export_draft", boom)
-    with pytest.raises(KeyboardInterrupt):  # a different option forces a re-export
-        main(["--target", str(t), "--draft", str(d), "--out", str(out), *SMALL, "--ctx-len", "80"])
-    assert not (out / "manifest.json").exists()
-    with pytest.raises(dflash_qaic.runtime.ArtifactsError, match="not a finished"):
-        dflash_qaic.load(out)
+    # a different option forces a re-export; Ctrl-C: one line, exit 130, OUT untouched
+    rc = main(["--target", str(t), "--draft", str(d), "--out", str(out), *SMALL, "--ctx-len", "80"])
+    assert rc == 130
+    assert snapshot(out) == before
+    assert dflash_qaic.load(out).artifacts.ctx_len == 64
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".art")) == [".art.lock"]
 
 
 @pytest.mark.parametrize(
@@ -118,7 +131,7 @@ def test_interrupted_export_leaves_no_artifact(pair, tmp_path, monkeypatch, no_c
     [
         (["--block-size", "32"], "larger than --prefill-seq-len 16"),
         (["--ctx-len", "20"], "--ctx-len 20 is too small"),
-        (["--block-size", "1"], "at least 2"),
+        (["--block-size", "1"], "--block-size: 1 is outside [2, 1024]"),
         (["--batch-size", "4"], "batch 1 only"),
         (["--qpc-config", "nope"], "nope"),
     ],
@@ -172,6 +185,11 @@ def test_recipe_values_and_cli_overrides(pair, tmp_path, capsys, no_compiler):
     m = json.loads((out / "manifest.json").read_text())
     assert (m["block_size"], m["prefill_seq_len"], m["ctx_len"]) == (4, 8, 56)
     assert m["target"]["qpc"] == [] and m["qpc_config"] is None
+    # --num-speculative-tokens N is B = N + 1; overriding the recipe's block size
+    out2 = tmp_path / "o2"
+    argv = ["--recipe", str(recipe), "--out", str(out2), "--no-compile"]
+    assert main([*argv, "--num-speculative-tokens", "5"]) == 0
+    assert json.loads((out2 / "manifest.json").read_text())["block_size"] == 6
 
 
 def test_shipped_recipes_parse():

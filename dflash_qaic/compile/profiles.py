@@ -16,6 +16,8 @@ programs. Schema (every key is optional unless marked *required*)::
     convert_to_fp16: true         # bool; fp32 ONNX compiled as fp16 (-convert-to-fp16); default true
     specializations_format: named # named (current SDKs) | flat (older SDKs); default named
     compiler: qaic-compile        # qaic-compile | qaic-exec (older SDKs: qaic-exec -compile-only)
+    compile_timeout_s: 10800      # seconds one compiler run may take before it is killed (with
+                                  # its children); default 3 hours
     target:                       # *required*: the target program (prefill, verify, decode)
       num_cores: 12               # *required*: int, 1..cores_per_device (per device when sliced)
       device_ids: [0]             # list of distinct ints >= 0; where the runtime loads the QPC.
@@ -47,7 +49,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,8 @@ SPECIALIZATION_FORMATS = ("named", "flat")
 COMPILERS = ("qaic-compile", "qaic-exec")
 PROGRAMS = ("target", "draft")
 MAX_CORES_PER_DEVICE = 16  # an AI 100 SoC has up to 16 NSP cores
+DEFAULT_COMPILE_TIMEOUT_S = 3 * 3600  # an 8B target compiles in well under an hour
+MAX_DEVICES = 64
 
 #: where the shipped profiles live: package data (the repository's `qpc_configs/` links here)
 PROFILE_DIR = Path(__file__).resolve().parents[1] / "qpc_configs"
@@ -92,6 +96,7 @@ _TOP_KEYS = (
     "convert_to_fp16",
     "specializations_format",
     "compiler",
+    "compile_timeout_s",
     "target",
     "draft",
 )
@@ -171,6 +176,7 @@ class CompileProfile:
     convert_to_fp16: bool = True
     specializations_format: str = "named"
     compiler: str = "qaic-compile"
+    compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
     source: str = field(default="<profile>", compare=False)
 
     def program(self, program: str) -> ProgramProfile:
@@ -193,6 +199,7 @@ class CompileProfile:
             "convert_to_fp16": self.convert_to_fp16,
             "specializations_format": self.specializations_format,
             "compiler": self.compiler,
+            "compile_timeout_s": self.compile_timeout_s,
             "target": self.target.to_dict(),
             "draft": self.draft.to_dict(),
         }
@@ -324,12 +331,86 @@ def profile_from_dict(
             SPECIALIZATION_FORMATS,
         ),
         compiler=v.choice(top.get("compiler", "qaic-compile"), "compiler", COMPILERS),
+        compile_timeout_s=v.seconds(
+            top.get("compile_timeout_s", DEFAULT_COMPILE_TIMEOUT_S), "compile_timeout_s"
+        ),
         target=target,
         draft=draft,
         source=source,
     )
     _check_core_budget(profile)
     return profile
+
+
+@dataclass(frozen=True)
+class CompileOverrides:
+    """Compile options given on the command line or to `dflash_qaic.export`, with QEfficient's
+    names; each one that is not None replaces the profile's value.
+
+    num_cores: the target's cores per device (the draft keeps its profile's);
+    mxfp6_matmul; mxint8_kv_cache: True -> kv_dtype mxint8, False -> float16;
+    num_devices: the target sliced over devices 0..N-1 (1: one device);
+    mos, aic_enable_depth_first: both programs; timeout_s: seconds per compiler run.
+    """
+
+    num_cores: int | None = None
+    mxfp6_matmul: bool | None = None
+    mxint8_kv_cache: bool | None = None
+    num_devices: int | None = None
+    mos: int | None = None
+    aic_enable_depth_first: bool | None = None
+    timeout_s: float | None = None
+
+    def __post_init__(self):
+        v = _Validator("compile option")
+        for name, lo, hi in (
+            ("num_cores", 1, MAX_CORES_PER_DEVICE),
+            ("num_devices", 1, MAX_DEVICES),
+            ("mos", 1, MAX_CORES_PER_DEVICE),
+        ):
+            if getattr(self, name) is not None:
+                v.integer(getattr(self, name), name, minimum=lo, maximum=hi)
+        for name in ("mxfp6_matmul", "mxint8_kv_cache", "aic_enable_depth_first"):
+            if getattr(self, name) is not None:
+                v.boolean(getattr(self, name), name)
+        if self.timeout_s is not None:
+            v.seconds(self.timeout_s, "timeout_s")
+
+    @property
+    def given(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+    def apply(self, profile: CompileProfile) -> CompileProfile:
+        """The profile with these overrides (core budget checked again); unchanged if none."""
+        if not self.given:
+            return profile
+        target, draft = profile.target, profile.draft
+        both = {}
+        if self.mos is not None:
+            both["mos"] = self.mos
+        if self.aic_enable_depth_first is not None:
+            both["aic_enable_depth_first"] = self.aic_enable_depth_first
+        tchanges = dict(both)
+        if self.num_cores is not None:
+            tchanges["num_cores"] = self.num_cores
+        if self.num_devices is not None:
+            n = self.num_devices
+            tchanges["tensor_slicing"] = n if n > 1 else None
+            tchanges["device_ids"] = tuple(range(n))
+        target = replace(target, **tchanges)
+        draft = replace(draft, **both)
+        top: dict[str, Any] = {}
+        if self.mxfp6_matmul is not None:
+            top["mxfp6_matmul"] = self.mxfp6_matmul
+        if self.mxint8_kv_cache is not None:
+            top["kv_dtype"] = "mxint8" if self.mxint8_kv_cache else "float16"
+        if self.timeout_s is not None:
+            top["compile_timeout_s"] = float(self.timeout_s)
+        label = ",".join(f"{k}={v}" for k, v in self.given.items())
+        out = replace(profile, target=target, draft=draft, name=f"{profile.name}+{label}", **top)
+        out = replace(out, source=f"{profile.source} with {label}")
+        _check_core_budget(out)
+        return out
 
 
 def placements(profile: CompileProfile) -> list[tuple[str, ProgramProfile]]:
@@ -408,6 +489,13 @@ class _Validator:
         if maximum is not None and value > maximum:
             raise self.fail(key, f"must be <= {maximum}, got {value}")
         return value
+
+    def seconds(self, value: Any, key: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise self.fail(key, f"must be a number of seconds > 0, got {value!r}")
+        if value == float("inf"):
+            raise self.fail(key, "must be finite")
+        return float(value)
 
     def choice(self, value: Any, key: str, allowed: tuple[str, ...]) -> str:
         if value not in allowed:

@@ -14,13 +14,22 @@ custom_io.yaml texts, the mdp config, the command-line flags (paths normalised, 
 artifacts directory keeps the key) and the compiler's path. `device_ids` are not in it: they
 say where the runtime loads a QPC, not how it is built.
 
+Paths in `compile.cmd` (and in the manifest) are relative to the artifacts directory (`root`,
+by default the program directory's parent), so a directory exported elsewhere can be copied to
+an AI100 host and compiled there: `cd ARTIFACTS && sh target/qpc-<key>/compile.cmd`.
+
 The compiler runs in its own process (one per QPC: back-to-back compiles in one process have
-segfaulted), writes into a staging directory `qpc-<key>/.build-*/qpc`, and only a run that
-exits 0 *and* wrote `programqpc.bin` is renamed to `qpc-<key>/qpc`; so a directory that looks
-finished always is. Its stdout and stderr are kept in `qpc-<key>/compile.{stdout,stderr}.log`.
-The command that runs is `compile.cmd` with one difference: `-aic-binary-dir` names the staging
-directory instead of `qpc-<key>/qpc`. Running `compile.cmd` by hand on an AI100 host writes
-`qpc-<key>/qpc` directly, which the cache then accepts.
+segfaulted) and its own process group, with the artifacts directory as working directory. It
+writes into a staging directory `qpc-<key>/.build-*/qpc`, and only a run that exits 0 *and*
+wrote a plausible `programqpc.bin` (a regular file of at least MIN_QPC_BYTES) is renamed to
+`qpc-<key>/qpc`; so a directory that looks finished always is. A run that exceeds the timeout
+(profile `compile_timeout_s`), or is interrupted (Ctrl-C; SIGTERM once the CLI turns it into an
+exception), is killed with its whole process group and its staging folder removed; if this
+process itself is killed, the kernel sends the compiler SIGKILL (PR_SET_PDEATHSIG). Its stdout
+and stderr are kept in `qpc-<key>/compile.{stdout,stderr}.log`. The command that runs is
+`compile.cmd` with one difference: `-aic-binary-dir` names the staging directory instead of
+`qpc-<key>/qpc`. Running `compile.cmd` by hand on an AI100 host writes `qpc-<key>/qpc`
+directly, which the cache then accepts.
 
 Without a compiler the step still writes everything but the binary and returns a result with
 `skipped=True`, the places it looked, and the commands to run on an AI100 host.
@@ -72,6 +81,8 @@ STDOUT_LOG = "compile.stdout.log"
 STDERR_LOG = "compile.stderr.log"
 QPC_SUBDIR = "qpc"
 QPC_MARKER = "programqpc.bin"
+#: a programqpc.bin smaller than this is not a compiled program (real ones are megabytes)
+MIN_QPC_BYTES = 64
 _LOCK_FILE = ".compile.lock"
 _STAGING_PREFIX = ".build-"
 _CACHE_VERSION = "dflash-qaic/qpc-cache/1"
@@ -333,7 +344,7 @@ class QpcBuild:
 
     @property
     def ready(self) -> bool:
-        return (self.qpc_path / QPC_MARKER).is_file()
+        return plausible_qpc(self.qpc_path)
 
     @property
     def cached(self) -> bool:
@@ -429,7 +440,7 @@ class CompileResult:
         if self.skipped:
             lines = [
                 f"{self.program}: no AI100 compiler found (looked in: {', '.join(self.looked_in)}); "
-                f"compiler inputs written. On an AI100 host run:"
+                f"compiler inputs written. On an AI100 host, in the artifacts directory, run:"
             ]
             lines += [f"  {c}" for c in self.commands]
             return "\n".join(lines)
@@ -586,6 +597,12 @@ def _locked(qpc_dir: Path) -> Iterator[None]:
                 fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def plausible_qpc(qpc_path: Path) -> bool:
+    """A finished QPC: `programqpc.bin` is a regular file (not a symlink) of MIN_QPC_BYTES+."""
+    marker = qpc_path / QPC_MARKER
+    return not marker.is_symlink() and marker.is_file() and marker.stat().st_size >= MIN_QPC_BYTES
+
+
 def _remove(path: Path) -> None:
     if path.is_symlink() or path.is_file():
         path.unlink()
@@ -614,11 +631,23 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child
+    """In the child before exec: SIGKILL it when the exporting process dies (even by kill -9)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _run_compiler(
     argv: list[str], shown: list[str], cwd: Path, log_dir: Path, timeout: float | None
 ) -> int:
     """Run `argv` in its own process (and process group), logs to `log_dir`; errors quote
     `shown` (the compile.cmd form of the command)."""
+    for log in (STDOUT_LOG, STDERR_LOG):  # a new file: never write through a hard link
+        (log_dir / log).unlink(missing_ok=True)
     with open(log_dir / STDOUT_LOG, "wb") as out, open(log_dir / STDERR_LOG, "wb") as err:
         try:
             proc = subprocess.Popen(
@@ -628,6 +657,7 @@ def _run_compiler(
                 stdout=out,
                 stderr=err,
                 start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         except OSError as exc:
             raise CompileError(
@@ -647,24 +677,33 @@ def _run_compiler(
             raise
 
 
-def _build(
-    program: str,
-    part: _Part,
-    qpc_dir: Path,
-    argv: list[str],
-    onnx: Path,
-    compiler: Path,
-    profile: CompileProfile,
-    timeout: float | None,
-    say: Progress,
-) -> str:
+@dataclass(frozen=True)
+class _Job:
+    """One compiler run: the QPC directory, compile.cmd's argv and the artifacts root."""
+
+    program: str
+    part: _Part
+    qpc_dir: Path
+    argv: list[str]
+    onnx: Path
+    compiler: Path
+    root: Path
+
+
+def _rel(path: Path, root: Path) -> str:
+    """`path` relative to the artifacts root when inside it (compile.cmd is run from there)."""
+    return os.path.relpath(path, root) if path.is_relative_to(root) else str(path)
+
+
+def _build(job: _Job, profile: CompileProfile, timeout: float, say: Progress) -> str:
     """Build one QPC under the lock; returns "built" or "cached"."""
+    qpc_dir, argv = job.qpc_dir, job.argv
     final = qpc_dir / QPC_SUBDIR
     with _locked(qpc_dir):
-        if (final / QPC_MARKER).is_file():
+        if plausible_qpc(final):
             return "cached"
         if final.exists() or final.is_symlink():
-            say(f"{program}: discarding a half-finished {final} (no {QPC_MARKER})")
+            say(f"{job.program}: discarding a half-finished {final} (no plausible {QPC_MARKER})")
             _remove(final)
         for stale in qpc_dir.glob(_STAGING_PREFIX + "*"):
             _remove(stale)
@@ -672,18 +711,27 @@ def _build(
         try:
             out_dir = staging / QPC_SUBDIR
             run_argv = compile_command(
-                compiler, onnx, qpc_dir, part.program_profile, profile, binary_dir=out_dir
+                job.compiler,
+                _rel(job.onnx, job.root),
+                _rel(qpc_dir, job.root),
+                job.part.program_profile,
+                profile,
+                binary_dir=_rel(out_dir, job.root),
             )
-            say(f"{program}: compiling {'+'.join(s['name'] for s in part.specs)} → {final}")
-            rc = _run_compiler(run_argv, argv, staging, qpc_dir, timeout)
-            if rc != 0 or not (out_dir / QPC_MARKER).is_file():
+            names = "+".join(s["name"] for s in job.part.specs)
+            say(f"{job.program}: compiling {names} → {_rel(final, job.root)}")
+            rc = _run_compiler(run_argv, argv, job.root, qpc_dir, timeout)
+            if rc != 0 or not plausible_qpc(out_dir):
                 what = (
-                    f"exited with status {rc}" if rc != 0 else f"exited 0 but wrote no {QPC_MARKER}"
+                    f"exited with status {rc}"
+                    if rc != 0
+                    else f"exited 0 but wrote no plausible {QPC_MARKER} (missing or under "
+                    f"{MIN_QPC_BYTES} bytes)"
                 )
                 tail = _tail(qpc_dir / STDERR_LOG)
                 raise CompileError(
-                    f"the AI100 compiler {what} for {program} ({part.part})\n"
-                    f"command: {shlex.join(argv)}\n"
+                    f"the AI100 compiler {what} for {job.program} ({job.part.part})\n"
+                    f"command: {shlex.join(argv)}\n(run in {job.root})\n"
                     f"stderr (last lines; full log {qpc_dir / STDERR_LOG}):\n{tail or '(empty)'}",
                     command=argv,
                     returncode=rc,
@@ -693,6 +741,18 @@ def _build(
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return "built"
+
+
+def _check_program(program: str, io, onnx_path) -> Path:
+    if program not in ("target", "draft"):
+        raise ValueError(f"program must be 'target' or 'draft', got {program!r}")
+    expected = contract.TargetIO if program == "target" else contract.DraftIO
+    if not isinstance(io, expected):
+        raise TypeError(f"program {program!r} needs a {expected.__name__}, got {type(io).__name__}")
+    onnx = Path(onnx_path).absolute()
+    if not onnx.is_file():
+        raise FileNotFoundError(f"no ONNX file at {onnx}")
+    return onnx
 
 
 def compile_program(
@@ -705,6 +765,7 @@ def compile_program(
     *,
     progress: Progress | None = None,
     timeout: float | None = None,
+    root: str | os.PathLike[str] | None = None,
 ) -> CompileResult:
     """Compile one program (`"target"` or `"draft"`) into `program_dir/qpc-<key>/qpc`.
 
@@ -712,19 +773,16 @@ def compile_program(
     `draft_specializations`). Reuses a finished QPC (`status="cached"`), rebuilds a
     half-finished one, and without a compiler writes the inputs and returns `skipped=True`.
     Raises `CompileError` when the compiler fails (its stderr tail and the command included).
-    `progress` receives one-line messages; `timeout` bounds each compiler run in seconds.
+    `progress` receives one-line messages; `timeout` bounds each compiler run in seconds
+    (default: the profile's `compile_timeout_s`). `root` is the artifacts directory the paths
+    of compile.cmd are relative to (default: `program_dir`'s parent).
     """
-    if program not in ("target", "draft"):
-        raise ValueError(f"program must be 'target' or 'draft', got {program!r}")
-    expected = contract.TargetIO if program == "target" else contract.DraftIO
-    if not isinstance(io, expected):
-        raise TypeError(f"program {program!r} needs a {expected.__name__}, got {type(io).__name__}")
+    onnx = _check_program(program, io, onnx_path)
     say: Progress = progress or (lambda _msg: None)
-    onnx = Path(onnx_path).absolute()
-    if not onnx.is_file():
-        raise FileNotFoundError(f"no ONNX file at {onnx}")
     pdir = Path(program_dir).absolute()
     pdir.mkdir(parents=True, exist_ok=True)
+    base = Path(root).absolute() if root is not None else pdir.parent
+    limit = timeout if timeout is not None else profile.compile_timeout_s
 
     found, looked_in = compiler_search(profile.compiler)
     compiler = found if found is not None else default_compiler_path(profile.compiler)
@@ -745,19 +803,20 @@ def compile_program(
         key = _cache_key(compiler, normalised, texts, digest)
         qpc_dir = pdir / f"qpc-{key}"
         qpc_dir.mkdir(exist_ok=True)
-        argv = compile_command(compiler, onnx, qpc_dir, pp, profile)
+        argv = compile_command(compiler, _rel(onnx, base), _rel(qpc_dir, base), pp, profile)
         for name, text in texts.items():
             _write_text(qpc_dir / name, text)
         _write_text(qpc_dir / COMMAND_FILE, shlex.join(argv) + "\n")
 
-        if (qpc_dir / QPC_SUBDIR / QPC_MARKER).is_file():
+        if plausible_qpc(qpc_dir / QPC_SUBDIR):
             status = "cached"
-            say(f"{program}: using cached {qpc_dir / QPC_SUBDIR}")
+            say(f"{program}: using cached {_rel(qpc_dir / QPC_SUBDIR, base)}")
         elif found is None:
             status = "skipped"
-            say(f"{program}: no AI100 compiler; wrote {qpc_dir / COMMAND_FILE}")
+            say(f"{program}: no AI100 compiler; wrote {_rel(qpc_dir / COMMAND_FILE, base)}")
         else:
-            status = _build(program, part, qpc_dir, argv, onnx, compiler, profile, timeout, say)
+            job = _Job(program, part, qpc_dir, argv, onnx, compiler, base)
+            status = _build(job, profile, limit, say)
         builds.append(
             QpcBuild(
                 program=program,

@@ -1,29 +1,49 @@
 """Build an artifacts directory: validate, export both programs, compile, write the manifest.
 
-    OUT/manifest.json                    written last, atomically: its presence marks completion
+    OUT/manifest.json                    written last: the typed manifest (dflash_qaic.manifest)
     OUT/target/target.onnx (+ .data)     OUT/target/qpc-<hash>/{specializations.json, custom_io.yaml, compile.cmd, qpc/}
     OUT/draft/draft.onnx   (+ .data)     OUT/draft/qpc-<hash>/{...}
     OUT/tokenizer/                       the target's tokenizer files, when it has them
 
-A rebuild first removes the manifest, so an interrupted run never leaves a directory that looks
-complete. A second run with the same inputs and options reuses the exported programs (the
-input hash is in the manifest) and the compiled QPCs (the compile step's own cache).
+An export is a transaction (`export.transaction`, docs/DESIGN.md "Artifacts"): everything that
+can be checked is checked before any heavy work (options, checkpoints, the compile profile and
+compiler, generation_config.json, the tokenizer, the model features the exporter supports, OUT
+itself); the result is built in a staging directory beside OUT under a lock and swapped in
+whole. A previous good OUT stays byte for byte as it was until that swap, whatever happens.
+
+A second run with the same inputs and options reuses the exported programs (the reuse key
+`input_hash` covers the checkpoints, tokenizer files, generation_config.json, every program
+option and the package version; the old files must match their recorded sha256) and the
+compiled QPCs (the compile step's own cache).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dflash_qaic import __version__, contract
+from dflash_qaic import __version__
 from dflash_qaic import checkpoints as ck
+from dflash_qaic.compile.profiles import CompileOverrides
+from dflash_qaic.export.transaction import Transaction, TransactionError, link_tree
+from dflash_qaic.manifest import FORMAT as _FORMAT
 from dflash_qaic.manifest import NAME as MANIFEST
-from dflash_qaic.manifest import ArtifactsError, read_manifest, write_manifest
+from dflash_qaic.manifest import VERSION as _VERSION
+from dflash_qaic.manifest import (
+    ArtifactsError,
+    FileRecord,
+    Manifest,
+    QpcRecord,
+    read_manifest,
+    verify_file,
+    write_manifest,
+)
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -35,10 +55,15 @@ TOKENIZER_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
 )
+GENERATION_CONFIG = "generation_config.json"
+MAX_CTX_LEN = 1 << 18  # 262144 slots: beyond any supported model's context
+MAX_BLOCK_SIZE = 1024
+MAX_BATCH_SIZE = 1024
+UNSUPPORTED_ROPE = ("dynamic", "longrope")  # depend on the sequence length
 
 
 class ExportError(ValueError):
-    """Bad export options: says what is wrong and how to fix it."""
+    """Bad export options or inputs: says what is wrong and how to fix it."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +77,46 @@ class ExportOptions:
     qpc_config: str = "ai100_fp16"
     compile: bool = True
     fp16_check: bool = True
+    compile_overrides: CompileOverrides = field(default_factory=CompileOverrides)
+
+    def __post_init__(self):
+        ints = (
+            ("block_size", 2, MAX_BLOCK_SIZE, True),
+            ("prefill_seq_len", 1, MAX_CTX_LEN, False),
+            ("ctx_len", 4, MAX_CTX_LEN, False),
+            ("batch_size", 1, MAX_BATCH_SIZE, False),
+        )
+        for name, lo, hi, optional in ints:
+            v = getattr(self, name)
+            if optional and v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                flag = "--" + name.replace("_", "-")
+                raise ExportError(f"{flag} must be an integer in [{lo}, {hi}], got {v!r}")
+        for name in ("emit_logits", "sampling", "compile", "fp16_check"):
+            if not isinstance(getattr(self, name), bool):
+                raise ExportError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.qpc_config, (str, os.PathLike)):
+            raise ExportError(f"qpc_config must be a profile name or path, got {self.qpc_config!r}")
+        if not isinstance(self.compile_overrides, CompileOverrides):
+            raise ExportError("compile_overrides must be a CompileOverrides")
+
+    def program_options(self, block_size: int) -> dict:
+        """The options that change the exported programs (part of the reuse key)."""
+        d = asdict(self)
+        for k in ("compile", "qpc_config", "compile_overrides"):
+            d.pop(k)
+        return {**d, "block_size": block_size}
+
+
+@dataclass
+class ExportResult:
+    """What `build_artifacts` / `compile_artifacts` did."""
+
+    manifest: Manifest
+    out: Path
+    steps: list[tuple[str, str, float]]
+    seconds: float
 
 
 def validate_options(pair: ck.Pair, o: ExportOptions) -> int:
@@ -79,38 +144,140 @@ def validate_options(pair: ck.Pair, o: ExportOptions) -> int:
     return B
 
 
+def _aux_digest(target_dir: Path) -> str:
+    """sha256 over the target's tokenizer files and generation_config.json (names + bytes)."""
+    h = hashlib.sha256()
+    for name in (*TOKENIZER_FILES, GENERATION_CONFIG):
+        f = target_dir / name
+        if f.is_file():
+            h.update(name.encode() + b"\0")
+            h.update(f.read_bytes())
+            h.update(b"\0")
+    return h.hexdigest()
+
+
 def input_hash(pair: ck.Pair, o: ExportOptions, block_size: int) -> str:
+    """The reuse key: every input and option that changes a program or the runtime."""
     h = hashlib.sha256()
     h.update(ck.file_digest(pair.target.path).encode())
     h.update(ck.file_digest(pair.draft.path).encode())
-    opts = {**asdict(o), "block_size": block_size, "compile": None, "qpc_config": None}
-    h.update(json.dumps(opts, sort_keys=True).encode())
+    h.update(_aux_digest(pair.target.path).encode())
+    h.update(json.dumps(o.program_options(block_size), sort_keys=True).encode())
     h.update(__version__.encode())
     return h.hexdigest()[:16]
 
 
+def _read_json_object(f: Path) -> dict:
+    try:
+        data = json.loads(f.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ExportError(f"{f} is not valid JSON ({e}): fix it or remove it") from e
+    if not isinstance(data, dict):
+        raise ExportError(f"{f} must hold a JSON object, not {type(data).__name__}: fix it")
+    return data
+
+
 def _eos_ids(target_dir: Path) -> list[int]:
-    for name in ("generation_config.json", "config.json"):
+    """EOS ids from generation_config.json (else config.json), validated."""
+    for name in (GENERATION_CONFIG, "config.json"):
         f = target_dir / name
-        if f.is_file():
-            eos = json.loads(f.read_text()).get("eos_token_id")
-            if eos is not None:
-                return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+        if not f.is_file():
+            continue
+        eos = _read_json_object(f).get("eos_token_id")
+        if eos is None:
+            continue
+        ids = eos if isinstance(eos, list) else [eos]
+        if not ids or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**63 for i in ids
+        ):
+            raise ExportError(
+                f"{f}: eos_token_id {eos!r} must be a token id or a list of token ids: fix it"
+            )
+        return ids
     return []
 
 
+def _check_target_support(pair: ck.Pair) -> None:
+    """What the modeling code refuses at export time, checked from the configs up front."""
+    for what, raw, path in (
+        ("target", pair.target.raw, pair.target.path),
+        ("draft", pair.draft.raw or {}, pair.draft.path),
+    ):
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ExportError(
+                f"{path / 'config.json'}: hidden_act {act!r} is not supported (the {what} "
+                "modules implement silu only)"
+            )
+        for key in ("rope_parameters", "rope_scaling"):
+            _check_rope(raw.get(key) or {}, path / "config.json")
+    types = pair.target.raw.get("layer_types") or []
+    if any(t != "full_attention" for t in types):
+        raise ExportError(
+            f"{pair.target.path / 'config.json'}: sliding-window layers are not supported "
+            f"(layer_types {sorted(set(types))})"
+        )
+
+
+def _check_rope(rope, where: Path) -> None:
+    rtype = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
+    if not isinstance(rtype, str) or rtype in UNSUPPORTED_ROPE:
+        raise ExportError(
+            f"{where}: rope type {rtype!r} is not supported (it depends on the sequence "
+            "length); supported: default and the static scalings (linear, llama3, yarn, …)"
+        )
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rtype != "default" and rtype not in ROPE_INIT_FUNCTIONS:
+        raise ExportError(f"{where}: unknown rope type {rtype!r}")
+
+
+def _check_tokenizer(target_dir: Path) -> None:
+    """The tokenizer files the artifacts will carry must load (the runtime loads them)."""
+    if not any((target_dir / f).is_file() for f in TOKENIZER_FILES):
+        return
+    from transformers import AutoTokenizer
+
+    try:
+        AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    except Exception as e:  # transformers raises many kinds for a broken tokenizer
+        raise ExportError(
+            f"the tokenizer files in {target_dir} do not load ({type(e).__name__}: {e}): fix "
+            f"or remove them ({', '.join(TOKENIZER_FILES)})"
+        ) from e
+
+
+def preflight(target_dir, draft_dir, o: ExportOptions):
+    """Every check that needs no heavy work. Returns (pair, block size, profile or None)."""
+    pair = ck.read_pair(target_dir, draft_dir)  # validation: one clear error per problem
+    B = validate_options(pair, o)
+    profile = None
+    if o.compile:
+        from dflash_qaic.compile.profiles import load_profile
+        from dflash_qaic.compile.qpc import compiler_search
+
+        profile = o.compile_overrides.apply(load_profile(o.qpc_config))
+        compiler_search(profile.compiler)  # a bad $QAIC_COMPILER fails now, not after export
+    _check_target_support(pair)
+    eos = _eos_ids(pair.target.path)
+    bad = [e for e in eos if e >= pair.target.vocab_size]
+    if bad:
+        raise ExportError(
+            f"{pair.target.path}: eos_token_id {bad} is outside the vocabulary of "
+            f"{pair.target.vocab_size}: fix generation_config.json"
+        )
+    _check_tokenizer(pair.target.path)
+    return pair, B, profile
+
+
 def _copy_tokenizer(target_dir: Path, out: Path) -> str | None:
+    """Copy the tokenizer files into `out/tokenizer` (a fresh staging directory)."""
     files = [target_dir / f for f in TOKENIZER_FILES if (target_dir / f).is_file()]
     if not files:
         return None
-    tmp = out / ".tokenizer.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    (out / "tokenizer").mkdir(parents=True, exist_ok=True)
     for f in files:
-        shutil.copy2(f, tmp / f.name)
-    final = out / "tokenizer"
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+        shutil.copyfile(f, out / "tokenizer" / f.name)  # umask permissions, not the source's
     return "tokenizer"
 
 
@@ -129,48 +296,141 @@ def build_artifacts(
     out_dir: str | Path,
     options: ExportOptions = ExportOptions(),
     progress: Callable[[str], None] = print,
-) -> dict:
-    """Export (or reuse), compile (or skip), and write the manifest. Returns the manifest."""
-    from dflash_qaic.compile.profiles import load_profile
+) -> ExportResult:
+    """Export (or reuse), compile (or skip), and write the manifest, as one transaction."""
+    t_all = time.perf_counter()
+    pair, B, profile = preflight(target_dir, draft_dir, options)
+    steps: list[tuple[str, str, float]] = []
+    with _transaction(out_dir) as tx:
+        out, staging = tx.out, tx.staging
+        key = input_hash(pair, options, B)
+        old = _reusable(out, key, progress)
+        if old is not None:
+            progress(f"reusing the exported programs in {out} (inputs unchanged, hash {key})")
+            steps.append(("export", "reused", 0.0))
+            for prog in ("target", "draft"):
+                link_tree(out / prog, staging / prog)
+            data = old.to_json()
+            data["tokenizer"] = _copy_tokenizer(pair.target.path, staging)
+        else:
+            data = _export(pair, staging, options, B, key, progress, steps)
+        data["options"] = json.loads(json.dumps(asdict(options), default=str))
+        m = _stage(data, staging, out if old is not None else None, old, profile, progress, steps)
+        tx.commit()
+    return ExportResult(m, tx.out, steps, time.perf_counter() - t_all)
+
+
+def compile_artifacts(
+    out_dir: str | Path,
+    qpc_config: str | os.PathLike | None = None,
+    overrides: CompileOverrides | None = None,
+    progress: Callable[[str], None] = print,
+) -> ExportResult:
+    """Compile (or re-compile with another profile) an existing artifacts directory, e.g. one
+    exported with --no-compile and copied to an AI100 host. A transaction like an export."""
+    from dflash_qaic.compile.profiles import DEFAULT_PROFILE, load_profile
+    from dflash_qaic.compile.qpc import compiler_search
 
     t_all = time.perf_counter()
-    pair = ck.read_pair(target_dir, draft_dir)  # validation: one clear error per problem
-    B = validate_options(pair, options)
-    profile = load_profile(options.qpc_config) if options.compile else None
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"--out {out} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
-    key = input_hash(pair, options, B)
-
-    manifest = None
-    if (out / MANIFEST).is_file():
-        try:
-            old = read_manifest(out)
-            if old.get("input_hash") == key:
-                manifest = old
-        except ArtifactsError:
-            pass
+    name = qpc_config or DEFAULT_PROFILE
+    profile = (overrides or CompileOverrides()).apply(load_profile(name))
+    compiler_search(profile.compiler)
     steps: list[tuple[str, str, float]] = []
-    if manifest is not None:
-        progress(f"reusing the exported programs in {out} (inputs unchanged, hash {key})")
-        steps.append(("export", "reused", 0.0))
-    else:
-        (out / MANIFEST).unlink(missing_ok=True)  # not an artifact until the manifest is back
-        manifest = _export(pair, out, options, B, key, progress, steps)
+    with _transaction(out_dir) as tx:
+        out, staging = tx.out, tx.staging
+        old = read_manifest(out, verify="none")
+        progress(f"verifying the files of {out}")
+        for rec in old.files:
+            verify_file(out, rec, "full", progress)
+        link_tree(out, staging, skip=(MANIFEST,))
+        data = old.to_json()
+        m = _stage(data, staging, out, old, profile, progress, steps)
+        tx.commit()
+    return ExportResult(m, tx.out, steps, time.perf_counter() - t_all)
 
+
+class _transaction(Transaction):
+    """A Transaction whose filesystem errors become ExportErrors saying OUT is unchanged."""
+
+    def __init__(self, out_dir):
+        try:
+            super().__init__(out_dir)
+        except TransactionError as e:
+            raise ExportError(str(e)) from None
+
+    def __enter__(self):
+        try:
+            return super().__enter__()
+        except TransactionError as e:
+            raise ExportError(str(e)) from None
+        except OSError as e:
+            raise _os_error(e, self.out) from e
+
+    def __exit__(self, kind, exc, tb):
+        super().__exit__(kind, exc, tb)
+        if isinstance(exc, OSError) and not isinstance(exc, ExportError):
+            raise _os_error(exc, self.out) from exc
+
+
+def _os_error(e: OSError, out: Path) -> ExportError:
+    where = f" ({e.filename})" if e.filename else ""
+    return ExportError(
+        f"could not write the artifacts: {e.strerror or e}{where}. {out} is unchanged; free "
+        f"space, fix the permissions of {out.parent}, or choose another --out"
+    )
+
+
+def _reusable(out: Path, key: str, progress) -> Manifest | None:
+    """The old manifest when its programs can be reused: same key, files intact (full sha256)."""
+    if not (out / MANIFEST).is_file():
+        return None
+    try:
+        old = read_manifest(out, verify="none")
+    except ArtifactsError as e:
+        progress(f"not reusing {out}: {e}")
+        return None
+    if old.input_hash != key:
+        return None
+    try:
+        for rec in old.files:
+            verify_file(out, rec, "full", progress)
+    except ArtifactsError as e:
+        progress(f"not reusing {out}: {e}")
+        return None
+    return old
+
+
+def _stage(data: dict, staging: Path, old_root, old, profile, progress, steps) -> Manifest:
+    """Compile in the staging directory, record every file, write the manifest there."""
+    for prog in ("target", "draft"):
+        data[prog] = {**data[prog], "qpc": [], "compiler": None}
+    data.update(compile_skipped=None, files=[], qpc_config=None)
+    m = Manifest.from_json({"format": _FORMAT, "version": _VERSION, **data}, "export", False)
     if profile is not None:
-        manifest = _compile(manifest, out, profile, progress, steps)
+        m = _compile(m, staging, profile, progress, steps)
     else:
-        for prog in ("target", "draft"):
-            manifest[prog]["qpc"] = []
         steps.append(("compile", "disabled (--no-compile)", 0.0))
-    manifest["qpc_config"] = profile.name if profile is not None else None
-    write_manifest(out, manifest)
-    manifest = read_manifest(out)
-    manifest["_steps"] = steps
-    manifest["_seconds"] = time.perf_counter() - t_all
-    return manifest
+    known = {r.path: r for r in old.files} if old is not None else {}
+    m = m.replace(files=tuple(_records(m, staging, known, old_root)))
+    write_manifest(staging, m)
+    return m
+
+
+def _records(m: Manifest, root: Path, known: dict, old_root: Path | None) -> list[FileRecord]:
+    """Size + sha256 of every file the manifest names (and the tokenizer's). A file hard-linked
+    from a verified old directory keeps its record instead of being hashed again."""
+    paths = m.named_files()
+    if m.tokenizer:
+        paths += sorted(f"{m.tokenizer}/{f.name}" for f in (root / m.tokenizer).iterdir())
+    out = []
+    for rel in paths:
+        rec = known.get(rel)
+        same = rec is not None and old_root is not None and (old_root / rel).is_file()
+        if same and os.path.samefile(root / rel, old_root / rel):
+            out.append(rec)
+        else:
+            out.append(FileRecord.of(root, rel))
+    return out
 
 
 def _export(pair, out, o: ExportOptions, B: int, key: str, progress, steps) -> dict:
@@ -269,43 +529,39 @@ def _versions() -> dict:
     }
 
 
-def _program_io(m: dict, prog: str):
-    f = m[prog]
-    common = dict(
-        n_layers=f["n_layers"],
-        n_kv_heads=f["n_kv_heads"],
-        head_dim=f["head_dim"],
-        hidden_size=f["hidden_size"],
-        vocab_size=f["vocab_size"],
-        emit_logits=f["emit_logits"],
-    )
-    if prog == "target":
-        return contract.TargetIO(**common)
-    return contract.DraftIO(block_size=f["block_size"], **common)
-
-
-def _compile(manifest: dict, out: Path, profile, progress, steps) -> dict:
+def _compile(m: Manifest, root: Path, profile, progress, steps) -> Manifest:
+    """Compile both programs inside `root`; the manifest with their QPC records."""
     from dflash_qaic.compile.qpc import compile_program
 
-    manifest.pop("compile_skipped", None)
-    for prog in ("target", "draft"):
+    programs, skipped = {}, None
+    for prog in (m.target, m.draft):
         t = time.perf_counter()
         res = compile_program(
-            out / manifest[prog]["onnx"],
-            out / prog,
-            _program_io(manifest, prog),
-            manifest[prog]["specializations"],
+            root / prog.onnx,
+            root / prog.kind,
+            prog.io,
+            list(prog.specializations),
             profile,
-            prog,
+            prog.kind,
             progress=progress,
+            root=root,
         )
-        manifest[prog]["qpc"] = res.to_dict(relative_to=out)["qpcs"]
-        manifest[prog]["compiler"] = str(res.compiler) if res.compiler else None
+        qpcs = []
+        for q in res.to_dict(relative_to=root)["qpcs"]:
+            q.update(specializations=tuple(q["specializations"]), device_ids=tuple(q["device_ids"]))
+            qpcs.append(QpcRecord(**q))
+        compiler = str(res.compiler) if res.compiler else None
+        programs[prog.kind] = prog.__class__(
+            **{**prog.__dict__, "qpcs": tuple(qpcs), "compiler": compiler}
+        )
         status = "skipped" if res.skipped else ("cached" if res.cached else "compiled")
-        steps.append((f"compile {prog}", status, time.perf_counter() - t))
+        steps.append((f"compile {prog.kind}", status, time.perf_counter() - t))
         if res.skipped:
-            skipped = manifest.setdefault(
-                "compile_skipped", {"looked_in": list(res.looked_in), "commands": []}
-            )
-            skipped["commands"] += [q.command_line for q in res.qpcs]
-    return manifest
+            skipped = skipped or {"looked_in": list(res.looked_in), "commands": []}
+            skipped["commands"] += res.commands
+    return m.replace(
+        target=programs["target"],
+        draft=programs["draft"],
+        qpc_config=profile.name,
+        compile_skipped=skipped,
+    )

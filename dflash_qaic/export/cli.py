@@ -3,14 +3,17 @@
 dflash-export --out artifacts/default                       # the built-in default pair
 dflash-export --recipe export/qwen3-4b-dflash-b16.yaml --out artifacts/qwen3-4b
 dflash-export --target DIR --draft DIR --out DIR [--qpc-config qpc_configs/ai100_fp16.yaml]
-              [--block-size N] [--prefill-seq-len N] [--ctx-len N] [--batch-size N]
-              [--no-compile] [--emit-logits]
+              [--block-size N | --num-speculative-tokens N] [--prefill-seq-len N]
+              [--ctx-len N] [--batch-size N] [--no-compile] [--emit-logits]
+              [--num-cores N] [--num-devices N] [--mos N] [--[no-]mxfp6-matmul]
+              [--[no-]mxint8-kv-cache] [--[no-]aic-enable-depth-first] [--compile-timeout S]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -80,7 +83,34 @@ def load_recipe(name_or_path: str) -> dict:
     return data
 
 
+def _int_flag(lo: int, hi: int):
+    """argparse type: an integer in [lo, hi] (0, negatives and absurd sizes are refused)."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"{v} is outside [{lo}, {hi}]")
+        return v
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds > 0")
+    return v
+
+
 def parser() -> argparse.ArgumentParser:
+    from dflash_qaic.export.artifacts import MAX_BATCH_SIZE, MAX_BLOCK_SIZE, MAX_CTX_LEN
+
     p = argparse.ArgumentParser(
         prog="dflash-export",
         description="Export a target + DFlash draft pair to ONNX programs and AI100 QPCs.",
@@ -92,10 +122,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--qpc-config", help="qpc_configs/<name>.yaml (or a name); default: recipe's or ai100_fp16"
     )
-    p.add_argument("--block-size", type=int, help="draft block B (default: the draft's)")
-    p.add_argument("--prefill-seq-len", type=int, help="prefill chunk (default 128)")
-    p.add_argument("--ctx-len", type=int, help="context length in slots (default 4096)")
-    p.add_argument("--batch-size", type=int, help="batch size (default 1)")
+    size = _int_flag
+    p.add_argument(
+        "--block-size", type=size(2, MAX_BLOCK_SIZE), help="draft block B (default: the draft's)"
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=size(1, MAX_BLOCK_SIZE - 1),
+        help="proposals per step, as QEfficient and vLLM say it (= block size - 1)",
+    )
+    p.add_argument(
+        "--prefill-seq-len", type=size(1, MAX_CTX_LEN), help="prefill chunk (default 128)"
+    )
+    p.add_argument(
+        "--ctx-len", type=size(4, MAX_CTX_LEN), help="context length in slots (default 4096)"
+    )
+    p.add_argument("--batch-size", type=size(1, MAX_BATCH_SIZE), help="batch size (default 1)")
     p.add_argument("--no-compile", action="store_true", help="export ONNX only")
     p.add_argument("--emit-logits", action="store_true", help="also output full logits")
     p.add_argument(
@@ -104,13 +146,49 @@ def parser() -> argparse.ArgumentParser:
         help="greedy-only target program (no on-device sampler: cheaper verify calls)",
     )
     p.add_argument("--no-fp16-check", action="store_true", help="skip the fp16 graph run")
+    c = p.add_argument_group(
+        "compile options (QEfficient's names; override the --qpc-config profile)"
+    )
+    c.add_argument("--num-cores", type=size(1, 16), help="the target's AI100 cores per device")
+    c.add_argument("--num-devices", type=size(1, 64), help="slice the target over N devices")
+    c.add_argument("--mos", type=size(1, 16), help="maximum output channel split (-mos)")
+    bool_flag = argparse.BooleanOptionalAction
+    c.add_argument("--mxfp6-matmul", action=bool_flag, default=None, help="MXFP6 MatMul weights")
+    c.add_argument("--mxint8-kv-cache", action=bool_flag, default=None, help="MXINT8 KV cache")
+    c.add_argument(
+        "--aic-enable-depth-first", action=bool_flag, default=None, help="depth-first scheduling"
+    )
+    c.add_argument(
+        "--compile-timeout", type=_seconds, help="seconds per compiler run (default: profile's)"
+    )
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     return p
 
 
+def _pick(cli, recipe: dict, key: str, default=None):
+    """CLI value when given (0 is a value, not 'absent'), else the recipe's, else the default."""
+    return cli if cli is not None else recipe.get(key, default)
+
+
+def block_size(block: int | None, num_speculative_tokens: int | None) -> int | None:
+    """B from --block-size and/or --num-speculative-tokens N (B = N + 1); both must agree."""
+    if num_speculative_tokens is None:
+        return block
+    from dflash_qaic.export.artifacts import ExportError
+
+    if block is not None and block != num_speculative_tokens + 1:
+        raise ExportError(
+            f"--block-size {block} and --num-speculative-tokens {num_speculative_tokens} "
+            f"disagree (block size = speculative tokens + 1): give one of them"
+        )
+    return num_speculative_tokens + 1
+
+
 def resolve(args) -> tuple[Path, Path, dict]:
     """(target, draft, options) from CLI > recipe > defaults."""
+    from dflash_qaic.compile.profiles import CompileOverrides
+
     if bool(args.target) != bool(args.draft):
         raise SystemExit("dflash-export: give both --target and --draft, or neither")
     recipe = {}
@@ -118,57 +196,100 @@ def resolve(args) -> tuple[Path, Path, dict]:
         recipe = load_recipe(args.recipe or DEFAULT_RECIPE)
     target = Path(args.target) if args.target else recipe["target"]
     draft = Path(args.draft) if args.draft else recipe["draft"]
+    B = block_size(args.block_size, args.num_speculative_tokens)
     opts = {
-        "block_size": args.block_size or recipe.get("block_size"),
-        "prefill_seq_len": args.prefill_seq_len or recipe.get("prefill_seq_len", 128),
-        "ctx_len": args.ctx_len or recipe.get("ctx_len", 4096),
-        "batch_size": args.batch_size or recipe.get("batch_size", 1),
+        "block_size": _pick(B, recipe, "block_size"),
+        "prefill_seq_len": _pick(args.prefill_seq_len, recipe, "prefill_seq_len", 128),
+        "ctx_len": _pick(args.ctx_len, recipe, "ctx_len", 4096),
+        "batch_size": _pick(args.batch_size, recipe, "batch_size", 1),
         "emit_logits": args.emit_logits,
         "sampling": not args.no_sampling,
-        "qpc_config": str(args.qpc_config or recipe.get("qpc_config", "ai100_fp16")),
+        "qpc_config": str(_pick(args.qpc_config, recipe, "qpc_config", "ai100_fp16")),
         "compile": not args.no_compile,
         "fp16_check": not args.no_fp16_check,
+        "compile_overrides": CompileOverrides(
+            num_cores=args.num_cores,
+            mxfp6_matmul=args.mxfp6_matmul,
+            mxint8_kv_cache=args.mxint8_kv_cache,
+            num_devices=args.num_devices,
+            mos=args.mos,
+            aic_enable_depth_first=args.aic_enable_depth_first,
+            timeout_s=args.compile_timeout,
+        ),
     }
     return target, draft, opts
 
 
-def summary_table(m: dict, out: Path) -> str:
-    rows = [("step", "result", "seconds")] + [(s, r, f"{t:.1f}") for s, r, t in m["_steps"]]
+def summary_table(res, out: Path) -> str:
+    m = res.manifest
+    rows = [("step", "result", "seconds")] + [(s, r, f"{t:.1f}") for s, r, t in res.steps]
     w = [max(len(str(r[i])) for r in rows) for i in range(3)]
     lines = [" | ".join(str(c).ljust(w[i]) for i, c in enumerate(r)) for r in rows]
     lines.insert(1, "-+-".join("-" * x for x in w))
     lines.append("")
     lines.append(
-        f"artifacts: {out}  (block {m['block_size']}, prefill chunk {m['prefill_seq_len']}, "
-        f"ctx {m['ctx_len']}, layers {m['target_layer_ids']}, {m['_seconds']:.1f} s)"
+        f"artifacts: {out}  (block {m.block_size}, prefill chunk {m.prefill_seq_len}, "
+        f"ctx {m.ctx_len}, layers {list(m.target_layer_ids)}, {res.seconds:.1f} s)"
     )
     return "\n".join(lines)
 
 
+class Interrupted(BaseException):
+    """SIGTERM, raised in the main thread so that cleanup (compiler, staging) runs."""
+
+
+def _on_sigterm(signum, frame):
+    raise Interrupted
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        from dflash_qaic.checkpoints import CheckpointError
-        from dflash_qaic.compile.profiles import ProfileError
-        from dflash_qaic.compile.qpc import CompileError
-        from dflash_qaic.export.artifacts import ExportError, ExportOptions, build_artifacts
+        return _run(args)
+    except (KeyboardInterrupt, Interrupted) as e:
+        if args.debug:
+            raise
+        what = "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated"
+        print(
+            f"dflash-export: {what}; {args.out} is unchanged (a previous export there is intact)",
+            file=sys.stderr,
+        )
+        return 130 if isinstance(e, KeyboardInterrupt) else 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
+
+def _run(args) -> int:
+    from dflash_qaic.checkpoints import CheckpointError
+    from dflash_qaic.compile.profiles import ProfileError
+    from dflash_qaic.compile.qpc import CompileError
+    from dflash_qaic.export.artifacts import ExportError, ExportOptions, build_artifacts
+    from dflash_qaic.manifest import ArtifactsError
+
+    try:
         target, draft, opts = resolve(args)
         say = (lambda _m: None) if args.quiet else (lambda m: print(f"· {m}", flush=True))
-        out = Path(args.out)
-        m = build_artifacts(target, draft, out, ExportOptions(**opts), progress=say)
-    except (CheckpointError, ProfileError, CompileError, ExportError, ValueError) as e:
+        res = build_artifacts(target, draft, Path(args.out), ExportOptions(**opts), progress=say)
+    except (
+        CheckpointError,
+        ProfileError,
+        CompileError,
+        ExportError,
+        ArtifactsError,
+        ValueError,
+    ) as e:
         if args.debug:
             raise
         print(f"dflash-export: error: {e}", file=sys.stderr)
         return 2
-    print(summary_table(m, out))
-    skipped = m.get("compile_skipped")
+    print(summary_table(res, res.out))
+    skipped = res.manifest.compile_skipped
     if skipped:
         print(
             "compilation skipped: no AI100 compiler (looked in "
             f"{', '.join(skipped['looked_in'])}); the ONNX artifacts are complete for ONNX "
-            "Runtime. On an AI100 host run:\n  " + "\n  ".join(skipped["commands"])
+            f"Runtime. On an AI100 host, in {res.out}, run:\n  " + "\n  ".join(skipped["commands"])
         )
     return 0
 

@@ -10,7 +10,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dflash_qaic.manifest import ArtifactsError, read_manifest
+from dflash_qaic.manifest import (
+    VERIFY_MODES,
+    ArtifactsError,
+    Manifest,
+    Program,
+    inside,
+    read_manifest,
+)
 from dflash_qaic.runtime.backends import (
     BackendError,
     OrtProgram,
@@ -25,6 +32,7 @@ BACKENDS = ("ort", "qaic", "auto", "qaic-standin")
 
 __all__ = [
     "ArtifactsError",
+    "Manifest",
     "BackendError",
     "GenerationError",
     "GenerationResult",
@@ -33,24 +41,45 @@ __all__ = [
 ]
 
 
-def _symbols(m: dict) -> dict:
-    return {"batch_size": int(m["batch_size"]), "ctx_len": int(m["ctx_len"])}
-
-
-def _qpc_path(d: Path, prog: dict, name: str) -> Path:
-    qpcs = [q for q in prog.get("qpc") or [] if q.get("status") != "skipped"]
+def _qpc_path(d: Path, prog: Program, name: str) -> Path:
+    qpcs = [q for q in prog.qpcs if q.ready]
     if not qpcs:
         raise BackendError(
             f"the {name} program of {d} has no compiled QPC (compilation was skipped: no "
             "qaic-compile on the exporting host). Run the commands in "
-            f"{d}/{name}/qpc-*/compile.cmd on an AI100 host, or re-export there"
+            f"{d}/{name}/qpc-*/compile.cmd from {d} on an AI100 host, or re-export there"
         )
     if len(qpcs) > 1:
         raise BackendError(
             f"the {name} program of {d} is split over {len(qpcs)} QPCs (disaggregated "
             "profile); this runtime runs one QPC per program: export with another profile"
         )
-    return d / qpcs[0]["qpc"]
+    return inside(d, qpcs[0].qpc, f"{name}.qpc")
+
+
+def _io(prog: Program) -> tuple[list[dict], list[dict]]:
+    """The program's inputs and outputs as the backends take them (from the contract object)."""
+
+    def spec(s):
+        return {"name": s.name, "dtype": s.dtype, "shape": list(s.shape)}
+
+    return [spec(s) for s in prog.io.inputs], [spec(s) for s in prog.io.outputs]
+
+
+def _check_args(backend, threads, tokenizer, verify) -> None:
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise BackendError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS[:3])}")
+    max_threads = 4 * (os.cpu_count() or 1)
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= max_threads
+    ):
+        raise BackendError(
+            f"threads must be None or an integer in [1, {max_threads}] (4 per core), got {threads!r}"
+        )
+    if not isinstance(tokenizer, bool):
+        raise BackendError(f"tokenizer must be True or False, got {tokenizer!r}")
+    if verify not in VERIFY_MODES:
+        raise BackendError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
 
 
 def load(
@@ -59,52 +88,50 @@ def load(
     *,
     threads: int | None = None,
     tokenizer: bool = True,
+    verify: str = "fast",
 ) -> Pipeline:
     """Load an artifacts directory written by `dflash-export`.
 
+    artifacts_dir: the directory holding manifest.json.
     backend: "ort" (ONNX Runtime, any machine), "qaic" (AI100 via QEfficient/qaicrt), "auto"
         (qaic when its runtime and compiled QPCs are present, else ort), or "qaic-standin"
         (the AI100 buffer logic over ONNX Runtime, for tests without a card).
-    threads: ONNX Runtime intra-op threads (None: ONNX Runtime's default).
-    """
-    if backend not in BACKENDS:
-        raise BackendError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS[:3])}")
-    d = Path(artifacts_dir)
-    m = read_manifest(d)
-    if backend == "auto":
-        compiled = all(
-            any(q.get("status") != "skipped" for q in m[p].get("qpc") or [])
-            for p in ("target", "draft")
-        )
-        backend = "qaic" if compiled and qaic_available() else "ort"
+    threads: ONNX Runtime intra-op threads, 1 … 4 × cores (None: ONNX Runtime's default).
+    tokenizer: load the tokenizer the artifacts carry (text prompts, `res.text`); False skips it.
+    verify: "fast" checks every file's size and the sha256 of files up to 64 MiB; "full"
+        hashes every file (slow for multi-GB programs); "none" checks only that they exist.
 
+    Raises ArtifactsError for a missing, incomplete, damaged or untrusted directory (every
+    manifest path must stay inside it), BackendError for a backend that cannot run here.
+    """
+    _check_args(backend, threads, tokenizer, verify)
+    d = Path(artifacts_dir)
+    m = read_manifest(d, verify=verify)
+    if backend == "auto":
+        backend = "qaic" if m.compiled and qaic_available() else "ort"
+
+    symbols = {"batch_size": m.batch_size, "ctx_len": m.ctx_len}
     programs = {}
     for name in ("target", "draft"):
-        prog = m[name]
-        onnx_path = d / prog["onnx"]
+        prog = m.program(name)
+        inputs, outputs = _io(prog)
+        specs = [dict(s) for s in prog.specializations]
+        onnx_path = inside(d, prog.onnx, f"{name}.onnx")
         if backend == "ort":
-            programs[name] = OrtProgram(
-                onnx_path, prog["inputs"], prog["outputs"], _symbols(m), threads
-            )
+            programs[name] = OrtProgram(onnx_path, inputs, outputs, symbols, threads)
         elif backend == "qaic-standin":
-            session = StrictStandinSession(
-                onnx_path, prog["inputs"], prog["outputs"], prog["specializations"]
-            )
-            programs[name] = QaicProgram(
-                session, prog["inputs"], prog["outputs"], prog["specializations"]
-            )
+            session = StrictStandinSession(onnx_path, inputs, outputs, specs)
+            programs[name] = QaicProgram(session, inputs, outputs, specs)
         else:
             factory = qaic_session_factory()
             qpc = _qpc_path(d, prog, name)
-            devices = (prog.get("qpc") or [{}])[0].get("device_ids")
+            devices = list(prog.qpcs[0].device_ids)
             session = factory(str(qpc), device_ids=devices)
-            programs[name] = QaicProgram(
-                session, prog["inputs"], prog["outputs"], prog["specializations"]
-            )
+            programs[name] = QaicProgram(session, inputs, outputs, specs)
 
     tok = None
-    if tokenizer and m.get("tokenizer"):
+    if tokenizer and m.tokenizer:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(d / m["tokenizer"], local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(inside(d, m.tokenizer), local_files_only=True)
     return Pipeline(m, programs["target"], programs["draft"], tok, backend=backend)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dflash_qaic import contract
+from dflash_qaic.manifest import Manifest
 
 
 class GenerationError(ValueError):
@@ -90,6 +91,36 @@ class Sampling:
         return self.temperature == 0.0
 
 
+def _token_ids(value, what: str, vocab: int | None) -> list[int]:
+    """A flat sequence of token ids (Python or numpy ints; a 1-D integer array), checked against
+    the vocabulary when given. Floats, bools, strings and nested lists are refused, never
+    converted or flattened."""
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1 or not np.issubdtype(value.dtype, np.integer):
+            raise GenerationError(
+                f"{what} must be a 1-D array of integer token ids (got shape {value.shape}, "
+                f"dtype {value.dtype})"
+            )
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, range)):
+        raise GenerationError(
+            f"{what} must be a list of integer token ids (got {type(value).__name__})"
+        )
+    bad = [t for t in value if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    if bad:
+        raise GenerationError(
+            f"{what} must hold integer token ids only; got {bad[0]!r} ({type(bad[0]).__name__})"
+            + (" — one prompt per call, not a nested list" if isinstance(bad[0], list) else "")
+        )
+    ids = [int(t) for t in value]
+    hi = vocab if vocab is not None else 2**63
+    out_of_range = [t for t in ids if not 0 <= t < hi]
+    if out_of_range:
+        where = f"the vocabulary 0 … {vocab - 1}" if vocab is not None else "0 … 2^63 - 1"
+        raise GenerationError(f"{what}: token ids {out_of_range[:5]} are outside {where}")
+    return ids
+
+
 class _Clock:
     """Wall time per program call, by kind (prefill, verify, draft, decode, draft_prefill)."""
 
@@ -112,19 +143,23 @@ class _Clock:
 class Pipeline:
     """DFlash generation over a target program and a draft program (see `dflash_qaic.load`)."""
 
-    def __init__(self, manifest: dict, target, draft, tokenizer=None, backend: str = "ort"):
-        self.manifest = manifest
+    def __init__(self, manifest, target, draft, tokenizer=None, backend: str = "ort"):
+        """manifest: a `dflash_qaic.manifest.Manifest`, or its JSON form (validated here)."""
+        if not isinstance(manifest, Manifest):
+            manifest = Manifest.from_json(manifest, "manifest", complete=False)
+        self.artifacts = manifest  # the typed manifest
+        self.manifest = manifest.to_json()  # its JSON form, for reports
         self.target, self.draft = target, draft
         self.tokenizer = tokenizer
         self.backend = backend
         m = manifest
-        self.B = int(m["block_size"])
-        self.chunk = int(m["prefill_seq_len"])
-        self.ctx_len = int(m["ctx_len"])
-        self.H = int(m["hidden_size"])
-        self.vocab = int(m["vocab_size"])
-        self.mask_id = int(m["mask_token_id"])
-        self.eos = list(m.get("eos_token_ids") or [])
+        self.B = m.block_size
+        self.chunk = m.prefill_seq_len
+        self.ctx_len = m.ctx_len
+        self.H = m.hidden_size
+        self.vocab = m.vocab_size
+        self.mask_id = m.mask_token_id
+        self.eos = list(m.eos_token_ids)
         # Per-call host buffers, allocated once and refilled in place on the hot path.
         B, C, H = self.B, self.chunk, self.H
         self._pre_ids = np.zeros((1, C), np.int64)
@@ -140,10 +175,9 @@ class Pipeline:
         self._arange_b = np.arange(B, dtype=np.int64)
         # Sampling inputs of the target (absent in artifacts exported before sampling existed:
         # those run greedy only). The uniforms are refilled in place, one pair per row.
-        target_inputs = {i["name"] for i in m["target"]["inputs"]}
-        self.can_sample = all(n in target_inputs for n in contract.SAMPLING_INPUTS)
+        self.can_sample = m.target.io.sampling
         # the largest top_k the program takes (its top-k/top-p candidates; all of V if unknown)
-        self.max_top_k = int(m["target"].get("sampling_candidates") or self.vocab)
+        self.max_top_k = m.target.sampling_candidates or self.vocab
         self._temperature = np.zeros((1,), np.float32)
         self._top_k = np.zeros((1,), np.int64)
         self._top_p = np.ones((1,), np.float32)
@@ -153,6 +187,7 @@ class Pipeline:
     # ------------------------------------------------------------------ inputs
 
     def _prompt_ids(self, prompt) -> list[int]:
+        """Token ids of one prompt: text (with a tokenizer) or a flat sequence of ints."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise GenerationError(
@@ -160,15 +195,22 @@ class Pipeline:
                     "directory had no tokenizer files): pass token ids instead"
                 )
             prompt = self.tokenizer(prompt)["input_ids"]
-        ids = [int(t) for t in np.asarray(prompt, dtype=np.int64).reshape(-1)]
+        ids = _token_ids(prompt, "the prompt", self.vocab)
         if not ids:
             raise GenerationError("the prompt is empty: give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.vocab]
-        if bad:
-            raise GenerationError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary 0 … {self.vocab - 1}"
-            )
         return ids
+
+    @staticmethod
+    def _check_args(max_new_tokens, stop_token_ids, on_tokens=None) -> None:
+        """generate / stream / generate_baseline arguments, type-checked before any work."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+            raise GenerationError(f"max_new_tokens must be an integer ≥ 1 (got {max_new_tokens!r})")
+        if max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens must be ≥ 1 (got {max_new_tokens})")
+        if stop_token_ids is not None:
+            _token_ids(stop_token_ids, "stop_token_ids", None)
+        if on_tokens is not None and not callable(on_tokens):
+            raise GenerationError(f"on_tokens must be callable or None (got {on_tokens!r})")
 
     def _check_room(self, n: int, limit: int, what: str) -> None:
         if n > limit:
@@ -178,7 +220,9 @@ class Pipeline:
             )
 
     def _stop_set(self, stop_token_ids) -> set[int]:
-        return set(self.eos if stop_token_ids is None else stop_token_ids)
+        if stop_token_ids is None:
+            return set(self.eos)
+        return set(_token_ids(stop_token_ids, "stop_token_ids", None))
 
     def _set_sampling(self, temperature, top_k, top_p, seed) -> Sampling:
         """Validate the settings, load them into the target's inputs and seed the generator.
@@ -443,6 +487,7 @@ class Pipeline:
         seed: seeds the host's random numbers; the same seed gives the same tokens. None draws
             fresh entropy (the value used is in `stats["seed"]`).
         """
+        self._check_args(max_new_tokens, stop_token_ids, on_tokens)
         sampling = (temperature, top_k, top_p, seed)
         gen = self._dflash(prompt, max_new_tokens, stop_token_ids, sampling)
         return self._drive(gen, on_tokens)
@@ -459,6 +504,7 @@ class Pipeline:
         seed: int | None = None,
     ) -> Iterator[int]:
         """Yield generated tokens one by one as steps commit them (DFlash; arguments as generate)."""
+        self._check_args(max_new_tokens, stop_token_ids)
         sampling = (temperature, top_k, top_p, seed)
         for chunk in self._dflash(prompt, max_new_tokens, stop_token_ids, sampling):
             yield from chunk
@@ -477,6 +523,7 @@ class Pipeline:
     ) -> GenerationResult:
         """The target alone on the decode specialization of the same program; same statistics
         and the same sampling arguments as generate (each decode call samples from p)."""
+        self._check_args(max_new_tokens, stop_token_ids, on_tokens)
         sampling = (temperature, top_k, top_p, seed)
         gen = self._baseline(prompt, max_new_tokens, stop_token_ids, sampling)
         return self._drive(gen, on_tokens)
