@@ -224,9 +224,10 @@ class Engine:
                 continue
             self.metrics.running.inc()
             try:
-                self._serve(h)
+                out = self._serve(h)
             finally:
                 self.metrics.running.dec()
+            h._put(out)  # last, so that a client that sees its answer sees the metrics too
 
     def _finish_unstarted(self, h: Handle) -> None:
         now = time.perf_counter()
@@ -247,7 +248,8 @@ class Engine:
         if hit:
             raise _StopString
 
-    def _serve(self, h: Handle) -> None:
+    def _serve(self, h: Handle) -> Output:
+        """Generate one request, streaming its deltas; returns its final Output."""
         p = h.params
         run = _Run(h, _Text(self.pipe.tokenizer, p.stop, p.skip_special_tokens))
         cut = False  # ended by a stop string: the text is already cut, nothing held back counts
@@ -268,12 +270,10 @@ class Engine:
         except _Abort:
             reason = "abort"
         except GenerationError as e:  # bad input the HTTP layer did not catch: a 400
-            h._put(Output("", [], error=e))
-            return
+            return Output("", [], error=e)
         except Exception as e:  # a backend failure: this request fails, the server lives on
             log.exception("generation failed")
-            h._put(Output("", [], error=e))
-            return
+            return Output("", [], error=e)
         tail = "" if cut else run.text.flush()
         t_end = time.perf_counter()
         P, n = len(h.prompt_ids), run.tokens
@@ -281,4 +281,4 @@ class Engine:
         decode = 0.0 if run.t_first is None else t_end - run.t_first
         queued, e2e = run.t_start - h.t_arrival, t_end - h.t_arrival
         self.metrics.finished(reason, P, n, queued, ttft, decode, e2e)
-        h._put(Output(tail, [], reason, prompt_tokens=P, completion_tokens=n))
+        return Output(tail, [], reason, prompt_tokens=P, completion_tokens=n)
