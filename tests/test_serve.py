@@ -378,3 +378,15 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(default_artifacts):
         assert result["events"][-1]["usage"]["completion_tokens"] == 120  # drained, not cut
         with pytest.raises(httpx.ConnectError):
             httpx.get(server.url + "/health", trust_env=False)
+
+
+@pytest.mark.slow
+def test_serve_bench(default_artifacts):
+    from dflash_qaic.bench.serve import render_markdown, run_serve_bench
+
+    res = run_serve_bench(default_artifacts, 4, max_tokens=24, threads=1, progress=lambda m: None)
+    assert res["ok"], res
+    assert (res["completed"], res["equal_greedy"], res["server_errors"]) == (4, 4, 0)
+    assert res["tokens"] == 4 * 24 and res["server_exit_code"] == 0
+    assert res["ttft_p50_s"] <= res["ttft_p95_s"] and res["aggregate_tokens_per_s"] > 0
+    assert "| completed | 4 / 4 |" in render_markdown(res)

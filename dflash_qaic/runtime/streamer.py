@@ -5,8 +5,8 @@ A byte-level tokenizer spends one token per byte, so 'é' (two UTF-8 bytes) or '
 several tokens, and a step may commit only part of a character; decoding each run of ids on its
 own prints replacement characters. `TextStreamer` keeps the ids and decodes a short window:
 the text of `ids[prefix:]` minus the text of `ids[prefix:read]` (already emitted) is the new text,
-emitted only when it does not end in U+FFFD (an incomplete character), as vLLM's incremental
-detokenizer and Hugging Face's `TextIteratorStreamer` do. Decoding the window (the last emitted
+as in vLLM's incremental detokenizer. When it ends in U+FFFD (an incomplete character) only the
+text before that is released and the window stays open until the character is complete. Decoding the window (the last emitted
 run plus the new ids) rather than the whole output keeps the cost of a step independent of the
 output length, and keeps tokenizers whose decode depends on the previous token (SentencePiece's
 leading space) right. The deltas joined equal `tokenizer.decode(all ids)`.
@@ -33,20 +33,23 @@ class TextStreamer:
         self.text = ""  # everything emitted so far
         self._prefix = 0  # ids[_prefix:_read] is the last emitted run (decode context)
         self._read = 0  # ids[_read:] are not emitted yet
+        self._held = 0  # characters of ids[_read:] already emitted (before an incomplete one)
 
     def _decode(self, lo: int, hi: int | None = None) -> str:
         return self.tokenizer.decode(self.ids[lo:hi], skip_special_tokens=self.skip_special_tokens)
 
     def _advance(self, final: bool) -> str:
         prefix_text = self._decode(self._prefix, self._read)
-        new_text = self._decode(self._prefix)
-        if len(new_text) <= len(prefix_text) or (new_text.endswith(REPLACEMENT) and not final):
-            # nothing new, or the last character is still incomplete: wait for more ids
-            if final:
-                self._prefix = self._read = len(self.ids)
+        new = self._decode(self._prefix)[len(prefix_text) :]
+        if not new and not final:  # nothing yet (e.g. a skipped special token): keep the context
             return ""
-        delta = new_text[len(prefix_text) :]
-        self._prefix, self._read = self._read, len(self.ids)
+        if new.endswith(REPLACEMENT) and not final:
+            # the last character is incomplete: release the text before it, keep the window
+            stable = new.rstrip(REPLACEMENT)
+            delta, self._held = stable[self._held :], max(self._held, len(stable))
+        else:
+            delta, self._held = new[self._held :], 0
+            self._prefix, self._read = self._read, len(self.ids)
         self.text += delta
         return delta
 
