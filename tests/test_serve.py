@@ -208,6 +208,24 @@ def test_stop_strings_and_stop_token_ids(client, http, pipe):
     assert r["choices"][0]["token_ids"] == cut and r["choices"][0]["finish_reason"] == "stop"
 
 
+def test_eos_stops_unless_ignore_eos(http, pipe):
+    """The default pair never ends greedily, but sampled at T = 10 with seed 7 it draws EOS as
+    its 32nd token."""
+    kw = dict(temperature=10.0, seed=7)
+    ref = pipe.generate(PROMPTS[3], 60, [], **kw).tokens
+    eos = pipe.eos[0]
+    at = ref.index(eos)
+    assert at < 59
+    body = dict(prompt=PROMPTS[3], max_tokens=60, return_token_ids=True, **kw)
+    r = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert (r["token_ids"], r["finish_reason"]) == (ref[: at + 1], "stop")
+    assert r["text"] == decode(pipe, ref[:at])  # the EOS itself is a special token: no text
+    body.update(ignore_eos=True, skip_special_tokens=False)
+    r = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert (r["token_ids"], r["finish_reason"]) == (ref, "length")
+    assert r["text"] == pipe.tokenizer.decode(ref) and "<|endoftext|>" in r["text"]
+
+
 BAD = [
     # (path, body, status, param)
     ("/v1/completions", b'{"prompt": "x"', 400, None),

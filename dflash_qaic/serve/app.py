@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from contextlib import asynccontextmanager
 
@@ -30,6 +31,8 @@ from dflash_qaic.serve import protocol as proto
 from dflash_qaic.serve.engine import Engine, EngineFull, Handle, Output, Params
 from dflash_qaic.serve.metrics import CONTENT_TYPE
 from dflash_qaic.serve.protocol import APIError
+
+log = logging.getLogger("dflash_qaic.serve")
 
 NO_TEMPLATE = (
     "this model's tokenizer has no chat template: use /v1/completions, or start dflash-serve "
@@ -260,6 +263,22 @@ def _error_response(e: APIError, metrics) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
+class _CancelledAtShutdown:
+    """ASGI wrapper: a request task that uvicorn cancels when the graceful-shutdown timeout runs
+    out ends with one log line instead of a traceback (its generation stops at the next step)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            if scope["type"] != "http":
+                raise
+            log.warning("%s %s cancelled by the shutdown", scope["method"], scope["path"])
+
+
 def create_app(
     engine: Engine, model_name: str, tokenizer=None, chat_template: str | None = None
 ) -> FastAPI:
@@ -274,6 +293,7 @@ def create_app(
         engine.shutdown()
 
     app = FastAPI(title="dflash-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(_CancelledAtShutdown)
     app.state.frontend = fe
 
     @app.exception_handler(APIError)

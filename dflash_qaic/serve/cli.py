@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import logging
 import os
 import signal
 import socket
@@ -123,6 +124,9 @@ def _serve(args, template: str | None, sock: socket.socket) -> None:
         lifespan="on",
     )
     server = uvicorn.Server(config)
+    ours = logging.getLogger("dflash_qaic.serve")  # log as uvicorn does (it configured its own)
+    ours.handlers, ours.propagate = logging.getLogger("uvicorn").handlers, False
+    ours.setLevel(args.log_level.upper())
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     print(f"dflash-serve: serving {name} on {url} (backend {pipe.backend})", flush=True)
