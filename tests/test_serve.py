@@ -284,15 +284,19 @@ def test_client_disconnect_frees_the_worker(http, pipe):
             seen += line.startswith("data: ")
             if seen == 2:
                 break  # leaving the block closes the connection mid-stream
+    # a client that gives up on a non-streamed answer
+    body = dict(prompt="def f", max_tokens=1000, ignore_eos=True, temperature=0)
+    with pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/completions", json=body, timeout=0.2)
     # the pipeline serves the next request, from a clean state
     ref = pipe.generate(PROMPTS[6], 24, temperature=0)
     r = http.post("/v1/completions", json=dict(prompt=PROMPTS[6], max_tokens=24, temperature=0))
     assert r.json()["choices"][0]["text"] == decode(pipe, ref.tokens)
     after = scrape(http)
-    assert delta(after, before, "vllm:request_success_total", finished_reason="abort") == 1
+    assert delta(after, before, "vllm:request_success_total", finished_reason="abort") == 2
     assert delta(after, before, "vllm:request_success_total", finished_reason="length") == 1
     generated = delta(after, before, "vllm:generation_tokens_total")
-    assert generated < 700  # the abandoned request stopped early (24 of these are the second's)
+    assert generated < 700  # both abandoned requests stopped early (24 are the last one's)
     assert after[("vllm:num_requests_running", frozenset())] == 0
 
 
