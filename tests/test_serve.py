@@ -412,3 +412,30 @@ def test_serve_bench(default_artifacts):
     assert res["tokens"] == 4 * 24 and res["server_exit_code"] == 0
     assert res["ttft_p50_s"] <= res["ttft_p95_s"] and res["aggregate_tokens_per_s"] > 0
     assert "| completed | 4 / 4 |" in render_markdown(res)
+
+
+def test_serve_cli_errors_are_one_line(default_artifacts, tmp_path, capsys):
+    import socket
+
+    from dflash_qaic.serve.cli import main
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = str(busy.getsockname()[1])
+    cases = [
+        ([str(tmp_path), "--port", "0"], ""),  # the runtime words the ArtifactsError
+        ([str(default_artifacts), "--port", port], f"cannot listen on 127.0.0.1:{port}"),
+        ([str(default_artifacts), "--port", "70000"], "--port must be in 0 … 65535"),
+        ([str(default_artifacts), "--threads", "0"], "--threads must be in 1 …"),
+        ([str(default_artifacts), "--max-queue", "0"], "--max-queue must be ≥ 1"),
+        ([str(default_artifacts), "--chat-template", str(tmp_path / "no.jinja")], "cannot read"),
+    ]
+    try:
+        for argv, message in cases:
+            assert main(argv) == 2, argv
+            err = capsys.readouterr().err
+            assert message in err and "Traceback" not in err, err
+            assert err.startswith("dflash-serve: error: ") and err.count("\n") == 1, err
+    finally:
+        busy.close()
