@@ -186,11 +186,12 @@ class Engine:
         handle = Handle(prompt_ids, params, asyncio.get_running_loop())
         if self._stopping.is_set():
             raise EngineFull("the server is shutting down")
+        self.metrics.waiting.inc()  # before the worker can take it (and decrement)
         try:
             self._queue.put_nowait(handle)
         except queue.Full:
+            self.metrics.waiting.dec()
             raise EngineFull(f"the request queue is full ({self._queue.maxsize} waiting)") from None
-        self.metrics.waiting.inc()
         return handle
 
     def shutdown(self, timeout: float = 10.0) -> None:
