@@ -379,7 +379,7 @@ def test_engine_shutdown_cancels_at_the_next_step(pipe):
 def test_sigterm_drains_in_flight_requests_and_exits_0(default_artifacts):
     with ServerProcess(default_artifacts, "--threads", "1") as server:
         started, result = threading.Event(), {}
-        body = dict(prompt=PROMPTS[7], max_tokens=120, ignore_eos=True, temperature=0, stream=True)
+        body = dict(prompt=PROMPTS[7], max_tokens=500, ignore_eos=True, temperature=0, stream=True)
         body["stream_options"] = {"include_usage": True}
 
         def client():
@@ -397,7 +397,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(default_artifacts):
         code = server.stop()  # SIGTERM while the request streams
         t.join(120)
         assert code == 0, server.log()
-        assert result["events"][-1]["usage"]["completion_tokens"] == 120  # drained, not cut
+        assert result["events"][-1]["usage"]["completion_tokens"] == 500  # drained, not cut
         with pytest.raises(httpx.ConnectError):
             httpx.get(server.url + "/health", trust_env=False)
 
