@@ -33,3 +33,13 @@ def _reference_on_cpu():
     import dflash.model as ref
 
     ref._cuda_time = time.perf_counter
+
+
+@pytest.fixture(scope="session")
+def default_artifacts(tmp_path_factory):
+    """The built-in default pair exported once per session (`dflash-export --out DIR`)."""
+    from dflash_qaic.export.cli import main
+
+    out = tmp_path_factory.mktemp("default-pair")
+    assert main(["--out", str(out), "--no-compile", "--quiet"]) == 0
+    return out

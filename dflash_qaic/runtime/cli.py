@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+from dflash_qaic.runtime.streamer import TextStreamer
 
 
 def parser() -> argparse.ArgumentParser:
@@ -19,7 +22,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", help="prompt text (needs the target's tokenizer)")
     g.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--backend", default="ort", choices=["ort", "qaic", "auto"])
+    p.add_argument("--backend", default="ort", choices=["ort", "qaic", "auto", "qaic-standin"])
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     p.add_argument(
         "--stop-token-ids",
@@ -46,13 +49,50 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _ids(text: str | None) -> list[int] | None:
+class UsageError(ValueError):
+    """A bad command-line value: one line on stderr, exit 2."""
+
+
+INT64_MAX = 2**63 - 1
+
+
+def _ids(text: str | None, flag: str) -> list[int] | None:
     if text is None:
         return None
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
-    except ValueError as e:
-        raise SystemExit(f"dflash-run: error: --prompt-ids must be integers: {e}") from e
+    ids = []
+    for t in text.replace(" ", "").split(","):
+        if t == "":
+            continue
+        try:
+            ids.append(int(t))
+        except ValueError:
+            raise UsageError(f"{flag} must be comma-separated integers (got {t!r})") from None
+        if not -INT64_MAX - 1 <= ids[-1] <= INT64_MAX:
+            raise UsageError(f"{flag}: id {t} does not fit in 64 bits: ids are vocabulary indices")
+    return ids
+
+
+def _check_args(args) -> None:
+    """Refuse bad values before loading anything."""
+    if args.prompt is not None:
+        try:
+            args.prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            # argparse keeps undecodable bytes as lone surrogates (surrogateescape): U+DC80 + b
+            c = ord(args.prompt[e.start])
+            what = f"byte {c - 0xDC00:#04x}" if 0xDC80 <= c <= 0xDCFF else f"U+{c:04X}"
+            raise UsageError(
+                f"--prompt is not valid UTF-8 ({what} at character {e.start}): pass UTF-8 "
+                "text, or token ids with --prompt-ids"
+            ) from None
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be ≥ 1 (got {args.max_new_tokens})")
+    most = (os.cpu_count() or 1) * 4
+    if args.threads is not None and not 1 <= args.threads <= most:
+        raise UsageError(
+            f"--threads must be in 1 … {most} (4 × the {most // 4} cores; got {args.threads}); "
+            "leave it out for ONNX Runtime's default"
+        )
 
 
 def format_stats(s: dict) -> str:
@@ -64,27 +104,41 @@ def format_stats(s: dict) -> str:
     )
 
 
+def _printer(tokenizer):
+    """on_tokens for --stream: whole characters only (runtime/streamer.py), or ids."""
+    if tokenizer is None:
+        return lambda chunk: print(" ".join(map(str, chunk)), end=" ", flush=True), lambda: None
+    streamer = TextStreamer(tokenizer)
+    return (
+        lambda chunk: print(streamer.push(chunk), end="", flush=True),
+        lambda: print(streamer.flush(), end="", flush=True),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    try:
+        _check_args(args)
+        prompt = args.prompt if args.prompt is not None else _ids(args.prompt_ids, "--prompt-ids")
+        stop = _ids(args.stop_token_ids, "--stop-token-ids")
+    except UsageError as e:
+        print(f"dflash-run: error: {e}", file=sys.stderr)
+        return 2
     try:
         import dflash_qaic
         from dflash_qaic.runtime import ArtifactsError, BackendError, GenerationError
 
         pipe = dflash_qaic.load(args.artifacts, backend=args.backend, threads=args.threads)
-        prompt = args.prompt if args.prompt is not None else _ids(args.prompt_ids)
-        stop = _ids(args.stop_token_ids)
-        stream = None
+        stream, flush = None, None
         if args.stream and not args.json:
-            tok = pipe.tokenizer
-
-            def stream(chunk):
-                text = tok.decode(chunk) if tok is not None else " ".join(map(str, chunk)) + " "
-                print(text, end="", flush=True)
+            stream, flush = _printer(pipe.tokenizer)
 
         sampling = dict(
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
         )
         res = pipe.generate(prompt, args.max_new_tokens, stop, on_tokens=stream, **sampling)
+        if flush is not None:
+            flush()
         base = None
         if args.baseline:
             # the same seed as the DFlash run (the one it drew when --seed was not given)

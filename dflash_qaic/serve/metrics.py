@@ -1,0 +1,97 @@
+"""Prometheus metrics with vLLM's names (`/metrics`).
+
+Speculative decoding, per verify step (a step that committed n tokens accepted n − 1 of its
+B − 1 drafts; the first token of a request comes from prefill and belongs to no step):
+
+    vllm:spec_decode_num_drafts_total                  steps
+    vllm:spec_decode_num_draft_tokens_total            steps × (B − 1)
+    vllm:spec_decode_num_accepted_tokens_total         Σ (n − 1)
+    vllm:spec_decode_num_accepted_tokens_per_pos_total{position="i"}   steps whose draft i was accepted
+
+Requests: `vllm:request_success_total{finished_reason="stop"|"length"|"abort"}` (abort: the client
+went away or the server shut down), `dflash:request_errors_total{status=...}` (requests answered
+with an error), `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, the gauges
+`vllm:num_requests_running` / `vllm:num_requests_waiting`, and the histograms
+`vllm:time_to_first_token_seconds`, `vllm:time_per_output_token_seconds` (per request: decode time
+over tokens after the first), `vllm:e2e_request_latency_seconds`, `vllm:request_queue_time_seconds`.
+Every series carries `model_name`. The registry is the server's own (not the process-global one).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 (re-exported)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0)
+_LATENCY += (2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TPOT = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str, block_size: int):
+        self.registry = r = CollectorRegistry()
+        self.drafts_per_step = block_size - 1
+        m = ["model_name"]
+
+        def counter(name, doc, labels=()):
+            return Counter(name, doc, m + list(labels), registry=r)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, m, buckets=buckets, registry=r).labels(model_name)
+
+        self._drafts = counter("vllm:spec_decode_num_drafts", "Verify steps").labels(model_name)
+        self._draft_tokens = counter(
+            "vllm:spec_decode_num_draft_tokens", "Draft tokens proposed"
+        ).labels(model_name)
+        self._accepted = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted"
+        ).labels(model_name)
+        per_pos = counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Steps whose draft token at this position was accepted",
+            ["position"],
+        )
+        self._per_pos = [per_pos.labels(model_name, str(i)) for i in range(block_size - 1)]
+        success = counter("vllm:request_success", "Finished requests", ["finished_reason"])
+        self._success = {k: success.labels(model_name, k) for k in ("stop", "length", "abort")}
+        self._errors = counter(
+            "dflash:request_errors", "Requests answered with an error", ["status"]
+        )
+        self._model = model_name
+        self._prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens").labels(model_name)
+        self._generation_tokens = counter("vllm:generation_tokens", "Generated tokens").labels(
+            model_name
+        )
+        gauge = lambda name, doc: Gauge(name, doc, m, registry=r).labels(model_name)
+        self.running = gauge("vllm:num_requests_running", "Requests generating")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests queued")
+        self._ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token", _LATENCY)
+        self._tpot = histogram("vllm:time_per_output_token_seconds", "Time per output token", _TPOT)
+        self._e2e = histogram("vllm:e2e_request_latency_seconds", "Request latency", _LATENCY)
+        self._queue = histogram("vllm:request_queue_time_seconds", "Time queued", _LATENCY)
+
+    def step(self, committed: int) -> None:
+        """One verify step that committed `committed` tokens (1 … B)."""
+        accepted = committed - 1
+        self._drafts.inc()
+        self._draft_tokens.inc(self.drafts_per_step)
+        self._accepted.inc(accepted)
+        for c in self._per_pos[:accepted]:
+            c.inc()
+
+    def finished(self, reason, prompt_tokens, tokens, queue_s, ttft_s, decode_s, e2e_s) -> None:
+        self._success[reason].inc()
+        self._prompt_tokens.inc(prompt_tokens)
+        self._generation_tokens.inc(tokens)
+        self._queue.observe(queue_s)
+        if ttft_s is not None:
+            self._ttft.observe(ttft_s)
+        if tokens > 1:
+            self._tpot.observe(decode_s / (tokens - 1))
+        self._e2e.observe(e2e_s)
+
+    def error(self, status: int) -> None:
+        self._errors.labels(self._model, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,154 @@
+"""Incremental text streaming (runtime/streamer.py) and `dflash-run`: --stream prints whole
+characters, and bad arguments get one error line, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+import dflash_qaic
+from dflash_qaic import assets
+from dflash_qaic.runtime.cli import _printer, main
+from dflash_qaic.runtime.streamer import TextStreamer, iter_text
+from dflash_qaic.serve.engine import _Text
+
+TEXT = "naïve café costs 3 € — 😀 ok"
+
+
+@pytest.fixture(scope="module")
+def pipe(default_artifacts):
+    return dflash_qaic.load(default_artifacts, threads=1)
+
+
+def chunked(ids, rng):
+    out, i = [], 0
+    while i < len(ids):
+        n = rng.randint(1, 4)
+        out.append(ids[i : i + n])
+        i += n
+    return out
+
+
+def stream_all(tok, chunks, **kw) -> list[str]:
+    s = TextStreamer(tok, **kw)
+    return [s.push(c) for c in chunks] + [s.flush()]
+
+
+def test_streamer_never_splits_a_character(pipe):
+    tok = pipe.tokenizer  # byte-level: 'é' is two tokens, '€' three, '😀' four
+    ids = tok(TEXT)["input_ids"]
+    assert len(ids) > len(TEXT)
+    rng = random.Random(0)
+    for chunks in [[[t] for t in ids], *(chunked(ids, rng) for _ in range(20))]:
+        deltas = stream_all(tok, chunks)
+        assert "".join(deltas) == TEXT
+        assert all("\ufffd" not in d for d in deltas)
+    # the old way (each chunk decoded alone) garbles it
+    assert "".join(tok.decode([t]) for t in ids) != TEXT
+
+
+def test_streamer_invalid_bytes_and_special_tokens(pipe):
+    tok = pipe.tokenizer
+    # a lead byte followed by ASCII is invalid: it comes out as U+FFFD, as decode() says
+    assert "".join(stream_all(tok, [[0xC3], [0x41]])) == tok.decode([0xC3, 0x41]) == "\ufffdA"
+    # an incomplete character at the very end is released by flush()
+    s = TextStreamer(tok)
+    assert (s.push([0x61, 0xE2, 0x82]), s.push([0x41]), s.flush()) == ("a", "\ufffdA", "")
+    s = TextStreamer(tok)
+    assert (s.push([0x61, 0xE2, 0x82]), s.flush()) == ("a", tok.decode([0xE2, 0x82]))
+    eos = pipe.eos[0]
+    assert "".join(stream_all(tok, [[0x61], [eos]], skip_special_tokens=True)) == "a"
+    assert "".join(stream_all(tok, [[0x61], [eos]])) == tok.decode([0x61, eos])
+
+
+def test_streamer_with_a_merging_tokenizer():
+    """A BPE with merges and a SentencePiece-style word boundary (decode drops the leading
+    space of a run): the window keeps the spaces between words."""
+    corpus = ["the cat sat on the mat", "a naïve café", "the € sign", "über alles"] * 20
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace()
+    bpe.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"])
+    bpe.train_from_iterator(corpus, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    text = "the cat sat on the naïve mat über the € café"
+    ids = tok(text)["input_ids"]
+    assert any(len(tok.convert_ids_to_tokens(t)) > 2 for t in ids)  # merges happened
+    rng = random.Random(1)
+    for chunks in [[[t] for t in ids], *(chunked(ids, rng) for _ in range(10))]:
+        assert "".join(stream_all(tok, chunks)) == tok.decode(ids)
+
+
+def test_stop_strings_are_held_back_and_cut(pipe):
+    tok = pipe.tokenizer
+    ids = tok("abc€END tail")["input_ids"]
+    t = _Text(tok, ("€END", "zzzz"), skip_special_tokens=True)
+    released, hit = "", False
+    for i in ids:
+        d, hit = t.push([i])
+        released += d
+        if hit:
+            break
+    assert hit and released == "abc"  # nothing of the stop string was ever released
+    t = _Text(tok, ("xyz",), skip_special_tokens=True)
+    out = [t.push([i]) for i in tok("abcxy")["input_ids"]]
+    assert "".join(d for d, _ in out) == "abc" and not any(h for _, h in out)
+    assert t.flush() == "xy"  # no stop: the held-back tail comes out at the end
+
+
+def test_iter_text_joins_to_generate_text(pipe):
+    kw = dict(temperature=10.0, seed=3)  # arbitrary bytes, split over steps
+    prompt = assets.heldout_prompts()[3]
+    res = pipe.generate(prompt, 120, [], **kw)
+    deltas = list(iter_text(pipe, prompt, 120, [], **kw))
+    assert "".join(deltas) == res.text and all(deltas)
+
+
+def test_run_stream_prints_whole_characters(default_artifacts, capsys):
+    tok = dflash_qaic.load(default_artifacts).tokenizer
+    stream, flush = _printer(tok)
+    for t in tok("é€")["input_ids"]:
+        stream([t])
+    flush()
+    assert capsys.readouterr().out == "é€"
+    args = [str(default_artifacts), "--prompt", assets.heldout_prompts()[3], "--threads", "1"]
+    args += [
+        "--max-new-tokens",
+        "120",
+        "--stop-token-ids",
+        "",
+        "--temperature",
+        "10",
+        "--seed",
+        "3",
+    ]
+    assert main(args + ["--json"]) == 0
+    text = json.loads(capsys.readouterr().out)["text"]
+    assert any(ord(c) > 127 and c != "\ufffd" for c in text)  # multibyte characters were made
+    assert main(args + ["--stream"]) == 0
+    assert capsys.readouterr().out == text + "\n"
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--prompt", "caf\udce9"], "--prompt is not valid UTF-8 (byte 0xe9 at character 3)"),
+        (["--prompt-ids", "1,99999999999999999999"], "does not fit in 64 bits"),
+        (["--prompt-ids", "1,x"], "must be comma-separated integers (got 'x')"),
+        (["--prompt", "x", "--threads", "0"], "--threads must be in 1 …"),
+        (["--prompt", "x", "--threads", "100000"], "--threads must be in 1 …"),
+        (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be ≥ 1 (got 0)"),
+        (["--prompt", "x", "--max-new-tokens", "-5"], "--max-new-tokens must be ≥ 1 (got -5)"),
+        (["--prompt-ids", "1,-3"], "outside the vocabulary"),
+        (["--prompt", "x", "--stop-token-ids", "1,a"], "--stop-token-ids must be"),
+    ],
+)
+def test_run_bad_arguments_one_line(default_artifacts, capsys, extra, message):
+    assert main([str(default_artifacts), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert err.count("\n") == 1 and err.startswith("dflash-run: error: ")
