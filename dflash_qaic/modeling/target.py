@@ -31,64 +31,25 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from dflash_qaic.checkpoints import fp16_fc_scale
 from dflash_qaic.contract import SAMPLING_INPUTS
+from dflash_qaic.modeling.layers import (
+    MASK_VALUE,
+    MLP,
+    RMSNorm,
+    Rope,
+    RopeTable,
+    apply_rope,
+    embed_rows,
+    frozen,
+    frozen_linear,
+    vocab_tables,
+)
 from dflash_qaic.modeling.ops import cache_slots, ctx_scatter
 from dflash_qaic.modeling.sampler import SAMPLING_CANDIDATES, sample_next_tokens
 
-# Score of a masked key slot: large enough to vanish in softmax, finite in fp16 (max 65504), so a
-# row that sees nothing (padding, position -1) gets a uniform, finite average instead of NaN.
-MASK_VALUE = -1.0e4
-
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
-
-
-def _param(t: torch.Tensor) -> nn.Parameter:
-    # .float() does not copy an fp32 tensor, so an fp32 HF model's weights are shared, not doubled.
-    return nn.Parameter(t.detach().float(), requires_grad=False)
-
-
-def _linear(hf: nn.Linear) -> nn.Linear:
-    lin = nn.Linear(hf.in_features, hf.out_features, bias=hf.bias is not None, device="meta")
-    lin.weight = _param(hf.weight)
-    if hf.bias is not None:
-        lin.bias = _param(hf.bias)
-    return lin
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm. Weights and activations are fp32 throughout this module, so it runs in fp32
-    without explicit casts (which would only add Cast nodes to the graph)."""
-
-    def __init__(self, weight: torch.Tensor, eps: float):
-        super().__init__()
-        self.weight = _param(weight)
-        self.eps = float(eps)
-
-    @classmethod
-    def from_hf(cls, hf: nn.Module) -> RMSNorm:
-        return cls(hf.weight, hf.variance_epsilon)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int):
-    """x [b, heads, s, hd]; cos/sin [b, s, hd]. HF's rotate_half, with a static split point
-    (a Python int, so the exported Slices are constant, not computed from Shape)."""
-    half = head_dim // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
-
-
-def rope_tables(inv_freq: torch.Tensor, scaling: float, n_positions: int):
-    """cos/sin [n_positions, hd] exactly as HF's rotary embedding computes them (fp32)."""
-    pos = torch.arange(n_positions, dtype=torch.float32)
-    freqs = pos[:, None] * inv_freq.float()[None, :]  # [n, hd/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [n, hd]
-    return emb.cos() * scaling, emb.sin() * scaling
 
 
 def fp16_safe_fc_weight(fc_weight: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -103,26 +64,15 @@ def fp16_safe_fc_weight(fc_weight: torch.Tensor) -> tuple[torch.Tensor, float]:
     return (w / s if s > 1.0 else w), s
 
 
-class MLP(nn.Module):
-    def __init__(self, hf: nn.Module):
-        super().__init__()
-        self.gate_proj = _linear(hf.gate_proj)
-        self.up_proj = _linear(hf.up_proj)
-        self.down_proj = _linear(hf.down_proj)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Attention(nn.Module):
     def __init__(self, hf: nn.Module, n_heads: int, n_kv_heads: int):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, hf.head_dim
         self.scale = hf.scaling
-        self.q_proj = _linear(hf.q_proj)
-        self.k_proj = _linear(hf.k_proj)
-        self.v_proj = _linear(hf.v_proj)
-        self.o_proj = _linear(hf.o_proj)
+        self.q_proj = frozen_linear(hf.q_proj)
+        self.k_proj = frozen_linear(hf.k_proj)
+        self.v_proj = frozen_linear(hf.v_proj)
+        self.o_proj = frozen_linear(hf.o_proj)
         qk_norm = getattr(hf, "q_norm", None) is not None  # Qwen3: per-head RMSNorm before RoPE
         self.q_norm = RMSNorm.from_hf(hf.q_norm) if qk_norm else None
         self.k_norm = RMSNorm.from_hf(hf.k_norm) if qk_norm else None
@@ -161,7 +111,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm.from_hf(hf.input_layernorm)
         self.self_attn = Attention(hf.self_attn, n_heads, n_kv_heads)
         self.post_attention_layernorm = RMSNorm.from_hf(hf.post_attention_layernorm)
-        self.mlp = MLP(hf.mlp)
+        self.mlp = MLP.from_hf(hf.mlp)
 
     def forward(self, x, cos, sin, slots, visible, cache_k, cache_v):
         a, cache_k, cache_v = self.self_attn(
@@ -194,22 +144,16 @@ class ExportTarget(nn.Module):
         sampling_candidates: int = SAMPLING_CANDIDATES,
     ):
         super().__init__()
-        # The head is stored transposed, [H, V], and multiplied by directly. A tied head also
-        # serves as the embedding (a Gather along V), so the V×H table is stored once; with
-        # F.linear the exporter would fold a transposed copy next to the embedding (≈1.5 GB
-        # more for Qwen3-4B).
         if lm_head.bias is not None:
             raise ValueError("an lm_head with a bias is not supported")
-        self.tied = lm_head.weight.data_ptr() == embed.data_ptr()
         self.vocab_size = lm_head.out_features
-        self.head_t = _param(lm_head.weight.detach().float().t().contiguous())  # [H, V]
-        self.embed = None if self.tied else _param(embed)
+        # head_t [H, V]; a tied head is also the embedding table (embed is then None)
+        self.tied, self.head_t, self.embed = vocab_tables(embed, lm_head.weight)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
-        self.register_buffer("rope_cos", rope_cos, persistent=False)  # [ctx_len, hd]
-        self.register_buffer("rope_sin", rope_sin, persistent=False)
+        self.rope = RopeTable(rope_cos, rope_sin)  # [ctx_len, hd] each
         self.fc = nn.Linear(fc_weight.shape[1], fc_weight.shape[0], bias=False, device="meta")
-        self.fc.weight = _param(fc_weight)
+        self.fc.weight = frozen(fc_weight)
         self.hidden_norm = hidden_norm
         self.target_layer_ids = [int(j) for j in target_layer_ids]
         self.emit_logits = emit_logits
@@ -219,7 +163,7 @@ class ExportTarget(nn.Module):
 
     @property
     def ctx_len(self) -> int:
-        return self.rope_cos.shape[0]
+        return self.rope.cos.shape[0]
 
     @classmethod
     def from_hf(
@@ -241,18 +185,17 @@ class ExportTarget(nn.Module):
             DecoderLayer(layer, cfg.num_attention_heads, cfg.num_key_value_heads)
             for layer in base.layers
         ]
-        rotary = base.rotary_emb  # inv_freq / attention_scaling already hold any rope scaling
-        cos, sin = rope_tables(rotary.inv_freq, float(rotary.attention_scaling), ctx_len)
+        rope = RopeTable.from_rope(Rope.from_hf(base.rotary_emb), ctx_len)
         fc_w, fc_scale = fp16_safe_fc_weight(fc_weight)
         target = cls(
             embed=base.embed_tokens.weight,
             layers=layers,
             norm=RMSNorm.from_hf(base.norm),
             lm_head=hf_model.lm_head,  # tied or not: whatever HF's head holds
-            rope_cos=cos,
-            rope_sin=sin,
+            rope_cos=rope.cos,
+            rope_sin=rope.sin,
             fc_weight=fc_w,
-            hidden_norm=RMSNorm(hidden_norm_weight, hidden_norm_eps),
+            hidden_norm=RMSNorm(hidden_norm_weight.shape[-1], hidden_norm_eps, hidden_norm_weight),
             target_layer_ids=target_layer_ids,
             emit_logits=emit_logits,
             sampling=sampling,
@@ -269,17 +212,13 @@ class ExportTarget(nn.Module):
         sampling, past = rest[:n_sampling], rest[n_sampling:]
         ctx_len = self.ctx_len
         slots = cache_slots(position_ids, ctx_len)  # [b, s]; -1 -> padding slot ctx_len - 1
-        rope_pos = position_ids.clamp(min=0)
-        cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]  # [b, s, hd]
+        cos, sin = self.rope(position_ids)  # [b, s, hd]
         # key slot j is visible to a query iff j <= its position: causal within the call, stale
         # slots after a rejection hidden, and a padding row (position -1) sees nothing.
         kv_index = torch.arange(ctx_len, device=position_ids.device)
         visible = kv_index <= position_ids[..., None]  # [b, s, ctx]
 
-        if self.tied:  # [H, V] gathered along V -> [H, b·s] -> [b, s, H]
-            x = self.head_t.index_select(1, input_ids.reshape(-1)).t().reshape(*input_ids.shape, -1)
-        else:
-            x = F.embedding(input_ids, self.embed)  # [b, s, H]
+        x = embed_rows(input_ids, self.head_t, self.embed)  # [b, s, H]
         last = len(self.layers) - 1
         taps, retained = {}, []
         for i, layer in enumerate(self.layers):
