@@ -67,7 +67,8 @@ class DraftAttention(nn.Module):
         v = torch.cat([ctx_v, blk_v], dim=2)
         rep = self.n_heads // self.n_kv
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scores = (q @ k.transpose(-1, -2)) * self.hd**-0.5  # [b, heads, B, n + B]
+        # q is scaled before the product (fp16: the unscaled products are hd**0.5 times larger)
+        scores = (q * self.hd**-0.5) @ k.transpose(-1, -2)  # [b, heads, B, n + B]
         if ctx_mask is not None:
             scores = scores + F.pad(ctx_mask, (0, B))  # block keys always visible
         out = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v  # [b, heads, B, hd]

@@ -15,13 +15,17 @@ for the card's fp16 arithmetic: see docs/DESIGN.md, fp16.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-# Score of a masked key slot: large enough to vanish in softmax, finite in fp16 (max 65504), so a
-# row that sees nothing (padding, position -1) gets a uniform, finite average instead of NaN.
-MASK_VALUE = -1.0e4
+# Score of a masked key slot: far enough below any real score that exp() of the difference is 0
+# (in fp16 already at -17), finite and well inside fp16's range (max 65504, and below the fp16
+# check's flag at 65504 / 16), so a row that sees nothing (padding, position -1) gets a uniform,
+# finite average instead of NaN. In fp32 the weights are the same as with any larger value.
+MASK_VALUE = -2048.0
 
 
 def frozen(t: torch.Tensor) -> nn.Parameter:
@@ -40,8 +44,19 @@ def frozen_linear(hf: nn.Linear) -> nn.Linear:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last axis. A trainable weight of ones, or a frozen given `weight`.
-    Inputs below fp32 (training in bf16) are normalised in fp32 and cast back."""
+    """weight * x / sqrt(mean(x^2) + eps) over the last axis, safe in fp16 arithmetic.
+
+    fp16 squares overflow above |x| ≈ 256, and residual streams carry massive activations of
+    thousands; an overflowed mean gives rsqrt(inf) = 0 and silently zeroes the row. RMSNorm is
+    scale-invariant, so each row is first divided by s = max(max|x|, sqrt(eps)):
+
+        x / sqrt(mean(x^2) + eps) = (x/s) / sqrt(mean((x/s)^2) + (sqrt(eps)/s)^2)
+
+    exactly, with every intermediate in [0, 2] (|x/s| <= 1, sqrt(eps)/s <= 1), and eps keeping
+    its meaning: a tiny row (max|x| below sqrt(eps)) is divided by sqrt(eps) and gets the usual
+    x / sqrt(mean(x^2) + eps). A trainable weight of ones, or a frozen given `weight`. Inputs below
+    fp32 (training in bf16) are normalised in fp32 and cast back.
+    """
 
     def __init__(self, dim: int, eps: float, weight: torch.Tensor | None = None):
         super().__init__()
@@ -52,11 +67,18 @@ class RMSNorm(nn.Module):
     def from_hf(cls, hf: nn.Module) -> RMSNorm:
         return cls(hf.weight.shape[-1], hf.variance_epsilon, hf.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, eps_root: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., n] -> [..., n]. eps_root [..., 1]: sqrt of the eps to use per row (default
+        sqrt(self.eps)); a caller that divided a row by f passes sqrt(eps) / f, and gets the
+        norm of the undivided row."""
         dtype = x.dtype
         if dtype != torch.float32:  # a Python branch: an fp32 graph gets no Cast nodes
             x = x.float()
-        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        root = math.sqrt(self.eps) if eps_root is None else eps_root
+        peak = x.abs().amax(-1, keepdim=True)  # [..., 1]
+        s = peak.clamp(min=root) if eps_root is None else torch.maximum(peak, root)
+        xs, r = x / s, root / s  # |xs| <= 1, 0 < r <= 1
+        y = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + r * r)
         return self.weight * (y if dtype == torch.float32 else y.to(dtype))
 
 
