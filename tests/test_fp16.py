@@ -11,6 +11,7 @@ old, unscaled RMSNorm fails the same check (so the check can fail).
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import numpy as np
@@ -47,13 +48,13 @@ LIMIT = fp16_check.FP16_MAX / fp16_check.MARGIN  # 4094
 
 
 @torch.no_grad()
-def plant_massive(embed: torch.Tensor, mlp, value: float, measure, neuron: int = 0) -> float:
+def plant_massive(embed, mlp, value: float, measure, triggers=TRIGGERS, neuron=0) -> float:
     """Trigger tokens get 4.0 in channel CH of their embedding row (every other token 0: the
     trigger dominates its row's RMS, so the neuron's output hardly depends on the context); one
     neuron of `mlp` reads it and writes into CH, scaled so that `measure()` (the largest |CH| of
     the residual after that layer) reaches about `value`. Returns what it reaches."""
     embed[:, CH] = 0.0
-    embed[TRIGGERS, CH] = 4.0
+    embed[triggers, CH] = 4.0
     for lin in (mlp.gate_proj, mlp.up_proj):
         lin.weight[neuron] = 0.0
         lin.weight[neuron, CH] = 2.0  # the neuron itself stays small (~600)
@@ -97,6 +98,15 @@ def massive_target(family: str, n_layers: int, value: float, seqs=SEQS):
     with torch.no_grad():  # as in real checkpoints, the final norm damps the massive channel
         model.model.norm.weight[CH] = 0.05
     return model
+
+
+def residual_max(report: fp16_check.Fp16Report) -> float:
+    """Largest value the residual stream reached (the decoder layers' residual Adds)."""
+    adds = [
+        v for v, op in report.op_of.items() if re.match(r"Add /layers\.\d+/Add(_1)? ", op + " ")
+    ]
+    assert adds
+    return max(report.max_abs[v] for v in adds)
 
 
 def faithful_program(path, io, batch=1) -> fp16_check.FaithfulProgram:
@@ -175,7 +185,7 @@ def test_target_fp16_faithful_gives_fp32_tokens(tmp_path, family, value):
         np.testing.assert_allclose(got[contract.HIDDEN_STATES], hidden, atol=0.05, rtol=0.02)
     report = prog.report
     assert report.runs == 8 and report.flagged == [], report.summary()
-    assert 0.9 * value < max(report.max_abs.values()) < LIMIT, report.summary()
+    assert 0.9 * value < residual_max(report) < LIMIT, report.summary()
 
 
 def _plain_rms_forward(self, x, eps_root=None):
@@ -266,11 +276,13 @@ def massive_pair(tiny_pair, tmp_path, family: str, prompts, value: float):
     def measure_target():
         return residual_peak(model, prompts)
 
+    # the draft's MASK token triggers too, so every draft block carries the massive channel
+    triggers = TRIGGERS + [pair.draft.mask_token_id]
     embed = model.model.embed_tokens.weight
-    assert plant_massive(embed, model.model.layers[0].mlp, value, measure_target) > 0.9 * value
+    mlp = model.model.layers[0].mlp
+    assert plant_massive(embed, mlp, value, measure_target, triggers) > 0.9 * value
     with torch.no_grad():
         model.model.norm.weight[CH] = 0.05
-    model.save_pretrained(t2)
 
     from dflash_qaic.modeling.draft import DFlashDraft
 
@@ -286,8 +298,9 @@ def massive_pair(tiny_pair, tmp_path, family: str, prompts, value: float):
         return float(seen["h"][0, :, CH].abs().max())
 
     with torch.no_grad():
-        reached = plant_massive(embed, draft.layers[0].mlp, 0.7 * value, measure_draft)
+        reached = plant_massive(embed, draft.layers[0].mlp, 0.7 * value, measure_draft, triggers)
     assert reached > 0.6 * value
+    model.save_pretrained(t2)  # the draft reads the target's embedding from here
     state = {k: v.contiguous() for k, v in draft.state_dict().items()}
     save_file(state, str(d2 / "model.safetensors"), metadata={"format": "pt"})
     return t2, d2, model
@@ -327,4 +340,4 @@ def test_greedy_loop_under_fp16_faithful_programs(tiny_pair, tmp_path, family):
     for name, prog in programs.items():
         report = prog.report
         assert report.flagged == [], (name, report.summary())
-        assert 2000 < max(report.max_abs.values()) < LIMIT, (name, report.summary())
+        assert 0.5 * 0.7 * 3500 < residual_max(report) < LIMIT, (name, report.summary())

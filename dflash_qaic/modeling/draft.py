@@ -71,7 +71,11 @@ class DraftAttention(nn.Module):
         scores = (q * self.hd**-0.5) @ k.transpose(-1, -2)  # [b, heads, B, n + B]
         if ctx_mask is not None:
             scores = scores + F.pad(ctx_mask, (0, B))  # block keys always visible
-        out = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v  # [b, heads, B, hd]
+        if scores.dtype == torch.float32:  # a Python branch: an fp32 graph gets no Casts
+            probs = scores.softmax(dim=-1)
+        else:  # training below fp32: the softmax in fp32
+            probs = scores.float().softmax(dim=-1).to(scores.dtype)
+        out = probs @ v  # [b, heads, B, hd]
         return self.o_proj(out.transpose(1, 2).reshape(b, B, -1))
 
 
