@@ -12,7 +12,9 @@ an inf/NaN is an error.
 
 What it cannot see: partial sums inside one op (MatMul, ReduceSum, Softmax's sum), whose
 accumulation width is the kernel's choice; the exported layers keep those bounded by
-construction (docs/DESIGN.md, fp16). numpy's mean of fp16 values accumulates in fp32.
+construction (docs/DESIGN.md, fp16). MatMul accumulates in fp32 and rounds its output to fp16
+(numpy's own fp16 matmul is a scalar loop, far too slow); numpy's mean of fp16 values
+accumulates in fp32.
 
 The evaluator is pure numpy (fp16 has no BLAS), so it is for small graphs: `check_graph` runs it
 below `FAITHFUL_MAX_BYTES` of weights and says so in its report when it skips it.
@@ -179,6 +181,22 @@ def _gather_elements_op():
     return GatherElements
 
 
+def _matmul_op():
+    """MatMul with fp32 accumulation and the output rounded to fp16. numpy has no fp16 BLAS (its
+    fp16 matmul is a scalar loop, ~1000x slower); matrix units accumulate fp16 products in wider
+    registers anyway. An output beyond fp16's range still comes out inf."""
+    from onnx.reference.op_run import OpRun
+
+    class MatMul(OpRun):
+        def _run(self, a, b):
+            if a.dtype == np.float16 and b.dtype == np.float16:
+                out = np.matmul(a.astype(np.float32), b.astype(np.float32))
+                return (out.astype(np.float16),)
+            return (np.matmul(a, b),)
+
+    return MatMul
+
+
 class FaithfulSession:
     """ReferenceEvaluator over the fp16 form of `model` (loaded with its external data)."""
 
@@ -186,7 +204,7 @@ class FaithfulSession:
         from onnx.reference import ReferenceEvaluator
 
         fp16 = convert_to_fp16(model)
-        self.evaluator = ReferenceEvaluator(fp16, new_ops=[_gather_elements_op()])
+        self.evaluator = ReferenceEvaluator(fp16, new_ops=[_gather_elements_op(), _matmul_op()])
         self.output_names = [o.name for o in fp16.graph.output]
         self.report = Fp16Report(name)
         for node in fp16.graph.node:
