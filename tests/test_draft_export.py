@@ -173,6 +173,11 @@ def test_draft_traffic_is_tokens_only(tiny_pair, tmp_path):
     ]
     assert "Softmax" in facts["check"]["ops"] and "ArgMax" in facts["check"]["ops"]
     assert facts["check"]["fp16_runs"] == 2 and np.isfinite(facts["check"]["fp16_max_abs"])
+    faithful = facts["check"]["fp16_faithful"]  # every op in fp16, as on the card
+    assert faithful["ran"] and faithful["flagged"] == [] and faithful["max_abs"] < 65504 / 16
+    assert (
+        facts["check"].get("ops", {}).get("Cast", 0) <= 2 * pair.draft.num_layers
+    )  # no fp32 casts
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -243,6 +243,12 @@ def test_export_facts_and_graph(exported):
     assert check["ops"]["CtxScatter"] == 2 * io.n_layers
     assert check["unresolved_intermediates"] == [0, 0, 0]
     assert check["fp16_runs"] == 3 and 0 < check["fp16_max_abs"] < 6e4
+    # the fp16-faithful evaluation ran (a tiny graph) and nothing came near fp16's maximum
+    faithful = check["fp16_faithful"]
+    assert faithful["ran"] and faithful["runs"] == 3 and faithful["flagged"] == []
+    assert 0 < faithful["max_abs"] < 65504 / 16
+    assert list(check["nodes_per_layer"]) == [str(i) for i in range(io.n_layers)] + ["other"]
+    assert "Cast" not in {op for op in check["ops"] if check["ops"][op] > 3}  # no per-layer Casts
     model = onnx.load(str(e["path"]))
     assert {(f.domain, f.name) for f in model.functions} == {("com.qualcomm.cloud", "CtxScatter")}
     assert model.ir_version <= 10

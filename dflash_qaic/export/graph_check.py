@@ -7,23 +7,36 @@
   3. graph inputs/outputs have exactly the names, dtypes and dims of the contract specs, so
      binding a specialization's symbols leaves no dynamic dimension; onnx shape inference from
      the bound inputs must then derive every output's shape, fully static and equal to the spec;
-  4. fp16 safety: the graph converted to fp16 (what `-convert-to-fp16` does on the device) runs
-     in ONNX Runtime on the given inputs with no inf/NaN in any float output.
+  4. fp16 safety (docs/DESIGN.md, fp16), on the given inputs: the fp16-faithful evaluation of
+     `fp16_check` (every op computes and rounds in fp16, as `-convert-to-fp16` on the card)
+     must give no inf/NaN in any output or intermediate, and reports the largest intermediate
+     against 65504 (flagging any within a factor 16). Above `faithful_max_bytes` of weights it
+     is skipped (the report says so and why) and ONNX Runtime's fp16 run checks the outputs
+     only (it widens Pow/ReduceMean to fp32, so it cannot see overflow inside the graph).
+It also reports the nodes per decoder layer.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper
 
 from dflash_qaic.contract import TensorSpec
+from dflash_qaic.export.fp16_check import (
+    FAITHFUL_MAX_BYTES,
+    FaithfulSession,
+    convert_to_fp16,
+    fp16_feed,
+)
 from dflash_qaic.export.onnx_export import initializer_bytes
 from dflash_qaic.modeling.ops import QAIC_DOMAIN
 
@@ -31,6 +44,16 @@ CUSTOM_FUNCTIONS = frozenset({(QAIC_DOMAIN, "CtxScatter"), (QAIC_DOMAIN, "CtxGat
 STANDARD_DOMAINS = ("", "ai.onnx")
 # Beyond this size an in-memory ModelProto cannot be serialized (protobuf's 2 GB cap).
 _INLINE_LIMIT = int(1.5 * 1024**3)
+_LAYER_SCOPE = re.compile(r"^/layers\.(\d+)/")
+log = logging.getLogger(__name__)
+__all__ = [
+    "GraphCheckError",
+    "check_graph",
+    "convert_to_fp16",
+    "fp16_feed",
+    "fp16_session",
+    "nodes_per_layer",
+]
 
 
 class GraphCheckError(Exception):
@@ -42,6 +65,8 @@ def check_graph(
     io_specs,
     symbols_list: list[dict],
     fp16_inputs: list[dict] | None = None,
+    *,
+    faithful_max_bytes: int = FAITHFUL_MAX_BYTES,
 ) -> dict:
     """Check the ONNX file at `path`; raise GraphCheckError on the first violated rule.
 
@@ -50,9 +75,12 @@ def check_graph(
     symbols_list: the specializations' symbol bindings, e.g. [{"batch_size": 1, "seq_len": 16,
         "ctx_len": 256}, ...] (a specialization dict with a "symbols" key is accepted too).
     fp16_inputs: feeds (name -> numpy array, fp32 for float inputs) to run the fp16 graph on.
+    faithful_max_bytes: run the fp16-faithful evaluation up to this many bytes of weights.
 
-    Returns {"ops": {op_type: count}, "n_nodes", "unresolved_intermediates", "fp16_max_abs":
-    largest |value| in the fp16 float outputs (None without fp16_inputs), "fp16_runs"}.
+    Returns {"ops": {op_type: count}, "n_nodes", "nodes_per_layer": {"0": n, …, "other": n},
+    "unresolved_intermediates", "fp16_max_abs": largest |value| in the fp16 float outputs (None
+    without fp16_inputs), "fp16_runs", "fp16_faithful": the Fp16Report as JSON ({"ran": True,
+    "max_abs", "where", "largest", "flagged", …}) or {"ran": False, "skipped": why}}.
     """
     path = Path(path)
     inputs, outputs = _split_specs(io_specs)
@@ -71,17 +99,30 @@ def check_graph(
     report = {
         "ops": dict(sorted(ops.items())),
         "n_nodes": len(model.graph.node),
+        "nodes_per_layer": nodes_per_layer(model),
         # intermediate values whose shape onnx inference leaves unresolved (informational; the
         # compiler folds shapes itself), per specialization
         "unresolved_intermediates": unresolved,
         "fp16_max_abs": None,
         "fp16_runs": 0,
+        "fp16_faithful": {"ran": False, "skipped": "no fp16 check inputs (fp16_check off)"},
     }
-    if fp16_inputs:
-        del model
-        full = onnx.load(str(path))  # with external data
-        report["fp16_max_abs"] = _check_fp16(full, fp16_inputs, path.name)
-        report["fp16_runs"] = len(fp16_inputs)
+    if not fp16_inputs:
+        return report
+    size = initializer_bytes(model)
+    del model
+    full = onnx.load(str(path))  # with external data
+    if size <= faithful_max_bytes:
+        report["fp16_max_abs"], faithful = _check_fp16_faithful(full, fp16_inputs, path.name)
+        report["fp16_faithful"] = faithful.to_json()
+    else:
+        report["fp16_faithful"]["skipped"] = (
+            f"{size / 2**20:.0f} MiB of weights is above the faithful check's limit of "
+            f"{faithful_max_bytes / 2**20:.0f} MiB (numpy fp16 has no BLAS); only ONNX "
+            "Runtime's fp16 run checked the outputs, which cannot see overflow inside the graph"
+        )
+        report["fp16_max_abs"] = _check_fp16_ort(full, fp16_inputs, path.name)
+    report["fp16_runs"] = len(fp16_inputs)
     return report
 
 
@@ -218,59 +259,22 @@ def _check_bound_shapes(model, inputs, outputs, symbols: Mapping[str, int], name
 # ---------------------------------------------------------------- fp16
 
 
-def _fp16_tensor(t: TensorProto) -> TensorProto:
-    arr = numpy_helper.to_array(t).astype(np.float16)
-    return numpy_helper.from_array(arr, t.name)
-
-
-def _convert_nodes(nodes) -> None:
-    for node in nodes:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == TensorProto.FLOAT:
-                attr.t.CopyFrom(_fp16_tensor(attr.t))
-            elif attr.name in ("to", "dtype") and attr.type == onnx.AttributeProto.INT:
-                if attr.i == TensorProto.FLOAT:
-                    attr.i = TensorProto.FLOAT16
-            elif attr.type == onnx.AttributeProto.GRAPH:
-                _convert_graph(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for g in attr.graphs:
-                    _convert_graph(g)
-            elif node.op_type == "Constant" and attr.name in ("value_float", "value_floats"):
-                val = attr.f if attr.name == "value_float" else list(attr.floats)
-                value = numpy_helper.from_array(np.array(val, np.float16))
-                attr.CopyFrom(helper.make_attribute("value", value))
-
-
-def _convert_graph(graph: onnx.GraphProto) -> None:
-    for i, t in enumerate(graph.initializer):
-        if t.data_type == TensorProto.FLOAT:
-            graph.initializer[i].CopyFrom(_fp16_tensor(t))
-    for vi in list(graph.input) + list(graph.output):
-        if vi.type.tensor_type.elem_type == TensorProto.FLOAT:
-            vi.type.tensor_type.elem_type = TensorProto.FLOAT16
-    del graph.value_info[:]
-    _convert_nodes(graph.node)
-
-
-def convert_to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of `model` computing in fp16, like the compiler's `-convert-to-fp16`.
-
-    Float initializers, Constant tensors, float graph inputs/outputs and Cast-to-float become
-    float16; integer tensors are untouched. The model must be loaded with its external data.
-    """
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    _convert_graph(m.graph)
-    for f in m.functions:
-        del f.value_info[:]
-        _convert_nodes(f.node)
-    return m
+def nodes_per_layer(model: onnx.ModelProto) -> dict[str, int]:
+    """Top-level nodes by decoder layer ("0", "1", …, from the exporter's "/layers.N/" scopes),
+    and "other" for the rest (embedding, masks, RoPE rows, head, sampler, fused feature)."""
+    counts: collections.Counter = collections.Counter()
+    for node in model.graph.node:
+        m = _LAYER_SCOPE.match(node.name)
+        counts[m.group(1) if m else "other"] += 1
+    layers = sorted((k for k in counts if k != "other"), key=int)
+    return {**{k: counts[k] for k in layers}, "other": counts["other"]}
 
 
 def fp16_session(model: onnx.ModelProto, workdir: str | os.PathLike | None = None):
     """An onnxruntime CPU session of the fp16 conversion of `model`.
 
+    Note: ONNX Runtime's CPU provider widens several fp16 ops (Pow, ReduceMean, …) to fp32 and
+    fuses RMSNorm, so this session does not show fp16 overflow; `fp16_check` does.
     Models over ~1.5 GB are written with external data to `workdir` (a temp dir if None; it
     must outlive the session creation only).
     """
@@ -289,15 +293,23 @@ def fp16_session(model: onnx.ModelProto, workdir: str | os.PathLike | None = Non
         return ort.InferenceSession(p, opts, providers=["CPUExecutionProvider"])
 
 
-def fp16_feed(feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Cast the float32 arrays of a feed to float16."""
-    return {
-        k: (np.asarray(v).astype(np.float16) if np.asarray(v).dtype == np.float32 else v)
-        for k, v in feed.items()
-    }
+def _outputs_finite(results: Mapping[str, np.ndarray], run: int, name: str) -> float:
+    """Largest |value| of the float outputs; GraphCheckError on an inf/NaN."""
+    max_abs = 0.0
+    for out_name, r in results.items():
+        if not np.issubdtype(r.dtype, np.floating):
+            continue
+        if not np.isfinite(r).all():
+            raise GraphCheckError(
+                f"{name}: fp16 run {run} gives inf/NaN in {out_name} "
+                f"({int((~np.isfinite(r)).sum())} of {r.size} values)"
+            )
+        if r.size:
+            max_abs = max(max_abs, float(np.abs(r).max()))
+    return max_abs
 
 
-def _check_fp16(model: onnx.ModelProto, feeds: list[dict], name: str) -> float:
+def _check_fp16_ort(model: onnx.ModelProto, feeds: list[dict], name: str) -> float:
     try:
         sess = fp16_session(model)
     except Exception as e:
@@ -305,15 +317,25 @@ def _check_fp16(model: onnx.ModelProto, feeds: list[dict], name: str) -> float:
     out_names = [o.name for o in sess.get_outputs()]
     max_abs = 0.0
     for i, feed in enumerate(feeds):
-        results = sess.run(None, fp16_feed(feed))
-        for out_name, r in zip(out_names, results):
-            if not np.issubdtype(r.dtype, np.floating):
-                continue
-            if not np.isfinite(r).all():
-                raise GraphCheckError(
-                    f"{name}: fp16 run {i} gives inf/NaN in {out_name} "
-                    f"({int((~np.isfinite(r)).sum())} of {r.size} values)"
-                )
-            if r.size:
-                max_abs = max(max_abs, float(np.abs(r).max()))
+        results = dict(zip(out_names, sess.run(None, fp16_feed(feed))))
+        max_abs = max(max_abs, _outputs_finite(results, i, name))
     return max_abs
+
+
+def _check_fp16_faithful(model: onnx.ModelProto, feeds: list[dict], name: str):
+    """(largest |output|, Fp16Report) of the fp16-faithful evaluation; GraphCheckError on an
+    inf/NaN in any float output or intermediate (an overflow, whatever became of it later)."""
+    sess = FaithfulSession(model, name)
+    max_abs = 0.0
+    for i, feed in enumerate(feeds):
+        max_abs = max(max_abs, _outputs_finite(sess.run(feed), i, name))
+    bad = sess.report.nonfinite
+    if bad:
+        first = ", ".join(f"{v} ({sess.report.op_of[v]})" for v in bad[:3])
+        raise GraphCheckError(
+            f"{name}: fp16 overflow: {len(bad)} intermediate values are inf/NaN under fp16 "
+            f"arithmetic, e.g. {first} (see docs/DESIGN.md, fp16)"
+        )
+    if sess.report.flagged:
+        log.warning("%s", sess.report.summary())
+    return max_abs, sess.report

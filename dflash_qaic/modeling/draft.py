@@ -1,4 +1,5 @@
-"""The DFlash draft in plain PyTorch (REFERENCE.md §2), loading the published checkpoint format.
+"""The DFlash draft in plain PyTorch (docs/DESIGN.md, Algorithm), loading the published
+checkpoint format.
 
     ctx   = hidden_norm(fc(concat(target features)))         # [b, n, H]  (done by the target program)
     h     = embed([anchor, MASK, …, MASK]) · input_scale     # [b, B, H]
@@ -21,61 +22,19 @@ from torch import nn
 from torch.nn import functional as F
 
 from dflash_qaic.checkpoints import DraftConfig
+from dflash_qaic.modeling.layers import (
+    MASK_VALUE,
+    MLP,
+    RMSNorm,
+    Rope,
+    RopeTable,
+    apply_rope,
+    embed_rows,
+    vocab_tables,
+)
+from dflash_qaic.modeling.ops import cache_slots, ctx_scatter
 
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, heads, n, hd]; cos/sin [b, n, hd]."""
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
-
-
-class Rope(nn.Module):
-    """cos/sin at given positions. inv_freq and scaling come from transformers' own rope
-    initialisation for this config, so every rope type a checkpoint names (llama3, yarn, …)
-    is honoured exactly as Hugging Face and the reference draft honour it."""
-
-    def __init__(self, raw_config: dict):
-        super().__init__()
-        from transformers import Qwen3Config
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
-
-        hf = Qwen3RotaryEmbedding(Qwen3Config(**raw_config))
-        self.register_buffer("inv_freq", hf.inv_freq.float().clone(), persistent=False)
-        self.scaling = float(hf.attention_scaling)
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [b, n] -> cos, sin [b, n, hd]
-        freqs = positions.float()[..., None] * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.scaling, emb.sin() * self.scaling
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+__all__ = ["DFlashDraft", "DraftAttention", "DraftLayer", "ExportDraft", "apply_rope"]
 
 
 class DraftAttention(nn.Module):
@@ -95,23 +54,28 @@ class DraftAttention(nn.Module):
         b, n, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(b, n, self.n_kv, self.hd)).transpose(1, 2)
         v = self.v_proj(x).view(b, n, self.n_kv, self.hd).transpose(1, 2)
-        return apply_rope(k, cos, sin), v
+        return apply_rope(k, cos, sin, self.hd), v
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_mask=None):
         """x [b, B, H] (normed block); ctx_k/ctx_v [b, n_kv, n, hd] already roped;
         ctx_mask: optional additive [b, 1, 1, n] (0 visible, large negative hidden)."""
         b, B, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, B, self.n_heads, self.hd)).transpose(1, 2)
-        q = apply_rope(q, cos, sin)  # [b, heads, B, hd]
+        q = apply_rope(q, cos, sin, self.hd)  # [b, heads, B, hd]
         blk_k, blk_v = self.kv(x, cos, sin)  # the block's own K/V: used here, never cached
         k = torch.cat([ctx_k, blk_k], dim=2)  # [b, n_kv, n + B, hd]
         v = torch.cat([ctx_v, blk_v], dim=2)
         rep = self.n_heads // self.n_kv
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scores = (q @ k.transpose(-1, -2)) * self.hd**-0.5  # [b, heads, B, n + B]
+        # q is scaled before the product (fp16: the unscaled products are hd**0.5 times larger)
+        scores = (q * self.hd**-0.5) @ k.transpose(-1, -2)  # [b, heads, B, n + B]
         if ctx_mask is not None:
             scores = scores + F.pad(ctx_mask, (0, B))  # block keys always visible
-        out = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v  # [b, heads, B, hd]
+        if scores.dtype == torch.float32:  # a Python branch: an fp32 graph gets no Casts
+            probs = scores.softmax(dim=-1)
+        else:  # training below fp32: the softmax in fp32
+            probs = scores.float().softmax(dim=-1).to(scores.dtype)
+        out = probs @ v  # [b, heads, B, hd]
         return self.o_proj(out.transpose(1, 2).reshape(b, B, -1))
 
 
@@ -140,7 +104,7 @@ class DFlashDraft(nn.Module):
         self.hidden_norm = RMSNorm(H, c.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(H, c.rms_norm_eps)
-        self.rope = Rope(c.raw)
+        self.rope = Rope.from_config(c.raw)
 
     @classmethod
     def from_checkpoint(cls, c: DraftConfig, state: dict[str, torch.Tensor]) -> DFlashDraft:
@@ -181,25 +145,6 @@ class DFlashDraft(nn.Module):
         return self.logits(h[:, 1:], head_w).argmax(-1)
 
 
-class RopeTable(nn.Module):
-    """cos/sin for positions 0 … ctx_len−1 as constants, gathered by position. Computing
-    cos(position · inv_freq) in the graph would break under fp16 (positions in the thousands
-    lose all angle precision); a table is exact in any precision."""
-
-    def __init__(self, rope: Rope, ctx_len: int):
-        super().__init__()
-        cos, sin = rope(torch.arange(ctx_len)[None])
-        self.register_buffer("cos", cos[0], persistent=False)  # [ctx_len, hd]
-        self.register_buffer("sin", sin[0], persistent=False)
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        p = positions.clamp(min=0)  # padding rows (−1) read row 0; their output is never used
-        return self.cos[p], self.sin[p]
-
-
-MASKED = -10000.0  # finite in fp16; exp() of it is 0 next to any real score
-
-
 class ExportDraft(nn.Module):
     """The draft program: KV injection into a static cache, block forward, proposals.
 
@@ -222,19 +167,13 @@ class ExportDraft(nn.Module):
         super().__init__()
         self.c = draft.config
         self.layers, self.norm = draft.layers, draft.norm
-        self.rope = RopeTable(draft.rope, ctx_len)
-        # The head is stored transposed, [H, V], so the graph multiplies by it directly. A tied
-        # head also serves as the embedding (a Gather along V), so the V×H table is stored once
-        # (a plain F.linear would leave a transposed copy next to the embedding).
-        self.tied = head_weight.data_ptr() == embed_weight.data_ptr()
-        self.head_t = nn.Parameter(head_weight.detach().float().t().contiguous(), False)
-        self.embed = None if self.tied else nn.Parameter(embed_weight.detach().float(), False)
+        self.rope = RopeTable.from_rope(draft.rope, ctx_len)
+        # head_t [H, V]; a tied head is also the embedding table (embed is then None)
+        self.tied, self.head_t, self.embed = vocab_tables(embed_weight, head_weight)
         self.ctx_len = ctx_len
         self.emit_logits = emit_logits
 
     def forward(self, target_hidden, position_ids_target, input_ids, position_ids, *past):
-        from dflash_qaic.modeling.ops import cache_slots, ctx_scatter
-
         slots = cache_slots(position_ids_target, self.ctx_len)  # [b, s]
         ccos, csin = self.rope(position_ids_target)  # [b, s, hd]
         cos, sin = self.rope(position_ids)  # [b, B, hd]
@@ -242,13 +181,9 @@ class ExportDraft(nn.Module):
         # (ctx_len − 1) and every stale slot at or past the block after a rollback.
         start = position_ids[:, :1]  # [b, 1]
         kv_index = torch.arange(self.ctx_len, device=start.device)[None, :]  # [1, ctx]
-        ctx_mask = torch.where(kv_index < start, 0.0, MASKED)[:, None, None, :]  # [b,1,1,ctx]
+        ctx_mask = torch.where(kv_index < start, 0.0, MASK_VALUE)[:, None, None, :]  # [b,1,1,ctx]
 
-        if self.tied:  # [H, V] gathered along V -> [H, b·B] -> [b, B, H]
-            rows = self.head_t.index_select(1, input_ids.reshape(-1)).t()
-            h = rows.reshape(*input_ids.shape, -1)
-        else:
-            h = F.embedding(input_ids, self.embed)
+        h = embed_rows(input_ids, self.head_t, self.embed)
         h = h * self.c.input_embedding_scale  # [b, B, H]
         retained = []
         for i, layer in enumerate(self.layers):

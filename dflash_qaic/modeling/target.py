@@ -27,91 +27,43 @@ output of decoder layer j, except the last layer, whose entry is taken after the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from dflash_qaic.checkpoints import fp16_fc_scale
 from dflash_qaic.contract import SAMPLING_INPUTS
+from dflash_qaic.modeling.layers import (
+    MASK_VALUE,
+    MLP,
+    RMSNorm,
+    Rope,
+    RopeTable,
+    apply_rope,
+    embed_rows,
+    frozen,
+    frozen_linear,
+    vocab_tables,
+)
 from dflash_qaic.modeling.ops import cache_slots, ctx_scatter
 from dflash_qaic.modeling.sampler import SAMPLING_CANDIDATES, sample_next_tokens
 
-# Score of a masked key slot: large enough to vanish in softmax, finite in fp16 (max 65504), so a
-# row that sees nothing (padding, position -1) gets a uniform, finite average instead of NaN.
-MASK_VALUE = -1.0e4
-
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
-
-
-def _param(t: torch.Tensor) -> nn.Parameter:
-    # .float() does not copy an fp32 tensor, so an fp32 HF model's weights are shared, not doubled.
-    return nn.Parameter(t.detach().float(), requires_grad=False)
-
-
-def _linear(hf: nn.Linear) -> nn.Linear:
-    lin = nn.Linear(hf.in_features, hf.out_features, bias=hf.bias is not None, device="meta")
-    lin.weight = _param(hf.weight)
-    if hf.bias is not None:
-        lin.bias = _param(hf.bias)
-    return lin
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm. Weights and activations are fp32 throughout this module, so it runs in fp32
-    without explicit casts (which would only add Cast nodes to the graph)."""
-
-    def __init__(self, weight: torch.Tensor, eps: float):
-        super().__init__()
-        self.weight = _param(weight)
-        self.eps = float(eps)
-
-    @classmethod
-    def from_hf(cls, hf: nn.Module) -> RMSNorm:
-        return cls(hf.weight, hf.variance_epsilon)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int):
-    """x [b, heads, s, hd]; cos/sin [b, s, hd]. HF's rotate_half, with a static split point
-    (a Python int, so the exported Slices are constant, not computed from Shape)."""
-    half = head_dim // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
-
-
-def rope_tables(inv_freq: torch.Tensor, scaling: float, n_positions: int):
-    """cos/sin [n_positions, hd] exactly as HF's rotary embedding computes them (fp32)."""
-    pos = torch.arange(n_positions, dtype=torch.float32)
-    freqs = pos[:, None] * inv_freq.float()[None, :]  # [n, hd/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [n, hd]
-    return emb.cos() * scaling, emb.sin() * scaling
 
 
 def fp16_safe_fc_weight(fc_weight: torch.Tensor) -> tuple[torch.Tensor, float]:
     """fc.weight / s with s = max(sqrt(in_features) * max_row_norm / 128, 1) (QEfficient #995).
 
-    Keeps fc's output inside fp16 range. The RMSNorm that follows is scale-invariant up to eps:
-    hidden_norm(y / s) = w * y / sqrt(mean(y^2) + eps * s^2), i.e. the effective eps grows by s^2.
-    That is negligible while mean(y^2) >> eps * s^2 (it is for real features); eps is kept as is.
+    With inputs of |x| <= 1 (the taps are divided by their row's max |x| first, see
+    `ExportTarget.fuse`), |fc(x)_i| <= |w_i| |x| / s <= 128 |x| / sqrt(in) <= 128: fc's output
+    stays far inside fp16's range whatever the weights. hidden_norm is given the matching eps
+    (sqrt(eps) / s), so the fused feature is exactly hidden_norm(fc(taps)).
     """
     s = fp16_fc_scale(fc_weight)
     w = fc_weight.detach().float()
     return (w / s if s > 1.0 else w), s
-
-
-class MLP(nn.Module):
-    def __init__(self, hf: nn.Module):
-        super().__init__()
-        self.gate_proj = _linear(hf.gate_proj)
-        self.up_proj = _linear(hf.up_proj)
-        self.down_proj = _linear(hf.down_proj)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Attention(nn.Module):
@@ -119,10 +71,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, hf.head_dim
         self.scale = hf.scaling
-        self.q_proj = _linear(hf.q_proj)
-        self.k_proj = _linear(hf.k_proj)
-        self.v_proj = _linear(hf.v_proj)
-        self.o_proj = _linear(hf.o_proj)
+        self.q_proj = frozen_linear(hf.q_proj)
+        self.k_proj = frozen_linear(hf.k_proj)
+        self.v_proj = frozen_linear(hf.v_proj)
+        self.o_proj = frozen_linear(hf.o_proj)
         qk_norm = getattr(hf, "q_norm", None) is not None  # Qwen3: per-head RMSNorm before RoPE
         self.q_norm = RMSNorm.from_hf(hf.q_norm) if qk_norm else None
         self.k_norm = RMSNorm.from_hf(hf.k_norm) if qk_norm else None
@@ -161,7 +113,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm.from_hf(hf.input_layernorm)
         self.self_attn = Attention(hf.self_attn, n_heads, n_kv_heads)
         self.post_attention_layernorm = RMSNorm.from_hf(hf.post_attention_layernorm)
-        self.mlp = MLP(hf.mlp)
+        self.mlp = MLP.from_hf(hf.mlp)
 
     def forward(self, x, cos, sin, slots, visible, cache_k, cache_v):
         a, cache_k, cache_v = self.self_attn(
@@ -192,34 +144,29 @@ class ExportTarget(nn.Module):
         emit_logits: bool = False,
         sampling: bool = True,
         sampling_candidates: int = SAMPLING_CANDIDATES,
+        fc_scale: float = 1.0,
     ):
         super().__init__()
-        # The head is stored transposed, [H, V], and multiplied by directly. A tied head also
-        # serves as the embedding (a Gather along V), so the V×H table is stored once; with
-        # F.linear the exporter would fold a transposed copy next to the embedding (≈1.5 GB
-        # more for Qwen3-4B).
         if lm_head.bias is not None:
             raise ValueError("an lm_head with a bias is not supported")
-        self.tied = lm_head.weight.data_ptr() == embed.data_ptr()
         self.vocab_size = lm_head.out_features
-        self.head_t = _param(lm_head.weight.detach().float().t().contiguous())  # [H, V]
-        self.embed = None if self.tied else _param(embed)
+        # head_t [H, V]; a tied head is also the embedding table (embed is then None)
+        self.tied, self.head_t, self.embed = vocab_tables(embed, lm_head.weight)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
-        self.register_buffer("rope_cos", rope_cos, persistent=False)  # [ctx_len, hd]
-        self.register_buffer("rope_sin", rope_sin, persistent=False)
+        self.rope = RopeTable(rope_cos, rope_sin)  # [ctx_len, hd] each
         self.fc = nn.Linear(fc_weight.shape[1], fc_weight.shape[0], bias=False, device="meta")
-        self.fc.weight = _param(fc_weight)
+        self.fc.weight = frozen(fc_weight)
         self.hidden_norm = hidden_norm
         self.target_layer_ids = [int(j) for j in target_layer_ids]
         self.emit_logits = emit_logits
         self.sampling = sampling
         self.sampling_candidates = min(int(sampling_candidates), self.vocab_size)
-        self.fc_scale = 1.0
+        self.fc_scale = float(fc_scale)  # fc_weight is fc.weight divided by this
 
     @property
     def ctx_len(self) -> int:
-        return self.rope_cos.shape[0]
+        return self.rope.cos.shape[0]
 
     @classmethod
     def from_hf(
@@ -241,24 +188,23 @@ class ExportTarget(nn.Module):
             DecoderLayer(layer, cfg.num_attention_heads, cfg.num_key_value_heads)
             for layer in base.layers
         ]
-        rotary = base.rotary_emb  # inv_freq / attention_scaling already hold any rope scaling
-        cos, sin = rope_tables(rotary.inv_freq, float(rotary.attention_scaling), ctx_len)
+        rope = RopeTable.from_rope(Rope.from_hf(base.rotary_emb), ctx_len)
         fc_w, fc_scale = fp16_safe_fc_weight(fc_weight)
         target = cls(
             embed=base.embed_tokens.weight,
             layers=layers,
             norm=RMSNorm.from_hf(base.norm),
             lm_head=hf_model.lm_head,  # tied or not: whatever HF's head holds
-            rope_cos=cos,
-            rope_sin=sin,
+            rope_cos=rope.cos,
+            rope_sin=rope.sin,
             fc_weight=fc_w,
-            hidden_norm=RMSNorm(hidden_norm_weight, hidden_norm_eps),
+            hidden_norm=RMSNorm(hidden_norm_weight.shape[-1], hidden_norm_eps, hidden_norm_weight),
             target_layer_ids=target_layer_ids,
             emit_logits=emit_logits,
             sampling=sampling,
             sampling_candidates=sampling_candidates,
+            fc_scale=fc_scale,
         )
-        target.fc_scale = fc_scale  # fc.weight was divided by this (1.0: unchanged)
         return target
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *rest: torch.Tensor):
@@ -269,17 +215,13 @@ class ExportTarget(nn.Module):
         sampling, past = rest[:n_sampling], rest[n_sampling:]
         ctx_len = self.ctx_len
         slots = cache_slots(position_ids, ctx_len)  # [b, s]; -1 -> padding slot ctx_len - 1
-        rope_pos = position_ids.clamp(min=0)
-        cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]  # [b, s, hd]
+        cos, sin = self.rope(position_ids)  # [b, s, hd]
         # key slot j is visible to a query iff j <= its position: causal within the call, stale
         # slots after a rejection hidden, and a padding row (position -1) sees nothing.
         kv_index = torch.arange(ctx_len, device=position_ids.device)
         visible = kv_index <= position_ids[..., None]  # [b, s, ctx]
 
-        if self.tied:  # [H, V] gathered along V -> [H, b·s] -> [b, s, H]
-            x = self.head_t.index_select(1, input_ids.reshape(-1)).t().reshape(*input_ids.shape, -1)
-        else:
-            x = F.embedding(input_ids, self.embed)  # [b, s, H]
+        x = embed_rows(input_ids, self.head_t, self.embed)  # [b, s, H]
         last = len(self.layers) - 1
         taps, retained = {}, []
         for i, layer in enumerate(self.layers):
@@ -299,10 +241,22 @@ class ExportTarget(nn.Module):
             )
         else:
             next_tokens = logits.argmax(dim=-1)  # [b, s] int64
-        feats = torch.cat([taps[j] for j in self.target_layer_ids], dim=-1)  # [b, s, k*H]
-        hidden = self.hidden_norm(self.fc(feats))  # [b, s, H]
+        hidden = self.fuse(torch.cat([taps[j] for j in self.target_layer_ids], dim=-1))
         extra = (logits,) if self.emit_logits else ()
         return (next_tokens, hidden, *extra, *retained)
+
+    def fuse(self, feats: torch.Tensor) -> torch.Tensor:
+        """hidden_norm(fc(feats)), safe in fp16: feats [b, s, k*H] -> [b, s, H].
+
+        The raw taps carry massive activations (thousands), so each row is divided by
+        m = max(max|x|, 1) before fc; fc.weight is already divided by fc_scale, so |fc(x / m)|
+        <= 128 (see fp16_safe_fc_weight). hidden_norm is scale-invariant given the matching
+        eps, sqrt(eps) / (fc_scale * m), floored at 2^-24 (fp16's smallest value) so it never rounds
+        to 0; the floor changes the result by under 1e-10 relative.
+        """
+        m = feats.abs().amax(-1, keepdim=True).clamp(min=1.0)  # [b, s, 1]
+        eps_root = math.sqrt(self.hidden_norm.eps) / self.fc_scale
+        return self.hidden_norm(self.fc(feats / m), (eps_root / m).clamp(min=2.0**-24))
 
 
 def _check_supported(hf_model: nn.Module, fc_weight: torch.Tensor, target_layer_ids) -> None:
