@@ -314,7 +314,7 @@ def test_greedy_loop_under_fp16_faithful_programs(tiny_pair, tmp_path, family):
     out = tmp_path / "art"
     m = build_artifacts(
         t, d, out, ExportOptions(prefill_seq_len=8, ctx_len=64, compile=False), lambda s: None
-    )
+    ).manifest
     for prog in ("target", "draft"):
         faithful = m[prog]["check"]["fp16_faithful"]
         assert faithful["ran"] and faithful["flagged"] == [], (prog, faithful)
