@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from dflash_qaic.bench import report, stats, summary
+from dflash_qaic.bench import report, stats
 from dflash_qaic.bench.cli import main, parse_temperatures
 from dflash_qaic.bench.run import BenchError, Prompt, sample_seed
 
@@ -138,7 +138,7 @@ def _section(T: float):
             per.append({"baseline": b, "dflash": d})
         runs.append(per)
     prompts = [Prompt("a", [1, 2]), Prompt("b", [3])]
-    return summary.section(T, runs, [], prompts, 8, seed=0)
+    return stats.section(T, runs, [], prompts, 8, seed=0)
 
 
 def _results() -> dict:
@@ -150,12 +150,12 @@ def _results() -> dict:
         "command": "dflash-bench x",
         "started": "now",
         "seconds": 1.0,
-        "artifacts": {"path": "x", "backend": "ort", "block_size": 8, "ctx_len": 1024, "prefill_seq_len": 16, "hidden_size": 64, "vocab_size": 100, "target_layers": 4, "draft_layers": 1},
+        "artifacts": {"path": "x", "backend": "ort", "block_size": 8, "ctx_len": 1024, "prefill_seq_len": 16, "hidden_size": 64, "vocab_size": 100, "target": {"n_layers": 4}, "draft": {"n_layers": 1}},
         "config": {"num_prompts": 2, "repeats": 2, "warmup": 0, "max_new_tokens": 9, "seed": 0, "prompts_source": "test"},
         "machine": {"cpu": "cpu", "cpus": 2, "threads": 2, "llc_bytes": 1 << 20, "load_start": [0.1, 0, 0], "load_end": [0.2, 0, 0], "platform": "p", "versions": {"numpy": "2"}},
         "temperatures": secs,
         "profile": {"ctx_len": 1024, "short_ctx_len": 192, "note": None, "calls": split},
-        "bandwidth": summary.bandwidth(4e9, {"target": 4000, "draft": 2000}, secs[0]["loop"], 1 << 20),
+        "bandwidth": {"copy_Bps": 4e9, "weight_bytes": {"target": 4000, "draft": 2000}, "llc_bytes": 1 << 20},
         "peers": {"skipped": "--no-peers"},
     }  # fmt: skip
 
@@ -254,4 +254,4 @@ def test_export_and_serve_modes_are_delegated(monkeypatch, capsys):
     assert got["argv"] == ["artifacts/x", "--clients", "2"]
     monkeypatch.setitem(sys.modules, "dflash_qaic.bench.export", None)  # absent
     assert main(["--export"]) == 2
-    assert "--export needs dflash_qaic.bench.export" in capsys.readouterr().err
+    assert "--export needs dflash_qaic.bench.export, not installed" in capsys.readouterr().err

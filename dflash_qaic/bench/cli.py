@@ -1,21 +1,18 @@
 """`dflash-bench`: DFlash against target-only decoding on the same programs, and a report.
 
-    dflash-bench artifacts/default                       # writes bench/latest/
-    dflash-bench ARTIFACTS [--prompts FILE] [--num-prompts N] [--max-new-tokens N]
-                 [--backend ort|qaic|auto] [--out DIR] [--repeats R] [--warmup W] [--threads T]
-                 [--temperatures 0,1] [--top-k K] [--top-p P] [--seed S] [--no-peers]
-                 [--no-profile]
+    dflash-bench artifacts/default                # writes bench/latest/{report.md,.png,results.json}
+    dflash-bench artifacts/default --temperatures 0 --no-peers --repeats 1    # a quick look
     dflash-bench --export …  /  dflash-bench --serve …   # the export and server benchmarks
 
-Writes DIR/results.json, DIR/report.md and DIR/report.png and prints the summary screen.
-Exits 1 when DFlash's tokens differ from the target's at T = 0 (the lossless check), 2 on bad
-input.
+Prints the summary screen. Exits 1 when DFlash's tokens differ from the target's at T = 0 (the
+lossless check), 2 on bad input.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import math
 import os
 import shlex
@@ -28,6 +25,22 @@ MODES = {"--export": "dflash_qaic.bench.export", "--serve": "dflash_qaic.bench.s
 PEER_ROUNDS = 2  # the PyTorch peers are slow on a CPU
 
 
+OPTIONS = [  # flag, type, default, help
+    ("--prompts", str, None, '.jsonl with "prompt" or "prompt_ids" per line, or one text prompt '
+     "per line; None: the default pair's held-out prompts, else random ids"),
+    ("--num-prompts", int, 12, "use at most this many prompts"),
+    ("--max-new-tokens", int, 128, "tokens per run"),
+    ("--out", str, "bench/latest", "output directory"),
+    ("--repeats", int, 3, "timed rounds"),
+    ("--warmup", int, 1, "discarded rounds first"),
+    ("--threads", int, None, "ONNX Runtime and PyTorch threads; None: the usable CPUs"),
+    ("--temperatures", str, "0,1", "comma-separated temperatures, 0 = greedy"),
+    ("--top-k", int, 0, "top-k at T > 0 (0: off)"),
+    ("--top-p", float, 1.0, "top-p at T > 0 (1: off)"),
+    ("--seed", int, 0, "base seed of the sampled runs"),
+]  # fmt: skip
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dflash-bench",
@@ -36,24 +49,9 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("artifacts", help="artifacts directory written by dflash-export")
-    p.add_argument(
-        "--prompts",
-        help='.jsonl with "prompt" or "prompt_ids" per line, or a text file with one prompt '
-        "per line (default: the default pair's held-out prompts, else random ids)",
-    )
-    p.add_argument("--num-prompts", type=int, default=12, help="at most this many (default 12)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--backend", default="ort", choices=["ort", "qaic", "auto", "qaic-standin"])
-    p.add_argument("--out", default="bench/latest", help="output directory (default bench/latest)")
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds (default 3)")
-    p.add_argument("--warmup", type=int, default=1, help="discarded rounds first (default 1)")
-    p.add_argument(
-        "--threads", type=int, help="ONNX Runtime and PyTorch threads (default: usable CPUs)"
-    )
-    p.add_argument("--temperatures", default="0,1", help="comma-separated, 0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="at T > 0 (default 0: off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="at T > 0 (default 1: off)")
-    p.add_argument("--seed", type=int, default=0, help="base seed of the sampled runs")
+    for flag, typ, default, text in OPTIONS:
+        p.add_argument(flag, type=typ, default=default, help=f"{text} (default %(default)s)")
     p.add_argument("--no-peers", action="store_true", help="skip the PyTorch peers")
     p.add_argument("--no-profile", action="store_true", help="skip the cost profile")
     p.add_argument("--debug", action="store_true", help="tracebacks on errors")
@@ -89,9 +87,7 @@ def _delegate(flag: str, module: str, argv: list[str]) -> int:
     except ModuleNotFoundError as e:
         if e.name != module:
             raise
-        print(
-            f"dflash-bench: error: {flag} needs {module}, which this install lacks", file=sys.stderr
-        )
+        print(f"dflash-bench: error: {flag} needs {module}, not installed", file=sys.stderr)
         return 2
     return int(mod.main(argv) or 0)
 
@@ -101,6 +97,8 @@ def check_args(args) -> None:
     from dflash_qaic.bench.run import BenchError
     from dflash_qaic.runtime.pipeline import GenerationError, Sampling
 
+    if importlib.util.find_spec("scipy") is None:
+        raise BenchError("dflash-bench needs scipy: pip install 'dflash-qaic[bench]'")
     for name in ("num_prompts", "max_new_tokens", "repeats"):
         if getattr(args, name) < 1:
             raise BenchError(f"--{name.replace('_', '-')} must be ≥ 1")
@@ -146,7 +144,7 @@ def parse_temperatures(text: str) -> list[float]:
 
 def _main(args, command: str) -> int:
     import dflash_qaic
-    from dflash_qaic.bench import report, run, summary
+    from dflash_qaic.bench import report, run
 
     check_args(args)
     t0, started = time.perf_counter(), datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -162,9 +160,8 @@ def _main(args, command: str) -> int:
         f, pipe.tokenizer, args.max_new_tokens, args.prompts, args.num_prompts
     )
     _log(f"{len(prompts)} prompts from {source}")
-    sections, greedy = _measure(pipe, prompts, args, f["block_size"]), None
-    for s in sections:
-        greedy = s if s.get("temperature") == 0 and s["status"] == "measured" else greedy
+    sections, ours = _measure(pipe, prompts, args, f["block_size"])
+    greedy = next((s for s in sections if s["temperature"] == 0), None)
     copy_Bps = run.copy_bandwidth()
     weights = {p: run.weight_bytes(f[p]["onnx"]) for p in ("target", "draft")}
     profile = {"skipped": "--no-profile"}
@@ -172,27 +169,30 @@ def _main(args, command: str) -> int:
         w_s = {k: weights["draft" if k == "draft" else "target"] / copy_Bps for k in run.KINDS}
         profile = run.cost_profile(pipe, f, prompts[0].ids, args.threads, w_s, log=_log)
     peers = {"skipped": "--no-peers" if args.no_peers else "T = 0 was not measured"}
-    if greedy and not args.no_peers:
+    if ours and not args.no_peers:
+        from dflash_qaic.bench.peers import run_peers
+
         _log("peers (T = 0): the reference dflash_generate and Hugging Face generate")
-        ours = [per[0]["dflash"].tokens for per in greedy.pop("_runs")]
-        peers = run_peers(f, prompts, args, ours)
-    for s in sections:
-        s.pop("_runs", None)
+        rounds = min(PEER_ROUNDS, args.repeats)
+        peers = run_peers(f, prompts, args.max_new_tokens, rounds, args.threads, ours, _log)
     res = {
         "schema": report.SCHEMA,
         "command": command,
         "started": started,
         "seconds": time.perf_counter() - t0,
-        "artifacts": _artifacts(f, pipe.backend),
-        "config": {**_config(args), "prompts_source": source, "num_prompts": len(prompts)},
+        "artifacts": {**f, "backend": pipe.backend},
+        "config": {k: v for k, v in vars(args).items() if k not in ("artifacts", "debug")},
         "machine": {**machine, "load_end": [round(x, 2) for x in os.getloadavg()]},
         "temperatures": sections,
         "profile": profile,
-        "bandwidth": summary.bandwidth(
-            copy_Bps, weights, greedy and greedy["loop"], machine["llc_bytes"]
-        ),
+        "bandwidth": {
+            "copy_Bps": copy_Bps,
+            "weight_bytes": weights,
+            "llc_bytes": machine["llc_bytes"],
+        },
         "peers": peers,
     }
+    res["config"].update(prompts_source=source, num_prompts=len(prompts))
     paths = report.write_outputs(res, Path(args.out))
     print(report.summary_screen(res))
     _log(f"wrote {', '.join(map(str, paths.values()))} ({res['seconds']:.0f} s)")
@@ -202,18 +202,12 @@ def _main(args, command: str) -> int:
     return 0
 
 
-def run_peers(f, prompts, args, ours) -> dict:
-    from dflash_qaic.bench.peers import run_peers as peers
+def _measure(pipe, prompts, args, B: int) -> tuple[list[dict], list | None]:
+    """One section per temperature (T > 0 skipped, with a note, without a sampler), and our
+    DFlash tokens per prompt at T = 0 (None when T = 0 was not measured)."""
+    from dflash_qaic.bench import run, stats
 
-    rounds = min(PEER_ROUNDS, args.repeats)
-    return peers(f, prompts, args.max_new_tokens, rounds, args.threads, ours, _log)
-
-
-def _measure(pipe, prompts, args, B: int) -> list[dict]:
-    """One section per temperature (T > 0 skipped, with a note, when there is no sampler)."""
-    from dflash_qaic.bench import run, summary
-
-    out = []
+    out, ours = [], None
     for T in args.temperatures:
         if T > 0 and not pipe.can_sample:
             note = "the target program has no sampler (exported with --no-sampling)"
@@ -224,20 +218,9 @@ def _measure(pipe, prompts, args, B: int) -> list[dict]:
             pipe, prompts, args.max_new_tokens, args.repeats, args.warmup, T,
             args.top_k, args.top_p, args.seed, _log,
         )  # fmt: skip
-        out.append({**summary.section(T, runs, problems, prompts, B, args.seed), "_runs": runs})
-    return out
-
-
-def _artifacts(f: dict, backend: str) -> dict:
-    keep = ("path", "block_size", "ctx_len", "prefill_seq_len", "hidden_size", "vocab_size")
-    out = {k: f[k] for k in keep}
-    n = {"target_layers": f["target"]["n_layers"], "draft_layers": f["draft"]["n_layers"]}
-    return {**out, **n, "backend": backend}
-
-
-def _config(args) -> dict:
-    keys = ("max_new_tokens", "repeats", "warmup", "threads", "temperatures", "top_k", "top_p")
-    return {k: getattr(args, k) for k in (*keys, "seed")}
+        out.append(stats.section(T, runs, problems, prompts, B, args.seed))
+        ours = [per[0]["dflash"].tokens for per in runs] if T == 0 else ours
+    return out, ours
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ def run_peers(f: dict, prompts, max_new: int, rounds: int, threads: int, ours, l
             for n in NAMES[:: 1 if (r + i) % 2 == 0 else -1]:
                 rec[n][i].append(systems[n](ids))
         log(f"  peers round {r + 1}/{rounds}")
-    out = {"torch_threads": torch.get_num_threads(), "systems": {}}
+    out = {"torch_threads": torch.get_num_threads(), "systems": {}, "prompts": len(prompts)}
     for n in NAMES:
         tpot = [np.mean([runs[r][2] for runs in rec[n]]) for r in range(rounds)]
         out["systems"][n] = {
@@ -114,5 +114,4 @@ def run_peers(f: dict, prompts, max_new: int, rounds: int, threads: int, ours, l
     ref_d, ref_t = out["systems"]["reference_dflash"], out["systems"]["reference_target"]
     out["reference_speedup"] = ref_t["tpot_s"] / ref_d["tpot_s"]
     out["reference_tau"] = float(np.mean([a for runs in rec[NAMES[0]] for a in runs[0][3]]))
-    out["prompts"] = len(prompts)
     return out

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from string import Template
 
@@ -20,12 +18,12 @@ PEER_LABELS = {
 }
 
 
-def ms(s: float | None) -> str:
-    return "—" if s is None else f"{s * 1e3:.2f}"
-
-
-def x_(v: float) -> str:
-    return f"{v:.2f}×"
+# formatting (milliseconds, a ratio, bytes, a section's temperature); the measured sections
+ms = lambda s: "—" if s is None else f"{s * 1e3:.2f}"  # noqa: E731
+x_ = lambda v: f"{v:.2f}×"  # noqa: E731
+mb = lambda n: f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.2f} kB"  # noqa: E731
+temp = lambda s: f"T = {s['temperature']:g}"  # noqa: E731
+measured = lambda res: [s for s in res["temperatures"] if s["status"] == "measured"]  # noqa: E731
 
 
 def sp(x: dict, f=lambda v: f"{v:.2f}") -> str:
@@ -33,21 +31,9 @@ def sp(x: dict, f=lambda v: f"{v:.2f}") -> str:
     return f"{f(x['median'])} [{f(x['min'])}–{f(x['max'])}]"
 
 
-def mb(n: float) -> str:
-    return f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.2f} kB"
-
-
 def table(head: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
-
-
-def measured(res: dict) -> list[dict]:
-    return [s for s in res["temperatures"] if s["status"] == "measured"]
-
-
-def temp(s: dict) -> str:
-    return f"T = {s['temperature']:g}"
 
 
 def check_text(s: dict) -> str:
@@ -55,9 +41,6 @@ def check_text(s: dict) -> str:
     if c["kind"] == "lossless":
         return "tokens identical" if c["passed"] else f"TOKENS DIFFER ({len(s['problems'])})"
     return f"histograms p = {c['p_permutation']:.2f}"
-
-
-# ---------------------------------------------------------------------------- summary screen
 
 
 def summary_screen(res: dict) -> str:
@@ -106,9 +89,6 @@ def summary_screen(res: dict) -> str:
         parts = " + ".join(ms(c[k]) for k in PARTS)
         out.append(f"  {kind:<7}{ms(c['sampled_s']):>7} = {parts}")
     return "\n".join(out)
-
-
-# ---------------------------------------------------------------------------- sections
 
 
 def speed_md(res: dict) -> str:
@@ -171,22 +151,21 @@ def profile_md(res: dict) -> str:
 
 
 def bandwidth_md(res: dict) -> str:
-    b = res["bandwidth"]
-    w = b["weight_bytes"]
+    """Weight bytes a decode call reads ÷ its mean time, against a numpy copy's bandwidth."""
+    b, w = res["bandwidth"], res["bandwidth"]["weight_bytes"]
     out = (
         f"A numpy copy moves {b['copy_Bps'] / 1e9:.2f} GB/s (read + write). A decode call reads "
         f"{mb(w['target'])} of target weights, a draft call {mb(w['draft'])}"
     )
-    if "decode_Bps" not in b:
-        return out + "."
-    out += f"; decode streams them at {b['decode_Bps'] / 1e9:.2f} GB/s, "
-    out += f"{b['fraction_of_copy']:.1%} of the copy bandwidth."
-    if b["fits_in_llc"]:
+    for s in (s for s in measured(res) if s["temperature"] == 0):
+        Bps = w["target"] / s["loop"]["decode_s"]
+        out += f"; decode reads them at {Bps / 1e9:.2f} GB/s, {Bps / b['copy_Bps']:.1%} of a copy"
+    if b["llc_bytes"] and w["target"] + w["draft"] < b["llc_bytes"]:
         out += (
-            f" Both programs' weights fit in the last-level cache ({mb(b['llc_bytes'])}): this "
-            "pair is bound by per-call and per-operator overhead, not by memory bandwidth."
+            f". Both programs' weights fit in the last-level cache ({mb(b['llc_bytes'])}): this "
+            "pair is bound by per-call and per-operator overhead, not by memory bandwidth"
         )
-    return out
+    return out + "."
 
 
 def peers_md(res: dict) -> str:
@@ -229,32 +208,23 @@ def machine_md(res: dict) -> str:
 
 
 def render_markdown(res: dict) -> str:
+    """The template filled in: the run's settings, then one section function per section."""
     a, c, m = res["artifacts"], res["config"], res["machine"]
-    busy = max(m["load_start"][0], m["load_end"][0]) >= 1
+    sections = (speed_md, acceptance_md, bound_md, profile_md, bandwidth_md, peers_md)
     return Template(TEMPLATE.read_text(encoding="utf-8")).substitute(
+        **c,
+        **{f.__name__[:-3]: f(res) for f in (*sections, distribution_md, machine_md)},
         summary=summary_screen(res),
-        load_note=BUSY if busy else "",
+        load_note=BUSY if max(m["load_start"][0], m["load_end"][0]) >= 1 else "",
         command=res["command"],
         started=res["started"],
         seconds=f"{res['seconds']:.0f}",
         artifacts=f"`{a['path']}` on `{a['backend']}`: block {a['block_size']}, ctx_len "
         f"{a['ctx_len']}, prefill chunk {a['prefill_seq_len']}, H {a['hidden_size']}, vocab "
-        f"{a['vocab_size']}, target {a['target_layers']} layers, draft {a['draft_layers']}",
-        prompts=f"{c['num_prompts']} from {c['prompts_source']}",
-        warmup=c["warmup"],
-        repeats=c["repeats"],
-        max_new=c["max_new_tokens"],
-        seed=c["seed"],
-        speed=speed_md(res),
+        f"{a['vocab_size']}, target {a['target']['n_layers']} layers, draft "
+        f"{a['draft']['n_layers']}",
         e2e=", ".join(f"{temp(s)} {sp(s['speedup_end_to_end'], x_)}" for s in measured(res)),
-        acceptance=acceptance_md(res),
-        bound=bound_md(res),
         ctx_len=a["ctx_len"],
-        profile=profile_md(res),
-        bandwidth=bandwidth_md(res),
-        peers=peers_md(res),
-        distribution=distribution_md(res),
-        machine=machine_md(res),
     )
 
 
@@ -264,33 +234,13 @@ BUSY = (
 )
 
 
-# ---------------------------------------------------------------------------- figure
-
-
 def _speed_panel(ax, s: dict, k: int, B: int) -> None:
     """Per-prompt dots, the all-prompt point, the bound and the with-host line of one T."""
-    L, style = s["loop"], {"color": f"C{k}"}
+    L, c, ps = s["loop"], f"C{k}", s["prompts"]
     for slope, ls, what in ((L["bound"], "-", "bound"), (L["pooled"], ":", "with host time")):
-        ax.plot(
-            [1, B],
-            [slope / L["tau"], B * slope / L["tau"]],
-            ls=ls,
-            label=f"{temp(s)} {what}",
-            **style,
-        )
-    ps = s["prompts"]
-    ax.plot(
-        [p["tau"] for p in ps], [p["speedup"]["median"] for p in ps], "o", ms=4, alpha=0.7, **style
-    )
-    ax.plot(
-        [s["tau"]],
-        [s["speedup"]["median"]],
-        "D",
-        mec="k",
-        ms=9,
-        label=f"{temp(s)} measured",
-        **style,
-    )
+        ax.plot([0, B], [0, B * slope / L["tau"]], ls=ls, color=c, label=f"{temp(s)} {what}")
+    ax.plot([p["tau"] for p in ps], [p["speedup"]["median"] for p in ps], "o", color=c, ms=4)
+    ax.plot([s["tau"]], [s["speedup"]["median"]], "D", color=c, mec="k", ms=9, label=temp(s))
 
 
 def _profile_panel(ax, p: dict) -> None:
@@ -329,9 +279,6 @@ def render_png(res: dict, path) -> None:
     plt.close(fig)
 
 
-# ---------------------------------------------------------------------------- output
-
-
 def _clean(obj):
     """JSON-safe: NaN and infinities become null."""
     if isinstance(obj, float):
@@ -341,26 +288,9 @@ def _clean(obj):
     return [_clean(v) for v in obj] if isinstance(obj, list | tuple) else obj
 
 
-def _atomic(path: Path, write) -> None:
-    """Write beside `path`, then rename over it, with the umask's permissions."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_outputs(res: dict, out: Path) -> dict[str, Path]:
     paths = {"json": out / "results.json", "md": out / "report.md", "png": out / "report.png"}
-    text = json.dumps(_clean(res), indent=1, ensure_ascii=False) + "\n"
-    _atomic(paths["json"], lambda p: Path(p).write_text(text, encoding="utf-8"))
-    md = render_markdown(res)
-    _atomic(paths["md"], lambda p: Path(p).write_text(md, encoding="utf-8"))
-    _atomic(paths["png"], lambda p: render_png(res, p))
+    paths["json"].write_text(json.dumps(_clean(res), indent=1) + "\n")
+    paths["md"].write_text(render_markdown(res), encoding="utf-8")
+    render_png(res, paths["png"])
     return paths

@@ -42,13 +42,11 @@ def facts(manifest, artifacts) -> dict:
         "eos": list(m.get("eos_token_ids") or []),
         "sampling": bool(m["target"].get("sampling", True)),
         **{
-            p: {"onnx": d / m[p]["onnx"], "n_layers": m[p]["n_layers"]} for p in ("target", "draft")
+            p: {"onnx": str(d / m[p]["onnx"]), "n_layers": m[p]["n_layers"]}
+            for p in ("target", "draft")
         },
         "sources": {k: (src.get(k) or {}).get("path") for k in ("target", "draft")},
     }
-
-
-# ---------------------------------------------------------------------------- prompts
 
 
 def read_prompt_file(path, tokenizer, vocab: int) -> list[Prompt]:
@@ -122,9 +120,6 @@ def select_prompts(f: dict, tokenizer, max_new: int, path: str | None, n: int):
     return [Prompt(p.name, p.ids[-limit:]) for p in prompts[:n]], source
 
 
-# ---------------------------------------------------------------------------- our runtime
-
-
 def sample_seed(seed: int, temperature: float, prompt: int, round_: int, mode: str) -> int:
     """The seed of one sampled run: a hash of all it depends on (baseline and DFlash differ)."""
     key = [seed, round(temperature * 1e6), prompt, round_, mode == "dflash"]
@@ -160,9 +155,6 @@ def run_pairs(pipe, prompts, max_new, repeats, warmup, temperature, top_k, top_p
     return runs, problems
 
 
-# ---------------------------------------------------------------------------- the machine
-
-
 def copy_bandwidth(nbytes: int = 256 << 20, reps: int = 7) -> float:
     """Bytes per second a numpy copy moves (read + write), median of `reps` copies."""
     src, dst, times = np.ones(nbytes // 8), np.empty(nbytes // 8), []
@@ -181,21 +173,12 @@ def weight_bytes(onnx_path) -> int:
     g = onnx.load(str(onnx_path), load_external_data=False).graph
     others = {x for n in g.node if n.op_type != "Gather" for x in n.input}
     gathered = {n.input[0] for n in g.node if n.op_type == "Gather"} - others
-    sizes = {
-        t.name: math.prod(t.dims) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-        for t in g.initializer
-    }
-    return sum(v for k, v in sizes.items() if k not in gathered)
+    size = lambda t: math.prod(t.dims) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    return sum(size(t) for t in g.initializer if t.name not in gathered)
 
 
 def machine(threads: int) -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    def ver(pkg):
-        try:
-            return version(pkg)
-        except PackageNotFoundError:
-            return None
+    from importlib.metadata import distributions
 
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
     cpu = next(
@@ -207,7 +190,7 @@ def machine(threads: int) -> dict:
         (int(s.read_text()[:-2]) << {"K": 10, "M": 20}.get(s.read_text()[-2], 0) for s in caches),
         default=None,
     )
-    pkgs = ("dflash-qaic", "onnxruntime", "numpy", "torch", "transformers", "dflash", "scipy")
+    pkgs = {"dflash-qaic", "onnxruntime", "numpy", "torch", "transformers", "dflash", "scipy"}
     return {
         "cpu": cpu,
         "cpus": len(os.sched_getaffinity(0)),
@@ -215,11 +198,8 @@ def machine(threads: int) -> dict:
         "llc_bytes": llc,
         "load_start": [round(x, 2) for x in os.getloadavg()],
         "platform": f"{platform.platform()}, Python {platform.python_version()}",
-        "versions": {p: ver(p) for p in pkgs},
+        "versions": {d.name: d.version for d in distributions() if d.name in pkgs},
     }
-
-
-# ---------------------------------------------------------------------------- cost profile
 
 
 def _call_means(pipe, ids, tokens, temperature) -> dict:
@@ -252,6 +232,7 @@ def cost_profile(pipe, f: dict, ids, threads, weights_s: dict, rounds=3, tokens=
     short ctx_len: it needs the source checkpoints and ONNX Runtime."""
     L, B, C = f["ctx_len"], f["block_size"], f["prefill_seq_len"]
     S, ids, note = 2 * C + 4 * B, ids[: C - B], None
+    tokens = min(tokens, S - C - 2 * B)  # room at the short ctx_len
     if pipe.backend != "ort":
         note = "the cache part is measured on ONNX Runtime only"
     elif L <= 2 * S:
@@ -276,9 +257,4 @@ def cost_profile(pipe, f: dict, ids, threads, weights_s: dict, rounds=3, tokens=
         for k, v in acc.items()
     }
     split = stats.cost_split(med["long"], med["short"], med["sampled"], (L, S), weights_s)
-    return {
-        "ctx_len": L,
-        "short_ctx_len": S if med["short"] else None,
-        "note": note,
-        "calls": split,
-    }
+    return {"ctx_len": L, "short_ctx_len": med["short"] and S, "note": note, "calls": split}

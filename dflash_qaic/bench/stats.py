@@ -1,12 +1,15 @@
-"""Summarise: pure statistics of the benchmark (no clocks, no I/O, no models).
+"""Summarise: the statistics of the benchmark and the reduction of one temperature's runs to
+the numbers the report shows (no clocks, no I/O, no models).
 
-Conventions (docs/DESIGN.md, "The algorithm"):
+Conventions (docs/DESIGN.md, "Algorithm"):
 - An acceptance length is the number of tokens one step commits (accepted proposals + 1), so
   1 … B; τ is its mean. Draft position j (1 … B−1) is accepted when the length is > j.
 - Speedup = target-only time per output token / DFlash time per output token, prefill excluded.
 - Bound: a step costs one verify and one draft call and commits τ tokens where the target alone
   pays one decode call per token, so speedup ≤ τ · T_decode / (T_verify + T_draft) with the
   mean call times of the same runs (means, not medians: the speedup is a ratio of totals).
+- Timings per mode are per round, totals over all prompts (TPOT = decode time after the first
+  token / new tokens, as the reference measures it), then median [min–max] over rounds.
 """
 
 from __future__ import annotations
@@ -22,15 +25,8 @@ def spread(xs: Iterable[float]) -> dict:
     a = np.asarray(list(xs), np.float64)
     if a.size == 0:
         raise ValueError("no values")
-    p25, p50, p75 = np.percentile(a, [25, 50, 75])
-    return {
-        "median": float(p50),
-        "min": float(a.min()),
-        "max": float(a.max()),
-        "p25": float(p25),
-        "p75": float(p75),
-        "n": int(a.size),
-    }
+    q = np.percentile(a, [0, 25, 50, 75, 100]).tolist()
+    return {**dict(zip(("min", "p25", "median", "p75", "max"), q)), "n": int(a.size)}
 
 
 def tau(lengths: Sequence[int]) -> float:
@@ -102,27 +98,16 @@ def cost_split(long: dict, short: dict | None, sampled: dict | None, ctx: tuple,
         cache = (t - short[kind]) * L / (L - S) if short and kind in short else None
         sampler = sampled[kind] - t if sampled and kind in sampled and kind != "draft" else None
         w = weights.get(kind, 0.0)
-        out[kind] = {
-            "greedy_s": t,
-            "sampled_s": t + (sampler or 0.0),
-            "weights_s": w,
-            "cache_s": cache,
-            "sampler_s": sampler,
-            "fixed_s": t - w - (cache or 0.0),
-        }
+        out[kind] = dict(greedy_s=t, sampled_s=t + (sampler or 0.0), weights_s=w, cache_s=cache)
+        out[kind].update(sampler_s=sampler, fixed_s=t - w - (cache or 0.0))
     return out
 
 
-def token_distribution_check(
-    pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
-    *,
-    min_expected: float = 5.0,
-    permutations: int = 2000,
-    seed: int = 0,
-) -> dict:
+def token_distribution_check(pairs, *, min_expected=5.0, permutations=2000, seed=0) -> dict:
     """Do two samplers draw the same tokens? A sanity check on pooled token histograms.
 
-    Each side's tokens are pooled into one histogram; tokens whose expected count is below
+    `pairs`: (tokens of run A, tokens of run B) per (prompt, round), independent seeds. Each
+    side's tokens are pooled into one histogram; tokens whose expected count is below
     `min_expected` are merged into one bin; scipy's χ² test of the 2 × K table gives the
     asymptotic p-value, which assumes independent tokens (tokens of one run are not, so it runs
     small). The permutation p-value swaps the two runs of random pairs (exchangeable when both
@@ -130,50 +115,109 @@ def token_distribution_check(
     proof of losslessness is the exact-distribution test (tests/test_sampling.py)."""
     if not pairs:
         raise ValueError("no pairs")
-    vocab = np.unique(np.concatenate([np.asarray([*a, *b], np.int64) for a, b in pairs]))
-    A = np.stack([np.bincount(np.searchsorted(vocab, a), minlength=vocab.size) for a, _ in pairs])
-    Bm = np.stack([np.bincount(np.searchsorted(vocab, b), minlength=vocab.size) for _, b in pairs])
+    vocab = np.unique([t for a, b in pairs for t in (*a, *b)])
+    A, Bm = (
+        np.stack(
+            [np.bincount(np.searchsorted(vocab, run[k]), minlength=vocab.size) for run in pairs]
+        )
+        for k in (0, 1)
+    )
     na, nb = int(A.sum()), int(Bm.sum())
-    pooled = (A + Bm).sum(axis=0)
-    big = pooled * min(na, nb) / (na + nb) >= min_expected
+    big = (A + Bm).sum(0) * min(na, nb) / (na + nb) >= min_expected
+    rare = ~big
 
-    def binned(M):  # (..., V) -> (..., K): the big tokens, then one bin of the rare ones
-        rare = M[..., ~big].sum(axis=-1, keepdims=True)
-        return np.concatenate([M[..., big], rare] if (~big).any() else [M[..., big]], axis=-1)
+    def binned(M):  # the big tokens, then one bin of the rare ones
+        return np.column_stack([M[:, big]] + ([M[:, rare].sum(1)] if rare.any() else []))
 
-    Ab, Bb = binned(A).astype(np.float64), binned(Bm).astype(np.float64)
-    out = {
-        "tokens": [na, nb],
-        "pairs": len(pairs),
-        "distinct_tokens": int(vocab.size),
-        "bins": int(Ab.shape[1]),
-        "total_variation": 0.5 * float(np.abs(A.sum(0) / na - Bm.sum(0) / nb).sum()),
-        "chi2": 0.0,
-        "df": 0,
-        "p_asymptotic": 1.0,
-        "p_permutation": 1.0,
-        "permutations": permutations,
-    }
+    Ab, Bb = binned(A), binned(Bm)
+    out = {"tokens": [na, nb], "pairs": len(pairs), "distinct_tokens": int(vocab.size)}
+    out.update(bins=int(Ab.shape[1]), chi2=0.0, df=0, p_asymptotic=1.0, p_permutation=1.0)
+    out["total_variation"] = 0.5 * float(np.abs(A.sum(0) / na - Bm.sum(0) / nb).sum())
     if Ab.shape[1] < 2:
         return out
-    res = sps.chi2_contingency(np.stack([Ab.sum(0), Bb.sum(0)]), correction=False)
+
+    def chi2(a, b):
+        return sps.chi2_contingency(np.stack([a.sum(0), b.sum(0)]), correction=False)
+
+    res = chi2(Ab, Bb)
     out.update(chi2=float(res.statistic), df=int(res.dof), p_asymptotic=float(res.pvalue))
-    if permutations:
-        signs = np.random.default_rng(seed).choice([-1.0, 1.0], size=(permutations, len(pairs)))
-        half = (Ab + Bb).sum(0) / 2
-        delta = signs @ ((Ab - Bb) / 2)  # (permutations, K)
-        hits = (_chi2_rows(half + delta, half - delta) >= res.statistic * (1 - 1e-12)).sum()
-        out["p_permutation"] = float((1 + hits) / (1 + permutations))
-    else:
-        out["p_permutation"] = None
+    rng, hits = np.random.default_rng(seed), 0
+    for _ in range(permutations):
+        swap = (rng.random(len(pairs)) < 0.5)[:, None]
+        s = chi2(np.where(swap, Bb, Ab), np.where(swap, Ab, Bb)).statistic
+        hits += s >= res.statistic * (1 - 1e-12)
+    out["p_permutation"] = float((1 + hits) / (1 + permutations)) if permutations else None
     return out
 
 
-def _chi2_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Pearson χ² of the 2 × K tables [a_i; b_i], one per row i (vectorised)."""
-    col = a + b
-    ea = a.sum(-1, keepdims=True) * col / col.sum(-1, keepdims=True)
-    eb = col - ea
-    with np.errstate(divide="ignore", invalid="ignore"):
-        t = np.where(col > 0, (a - ea) ** 2 / ea + (b - eb) ** 2 / eb, 0.0)
-    return t.sum(-1)
+MODES = ("baseline", "dflash")
+
+
+def _per_round(runs, mode, num: str, den: str) -> list[float]:
+    return [
+        sum(per[r][mode].stats[num] for per in runs) / sum(per[r][mode].stats[den] for per in runs)
+        for r in range(len(runs[0]))
+    ]
+
+
+def _mode(runs, mode) -> dict:
+    recs = [pair[mode] for per in runs for pair in per]
+    steps = sum(x.stats["steps"] for x in recs)
+    return {
+        "tpot_s": spread(_per_round(runs, mode, "decode_s", "new_tokens")),
+        "tokens_per_s": spread(_per_round(runs, mode, "new_tokens", "decode_s")),
+        "ttft_s": spread(x.stats["ttft_s"] for x in recs),
+        "host_share": spread(_per_round(runs, mode, "host_s", "decode_s")),
+        "bytes_per_step": sum(x.stats["bytes_per_step"] * x.stats["steps"] for x in recs) / steps,
+    }
+
+
+def _ratio(runs, key) -> dict:
+    """Per round: target-only over DFlash totals of `key(stats)` over all prompts."""
+
+    def total(r, mode):
+        return sum(key(per[r][mode].stats) for per in runs)
+
+    return spread(total(r, "baseline") / total(r, "dflash") for r in range(len(runs[0])))
+
+
+def _prompt(p, pairs) -> dict:
+    lengths = [n for x in pairs for n in x["dflash"].acceptance_lengths]
+    ratios = [x["baseline"].stats["tpot_s"] / x["dflash"].stats["tpot_s"] for x in pairs]
+    return {
+        "name": p.name,
+        "prompt_tokens": len(p.ids),
+        "tau": tau(lengths),
+        "steps": len(lengths),
+        "speedup": spread(ratios),
+        "tpot_s": {m: float(np.median([x[m].stats["tpot_s"] for x in pairs])) for m in MODES},
+    }
+
+
+def section(temperature: float, runs, problems: list[str], prompts, B: int, seed: int) -> dict:
+    """Everything measured at one temperature: speed per mode, speedup, τ, acceptance, the loop
+    costs and bound, per prompt, and the check (T = 0: tokens identical; T > 0: histograms)."""
+    base = [pair["baseline"] for per in runs for pair in per]
+    dfl = [pair["dflash"] for per in runs for pair in per]
+    lengths = [n for r in dfl for n in r.acceptance_lengths]
+    out = {
+        "temperature": temperature,
+        "status": "measured",
+        "rounds": len(runs[0]),
+        "prompts": [_prompt(p, pairs) for p, pairs in zip(prompts, runs)],
+        "tau": tau(lengths),
+        "steps": len(lengths),
+        "histogram": acceptance_histogram(lengths, B),
+        "position_acceptance": position_acceptance(lengths, B),
+        "speedup": _ratio(runs, lambda s: s["decode_s"]),  # same tokens: the ratio of TPOTs
+        "speedup_end_to_end": _ratio(runs, lambda s: s["prefill_s"] + s["decode_s"]),
+        "modes": {m: _mode(runs, m) for m in MODES},
+        "loop": loop_costs(base, dfl),
+        "problems": problems,
+    }
+    if temperature == 0:
+        out["check"] = {"kind": "lossless", "passed": not problems, "pairs": len(base)}
+    else:
+        pairs = [(b.tokens, d.tokens) for b, d in zip(base, dfl)]
+        out["check"] = {"kind": "histograms", **token_distribution_check(pairs, seed=seed)}
+    return out
