@@ -151,7 +151,7 @@ def _main(args, command: str) -> int:
     machine = run.machine(args.threads)
     _log(f"dflash-bench: loading {args.artifacts} on {args.backend} ({args.threads} threads)")
     pipe = dflash_qaic.load(args.artifacts, backend=args.backend, threads=args.threads)
-    f = run.facts(pipe.manifest, args.artifacts)
+    f = run.facts(pipe, args.artifacts)
     if not pipe.can_sample and all(t > 0 for t in args.temperatures):
         raise run.BenchError(
             "these artifacts have no sampler (--no-sampling): add 0 to --temperatures"

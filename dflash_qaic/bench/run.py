@@ -31,16 +31,17 @@ class Prompt(NamedTuple):
     ids: list[int]
 
 
-def facts(manifest, artifacts) -> dict:
-    """Everything the benchmark reads from a manifest, in one place."""
-    m, d = manifest, Path(artifacts)
-    src = m.get("sources") or {}
+def facts(pipe, artifacts) -> dict:
+    """Everything the benchmark reads from the manifest, in one place (a typed manifest is read
+    through its JSON form)."""
+    m = pipe.manifest.to_json() if hasattr(pipe.manifest, "to_json") else pipe.manifest
+    src, d = m.get("sources") or {}, Path(artifacts)
     return {
         **{k: m[k] for k in ("block_size", "ctx_len", "prefill_seq_len", "hidden_size")},
         **{k: m[k] for k in ("vocab_size", "mask_token_id")},
         "path": str(d),
         "eos": list(m.get("eos_token_ids") or []),
-        "sampling": bool(m["target"].get("sampling", True)),
+        "sampling": bool(pipe.can_sample),
         **{
             p: {"onnx": str(d / m[p]["onnx"]), "n_layers": m[p]["n_layers"]}
             for p in ("target", "draft")
@@ -220,9 +221,8 @@ def _short_pipe(f: dict, ctx_len: int, out: str, threads: int):
 
     keep = {k: f[k] for k in ("block_size", "prefill_seq_len", "sampling")}
     opts = ExportOptions(**keep, ctx_len=ctx_len, compile=False, fp16_check=False)
-    build_artifacts(
-        f["sources"]["target"], f["sources"]["draft"], out, opts, progress=lambda m: None
-    )
+    out = Path(out, "short")  # a directory of the exporter's own making
+    build_artifacts(*f["sources"].values(), out, opts, progress=lambda m: None)
     return dflash_qaic.load(out, "ort", threads=threads, tokenizer=False)
 
 
