@@ -203,11 +203,11 @@ def machine(threads: int) -> dict:
     }
 
 
-def _call_means(pipe, ids, tokens, temperature) -> dict:
-    """Mean seconds per call kind over one target-only and one DFlash run."""
+def _call_times(pipe, ids, tokens, temperature) -> dict:
+    """Seconds of each call, by kind, in one target-only and one DFlash run."""
     kw = dict(max_new_tokens=tokens, stop_token_ids=[], temperature=temperature, seed=0)
     runs = (pipe.generate_baseline(ids, **kw), pipe.generate(ids, **kw))
-    return {k: float(np.mean([t for r in runs for t in r.call_times.get(k, ())])) for k in KINDS}
+    return {k: [t for r in runs for t in r.call_times.get(k, ())] for k in KINDS}
 
 
 def _short_pipe(f: dict, ctx_len: int, out: str, threads: int):
@@ -227,7 +227,7 @@ def _short_pipe(f: dict, ctx_len: int, out: str, threads: int):
 
 
 def cost_profile(pipe, f: dict, ids, threads, weights_s: dict, rounds=3, tokens=48, log=print):
-    """Each call's mean cost at the artifacts' ctx_len split into weights, cache, sampler and
+    """Each call's median cost at the artifacts' ctx_len split into weights, cache, sampler and
     fixed overhead (`stats.cost_split`). The cache part compares with the same pair exported at a
     short ctx_len: it needs the source checkpoints and ONNX Runtime."""
     L, B, C = f["ctx_len"], f["block_size"], f["prefill_seq_len"]
@@ -239,21 +239,22 @@ def cost_profile(pipe, f: dict, ids, threads, weights_s: dict, rounds=3, tokens=
         note = f"no cache part: ctx_len {L} is too short to compare with a shorter one"
     elif not all(p and Path(p, "config.json").is_file() for p in f["sources"].values()):
         note = "no cache part: the source checkpoints (to export a short ctx_len) are gone"
-    acc: dict[str, list[dict]] = {"long": [], "short": [], "sampled": []}
+    acc: dict[str, list[dict]] = {"long": [], "short": [], "sampled": []}  # rounds interleaved
     with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
         log(f"cost profile at ctx_len {L}" + ("" if note else f" and {S} (exported again)"))
         short = None if note else _short_pipe(f, S, tmp, threads)
         for r in range(rounds + 1):  # the first round warms up
-            got = {"long": _call_means(pipe, ids, tokens, 0.0)}
+            got = {"long": _call_times(pipe, ids, tokens, 0.0)}
             if short:
-                got["short"] = _call_means(short, ids, tokens, 0.0)
+                got["short"] = _call_times(short, ids, tokens, 0.0)
             if f["sampling"]:
-                got["sampled"] = _call_means(pipe, ids, tokens, 1.0)
+                got["sampled"] = _call_times(pipe, ids, tokens, 1.0)
             for k, v in got.items():
                 acc[k] += [v] if r else []
         del short
+    # the median call of each kind over all timed rounds: robust to other work on the machine
     med = {
-        k: {c: float(np.median([x[c] for x in v])) for c in KINDS} if v else None
+        k: {c: float(np.median(sum((x[c] for x in v), []))) for c in KINDS} if v else None
         for k, v in acc.items()
     }
     split = stats.cost_split(med["long"], med["short"], med["sampled"], (L, S), weights_s)

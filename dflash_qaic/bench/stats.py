@@ -88,9 +88,9 @@ def loop_costs(baseline: list, dflash: list) -> dict:
 
 
 def cost_split(long: dict, short: dict | None, sampled: dict | None, ctx: tuple, weights: dict):
-    """Split each call's mean cost at the long context into weights (bytes ÷ bandwidth), cache
+    """Split each call's cost at the long context into weights (bytes ÷ bandwidth), cache
     (the part linear in ctx_len, from a short and a long ctx_len), sampler (T > 0 minus T = 0 of
-    the same specialization) and fixed overhead (the rest). `long`, `short`, `sampled`: mean
+    the same specialization) and fixed overhead (the rest). `long`, `short`, `sampled`:
     seconds per call kind; `ctx` = (long ctx_len, short ctx_len); `weights`: seconds per kind."""
     L, S = ctx
     out = {}
