@@ -6,8 +6,8 @@ Conventions (docs/DESIGN.md, "Algorithm"):
   1 … B; τ is its mean. Draft position j (1 … B−1) is accepted when the length is > j.
 - Speedup = target-only time per output token / DFlash time per output token, prefill excluded.
 - Bound: a step costs one verify and one draft call and commits τ tokens where the target alone
-  pays one decode call per token, so speedup ≤ τ · T_decode / (T_verify + T_draft) with the
-  mean call times of the same runs (means, not medians: the speedup is a ratio of totals).
+  pays one decode call per token: without host work, speedup = τ · T_decode / (T_verify +
+  T_draft) with the mean call times of the same runs (means: the speedup is a ratio of totals).
 - Timings per mode are per round, totals over all prompts (TPOT = decode time after the first
   token / new tokens, as the reference measures it), then median [min–max] over rounds.
 """
