@@ -89,6 +89,7 @@ def _delegate(flag: str, module: str, argv: list[str]) -> int:
             raise
         print(f"dflash-bench: error: {flag} needs {module}, not installed", file=sys.stderr)
         return 2
+    sys.argv[0] = f"dflash-bench {flag}"  # their usage lines name the command the user typed
     return int(mod.main(argv) or 0)
 
 
