@@ -247,11 +247,13 @@ def test_export_and_serve_modes_are_delegated(monkeypatch, capsys):
     import types
 
     got = {}
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the delegate renames argv[0]
     fake = types.ModuleType("dflash_qaic.bench.serve")
     fake.main = lambda argv: got.setdefault("argv", argv) and 0
     monkeypatch.setitem(sys.modules, "dflash_qaic.bench.serve", fake)
     assert main(["--serve", "artifacts/x", "--clients", "2"]) == 0
     assert got["argv"] == ["artifacts/x", "--clients", "2"]
+    assert sys.argv[0] == "dflash-bench --serve"
     monkeypatch.setitem(sys.modules, "dflash_qaic.bench.export", None)  # absent
     assert main(["--export"]) == 2
     assert "--export needs dflash_qaic.bench.export, not installed" in capsys.readouterr().err
