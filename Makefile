@@ -38,10 +38,11 @@ format: setup
 demo: setup
 	$(PY) -m dflash_qaic.demo --out $(OUT)
 
-# The benchmark runs on the default pair's artifacts (exported here if missing; reused if not).
+# The benchmark runs on the default pair's artifacts (exported here if missing; reused if not)
+# and writes bench/latest/ (untracked): report.md, report.png, results.json.
 bench: setup
 	$(VENV)/bin/dflash-export --out $(OUT) --quiet
-	$(VENV)/bin/dflash-bench $(OUT) --out bench
+	$(VENV)/bin/dflash-bench $(OUT) --out bench/latest
 
 clean:
 	rm -rf $(VENV) artifacts .pytest_cache

@@ -1,108 +1,60 @@
-"""`dflash-bench`: measure DFlash against target-only decoding and write a report.
+"""`dflash-bench`: DFlash against target-only decoding on the same programs, and a report.
 
-    dflash-bench artifacts/default --out bench
-    dflash-bench ARTIFACTS [--prompts FILE] [--num-prompts N] [--max-new-tokens N]
-                 [--backend ort|qaic|auto] [--out DIR] [--repeats R] [--warmup W] [--threads T]
-                 [--temperatures 0,1 | --temperature T] [--top-k K] [--top-p P] [--seed S]
-                 [--sampled-prompts N] [--sampled-repeats R]
-                 [--no-peers] [--profile-shapes qwen3-0.6b,qwen3-4b:2:1]
-    dflash-bench --profile-shapes qwen3-0.6b:8 --out bench-profile     # the cost profile alone
+    dflash-bench artifacts/default                # writes bench/latest/{report.md,.png,results.json}
+    dflash-bench artifacts/default --temperatures 0 --no-peers --repeats 1    # a quick look
+    dflash-bench --export …  /  dflash-bench --serve …   # the export and server benchmarks
 
-Each temperature gets the same alternating baseline / DFlash measurement. At T = 0 DFlash must
-give the target's own tokens (the lossless check); at T > 0 every run samples with its own seed
-(derived from --seed, T, prompt, round and mode), tokens differ, and a token-histogram sanity
-check compares the two distributions. Artifacts exported with --no-sampling skip T > 0 (noted
-in the report). The PyTorch peers run at T = 0 only.
-
-Writes DIR/results.json, DIR/report.md and DIR/report.png. Exits 1 when the lossless check
-fails (DFlash tokens differ from the target alone at T = 0), 2 on bad input.
+Prints the summary screen. Exits 1 when DFlash's tokens differ from the target's at T = 0 (the
+lossless check), 2 on bad input.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
+import math
+import os
 import shlex
 import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-# Prompts and timed rounds at T > 0; 0 = as many as at T = 0. The full T = 1 measurement adds
-# ~75 s to `make bench` on the default pair (2 cores, idle: ~170 s in all), well under its
-# 15-minute budget, so nothing is cut by default; lower these when sampling is the slow part.
-SAMPLED_PROMPTS = 0
-SAMPLED_REPEATS = 0
+MODES = {"--export": "dflash_qaic.bench.export", "--serve": "dflash_qaic.bench.serve"}
+PEER_ROUNDS = 2  # the PyTorch peers are slow on a CPU
+
+
+OPTIONS = [  # flag, type, default, help
+    ("--prompts", str, None, '.jsonl with "prompt" or "prompt_ids" per line, or one text prompt '
+     "per line; None: the default pair's held-out prompts, else random ids"),
+    ("--num-prompts", int, 12, "use at most this many prompts"),
+    ("--max-new-tokens", int, 128, "tokens per run"),
+    ("--out", str, "bench/latest", "output directory"),
+    ("--repeats", int, 3, "timed rounds"),
+    ("--warmup", int, 1, "discarded rounds first"),
+    ("--threads", int, None, "ONNX Runtime and PyTorch threads; None: the usable CPUs"),
+    ("--temperatures", str, "0,1", "comma-separated temperatures, 0 = greedy"),
+    ("--top-k", int, 0, "top-k at T > 0 (0: off)"),
+    ("--top-p", float, 1.0, "top-p at T > 0 (1: off)"),
+    ("--seed", int, 0, "base seed of the sampled runs"),
+]  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dflash-bench",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("artifacts", nargs="?", help="artifacts directory written by dflash-export")
-    p.add_argument(
-        "--prompts",
-        help='.jsonl with "prompt" (text) or "prompt_ids" per line, or .txt with one prompt per '
-        "line (default: the held-out prompts for the default pair, else random ids)",
-    )
-    p.add_argument(
-        "--num-prompts", type=int, default=12, help="use at most this many prompts (default 12)"
-    )
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("artifacts", help="artifacts directory written by dflash-export")
     p.add_argument("--backend", default="ort", choices=["ort", "qaic", "auto", "qaic-standin"])
-    p.add_argument("--out", default="bench", help="output directory (default bench/)")
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds (default 3)")
-    p.add_argument("--warmup", type=int, default=1, help="discarded rounds first (default 1)")
-    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime / PyTorch threads")
-    temps = p.add_mutually_exclusive_group()
-    temps.add_argument(
-        "--temperatures",
-        default="0,1",
-        help="comma-separated sampling temperatures to measure, 0 = greedy (default 0,1)",
-    )
-    temps.add_argument(
-        "--temperature", type=float, default=None, help="one temperature (--temperatures T)"
-    )
-    p.add_argument("--top-k", type=int, default=0, help="top-k at T > 0 (default 0: off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="top-p at T > 0 (default 1: off)")
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="base seed of the sampled runs (T > 0); each run's seed is derived from it, the "
-        "temperature, the prompt index, the round and the mode (default 0)",
-    )
-    p.add_argument(
-        "--sampled-prompts",
-        type=int,
-        default=SAMPLED_PROMPTS,
-        help=f"at T > 0, use the first N prompts only (default {SAMPLED_PROMPTS}; 0 = all, as "
-        "at T = 0)",
-    )
-    p.add_argument(
-        "--sampled-repeats",
-        type=int,
-        default=SAMPLED_REPEATS,
-        help=f"timed rounds at T > 0 (default {SAMPLED_REPEATS}; 0 = --repeats)",
-    )
-    p.add_argument("--no-peers", action="store_true", help="skip the PyTorch peers (T = 0 only)")
-    p.add_argument(
-        "--peer-repeats",
-        type=int,
-        default=2,
-        help="timed rounds of the PyTorch peers (default 2; they are slow on a CPU)",
-    )
-    p.add_argument(
-        "--profile-shapes",
-        default=None,
-        help="comma-separated real shapes to cost-profile with random weights: "
-        "name[:target_layers[:draft_layers]], names qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b "
-        "(slow: minutes per shape, ~12 GB of RAM for qwen3-0.6b:8)",
-    )
-    p.add_argument("--profile-ctx-len", type=int, default=512)
-    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    for flag, typ, default, text in OPTIONS:
+        p.add_argument(flag, type=typ, default=default, help=f"{text} (default %(default)s)")
+    p.add_argument("--no-peers", action="store_true", help="skip the PyTorch peers")
+    p.add_argument("--no-profile", action="store_true", help="skip the cost profile")
+    p.add_argument("--debug", action="store_true", help="tracebacks on errors")
     return p
 
 
@@ -111,275 +63,165 @@ def _log(msg: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    for flag, module in MODES.items():
+        if flag in argv:
+            return _delegate(flag, module, [a for a in argv if a != flag])
     args = parser().parse_args(argv)
-    command = shlex.join(["dflash-bench", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return _main(args, command)
-    except Exception as e:
-        from dflash_qaic.bench.run import BenchError
-        from dflash_qaic.runtime import ArtifactsError, BackendError, GenerationError
+    from dflash_qaic.bench.run import BenchError
+    from dflash_qaic.runtime import ArtifactsError, BackendError, GenerationError
 
-        if args.debug or not isinstance(
-            e, BenchError | ArtifactsError | BackendError | GenerationError
-        ):
+    try:
+        return _main(args, shlex.join(["dflash-bench", *argv]))
+    except (BenchError, ArtifactsError, BackendError, GenerationError) as e:
+        if args.debug:
             raise
         print(f"dflash-bench: error: {e}", file=sys.stderr)
         return 2
 
 
-def _check_args(args) -> None:
-    from dflash_qaic.bench.run import BenchError
+def _delegate(flag: str, module: str, argv: list[str]) -> int:
+    """The export / server benchmarks live in their own modules, imported only when asked for."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        print(f"dflash-bench: error: {flag} needs {module}, not installed", file=sys.stderr)
+        return 2
+    sys.argv[0] = f"dflash-bench {flag}"  # their usage lines name the command the user typed
+    return int(mod.main(argv) or 0)
 
-    for name in ("repeats", "max_new_tokens", "num_prompts", "peer_repeats"):
+
+def check_args(args) -> None:
+    """Every flag checked before any long work; --out created (or refused) up front."""
+    from dflash_qaic.bench.run import BenchError
+    from dflash_qaic.runtime.pipeline import GenerationError, Sampling
+
+    if importlib.util.find_spec("scipy") is None:
+        raise BenchError("dflash-bench needs scipy: pip install 'dflash-qaic[bench]'")
+    for name in ("num_prompts", "max_new_tokens", "repeats"):
         if getattr(args, name) < 1:
             raise BenchError(f"--{name.replace('_', '-')} must be ≥ 1")
     if args.warmup < 0:
         raise BenchError("--warmup must be ≥ 0")
-    for name in ("sampled_prompts", "sampled_repeats"):
-        if getattr(args, name) < 0:
-            raise BenchError(f"--{name.replace('_', '-')} must be ≥ 0 (0 = as at T = 0)")
-    args.temperatures = parse_temperatures(
-        args.temperatures if args.temperature is None else str(args.temperature)
-    )
-    if any(t > 0 for t in args.temperatures):
-        from dflash_qaic.runtime.pipeline import GenerationError, Sampling
-
-        try:
-            Sampling.checked(1.0, args.top_k, args.top_p, args.seed)
-        except GenerationError as e:
-            raise BenchError(str(e).replace("top_k", "--top-k").replace("top_p", "--top-p")) from e
-    if args.artifacts is None and not args.profile_shapes:
-        raise BenchError("give an ARTIFACTS directory (or --profile-shapes for the profile alone)")
+    cpus = len(os.sched_getaffinity(0))
+    args.threads = cpus if args.threads is None else args.threads
+    if not 1 <= args.threads <= 4 * cpus:
+        raise BenchError(f"--threads must be 1 … {4 * cpus} (this machine has {cpus} CPUs)")
+    args.temperatures = parse_temperatures(args.temperatures)
+    try:
+        Sampling.checked(1.0, args.top_k, args.top_p, args.seed)
+    except GenerationError as e:
+        raise BenchError(str(e).replace("top_", "--top-")) from e
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise BenchError(f"--out {out} is a file: give a directory (it is created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BenchError(f"cannot create --out {out}: {e.strerror or e}") from e
+    if not os.access(out, os.W_OK):
+        raise BenchError(f"--out {out} is not writable: give another directory")
 
 
 def parse_temperatures(text: str) -> list[float]:
     """'0,1' -> [0.0, 1.0]: distinct finite numbers ≥ 0, in the order given."""
-    import math
-
     from dflash_qaic.bench.run import BenchError
 
     out: list[float] = []
-    for part in text.split(","):
-        if not part.strip():
-            continue
+    for part in filter(str.strip, text.split(",")):
         try:
             t = float(part)
-        except ValueError as e:
-            raise BenchError(f"--temperatures: {part.strip()!r} is not a number") from e
-        if not math.isfinite(t) or t < 0:
-            raise BenchError(f"--temperatures: {part.strip()} must be a finite number ≥ 0")
-        if t in out:
-            raise BenchError(f"--temperatures: {t:g} is given twice")
+        except ValueError:
+            raise BenchError(f"--temperatures: {part.strip()!r} is not a number") from None
+        if not math.isfinite(t) or t < 0 or t in out:
+            raise BenchError(f"--temperatures: {part.strip()} must be finite, ≥ 0 and not repeated")
         out.append(t)
     if not out:
-        raise BenchError("--temperatures: give at least one temperature, e.g. 0,1")
+        raise BenchError("--temperatures: give at least one, e.g. 0,1")
     return out
 
 
 def _main(args, command: str) -> int:
+    import dflash_qaic
     from dflash_qaic.bench import report, run
 
-    _check_args(args)
-    t0 = time.perf_counter()
-    started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    shapes = [s for s in (args.profile_shapes or "").split(",") if s.strip()]
-    for s in shapes:
-        run.parse_shape(s)  # fail before any long work
-    machine = run.machine_info(args.threads)
-
-    if args.artifacts is None:
-        profiles = _profiles(shapes, args)
-        machine["load_average_end"] = run.load_average()
-        res = {
-            "schema": report.SCHEMA,
-            "command": command,
-            "started": started,
-            "machine": machine,
-            "profiles": profiles,
-            "seconds": time.perf_counter() - t0,
-        }
-        paths = report.write_profile_outputs(res, args.out)
-        _log(f"wrote {', '.join(str(p) for p in paths.values())}")
-        return 0
-
-    import dflash_qaic
-
-    _log(f"dflash-bench: loading {args.artifacts} on {args.backend}")
+    check_args(args)
+    t0, started = time.perf_counter(), datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    machine = run.machine(args.threads)
+    _log(f"dflash-bench: loading {args.artifacts} on {args.backend} ({args.threads} threads)")
     pipe = dflash_qaic.load(args.artifacts, backend=args.backend, threads=args.threads)
-    m = pipe.manifest
+    f = run.facts(pipe, args.artifacts)
+    if not pipe.can_sample and all(t > 0 for t in args.temperatures):
+        raise run.BenchError(
+            "these artifacts have no sampler (--no-sampling): add 0 to --temperatures"
+        )
     prompts, source = run.select_prompts(
-        m, pipe.tokenizer, args.max_new_tokens, args.prompts, args.num_prompts
+        f, pipe.tokenizer, args.max_new_tokens, args.prompts, args.num_prompts
     )
     _log(f"{len(prompts)} prompts from {source}")
-    copy_bw = [run.copy_bandwidth()]
-    measurements = _measure(pipe, prompts, args)
-    greedy = next((x for x in measurements if x["temperature"] == 0 and "runs" in x), None)
-    copy_bw.append(run.copy_bandwidth())
-    backend = pipe.backend
-    del pipe
-    d = Path(args.artifacts)
-    weights = {p: run.onnx_weight_bytes(d / m[p]["onnx"]) for p in ("target", "draft")}
+    sections, ours = _measure(pipe, prompts, args, f["block_size"])
+    greedy = next((s for s in sections if s["temperature"] == 0), None)
+    copy_Bps = run.copy_bandwidth()
+    weights = {p: run.weight_bytes(f[p]["onnx"]) for p in ("target", "draft")}
+    profile = {"skipped": "--no-profile"}
+    if not args.no_profile:
+        w_s = {k: weights["draft" if k == "draft" else "target"] / copy_Bps for k in run.KINDS}
+        profile = run.cost_profile(pipe, f, prompts[0].ids, args.threads, w_s, log=_log)
+    peers = {"skipped": "--no-peers" if args.no_peers else "T = 0 was not measured"}
+    if ours and not args.no_peers:
+        from dflash_qaic.bench.peers import run_peers
 
-    if args.no_peers:
-        peers = {"skipped": "skipped (--no-peers)"}
-    elif greedy is None:
-        peers = {"skipped": "skipped: they run at T = 0 only, and T = 0 was not measured"}
-    else:
-        _log("peers (T = 0): the reference dflash_generate and Hugging Face generate (PyTorch)")
-        ours = [r[0]["baseline"].tokens if r else [] for r in greedy["runs"]]
-        peers = run.run_peers(
-            m,
-            prompts,
-            args.max_new_tokens,
-            args.peer_repeats,
-            args.warmup,
-            args.threads,
-            ours,
-            progress=_log,
-        )
-        if "skipped" in peers:
-            _log(f"peers {peers['skipped']}")
-    profiles = _profiles(shapes, args)
-
-    machine["load_average_end"] = run.load_average()
-    config = {
-        "max_new_tokens": args.max_new_tokens,
-        "repeats": args.repeats,
-        "warmup": args.warmup,
-        "threads": args.threads,
-        "backend": backend,
-        "peer_repeats": args.peer_repeats,
-        "temperatures": args.temperatures,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "seed": args.seed,
-        "sampled_prompts": args.sampled_prompts,
-        "sampled_repeats": args.sampled_repeats,
+        _log("peers (T = 0): the reference dflash_generate and Hugging Face generate")
+        rounds = min(PEER_ROUNDS, args.repeats)
+        peers = run_peers(f, prompts, args.max_new_tokens, rounds, args.threads, ours, _log)
+    res = {
+        "schema": report.SCHEMA,
+        "command": command,
+        "started": started,
+        "seconds": time.perf_counter() - t0,
+        "artifacts": {**f, "backend": pipe.backend},
+        "config": {k: v for k, v in vars(args).items() if k not in ("artifacts", "debug")},
+        "machine": {**machine, "load_end": [round(x, 2) for x in os.getloadavg()]},
+        "temperatures": sections,
+        "profile": profile,
+        "bandwidth": {
+            "copy_Bps": copy_Bps,
+            "weight_bytes": weights,
+            "llc_bytes": machine["llc_bytes"],
+        },
+        "peers": peers,
     }
-    res = report.build_results(
-        manifest=m,
-        artifacts=str(args.artifacts),
-        backend=backend,
-        config=config,
-        machine=machine,
-        prompts=prompts,
-        prompts_source=source,
-        measurements=measurements,
-        weights=weights,
-        copy_bw=copy_bw,
-        peers=peers,
-        profiles=profiles,
-        command=command,
-        seconds=time.perf_counter() - t0,
-        started=started,
-    )
-    paths = report.write_outputs(res, args.out)
-    for sec in res["temperatures"]:
-        if sec["status"] == "skipped":
-            _log(f"T={sec['temperature']:g}: skipped: {sec['note']}")
-            continue
-        a, bd = sec["aggregate"], sec["bound"]
-        _log(
-            f"T={sec['temperature']:g}: τ {a['tau']:.2f} · speedup {a['speedup']['median']:.2f}× "
-            f"[{a['speedup']['min']:.2f}–{a['speedup']['max']:.2f}] · "
-            f"{bd['fraction_of_bound']:.0%} of the bound {bd['bound']:.2f}×"
-            + (
-                f" · token histograms p = {sec['distribution_check']['p_permutation']:.2f}"
-                if "distribution_check" in sec
-                else ""
-            )
-        )
-    _log(f"{res['seconds']:.0f} s in all")
-    _log(f"wrote {', '.join(str(p) for p in paths.values())}")
-    if res["lossless"]["passed"] is False:
-        _log(
-            f"dflash-bench: LOSSLESS CHECK FAILED: {len(res['lossless']['failures'])} problems "
-            f"(see {paths['md']}); DFlash output differs from the target alone"
-        )
+    res["config"].update(prompts_source=source, num_prompts=len(prompts))
+    paths = report.write_outputs(res, Path(args.out))
+    print(report.summary_screen(res))
+    _log(f"wrote {', '.join(map(str, paths.values()))} ({res['seconds']:.0f} s)")
+    if greedy and not greedy["check"]["passed"]:
+        _log(f"dflash-bench: LOSSLESS CHECK FAILED: {'; '.join(greedy['problems'][:3])}")
         return 1
     return 0
 
 
-def _measure(pipe, prompts, args) -> list[dict]:
-    """Run every temperature in turn (same prompts, warm-up and rounds; at T > 0 possibly
-    fewer, see --sampled-prompts / --sampled-repeats); T > 0 is skipped, with a note, when the
-    artifacts have no sampler."""
-    from dflash_qaic.bench import run
+def _measure(pipe, prompts, args, B: int) -> tuple[list[dict], list | None]:
+    """One section per temperature (T > 0 skipped, with a note, without a sampler), and our
+    DFlash tokens per prompt at T = 0 (None when T = 0 was not measured)."""
+    from dflash_qaic.bench import run, stats
 
-    can_sample = bool(getattr(pipe, "can_sample", False))
-    sampled = [t for t in args.temperatures if t > 0]
-    if sampled and can_sample:
-        # fail on settings these programs cannot take (e.g. top_k above their candidates) now,
-        # not after the T = 0 measurement
-        pipe.generate(
-            prompts[0].ids,
-            max_new_tokens=1,
-            stop_token_ids=[],
-            temperature=sampled[0],
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-        )
-    if not can_sample and sampled and all(t > 0 for t in args.temperatures):
-        raise run.BenchError(
-            "these artifacts have no sampler (exported with --no-sampling), so only T = 0 can be "
-            "measured: add 0 to --temperatures, or re-export without --no-sampling"
-        )
-    out = []
-    for t in args.temperatures:
-        head = {"temperature": t, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
-        if t == 0:
-            head.update(top_k=0, top_p=1.0, seed=None)  # greedy: the settings play no part
-        if t > 0 and not can_sample:
-            note = (
-                "these artifacts' target program has no sampler (exported with "
-                "`dflash-export --no-sampling`), so only greedy decoding (T = 0) can run; "
-                "re-export without --no-sampling to measure sampling"
-            )
-            _log(f"T={t:g}: skipped: {note}")
-            out.append({**head, "skipped": note})
+    out, ours = [], None
+    for T in args.temperatures:
+        if T > 0 and not pipe.can_sample:
+            note = "the target program has no sampler (exported with --no-sampling)"
+            out.append({"temperature": T, "status": "skipped", "note": note})
             continue
-        use, repeats, reduced = prompts, args.repeats, None
-        if t > 0:
-            if args.sampled_prompts and args.sampled_prompts < len(prompts):
-                use = prompts[: args.sampled_prompts]
-            if args.sampled_repeats:
-                repeats = args.sampled_repeats
-            if len(use) < len(prompts) or repeats != args.repeats:
-                reduced = (
-                    f"fewer runs than at T = 0 to keep the benchmark short: the first {len(use)} "
-                    f"of {len(prompts)} prompts × {repeats} timed round(s) (T = 0: "
-                    f"{len(prompts)} × {args.repeats}); --sampled-prompts 0 --sampled-repeats 0 "
-                    "measures as many as at T = 0"
-                )
-        _log(
-            f"measuring T={t:g}: {args.warmup} warm-up + {repeats} timed rounds × {len(use)} "
-            f"prompts × (target alone, DFlash), {args.max_new_tokens} new tokens each"
-        )
-        meas = run.run_pipeline(
-            pipe,
-            use,
-            args.max_new_tokens,
-            repeats,
-            args.warmup,
-            progress=_log,
-            temperature=t,
-            top_k=head["top_k"],
-            top_p=head["top_p"],
-            seed=args.seed,
-        )
-        out.append({**head, **meas, "warmup": args.warmup, "reduced": reduced})
-    return out
-
-
-def _profiles(shapes: list[str], args) -> list[dict]:
-    from dflash_qaic.bench import run
-
-    out = []
-    for s in shapes:
-        _log(f"cost profile {s}")
-        out.append(run.profile_shape(s, args.threads, ctx_len=args.profile_ctx_len, progress=_log))
-    return out
+        _log(f"T={T:g}: {args.warmup} warm-up + {args.repeats} rounds × {len(prompts)} prompts")
+        runs, problems = run.run_pairs(
+            pipe, prompts, args.max_new_tokens, args.repeats, args.warmup, T,
+            args.top_k, args.top_p, args.seed, _log,
+        )  # fmt: skip
+        out.append(stats.section(T, runs, problems, prompts, B, args.seed))
+        ours = [per[0]["dflash"].tokens for per in runs] if T == 0 else ours
+    return out, ours
 
 
 if __name__ == "__main__":
