@@ -124,7 +124,7 @@ def test_resume_equals_uninterrupted_run(tiny, tmp_path):
     (part / "train_state" / "sequences.pt").write_bytes(seq)
     stopped = D.train(_draft_args(root, tdir, part, "--steps", "8"), stop_after=5)
     assert stopped["step"] == 5 and not (part / "model.safetensors").exists()
-    ckpt = torch.load(part / "train_state" / "checkpoint.pt", weights_only=False)
+    ckpt = torch.load(part / "train_state" / "checkpoint.pt", weights_only=True)
     assert ckpt["step"] == 5 and len(ckpt["optimizer"]["state"]) > 0
     with pytest.raises(SystemExit, match="--resume"):
         D.train(_draft_args(root, tdir, part, "--steps", "8"))

@@ -95,7 +95,8 @@ class Log:
 
 def load_checkpoint(path: Path, expect: dict) -> dict:
     """The checkpoint at `path`, after checking that it was made with the same settings."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    # weights_only: tensors and plain containers only, so a planted checkpoint cannot run code.
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
     saved = ckpt.get("settings", {})
     diff = {k: (saved.get(k), v) for k, v in expect.items() if saved.get(k) != v}
     if diff:
