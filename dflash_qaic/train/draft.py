@@ -47,6 +47,7 @@ from dflash_qaic.train.common import (
     adamw,
     atomic_save,
     atomic_write_text,
+    load_state,
     lr_at,
     resume,
     save_safetensors_atomic,
@@ -435,7 +436,7 @@ def _train(a: argparse.Namespace, stop_after: int | None) -> dict:
     # and plain containers: a planted file can neither run code nor replace the data unasked.
     cached = None
     if a.resume and seq_path.is_file():
-        cached = torch.load(seq_path, map_location="cpu", weights_only=True)
+        cached = load_state(seq_path)
     if cached is not None and cached.get("key") == a.data_key:
         seqs = cached["seqs"]
     else:
