@@ -196,6 +196,7 @@ def traffic_from_manifest(manifest: dict) -> dict:
     `extra` lists I/O the traffic model does not describe, with its bytes per call."""
     B = int(manifest["block_size"])
     sym = {"batch_size": int(manifest["batch_size"]), "seq_len": B, "ctx_len": manifest["ctx_len"]}
+    sym["sample_len"] = 1  # the greedy Verify specialization samples one row
     t, d = manifest["target"], manifest["draft"]
     io = {
         "verify_in": _io_bytes(t["inputs"], sym),
