@@ -290,3 +290,17 @@ def test_sampled_continuations_are_the_targets_samples(tiny):
     )
     assert (firsts != logits.argmax(-1)).any()
     assert torch.isfinite(torch.log_softmax(logits, -1).gather(1, firsts.T)).all()
+
+
+def test_mixed_recipe_trains_on_sampled_sequences(tiny, tmp_path):
+    root, tdir = tiny
+    out = tmp_path / "mixed"
+    D.train(_draft_args(root, tdir, out, "--steps", "2", "--sampled-frac", "1"))
+    seqs = torch.load(out / "train_state" / "sequences.pt", weights_only=True)["seqs"]
+    assert all(s["sampled"] for s in seqs)
+    model = ck.load_target_model(tdir)
+    s = seqs[0]
+    greedy = D.greedy_continue(model, s["tokens"][None, : s["prompt_len"]], 16)[0]
+    assert not torch.equal(greedy, s["tokens"])  # not the greedy continuation
+    with pytest.raises(SystemExit, match="sampled-frac"):
+        D.main(["--target", str(tdir), "--out", str(tmp_path / "x"), "--sampled-frac", "2"])

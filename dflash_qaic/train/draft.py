@@ -162,7 +162,8 @@ def make_sequences(model, doc_ids: list[torch.Tensor], a, gen: torch.Generator) 
         room = lengths[docs] - plen + 1
         starts = (torch.rand(n, generator=gen, dtype=torch.float64) * room).long()
         prompts = torch.stack([doc_ids[d][s : s + plen] for d, s in zip(docs.tolist(), starts)])
-        sampled = float(torch.rand(1, generator=gen)) < a.sampled_frac
+        # the coin is drawn only when mixing, so a greedy-only run draws what it always drew
+        sampled = a.sampled_frac > 0 and float(torch.rand(1, generator=gen)) < a.sampled_frac
         temperature = a.sample_temperature if sampled else 0.0
         for row in continue_target(model, prompts, a.gen_len, temperature, gen):
             seqs.append({"tokens": row.clone(), "prompt_len": plen, "sampled": sampled})
@@ -578,8 +579,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sampled-frac",
         type=float,
-        default=0.5,
-        help="share of generation batches sampled (the rest greedy); 0 = greedy only",
+        default=0.0,
+        help="share of generation batches sampled (the rest greedy); default 0 = greedy only",
     )
     p.add_argument("--sample-temperature", type=float, default=1.0)
     p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 320], metavar=("MIN", "MAX"))
