@@ -6,7 +6,15 @@ the compiler step derives `specializations.json` and `custom_io.yaml` from here.
 spells an I/O name.
 
 Shapes are tuples whose entries are either ints (static) or symbol names (str) that a
-specialization binds: `batch_size`, `seq_len`, `ctx_len`.
+specialization binds: `batch_size`, `seq_len`, `ctx_len`, and (target with sampling)
+`sample_len`, the number of leading rows of a call that run the sampler.
+
+Greedy calls do not pay for the sampler: `random_u` is [batch, sample_len, 2], and only the first
+`sample_len` rows of a call run the sampler; the rest take the argmax. The greedy Verify
+specialization binds sample_len = 1, VerifySampled binds it to the block (the runtime picks one by
+the shape of `random_u`); Prefill and Decode bind it to seq_len (decode has one row anyway). One
+program, no control flow: a specialization is just another static shape to the compiler, and no
+dimension is ever 0 (docs/DESIGN.md, Sampling).
 
 KV cache slots (both programs): a cache has `ctx_len` slots indexed by absolute position. The
 last slot, `ctx_len - 1`, is the *padding slot*: rows whose position is -1 write there, and no
@@ -22,7 +30,8 @@ from dataclasses import dataclass
 BATCH = "batch_size"
 SEQ = "seq_len"
 CTX = "ctx_len"
-SYMBOLS = (BATCH, SEQ, CTX)
+SAMPLE = "sample_len"  # target rows per call that run the sampler (the first ones), 1 <= it <= seq
+SYMBOLS = (BATCH, SEQ, CTX, SAMPLE)
 
 # Common input names (QEfficient conventions).
 INPUT_IDS = "input_ids"
@@ -31,7 +40,7 @@ POSITION_IDS = "position_ids"
 TEMPERATURE = "temperature"  # float [batch]: 0 = greedy argmax, exactly
 TOP_K = "top_k"  # int64 [batch]: keep the k most likely tokens; 0 = off
 TOP_P = "top_p"  # float [batch]: keep the smallest head of mass >= top_p; 1 = off
-RANDOM_U = "random_u"  # float [batch, seq_len, 2]: uniforms in [0, 1) from the host
+RANDOM_U = "random_u"  # float [batch, sample_len, 2]: uniforms in [0, 1) from the host
 N_RANDOM = 2  # per position: [..., 0] the accept test, [..., 1] the inverse-CDF sample
 SAMPLING_INPUTS = (TEMPERATURE, TOP_K, TOP_P, RANDOM_U)
 # Target outputs.
@@ -48,7 +57,8 @@ PAD_POSITION = -1
 
 # Specialization names (the named form of specializations.json).
 PREFILL = "Prefill"
-VERIFY = "Verify"
+VERIFY = "Verify"  # greedy: sample_len 1
+VERIFY_SAMPLED = "VerifySampled"  # sampling: sample_len = block
 DECODE = "Decode"
 DRAFT_DECODE = "DraftDecode"
 DRAFT_PREFILL = "DraftPrefill"
@@ -93,7 +103,7 @@ def sampling_specs() -> list[TensorSpec]:
         TensorSpec(TEMPERATURE, "float32", (BATCH,)),
         TensorSpec(TOP_K, "int64", (BATCH,)),
         TensorSpec(TOP_P, "float32", (BATCH,)),
-        TensorSpec(RANDOM_U, "float32", (BATCH, SEQ, N_RANDOM)),
+        TensorSpec(RANDOM_U, "float32", (BATCH, SAMPLE, N_RANDOM)),
     ]
 
 
@@ -102,11 +112,12 @@ class TargetIO:
     """I/O of the target program (prefill, verify and decode in one graph).
 
     With `sampling` (the default) the program also takes `temperature`, `top_k`, `top_p` per
-    batch row and `random_u` per position, and `next_tokens` is the token committed at every
-    position under the lossless rule (REFERENCE.md §3): row j's proposal is the next row's
-    input token when that row exists and is not padding; it is accepted with probability p(d),
-    else the row samples from p with d removed; a row without a proposal samples from p.
-    Temperature 0 is the plain argmax. Without `sampling`, `next_tokens` is always the argmax.
+    batch row and `random_u` for the first `sample_len` positions, and `next_tokens` at those
+    positions is the token committed under the lossless rule (REFERENCE.md §3): row j's proposal
+    is the next row's input token when that row exists and is not padding; it is accepted with
+    probability p(d), else the row samples from p with d removed; a row without a proposal
+    samples from p. Temperature 0 and every row past `sample_len` take the plain argmax.
+    Without `sampling`, `next_tokens` is always the argmax.
     """
 
     n_layers: int
@@ -179,14 +190,36 @@ class DraftIO:
 
 
 def target_specializations(
-    batch_size: int, prefill_seq_len: int, block_size: int, ctx_len: int
+    batch_size: int, prefill_seq_len: int, block_size: int, ctx_len: int, sampling: bool = True
 ) -> list[dict]:
-    """Named specializations of the target program: prefill chunk, verify block, single-token decode."""
-    return [
-        {"name": PREFILL, "symbols": {BATCH: batch_size, SEQ: prefill_seq_len, CTX: ctx_len}},
-        {"name": VERIFY, "symbols": {BATCH: batch_size, SEQ: block_size, CTX: ctx_len}},
-        {"name": DECODE, "symbols": {BATCH: batch_size, SEQ: 1, CTX: ctx_len}},
+    """Named specializations of the target program: prefill chunk, verify block, single-token
+    decode; with sampling, `sample_len` bound in each and a second verify block that samples
+    every row (the greedy Verify runs the sampler on one row only, whose result it discards)."""
+
+    def spec(name: str, seq: int, sample: int) -> dict:
+        sym = {BATCH: batch_size, SEQ: seq, CTX: ctx_len}
+        return {"name": name, "symbols": {**sym, SAMPLE: sample} if sampling else sym}
+
+    specs = [
+        spec(PREFILL, prefill_seq_len, prefill_seq_len),
+        spec(VERIFY, block_size, 1),
+        spec(DECODE, 1, 1),
     ]
+    if sampling:
+        specs.insert(2, spec(VERIFY_SAMPLED, block_size, block_size))
+    return specs
+
+
+def sample_rows(specializations: list[dict], seq: int, greedy: bool) -> int:
+    """`sample_len` of the target specialization for a call of `seq` rows: the smallest one
+    bound for that seq_len when greedy, else seq itself (specializations without the symbol,
+    from artifacts exported before it existed, sample every row)."""
+    bound = [
+        s["symbols"][SAMPLE]
+        for s in specializations
+        if s["symbols"].get(SEQ) == seq and SAMPLE in s["symbols"]
+    ]
+    return min(bound) if greedy and bound else seq
 
 
 def draft_specializations(

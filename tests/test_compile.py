@@ -30,7 +30,7 @@ DIO = contract.DraftIO(
     n_layers=1, n_kv_heads=2, head_dim=16, hidden_size=64, vocab_size=256, block_size=4
 )
 TSPECS = contract.target_specializations(
-    batch_size=1, prefill_seq_len=32, block_size=4, ctx_len=128
+    batch_size=1, prefill_seq_len=32, block_size=4, ctx_len=128, sampling=False
 )
 DSPECS = contract.draft_specializations(batch_size=1, prefill_seq_len=32, block_size=4, ctx_len=128)
 PROFILES = [

@@ -55,3 +55,14 @@ def test_heldout_prompts_lossless_with_reference_acceptance(artifacts):
         assert res.text == pipe.tokenizer.decode(res.tokens)
         lengths += res.acceptance_lengths
     assert sum(lengths) / len(lengths) >= 4.0, lengths
+
+
+def test_demo_runs_on_the_exported_pair(artifacts, capsys):
+    from dflash_qaic import demo
+
+    argv = ["--out", str(artifacts), "--prompts", "2", "--repeats", "1", "--max-new-tokens", "40"]
+    assert demo.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "reusing the exported programs" in out
+    assert "output identical to the target alone: yes" in out
+    assert "speedup over the target alone = " in out and "2 prompt(s) × 1 rounds" in out

@@ -119,6 +119,14 @@ def test_strict_standin_runs_the_same_loop(built):
         a, b = ort_pipe.generate(ids, 40), standin.generate(ids, 40)
         assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths
         assert standin.generate_baseline(ids, 12).tokens == a.tokens[:12]
+    # greedy verify calls pick the specialization that samples one row, sampled ones the other
+    used = standin.target.session.used
+    assert set(used) == {"Prefill", "Verify", "Decode"}
+    used.clear()
+    a = ort_pipe.generate(prompt(20, 5), 40, temperature=1.0, seed=2)
+    b = standin.generate(prompt(20, 5), 40, temperature=1.0, seed=2)
+    assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths
+    assert set(used) == {"Prefill", "VerifySampled"}
 
 
 def test_standin_refuses_what_the_card_refuses(built):
@@ -224,9 +232,110 @@ def test_streaming_and_baseline(built):
 def test_kv_stays_in_ortvalues(built):
     _, _, art, _ = built(*CONFIGS[0])
     pipe = dflash_qaic.load(art)
-    before = [id(v) for pair in pipe.target._kv for v in pair]
+    for prog in (pipe.target, pipe.draft):
+        assert prog.inplace and len(prog._kv) == 1  # one set: bound as input and output
+    before = [(id(v), v.data_ptr()) for prog in (pipe.target, pipe.draft) for v in prog.caches]
     pipe.generate(prompt(9, 1), 20)
-    assert [id(v) for pair in pipe.target._kv for v in pair] == before
+    pipe.generate(prompt(5, 2), 20, temperature=1.0, seed=3)
+    after = [(id(v), v.data_ptr()) for prog in (pipe.target, pipe.draft) for v in prog.caches]
+    assert after == before
+
+
+def test_inplace_caches_equal_double_buffered(built):
+    """A whole generation (greedy and sampled, prefill, verify, draft, decode) with the caches
+    updated in place equals the double-buffered run token for token, and leaves the same cache
+    contents behind."""
+    import numpy as np
+
+    from dflash_qaic.runtime.backends import OrtProgram
+
+    _, _, art, _ = built(*CONFIGS[2])
+    inplace, double = dflash_qaic.load(art), dflash_qaic.load(art)
+    m = double.manifest
+    for name in ("target", "draft"):
+        prog = m[name]
+        sym = {"batch_size": int(m["batch_size"]), "ctx_len": int(m["ctx_len"])}
+        path = art / prog["onnx"]
+        setattr(double, name, OrtProgram(path, prog["inputs"], prog["outputs"], sym, inplace=False))
+    assert not double.target.inplace and len(double.target._kv) == 2
+    for seed, (n, new) in enumerate([(5, 40), (23, 61), (40, 30)]):
+        ids = prompt(n, seed)
+        for kw in ({}, {"temperature": 1.0, "seed": seed}, {"temperature": 0.7, "top_k": 5}):
+            kw = {"seed": 11, **kw} if kw else kw
+            a, b = inplace.generate(ids, new, **kw), double.generate(ids, new, **kw)
+            assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths
+        a, b = inplace.generate_baseline(ids, 20), double.generate_baseline(ids, 20)
+        assert a.tokens == b.tokens
+    for x, y in ((inplace.target, double.target), (inplace.draft, double.draft)):
+        for u, v in zip(x.caches, y.caches):
+            np.testing.assert_array_equal(u.numpy(), v.numpy())
+
+
+def test_inplace_needs_the_update_to_be_the_only_reader(built, tmp_path):
+    """The aliasing check: both exported programs pass, in the ONNX files and in the graph
+    ONNX Runtime actually runs after its optimizations; a graph in which anything but the cache
+    update reads a cache is refused in place and runs double buffered."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from dflash_qaic.runtime.backends import OrtProgram, inplace_cache_safe
+
+    _, _, art, _ = built(*CONFIGS[0])
+    m = json.loads((art / "manifest.json").read_text())
+    for name in ("target", "draft"):
+        path = art / m[name]["onnx"]
+        kv = [i["name"] for i in m[name]["inputs"] if i["name"].startswith("past_")]
+        assert inplace_cache_safe(path, kv)
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.optimized_model_filepath = str(tmp_path / f"{name}.opt.onnx")
+        ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        opt = onnx.load(so.optimized_model_filepath, load_external_data=False)
+        assert not any(n.op_type == "CtxScatter" for n in opt.graph.node)  # inlined
+        assert inplace_cache_safe(so.optimized_model_filepath, kv)
+
+    # past -> ScatterND -> retained, and past also read by an Identity: not safe
+    f32 = TensorProto.FLOAT
+    shape = [1, 1, 4, 2]
+    graph = helper.make_graph(
+        [
+            helper.make_node(
+                "ScatterND", ["past_key.0", "idx", "upd"], ["past_key.0_RetainedState"]
+            ),
+            helper.make_node("Identity", ["past_key.0"], ["old"]),
+        ],
+        "g",
+        [
+            helper.make_tensor_value_info("past_key.0", f32, shape),
+            helper.make_tensor_value_info("idx", TensorProto.INT64, [1, 1]),
+            helper.make_tensor_value_info("upd", f32, [1, 1, 4, 2]),
+        ],
+        [
+            helper.make_tensor_value_info("old", f32, shape),
+            helper.make_tensor_value_info("past_key.0_RetainedState", f32, shape),
+        ],
+    )
+    path = tmp_path / "reader.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    assert not inplace_cache_safe(path, ["past_key.0"])
+    ins = [
+        {"name": "idx", "dtype": "int64", "shape": [1, 1]},
+        {"name": "upd", "dtype": "float32", "shape": [1, 1, 4, 2]},
+        {"name": "past_key.0", "dtype": "float32", "shape": shape},
+    ]
+    outs = [
+        {"name": "old", "dtype": "float32", "shape": shape},
+        {"name": "past_key.0_RetainedState", "dtype": "float32", "shape": shape},
+    ]
+    prog = OrtProgram(path, ins, outs, {})
+    assert not prog.inplace
+    feeds = {"idx": np.zeros((1, 1), np.int64), "upd": np.ones((1, 1, 4, 2), np.float32)}
+    assert prog.run(feeds)["old"].sum() == 0  # the cache before this call's update
+    assert prog.run(feeds)["old"].sum() == 8
+    with pytest.raises(BackendError, match="in place"):
+        OrtProgram(path, ins, outs, {}, inplace=True)
 
 
 def test_bad_inputs(built, tmp_path):

@@ -272,6 +272,51 @@ def test_graph_rule_gives_exact_p_at_every_row(art, pipe, rule_case):
     assert same > 0.999, same
 
 
+def test_only_the_first_sample_len_rows_sample(art, pipe):
+    """random_u of n < s rows (the greedy Verify binds n = 1): rows < n are exactly what the full
+    sampler gives them, every later row is the argmax; in eager torch and in the exported
+    target program alike."""
+    V = pipe.vocab
+    g = torch.Generator().manual_seed(5)
+    b, s = 3, 6
+    logits = torch.randn(b, s, V, generator=g) * 2
+    ids = torch.randint(0, V, (b, s), generator=g)
+    pos = torch.arange(s).expand(b, -1).clone()
+    pos[2, -1] = contract.PAD_POSITION
+    params = (torch.tensor([1.0, 0.7, 1.2]), torch.tensor([0, 5, 0]), torch.tensor([1.0, 1.0, 0.8]))
+    u = torch.rand(b, s, 2, generator=g)
+    full = sample_next_tokens(logits, ids, pos, *params, u, V)
+    for n in (1, 2, s):
+        part = sample_next_tokens(logits, ids, pos, *params, u[:, :n].contiguous(), V)
+        assert torch.equal(part[:, :n], full[:, :n])
+        assert torch.equal(part[:, n:], logits[:, n:].argmax(-1))
+
+    m = json.loads((art[0] / "manifest.json").read_text())
+    specs = {x["name"]: x["symbols"] for x in m["target"]["specializations"]}
+    B = m["block_size"]
+    assert specs["Verify"][contract.SAMPLE] == 1 and specs["VerifySampled"][contract.SAMPLE] == B
+    sess = program_session(art[0])
+    seq = torch.randint(0, V, (B,), generator=g).tolist()
+    _, u_full = program_draws(sess, m, seq, [(1.0, 0, 1.0)], 4, seed=1)
+    feed = {
+        contract.INPUT_IDS: np.tile(np.asarray(seq, np.int64), (4, 1)),
+        contract.POSITION_IDS: np.tile(np.arange(B, dtype=np.int64), (4, 1)),
+        contract.TEMPERATURE: np.ones(4, np.float32),
+        contract.TOP_K: np.zeros(4, np.int64),
+        contract.TOP_P: np.ones(4, np.float32),
+    }
+    f = m["target"]
+    for i in range(f["n_layers"]):
+        for name in (contract.past_key(i), contract.past_value(i)):
+            feed[name] = np.zeros((4, f["n_kv_heads"], m["ctx_len"], f["head_dim"]), np.float32)
+    (all_rows,) = sess.run([contract.NEXT_TOKENS], {**feed, contract.RANDOM_U: u_full[0]})
+    (one_row,) = sess.run([contract.NEXT_TOKENS], {**feed, contract.RANDOM_U: u_full[0][:, :1]})
+    feed[contract.TEMPERATURE][:] = 0
+    (greedy,) = sess.run([contract.NEXT_TOKENS], {**feed, contract.RANDOM_U: u_full[0][:, :1]})
+    np.testing.assert_array_equal(one_row[:, 0], all_rows[:, 0])
+    np.testing.assert_array_equal(one_row[:, 1:], greedy[:, 1:])
+
+
 def test_graph_rule_in_fp16(art, pipe, rule_case):
     # the compiler runs the program in fp16: its draws must still follow p (fp16 logits move
     # p by ~1%, far below what 2000 draws per row can see) and never hit a filtered-out token
@@ -383,7 +428,7 @@ def test_sampler_graph_for_a_three_level_vocabulary(tmp_path):
     )
     example = (logits, ids, pos, *params, torch.rand(b, s, 2, generator=g))
     path = export_onnx(_Sampler(vocab), example, specs_in, specs_out, tmp_path / "sampler.onnx")
-    sym = {contract.BATCH: b, contract.SEQ: s}
+    sym = {contract.BATCH: b, contract.SEQ: s, contract.SAMPLE: s}
     report = check_graph(path, (specs_in, specs_out), [sym])
     assert report["unresolved_intermediates"] == [0]
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])

@@ -237,15 +237,16 @@ def test_export_facts_and_graph(exported):
     assert [s["name"] for s in facts["specializations"]] == [
         contract.PREFILL,
         contract.VERIFY,
+        contract.VERIFY_SAMPLED,
         contract.DECODE,
     ]
     check = facts["check"]
     assert check["ops"]["CtxScatter"] == 2 * io.n_layers
-    assert check["unresolved_intermediates"] == [0, 0, 0]
-    assert check["fp16_runs"] == 3 and 0 < check["fp16_max_abs"] < 6e4
+    assert check["unresolved_intermediates"] == [0, 0, 0, 0]
+    assert check["fp16_runs"] == 4 and 0 < check["fp16_max_abs"] < 6e4
     # the fp16-faithful evaluation ran (a tiny graph) and nothing came near fp16's maximum
     faithful = check["fp16_faithful"]
-    assert faithful["ran"] and faithful["runs"] == 3 and faithful["flagged"] == []
+    assert faithful["ran"] and faithful["runs"] == 4 and faithful["flagged"] == []
     assert 0 < faithful["max_abs"] < 65504 / 16
     assert list(check["nodes_per_layer"]) == [str(i) for i in range(io.n_layers)] + ["other"]
     assert "Cast" not in {op for op in check["ops"] if check["ops"][op] > 3}  # no per-layer Casts
@@ -450,6 +451,7 @@ def test_export_onnx_external_data_and_atomicity(exported, tmp_path, monkeypatch
     module = ExportTarget.from_hf(e["model"], e["fc"], *e["hn"], e["layer_ids"], ctx_len=CTX)
     io = contract.TargetIO(n_layers, 2, 16, H, VOCAB)
     sym = {"name": contract.PREFILL, "symbols": dict(batch_size=1, seq_len=CHUNK, ctx_len=CTX)}
+    sym["symbols"][contract.SAMPLE] = CHUNK
     feed = check_feeds(io, [sym])[0]
     example = tuple(torch.from_numpy(feed[s.name]) for s in io.inputs)
 

@@ -124,7 +124,7 @@ def test_resume_equals_uninterrupted_run(tiny, tmp_path):
     (part / "train_state" / "sequences.pt").write_bytes(seq)
     stopped = D.train(_draft_args(root, tdir, part, "--steps", "8"), stop_after=5)
     assert stopped["step"] == 5 and not (part / "model.safetensors").exists()
-    ckpt = torch.load(part / "train_state" / "checkpoint.pt", weights_only=False)
+    ckpt = torch.load(part / "train_state" / "checkpoint.pt", weights_only=True)
     assert ckpt["step"] == 5 and len(ckpt["optimizer"]["state"]) > 0
     with pytest.raises(SystemExit, match="--resume"):
         D.train(_draft_args(root, tdir, part, "--steps", "8"))
@@ -230,3 +230,77 @@ def test_committed_pair_tau_at_block_16():
     tdir, ddir = assets.default_pair()
     res = measure_tau(tdir, ddir, assets.heldout_prompts(), 128, block_size=16)
     assert res["mean_tau"] >= 4.0, res
+
+
+class _Planted:
+    """A pickle that would create a file when unpickled by a full (unsafe) torch.load."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_planted_train_state_is_never_executed(tiny, tmp_path):
+    root, tdir = tiny
+    out, marker = tmp_path / "draft", tmp_path / "pwned"
+    state = out / "train_state"
+    state.mkdir(parents=True)
+    torch.save({"key": "x", "seqs": _Planted(marker)}, state / "sequences.pt")
+    # without --resume the sequence cache is not even read: regenerated and overwritten
+    D.train(_draft_args(root, tdir, out, "--steps", "2"))
+    assert not marker.exists() and (out / "model.safetensors").is_file()
+    # with --resume, a planted checkpoint or sequence cache is refused, not unpickled
+    torch.save({"step": 1, "settings": _Planted(marker)}, state / "checkpoint.pt")
+    with pytest.raises(SystemExit, match="not training state this trainer wrote"):
+        D.train(_draft_args(root, tdir, out, "--steps", "2", "--resume"))
+    torch.save({"key": "x", "seqs": _Planted(marker)}, state / "sequences.pt")
+    (state / "checkpoint.pt").unlink()
+    with pytest.raises(SystemExit, match="not training state this trainer wrote"):
+        D.train(_draft_args(root, tdir, out, "--steps", "2", "--resume"))
+    tout = tmp_path / "target"
+    (tout / "train_state").mkdir(parents=True)
+    torch.save({"step": 1, "model": _Planted(marker)}, tout / "train_state" / "checkpoint.pt")
+    with pytest.raises(SystemExit, match="not training state this trainer wrote"):
+        T.train(_target_args(root, tout, "--steps", "2", "--resume"))
+    assert not marker.exists()
+
+
+def test_sampled_continuations_are_the_targets_samples(tiny):
+    """continue_target at T > 0 draws from the target's softmax (seeded); at T = 0 it is the
+    greedy continuation."""
+    _, tdir = tiny
+    model = ck.load_target_model(tdir)
+    prompts = torch.randint(0, 250, (3, 6), generator=torch.Generator().manual_seed(0))
+    greedy = D.continue_target(model, prompts, 5)
+    assert torch.equal(greedy, D.greedy_continue(model, prompts, 5))
+    a = D.continue_target(model, prompts, 5, 1.0, torch.Generator().manual_seed(1))
+    b = D.continue_target(model, prompts, 5, 1.0, torch.Generator().manual_seed(1))
+    assert torch.equal(a, b) and torch.equal(a[:, :6], prompts)
+    # the first sampled token follows softmax(logits): its log-probability is finite and the
+    # draws over many seeds are not all the argmax
+    with torch.no_grad():
+        logits = model(prompts).logits[:, -1]
+    firsts = torch.stack(
+        [
+            D.continue_target(model, prompts, 1, 1.0, torch.Generator().manual_seed(s))[:, 6]
+            for s in range(30)
+        ]
+    )
+    assert (firsts != logits.argmax(-1)).any()
+    assert torch.isfinite(torch.log_softmax(logits, -1).gather(1, firsts.T)).all()
+
+
+def test_mixed_recipe_trains_on_sampled_sequences(tiny, tmp_path):
+    root, tdir = tiny
+    out = tmp_path / "mixed"
+    D.train(_draft_args(root, tdir, out, "--steps", "2", "--sampled-frac", "1"))
+    seqs = torch.load(out / "train_state" / "sequences.pt", weights_only=True)["seqs"]
+    assert all(s["sampled"] for s in seqs)
+    model = ck.load_target_model(tdir)
+    s = seqs[0]
+    greedy = D.greedy_continue(model, s["tokens"][None, : s["prompt_len"]], 16)[0]
+    assert not torch.equal(greedy, s["tokens"])  # not the greedy continuation
+    with pytest.raises(SystemExit, match="sampled-frac"):
+        D.main(["--target", str(tdir), "--out", str(tmp_path / "x"), "--sampled-frac", "2"])

@@ -45,7 +45,7 @@ def check_feeds(io: contract.TargetIO, specializations: list[dict], seed: int = 
             feed[contract.TEMPERATURE] = np.full((b,), t, np.float32)
             feed[contract.TOP_K] = np.full((b,), k, np.int64)
             feed[contract.TOP_P] = np.full((b,), p, np.float32)
-            shape = (b, s, contract.N_RANDOM)
+            shape = (b, sym.get(contract.SAMPLE, s), contract.N_RANDOM)
             feed[contract.RANDOM_U] = rng.random(shape, dtype=np.float32)
         for kv in io.kv:
             feed[kv.name] = np.zeros(kv.bind(**sym), dtype=np.float32)
@@ -107,7 +107,7 @@ def export_target(
         sampling=sampling,
     )
     specializations = contract.target_specializations(
-        batch_size, prefill_seq_len, block_size, ctx_len
+        batch_size, prefill_seq_len, block_size, ctx_len, sampling
     )
 
     # Trace at the prefill shape (at least 2 rows, so no size-1 dim gets specialised away).

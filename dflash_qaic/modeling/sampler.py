@@ -205,26 +205,41 @@ def sample_next_tokens(
     """The token committed at every row under the lossless rule (docs/DESIGN.md, Sampling).
 
     logits [b, s, V]; input_ids, position_ids [b, s]; temperature, top_k, top_p [b];
-    random_u [b, s, 2] uniforms in [0, 1). Row j's proposal d is input_ids[j + 1] when row
-    j + 1 exists and is not padding. With a proposal: d if u1 < p(d), else a sample (by u2)
-    from p with d removed and renormalised, so a rejected row never returns d. Without one: a
-    sample from p. Rows with temperature 0 return the argmax of the logits, exactly.
+    random_u [b, n, 2] uniforms in [0, 1) for the first n <= s rows (n = `sample_len`).
+    Row j's proposal d is input_ids[j + 1] when row j + 1 exists and is not padding. With a
+    proposal: d if u1 < p(d), else a sample (by u2) from p with d removed and renormalised, so a
+    rejected row never returns d. Without one: a sample from p. Rows with temperature 0, and
+    every row j >= n, return the argmax of the logits, exactly: only the first n rows pay for
+    the sampler (a greedy verify binds n = 1, see `contract.target_specializations`).
     p is `sampling_weights` (see there for `candidates`).
     """
     greedy = logits.argmax(dim=-1)  # [b, s]
-    w = sampling_weights(logits, temperature, top_k, top_p, vocab, candidates)  # [b, s, V]
+    rows = _leading_rows(random_u)  # [n]: 0 … n−1
+    head = logits.index_select(1, rows)  # [b, n, V]: the rows that sample
+    w = sampling_weights(head, temperature, top_k, top_p, vocab, candidates)  # [b, n, V]
     u = random_u.clamp(0.0, U_MAX)
-    u_accept, u_sample = u[..., 0], u[..., 1]  # [b, s]
+    u_accept, u_sample = u[..., 0], u[..., 1]  # [b, n]
     # proposal of row j: the next row's input token, if that row exists and is not padding
-    proposal = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)  # [b, s]
+    proposal = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).index_select(1, rows)
     next_pos = torch.cat([position_ids[:, 1:], position_ids[:, :1] * 0 - 1], dim=1)
-    has = next_pos >= 0  # [b, s]
-    w_d = torch.where(has, w.gather(-1, proposal[..., None])[..., 0], 0.0)  # [b, s]
-    total = _tree_total(w, vocab)  # [b, s]
+    has = next_pos.index_select(1, rows) >= 0  # [b, n]
+    w_d = torch.where(has, w.gather(-1, proposal[..., None])[..., 0], 0.0)  # [b, n]
+    total = _tree_total(w, vocab)  # [b, n]
     hit = (torch.arange(vocab, device=logits.device) == proposal[..., None]) & has[..., None]
     # a sample from p with d removed (from p itself where there is no proposal)
     sampled, mass = inverse_cdf(torch.where(hit, 0.0, w), u_sample, vocab)
     # an empty residual (all of p on d) can only mean d: accept it
     accept = has & ((u_accept * total < w_d) | (mass <= 0))
-    chosen = torch.where(accept, proposal, sampled)
-    return torch.where(temperature[:, None] == 0, greedy, chosen)
+    chosen = torch.where(accept, proposal, sampled)  # [b, n]
+    chosen = torch.where(temperature[:, None] == 0, greedy.index_select(1, rows), chosen)
+    # rows 0 … n−1 get their choice, the rest keep the argmax
+    return greedy.scatter(1, rows + chosen * 0, chosen)  # [b, s]
+
+
+def _leading_rows(random_u: torch.Tensor) -> torch.Tensor:
+    """[b, n, 2] -> the row indices 0 … n−1 [n], int64. Written as a cumulative sum of ones
+    shaped like random_u's rows (not arange / Slice up to a shape value), so every shape
+    stays inferable from the specialization by ONNX shape inference. Exact in fp16 up to
+    n = 2048."""
+    ones = random_u[0, :, 0] * 0 + 1  # [n]
+    return (ones.cumsum(0) - 1).long()

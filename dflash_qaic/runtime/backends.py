@@ -4,8 +4,10 @@ A `Program` runs one exported program (target or draft) call after call. Callers
 small per-call inputs (ids, positions, feature rows) and get only the small outputs back; the
 `past_*` caches are retained state that never crosses to the host:
 
-- `OrtProgram`: ONNX Runtime. The caches are `OrtValue`s bound with IOBinding; each call reads
-  one set and writes the other (double buffering), so no cache is ever copied through numpy.
+- `OrtProgram`: ONNX Runtime. The caches are `OrtValue`s bound with IOBinding, each one bound
+  as both the `past_*` input and its `*_RetainedState` output, so the cache update writes only
+  the new rows in place (see `inplace_cache_safe`); nothing crosses numpy and nothing per call
+  is proportional to ctx_len but attention reading the cache.
 - `QaicProgram`: AI100 through a QAICInferenceSession-like session (QEfficient's, over qaicrt).
   Retained-state buffers are skipped (zero-size on the host, the cache stays on the card) and
   output buffers are pre-sized per specialization, which the card picks from the input shapes.
@@ -34,7 +36,52 @@ def _is_kv(name: str) -> bool:
     return name.startswith("past_")
 
 
+def inplace_cache_safe(onnx_path, kv_names: list[str]) -> bool:
+    """Whether every `past_*` cache may be bound as both input and `*_RetainedState` output.
+
+    It may when the only reader of each `past_X` is the cache update (`CtxScatter`, whose ONNX
+    body reads the data only through `Shape` and `ScatterND`; or a bare `ScatterND`, as data)
+    and that update's output is `past_X_RetainedState` itself. Then every reader of the cache
+    inside the graph (attention) reads the updated cache, which is the same bytes whether the
+    update copied the cache first or not; ONNX Runtime's ScatterND kernel skips its
+    input-to-output copy when both are one buffer and writes the updated rows only, so the
+    update costs O(rows), not O(ctx_len). ONNX Runtime's memory planner writes a node's graph
+    output straight into the pre-bound output buffer, and its CPU optimizers do not fuse
+    ScatterND, so the optimized graph keeps this shape (tests/test_runtime.py checks the
+    optimized graph and that a whole generation equals the double-buffered one, token for
+    token, with the same OrtValues bound throughout). Both exported programs have this shape;
+    a graph that does not gets double buffering instead.
+    """
+    import onnx
+
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    readers: dict[str, list] = {}
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            readers.setdefault(name, []).append((node, i))
+    for name in kv_names:
+        uses = [(n, i) for n, i in readers.get(name, []) if n.op_type != "Shape"]
+        if len(uses) != 1:
+            return False
+        node, i = uses[0]
+        if node.op_type not in ("CtxScatter", "ScatterND") or i != 0:
+            return False
+        if list(node.output) != [contract.retained(name)]:
+            return False
+    return True
+
+
 class OrtProgram:
+    """A program on ONNX Runtime's CPU provider, caches retained as bound `OrtValue`s.
+
+    Per call only the small inputs are bound (they are the caller's arrays, not copies) and the
+    small outputs land in buffers preallocated per input shape (returned as numpy views that the
+    next call with the same shapes overwrites, as on the card). The caches are updated in place
+    when `inplace_cache_safe` holds, else double buffered (a call reads one set, writes the
+    other). `threads`: intra-op threads (None: ONNX Runtime's default); worker threads do not
+    spin between calls, so an idle program costs no CPU and the host loop keeps its core.
+    """
+
     def __init__(
         self,
         onnx_path,
@@ -42,53 +89,92 @@ class OrtProgram:
         outputs: list[dict],
         symbols: dict,
         threads: int | None = None,
+        inplace: bool | None = None,
     ):
         import onnxruntime as ort
 
         so = ort.SessionOptions()
         so.log_severity_level = 3
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if threads:
             so.intra_op_num_threads = threads
             so.inter_op_num_threads = 1
         self.sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
         self.kv_names = [i["name"] for i in inputs if _is_kv(i["name"])]
-        self.out_names = [
-            o["name"] for o in outputs if not o["name"].endswith(contract.RETAINED_SUFFIX)
-        ]
-        kv_shape = [
-            symbols.get(d, d) if isinstance(d, str) else d
-            for d in next(i for i in inputs if _is_kv(i["name"]))["shape"]
-        ]
-        # Two sets of cache buffers: a call reads `cur` and writes `nxt`, then they swap.
+        self.inputs = [i for i in inputs if not _is_kv(i["name"])]
+        self.outputs = [o for o in outputs if not o["name"].endswith(contract.RETAINED_SUFFIX)]
+        self.out_names = [o["name"] for o in self.outputs]
+        self.symbols = dict(symbols)
+        safe = inplace_cache_safe(onnx_path, self.kv_names)
+        if inplace and not safe:
+            raise BackendError(f"{onnx_path}: a cache has readers besides its update, in place")
+        self.inplace = safe if inplace is None else inplace
+        kv_shape = _bind(next(i for i in inputs if _is_kv(i["name"]))["shape"], self.symbols)
         self._kv = [
-            [
-                ort.OrtValue.ortvalue_from_numpy(np.zeros(kv_shape, np.float32))
-                for _ in self.kv_names
-            ]
-            for _ in range(2)
+            [ort.OrtValue.ortvalue_from_numpy(_touched_zeros(kv_shape)) for _ in self.kv_names]
+            for _ in range(1 if self.inplace else 2)
         ]
         self._cur = 0
+        self._bindings: dict[tuple, tuple] = {}  # input shapes -> (IOBinding, output arrays)
         self.device_s = 0.0
         self.calls = 0
 
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _binding(self, feeds: dict[str, np.ndarray]):
+        """The IOBinding for these input shapes: caches (in place) and outputs bound once."""
+        key = tuple(a.shape for a in feeds.values())
+        hit = self._bindings.get(key)
+        if hit is not None:
+            return hit
+        sym = dict(self.symbols)
+        for spec in self.inputs:  # the symbols the feeds bind (seq_len, sample_len, …)
+            for d, n in zip(spec["shape"], feeds[spec["name"]].shape):
+                if isinstance(d, str):
+                    sym[d] = n
         b = self.sess.io_binding()
+        out = {}
+        for o in self.outputs:
+            arr = out[o["name"]] = np.zeros(_bind(o["shape"], sym), np.dtype(o["dtype"]))
+            b.bind_output(o["name"], "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+        if self.inplace:
+            for name, value in zip(self.kv_names, self._kv[0]):
+                b.bind_ortvalue_input(name, value)
+                b.bind_ortvalue_output(contract.retained(name), value)
+        self._bindings[key] = (b, out)
+        return b, out
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        b, out = self._binding(feeds)
         for name, arr in feeds.items():
             b.bind_cpu_input(name, arr)
-        cur, nxt = self._kv[self._cur], self._kv[1 - self._cur]
-        for name in self.out_names:
-            b.bind_output(name)
-        for name, src, dst in zip(self.kv_names, cur, nxt):
-            b.bind_ortvalue_input(name, src)
-            b.bind_ortvalue_output(contract.retained(name), dst)
+        if not self.inplace:  # double buffering: read `cur`, write the other set, swap
+            cur, nxt = self._kv[self._cur], self._kv[1 - self._cur]
+            for name, src, dst in zip(self.kv_names, cur, nxt):
+                b.bind_ortvalue_input(name, src)
+                b.bind_ortvalue_output(contract.retained(name), dst)
+            self._cur = 1 - self._cur
         t = time.perf_counter()
         self.sess.run_with_iobinding(b)
         self.device_s += time.perf_counter() - t
         self.calls += 1
-        self._cur = 1 - self._cur
-        values = b.get_outputs()
-        return {name: values[i].numpy() for i, name in enumerate(self.out_names)}
+        return out
+
+    @property
+    def caches(self) -> list:
+        """The cache OrtValues the next call reads (for tests and inspection)."""
+        return self._kv[self._cur]
+
+
+def _touched_zeros(shape) -> np.ndarray:
+    """A zero cache whose pages are already mapped: np.zeros maps pages lazily, so the first
+    call to write a cache would pay a page fault per 4 KiB of it (hundreds of ms at 0.6B scale)."""
+    arr = np.empty(shape, np.float32)
+    arr.fill(0.0)
+    return arr
+
+
+def _bind(shape, symbols: dict) -> list[int]:
+    return [symbols[d] if isinstance(d, str) else d for d in shape]
 
 
 class QaicProgram:
@@ -143,6 +229,8 @@ class StrictStandinSession:
         self._in = {i["name"]: i for i in inputs}
         self._out = {o["name"]: o for o in outputs}
         self._specs = [s["symbols"] for s in specializations]
+        self._names = [s["name"] for s in specializations]
+        self.used: list[str] = []  # the specialization of every run, in order
         self._skipped: set[str] = set()
         self._buffers: dict[str, np.ndarray] = {}
         sym0 = self._specs[0]
@@ -194,6 +282,7 @@ class StrictStandinSession:
             buf = self._buffers.get(name)
             if buf is None or buf.shape != self._bind(o["shape"], spec):
                 raise BackendError(f"output buffer {name} is not sized for specialization {spec}")
+        self.used.append(self._names[self._specs.index(spec)])
         res = dict(zip(self.output_names, self.sess.run(None, {**inputs, **self._state})))
         for n in kv_in:
             self._state[n] = res[contract.retained(n)]

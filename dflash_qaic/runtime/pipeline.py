@@ -181,7 +181,18 @@ class Pipeline:
         self._temperature = np.zeros((1,), np.float32)
         self._top_k = np.zeros((1,), np.int64)
         self._top_p = np.ones((1,), np.float32)
-        self._u = {n: np.zeros((1, n, contract.N_RANDOM), np.float32) for n in {1, B, C}}
+        # Rows per call that run the sampler (`sample_len`): a greedy call picks the
+        # specialization that samples the fewest rows, so it does not pay for the sampler.
+        specs = m["target"].get("specializations") or []
+        self._sample_len = {
+            (n, greedy): contract.sample_rows(specs, n, greedy)
+            for n in {1, B, C}
+            for greedy in (True, False)
+        }
+        self._u = {
+            n: np.zeros((1, n, contract.N_RANDOM), np.float32)
+            for n in set(self._sample_len.values())
+        }
         self._rng: np.random.Generator | None = None
 
     # ------------------------------------------------------------------ inputs
@@ -255,7 +266,7 @@ class Pipeline:
         """One target call on preallocated ids/positions, with fresh uniforms when sampling."""
         feeds = {contract.INPUT_IDS: ids, contract.POSITION_IDS: pos}
         if self.can_sample:
-            u = self._u[ids.shape[1]]
+            u = self._u[self._sample_len[ids.shape[1], self._rng is None]]
             if self._rng is not None:
                 self._rng.random(out=u, dtype=np.float32)
             feeds[contract.TEMPERATURE] = self._temperature

@@ -93,9 +93,24 @@ class Log:
             f.write(json.dumps({"time": round(time.time(), 2), **row}) + "\n")
 
 
+def load_state(path: Path):
+    """A training-state file (checkpoint, sequence cache) as tensors and plain containers only
+    (`weights_only`): a planted file cannot run code, it is refused with a clear error."""
+    import pickle
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        raise SystemExit(
+            f"--resume: {path} is not training state this trainer wrote (it is damaged or holds "
+            f"more than tensors and plain data, and is not unpickled: {str(e).splitlines()[0]}); "
+            "delete it, or train into a new --out"
+        ) from e
+
+
 def load_checkpoint(path: Path, expect: dict) -> dict:
     """The checkpoint at `path`, after checking that it was made with the same settings."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = load_state(path)
     saved = ckpt.get("settings", {})
     diff = {k: (saved.get(k), v) for k, v in expect.items() if saved.get(k) != v}
     if diff:

@@ -6,9 +6,9 @@
     dflash-train-draft ...
 
 Recipe (the DFlash paper's): the target is frozen. Training sequences are the target's *own*
-greedy continuations of prompts cut from the corpus (generated once, cached in
-`OUT/train_state/sequences.pt`), so every label is what the target itself would say at decode
-time. Each step draws sequences and random anchor positions p in the continuation; the block is
+continuations of prompts cut from the corpus, a mix of greedy and sampled ones (`--sampled-frac`;
+generated once, cached in `OUT/train_state/sequences.pt`), so every label is what the target
+itself would say at decode time, greedy or sampling. Each step draws sequences and random anchor positions p in the continuation; the block is
 `[token at p, MASK × (B−1)]` at positions p … p+B−1 (MASK is the target's own embedding row
 `mask_token_id`); the context is the fused target feature (`hidden_norm(fc(concat))` of the
 target layers `target_layer_ids`; id j is Hugging Face's `hidden_states[j + 1]`) of every position
@@ -39,7 +39,7 @@ import torch
 from torch.nn import functional as F
 
 from dflash_qaic import checkpoints as ck
-from dflash_qaic.modeling.draft import DFlashDraft, apply_rope
+from dflash_qaic.modeling.draft import MASKED, DFlashDraft
 from dflash_qaic.train.common import (
     DTYPES,
     THREADS_HELP,
@@ -47,6 +47,7 @@ from dflash_qaic.train.common import (
     adamw,
     atomic_save,
     atomic_write_text,
+    load_state,
     lr_at,
     resume,
     save_safetensors_atomic,
@@ -80,7 +81,7 @@ def default_gamma(block_size: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# Target side: tokens, greedy continuations, features
+# Target side: tokens, the target's continuations, features
 
 
 def load_tokenizer(target_dir: Path):
@@ -110,30 +111,47 @@ def encode_docs(docs: list[tuple[str, str]], tokenizer, vocab_size: int) -> list
 
 
 @torch.no_grad()
-def greedy_continue(model, prompts: torch.Tensor, n_new: int) -> torch.Tensor:
-    """[n, P] prompts (one length) -> [n, P + n_new]: the target's greedy continuation, not
-    stopped at EOS (as `dflash_generate(..., stop_token_ids=None)` decodes)."""
+def continue_target(
+    model, prompts: torch.Tensor, n_new: int, temperature: float = 0.0, gen=None
+) -> torch.Tensor:
+    """[n, P] prompts (one length) -> [n, P + n_new]: the target's own continuation, not stopped
+    at EOS (as `dflash_generate(..., stop_token_ids=None)` decodes). Greedy at temperature 0,
+    else sampled from softmax(logits / temperature) with `gen`."""
     from transformers import DynamicCache
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:  # [n, V] -> [n]
+        if temperature <= 0:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=gen)[:, 0]
 
     cache = DynamicCache(config=model.config)
     out = model(input_ids=prompts, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    new = [out.logits[:, -1].argmax(-1)]
+    new = [pick(out.logits[:, -1])]
     for _ in range(n_new - 1):
         out = model(input_ids=new[-1][:, None], past_key_values=cache, use_cache=True)
-        new.append(out.logits[:, -1].argmax(-1))
+        new.append(pick(out.logits[:, -1]))
     return torch.cat([prompts, torch.stack(new, dim=1)], dim=1)
+
+
+def greedy_continue(model, prompts: torch.Tensor, n_new: int) -> torch.Tensor:
+    """The target's greedy continuation (`continue_target` at temperature 0)."""
+    return continue_target(model, prompts, n_new)
 
 
 def make_sequences(model, doc_ids: list[torch.Tensor], a, gen: torch.Generator) -> list[dict]:
     """`a.num_seqs` training sequences: a prompt cut from a random document (chosen in proportion
-    to its length) followed by `a.gen_len` greedy target tokens. Prompts of one generation batch
-    share a length (drawn from `a.prompt_len`), so no padding ever enters the target."""
+    to its length) followed by `a.gen_len` target tokens. A generation batch is sampled at
+    `a.sample_temperature` with probability `a.sampled_frac`, else greedy (the published drafts
+    learn from the target's sampled responses; a greedy-only draft accepts little at T > 0).
+    Prompts of one generation batch share a length (drawn from `a.prompt_len`), so no padding
+    ever enters the target."""
     from tqdm import tqdm
 
     lengths = torch.tensor([len(d) for d in doc_ids], dtype=torch.float64)
     lo, hi = a.prompt_len
     seqs: list[dict] = []
-    bar = tqdm(total=a.num_seqs, desc="greedy sequences", mininterval=2)
+    bar = tqdm(total=a.num_seqs, desc="target sequences", mininterval=2)
     while len(seqs) < a.num_seqs:
         n = min(a.gen_batch, a.num_seqs - len(seqs))
         plen = int(torch.randint(lo, hi + 1, (1,), generator=gen))
@@ -144,8 +162,11 @@ def make_sequences(model, doc_ids: list[torch.Tensor], a, gen: torch.Generator) 
         room = lengths[docs] - plen + 1
         starts = (torch.rand(n, generator=gen, dtype=torch.float64) * room).long()
         prompts = torch.stack([doc_ids[d][s : s + plen] for d, s in zip(docs.tolist(), starts)])
-        for row in greedy_continue(model, prompts, a.gen_len):
-            seqs.append({"tokens": row.clone(), "prompt_len": plen})
+        # the coin is drawn only when mixing, so a greedy-only run draws what it always drew
+        sampled = a.sampled_frac > 0 and float(torch.rand(1, generator=gen)) < a.sampled_frac
+        temperature = a.sample_temperature if sampled else 0.0
+        for row in continue_target(model, prompts, a.gen_len, temperature, gen):
+            seqs.append({"tokens": row.clone(), "prompt_len": plen, "sampled": sampled})
         bar.update(n)
     bar.close()
     return seqs
@@ -223,44 +244,29 @@ def init_draft(c: ck.DraftConfig, seed: int, std: float = 0.02) -> DFlashDraft:
 def multi_block_forward(
     draft: DFlashDraft, ctx: torch.Tensor, block_emb: torch.Tensor, anchors: torch.Tensor
 ) -> torch.Tensor:
-    """Many blocks against one context in one pass.
+    """Many blocks against one context in one pass, through the draft's own layers.
 
     ctx [S, T, H]: fused features at positions 0 … T−1; anchors [S, A]: block start positions;
     block_emb [S, A·B, H]: the A blocks' embeddings side by side. Returns the normed block hidden
     [S, A·B, H]. Block a's rows attend to context positions < anchors[a] and to the rows of block
     a (bidirectionally), nothing else: per block, exactly `DFlashDraft.forward(ctx[:, :p],
-    arange(p), block_emb_a, p + arange(B))` with p = anchors[a]."""
-    S, T, _ = ctx.shape
+    arange(p), block_emb_a, p + arange(B))` with p = anchors[a]. The S·A blocks are the batch of
+    `DraftLayer` (the one attention of modeling/draft.py); each sees the context K/V of its own
+    sequence, computed once per sequence, under an additive mask that hides positions ≥ p."""
+    S, T, H = ctx.shape
     A = anchors.shape[1]
     B = block_emb.shape[1] // A
-    block_pos = (anchors[:, :, None] + torch.arange(B)).reshape(S, A * B)
-    ctx_pos = torch.arange(T).expand(S, T)
-    ccos, csin = draft.rope(ctx_pos)
-    cos, sin = draft.rope(block_pos)
-    starts = anchors.repeat_interleave(B, dim=1)  # [S, A·B]: each row's block start
-    sees_ctx = ctx_pos[:, None, :] < starts[:, :, None]  # [S, A·B, T]
-    blk = torch.arange(A * B) // B
-    sees_blk = (blk[:, None] == blk[None, :]).expand(S, -1, -1)  # [S, A·B, A·B]
-    mask = torch.cat([sees_ctx, sees_blk], dim=-1)[:, None]  # [S, 1, A·B, T + A·B]
-
-    h = block_emb
+    block_pos = (anchors[:, :, None] + torch.arange(B)).reshape(S * A, B)
+    ccos, csin = draft.rope(torch.arange(T)[None])  # [1, T, hd]
+    cos, sin = draft.rope(block_pos)  # [S·A, B, hd]
+    hidden = torch.arange(T)[None, :] >= anchors.reshape(S * A, 1)  # [S·A, T]
+    ctx_mask = torch.where(hidden, MASKED, 0.0)[:, None, None, :]  # [S·A, 1, 1, T]
+    h = block_emb.reshape(S * A, B, H)
     for layer in draft.layers:
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        q = attn.q_norm(attn.q_proj(x).view(S, A * B, attn.n_heads, attn.hd)).transpose(1, 2)
-        q = apply_rope(q, cos, sin)
-        ctx_k, ctx_v = attn.kv(ctx, ccos, csin)  # no input_layernorm on the context
-        blk_k, blk_v = attn.kv(x, cos, sin)
-        k = torch.cat([ctx_k, blk_k], dim=2)
-        v = torch.cat([ctx_v, blk_v], dim=2)
-        # A dense mask (block-diagonal between blocks) in the fused kernel: on CPU this is faster
-        # than computing the block-to-block scores per block with materialised softmax.
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=attn.hd**-0.5, enable_gqa=True
-        )
-        h = h + attn.o_proj(out.transpose(1, 2).reshape(S, A * B, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return draft.norm(h)
+        k, v = layer.self_attn.kv(ctx, ccos, csin)  # [S, n_kv, T, hd], no input_layernorm
+        k, v = k.repeat_interleave(A, dim=0), v.repeat_interleave(A, dim=0)  # [S·A, …]
+        h = layer(h, cos, sin, k, v, ctx_mask)
+    return draft.norm(h).reshape(S, A * B, H)
 
 
 def sample_batch(
@@ -328,6 +334,8 @@ def _data_key(a, target_digest: str, corpus_digest: str) -> str:
         a.prompt_len,
         a.gen_len,
         a.gen_batch,
+        a.sampled_frac,
+        a.sample_temperature,
     ]
     return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]
 
@@ -420,12 +428,16 @@ def _train(a: argparse.Namespace, stop_after: int | None) -> dict:
     c = ck.read_draft_config(state_dir)
     ck.validate_pair(t, c)
 
-    # Training sequences: the target's greedy continuations, generated once.
+    # Training sequences: the target's own continuations (greedy and sampled), generated once.
     docs = read_corpus(a.corpus, a.glob)
     a.data_key = _data_key(a, ck.file_digest(tdir), corpus_digest(docs))
     seq_path = state_dir / "sequences.pt"
     t_gen = 0.0
-    cached = torch.load(seq_path, weights_only=False) if seq_path.is_file() else None
+    # The sequence cache is only read to resume (a fresh run regenerates it), and only as tensors
+    # and plain containers: a planted file can neither run code nor replace the data unasked.
+    cached = None
+    if a.resume and seq_path.is_file():
+        cached = load_state(seq_path)
     if cached is not None and cached.get("key") == a.data_key:
         seqs = cached["seqs"]
     else:
@@ -563,9 +575,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--gamma", type=float, default=None, help="loss decay; default 7 at B=16")
-    p.add_argument("--num-seqs", type=int, default=2048, help="greedy training sequences")
+    p.add_argument("--num-seqs", type=int, default=2048, help="target-generated sequences")
+    p.add_argument(
+        "--sampled-frac",
+        type=float,
+        default=0.0,
+        help="share of generation batches sampled (the rest greedy); default 0 = greedy only",
+    )
+    p.add_argument("--sample-temperature", type=float, default=1.0)
     p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 320], metavar=("MIN", "MAX"))
-    p.add_argument("--gen-len", type=int, default=192, help="greedy tokens per sequence")
+    p.add_argument("--gen-len", type=int, default=192, help="target tokens per sequence")
     p.add_argument("--gen-batch", type=int, default=32)
     p.add_argument("--feature-cache-gb", type=float, default=4.0)
     p.add_argument("--threads", type=int, default=1, help=THREADS_HELP)
@@ -582,6 +601,8 @@ def main(argv: list[str] | None = None) -> None:
     a = parser().parse_args(argv)
     if a.gen_len < 2 or a.block_size < 2:
         raise SystemExit("--gen-len and --block-size must be at least 2")
+    if not 0.0 <= a.sampled_frac <= 1.0 or a.sample_temperature <= 0:
+        raise SystemExit("--sampled-frac must be in [0, 1] and --sample-temperature above 0")
     train(a, stop_after=a.stop_after)
 
 
@@ -592,6 +613,7 @@ if __name__ == "__main__":
 __all__ = [
     "default_gamma",
     "draft_config_dict",
+    "continue_target",
     "greedy_continue",
     "multi_block_forward",
     "sample_batch",

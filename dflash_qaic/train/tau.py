@@ -1,8 +1,10 @@
 """Mean acceptance length τ of a target + draft pair, measured with the reference `dflash`.
 
     python -m dflash_qaic.train.tau --target DIR --draft DIR [--prompts FILE] [--max-new-tokens 128]
+        [--temperature T --seed S]
 
-Greedy DFlash with `dflash.model.dflash_generate` (the oracle): the draft loaded with
+DFlash with `dflash.model.dflash_generate` (the oracle; greedy by default, sampling at
+`--temperature` > 0 with torch seeded by seed + prompt index): the draft loaded with
 `DFlashDraftModel.from_pretrained(dir, dtype=torch.float32)`, the target with
 `checkpoints.load_target_model`. Per prompt, τ is the mean over steps of the tokens committed
 (accepted + 1, bonus counted); the headline `mean_tau` is the mean of the per-prompt means (as the
@@ -42,6 +44,8 @@ def measure_tau(
     block_size: int | None = None,
     check_greedy: bool = False,
     target=None,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> dict:
     """τ per prompt and overall. `check_greedy` also runs Hugging Face greedy `generate` and
     records whether DFlash produced exactly its tokens."""
@@ -56,10 +60,18 @@ def measure_tau(
     draft = DFlashDraftModel.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
     per_prompt, steps, greedy_equal, outputs = [], [], [], []
-    for text in prompts:
+    for i, text in enumerate(prompts):
         ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+        torch.manual_seed(seed + i)
         res = dflash_generate(
-            draft, target, ids, max_new_tokens, None, block_size=block_size, return_stats=True
+            draft,
+            target,
+            ids,
+            max_new_tokens,
+            None,
+            temperature=temperature,
+            block_size=block_size,
+            return_stats=True,
         )
         per_prompt.append(statistics.mean(res.acceptance_lengths))
         steps.extend(res.acceptance_lengths)
@@ -82,6 +94,7 @@ def measure_tau(
         "histogram": [steps.count(n) for n in range(1, (block_size or draft.block_size) + 1)],
         "block_size": block_size or draft.block_size,
         "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
         "outputs": outputs,
     }
     if check_greedy:
@@ -98,6 +111,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--check-greedy", action="store_true", help="compare with HF greedy generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument(
+        "--seed", type=int, default=0, help="sampling: torch seed of prompt i is seed + i"
+    )
     p.add_argument("--show", action="store_true", help="print the first output as text")
     a = p.parse_args(argv)
     from dflash_qaic import assets
@@ -106,8 +123,17 @@ def main(argv: list[str] | None = None) -> None:
     tdir, ddir = assets.default_pair()
     tdir, ddir = Path(a.target or tdir), Path(a.draft or ddir)
     prompts = read_prompts(a.prompts) if a.prompts else assets.heldout_prompts()
+    if a.check_greedy and a.temperature > 0:
+        raise SystemExit("--check-greedy compares with greedy generate: use --temperature 0")
     res = measure_tau(
-        tdir, ddir, prompts, a.max_new_tokens, a.block_size, check_greedy=a.check_greedy
+        tdir,
+        ddir,
+        prompts,
+        a.max_new_tokens,
+        a.block_size,
+        check_greedy=a.check_greedy,
+        temperature=a.temperature,
+        seed=a.seed,
     )
     if a.show:
         from transformers import AutoTokenizer
