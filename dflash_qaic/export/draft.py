@@ -88,7 +88,8 @@ def export_draft(
         batch_size, prefill_seq_len, block_size, ctx_len
     )
     mask_id = draft_cfg.mask_token_id
-    trace = {"symbols": {contract.BATCH: batch_size, contract.SEQ: max(prefill_seq_len, 2)}}
+    rows = 2 if stream_from is not None else max(prefill_seq_len, 2)  # see export_target
+    trace = {"symbols": {contract.BATCH: batch_size, contract.SEQ: rows}}
     trace["symbols"][contract.CTX] = ctx_len
     example = check_feeds(io, [trace], mask_id)[0]
     example_inputs = tuple(torch.from_numpy(example[s.name]) for s in io.inputs)

@@ -177,7 +177,7 @@ def _export_streamed(module, example_inputs, inputs, outputs, path: Path, opset,
         _check_weight_inputs(model.graph, inputs, sources)
         shutil.rmtree(raw.parent)
         if external is None:
-            external = weights.weights_bytes(sources) > EXTERNAL_DATA_THRESHOLD
+            external = weights.weights_bytes(sources) > weights.STREAM_INLINE_MAX
         data_name = data_file_name(path)
         data = tmp_dir / data_name if external else None
         weights.attach_initializers(model, sources, data, desc=f"writing {path.name}")

@@ -119,7 +119,10 @@ def export_target(
     )
 
     # Trace at the prefill shape (at least 2 rows, so no size-1 dim gets specialised away).
-    trace_sym = {contract.BATCH: batch_size, contract.SEQ: max(prefill_seq_len, 2)}
+    # The streaming export traces at 2 rows: the graph is the same (every dim that varies is
+    # symbolic), and the tracer keeps every intermediate alive until it is done.
+    rows = 2 if stream_from is not None else max(prefill_seq_len, 2)
+    trace_sym = {contract.BATCH: batch_size, contract.SEQ: rows}
     trace_sym[contract.CTX] = ctx_len
     example = check_feeds(io, [{"name": contract.PREFILL, "symbols": trace_sym}])[0]
     example_inputs = tuple(torch.from_numpy(example[s.name]) for s in io.inputs)

@@ -79,11 +79,12 @@ def _materialize(module: torch.nn.Module, transposed: set[str] = frozenset()) ->
     """Replace every (meta) parameter by a zero placeholder, keeping tied parameters tied.
     Names in `transposed` ([out, in] weights) become transposed views of [in, out] storage,
     so the export module's `.t().contiguous()` of them copies nothing."""
-    unique = dict(module.named_parameters())  # tied parameters appear once
+    unique = dict(module.named_parameters())  # tied parameters appear once, by either name
+    flip = {id(p) for n, p in module.named_parameters(remove_duplicate=False) if n in transposed}
     arena = _ZeroArena(sum(-(-p.numel() // 16) * 16 for p in unique.values()))
     new: dict[int, torch.nn.Parameter] = {}
-    for name, p in unique.items():
-        if name in transposed:
+    for p in unique.values():
+        if id(p) in flip:
             data = arena.take(tuple(reversed(p.shape))).t()
         else:
             data = arena.take(tuple(p.shape))
@@ -133,12 +134,13 @@ def placeholder_head(t: ck.TargetConfig) -> tuple[torch.Tensor, torch.Tensor]:
 class _MatMulLinear(torch.nn.Module):
     """nn.Linear with its weight held transposed, [in, out]: traced as MatMul(x, weight) with
     no Transpose, the exact graph constant folding makes of F.linear in the in-memory export.
-    The parameter keeps its name (`weight`); the writer stores the checkpoint tensor transposed."""
+    The parameter keeps its name (`weight`); the writer stores the checkpoint tensor transposed.
+    `weight_t` is a contiguous placeholder (the exporter copies non-contiguous parameters)."""
 
-    def __init__(self, lin: torch.nn.Linear):
+    def __init__(self, weight_t: torch.Tensor, bias: torch.nn.Parameter | None):
         super().__init__()
-        self.weight = torch.nn.Parameter(lin.weight.t(), requires_grad=False)  # [in, out]
-        self.bias = lin.bias
+        self.weight = torch.nn.Parameter(weight_t, requires_grad=False)  # [in, out]
+        self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x @ self.weight
@@ -146,11 +148,19 @@ class _MatMulLinear(torch.nn.Module):
 
 
 def stream_ready(module: torch.nn.Module) -> torch.nn.Module:
-    """Swap every nn.Linear of an export module for `_MatMulLinear` (in place; returns it)."""
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:
-                setattr(parent, name, _MatMulLinear(child))
+    """Swap every nn.Linear of an export module (whose weights are placeholders) for a
+    `_MatMulLinear` with a fresh [in, out] placeholder (in place; returns the module)."""
+    linears = [
+        (parent, name, child)
+        for parent in list(module.modules())
+        for name, child in parent.named_children()
+        if type(child) is torch.nn.Linear
+    ]
+    arena = _ZeroArena(sum(-(-c.weight.numel() // 16) * 16 for _, _, c in linears))
+    for parent, name, child in linears:
+        w = arena.take((child.in_features, child.out_features))
+        setattr(parent, name, _MatMulLinear(w, child.bias))
+    module._dflash_linear_arena = arena
     return module
 
 
@@ -234,20 +244,26 @@ def _read(info: ck.TensorInfo, start: int, nbytes: int) -> torch.Tensor:
     )
 
 
-def _finish(x: torch.Tensor, src: Source) -> torch.Tensor:
-    """fp32, checked finite, divided by the source's scale (as `fp16_safe_fc_weight` does)."""
-    x = x.float()
-    if not bool(torch.isfinite(x).all()):
+def _check_finite(x: torch.Tensor, src: Source) -> None:
+    """inf / NaN anywhere shows in the min or max (NaN propagates): one cheap pass."""
+    if x.numel() and not all(bool(torch.isfinite(v)) for v in torch.aminmax(x)):
         raise ck.CheckpointError(
             f"{src.info.file}: tensor `{src.info.name}` holds inf or NaN values; the checkpoint "
             "is damaged (a model with non-finite weights produces garbage); use a good copy"
         )
+
+
+def _fp32(x: torch.Tensor, src: Source) -> torch.Tensor:
+    """fp32 (exact from bf16 / fp16), divided by the source's scale as `fp16_safe_fc_weight`
+    divides the module's weight."""
+    x = x.float()
     return x / src.scale if src.scale > 1.0 else x
 
 
 def fp32_chunks(src: Source, transpose: bool):
-    """The fp32 program tensor of `src` (transposed when `transpose`) as row blocks, in order;
-    at most one source tensor (in its own dtype) and one block in memory."""
+    """The fp32 program tensor of `src` (transposed when `transpose`) as row blocks, in order,
+    checked finite; at most the source tensor (in its own dtype, twice when transposed) and one
+    fp32 block in memory."""
     info = src.info
     shape = info.shape if info.shape else (1,)
     isz = ck.SAFETENSORS_DTYPES[info.dtype].itemsize
@@ -256,14 +272,21 @@ def fp32_chunks(src: Source, transpose: bool):
         row = info.nbytes // max(rows, 1)
         step = max(1, CHUNK_BYTES // max(4 * (row // isz), 1))
         for r0 in range(0, rows, step):
-            n = min(step, rows - r0)
-            yield _finish(_read(info, r0 * row, n * row), src)
+            x = _read(info, r0 * row, min(step, rows - r0) * row)
+            _check_finite(x, src)
+            yield _fp32(x, src)
         return
     R, C = shape
-    whole = _read(info, 0, info.nbytes).view(R, C)
+    t = torch.empty(C, R, dtype=ck.SAFETENSORS_DTYPES[info.dtype])  # [C, R], source dtype
+    row = info.nbytes // R
+    step = max(1, CHUNK_BYTES // (2 * row))
+    for r0 in range(0, R, step):
+        x = _read(info, r0 * row, min(step, R - r0) * row).view(-1, C)
+        _check_finite(x, src)
+        t[:, r0 : r0 + x.shape[0]] = x.t()
     step = max(1, CHUNK_BYTES // (4 * R))
     for c0 in range(0, C, step):
-        yield _finish(whole[:, c0 : c0 + step].t().contiguous(), src)
+        yield _fp32(t[c0 : c0 + step], src)
 
 
 def _is_transpose_2d(node: onnx.NodeProto) -> bool:
@@ -359,15 +382,17 @@ def weights_bytes(sources: dict[str, Source]) -> int:
 # In-RAM graph runs (the fp16 check loads the whole program, converts it, and runs it in ONNX
 # Runtime: ≈ 3× its size). Above this many bytes of weights they are skipped, and the facts say
 # so; the structural checks (checker, ops, I/O, shapes) always run.
-GRAPH_RUN_MAX_BYTES = int(os.environ.get("DFLASH_GRAPH_RUN_MAX_BYTES", 1 << 30))
+GRAPH_RUN_MAX_BYTES = int(os.environ.get("DFLASH_GRAPH_RUN_MAX_BYTES", 512 << 20))
+# A streamed program keeps its weights inline only below this (else one external-data file).
+STREAM_INLINE_MAX = 64 << 20
 
 
 def graph_run_skip_reason(nbytes: int) -> str | None:
     if nbytes <= GRAPH_RUN_MAX_BYTES:
         return None
     return (
-        f"fp16 run skipped: the program holds {nbytes / 1e9:.1f} GB of weights and an in-RAM "
-        f"run needs about 3x that; runs are limited to {GRAPH_RUN_MAX_BYTES / 1e9:.1f} GB "
+        f"fp16 run skipped: the program holds {nbytes / 1e9:.2f} GB of weights and an in-RAM "
+        f"run needs about 6x that; runs are limited to {GRAPH_RUN_MAX_BYTES / 1e9:.2f} GB "
         "(set DFLASH_GRAPH_RUN_MAX_BYTES to raise it). Structural checks ran"
     )
 
