@@ -193,3 +193,18 @@ def test_fingerprint_reads_no_weights_but_sees_changes(pair, tmp_path):
     data = shard.read_bytes()
     shard.write_bytes(data)  # same bytes, new mtime: counted as changed (cheap and safe)
     assert ck.fingerprint(t) != fp2
+
+
+@pytest.mark.slow
+def test_export_bench_on_a_small_preset(tmp_path, monkeypatch):
+    from dflash_qaic import tiny
+    from dflash_qaic.bench.export import render_markdown, run_export_bench
+
+    small = dict(hidden_size=64, target_layers=6, intermediate_size=128, num_heads=4)
+    small |= dict(num_kv_heads=2, head_dim=16, vocab_size=512, mask_token_id=511, draft_layers=2)
+    monkeypatch.setitem(tiny.PRESETS, "small", small)
+    res = run_export_bench(["small"], tmp_path, ctx_len=160, verify_tokens=3, progress=print)
+    row = res["rows"][0]
+    assert row["bytes_written"] > 4 * 512 * 64 and row["peak_rss_bytes"] > 0
+    assert row["greedy_equal"] and len(row["hf_tokens"]) == 3
+    assert "| small | 160 |" in render_markdown(res)
