@@ -208,3 +208,5 @@ def test_export_bench_on_a_small_preset(tmp_path, monkeypatch):
     assert row["bytes_written"] > 4 * 512 * 64 and row["peak_rss_bytes"] > 0
     assert row["greedy_equal"] and len(row["hf_tokens"]) == 3
     assert "| small | 160 |" in render_markdown(res)
+    only = run_export_bench(["small"], tmp_path, ctx_len=160, verify_tokens=3, target_only=True)
+    assert only["rows"][0]["ort_tokens"] == row["ort_tokens"] == row["hf_tokens"]
