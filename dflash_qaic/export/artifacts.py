@@ -240,12 +240,10 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, progress, steps) -> d
                 "path": str(pair.target.path.resolve()),
                 "family": pair.target.family,
                 "sha256": ck.file_digest(pair.target.path),
-                "fingerprint": ck.fingerprint(pair.target.path),
             },
             "draft": {
                 "path": str(pair.draft.path.resolve()),
                 "sha256": ck.file_digest(pair.draft.path),
-                "fingerprint": ck.fingerprint(pair.draft.path),
             },
         },
         "versions": _versions(),
