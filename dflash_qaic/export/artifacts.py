@@ -221,6 +221,7 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, progress, steps) -> d
         dfacts = export_draft(pair.draft, None, embed, head, out / "draft" / "draft.onnx", **common)
     steps.append(("export draft", f"{dfacts['onnx_bytes'] / 1e6:.1f} MB", time.perf_counter() - t))
     tok = _copy_tokenizer(pair.target.path, out)
+    progress("hashing the checkpoint files for the manifest")
     return {
         "input_hash": key,
         "block_size": B,
