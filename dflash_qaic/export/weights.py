@@ -23,9 +23,12 @@ checkpoint tensor; a parameter they do not know is an error, so a rename cannot 
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 import os
+import queue
+import threading
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -350,17 +353,19 @@ def attach_initializers(
     total = sum(4 * math.prod(s.info.shape or (1,)) for _, s, _ in plan)
     bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, leave=False, mininterval=1.0)
     f = open(data_path, "wb") if data_path is not None else None
+    blocks = _prefetch(plan)
     try:
-        for name, src, transpose in plan:
+        for i, group in itertools.groupby(blocks, key=lambda item: item[0]):
+            name, src, transpose = plan[i]
             t = _tensor_proto(name, src, transpose)
             n = 4 * math.prod(t.dims)
             if f is None:
-                t.raw_data = b"".join(c.numpy().tobytes() for c in fp32_chunks(src, transpose))
+                t.raw_data = b"".join(c.numpy().tobytes() for _, c in group)
             else:
                 align = ALIGN_LARGE if n >= LARGE else ALIGN_SMALL
                 offset = -(-f.tell() // align) * align
                 f.write(b"\0" * (offset - f.tell()))
-                for c in fp32_chunks(src, transpose):
+                for _, c in group:
                     f.write(memoryview(c.numpy()).cast("B"))
                 t.data_location = TensorProto.EXTERNAL
                 for k, v in (("location", data_path.name), ("offset", offset), ("length", n)):
@@ -369,10 +374,49 @@ def attach_initializers(
             model.graph.initializer.append(t)
             bar.update(n)
     finally:
+        blocks.close()  # stops the prefetch thread on any error
         bar.close()
         if f is not None:
             f.close()
     return total
+
+
+def _prefetch(plan):
+    """(entry index, fp32 block) for every block of every plan entry, in order, read and
+    converted by a background thread while the caller writes the previous block (file I/O and
+    torch ops release the GIL). At most two blocks wait in the queue."""
+    q: queue.Queue = queue.Queue(maxsize=2)
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def produce():
+        try:
+            for i, (_, src, transpose) in enumerate(plan):
+                for block in fp32_chunks(src, transpose):
+                    if not put((i, block)):
+                        return
+            put(None)
+        except BaseException as e:  # re-raised in the caller's thread
+            put(e)
+
+    worker = threading.Thread(target=produce, name="weights-prefetch", daemon=True)
+    worker.start()
+    try:
+        while (item := q.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        worker.join()
 
 
 def weights_bytes(sources: dict[str, Source]) -> int:
