@@ -424,7 +424,7 @@ def weights_bytes(sources: dict[str, Source]) -> int:
 
 
 # In-RAM graph runs (the fp16 check loads the whole program, converts it, and runs it in ONNX
-# Runtime: ≈ 3× its size). Above this many bytes of weights they are skipped, and the facts say
+# Runtime: ≈ 6× its size). Above this many bytes of weights they are skipped, and the facts say
 # so; the structural checks (checker, ops, I/O, shapes) always run.
 GRAPH_RUN_MAX_BYTES = int(os.environ.get("DFLASH_GRAPH_RUN_MAX_BYTES", 512 << 20))
 # A streamed program keeps its weights inline only below this (else one external-data file).
