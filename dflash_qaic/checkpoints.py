@@ -45,15 +45,22 @@ def _read_config(directory: Path, what: str) -> dict:
     if not directory.is_dir():
         raise CheckpointError(
             f"{what} directory {directory} does not exist: pass a local directory holding "
-            "config.json and *.safetensors"
+            "config.json and *.safetensors (or a Hugging Face model id that is in the local cache)"
         )
     path = directory / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{what} {path} is missing: a checkpoint directory needs config.json")
     try:
-        return json.loads(path.read_text())
+        cfg = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{what} {path} is not UTF-8 text ({e}); re-save it as UTF-8") from e
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{what} {path} is not valid JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise CheckpointError(
+            f"{what} {path} holds a JSON {type(cfg).__name__}, not an object of config fields"
+        )
+    return cfg
 
 
 def _safetensors_files(directory: Path, what: str) -> list[Path]:
@@ -66,14 +73,6 @@ def _safetensors_files(directory: Path, what: str) -> list[Path]:
     return files
 
 
-def _safetensors_header(path: Path) -> dict[str, list[int]]:
-    """Tensor name -> shape, read from the safetensors header without loading the data."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
-
-
 def _rope_theta(cfg: dict, default: float = 10000.0) -> float:
     """transformers 5.x writes `rope_parameters`; older checkpoints a top-level `rope_theta`."""
     rp = cfg.get("rope_parameters") or {}
@@ -84,6 +83,21 @@ def _require(cfg: dict, key: str, path: Path) -> object:
     if key not in cfg:
         raise CheckpointError(f"{path}: field `{key}` is missing")
     return cfg[key]
+
+
+def _positive(cfg: dict, key: str, path: Path, default: int | None = None) -> int:
+    """An integer field that must be ≥ 1; absent or null: `default` (None: an error)."""
+    v = cfg.get(key)
+    if v is None and default is not None:
+        return default
+    if key not in cfg:
+        raise CheckpointError(f"{path}: field `{key}` is missing")
+    if isinstance(v, bool) or not isinstance(v, int | float) or v != int(v) or v < 1:
+        raise CheckpointError(
+            f"{path}: field `{key}` is {json.dumps(v)}; it must be a positive integer "
+            "(fix config.json)"
+        )
+    return int(v)
 
 
 @dataclass(frozen=True)
@@ -100,6 +114,7 @@ class TargetConfig:
     rope_theta: float
     tie_word_embeddings: bool
     raw: dict = field(repr=False, compare=False)
+    intermediate_size: int = 0
 
 
 def read_target_config(directory: str | Path) -> TargetConfig:
@@ -117,21 +132,22 @@ def read_target_config(directory: str | Path) -> TargetConfig:
             f"supported; supported targets: {', '.join(a for v in SUPPORTED_TARGETS.values() for a in v)}"
         )
     _safetensors_files(d, "target")
-    heads = int(_require(cfg, "num_attention_heads", cpath))
-    hidden = int(_require(cfg, "hidden_size", cpath))
+    heads = _positive(cfg, "num_attention_heads", cpath)
+    hidden = _positive(cfg, "hidden_size", cpath)
     return TargetConfig(
         path=d,
         family=family,
         hidden_size=hidden,
-        num_layers=int(_require(cfg, "num_hidden_layers", cpath)),
+        num_layers=_positive(cfg, "num_hidden_layers", cpath),
         num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        vocab_size=int(_require(cfg, "vocab_size", cpath)),
+        num_kv_heads=_positive(cfg, "num_key_value_heads", cpath, heads),
+        head_dim=_positive(cfg, "head_dim", cpath, hidden // heads or 1),
+        vocab_size=_positive(cfg, "vocab_size", cpath),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=_rope_theta(cfg),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         raw=cfg,
+        intermediate_size=_positive(cfg, "intermediate_size", cpath),
     )
 
 
@@ -189,10 +205,10 @@ def read_draft_config(directory: str | Path) -> DraftConfig:
             f"{cpath}: `is_causal` / sliding-window `layer_types` drafts are not supported; "
             "use a bidirectional (b16-style) DFlash draft"
         )
-    heads = int(_require(cfg, "num_attention_heads", cpath))
-    hidden = int(_require(cfg, "hidden_size", cpath))
-    n_layers = int(_require(cfg, "num_hidden_layers", cpath))
-    n_target = int(_require(cfg, "num_target_layers", cpath))
+    heads = _positive(cfg, "num_attention_heads", cpath)
+    hidden = _positive(cfg, "hidden_size", cpath)
+    n_layers = _positive(cfg, "num_hidden_layers", cpath)
+    n_target = _positive(cfg, "num_target_layers", cpath)
     layer_ids = _dflash_value(cfg, "target_layer_ids")
     if layer_ids is None:
         layer_ids = default_target_layer_ids(n_target, n_layers)
@@ -210,9 +226,9 @@ def read_draft_config(directory: str | Path) -> DraftConfig:
         hidden_size=hidden,
         num_layers=n_layers,
         num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        intermediate_size=int(_require(cfg, "intermediate_size", cpath)),
+        num_kv_heads=_positive(cfg, "num_key_value_heads", cpath, heads),
+        head_dim=_positive(cfg, "head_dim", cpath, hidden // heads or 1),
+        intermediate_size=_positive(cfg, "intermediate_size", cpath),
         vocab_size=cfg.get("vocab_size"),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=_rope_theta(cfg),
@@ -249,35 +265,221 @@ def expected_draft_shapes(c: DraftConfig) -> dict[str, list[int]]:
     return shapes
 
 
-def check_draft_tensors(c: DraftConfig) -> None:
-    """The 3 + 11·L tensor layout, exactly: unknown keys mean an unsupported (e.g. DFlash-2) draft."""
-    files = _safetensors_files(c.path, "draft")
-    found: dict[str, list[int]] = {}
-    for f in files:
-        found.update(_safetensors_header(f))
-    where = files[0] if len(files) == 1 else c.path
-    expected = expected_draft_shapes(c)
-    unknown = sorted(set(found) - set(expected))
+def check_draft_tensors(c: DraftConfig) -> dict[str, TensorInfo]:
+    """The 3 + 11·L tensor layout, exactly: unknown keys mean an unsupported (e.g. DFlash-2)
+    draft. Returns the tensors."""
+    tensors = checkpoint_tensors(c.path, "draft")
+    files = {i.file for i in tensors.values()}
+    where = next(iter(files)) if len(files) == 1 else c.path
+    hint = (
+        f"this is not a DFlash (b16) draft with {c.num_layers} layers (e.g. a DFlash-2 checkpoint "
+        "with attention_conv / candidate_selector)"
+    )
+    shapes = {k: list(v.shape) for k, v in tensors.items()}
+    _check_layout(where, shapes, expected_draft_shapes(c), set(), hint)
+    return tensors
+
+
+# ---------------------------------------------------------------- safetensors headers
+
+# The dtypes a checkpoint may hold: widened to fp32 exactly on the way to the programs.
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+INDEX_NAME = "model.safetensors.index.json"
+_HEADER_MAX = 100 * 1024 * 1024  # the safetensors format's own limit on the JSON header
+# Tensors a checkpoint may carry that no program uses (Hugging Face ignores them too).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes are: `nbytes` at absolute `offset` of `file`."""
+
+    file: Path
+    name: str
+    dtype: str  # a key of SAFETENSORS_DTYPES
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def _corrupt(path: Path, why: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path} is not a valid safetensors file: {why}. The file is truncated or corrupt; "
+        "download or save it again"
+    )
+
+
+def _header_json(path: Path, size: int) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise _corrupt(path, f"it is {size} bytes long, shorter than the 8-byte header size")
+        n = int.from_bytes(head, "little")
+        if n > min(size - 8, _HEADER_MAX):
+            raise _corrupt(path, f"its header claims {n} bytes but the file has {size}")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _corrupt(path, f"its header is not JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise _corrupt(path, "its header is not a JSON object")
+    return header, 8 + n
+
+
+def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
+    """Tensor name -> TensorInfo from the header alone (no tensor data is read), validated:
+    a supported dtype, data_offsets that match the shape, and data inside the file."""
+    path = Path(path)
+    size = path.stat().st_size
+    header, base = _header_json(path, size)
+    out: dict[str, TensorInfo] = {}
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = e["dtype"], tuple(e["shape"]), e["data_offsets"]
+            numel = math.prod(int(d) for d in shape)
+        except (KeyError, TypeError, ValueError) as err:
+            raise _corrupt(path, f"the entry of tensor `{name}` is malformed ({err!r})") from err
+        if dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(
+                f"{path}: tensor `{name}` has dtype {dtype}; supported: "
+                f"{', '.join(SAFETENSORS_DTYPES)} (convert the checkpoint to bf16, fp16 or fp32)"
+            )
+        itemsize = SAFETENSORS_DTYPES[dtype].itemsize
+        if not 0 <= begin <= end or end - begin != numel * itemsize:
+            raise _corrupt(
+                path, f"tensor `{name}` declares {end - begin} bytes for shape {list(shape)}"
+            )
+        if base + end > size:
+            raise _corrupt(
+                path,
+                f"tensor `{name}` ends at byte {base + end} but the file has {size} (data is shorter than declared)",
+            )
+        out[name] = TensorInfo(path, name, dtype, shape, base + begin, end - begin)
+    return out
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    try:
+        wm = json.loads(index.read_bytes().decode("utf-8")).get("weight_map")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise CheckpointError(f"{index} is not a valid index ({e}); download it again") from e
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        raise CheckpointError(f"{index}: `weight_map` must map tensor names to shard file names")
+    return wm
+
+
+def checkpoint_tensors(directory: str | Path, what: str = "checkpoint") -> dict[str, TensorInfo]:
+    """Every tensor of a checkpoint directory: one model.safetensors, or shards named by
+    model.safetensors.index.json (each shard must exist, hold exactly what the index says)."""
+    d = Path(directory)
+    files = _safetensors_files(d, what)
+    index = d / INDEX_NAME
+    if not index.is_file():
+        tensors: dict[str, TensorInfo] = {}
+        for f in files:
+            for name, info in read_safetensors_header(f).items():
+                if name in tensors:
+                    raise CheckpointError(
+                        f"{what} {d}: tensor `{name}` is in both {tensors[name].file.name} and "
+                        f"{f.name}; keep one copy (or add {INDEX_NAME})"
+                    )
+                tensors[name] = info
+        return tensors
+    wm = _read_index(index)
+    shards = sorted(set(wm.values()))
+    missing = [s for s in shards if not (d / s).is_file()]
+    if missing:
+        raise CheckpointError(
+            f"{what} {d}: shard {missing[0]} named by {INDEX_NAME} is missing "
+            f"({len(missing)} of {len(shards)} missing); download the complete checkpoint"
+        )
+    unlisted = [f.name for f in files if f.name not in shards]
+    if unlisted:
+        raise CheckpointError(
+            f"{what} {d}: {unlisted[0]} is not listed in {INDEX_NAME}; remove it or add its "
+            "tensors to the index"
+        )
+    tensors = {}
+    for s in shards:
+        for name, info in read_safetensors_header(d / s).items():
+            if wm.get(name) != s:
+                raise CheckpointError(
+                    f"{what} {d / s}: tensor `{name}` is not listed for this shard in {INDEX_NAME}"
+                )
+            tensors[name] = info
+    absent = sorted(set(wm) - set(tensors))
+    if absent:
+        raise CheckpointError(
+            f"{what} {d}: {INDEX_NAME} names tensor `{absent[0]}` in {wm[absent[0]]}, which does "
+            f"not hold it ({len(absent)} such tensors); the index and the shards do not match"
+        )
+    return tensors
+
+
+def expected_target_shapes(t: TargetConfig) -> dict[str, list[int]]:
+    """Every tensor the target architecture needs, with its shape (Hugging Face names)."""
+    H, hd, inter, V = t.hidden_size, t.head_dim, t.intermediate_size, t.vocab_size
+    q, kv = t.num_heads * hd, t.num_kv_heads * hd
+    per_layer = {
+        "self_attn.q_proj.weight": [q, H],
+        "self_attn.k_proj.weight": [kv, H],
+        "self_attn.v_proj.weight": [kv, H],
+        "self_attn.o_proj.weight": [H, q],
+        "mlp.gate_proj.weight": [inter, H],
+        "mlp.up_proj.weight": [inter, H],
+        "mlp.down_proj.weight": [H, inter],
+        "input_layernorm.weight": [H],
+        "post_attention_layernorm.weight": [H],
+    }
+    if t.family == "qwen3":
+        per_layer |= {"self_attn.q_norm.weight": [hd], "self_attn.k_norm.weight": [hd]}
+    if t.raw.get("attention_bias"):
+        per_layer |= {f"self_attn.{p}_proj.bias": [n] for p, n in zip("qkvo", (q, kv, kv, H))}
+    if t.raw.get("mlp_bias"):
+        per_layer |= {"mlp.gate_proj.bias": [inter], "mlp.up_proj.bias": [inter]}
+        per_layer |= {"mlp.down_proj.bias": [H]}
+    shapes = {"model.embed_tokens.weight": [V, H], "model.norm.weight": [H]}
+    if not t.tie_word_embeddings:
+        shapes["lm_head.weight"] = [V, H]
+    for i in range(t.num_layers):
+        shapes.update({f"model.layers.{i}.{k}": s for k, s in per_layer.items()})
+    return shapes
+
+
+def _check_layout(where, found: dict, expected: dict, ignored: set, hint: str) -> None:
+    unknown = sorted(set(found) - set(expected) - ignored)
     if unknown:
         raise CheckpointError(
             f"{where}: unknown tensor keys {unknown[:6]}{' …' if len(unknown) > 6 else ''} "
-            f"({len(unknown)} in all). This is not a DFlash (b16) draft with "
-            f"{c.num_layers} layers (e.g. a DFlash-2 checkpoint with attention_conv / "
-            "candidate_selector); unsupported checkpoints are refused, not silently ignored"
+            f"({len(unknown)} in all); {hint}. Unknown tensors are refused, not silently ignored"
         )
     missing = sorted(set(expected) - set(found))
     if missing:
         raise CheckpointError(
             f"{where}: missing tensor keys {missing[:6]}{' …' if len(missing) > 6 else ''} "
-            f"({len(missing)} in all); config.json declares {c.num_layers} layers and "
-            f"{len(c.target_layer_ids)} target layer ids"
+            f"({len(missing)} in all); the checkpoint is incomplete for its config.json"
         )
     for name, shape in expected.items():
         if list(found[name]) != shape:
             raise CheckpointError(
                 f"{where}: tensor `{name}` has shape {list(found[name])}, expected {shape} from "
-                f"{c.path / 'config.json'}"
+                "config.json"
             )
+
+
+def check_target_tensors(t: TargetConfig) -> dict[str, TensorInfo]:
+    """Every tensor the target needs, with its shape; nothing unknown. Returns the tensors."""
+    tensors = checkpoint_tensors(t.path, "target")
+    ignored = {k for k in tensors if k.endswith(_IGNORED_SUFFIXES)}
+    if t.tie_word_embeddings:
+        ignored.add("lm_head.weight")  # tied: the head is the embedding (as Hugging Face does)
+    shapes = {k: list(v.shape) for k, v in tensors.items()}
+    hint = f"not a {t.family} checkpoint with {t.num_layers} layers as config.json declares"
+    _check_layout(t.path, shapes, expected_target_shapes(t), ignored, hint)
+    return tensors
 
 
 def validate_pair(t: TargetConfig, d: DraftConfig) -> None:
@@ -330,15 +532,22 @@ _HF_NAME = {
 class Pair:
     target: TargetConfig
     draft: DraftConfig
+    # name -> TensorInfo of each checkpoint (from the validated headers)
+    target_tensors: dict = field(default_factory=dict, repr=False, compare=False)
+    draft_tensors: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 def read_pair(target_dir: str | Path, draft_dir: str | Path) -> Pair:
-    """Read and validate both configs and the draft's tensor layout; loads no weights."""
-    t = read_target_config(target_dir)
-    d = read_draft_config(draft_dir)
-    check_draft_tensors(d)
+    """Read and validate both configs and both tensor layouts (headers only; loads no weights).
+    A directory argument may also be a Hugging Face model id (see `dflash_qaic.hub`)."""
+    from dflash_qaic.hub import resolve_checkpoint
+
+    t = read_target_config(resolve_checkpoint(target_dir, "target"))
+    d = read_draft_config(resolve_checkpoint(draft_dir, "draft"))
+    dt = check_draft_tensors(d)
     validate_pair(t, d)
-    return Pair(t, d)
+    tt = check_target_tensors(t)
+    return Pair(t, d, tt, dt)
 
 
 def load_target_model(t: TargetConfig | str | Path) -> torch.nn.Module:
@@ -373,6 +582,44 @@ def file_digest(directory: str | Path, *, chunk: int = 1 << 22) -> str:
         with open(f, "rb") as fh:
             while b := fh.read(chunk):
                 h.update(b)
+    return h.hexdigest()
+
+
+# Small files whose contents change a program or the runtime's behaviour.
+FINGERPRINT_FILES = (
+    "config.json",
+    INDEX_NAME,
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+
+
+def fingerprint(directory: str | Path) -> str:
+    """A cheap identity of a checkpoint directory that reads no weight bytes: the contents of
+    its config / index / tokenizer / generation-config files, and per safetensors file its
+    name, size, mtime_ns and a hash of its header. A re-run decides "unchanged" in
+    milliseconds; a rewritten weight file changes its mtime (and usually its header)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    d = Path(directory)
+    for name in FINGERPRINT_FILES:
+        f = d / name
+        h.update(name.encode() + b"\0")
+        h.update(f.read_bytes() if f.is_file() else b"<absent>")
+    for f in sorted(d.glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            h.update(fh.read(min(n, _HEADER_MAX)))
     return h.hexdigest()
 
 

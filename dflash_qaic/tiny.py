@@ -1,10 +1,16 @@
-"""Write a random tiny target + DFlash draft pair in the real on-disk formats.
+"""Write a random target + DFlash draft pair in the real on-disk formats, tiny or real-sized.
 
     python -m dflash_qaic.tiny OUT [--family qwen3|llama] [--agree 3.0] ...
     dflash-make-tiny-pair OUT ...
+    dflash-make-tiny-pair OUT --preset qwen3-4b        # Qwen3-4B shapes, bf16, 3 shards + index
 
-`OUT/target` is a Hugging Face directory (config.json + model.safetensors), `OUT/draft` a DFlash
-draft directory (config.json + model.safetensors, the 3 + 11·L layout).
+`OUT/target` is a Hugging Face directory (config.json + model.safetensors, or shards
+model-0000i-of-0000n.safetensors with model.safetensors.index.json), `OUT/draft` a DFlash draft
+directory (config.json + model.safetensors, the 3 + 11·L layout, no embedding or head).
+
+A default spec (fp32, one file) goes through Hugging Face's `save_pretrained`. Any other dtype,
+a sharded target or a preset is written tensor by tensor (random values generated a block of
+rows at a time, straight into the file), so a real-sized pair needs little memory.
 
 A random draft almost never agrees with a random target, which leaves most of the decode loop
 untested. `agree > 0` makes acceptance vary from 1 to B: the draft's final norm is zeroed, so it
@@ -42,6 +48,55 @@ class TinySpec:
     agree: float = 0.0
     seed: int = 0
     rope_theta: float = 10000.0
+    dtype: str = "float32"  # float32 | bfloat16 | float16 (of both checkpoints)
+    shards: int = 1  # > 1: the target in that many shards with model.safetensors.index.json
+    mask_token_id: int | None = None  # None: vocab_size - 1
+    max_position_embeddings: int = 4096
+
+
+# Published shapes (Qwen3-0.6B / Qwen3-4B and z-lab's 5-layer b16 drafts for them): bf16, the
+# target sharded with an index and its head tied, the draft's target layers by the default rule.
+PRESETS: dict[str, dict] = {
+    "qwen3-0.6b": dict(
+        hidden_size=1024,
+        target_layers=28,
+        intermediate_size=3072,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+    ),
+    "qwen3-4b": dict(
+        hidden_size=2560,
+        target_layers=36,
+        intermediate_size=9728,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        shards=3,
+    ),
+}
+_PRESET_COMMON = dict(
+    family="qwen3",
+    draft_layers=5,
+    vocab_size=151936,
+    block_size=16,
+    mask_token_id=151669,
+    tie_word_embeddings=True,
+    dtype="bfloat16",
+    shards=2,
+    rope_theta=1000000.0,
+    max_position_embeddings=40960,
+)
+
+
+def preset_spec(name: str, **overrides) -> TinySpec:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}: choose from {', '.join(PRESETS)}")
+    kw = {**_PRESET_COMMON, **PRESETS[name], **overrides}
+    kw.setdefault("target_layer_ids", None)
+    if kw["target_layer_ids"] is None:
+        kw["target_layer_ids"] = default_target_layer_ids(kw["target_layers"], kw["draft_layers"])
+    return TinySpec(**kw)
 
 
 def _target_config(s: TinySpec):
@@ -55,7 +110,7 @@ def _target_config(s: TinySpec):
         num_attention_heads=s.num_heads,
         num_key_value_heads=s.num_kv_heads,
         head_dim=s.head_dim,
-        max_position_embeddings=4096,
+        max_position_embeddings=s.max_position_embeddings,
         rms_norm_eps=1e-6,
         tie_word_embeddings=s.tie_word_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta},
@@ -71,7 +126,8 @@ def _target_config(s: TinySpec):
 
 
 def draft_config_dict(s: TinySpec) -> dict:
-    dflash = {"mask_token_id": s.vocab_size - 1, "block_size": s.block_size}
+    mask = s.vocab_size - 1 if s.mask_token_id is None else s.mask_token_id
+    dflash = {"mask_token_id": mask, "block_size": s.block_size}
     if s.target_layer_ids is not None:
         dflash["target_layer_ids"] = list(s.target_layer_ids)
     return {
@@ -86,13 +142,13 @@ def draft_config_dict(s: TinySpec) -> dict:
         "vocab_size": s.vocab_size,
         "rms_norm_eps": 1e-6,
         "rope_theta": s.rope_theta,  # the published drafts' (pre-5.x) spelling
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": s.max_position_embeddings,
         "attention_bias": False,
         "tie_word_embeddings": False,
         "num_target_layers": s.target_layers,
         "block_size": s.block_size,
         "dflash_config": dflash,
-        "torch_dtype": "float32",
+        "torch_dtype": s.dtype,
     }
 
 
@@ -132,16 +188,25 @@ def random_draft_state(s: TinySpec, gen: torch.Generator) -> dict[str, torch.Ten
     return state
 
 
-def make_tiny_pair(out_dir: str | Path, family: str = "qwen3", **kw) -> tuple[Path, Path]:
-    """Write OUT/target and OUT/draft; returns their paths. Keyword args: fields of TinySpec."""
+def make_tiny_pair(
+    out_dir: str | Path, family: str = "qwen3", *, preset: str | None = None, **kw
+) -> tuple[Path, Path]:
+    """Write OUT/target and OUT/draft; returns their paths. Keyword args: fields of TinySpec
+    (over the preset's, when `preset` names one of PRESETS)."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    s = TinySpec(family=family, **kw)
+    s = preset_spec(preset, **kw) if preset else TinySpec(family=family, **kw)
     out = Path(out_dir)
     tdir, ddir = out / "target", out / "draft"
     tdir.mkdir(parents=True, exist_ok=True)
     ddir.mkdir(parents=True, exist_ok=True)
+    if preset or s.dtype != "float32" or s.shards > 1:
+        from dflash_qaic.tiny_writer import write_pair_streamed
+
+        write_pair_streamed(s, tdir, ddir, _target_config(s))
+        (ddir / "config.json").write_text(json.dumps(draft_config_dict(s), indent=2) + "\n")
+        return tdir, ddir
 
     torch.manual_seed(s.seed)
     gen = torch.Generator().manual_seed(s.seed + 1)
@@ -170,33 +235,34 @@ def make_tiny_pair(out_dir: str | Path, family: str = "qwen3", **kw) -> tuple[Pa
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="directory to write target/ and draft/ into")
-    p.add_argument("--family", default="qwen3", choices=["qwen3", "llama"])
-    p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--target-layers", type=int, default=4)
-    p.add_argument("--draft-layers", type=int, default=2)
-    p.add_argument("--num-heads", type=int, default=4)
-    p.add_argument("--num-kv-heads", type=int, default=2)
-    p.add_argument("--vocab-size", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--preset", choices=sorted(PRESETS), help="published shapes (bf16, sharded)")
+    p.add_argument("--family", choices=["qwen3", "llama"])
+    for flag in ("hidden-size", "target-layers", "draft-layers", "num-heads", "num-kv-heads"):
+        p.add_argument(f"--{flag}", type=int)
+    for flag in ("head-dim", "intermediate-size", "vocab-size", "block-size", "mask-token-id"):
+        p.add_argument(f"--{flag}", type=int)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--shards", type=int, help="split the target into N shards with an index")
     p.add_argument("--untied", action="store_true", help="untie the target's lm_head")
     p.add_argument("--agree", type=float, default=0.0, help="bias toward agreement (see docs)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    t, d = make_tiny_pair(
-        a.out,
-        family=a.family,
-        hidden_size=a.hidden_size,
-        target_layers=a.target_layers,
-        draft_layers=a.draft_layers,
-        num_heads=a.num_heads,
-        num_kv_heads=a.num_kv_heads,
-        head_dim=a.hidden_size // a.num_heads,
-        vocab_size=a.vocab_size,
-        block_size=a.block_size,
-        tie_word_embeddings=not a.untied,
-        agree=a.agree,
-        seed=a.seed,
-    )
+    kw = {
+        k: v
+        for k, v in vars(a).items()
+        if v is not None and k not in ("out", "preset", "untied", "family")
+    }
+    if a.untied:
+        kw["tie_word_embeddings"] = False
+    if a.preset is None:
+        kw.setdefault("head_dim", kw.get("hidden_size", 64) // kw.get("num_heads", 4))
+        kw.setdefault("intermediate_size", 2 * kw.get("hidden_size", 64))
+    elif a.family:
+        kw["family"] = a.family
+    try:
+        t, d = make_tiny_pair(a.out, family=a.family or "qwen3", preset=a.preset, **kw)
+    except ValueError as e:
+        raise SystemExit(f"dflash-make-tiny-pair: {e}") from None
     print(f"target: {t}\ndraft:  {d}")
 
 

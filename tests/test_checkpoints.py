@@ -224,3 +224,126 @@ def test_fp16_fc_scale():
     w = torch.full((4, 16), 100.0)
     assert ck.fp16_fc_scale(w) == pytest.approx(4 * 400 / 128)
     assert ck.fp16_fc_scale(torch.full((4, 16), 0.01)) == 1.0
+
+
+# ---------------------------------------------------------------- formats and damage (issue 17)
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    """A bf16 target in 3 shards with an index, and its bf16 draft."""
+    from dflash_qaic.tiny import make_tiny_pair
+
+    return make_tiny_pair(tmp_path, dtype="bfloat16", shards=3, target_layer_ids=[0, 3])
+
+
+def _index(t):
+    return json.loads((t / ck.INDEX_NAME).read_text())
+
+
+def test_sharded_bf16_pair_reads(sharded):
+    p = ck.read_pair(*sharded)
+    assert len({i.file for i in p.target_tensors.values()}) == 3
+    assert {i.dtype for i in p.target_tensors.values()} == {"BF16"}
+    assert set(p.target_tensors) == set(ck.expected_target_shapes(p.target))
+
+
+def test_missing_shard(sharded):
+    t, d = sharded
+    (t / "model-00002-of-00003.safetensors").unlink()
+    _raises(r"shard model-00002-of-00003.safetensors named by .* is missing", ck.read_pair, t, d)
+
+
+def test_index_names_absent_tensor(sharded):
+    t, d = sharded
+    idx = _index(t)
+    idx["weight_map"]["model.layers.9.mlp.up_proj.weight"] = "model-00001-of-00003.safetensors"
+    (t / ck.INDEX_NAME).write_text(json.dumps(idx))
+    _raises(
+        r"names tensor `model.layers.9.mlp.up_proj.weight`.*does not hold it", ck.read_pair, t, d
+    )
+
+
+def test_unlisted_shard(sharded):
+    t, d = sharded
+    shutil.copy(t / "model-00001-of-00003.safetensors", t / "extra.safetensors")
+    _raises(r"extra.safetensors is not listed in model.safetensors.index.json", ck.read_pair, t, d)
+
+
+def _header_len(path):
+    return int.from_bytes(path.read_bytes()[:8], "little")
+
+
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda b: b[:4], "shorter than the 8-byte header"),
+        (
+            lambda b: (2**62).to_bytes(8, "little") + b[8:],
+            r"header claims 4611686018427387904 bytes",
+        ),
+        (lambda b: b[:8] + b"\xff" * 40 + b[48:], "header is not JSON"),
+        (lambda b: b[:-100], "data is shorter than declared"),
+    ],
+    ids=["tiny", "huge-header", "garbage-header", "truncated"],
+)
+def test_corrupt_safetensors(sharded, damage, match):
+    t, d = sharded
+    f = t / "model-00003-of-00003.safetensors"
+    f.write_bytes(damage(f.read_bytes()))
+    msg = _raises(match, ck.read_pair, t, d)
+    assert str(f) in msg and "download or save it again" in msg
+
+
+def test_unsupported_dtype(pair):
+    t, d = pair
+    edit_tensors(t, lambda s: s.update({"model.norm.weight": s["model.norm.weight"].double()}))
+    _raises(
+        r"tensor `model.norm.weight` has dtype F64; supported: F32, F16, BF16", ck.read_pair, t, d
+    )
+
+
+def test_target_missing_one_tensor(pair):
+    t, d = pair
+    edit_tensors(t, lambda s: s.pop("model.layers.2.mlp.down_proj.weight"))
+    _raises(r"missing tensor keys \['model.layers.2.mlp.down_proj.weight'\]", ck.read_pair, t, d)
+
+
+def test_untied_target_without_lm_head(pair):
+    t, d = pair
+    edit_config(t, tie_word_embeddings=False)
+    _raises(r"missing tensor keys \['lm_head.weight'\]", ck.read_pair, t, d)
+
+
+def test_target_unknown_tensor(pair):
+    t, d = pair
+    edit_tensors(t, lambda s: s.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)}))
+    _raises("unknown tensor keys .*model.layers.0.mlp.extra.weight", ck.read_pair, t, d)
+
+
+def test_target_wrong_shape(pair):
+    t, d = pair
+    edit_tensors(t, lambda s: s.update({"model.norm.weight": torch.ones(3)}))
+    _raises(r"`model.norm.weight` has shape \[3\], expected \[64\]", ck.read_pair, t, d)
+
+
+def test_config_is_a_list(pair):
+    t, d = pair
+    (t / "config.json").write_text("[1, 2]")
+    _raises("holds a JSON list, not an object", ck.read_pair, t, d)
+
+
+def test_config_not_utf8(pair):
+    t, d = pair
+    (d / "config.json").write_bytes(b'{"hidden_size": "\xff\xfe"}')
+    _raises("is not UTF-8 text", ck.read_pair, t, d)
+
+
+@pytest.mark.parametrize("value", [None, 0, -2, 1.5, "64"])
+def test_config_bad_field(pair, value):
+    t, d = pair
+    edit_config(t, num_hidden_layers=0)  # placeholder, replaced below (edit_config drops None)
+    cfg = json.loads((t / "config.json").read_text())
+    cfg["num_hidden_layers"] = value
+    (t / "config.json").write_text(json.dumps(cfg))
+    _raises(r"field `num_hidden_layers` is .*; it must be a positive integer", ck.read_pair, t, d)

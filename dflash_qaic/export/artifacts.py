@@ -159,8 +159,8 @@ def _aux_digest(target_dir: Path) -> str:
 def input_hash(pair: ck.Pair, o: ExportOptions, block_size: int) -> str:
     """The reuse key: every input and option that changes a program or the runtime."""
     h = hashlib.sha256()
-    h.update(ck.file_digest(pair.target.path).encode())
-    h.update(ck.file_digest(pair.draft.path).encode())
+    h.update(ck.fingerprint(pair.target.path).encode())
+    h.update(ck.fingerprint(pair.draft.path).encode())
     h.update(_aux_digest(pair.target.path).encode())
     h.update(json.dumps(o.program_options(block_size), sort_keys=True).encode())
     h.update(__version__.encode())
@@ -434,57 +434,54 @@ def _records(m: Manifest, root: Path, known: dict, old_root: Path | None) -> lis
 
 
 def _export(pair, out, o: ExportOptions, B: int, key: str, progress, steps) -> dict:
+    """The streaming export (export/weights.py): placeholder modules are traced, and the
+    weights go from the safetensors files to the programs one tensor at a time."""
     import torch
 
+    from dflash_qaic.export import weights
     from dflash_qaic.export.draft import export_draft
     from dflash_qaic.export.target import export_target
 
     t = time.perf_counter()
-    progress(f"loading {pair.target.path} and {pair.draft.path}")
-    target = ck.load_target_model(pair.target)
-    state = ck.load_draft_state(pair.draft)
-    embed = target.get_input_embeddings().weight
-    head = target.get_output_embeddings().weight
-    steps.append(("load checkpoints", "ok", time.perf_counter() - t))
+    progress(f"reading {pair.target.path} and {pair.draft.path} (structure only)")
+    target = weights.placeholder_target(pair.target)
+    fc = weights.load_fp32(pair.draft_tensors["fc.weight"])
+    hidden_norm = weights.load_fp32(pair.draft_tensors["hidden_norm.weight"])
+    embed, head = weights.placeholder_head(pair.target)
+    steps.append(("load checkpoints", "structure + fc", time.perf_counter() - t))
+    common = dict(
+        ctx_len=o.ctx_len,
+        prefill_seq_len=o.prefill_seq_len,
+        block_size=B,
+        batch_size=o.batch_size,
+        emit_logits=o.emit_logits,
+        fp16_check=o.fp16_check,
+        stream_from=pair,
+    )
 
     t = time.perf_counter()
     progress(f"exporting the target program (ctx {o.ctx_len}, chunk {o.prefill_seq_len}, B {B})")
     with torch.no_grad():
         tfacts = export_target(
             target,
-            state["fc.weight"],
-            state["hidden_norm.weight"],
+            fc,
+            hidden_norm,
             pair.draft.rms_norm_eps,
             pair.draft.target_layer_ids,
             out / "target" / "target.onnx",
-            ctx_len=o.ctx_len,
-            prefill_seq_len=o.prefill_seq_len,
-            block_size=B,
-            batch_size=o.batch_size,
-            emit_logits=o.emit_logits,
             sampling=o.sampling,
-            fp16_check=o.fp16_check,
+            **common,
         )
+    del target
     steps.append(("export target", f"{tfacts['onnx_bytes'] / 1e6:.1f} MB", time.perf_counter() - t))
 
     t = time.perf_counter()
     progress("exporting the draft program")
     with torch.no_grad():
-        dfacts = export_draft(
-            pair.draft,
-            state,
-            embed,
-            head,
-            out / "draft" / "draft.onnx",
-            ctx_len=o.ctx_len,
-            prefill_seq_len=o.prefill_seq_len,
-            block_size=B,
-            batch_size=o.batch_size,
-            emit_logits=o.emit_logits,
-            fp16_check=o.fp16_check,
-        )
+        dfacts = export_draft(pair.draft, None, embed, head, out / "draft" / "draft.onnx", **common)
     steps.append(("export draft", f"{dfacts['onnx_bytes'] / 1e6:.1f} MB", time.perf_counter() - t))
     tok = _copy_tokenizer(pair.target.path, out)
+    progress("hashing the checkpoint files for the manifest")
     return {
         "input_hash": key,
         "block_size": B,

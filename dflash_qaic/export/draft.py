@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from dflash_qaic import contract
-from dflash_qaic.checkpoints import DraftConfig
+from dflash_qaic.checkpoints import DraftConfig, Pair
+from dflash_qaic.export import weights
 from dflash_qaic.export.graph_check import check_graph
 from dflash_qaic.export.onnx_export import export_onnx, program_facts
 from dflash_qaic.modeling.draft import DFlashDraft, ExportDraft
@@ -66,29 +67,49 @@ def export_draft(
     emit_logits: bool = False,
     external_data: bool | None = None,
     fp16_check: bool = True,
+    stream_from: Pair | None = None,
 ) -> dict:
     """Export the draft program to `out_path` and check it; returns facts for the manifest.
 
     `embed_weight` / `head_weight` are the target's (pass the same tensor twice for a tied head).
+    stream_from: the streaming export (export/weights.py): `draft_state` is None, the embedding
+    and head are placeholders (`weights.placeholder_head`), and the program's weights are written
+    from this pair's checkpoints tensor by tensor.
     """
     if not 2 <= block_size <= contract.max_positions(ctx_len):
         raise ValueError(f"block_size {block_size} must be in [2, ctx_len - 1 = {ctx_len - 1}]")
-    draft = DFlashDraft.from_checkpoint(draft_cfg, draft_state)
+    if stream_from is not None:
+        draft = weights.placeholder_draft(draft_cfg)
+    else:
+        draft = DFlashDraft.from_checkpoint(draft_cfg, draft_state)
     module = ExportDraft(draft, embed_weight, head_weight, ctx_len, emit_logits).eval()
     io = draft_io(draft_cfg, embed_weight.shape[0], block_size, emit_logits)
     specializations = contract.draft_specializations(
         batch_size, prefill_seq_len, block_size, ctx_len
     )
     mask_id = draft_cfg.mask_token_id
-    trace = {"symbols": {contract.BATCH: batch_size, contract.SEQ: max(prefill_seq_len, 2)}}
+    rows = 2 if stream_from is not None else max(prefill_seq_len, 2)  # see export_target
+    trace = {"symbols": {contract.BATCH: batch_size, contract.SEQ: rows}}
     trace["symbols"][contract.CTX] = ctx_len
     example = check_feeds(io, [trace], mask_id)[0]
     example_inputs = tuple(torch.from_numpy(example[s.name]) for s in io.inputs)
+    sources = None
+    if stream_from is not None:
+        sources = weights.draft_sources(weights.stream_ready(module), stream_from)
     path = export_onnx(
-        module, example_inputs, io.inputs, io.outputs, out_path, external_data=external_data
+        module,
+        example_inputs,
+        io.inputs,
+        io.outputs,
+        out_path,
+        external_data=external_data,
+        sources=sources,
     )
-    feeds = check_feeds(io, specializations, mask_id) if fp16_check else None
+    skipped = weights.graph_run_skip_reason(weights.weights_bytes(sources)) if sources else None
+    feeds = check_feeds(io, specializations, mask_id) if fp16_check and not skipped else None
     report = check_graph(path, io, specializations, feeds)
+    if fp16_check and skipped:
+        report["skipped"] = skipped
     return {
         **program_facts(path, io, specializations, report),
         "prefill_seq_len": prefill_seq_len,

@@ -61,12 +61,20 @@ def export_onnx(
     *,
     opset: int = 17,
     external_data: bool | None = None,
+    sources: dict | None = None,
 ) -> Path:
     """Export `module(*example_inputs)` to `path`; returns `path`.
 
     external_data: True writes all weights to one `<name>.data` file beside the .onnx; None
     does so only when the weights exceed EXTERNAL_DATA_THRESHOLD.
+    sources: parameter name -> `weights.Source`: the streaming export. The module's weights are
+    placeholders, traced as graph inputs and written from the checkpoints tensor by tensor
+    (see export/weights.py); None: the module's own weights are exported (in memory).
     """
+    if sources is not None:
+        return _export_streamed(
+            module, example_inputs, inputs, outputs, Path(path), opset, external_data, sources
+        )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
@@ -118,6 +126,88 @@ def export_onnx(
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return path
+
+
+def _trace(module, example_inputs, inputs, outputs, raw: Path, opset: int, streamed: bool):
+    with torch.no_grad(), _quiet(), _layer_progress(module, raw.name):
+        torch.onnx.export(
+            module.eval(),
+            tuple(example_inputs),
+            str(raw),
+            input_names=[s.name for s in inputs],
+            output_names=[s.name for s in outputs],
+            dynamic_axes=_dynamic_axes(inputs + outputs),
+            opset_version=opset,
+            do_constant_folding=True,
+            export_params=not streamed,
+            dynamo=False,
+        )
+
+
+@contextlib.contextmanager
+def _layer_progress(module: torch.nn.Module, name: str):
+    """A progress bar over the decoder layers while the exporter traces the module."""
+    from tqdm.auto import tqdm
+
+    layers = getattr(module, "layers", None) or []
+    bar = tqdm(total=len(layers), desc=f"tracing {name}", unit="layer", leave=False)
+
+    def tick(*_):  # a forward hook must return None (anything else replaces the output)
+        bar.update(1)
+
+    hooks = [m.register_forward_hook(tick) for m in layers]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        bar.close()
+
+
+def _export_streamed(module, example_inputs, inputs, outputs, path: Path, opset, external, sources):
+    from dflash_qaic.export import weights
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        raw = tmp_dir / "raw" / path.name
+        raw.parent.mkdir()
+        _trace(module, example_inputs, inputs, outputs, raw, opset, streamed=True)
+        model = onnx.load(str(raw))  # the graph alone: no weights in it
+        _check_weight_inputs(model.graph, inputs, sources)
+        shutil.rmtree(raw.parent)
+        if external is None:
+            external = weights.weights_bytes(sources) > weights.STREAM_INLINE_MAX
+        data_name = data_file_name(path)
+        data = tmp_dir / data_name if external else None
+        weights.attach_initializers(model, sources, data, desc=f"writing {path.name}")
+        model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+        _stamp_io_shapes(model.graph, inputs, outputs)
+        final = tmp_dir / path.name
+        onnx.save_model(model, str(final))
+        del model
+        stale_data = path.parent / data_name
+        if external:
+            os.replace(data, stale_data)
+        os.replace(final, path)
+        if not external and stale_data.exists():
+            stale_data.unlink()
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return path
+
+
+def _check_weight_inputs(graph, inputs, sources) -> None:
+    """Every graph input is a contract input or a weight with a source: a weight the exporter
+    folded into an anonymous input (e.g. a transposed copy) would have no bytes to write."""
+    names = {s.name for s in inputs}
+    stray = [i.name for i in graph.input if i.name not in names and i.name not in sources]
+    if stray:
+        raise RuntimeError(
+            f"streaming export: graph inputs {stray[:5]} are neither contract inputs nor "
+            "weights with a checkpoint source (the module uses a weight through an op the "
+            "exporter constant-folds; see export/weights.py)"
+        )
 
 
 def _stamp_io_shapes(graph: onnx.GraphProto, inputs, outputs) -> None:

@@ -8,7 +8,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
+from dflash_qaic.export import weights
 from dflash_qaic.export.graph_check import check_graph
 from dflash_qaic.export.onnx_export import export_onnx, program_facts
 from dflash_qaic.modeling.sampler import SAMPLING_CANDIDATES
@@ -70,8 +72,14 @@ def export_target(
     sampling_candidates: int = SAMPLING_CANDIDATES,
     external_data: bool | None = None,
     fp16_check: bool = True,
+    stream_from: ck.Pair | None = None,
 ) -> dict:
     """Export the target program to `out_path` and check it; returns facts for the manifest.
+
+    stream_from: the streaming export (export/weights.py): `hf_model` holds placeholder weights
+    (`weights.placeholder_target`) and the program's weights are written from this pair's
+    checkpoints tensor by tensor. The fp16 run is skipped (and the facts say why) above
+    `weights.GRAPH_RUN_MAX_BYTES`.
 
     sampling: the program takes temperature / top_k / top_p / random_u and returns the
     lossless speculative-sampling choice (contract.TargetIO); False: argmax only.
@@ -111,16 +119,30 @@ def export_target(
     )
 
     # Trace at the prefill shape (at least 2 rows, so no size-1 dim gets specialised away).
-    trace_sym = {contract.BATCH: batch_size, contract.SEQ: max(prefill_seq_len, 2)}
+    # The streaming export traces at 2 rows: the graph is the same (every dim that varies is
+    # symbolic), and the tracer keeps every intermediate alive until it is done.
+    rows = 2 if stream_from is not None else max(prefill_seq_len, 2)
+    trace_sym = {contract.BATCH: batch_size, contract.SEQ: rows}
     trace_sym[contract.CTX] = ctx_len
     example = check_feeds(io, [{"name": contract.PREFILL, "symbols": trace_sym}])[0]
     example_inputs = tuple(torch.from_numpy(example[s.name]) for s in io.inputs)
+    sources = None
+    if stream_from is not None:
+        sources = weights.target_sources(weights.stream_ready(module), stream_from)
     path = export_onnx(
-        module, example_inputs, io.inputs, io.outputs, out_path, external_data=external_data
+        module,
+        example_inputs,
+        io.inputs,
+        io.outputs,
+        out_path,
+        external_data=external_data,
+        sources=sources,
     )
-
-    feeds = check_feeds(io, specializations) if fp16_check else None
+    skipped = weights.graph_run_skip_reason(weights.weights_bytes(sources)) if sources else None
+    feeds = check_feeds(io, specializations) if fp16_check and not skipped else None
     report = check_graph(path, io, specializations, feeds)
+    if fp16_check and skipped:
+        report["skipped"] = skipped
     return {
         **program_facts(path, io, specializations, report),
         "prefill_seq_len": prefill_seq_len,

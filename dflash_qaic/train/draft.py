@@ -39,7 +39,8 @@ import torch
 from torch.nn import functional as F
 
 from dflash_qaic import checkpoints as ck
-from dflash_qaic.modeling.draft import MASKED, DFlashDraft
+from dflash_qaic.modeling.draft import DFlashDraft
+from dflash_qaic.modeling.layers import MASK_VALUE
 from dflash_qaic.train.common import (
     DTYPES,
     THREADS_HELP,
@@ -260,7 +261,7 @@ def multi_block_forward(
     ccos, csin = draft.rope(torch.arange(T)[None])  # [1, T, hd]
     cos, sin = draft.rope(block_pos)  # [S·A, B, hd]
     hidden = torch.arange(T)[None, :] >= anchors.reshape(S * A, 1)  # [S·A, T]
-    ctx_mask = torch.where(hidden, MASKED, 0.0)[:, None, None, :]  # [S·A, 1, 1, T]
+    ctx_mask = torch.where(hidden, MASK_VALUE, 0.0)[:, None, None, :]  # [S·A, 1, 1, T]
     h = block_emb.reshape(S * A, B, H)
     for layer in draft.layers:
         k, v = layer.self_attn.kv(ctx, ccos, csin)  # [S, n_kv, T, hd], no input_layernorm

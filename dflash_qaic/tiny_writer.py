@@ -1,0 +1,146 @@
+"""Write random checkpoints of any size tensor by tensor (used by `dflash_qaic.tiny`).
+
+Each safetensors file is written as: the header (every tensor's dtype, shape and offsets are
+known up front), then each tensor's bytes, generated a block of rows at a time. Memory stays at
+one block (≤ 64 MB) whatever the model size. Values follow tiny.py's recipe: Linear weights
+N(0, 1/in), norms 1 + N(0, 0.01), the embedding 4·N(0, 1/H).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from dflash_qaic.checkpoints import INDEX_NAME, default_target_layer_ids
+
+DTYPES = {
+    "float32": ("F32", torch.float32),
+    "bfloat16": ("BF16", torch.bfloat16),
+    "float16": ("F16", torch.float16),
+}
+BLOCK_ELEMS = 16 << 20
+
+
+def _layer_tensors(prefix: str, s, qk_norm: bool = True) -> list[tuple[str, tuple, str]]:
+    H, hd, inter = s.hidden_size, s.head_dim, s.intermediate_size
+    q, kv = s.num_heads * hd, s.num_kv_heads * hd
+    out = [
+        ("input_layernorm.weight", (H,), "norm"),
+        ("self_attn.q_proj.weight", (q, H), "linear"),
+        ("self_attn.k_proj.weight", (kv, H), "linear"),
+        ("self_attn.v_proj.weight", (kv, H), "linear"),
+        ("self_attn.o_proj.weight", (H, q), "linear"),
+    ]
+    if qk_norm:
+        out += [
+            ("self_attn.q_norm.weight", (hd,), "norm"),
+            ("self_attn.k_norm.weight", (hd,), "norm"),
+        ]
+    out += [
+        ("post_attention_layernorm.weight", (H,), "norm"),
+        ("mlp.gate_proj.weight", (inter, H), "linear"),
+        ("mlp.up_proj.weight", (inter, H), "linear"),
+        ("mlp.down_proj.weight", (H, inter), "linear"),
+    ]
+    return [(prefix + n, shape, kind) for n, shape, kind in out]
+
+
+def target_layout(s) -> list[tuple[str, tuple, str]]:
+    """(name, shape, kind) of every tensor of the target checkpoint, in Hugging Face's order."""
+    V, H = s.vocab_size, s.hidden_size
+    out = [("model.embed_tokens.weight", (V, H), "embed")]
+    for i in range(s.target_layers):
+        out += _layer_tensors(f"model.layers.{i}.", s, qk_norm=s.family == "qwen3")
+    out.append(("model.norm.weight", (H,), "norm"))
+    if not s.tie_word_embeddings:
+        out.append(("lm_head.weight", (V, H), "linear"))
+    return out
+
+
+def draft_layout(s) -> list[tuple[str, tuple, str]]:
+    """The z-lab draft layout: fc, hidden_norm, norm and 11 tensors per layer."""
+    ids = s.target_layer_ids or default_target_layer_ids(s.target_layers, s.draft_layers)
+    H = s.hidden_size
+    out = [
+        ("fc.weight", (H, len(ids) * H), "linear"),
+        ("hidden_norm.weight", (H,), "norm"),
+        ("norm.weight", (H,), "norm"),
+    ]
+    for i in range(s.draft_layers):
+        out += _layer_tensors(f"layers.{i}.", s)
+    return out
+
+
+def _blocks(shape: tuple, kind: str, gen: torch.Generator):
+    rows, cols = (shape[0], math.prod(shape[1:])) if len(shape) > 1 else (1, shape[0])
+    step = max(1, BLOCK_ELEMS // cols)
+    for r0 in range(0, rows, step):
+        x = torch.randn(min(step, rows - r0), cols, generator=gen)
+        if kind == "norm":
+            yield 1.0 + 0.1 * x
+        else:
+            yield x * (cols**-0.5) * (4.0 if kind == "embed" else 1.0)
+
+
+def write_safetensors(path: Path, layout, dtype: str, gen: torch.Generator, bar=None) -> int:
+    """Write one safetensors file of random tensors; returns its data bytes."""
+    code, tdtype = DTYPES[dtype]
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, _ in layout:
+        n = math.prod(shape) * tdtype.itemsize
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for _, shape, kind in layout:
+            for block in _blocks(shape, kind, gen):
+                data = block.to(tdtype).contiguous()
+                f.write(memoryview(data.view(torch.uint8).numpy()))
+                if bar is not None:
+                    bar.update(data.numel() * tdtype.itemsize)
+    return offset
+
+
+def _shard(layout, n: int, itemsize: int) -> list[list]:
+    """Split the layout, in order, into n shards of about equal bytes."""
+    sizes = [math.prod(shape) * itemsize for _, shape, _ in layout]
+    total, shards, cum = sum(sizes), [[] for _ in range(n)], 0
+    for entry, size in zip(layout, sizes):
+        shards[min(n - 1, int(n * cum / total))].append(entry)
+        cum += size
+    return [sh for sh in shards if sh]
+
+
+def write_pair_streamed(s, tdir: Path, ddir: Path, target_config) -> None:
+    """The target (sharded with an index when s.shards > 1) and the draft (one file)."""
+    if s.agree:
+        raise ValueError("`agree` needs the default writer (fp32, one file, no preset)")
+    if s.dtype not in DTYPES:
+        raise ValueError(f"dtype {s.dtype!r}: choose from {', '.join(DTYPES)}")
+    gen = torch.Generator().manual_seed(s.seed + 1)
+    itemsize = DTYPES[s.dtype][1].itemsize
+    t_layout, d_layout = target_layout(s), draft_layout(s)
+    total = sum(math.prod(sh) * itemsize for _, sh, _ in t_layout + d_layout)
+    bar = tqdm(total=total, desc="writing random pair", unit="B", unit_scale=True, leave=False)
+    target_config.dtype = s.dtype
+    target_config.save_pretrained(tdir)
+    shards = _shard(t_layout, s.shards, itemsize) if s.shards > 1 else [t_layout]
+    if len(shards) == 1:
+        write_safetensors(tdir / "model.safetensors", t_layout, s.dtype, gen, bar)
+    else:
+        weight_map, size = {}, 0
+        for i, layout in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            size += write_safetensors(tdir / name, layout, s.dtype, gen, bar)
+            weight_map.update({n: name for n, _, _ in layout})
+        index = {"metadata": {"total_size": size}, "weight_map": weight_map}
+        (tdir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    write_safetensors(ddir / "model.safetensors", d_layout, s.dtype, gen, bar)
+    bar.close()
