@@ -472,7 +472,7 @@ def _consistent(m: Manifest, c: _Check, complete: bool) -> None:
         c.fail("ctx_len", "is too small for prefill_seq_len and block_size")
     args = (m.batch_size, m.prefill_seq_len, m.block_size, m.ctx_len)
     for prog, want in (
-        (m.target, contract.target_specializations(*args)),
+        (m.target, contract.target_specializations(*args, sampling=m.target.io.sampling)),
         (m.draft, contract.draft_specializations(*args)),
     ):
         if list(prog.specializations) != want:
