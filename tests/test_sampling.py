@@ -607,6 +607,10 @@ def test_artifacts_without_sampling_inputs_refuse_sampling(pipe):
     m["target"] = {
         **m["target"],
         "inputs": [i for i in m["target"]["inputs"] if i["name"] not in contract.SAMPLING_INPUTS],
+        # a program without sampling inputs has no `sample_len` symbol either
+        "specializations": contract.target_specializations(
+            m["batch_size"], m["prefill_seq_len"], m["block_size"], m["ctx_len"], sampling=False
+        ),
     }
     old = Pipeline(m, pipe.target, pipe.draft)
     assert not old.can_sample
