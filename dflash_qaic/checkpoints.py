@@ -585,11 +585,8 @@ def file_digest(directory: str | Path, *, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-# Small files whose contents change a program or the runtime's behaviour.
-FINGERPRINT_FILES = (
-    "config.json",
-    INDEX_NAME,
-    "generation_config.json",
+# The tokenizer files a target directory may hold (copied into the artifacts when present).
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -599,6 +596,8 @@ FINGERPRINT_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
 )
+# Small files whose contents change a program or the runtime's behaviour.
+FINGERPRINT_FILES = ("config.json", INDEX_NAME, "generation_config.json", *TOKENIZER_FILES)
 
 
 def fingerprint(directory: str | Path) -> str:

@@ -45,16 +45,7 @@ from dflash_qaic.manifest import (
     write_manifest,
 )
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-)
+TOKENIZER_FILES = ck.TOKENIZER_FILES
 GENERATION_CONFIG = "generation_config.json"
 MAX_CTX_LEN = 1 << 18  # 262144 slots: beyond any supported model's context
 MAX_BLOCK_SIZE = 1024
