@@ -13,7 +13,7 @@ whole. A previous good OUT stays byte for byte as it was until that swap, whatev
 
 A second run with the same inputs and options reuses the exported programs (the reuse key
 `input_hash` covers the checkpoints, tokenizer files, generation_config.json, every program
-option and the package version; the old files must match their recorded sha256) and the
+option and the package version; the old files must pass the load-time check) and the
 compiled QPCs (the compile step's own cache).
 """
 
@@ -372,7 +372,9 @@ def _os_error(e: OSError, out: Path) -> ExportError:
 
 
 def _reusable(out: Path, key: str, progress) -> Manifest | None:
-    """The old manifest when its programs can be reused: same key, files intact (full sha256)."""
+    """The old manifest when its programs can be reused: same key, files intact — the load-time
+    check (every size, the sha256 of every file up to HASH_AT_LOAD_BYTES), so deciding to reuse
+    multi-GB programs costs well under a second (docs/DESIGN.md, Artifacts)."""
     if not (out / MANIFEST).is_file():
         return None
     try:
@@ -384,7 +386,7 @@ def _reusable(out: Path, key: str, progress) -> Manifest | None:
         return None
     try:
         for rec in old.files:
-            verify_file(out, rec, "full", progress)
+            verify_file(out, rec, "fast", progress)
     except ArtifactsError as e:
         progress(f"not reusing {out}: {e}")
         return None
