@@ -10,8 +10,7 @@ import torch
 from dflash_qaic import contract
 from dflash_qaic.checkpoints import DraftConfig, Pair
 from dflash_qaic.export import weights
-from dflash_qaic.export.graph_check import check_graph
-from dflash_qaic.export.onnx_export import export_onnx, program_facts
+from dflash_qaic.export.onnx_export import export_and_check, program_facts
 from dflash_qaic.modeling.draft import DFlashDraft, ExportDraft
 
 
@@ -88,28 +87,20 @@ def export_draft(
         batch_size, prefill_seq_len, block_size, ctx_len
     )
     mask_id = draft_cfg.mask_token_id
-    rows = 2 if stream_from is not None else max(prefill_seq_len, 2)  # see export_target
-    trace = {"symbols": {contract.BATCH: batch_size, contract.SEQ: rows}}
-    trace["symbols"][contract.CTX] = ctx_len
-    example = check_feeds(io, [trace], mask_id)[0]
-    example_inputs = tuple(torch.from_numpy(example[s.name]) for s in io.inputs)
     sources = None
     if stream_from is not None:
         sources = weights.draft_sources(weights.stream_ready(module), stream_from)
-    path = export_onnx(
+    path, report = export_and_check(
         module,
-        example_inputs,
-        io.inputs,
-        io.outputs,
+        io,
+        specializations,
+        lambda specs: check_feeds(io, specs, mask_id),
         out_path,
+        trace_rows=2 if stream_from is not None else max(prefill_seq_len, 2),  # see export_target
         external_data=external_data,
         sources=sources,
+        fp16_check=fp16_check,
     )
-    skipped = weights.graph_run_skip_reason(weights.weights_bytes(sources)) if sources else None
-    feeds = check_feeds(io, specializations, mask_id) if fp16_check and not skipped else None
-    report = check_graph(path, io, specializations, feeds)
-    if fp16_check and skipped:
-        report["skipped"] = skipped
     return {
         **program_facts(path, io, specializations, report),
         "prefill_seq_len": prefill_seq_len,

@@ -262,3 +262,45 @@ def program_facts(path: Path, io, specializations: list[dict], report: dict) -> 
         "onnx_bytes": path.stat().st_size + (data.stat().st_size if data.exists() else 0),
         "check": report,
     }
+
+
+def export_and_check(
+    module: torch.nn.Module,
+    io,
+    specializations: list[dict],
+    feeds_for,
+    out_path: str | os.PathLike,
+    *,
+    trace_rows: int,
+    external_data: bool | None,
+    sources: dict | None,
+    fp16_check: bool,
+) -> tuple[Path, dict]:
+    """Trace `module` at `trace_rows` rows of the first specialization, write the program (its
+    weights streamed from `sources` when given, see export/weights.py) and run the graph check.
+    feeds_for(specs) -> one input feed per specialization (the exporter's `check_feeds`).
+    The fp16 run is skipped above `weights.GRAPH_RUN_MAX_BYTES` of streamed weights, and the
+    report says why. Returns (path, graph-check report)."""
+    from dflash_qaic.export import weights
+    from dflash_qaic.export.graph_check import check_graph
+
+    sym = specializations[0]["symbols"]
+    trace = {contract.BATCH: sym[contract.BATCH], contract.SEQ: trace_rows}
+    trace[contract.CTX] = sym[contract.CTX]
+    example = feeds_for([{"name": specializations[0]["name"], "symbols": trace}])[0]
+    example_inputs = tuple(torch.from_numpy(example[s.name]) for s in io.inputs)
+    path = export_onnx(
+        module,
+        example_inputs,
+        io.inputs,
+        io.outputs,
+        out_path,
+        external_data=external_data,
+        sources=sources,
+    )
+    skipped = weights.graph_run_skip_reason(weights.weights_bytes(sources)) if sources else None
+    feeds = feeds_for(specializations) if fp16_check and not skipped else None
+    report = check_graph(path, io, specializations, feeds)
+    if fp16_check and skipped:
+        report["skipped"] = skipped
+    return path, report

@@ -11,8 +11,7 @@ import torch
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
 from dflash_qaic.export import weights
-from dflash_qaic.export.graph_check import check_graph
-from dflash_qaic.export.onnx_export import export_onnx, program_facts
+from dflash_qaic.export.onnx_export import export_and_check, program_facts
 from dflash_qaic.modeling.sampler import SAMPLING_CANDIDATES
 from dflash_qaic.modeling.target import ExportTarget
 
@@ -121,28 +120,20 @@ def export_target(
     # Trace at the prefill shape (at least 2 rows, so no size-1 dim gets specialised away).
     # The streaming export traces at 2 rows: the graph is the same (every dim that varies is
     # symbolic), and the tracer keeps every intermediate alive until it is done.
-    rows = 2 if stream_from is not None else max(prefill_seq_len, 2)
-    trace_sym = {contract.BATCH: batch_size, contract.SEQ: rows}
-    trace_sym[contract.CTX] = ctx_len
-    example = check_feeds(io, [{"name": contract.PREFILL, "symbols": trace_sym}])[0]
-    example_inputs = tuple(torch.from_numpy(example[s.name]) for s in io.inputs)
     sources = None
     if stream_from is not None:
         sources = weights.target_sources(weights.stream_ready(module), stream_from)
-    path = export_onnx(
+    path, report = export_and_check(
         module,
-        example_inputs,
-        io.inputs,
-        io.outputs,
+        io,
+        specializations,
+        lambda specs: check_feeds(io, specs),
         out_path,
+        trace_rows=2 if stream_from is not None else max(prefill_seq_len, 2),
         external_data=external_data,
         sources=sources,
+        fp16_check=fp16_check,
     )
-    skipped = weights.graph_run_skip_reason(weights.weights_bytes(sources)) if sources else None
-    feeds = check_feeds(io, specializations) if fp16_check and not skipped else None
-    report = check_graph(path, io, specializations, feeds)
-    if fp16_check and skipped:
-        report["skipped"] = skipped
     return {
         **program_facts(path, io, specializations, report),
         "prefill_seq_len": prefill_seq_len,
