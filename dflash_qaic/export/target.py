@@ -54,6 +54,20 @@ def check_feeds(io: contract.TargetIO, specializations: list[dict], seed: int = 
     return feeds
 
 
+def target_io(module: ExportTarget, hidden_size: int, emit_logits: bool, sampling: bool):
+    """The contract of the program `module` exports to."""
+    attn = module.layers[0].self_attn
+    return contract.TargetIO(
+        n_layers=len(module.layers),
+        n_kv_heads=attn.n_kv_heads,
+        head_dim=attn.head_dim,
+        hidden_size=hidden_size,
+        vocab_size=module.vocab_size,
+        emit_logits=emit_logits,
+        sampling=sampling,
+    )
+
+
 def export_target(
     hf_model: torch.nn.Module,
     fc_weight: torch.Tensor,
@@ -84,8 +98,7 @@ def export_target(
     lossless speculative-sampling choice (contract.TargetIO); False: argmax only.
     sampling_candidates: how many most likely tokens the top-k / top-p thresholds are read from
     (see modeling.sampler.sampling_weights): the largest top_k the program takes.
-    fp16_check runs the fp16 conversion of the graph in ONNX Runtime once per specialization
-    (cheap for small models; turn it off for multi-GB targets on a small host).
+    fp16_check: run the graph check's fp16 evaluations (export/fp16_check.py).
     """
     if not 1 <= block_size <= contract.max_positions(ctx_len):
         raise ValueError(f"block_size {block_size} must be in [1, ctx_len - 1 = {ctx_len - 1}]")
@@ -103,16 +116,7 @@ def export_target(
         sampling=sampling,
         sampling_candidates=sampling_candidates,
     ).eval()
-    attn = module.layers[0].self_attn
-    io = contract.TargetIO(
-        n_layers=len(module.layers),
-        n_kv_heads=attn.n_kv_heads,
-        head_dim=attn.head_dim,
-        hidden_size=cfg.hidden_size,
-        vocab_size=module.vocab_size,
-        emit_logits=emit_logits,
-        sampling=sampling,
-    )
+    io = target_io(module, cfg.hidden_size, emit_logits, sampling)
     specializations = contract.target_specializations(
         batch_size, prefill_seq_len, block_size, ctx_len, sampling
     )
