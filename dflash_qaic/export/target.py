@@ -91,8 +91,7 @@ def export_target(
 
     stream_from: the streaming export (export/weights.py): `hf_model` holds placeholder weights
     (`weights.placeholder_target`) and the program's weights are written from this pair's
-    checkpoints tensor by tensor. The fp16 run is skipped (and the facts say why) above
-    `weights.GRAPH_RUN_MAX_BYTES`.
+    checkpoints tensor by tensor (see `export_and_check` for what is skipped at scale).
 
     sampling: the program takes temperature / top_k / top_p / random_u and returns the
     lossless speculative-sampling choice (contract.TargetIO); False: argmax only.
