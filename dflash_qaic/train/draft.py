@@ -389,10 +389,6 @@ def train(a: argparse.Namespace, stop_after: int | None = None) -> dict:
 
 
 def _train(a: argparse.Namespace, stop_after: int | None) -> dict:
-    from tqdm import tqdm
-
-    from dflash_qaic.train.corpus import corpus_digest, read_corpus
-
     t_start = time.time()
     out = Path(a.out)
     state_dir = Path(a.state_dir) if a.state_dir else out / "train_state"
@@ -406,6 +402,65 @@ def _train(a: argparse.Namespace, stop_after: int | None) -> dict:
     for p in target.parameters():
         p.requires_grad_(False)
     tokenizer = load_tokenizer(tdir)
+    cfg, c = _draft_config(a, t, tokenizer, state_dir)
+    seqs, t_gen = _training_sequences(a, tdir, t, target, tokenizer, state_dir / "sequences.pt")
+    features = FeatureSource(target, seqs, a.target_layer_ids, a.feature_cache_gb, a.gen_batch)
+
+    draft = init_draft(c, a.seed)
+    draft.train()
+    opt = adamw(draft, a.lr, a.weight_decay)
+    settings = {k: getattr(a, k) for k in RESUME_KEYS}
+    start, history, elapsed = 0, [], 0.0
+    if a.resume and ckpt_path.is_file():
+        start, history, elapsed = resume(ckpt_path, settings, draft, "draft", opt)
+
+    embed_w = target.get_input_embeddings().weight.detach()  # [V, H]
+    head_w = target.get_output_embeddings().weight.detach()  # [V, H]
+    weights = torch.exp(-torch.arange(a.block_size - 1, dtype=torch.float32) / a.gamma)  # [B−1]
+    log = Log(state_dir / "log.jsonl")
+    n_params = sum(p.numel() for p in draft.parameters())
+    if start == 0:
+        log.write(
+            event="start", params=n_params, sequences=len(seqs), gen_s=round(t_gen, 1), **settings
+        )
+
+    t0 = time.time()
+
+    def checkpoint(step: int) -> None:
+        state = {"step": step, "draft": draft.state_dict(), "optimizer": opt.state_dict()}
+        _save_checkpoint(ckpt_path, state, history, elapsed + time.time() - t0, settings)
+
+    def step_loss(step: int) -> tuple[torch.Tensor, float]:  # the batch of `step`: loss, τ
+        batch = sample_batch(
+            seqs, a.anchors, a.batch_size, a.block_size, step_generator(a.seed, step)
+        )
+        ctx = draft.fuse(features(batch))  # [S, L, H]
+        loss, stats = block_loss(draft, ctx, batch, embed_w, head_w, c.mask_token_id, weights)
+        return loss, stats["tau"]
+
+    end = a.steps if stop_after is None else min(a.steps, stop_after)
+    _run_steps(a, start, end, draft, opt, step_loss, history, log, checkpoint)
+    checkpoint(end)
+    elapsed += time.time() - t0
+    if end < a.steps:
+        print(f"stopped at step {end}; continue with --resume", file=sys.stderr)
+        return {"step": end, "history": history}
+
+    save_draft(draft, cfg, out, DTYPES[a.dtype])
+    summary = _summary(a, history, n_params, len(seqs), elapsed, t_start, t_gen, settings)
+    if a.eval_prompts:
+        summary["eval"] = _eval_tau(a, tdir, out)
+    atomic_write_text(state_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    log.write(event="done", **{k: v for k, v in summary.items() if k != "settings"})
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("settings",)}))
+    summary["history"] = history
+    return summary
+
+
+def _draft_config(a: argparse.Namespace, t: ck.TargetConfig, tokenizer, state_dir: Path):
+    """Fills the draft defaults into `a` (layer ids, mask token, intermediate size, γ), writes the
+    draft's config.json into the state dir and reads it back, so the draft is built from exactly
+    the config.json that ships with it. Returns (the config dict, the parsed DraftConfig)."""
     layer_ids = a.target_layer_ids or ck.default_target_layer_ids(t.num_layers, a.draft_layers)
     if a.mask_token_id is None:
         mid = getattr(tokenizer, "mask_token_id", None) if tokenizer is not None else None
@@ -414,8 +469,6 @@ def _train(a: argparse.Namespace, stop_after: int | None) -> dict:
     a.intermediate_size = a.intermediate_size or int(t.raw.get("intermediate_size"))
     a.gamma = a.gamma or default_gamma(a.block_size)
 
-    # The draft's config is written first (into the state dir) and read back, so the draft is
-    # built from exactly the config.json that ships with it.
     cfg = draft_config_dict(
         t,
         block_size=a.block_size,
@@ -428,79 +481,72 @@ def _train(a: argparse.Namespace, stop_after: int | None) -> dict:
     atomic_write_text(state_dir / "config.json", json.dumps(cfg, indent=2) + "\n")
     c = ck.read_draft_config(state_dir)
     ck.validate_pair(t, c)
+    return cfg, c
 
-    # Training sequences: the target's own continuations (greedy and sampled), generated once.
+
+def _training_sequences(
+    a: argparse.Namespace, tdir: Path, t: ck.TargetConfig, target, tokenizer, seq_path: Path
+) -> tuple[list[dict], float]:
+    """The target's own continuations (greedy and sampled) of corpus prompts, generated once and
+    cached in `seq_path`; sets `a.data_key`. Returns (sequences, generation seconds; 0 if read
+    from the cache)."""
+    from dflash_qaic.train.corpus import corpus_digest, read_corpus
+
     docs = read_corpus(a.corpus, a.glob)
     a.data_key = _data_key(a, ck.file_digest(tdir), corpus_digest(docs))
-    seq_path = state_dir / "sequences.pt"
-    t_gen = 0.0
     # The sequence cache is only read to resume (a fresh run regenerates it), and only as tensors
     # and plain containers: a planted file can neither run code nor replace the data unasked.
     cached = None
     if a.resume and seq_path.is_file():
         cached = load_state(seq_path)
     if cached is not None and cached.get("key") == a.data_key:
-        seqs = cached["seqs"]
-    else:
-        if cached is not None:
-            print(f"{seq_path} was made for other data; regenerating", file=sys.stderr)
-        t0 = time.time()
-        doc_ids = encode_docs(docs, tokenizer, t.vocab_size)
-        seqs = make_sequences(target, doc_ids, a, torch.Generator().manual_seed(a.seed))
-        t_gen = time.time() - t0
-        atomic_save({"key": a.data_key, "seqs": seqs, "seconds": t_gen}, seq_path)
-    features = FeatureSource(target, seqs, a.target_layer_ids, a.feature_cache_gb, a.gen_batch)
-
-    draft = init_draft(c, a.seed)
-    draft.train()
-    opt = adamw(draft, a.lr, a.weight_decay)
-    settings = {k: getattr(a, k) for k in RESUME_KEYS}
-    start, history, elapsed = 0, [], 0.0
-    if a.resume and ckpt_path.is_file():
-        start, history, elapsed = resume(ckpt_path, settings, draft, "draft", opt)
-
-    embed_w = target.get_input_embeddings().weight.detach()
-    head_w = target.get_output_embeddings().weight.detach()
-    weights = torch.exp(-torch.arange(a.block_size - 1, dtype=torch.float32) / a.gamma)
-    log = Log(state_dir / "log.jsonl")
-    n_params = sum(p.numel() for p in draft.parameters())
-    if start == 0:
-        log.write(
-            event="start", params=n_params, sequences=len(seqs), gen_s=round(t_gen, 1), **settings
-        )
-
+        return cached["seqs"], 0.0
+    if cached is not None:
+        print(f"{seq_path} was made for other data; regenerating", file=sys.stderr)
     t0 = time.time()
+    doc_ids = encode_docs(docs, tokenizer, t.vocab_size)
+    seqs = make_sequences(target, doc_ids, a, torch.Generator().manual_seed(a.seed))
+    t_gen = time.time() - t0
+    atomic_save({"key": a.data_key, "seqs": seqs, "seconds": t_gen}, seq_path)
+    return seqs, t_gen
 
-    def checkpoint(step: int) -> None:
-        atomic_save(
-            {
-                "step": step,
-                "draft": draft.state_dict(),
-                "optimizer": opt.state_dict(),
-                "rng": torch.get_rng_state(),
-                "history": history,
-                "elapsed": elapsed + time.time() - t0,
-                "settings": settings,
-            },
-            ckpt_path,
-        )
 
-    end = a.steps if stop_after is None else min(a.steps, stop_after)
+def _save_checkpoint(
+    path: Path, state: dict, history: list, elapsed: float, settings: dict
+) -> None:
+    """`state` (step, weights, optimizer) + the global RNG state, history, elapsed training
+    seconds and settings, written atomically."""
+    rest = {"rng": torch.get_rng_state(), "history": history, "elapsed": elapsed}
+    atomic_save({**state, **rest, "settings": settings}, path)
+
+
+def _run_steps(
+    a: argparse.Namespace,
+    start: int,
+    end: int,
+    draft: DFlashDraft,
+    opt: torch.optim.Optimizer,
+    step_loss,
+    history: list,
+    log: Log,
+    checkpoint,
+) -> None:
+    """Steps start … end−1, each: the scheduled lr, `step_loss(step)` -> (loss, τ), backward,
+    clip, AdamW. Appends (loss, τ) to `history`, logs the means of the last 20 every 20 steps,
+    checkpoints every `a.save_every` steps before `end` (the caller checkpoints `end`)."""
+    from tqdm import tqdm
+
     bar = tqdm(range(start, end), initial=start, total=a.steps, desc="draft", mininterval=2)
     for step in bar:
         lr = lr_at(step, a.steps, a.lr, a.warmup)
         for g in opt.param_groups:
             g["lr"] = lr
-        batch = sample_batch(
-            seqs, a.anchors, a.batch_size, a.block_size, step_generator(a.seed, step)
-        )
-        ctx = draft.fuse(features(batch))
-        loss, stats = block_loss(draft, ctx, batch, embed_w, head_w, c.mask_token_id, weights)
+        loss, tau = step_loss(step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         opt.step()
-        history.append((loss.item(), stats["tau"]))
+        history.append((loss.item(), tau))
         recent = history[-20:]
         mean_loss = sum(x[0] for x in recent) / len(recent)
         mean_tau = sum(x[1] for x in recent) / len(recent)
@@ -510,18 +556,24 @@ def _train(a: argparse.Namespace, stop_after: int | None) -> dict:
         if (step + 1) % a.save_every == 0 and step + 1 < end:
             checkpoint(step + 1)
     bar.close()
-    checkpoint(end)
-    elapsed += time.time() - t0
-    if end < a.steps:
-        print(f"stopped at step {end}; continue with --resume", file=sys.stderr)
-        return {"step": end, "history": history}
 
-    save_draft(draft, cfg, out, DTYPES[a.dtype])
+
+def _summary(
+    a: argparse.Namespace,
+    history: list,
+    n_params: int,
+    n_seqs: int,
+    elapsed: float,
+    t_start: float,
+    t_gen: float,
+    settings: dict,
+) -> dict:
+    """The run summary: final loss and training τ (means of the last 50 steps), timings."""
     tail = history[-50:]
-    summary = {
+    return {
         "steps": a.steps,
         "params": n_params,
-        "sequences": len(seqs),
+        "sequences": n_seqs,
         "final_loss": round(sum(x[0] for x in tail) / len(tail), 4),
         "final_tau_train": round(sum(x[1] for x in tail) / len(tail), 3),
         "train_wall_time_s": round(elapsed, 1),
@@ -531,18 +583,14 @@ def _train(a: argparse.Namespace, stop_after: int | None) -> dict:
         "torch": torch.__version__,
         "settings": settings,
     }
-    if a.eval_prompts:
-        from dflash_qaic.train.tau import measure_tau, read_prompts
 
-        res = measure_tau(
-            tdir, out, read_prompts(a.eval_prompts), max_new_tokens=a.eval_max_new_tokens
-        )
-        summary["eval"] = {k: res[k] for k in ("mean_tau", "pooled_tau", "per_prompt_tau")}
-    atomic_write_text(state_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-    log.write(event="done", **{k: v for k, v in summary.items() if k != "settings"})
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("settings",)}))
-    summary["history"] = history
-    return summary
+
+def _eval_tau(a: argparse.Namespace, tdir: Path, out: Path) -> dict:
+    """τ of the saved draft on `a.eval_prompts` (mean, pooled, per prompt)."""
+    from dflash_qaic.train.tau import measure_tau, read_prompts
+
+    res = measure_tau(tdir, out, read_prompts(a.eval_prompts), max_new_tokens=a.eval_max_new_tokens)
+    return {k: res[k] for k in ("mean_tau", "pooled_tau", "per_prompt_tau")}
 
 
 def save_draft(draft: DFlashDraft, cfg: dict, out: Path, dtype: torch.dtype) -> None:

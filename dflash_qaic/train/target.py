@@ -148,16 +148,10 @@ def _train(a: argparse.Namespace, stop_after: int | None) -> dict:
     settings = {k: getattr(a, k) for k in RESUME_KEYS}
 
     docs = C.read_corpus(a.corpus)
-    stream = token_stream(docs)
+    stream = token_stream(docs)  # [N] byte ids
     heldout = token_stream(C.read_corpus(["stdlib:heldout"])) if a.eval_heldout else None
 
-    from transformers import Qwen3ForCausalLM
-
-    config = make_config(a)
-    config._attn_implementation = "sdpa"  # training speed; the saved config is plain
-    model = Qwen3ForCausalLM(config)
-    init_weights(model)
-    opt = adamw(model, a.lr, a.weight_decay)
+    model, opt = _build_model(a)
     start, history, elapsed = 0, [], 0.0
     if a.resume and ckpt_path.is_file():
         start, history, elapsed = resume(ckpt_path, settings, model, "model", opt)
@@ -167,6 +161,9 @@ def _train(a: argparse.Namespace, stop_after: int | None) -> dict:
     log = Log(state_dir / "log.jsonl")
     if start == 0:
         log.write(event="start", params=n_params, corpus_tokens=stream.numel(), **settings)
+
+    model.train()
+    t0 = time.time()
 
     def checkpoint(step: int) -> None:
         atomic_save(
@@ -182,18 +179,59 @@ def _train(a: argparse.Namespace, stop_after: int | None) -> dict:
             ckpt_path,
         )
 
+    end = a.steps if stop_after is None else min(a.steps, stop_after)
+    _run_steps(a, start, end, model, opt, stream, history, log, checkpoint)
+    checkpoint(end)
+    elapsed += time.time() - t0
+    if end < a.steps:
+        print(f"stopped at step {end}; continue with --resume", file=sys.stderr)
+        return {"step": end}
+
+    export(model, out, DTYPES[a.dtype])
+    summary = _summary(a, history, n_params, elapsed, docs, stream, settings)
+    if heldout is not None:
+        summary["heldout_loss"] = round(eval_loss(model, heldout, a.seq_len), 4)
+    atomic_write_text(state_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    log.write(event="done", **{k: v for k, v in summary.items() if k != "settings"})
+    print(json.dumps({k: v for k, v in summary.items() if k != "settings"}))
+    return summary
+
+
+def _build_model(a: argparse.Namespace):
+    """A freshly initialized Qwen3ForCausalLM (sdpa attention) and its AdamW."""
+    from transformers import Qwen3ForCausalLM
+
+    config = make_config(a)
+    config._attn_implementation = "sdpa"  # training speed; the saved config is plain
+    model = Qwen3ForCausalLM(config)
+    init_weights(model)
+    return model, adamw(model, a.lr, a.weight_decay)
+
+
+def _run_steps(
+    a: argparse.Namespace,
+    start: int,
+    end: int,
+    model,
+    opt: torch.optim.Optimizer,
+    stream: torch.Tensor,
+    history: list,
+    log: Log,
+    checkpoint,
+) -> None:
+    """Steps start … end−1, each on `a.batch_size` windows of `stream` drawn for that step:
+    the scheduled lr, next-byte loss, backward, clip, AdamW. Appends the loss to `history`, logs
+    the mean of the last 20 every 20 steps, checkpoints every `a.save_every` steps before `end`
+    (the caller checkpoints `end`)."""
     from tqdm import tqdm
 
-    model.train()
-    t0 = time.time()
-    end = a.steps if stop_after is None else min(a.steps, stop_after)
     bar = tqdm(range(start, end), initial=start, total=a.steps, desc="target", mininterval=2)
     for step in bar:
         lr = lr_at(step, a.steps, a.lr, a.warmup)
         for g in opt.param_groups:
             g["lr"] = lr
         batch = windows(stream, a.batch_size, a.seq_len + 1, step_generator(a.seed, step))
-        loss = lm_loss(model, batch)
+        loss = lm_loss(model, batch)  # batch [batch_size, seq_len + 1]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -205,15 +243,20 @@ def _train(a: argparse.Namespace, stop_after: int | None) -> dict:
         if (step + 1) % a.save_every == 0 and step + 1 < end:
             checkpoint(step + 1)
     bar.close()
-    checkpoint(end)
-    elapsed += time.time() - t0
-    if end < a.steps:
-        print(f"stopped at step {end}; continue with --resume", file=sys.stderr)
-        return {"step": end}
 
-    export(model, out, DTYPES[a.dtype])
+
+def _summary(
+    a: argparse.Namespace,
+    history: list,
+    n_params: int,
+    elapsed: float,
+    docs: list[tuple[str, str]],
+    stream: torch.Tensor,
+    settings: dict,
+) -> dict:
+    """The run summary: final training loss (mean of the last 50 steps), corpus size, timing."""
     tail = history[-50:]
-    summary = {
+    return {
         "steps": a.steps,
         "params": n_params,
         "final_train_loss": round(sum(tail) / len(tail), 4),
@@ -224,12 +267,6 @@ def _train(a: argparse.Namespace, stop_after: int | None) -> dict:
         "torch": torch.__version__,
         "settings": settings,
     }
-    if heldout is not None:
-        summary["heldout_loss"] = round(eval_loss(model, heldout, a.seq_len), 4)
-    atomic_write_text(state_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-    log.write(event="done", **{k: v for k, v in summary.items() if k != "settings"})
-    print(json.dumps({k: v for k, v in summary.items() if k != "settings"}))
-    return summary
 
 
 def parser() -> argparse.ArgumentParser:
