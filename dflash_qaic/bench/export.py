@@ -101,11 +101,10 @@ def _ort_target_greedy(artifacts: str, prompt: list[int], n: int) -> list[int]:
     import onnxruntime as ort
 
     from dflash_qaic import contract
-    from dflash_qaic.export.artifacts import _program_io
     from dflash_qaic.manifest import read_manifest
 
     m = read_manifest(artifacts)
-    io = _program_io(m, "target")
+    io = m.target.io  # the contract object (typed manifest)
     so = ort.SessionOptions()
     so.add_session_config_entry("session.disable_prepacking", "1")
     path = str(Path(artifacts) / m["target"]["onnx"])
