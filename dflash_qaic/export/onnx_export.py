@@ -81,19 +81,7 @@ def export_onnx(
     try:
         raw = tmp_dir / "raw" / path.name
         raw.parent.mkdir()
-        module = module.eval()
-        with torch.no_grad(), _quiet():
-            torch.onnx.export(
-                module,
-                tuple(example_inputs),
-                str(raw),
-                input_names=[s.name for s in inputs],
-                output_names=[s.name for s in outputs],
-                dynamic_axes=_dynamic_axes(inputs + outputs),
-                opset_version=opset,
-                do_constant_folding=True,
-                dynamo=False,
-            )
+        _trace(module, example_inputs, inputs, outputs, raw, opset, streamed=False)
         # Reload (pulling in any per-tensor external files the exporter wrote for > 2 GB) and
         # write the final form: IR version readable by onnxruntime, one data file at most.
         model = onnx.load(str(raw))
