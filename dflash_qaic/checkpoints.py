@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+# Rope types whose tables depend on the sequence length: the static RoPE tables cannot hold them.
+UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")
 SUPPORTED_TARGETS = {
     "qwen3": ("Qwen3ForCausalLM",),
     "llama": ("LlamaForCausalLM",),

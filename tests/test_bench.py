@@ -203,7 +203,11 @@ def test_cli_end_to_end(tiny_artifacts, tmp_path, capsys):
     assert (t0["temperature"], t1["temperature"]) == (0.0, 1.0)
     assert t0["check"]["passed"] and t0["problems"] == [] and t1["problems"] == []
     for s in (t0, t1):
-        assert 1 <= s["tau"] <= 8 and sum(s["histogram"]) == s["steps"]
+        # τ, the histogram and per-position acceptance are three views of the same steps
+        hist = s["histogram"]  # index k: steps that committed k + 1 tokens
+        assert len(hist) == 8 and sum(hist) == s["steps"] > 0
+        assert s["tau"] == pytest.approx(sum((k + 1) * n for k, n in enumerate(hist)) / s["steps"])
+        assert sum(s["position_acceptance"]) == pytest.approx(s["tau"] - 1)
         assert all(p["steps"] > 0 for p in s["prompts"]) and s["loop"]["bound"] > 0
     assert 0 < t1["check"]["p_permutation"] <= 1 and t1["check"]["tokens"] == [24, 24]
     calls = res["profile"]["calls"]  # ctx_len 256 against the pair exported again at 64

@@ -63,6 +63,7 @@ from dflash_qaic.compile.profiles import (
     CompileProfile,
     ProgramProfile,
 )
+from dflash_qaic.manifest import sha256_file
 
 try:  # POSIX only; AI100 hosts are Linux
     import fcntl
@@ -511,19 +512,11 @@ def _all_tensors(model: Any) -> Iterator[Any]:
             yield from node_tensors(node)
 
 
-def _file_digest(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _onnx_digest(onnx_path: Path) -> list[list[str]]:
     files = onnx_files(onnx_path)
     # The main file is hashed under a fixed name: renaming it does not change the binary.
     names = ["<onnx>"] + [os.path.relpath(f, onnx_path.parent) for f in files[1:]]
-    return [[n, _file_digest(f)] for n, f in zip(names, files)]
+    return [[n, sha256_file(f)] for n, f in zip(names, files)]
 
 
 def _cache_key(

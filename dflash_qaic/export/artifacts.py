@@ -50,7 +50,6 @@ GENERATION_CONFIG = "generation_config.json"
 MAX_CTX_LEN = 1 << 18  # 262144 slots: beyond any supported model's context
 MAX_BLOCK_SIZE = 1024
 MAX_BATCH_SIZE = 1024
-UNSUPPORTED_ROPE = ("dynamic", "longrope")  # depend on the sequence length
 
 
 class ExportError(ValueError):
@@ -135,24 +134,13 @@ def validate_options(pair: ck.Pair, o: ExportOptions) -> int:
     return B
 
 
-def _aux_digest(target_dir: Path) -> str:
-    """sha256 over the target's tokenizer files and generation_config.json (names + bytes)."""
-    h = hashlib.sha256()
-    for name in (*TOKENIZER_FILES, GENERATION_CONFIG):
-        f = target_dir / name
-        if f.is_file():
-            h.update(name.encode() + b"\0")
-            h.update(f.read_bytes())
-            h.update(b"\0")
-    return h.hexdigest()
-
-
 def input_hash(pair: ck.Pair, o: ExportOptions, block_size: int) -> str:
-    """The reuse key: every input and option that changes a program or the runtime."""
+    """The reuse key: every input and option that changes a program or the runtime (the
+    fingerprints cover config, index, tokenizer and generation-config contents and the weight
+    files' identity; see `checkpoints.fingerprint`)."""
     h = hashlib.sha256()
     h.update(ck.fingerprint(pair.target.path).encode())
     h.update(ck.fingerprint(pair.draft.path).encode())
-    h.update(_aux_digest(pair.target.path).encode())
     h.update(json.dumps(o.program_options(block_size), sort_keys=True).encode())
     h.update(__version__.encode())
     return h.hexdigest()[:16]
@@ -212,7 +200,7 @@ def _check_target_support(pair: ck.Pair) -> None:
 
 def _check_rope(rope, where: Path) -> None:
     rtype = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
-    if not isinstance(rtype, str) or rtype in UNSUPPORTED_ROPE:
+    if not isinstance(rtype, str) or rtype in ck.UNSUPPORTED_ROPE_TYPES:
         raise ExportError(
             f"{where}: rope type {rtype!r} is not supported (it depends on the sequence "
             "length); supported: default and the static scalings (linear, llama3, yarn, …)"

@@ -71,49 +71,76 @@ def export_onnx(
     placeholders, traced as graph inputs and written from the checkpoints tensor by tensor
     (see export/weights.py); None: the module's own weights are exported (in memory).
     """
-    if sources is not None:
-        return _export_streamed(
-            module, example_inputs, inputs, outputs, Path(path), opset, external_data, sources
-        )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         raw = tmp_dir / "raw" / path.name
         raw.parent.mkdir()
-        _trace(module, example_inputs, inputs, outputs, raw, opset, streamed=False)
-        # Reload (pulling in any per-tensor external files the exporter wrote for > 2 GB) and
-        # write the final form: IR version readable by onnxruntime, one data file at most.
-        model = onnx.load(str(raw))
-        model.ir_version = min(model.ir_version, MAX_IR_VERSION)
-        _stamp_io_shapes(model.graph, inputs, outputs)
-        if external_data is None:
-            external_data = initializer_bytes(model) > EXTERNAL_DATA_THRESHOLD
-        final = tmp_dir / path.name
-        data_name = data_file_name(path)
-        if external_data:
-            onnx.save_model(
-                model,
-                str(final),
-                save_as_external_data=True,
-                all_tensors_to_one_file=True,
-                location=data_name,
-                size_threshold=1024,
-            )
+        _trace(module, example_inputs, inputs, outputs, raw, opset, streamed=sources is not None)
+        final, data_name = tmp_dir / path.name, data_file_name(path)
+        if sources is None:
+            external = _write_in_memory(raw, final, data_name, inputs, outputs, external_data)
         else:
-            onnx.save_model(model, str(final))
-        del model
-
+            external = _write_streamed(
+                raw, final, data_name, inputs, outputs, external_data, sources
+            )
         # Commit: data file first, .onnx last (its appearance marks a complete export).
         stale_data = path.parent / data_name
-        if external_data:
+        if external:
             os.replace(tmp_dir / data_name, stale_data)
         os.replace(final, path)
-        if not external_data and stale_data.exists():
+        if not external and stale_data.exists():
             stale_data.unlink()
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return path
+
+
+def _finish_graph(model: onnx.ModelProto, inputs, outputs) -> None:
+    """IR version readable by onnxruntime; graph I/O dims exactly as the contract says."""
+    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+    _stamp_io_shapes(model.graph, inputs, outputs)
+
+
+def _write_in_memory(raw: Path, final: Path, data_name: str, inputs, outputs, external) -> bool:
+    """The traced model with its own weights, rewritten at `final` (weights in `data_name`
+    beside it when external, or above EXTERNAL_DATA_THRESHOLD when None). Returns external."""
+    # Reload (pulling in any per-tensor external files the exporter wrote for > 2 GB) and
+    # write the final form: one data file at most.
+    model = onnx.load(str(raw))
+    _finish_graph(model, inputs, outputs)
+    if external is None:
+        external = initializer_bytes(model) > EXTERNAL_DATA_THRESHOLD
+    if external:
+        onnx.save_model(
+            model,
+            str(final),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=data_name,
+            size_threshold=1024,
+        )
+    else:
+        onnx.save_model(model, str(final))
+    return external
+
+
+def _write_streamed(raw: Path, final: Path, data_name, inputs, outputs, external, sources) -> bool:
+    """The traced graph (weights as inputs) with its initializers written from the checkpoints
+    tensor by tensor (export/weights.py). Returns whether they went to external data."""
+    from dflash_qaic.export import weights
+
+    model = onnx.load(str(raw))  # the graph alone: no weights in it
+    _check_weight_inputs(model.graph, inputs, sources)
+    shutil.rmtree(raw.parent)
+    if external is None:
+        external = weights.weights_bytes(sources) > weights.STREAM_INLINE_MAX
+    data = final.parent / data_name if external else None
+    weights.attach_initializers(model, sources, data, desc=f"writing {final.name}")
+    _finish_graph(model, inputs, outputs)
+    onnx.save_model(model, str(final))
+    return external
 
 
 def _trace(module, example_inputs, inputs, outputs, raw: Path, opset: int, streamed: bool):
@@ -150,39 +177,6 @@ def _layer_progress(module: torch.nn.Module, name: str):
         for h in hooks:
             h.remove()
         bar.close()
-
-
-def _export_streamed(module, example_inputs, inputs, outputs, path: Path, opset, external, sources):
-    from dflash_qaic.export import weights
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        raw = tmp_dir / "raw" / path.name
-        raw.parent.mkdir()
-        _trace(module, example_inputs, inputs, outputs, raw, opset, streamed=True)
-        model = onnx.load(str(raw))  # the graph alone: no weights in it
-        _check_weight_inputs(model.graph, inputs, sources)
-        shutil.rmtree(raw.parent)
-        if external is None:
-            external = weights.weights_bytes(sources) > weights.STREAM_INLINE_MAX
-        data_name = data_file_name(path)
-        data = tmp_dir / data_name if external else None
-        weights.attach_initializers(model, sources, data, desc=f"writing {path.name}")
-        model.ir_version = min(model.ir_version, MAX_IR_VERSION)
-        _stamp_io_shapes(model.graph, inputs, outputs)
-        final = tmp_dir / path.name
-        onnx.save_model(model, str(final))
-        del model
-        stale_data = path.parent / data_name
-        if external:
-            os.replace(data, stale_data)
-        os.replace(final, path)
-        if not external and stale_data.exists():
-            stale_data.unlink()
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-    return path
 
 
 def _check_weight_inputs(graph, inputs, sources) -> None:

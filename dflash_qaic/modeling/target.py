@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from dflash_qaic.checkpoints import fp16_fc_scale
+from dflash_qaic.checkpoints import SUPPORTED_TARGETS, UNSUPPORTED_ROPE_TYPES, fp16_fc_scale
 from dflash_qaic.contract import SAMPLING_INPUTS
 from dflash_qaic.modeling.layers import (
     MASK_VALUE,
@@ -50,7 +50,7 @@ from dflash_qaic.modeling.layers import (
 from dflash_qaic.modeling.ops import cache_slots, ctx_scatter
 from dflash_qaic.modeling.sampler import SAMPLING_CANDIDATES, sample_next_tokens
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
+SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_TARGETS)
 
 
 def fp16_safe_fc_weight(fc_weight: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -271,7 +271,7 @@ def _check_supported(hf_model: nn.Module, fc_weight: torch.Tensor, target_layer_
     if any(t != "full_attention" for t in layer_types):
         raise ValueError(f"sliding-window layers are not supported: {sorted(set(layer_types))}")
     rope_type = getattr(hf_model.model.rotary_emb, "rope_type", "default")
-    if rope_type in ("dynamic", "longrope"):
+    if rope_type in UNSUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type {rope_type!r} depends on sequence length; not supported")
     n_layers = cfg.num_hidden_layers
     ids = list(target_layer_ids)

@@ -173,8 +173,9 @@ def _touched_zeros(shape) -> np.ndarray:
     return arr
 
 
-def _bind(shape, symbols: dict) -> list[int]:
-    return [symbols[d] if isinstance(d, str) else d for d in shape]
+def _bind(shape, symbols: dict) -> tuple[int, ...]:
+    """A contract shape (ints and symbol names) with its symbols bound."""
+    return tuple(symbols[d] if isinstance(d, str) else d for d in shape)
 
 
 class QaicProgram:
@@ -190,10 +191,7 @@ class QaicProgram:
         for spec in specializations:
             sym = spec["symbols"]
             self._buffers[sym[contract.SEQ]] = {
-                o["name"]: np.zeros(
-                    [sym.get(d, d) if isinstance(d, str) else d for d in o["shape"]],
-                    np.dtype(o["dtype"]),
-                )
+                o["name"]: np.zeros(_bind(o["shape"], sym), np.dtype(o["dtype"]))
                 for o in self.outputs
             }
         self._active = None
@@ -235,14 +233,10 @@ class StrictStandinSession:
         self._buffers: dict[str, np.ndarray] = {}
         sym0 = self._specs[0]
         self._state = {
-            n: np.zeros(self._bind(i["shape"], sym0), np.float32)
+            n: np.zeros(_bind(i["shape"], sym0), np.float32)
             for n, i in self._in.items()
             if _is_kv(n)
         }
-
-    @staticmethod
-    def _bind(shape, sym):
-        return tuple(sym[d] if isinstance(d, str) else d for d in shape)
 
     def skip_buffers(self, names):
         self._skipped.update(names)
@@ -267,9 +261,7 @@ class StrictStandinSession:
             (
                 s
                 for s in self._specs
-                if all(
-                    tuple(inputs[n].shape) == self._bind(self._in[n]["shape"], s) for n in inputs
-                )
+                if all(tuple(inputs[n].shape) == _bind(self._in[n]["shape"], s) for n in inputs)
             ),
             None,
         )
@@ -280,7 +272,7 @@ class StrictStandinSession:
             if name in kv_out:
                 continue
             buf = self._buffers.get(name)
-            if buf is None or buf.shape != self._bind(o["shape"], spec):
+            if buf is None or buf.shape != _bind(o["shape"], spec):
                 raise BackendError(f"output buffer {name} is not sized for specialization {spec}")
         self.used.append(self._names[self._specs.index(spec)])
         res = dict(zip(self.output_names, self.sess.run(None, {**inputs, **self._state})))

@@ -183,7 +183,7 @@ class Pipeline:
         self._top_p = np.ones((1,), np.float32)
         # Rows per call that run the sampler (`sample_len`): a greedy call picks the
         # specialization that samples the fewest rows, so it does not pay for the sampler.
-        specs = m["target"].get("specializations") or []
+        specs = list(m.target.specializations)
         self._sample_len = {
             (n, greedy): contract.sample_rows(specs, n, greedy)
             for n in {1, B, C}
@@ -212,14 +212,13 @@ class Pipeline:
         return ids
 
     @staticmethod
-    def _check_args(max_new_tokens, stop_token_ids, on_tokens=None) -> None:
-        """generate / stream / generate_baseline arguments, type-checked before any work."""
+    def _check_args(max_new_tokens, on_tokens=None) -> None:
+        """generate / stream / generate_baseline arguments, type-checked before any work
+        (stop_token_ids are checked where they are read, `_stop_set`)."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
             raise GenerationError(f"max_new_tokens must be an integer ≥ 1 (got {max_new_tokens!r})")
         if max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be ≥ 1 (got {max_new_tokens})")
-        if stop_token_ids is not None:
-            _token_ids(stop_token_ids, "stop_token_ids", None)
         if on_tokens is not None and not callable(on_tokens):
             raise GenerationError(f"on_tokens must be callable or None (got {on_tokens!r})")
 
@@ -333,8 +332,6 @@ class Pipeline:
 
     def _dflash(self, prompt, max_new_tokens, stop_token_ids, sampling) -> Iterator[list[int]]:
         ids = self._prompt_ids(prompt)
-        if max_new_tokens < 1:
-            raise GenerationError(f"max_new_tokens must be ≥ 1 (got {max_new_tokens})")
         B, P = self.B, len(ids)
         self._check_room(P, self.ctx_len - 1 - B, "DFlash (prompt + one verify block)")
         stop = self._stop_set(stop_token_ids)
@@ -428,8 +425,6 @@ class Pipeline:
 
     def _baseline(self, prompt, max_new_tokens, stop_token_ids, sampling) -> Iterator[list[int]]:
         ids = self._prompt_ids(prompt)
-        if max_new_tokens < 1:
-            raise GenerationError(f"max_new_tokens must be ≥ 1 (got {max_new_tokens})")
         P = len(ids)
         self._check_room(P, contract.max_positions(self.ctx_len) - 1, "the target")
         stop = self._stop_set(stop_token_ids)
@@ -498,7 +493,7 @@ class Pipeline:
         seed: seeds the host's random numbers; the same seed gives the same tokens. None draws
             fresh entropy (the value used is in `stats["seed"]`).
         """
-        self._check_args(max_new_tokens, stop_token_ids, on_tokens)
+        self._check_args(max_new_tokens, on_tokens)
         sampling = (temperature, top_k, top_p, seed)
         gen = self._dflash(prompt, max_new_tokens, stop_token_ids, sampling)
         return self._drive(gen, on_tokens)
@@ -515,7 +510,7 @@ class Pipeline:
         seed: int | None = None,
     ) -> Iterator[int]:
         """Yield generated tokens one by one as steps commit them (DFlash; arguments as generate)."""
-        self._check_args(max_new_tokens, stop_token_ids)
+        self._check_args(max_new_tokens)
         sampling = (temperature, top_k, top_p, seed)
         for chunk in self._dflash(prompt, max_new_tokens, stop_token_ids, sampling):
             yield from chunk
@@ -534,7 +529,7 @@ class Pipeline:
     ) -> GenerationResult:
         """The target alone on the decode specialization of the same program; same statistics
         and the same sampling arguments as generate (each decode call samples from p)."""
-        self._check_args(max_new_tokens, stop_token_ids, on_tokens)
+        self._check_args(max_new_tokens, on_tokens)
         sampling = (temperature, top_k, top_p, seed)
         gen = self._baseline(prompt, max_new_tokens, stop_token_ids, sampling)
         return self._drive(gen, on_tokens)
