@@ -22,6 +22,7 @@ def export(
     prefill_seq_len: int = 128,
     ctx_len: int = 4096,
     batch_size: int = 1,
+    full_batch_size: int | None = None,
     emit_logits: bool = False,
     sampling: bool = True,
     fp16_check: bool = True,
@@ -44,6 +45,7 @@ def export(
     block_size / num_speculative_tokens: B, or N = B − 1 as QEfficient and vLLM say it
         (default: the draft's block size); both given must agree.
     prefill_seq_len, ctx_len, batch_size: the prefill chunk, KV slots and batch (1).
+    full_batch_size: continuous batching with N cache rows, N sequences at once (None: off).
     emit_logits: also output full logits; sampling: False = a greedy-only target program;
     fp16_check: run the fp16 graph check; compile: False = ONNX only.
     qpc_config: a compile profile name or YAML path; num_cores (the target's), num_devices,
@@ -62,6 +64,7 @@ def export(
         prefill_seq_len=prefill_seq_len,
         ctx_len=ctx_len,
         batch_size=batch_size,
+        full_batch_size=full_batch_size,
         emit_logits=emit_logits,
         sampling=sampling,
         qpc_config=qpc_config,

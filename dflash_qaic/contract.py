@@ -6,8 +6,16 @@ the compiler step derives `specializations.json` and `custom_io.yaml` from here.
 spells an I/O name.
 
 Shapes are tuples whose entries are either ints (static) or symbol names (str) that a
-specialization binds: `batch_size`, `seq_len`, `ctx_len`, and (target with sampling)
-`sample_len`, the number of leading rows of a call that run the sampler.
+specialization binds: `batch_size`, `seq_len`, `ctx_len`, (target with sampling) `sample_len`,
+the number of leading rows of a call that run the sampler, and (continuous batching)
+`full_batch_size`, the rows of every cache.
+
+Continuous batching (docs/DESIGN.md, Continuous batching; QEfficient's layout): exported with a
+full batch size N, both programs take `batch_index` int64 [batch_size, 1], the cache row each call
+row reads and writes, and keep N cache rows. Prefill (target and draft) runs at batch 1 into the
+row its `batch_index` names; verify, decode and the draft block run at batch N. An inactive row has
+`batch_index` -1 and every position -1 (vllm-qaic's convention): its writes go to a padding slot
+(below), which no query ever reads, and its outputs are ignored.
 
 Greedy calls do not pay for the sampler: `random_u` is [batch, sample_len, 2], and only the first
 `sample_len` rows of a call run the sampler; the rest take the argmax. The greedy Verify
@@ -31,11 +39,14 @@ BATCH = "batch_size"
 SEQ = "seq_len"
 CTX = "ctx_len"
 SAMPLE = "sample_len"  # target rows per call that run the sampler (the first ones), 1 <= it <= seq
-SYMBOLS = (BATCH, SEQ, CTX, SAMPLE)
+FULL_BATCH = "full_batch_size"  # continuous batching: cache rows (slots for concurrent sequences)
+SYMBOLS = (BATCH, SEQ, CTX, SAMPLE, FULL_BATCH)
 
 # Common input names (QEfficient conventions).
 INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"
+BATCH_INDEX = "batch_index"  # continuous batching: int64 [batch, 1], the cache row of each call row
+INACTIVE_ROW = -1  # batch_index (and positions) of a row that holds no sequence
 # Target sampling inputs (per row of the batch; per position for the random numbers).
 TEMPERATURE = "temperature"  # float [batch]: 0 = greedy argmax, exactly
 TOP_K = "top_k"  # int64 [batch]: keep the k most likely tokens; 0 = off
@@ -87,14 +98,21 @@ def retained(name: str) -> str:
     return name + RETAINED_SUFFIX
 
 
-def kv_specs(n_layers: int, n_kv_heads: int, head_dim: int) -> list[TensorSpec]:
-    """past_key.{i}, past_value.{i} for every layer, interleaved as QEfficient orders them."""
-    shape = (BATCH, n_kv_heads, CTX, head_dim)
+def kv_specs(
+    n_layers: int, n_kv_heads: int, head_dim: int, continuous_batching: bool = False
+) -> list[TensorSpec]:
+    """past_key.{i}, past_value.{i} for every layer, interleaved as QEfficient orders them;
+    `full_batch_size` rows with continuous batching, else one per call row."""
+    shape = (FULL_BATCH if continuous_batching else BATCH, n_kv_heads, CTX, head_dim)
     out = []
     for i in range(n_layers):
         out.append(TensorSpec(past_key(i), "float32", shape))
         out.append(TensorSpec(past_value(i), "float32", shape))
     return out
+
+
+def batch_index_specs(continuous_batching: bool) -> list[TensorSpec]:
+    return [TensorSpec(BATCH_INDEX, "int64", (BATCH, 1))] if continuous_batching else []
 
 
 def sampling_specs() -> list[TensorSpec]:
@@ -117,7 +135,8 @@ class TargetIO:
     is the next row's input token when that row exists and is not padding; it is accepted with
     probability p(d), else the row samples from p with d removed; a row without a proposal
     samples from p. Temperature 0 and every row past `sample_len` take the plain argmax.
-    Without `sampling`, `next_tokens` is always the argmax.
+    Without `sampling`, `next_tokens` is always the argmax. With `continuous_batching` the
+    program also takes `batch_index` and keeps `full_batch_size` cache rows.
     """
 
     n_layers: int
@@ -127,16 +146,18 @@ class TargetIO:
     vocab_size: int
     emit_logits: bool = False
     sampling: bool = True
+    continuous_batching: bool = False
 
     @property
     def kv(self) -> list[TensorSpec]:
-        return kv_specs(self.n_layers, self.n_kv_heads, self.head_dim)
+        return kv_specs(self.n_layers, self.n_kv_heads, self.head_dim, self.continuous_batching)
 
     @property
     def inputs(self) -> list[TensorSpec]:
         return [
             TensorSpec(INPUT_IDS, "int64", (BATCH, SEQ)),
             TensorSpec(POSITION_IDS, "int64", (BATCH, SEQ)),
+            *batch_index_specs(self.continuous_batching),
             *(sampling_specs() if self.sampling else ()),
             *self.kv,
         ]
@@ -164,10 +185,11 @@ class DraftIO:
     vocab_size: int
     block_size: int
     emit_logits: bool = False
+    continuous_batching: bool = False
 
     @property
     def kv(self) -> list[TensorSpec]:
-        return kv_specs(self.n_layers, self.n_kv_heads, self.head_dim)
+        return kv_specs(self.n_layers, self.n_kv_heads, self.head_dim, self.continuous_batching)
 
     @property
     def inputs(self) -> list[TensorSpec]:
@@ -177,6 +199,7 @@ class DraftIO:
             TensorSpec(POSITION_IDS_TARGET, "int64", (BATCH, SEQ)),
             TensorSpec(INPUT_IDS, "int64", (BATCH, b)),
             TensorSpec(POSITION_IDS, "int64", (BATCH, b)),
+            *batch_index_specs(self.continuous_batching),
             *self.kv,
         ]
 
@@ -189,15 +212,33 @@ class DraftIO:
         return out
 
 
+def _batch_symbols(batch_size: int, full_batch_size: int | None, prefill: bool) -> dict:
+    """batch_size (and full_batch_size) of a specialization: with continuous batching, prefill
+    runs one row into one cache row and the others run every cache row."""
+    if full_batch_size is None:
+        return {BATCH: batch_size}
+    return {BATCH: 1 if prefill else full_batch_size, FULL_BATCH: full_batch_size}
+
+
 def target_specializations(
-    batch_size: int, prefill_seq_len: int, block_size: int, ctx_len: int, sampling: bool = True
+    batch_size: int,
+    prefill_seq_len: int,
+    block_size: int,
+    ctx_len: int,
+    sampling: bool = True,
+    full_batch_size: int | None = None,
 ) -> list[dict]:
     """Named specializations of the target program: prefill chunk, verify block, single-token
     decode; with sampling, `sample_len` bound in each and a second verify block that samples
-    every row (the greedy Verify runs the sampler on one row only, whose result it discards)."""
+    every row (the greedy Verify runs the sampler on one row only, whose result it discards).
+    With `full_batch_size` N (continuous batching) prefill is at batch 1, the others at N."""
 
     def spec(name: str, seq: int, sample: int) -> dict:
-        sym = {BATCH: batch_size, SEQ: seq, CTX: ctx_len}
+        sym = {
+            **_batch_symbols(batch_size, full_batch_size, name == PREFILL),
+            SEQ: seq,
+            CTX: ctx_len,
+        }
         return {"name": name, "symbols": {**sym, SAMPLE: sample} if sampling else sym}
 
     specs = [
@@ -223,13 +264,20 @@ def sample_rows(specializations: list[dict], seq: int, greedy: bool) -> int:
 
 
 def draft_specializations(
-    batch_size: int, prefill_seq_len: int, block_size: int, ctx_len: int
+    batch_size: int,
+    prefill_seq_len: int,
+    block_size: int,
+    ctx_len: int,
+    full_batch_size: int | None = None,
 ) -> list[dict]:
-    """Named specializations of the draft program: context chunk = block (decode) and = prefill chunk."""
-    return [
-        {"name": DRAFT_DECODE, "symbols": {BATCH: batch_size, SEQ: block_size, CTX: ctx_len}},
-        {"name": DRAFT_PREFILL, "symbols": {BATCH: batch_size, SEQ: prefill_seq_len, CTX: ctx_len}},
-    ]
+    """Named specializations of the draft program: context chunk = block (decode) and = prefill
+    chunk; with `full_batch_size` N the decode block runs at batch N, the prefill at batch 1."""
+
+    def spec(name: str, seq: int) -> dict:
+        sym = _batch_symbols(batch_size, full_batch_size, name == DRAFT_PREFILL)
+        return {"name": name, "symbols": {**sym, SEQ: seq, CTX: ctx_len}}
+
+    return [spec(DRAFT_DECODE, block_size), spec(DRAFT_PREFILL, prefill_seq_len)]
 
 
 def max_positions(ctx_len: int) -> int:

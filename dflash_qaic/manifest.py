@@ -311,6 +311,7 @@ class Program:
     @classmethod
     def from_json(cls, c: _Check, kind: str) -> Program:
         dims = {k: c.int(k, 1, 1 << 24) for k in _TARGET_IO}
+        cb = c.bool("continuous_batching", False)
         if kind == "target":
             # the listed inputs are what the runtime binds: they decide `sampling` when given
             listed = c.get("inputs", None)
@@ -318,10 +319,15 @@ class Program:
             if isinstance(listed, list):
                 names = {i.get("name") for i in listed if isinstance(i, dict)}
                 sampling = all(n in names for n in contract.SAMPLING_INPUTS)
-            io = contract.TargetIO(**dims, emit_logits=c.bool("emit_logits"), sampling=sampling)
+            io = contract.TargetIO(
+                **dims, emit_logits=c.bool("emit_logits"), sampling=sampling, continuous_batching=cb
+            )
         else:
             io = contract.DraftIO(
-                **dims, emit_logits=c.bool("emit_logits"), block_size=c.int("block_size", 2, 4096)
+                **dims,
+                emit_logits=c.bool("emit_logits"),
+                block_size=c.int("block_size", 2, 4096),
+                continuous_batching=cb,
             )
         for which, specs in (("inputs", io.inputs), ("outputs", io.outputs)):
             want = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]
@@ -329,7 +335,9 @@ class Program:
                 c.fail(c.key(which), "do not match the I/O contract of this dflash-qaic version")
         qpcs = tuple(QpcRecord.from_json(c.sub(q, "qpc[]")) for q in c.list("qpc", []))
         known = (
-            {f.name for f in fields(cls)} | set(dims) | {"emit_logits", "sampling", "block_size"}
+            {f.name for f in fields(cls)}
+            | set(dims)
+            | {"emit_logits", "sampling", "block_size", "continuous_batching"}
         )
         known |= {"inputs", "outputs", "qpc"}
         return cls(
@@ -372,6 +380,7 @@ class Manifest:
     hidden_size: int
     target: Program
     draft: Program
+    full_batch_size: int | None = None  # continuous batching: cache rows of both programs
     files: tuple[FileRecord, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     tokenizer: str | None = None  # relative directory holding the target's tokenizer files
@@ -443,6 +452,7 @@ class Manifest:
             prefill_seq_len=c.int("prefill_seq_len", 1, 1 << 20),
             ctx_len=c.int("ctx_len", 4, 1 << 22),
             batch_size=c.int("batch_size", 1, 4096),
+            full_batch_size=c.int("full_batch_size", 1, 4096, default=None),
             vocab_size=vocab,
             hidden_size=c.int("hidden_size", 1, 1 << 20),
             target=Program.from_json(c.sub(c.obj("target"), "target"), "target"),
@@ -471,9 +481,13 @@ def _consistent(m: Manifest, c: _Check, complete: bool) -> None:
     if m.block_size > m.prefill_seq_len or m.ctx_len < m.prefill_seq_len + m.block_size + 2:
         c.fail("ctx_len", "is too small for prefill_seq_len and block_size")
     args = (m.batch_size, m.prefill_seq_len, m.block_size, m.ctx_len)
+    fbs = m.full_batch_size
+    for prog in (m.target, m.draft):
+        if prog.io.continuous_batching != (fbs is not None):
+            c.fail(f"{prog.kind}.continuous_batching", f"disagrees with full_batch_size {fbs}")
     for prog, want in (
-        (m.target, contract.target_specializations(*args, sampling=m.target.io.sampling)),
-        (m.draft, contract.draft_specializations(*args)),
+        (m.target, contract.target_specializations(*args, m.target.io.sampling, fbs)),
+        (m.draft, contract.draft_specializations(*args, fbs)),
     ):
         if list(prog.specializations) != want:
             c.fail(f"{prog.kind}.specializations", f"must be {want} for these dimensions")

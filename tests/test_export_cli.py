@@ -132,7 +132,7 @@ def test_interrupted_export_keeps_the_previous_artifact(pair, tmp_path, monkeypa
         (["--block-size", "32"], "larger than --prefill-seq-len 16"),
         (["--ctx-len", "20"], "--ctx-len 20 is too small"),
         (["--block-size", "1"], "--block-size: 1 is outside [2, 1024]"),
-        (["--batch-size", "4"], "batch 1 only"),
+        (["--batch-size", "4"], "use --full-batch-size 4"),
         (["--qpc-config", "nope"], "nope"),
     ],
 )

@@ -491,7 +491,7 @@ def pipe(good_master):
         ({"max_new_tokens": 0}, "max_new_tokens must be ≥ 1"),
         ({"prompt": [1.0, 2.0]}, "integer token ids only; got 1.0"),
         ({"prompt": [True, 2]}, "got True"),
-        ({"prompt": [[1, 2], [3]]}, "not a nested list"),
+        ({"prompt": [1, [2, 3]]}, "mixes token ids and nested lists"),
         ({"prompt": np.array([[1, 2]])}, "1-D array"),
         ({"prompt": np.array([1.5])}, "1-D array of integer"),
         ({"prompt": [2**64]}, "outside the vocabulary"),

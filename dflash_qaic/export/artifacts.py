@@ -62,6 +62,7 @@ class ExportOptions:
     prefill_seq_len: int = 128
     ctx_len: int = 4096
     batch_size: int = 1
+    full_batch_size: int | None = None  # continuous batching with this many cache rows
     emit_logits: bool = False
     sampling: bool = True  # False: a greedy-only target program (no sampler in the graph)
     qpc_config: str = "ai100_fp16"
@@ -75,6 +76,7 @@ class ExportOptions:
             ("prefill_seq_len", 1, MAX_CTX_LEN, False),
             ("ctx_len", 4, MAX_CTX_LEN, False),
             ("batch_size", 1, MAX_BATCH_SIZE, False),
+            ("full_batch_size", 1, MAX_BATCH_SIZE, True),
         )
         for name, lo, hi, optional in ints:
             v = getattr(self, name)
@@ -129,7 +131,8 @@ def validate_options(pair: ck.Pair, o: ExportOptions) -> int:
         )
     if o.batch_size != 1:
         raise ExportError(
-            f"--batch-size {o.batch_size}: this version exports and runs batch 1 only; use 1"
+            f"--batch-size {o.batch_size}: a batch of independent sequences is served by "
+            f"continuous batching; use --full-batch-size {o.batch_size} (and --batch-size 1)"
         )
     return B
 
@@ -435,6 +438,7 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, progress, steps) -> d
         prefill_seq_len=o.prefill_seq_len,
         block_size=B,
         batch_size=o.batch_size,
+        full_batch_size=o.full_batch_size,
         emit_logits=o.emit_logits,
         fp16_check=o.fp16_check,
         stream_from=pair,
@@ -471,6 +475,7 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, progress, steps) -> d
         "prefill_seq_len": o.prefill_seq_len,
         "ctx_len": o.ctx_len,
         "batch_size": o.batch_size,
+        "full_batch_size": o.full_batch_size,
         "vocab_size": pair.target.vocab_size,
         "hidden_size": pair.target.hidden_size,
         "eos_token_ids": _eos_ids(pair.target.path),

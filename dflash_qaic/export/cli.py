@@ -4,7 +4,7 @@ dflash-export --out artifacts/default                       # the built-in defau
 dflash-export --recipe export/qwen3-4b-dflash-b16.yaml --out artifacts/qwen3-4b
 dflash-export --target DIR --draft DIR --out DIR [--qpc-config qpc_configs/ai100_fp16.yaml]
               [--block-size N | --num-speculative-tokens N] [--prefill-seq-len N]
-              [--ctx-len N] [--batch-size N] [--no-compile] [--emit-logits]
+              [--ctx-len N] [--full-batch-size N] [--no-compile] [--emit-logits]
               [--num-cores N] [--num-devices N] [--mos N] [--[no-]mxfp6-matmul]
               [--[no-]mxint8-kv-cache] [--[no-]aic-enable-depth-first] [--compile-timeout S]
 """
@@ -28,6 +28,7 @@ RECIPE_KEYS = {
     "prefill_seq_len",
     "ctx_len",
     "batch_size",
+    "full_batch_size",
     "qpc_config",
 }
 # Shipped recipes are package data (the repository's `export/` links here).
@@ -138,6 +139,11 @@ def parser() -> argparse.ArgumentParser:
         "--ctx-len", type=size(4, MAX_CTX_LEN), help="context length in slots (default 4096)"
     )
     p.add_argument("--batch-size", type=size(1, MAX_BATCH_SIZE), help="batch size (default 1)")
+    p.add_argument(
+        "--full-batch-size",
+        type=size(1, MAX_BATCH_SIZE),
+        help="continuous batching: N sequences at once (QEfficient's name; default: off)",
+    )
     p.add_argument("--no-compile", action="store_true", help="export ONNX only")
     p.add_argument("--emit-logits", action="store_true", help="also output full logits")
     p.add_argument(
@@ -202,6 +208,7 @@ def resolve(args) -> tuple[Path, Path, dict]:
         "prefill_seq_len": _pick(args.prefill_seq_len, recipe, "prefill_seq_len", 128),
         "ctx_len": _pick(args.ctx_len, recipe, "ctx_len", 4096),
         "batch_size": _pick(args.batch_size, recipe, "batch_size", 1),
+        "full_batch_size": _pick(args.full_batch_size, recipe, "full_batch_size"),
         "emit_logits": args.emit_logits,
         "sampling": not args.no_sampling,
         "qpc_config": str(_pick(args.qpc_config, recipe, "qpc_config", "ai100_fp16")),

@@ -11,10 +11,13 @@ from dflash_qaic import contract
 from dflash_qaic.checkpoints import DraftConfig, Pair
 from dflash_qaic.export import weights
 from dflash_qaic.export.onnx_export import export_and_check, program_facts
+from dflash_qaic.export.target import batch_index_feed
 from dflash_qaic.modeling.draft import DFlashDraft, ExportDraft
 
 
-def draft_io(c: DraftConfig, vocab_size: int, block_size: int, emit_logits=False):
+def draft_io(
+    c: DraftConfig, vocab_size: int, block_size: int, emit_logits=False, continuous_batching=False
+) -> contract.DraftIO:
     return contract.DraftIO(
         n_layers=c.num_layers,
         n_kv_heads=c.num_kv_heads,
@@ -23,6 +26,7 @@ def draft_io(c: DraftConfig, vocab_size: int, block_size: int, emit_logits=False
         vocab_size=vocab_size,
         block_size=block_size,
         emit_logits=emit_logits,
+        continuous_batching=continuous_batching,
     )
 
 
@@ -40,12 +44,16 @@ def check_feeds(io: contract.DraftIO, specializations: list[dict], mask_id: int,
         start = s - 1 if s > 1 else s
         block = np.full((b, B), mask_id, dtype=np.int64)
         block[:, 0] = rng.integers(0, io.vocab_size, b)
+        pos = np.tile(np.arange(start, start + B, dtype=np.int64), (b, 1))
         feed = {
             contract.TARGET_HIDDEN: rng.standard_normal((b, s, io.hidden_size)).astype(np.float32),
             contract.POSITION_IDS_TARGET: pos_t,
             contract.INPUT_IDS: block,
-            contract.POSITION_IDS: np.tile(np.arange(start, start + B, dtype=np.int64), (b, 1)),
+            contract.POSITION_IDS: pos,
+            **batch_index_feed(io, sym, pos),
         }
+        if contract.BATCH_INDEX in feed:  # an inactive row's context positions are -1 too
+            pos_t[feed[contract.BATCH_INDEX][:, 0] < 0] = contract.PAD_POSITION
         for kv in io.kv:
             feed[kv.name] = np.zeros(kv.bind(**sym), dtype=np.float32)
         feeds.append(feed)
@@ -63,6 +71,7 @@ def export_draft(
     prefill_seq_len: int,
     block_size: int,
     batch_size: int = 1,
+    full_batch_size: int | None = None,
     emit_logits: bool = False,
     external_data: bool | None = None,
     fp16_check: bool = True,
@@ -74,6 +83,7 @@ def export_draft(
     stream_from: the streaming export (export/weights.py): `draft_state` is None, the embedding
     and head are placeholders (`weights.placeholder_head`), and the program's weights are written
     from this pair's checkpoints tensor by tensor.
+    full_batch_size: continuous batching with this many cache rows (contract.py).
     """
     if not 2 <= block_size <= contract.max_positions(ctx_len):
         raise ValueError(f"block_size {block_size} must be in [2, ctx_len - 1 = {ctx_len - 1}]")
@@ -81,10 +91,11 @@ def export_draft(
         draft = weights.placeholder_draft(draft_cfg)
     else:
         draft = DFlashDraft.from_checkpoint(draft_cfg, draft_state)
-    module = ExportDraft(draft, embed_weight, head_weight, ctx_len, emit_logits).eval()
-    io = draft_io(draft_cfg, embed_weight.shape[0], block_size, emit_logits)
+    cb = full_batch_size is not None
+    module = ExportDraft(draft, embed_weight, head_weight, ctx_len, emit_logits, cb).eval()
+    io = draft_io(draft_cfg, embed_weight.shape[0], block_size, emit_logits, cb)
     specializations = contract.draft_specializations(
-        batch_size, prefill_seq_len, block_size, ctx_len
+        batch_size, prefill_seq_len, block_size, ctx_len, full_batch_size
     )
     mask_id = draft_cfg.mask_token_id
     sources = None

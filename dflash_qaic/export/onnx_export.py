@@ -236,6 +236,7 @@ def program_facts(path: Path, io, specializations: list[dict], report: dict) -> 
         "batch_size": sym[contract.BATCH],
         "ctx_len": sym[contract.CTX],
         "emit_logits": io.emit_logits,
+        "continuous_batching": io.continuous_batching,
         "n_layers": io.n_layers,
         "n_kv_heads": io.n_kv_heads,
         "head_dim": io.head_dim,
@@ -269,6 +270,9 @@ def export_and_check(
     sym = specializations[0]["symbols"]
     trace = {contract.BATCH: sym[contract.BATCH], contract.SEQ: trace_rows}
     trace[contract.CTX] = sym[contract.CTX]
+    if contract.FULL_BATCH in sym:  # continuous batching: trace 2 rows, so batch stays symbolic
+        trace[contract.BATCH] = 2
+        trace[contract.FULL_BATCH] = max(sym[contract.FULL_BATCH], 2)
     example = feeds_for([{"name": specializations[0]["name"], "symbols": trace}])[0]
     example_inputs = tuple(torch.from_numpy(example[s.name]) for s in io.inputs)
     path = export_onnx(

@@ -40,6 +40,7 @@ def check_feeds(io: contract.TargetIO, specializations: list[dict], seed: int = 
         feed = {
             contract.INPUT_IDS: rng.integers(0, io.vocab_size, (b, s), dtype=np.int64),
             contract.POSITION_IDS: pos,
+            **batch_index_feed(io, sym, pos),
         }
         if io.sampling:
             t, k, p = CHECK_SAMPLING.get(spec["name"], (1.0, 0, 1.0))
@@ -54,7 +55,23 @@ def check_feeds(io: contract.TargetIO, specializations: list[dict], seed: int = 
     return feeds
 
 
-def target_io(module: ExportTarget, hidden_size: int, emit_logits: bool, sampling: bool):
+def batch_index_feed(io, sym: dict, pos: np.ndarray) -> dict:
+    """`batch_index` of a check feed (continuous batching): a batch-1 call writes the last cache
+    row; a full-batch call has row r on cache row r, and its last row (if it has several) is an
+    inactive row (batch_index and every position -1, set here in `pos`)."""
+    if not io.continuous_batching:
+        return {}
+    b, n = pos.shape[0], sym[contract.FULL_BATCH]
+    rows = np.arange(b, dtype=np.int64)[:, None] if b > 1 else np.array([[n - 1]], np.int64)
+    if b > 1:
+        rows[-1] = contract.INACTIVE_ROW
+        pos[-1] = contract.PAD_POSITION
+    return {contract.BATCH_INDEX: rows}
+
+
+def target_io(
+    module: ExportTarget, hidden_size: int, emit_logits: bool, sampling: bool
+) -> contract.TargetIO:
     """The contract of the program `module` exports to."""
     attn = module.layers[0].self_attn
     return contract.TargetIO(
@@ -65,6 +82,7 @@ def target_io(module: ExportTarget, hidden_size: int, emit_logits: bool, samplin
         vocab_size=module.vocab_size,
         emit_logits=emit_logits,
         sampling=sampling,
+        continuous_batching=module.continuous_batching,
     )
 
 
@@ -80,6 +98,7 @@ def export_target(
     prefill_seq_len: int,
     block_size: int,
     batch_size: int = 1,
+    full_batch_size: int | None = None,
     emit_logits: bool = False,
     sampling: bool = True,
     sampling_candidates: int = SAMPLING_CANDIDATES,
@@ -98,6 +117,8 @@ def export_target(
     sampling_candidates: how many most likely tokens the top-k / top-p thresholds are read from
     (see modeling.sampler.sampling_weights): the largest top_k the program takes.
     fp16_check: run the graph check's fp16 evaluations (export/fp16_check.py).
+    full_batch_size: continuous batching with this many cache rows (contract.py); None: one
+    sequence per call row, batch_size rows.
     """
     if not 1 <= block_size <= contract.max_positions(ctx_len):
         raise ValueError(f"block_size {block_size} must be in [1, ctx_len - 1 = {ctx_len - 1}]")
@@ -114,10 +135,11 @@ def export_target(
         emit_logits=emit_logits,
         sampling=sampling,
         sampling_candidates=sampling_candidates,
+        continuous_batching=full_batch_size is not None,
     ).eval()
     io = target_io(module, cfg.hidden_size, emit_logits, sampling)
     specializations = contract.target_specializations(
-        batch_size, prefill_seq_len, block_size, ctx_len, sampling
+        batch_size, prefill_seq_len, block_size, ctx_len, sampling, full_batch_size
     )
 
     # Trace at the prefill shape (at least 2 rows, so no size-1 dim gets specialised away).

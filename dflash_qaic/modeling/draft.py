@@ -32,7 +32,7 @@ from dflash_qaic.modeling.layers import (
     embed_rows,
     vocab_tables,
 )
-from dflash_qaic.modeling.ops import cache_slots, ctx_scatter
+from dflash_qaic.modeling.ops import cache_rows, cache_slots, update_cache
 
 __all__ = ["DFlashDraft", "DraftAttention", "DraftLayer", "ExportDraft", "apply_rope"]
 
@@ -163,8 +163,10 @@ class ExportDraft(nn.Module):
         head_weight: torch.Tensor,
         ctx_len: int,
         emit_logits: bool = False,
+        continuous_batching: bool = False,
     ):
         super().__init__()
+        self.continuous_batching = continuous_batching
         self.c = draft.config
         self.layers, self.norm = draft.layers, draft.norm
         self.rope = RopeTable.from_rope(draft.rope, ctx_len)
@@ -173,7 +175,10 @@ class ExportDraft(nn.Module):
         self.ctx_len = ctx_len
         self.emit_logits = emit_logits
 
-    def forward(self, target_hidden, position_ids_target, input_ids, position_ids, *past):
+    def forward(self, target_hidden, position_ids_target, input_ids, position_ids, *rest):
+        # with continuous batching rest = (batch_index [b, 1], *past), caches [N, n_kv, ctx, hd]
+        rows = cache_rows(rest[0]) if self.continuous_batching else None  # -1 -> row 0
+        past = rest[1:] if self.continuous_batching else rest
         slots = cache_slots(position_ids_target, self.ctx_len)  # [b, s]
         ccos, csin = self.rope(position_ids_target)  # [b, s, hd]
         cos, sin = self.rope(position_ids)  # [b, B, hd]
@@ -188,9 +193,9 @@ class ExportDraft(nn.Module):
         retained = []
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.kv(target_hidden, ccos, csin)  # [b, n_kv, s, hd]
-            cache_k = ctx_scatter(past[2 * i], slots, k)  # [b, n_kv, ctx, hd]
-            cache_v = ctx_scatter(past[2 * i + 1], slots, v)
-            h = layer(h, cos, sin, cache_k, cache_v, ctx_mask)
+            cache_k, keys = update_cache(past[2 * i], rows, slots, k)  # keys [b, n_kv, ctx, hd]
+            cache_v, values = update_cache(past[2 * i + 1], rows, slots, v)
+            h = layer(h, cos, sin, keys, values, ctx_mask)
             retained += [cache_k, cache_v]
 
         logits = (self.norm(h[:, 1:]) @ self.head_t) * self.c.output_multiplier  # [b, B−1, V]

@@ -14,6 +14,16 @@ No real token is ever placed there (the runtime stops a sequence at ctx_len - 1 
 `contract.max_positions`), and a key slot is visible only to queries with position >= its index,
 so no valid query ever reads it. Several padding rows may write it in one call; ScatterND leaves
 the winner unspecified, which is harmless because nobody reads it.
+
+Continuous batching (`CtxScatterCB`, QEfficient's name and argument order): the cache has
+`full_batch_size` rows and each call row writes the cache row its `batch_index` names. An
+inactive row (batch_index -1, every position -1) is mapped by `cache_rows` to cache row 0 with
+a plain `Where` before the op, and its positions to the padding slot, so it writes only row 0's
+padding slot: never read, on the card or on ONNX Runtime (whose ScatterND would otherwise wrap -1
+to the last row, and which rejects out-of-range indices where the card drops them). Active rows
+hold distinct batch indices (one sequence per cache row), so their real writes never collide.
+Reads (`gather_rows`) are a plain Gather of the call's cache rows; an inactive row reads row 0
+and its outputs are ignored.
 """
 
 from __future__ import annotations
@@ -29,6 +39,16 @@ _qaic = onnxscript.values.Opset(QAIC_DOMAIN, 1)
 def cache_slots(position_ids: torch.Tensor, ctx_len: int | torch.Tensor) -> torch.Tensor:
     """Slot each row writes: its position, or the padding slot ctx_len - 1 for position -1."""
     return torch.where(position_ids < 0, ctx_len - 1, position_ids)
+
+
+def cache_rows(batch_index: torch.Tensor) -> torch.Tensor:
+    """Cache row of each call row: batch_index [b, 1], or row 0 for an inactive row (-1)."""
+    return torch.where(batch_index < 0, 0, batch_index)
+
+
+def gather_rows(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """cache [N, h, ctx, d] -> the call's rows [b, h, ctx, d] (rows [b, 1] from `cache_rows`)."""
+    return cache[rows[:, 0]]
 
 
 # ---------------------------------------------------------------- ONNX function bodies
@@ -50,6 +70,21 @@ class QaicFunctions:
         hi = op.Expand(op.Unsqueeze(op.Range(0, op.Squeeze(h), 1), [0, 2, 3]), idx_shape)
         pi = op.Expand(op.Unsqueeze(position_ids, [1, 3]), idx_shape)
         indices = op.Concat(bi, hi, pi, axis=3)  # [b, h, s, 3]: (batch, head, slot)
+        return op.ScatterND(data, indices, updates)
+
+    @onnxscript.script(_qaic, default_opset=op)
+    def CtxScatterCB(data, batch_index, position_ids, updates):
+        # data [N, h, ctx, d]; batch_index [b, 1] in [0, N); position_ids [b, s] in [0, ctx);
+        # updates [b, h, s, d]
+        one = op.Constant(value_ints=[1])
+        b = op.Gather(op.Shape(batch_index), op.Constant(value_ints=[0]))
+        h = op.Gather(op.Shape(data), one)
+        s = op.Gather(op.Shape(position_ids), one)
+        idx_shape = op.Concat(b, h, s, one, axis=0)  # [b, h, s, 1]
+        bi = op.Expand(op.Unsqueeze(batch_index, [2, 3]), idx_shape)
+        hi = op.Expand(op.Unsqueeze(op.Range(0, op.Squeeze(h), 1), [0, 2, 3]), idx_shape)
+        pi = op.Expand(op.Unsqueeze(position_ids, [1, 3]), idx_shape)
+        indices = op.Concat(bi, hi, pi, axis=3)  # [b, h, s, 3]: (cache row, head, slot)
         return op.ScatterND(data, indices, updates)
 
     @onnxscript.script(_qaic, default_opset=op)
@@ -82,6 +117,29 @@ class CtxScatter(torch.autograd.Function):
         return out.setTypeAs(data)
 
 
+class CtxScatterCB(torch.autograd.Function):
+    """cache[batch_index[b], h, position_ids[b, s], :] = updates[b, h, s, :]; the new cache.
+
+    batch_index and position_ids must already be in range: pass them through `cache_rows` and
+    `cache_slots` first.
+    """
+
+    @staticmethod
+    def forward(ctx, data, batch_index, position_ids, updates):
+        b, h, s, d = updates.shape
+        out = data.clone()
+        rows = batch_index[:, 0]
+        for r in range(b):  # eager reference only; the graph is one ScatterND
+            index = position_ids[r][None, :, None].expand(h, s, d)
+            out[rows[r]] = out[rows[r]].scatter(1, index, updates[r])
+        return out
+
+    @staticmethod
+    def symbolic(g, data, batch_index, position_ids, updates):
+        out = g.onnxscript_op(QaicFunctions.CtxScatterCB, data, batch_index, position_ids, updates)
+        return out.setTypeAs(data)
+
+
 class CtxGather(torch.autograd.Function):
     """out[b, h, n, :] = cache[b, h, ctx_indices[b, n], :]; indices in [0, ctx_len)."""
 
@@ -99,6 +157,21 @@ class CtxGather(torch.autograd.Function):
 
 def ctx_scatter(cache: torch.Tensor, slots: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
     return CtxScatter.apply(cache, slots, updates)
+
+
+def ctx_scatter_cb(cache, rows, slots, updates) -> torch.Tensor:
+    return CtxScatterCB.apply(cache, rows, slots, updates)
+
+
+def update_cache(cache, rows, slots, new) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write `new` [b, h, s, d] at `slots` [b, s] and return (the updated cache, the call's view
+    of it [b, h, ctx, d]). rows [b, 1] (from `cache_rows`) with continuous batching, else None:
+    then the cache has one row per call row and is its own view."""
+    if rows is None:
+        cache = ctx_scatter(cache, slots, new)
+        return cache, cache
+    cache = ctx_scatter_cb(cache, rows, slots, new)
+    return cache, gather_rows(cache, rows)
 
 
 def ctx_gather(cache: torch.Tensor, ctx_indices: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,7 @@ from dflash_qaic.modeling.layers import (
     frozen_linear,
     vocab_tables,
 )
-from dflash_qaic.modeling.ops import cache_slots, ctx_scatter
+from dflash_qaic.modeling.ops import cache_rows, cache_slots, update_cache
 from dflash_qaic.modeling.sampler import SAMPLING_CANDIDATES, sample_next_tokens
 
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_TARGETS)
@@ -79,9 +79,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm.from_hf(hf.q_norm) if qk_norm else None
         self.k_norm = RMSNorm.from_hf(hf.k_norm) if qk_norm else None
 
-    def forward(self, x, cos, sin, slots, visible, cache_k, cache_v):
+    def forward(self, x, cos, sin, slots, rows, visible, cache_k, cache_v):
         # x [b, s, H]; cos/sin [b, s, hd]; slots [b, s]; visible [b, s, ctx] bool
-        # cache_k/cache_v [b, kvh, ctx, hd]
+        # cache_k/cache_v [b, kvh, ctx, hd], or [N, kvh, ctx, hd] with rows [b, 1] (continuous
+        # batching: the call's rows are gathered for attention)
         b, s, _ = x.shape
         nh, kvh, hd = self.n_heads, self.n_kv_heads, self.head_dim
         q = self.q_proj(x).view(b, s, nh, hd)
@@ -92,17 +93,17 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin, hd)  # [b, nh, s, hd]
         k = apply_rope(k.transpose(1, 2), cos, sin, hd)  # [b, kvh, s, hd]
 
-        cache_k = ctx_scatter(cache_k, slots, k)  # [b, kvh, ctx, hd]
-        cache_v = ctx_scatter(cache_v, slots, v)
+        cache_k, keys = update_cache(cache_k, rows, slots, k)  # keys [b, kvh, ctx, hd]
+        cache_v, values = update_cache(cache_v, rows, slots, v)
 
         # GQA without repeating the cache: query head h uses kv head h // g, so fold each kv
         # head's g query heads into the row axis: [b, nh, s, hd] -> [b, kvh, g*s, hd].
         g = nh // kvh
         q = q.reshape(b, kvh, g * s, hd) * self.scale
-        scores = (q @ cache_k.transpose(2, 3)).view(b, kvh, g, s, -1)  # [b, kvh, g, s, ctx]
+        scores = (q @ keys.transpose(2, 3)).view(b, kvh, g, s, -1)  # [b, kvh, g, s, ctx]
         scores = torch.where(visible[:, None, None], scores, MASK_VALUE)
         probs = scores.softmax(dim=-1).view(b, kvh, g * s, -1)  # [b, kvh, g*s, ctx]
-        out = (probs @ cache_v).view(b, nh, s, hd)  # [b, nh, s, hd]
+        out = (probs @ values).view(b, nh, s, hd)  # [b, nh, s, hd]
         out = out.transpose(1, 2).reshape(b, s, nh * hd)
         return self.o_proj(out), cache_k, cache_v
 
@@ -115,9 +116,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm.from_hf(hf.post_attention_layernorm)
         self.mlp = MLP.from_hf(hf.mlp)
 
-    def forward(self, x, cos, sin, slots, visible, cache_k, cache_v):
+    def forward(self, x, cos, sin, slots, rows, visible, cache_k, cache_v):
         a, cache_k, cache_v = self.self_attn(
-            self.input_layernorm(x), cos, sin, slots, visible, cache_k, cache_v
+            self.input_layernorm(x), cos, sin, slots, rows, visible, cache_k, cache_v
         )
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x))
@@ -125,9 +126,10 @@ class DecoderLayer(nn.Module):
 
 
 class ExportTarget(nn.Module):
-    """forward(input_ids, position_ids, [temperature, top_k, top_p, random_u], *past) ->
-    (next_tokens, hidden_states, [logits], *retained past), past as past_key.0, past_value.0, ...
-    The sampling inputs are there when `sampling` (the default; see contract.TargetIO).
+    """forward(input_ids, position_ids, [batch_index], [temperature, top_k, top_p, random_u],
+    *past) -> (next_tokens, hidden_states, [logits], *retained past), past as past_key.0,
+    past_value.0, ... The sampling inputs are there when `sampling` (the default), batch_index
+    with `continuous_batching` (see contract.TargetIO).
     """
 
     def __init__(
@@ -145,8 +147,10 @@ class ExportTarget(nn.Module):
         sampling: bool = True,
         sampling_candidates: int = SAMPLING_CANDIDATES,
         fc_scale: float = 1.0,
+        continuous_batching: bool = False,
     ):
         super().__init__()
+        self.continuous_batching = continuous_batching
         if lm_head.bias is not None:
             raise ValueError("an lm_head with a bias is not supported")
         self.vocab_size = lm_head.out_features
@@ -180,6 +184,7 @@ class ExportTarget(nn.Module):
         emit_logits: bool = False,
         sampling: bool = True,
         sampling_candidates: int = SAMPLING_CANDIDATES,
+        continuous_batching: bool = False,
     ) -> ExportTarget:
         cfg = hf_model.config
         _check_supported(hf_model, fc_weight, target_layer_ids)
@@ -204,15 +209,19 @@ class ExportTarget(nn.Module):
             sampling=sampling,
             sampling_candidates=sampling_candidates,
             fc_scale=fc_scale,
+            continuous_batching=continuous_batching,
         )
         return target
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *rest: torch.Tensor):
-        # input_ids, position_ids [b, s] int64 (position -1 = padding); with sampling, then
-        # temperature, top_k, top_p [b] and random_u [b, s, 2]; then past[2i], past[2i+1]
-        # = key / value cache of layer i [b, kvh, ctx, hd]
+        # input_ids, position_ids [b, s] int64 (position -1 = padding); with continuous
+        # batching, batch_index [b, 1]; with sampling, temperature, top_k, top_p [b] and
+        # random_u [b, sample_len, 2]; then past[2i], past[2i+1] = key / value cache of layer i
+        # [b or N, kvh, ctx, hd]
+        n_cb = 1 if self.continuous_batching else 0
         n_sampling = len(SAMPLING_INPUTS) if self.sampling else 0
-        sampling, past = rest[:n_sampling], rest[n_sampling:]
+        rows = cache_rows(rest[0]) if n_cb else None  # [b, 1]; -1 (inactive) -> row 0
+        sampling, past = rest[n_cb : n_cb + n_sampling], rest[n_cb + n_sampling :]
         ctx_len = self.ctx_len
         slots = cache_slots(position_ids, ctx_len)  # [b, s]; -1 -> padding slot ctx_len - 1
         cos, sin = self.rope(position_ids)  # [b, s, hd]
@@ -225,7 +234,7 @@ class ExportTarget(nn.Module):
         last = len(self.layers) - 1
         taps, retained = {}, []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, cos, sin, slots, visible, past[2 * i], past[2 * i + 1])
+            x, k, v = layer(x, cos, sin, slots, rows, visible, past[2 * i], past[2 * i + 1])
             retained += [k, v]
             if i in self.target_layer_ids and i != last:
                 taps[i] = x  # raw decoder-layer output = HF hidden_states[i + 1]

@@ -111,6 +111,8 @@ def load(
         backend = "qaic" if m.compiled and qaic_available() else "ort"
 
     symbols = {"batch_size": m.batch_size, "ctx_len": m.ctx_len}
+    if m.full_batch_size is not None:  # continuous batching: the caches have this many rows
+        symbols["full_batch_size"] = m.full_batch_size
     programs = {}
     for name in ("target", "draft"):
         prog = m.program(name)

@@ -39,8 +39,9 @@ def _is_kv(name: str) -> bool:
 def inplace_cache_safe(onnx_path, kv_names: list[str]) -> bool:
     """Whether every `past_*` cache may be bound as both input and `*_RetainedState` output.
 
-    It may when the only reader of each `past_X` is the cache update (`CtxScatter`, whose ONNX
-    body reads the data only through `Shape` and `ScatterND`; or a bare `ScatterND`, as data)
+    It may when the only reader of each `past_X` is the cache update (`CtxScatter` or
+    `CtxScatterCB`, whose ONNX bodies read the data only through `Shape` and `ScatterND`; or a
+    bare `ScatterND`, as data)
     and that update's output is `past_X_RetainedState` itself. Then every reader of the cache
     inside the graph (attention) reads the updated cache, which is the same bytes whether the
     update copied the cache first or not; ONNX Runtime's ScatterND kernel skips its
@@ -64,7 +65,7 @@ def inplace_cache_safe(onnx_path, kv_names: list[str]) -> bool:
         if len(uses) != 1:
             return False
         node, i = uses[0]
-        if node.op_type not in ("CtxScatter", "ScatterND") or i != 0:
+        if node.op_type not in ("CtxScatter", "CtxScatterCB", "ScatterND") or i != 0:
             return False
         if list(node.output) != [contract.retained(name)]:
             return False
@@ -186,11 +187,12 @@ class QaicProgram:
         retained = [o["name"] for o in outputs if o["name"].endswith(contract.RETAINED_SUFFIX)]
         session.skip_buffers([i["name"] for i in inputs if _is_kv(i["name"])] + retained)
         self.outputs = [o for o in outputs if o["name"] not in retained]
-        # Output buffers pre-sized per specialization, keyed by seq_len.
+        # Output buffers pre-sized per specialization, keyed by (batch_size, seq_len): the card
+        # picks the specialization from the input shapes (sample_len changes no output).
         self._buffers = {}
         for spec in specializations:
             sym = spec["symbols"]
-            self._buffers[sym[contract.SEQ]] = {
+            self._buffers[sym[contract.BATCH], sym[contract.SEQ]] = {
                 o["name"]: np.zeros(_bind(o["shape"], sym), np.dtype(o["dtype"]))
                 for o in self.outputs
             }
@@ -199,13 +201,13 @@ class QaicProgram:
         self.calls = 0
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        # The target's row count picks its specialization; the draft's context chunk picks its.
-        seq = feeds.get(contract.TARGET_HIDDEN, feeds[contract.INPUT_IDS]).shape[1]
-        if seq not in self._buffers:
-            raise BackendError(f"no compiled specialization has seq_len {seq}")
-        if self._active != seq:
-            self.session.set_buffers(self._buffers[seq])
-            self._active = seq
+        # The target's rows pick its specialization; the draft's context chunk picks its.
+        key = feeds.get(contract.TARGET_HIDDEN, feeds[contract.INPUT_IDS]).shape[:2]
+        if key not in self._buffers:
+            raise BackendError(f"no compiled specialization has (batch_size, seq_len) {key}")
+        if self._active != key:
+            self.session.set_buffers(self._buffers[key])
+            self._active = key
         t = time.perf_counter()
         out = self.session.run(feeds)
         self.device_s += time.perf_counter() - t
