@@ -137,7 +137,9 @@ def test_standin_refuses_what_the_card_refuses(built):
     _, _, art, _ = built(*CONFIGS[1])
     pipe = dflash_qaic.load(art, backend="qaic-standin")
     sess = pipe.target.session
-    with pytest.raises(BackendError, match=r"no compiled specialization has \(batch_size, seq_len\) \(1, 5\)"):
+    with pytest.raises(
+        BackendError, match=r"no compiled specialization has \(batch_size, seq_len\) \(1, 5\)"
+    ):
         pipe.target.run(
             {
                 contract.INPUT_IDS: np.zeros((1, 5), np.int64),
