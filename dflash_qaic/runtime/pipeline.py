@@ -145,14 +145,11 @@ class Pipeline:
         return ids
 
     @staticmethod
-    def _check_args(max_new_tokens, on_tokens=None) -> None:
-        """generate / stream / generate_baseline arguments, type-checked before any work."""
+    def _check_max_new(max_new_tokens) -> None:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
             raise GenerationError(f"max_new_tokens must be an integer ≥ 1 (got {max_new_tokens!r})")
         if max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be ≥ 1 (got {max_new_tokens})")
-        if on_tokens is not None and not callable(on_tokens):
-            raise GenerationError(f"on_tokens must be callable or None (got {on_tokens!r})")
 
     def _check_room(self, n: int, mode: str, what: str) -> None:
         if mode == "dflash":
@@ -192,7 +189,7 @@ class Pipeline:
         self, prompt, max_new_tokens=64, stop_token_ids=None, mode="dflash", what="the prompt", **sp
     ) -> Request:
         """One validated request for the engine (sp: temperature, top_k, top_p, seed)."""
-        self._check_args(max_new_tokens)
+        self._check_max_new(max_new_tokens)
         ids = self._prompt_ids(prompt, what)
         self._check_room(len(ids), mode, what)
         stop = self._stop_set(stop_token_ids)
@@ -201,8 +198,6 @@ class Pipeline:
     def _batch(self, prompts, max_new_tokens, stop_token_ids, mode, sp: dict) -> list[Request]:
         """Requests of a list of prompts: every setting is one value for all, or a list with
         one value per prompt."""
-        if not prompts:
-            raise GenerationError("the list of prompts is empty: give at least one prompt")
         kinds = {"text" if isinstance(p, str) else "ids" for p in prompts}
         if len(kinds) > 1:
             raise GenerationError(
@@ -254,7 +249,8 @@ class Pipeline:
         return res
 
     def _generate(self, prompt, max_new_tokens, stop_token_ids, on_tokens, mode, sp: dict):
-        self._check_args(max_new_tokens, on_tokens)
+        if on_tokens is not None and not callable(on_tokens):
+            raise GenerationError(f"on_tokens must be callable or None (got {on_tokens!r})")
         if is_batch(prompt):
             reqs = self._batch(prompt, max_new_tokens, stop_token_ids, mode, sp)
             for i, new in self._run(reqs, mode):
