@@ -40,13 +40,18 @@ SEQ = "seq_len"
 CTX = "ctx_len"
 SAMPLE = "sample_len"  # target rows per call that run the sampler (the first ones), 1 <= it <= seq
 FULL_BATCH = "full_batch_size"  # continuous batching: cache rows (slots for concurrent sequences)
-SYMBOLS = (BATCH, SEQ, CTX, SAMPLE, FULL_BATCH)
+CCL = "comp_ctx_lengths"  # compute context length: cache slots a call's attention reads
+SYMBOLS = (BATCH, SEQ, CTX, SAMPLE, FULL_BATCH, CCL)
 
 # Common input names (QEfficient conventions).
 INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"
 BATCH_INDEX = "batch_index"  # continuous batching: int64 [batch, 1], the cache row of each call row
 INACTIVE_ROW = -1  # batch_index (and positions) of a row that holds no sequence
+# int64 [comp_ctx_lengths]: the cache slots this call's attention reads, 0 … L-1 (QEfficient's
+# compute-context-length input); L is the smallest exported length above every position in the
+# call, so a call costs O(L), not O(ctx_len)
+COMP_CTX_LENGTHS = "comp_ctx_lengths"
 # Target sampling inputs (per row of the batch; per position for the random numbers).
 TEMPERATURE = "temperature"  # float [batch]: 0 = greedy argmax, exactly
 TOP_K = "top_k"  # int64 [batch]: keep the k most likely tokens; 0 = off
@@ -115,6 +120,25 @@ def batch_index_specs(continuous_batching: bool) -> list[TensorSpec]:
     return [TensorSpec(BATCH_INDEX, "int64", (BATCH, 1))] if continuous_batching else []
 
 
+def window_specs(comp_ctx: bool) -> list[TensorSpec]:
+    return [TensorSpec(COMP_CTX_LENGTHS, "int64", (CCL,))] if comp_ctx else []
+
+
+def default_comp_ctx_lengths(ctx_len: int, prefill_seq_len: int, block_size: int) -> list[int]:
+    """Attention windows exported by default: ctx_len / 8, / 4, / 2 and ctx_len itself, those
+    that hold at least a prefill chunk and a block."""
+    floor = prefill_seq_len + block_size
+    return sorted({ctx_len >> k for k in range(4) if (ctx_len >> k) >= floor} | {ctx_len})
+
+
+def window_for(lengths: list[int], needed: int) -> int:
+    """The smallest exported window holding `needed` slots (0 … needed-1)."""
+    for n in lengths:
+        if n >= needed:
+            return n
+    raise ValueError(f"no attention window holds {needed} slots (windows {lengths})")
+
+
 def sampling_specs() -> list[TensorSpec]:
     """The target's sampling inputs (see `TargetIO`)."""
     return [
@@ -147,6 +171,7 @@ class TargetIO:
     emit_logits: bool = False
     sampling: bool = True
     continuous_batching: bool = False
+    comp_ctx: bool = False  # takes `comp_ctx_lengths` (every export since it existed does)
 
     @property
     def kv(self) -> list[TensorSpec]:
@@ -158,6 +183,7 @@ class TargetIO:
             TensorSpec(INPUT_IDS, "int64", (BATCH, SEQ)),
             TensorSpec(POSITION_IDS, "int64", (BATCH, SEQ)),
             *batch_index_specs(self.continuous_batching),
+            *window_specs(self.comp_ctx),
             *(sampling_specs() if self.sampling else ()),
             *self.kv,
         ]
@@ -186,6 +212,7 @@ class DraftIO:
     block_size: int
     emit_logits: bool = False
     continuous_batching: bool = False
+    comp_ctx: bool = False  # takes `comp_ctx_lengths`
 
     @property
     def kv(self) -> list[TensorSpec]:
@@ -200,6 +227,7 @@ class DraftIO:
             TensorSpec(INPUT_IDS, "int64", (BATCH, b)),
             TensorSpec(POSITION_IDS, "int64", (BATCH, b)),
             *batch_index_specs(self.continuous_batching),
+            *window_specs(self.comp_ctx),
             *self.kv,
         ]
 
@@ -227,11 +255,13 @@ def target_specializations(
     ctx_len: int,
     sampling: bool = True,
     full_batch_size: int | None = None,
+    comp_ctx_lengths: list[int] | None = None,
 ) -> list[dict]:
     """Named specializations of the target program: prefill chunk, verify block, single-token
     decode; with sampling, `sample_len` bound in each and a second verify block that samples
     every row (the greedy Verify runs the sampler on one row only, whose result it discards).
-    With `full_batch_size` N (continuous batching) prefill is at batch 1, the others at N."""
+    With `full_batch_size` N (continuous batching) prefill is at batch 1, the others at N.
+    With `comp_ctx_lengths`, each of them once per attention window (`windowed`)."""
 
     def spec(name: str, seq: int, sample: int) -> dict:
         sym = {
@@ -248,7 +278,27 @@ def target_specializations(
     ]
     if sampling:
         specs.insert(2, spec(VERIFY_SAMPLED, block_size, block_size))
-    return specs
+    return windowed(specs, comp_ctx_lengths, ctx_len)
+
+
+def windowed(specs: list[dict], lengths: list[int] | None, ctx_len: int) -> list[dict]:
+    """Every specialization once per attention window, smallest first; the full-context one
+    keeps its plain name, the others are named `<name>@<window>`."""
+    if lengths is None:
+        return specs
+    return [
+        {
+            "name": s["name"] if n == ctx_len else f"{s['name']}@{n}",
+            "symbols": {**s["symbols"], CCL: n},
+        }
+        for n in lengths
+        for s in specs
+    ]
+
+
+def base_name(specialization_name: str) -> str:
+    """`Verify@256` -> `Verify`."""
+    return specialization_name.split("@", 1)[0]
 
 
 def sample_rows(specializations: list[dict], seq: int, greedy: bool) -> int:
@@ -269,15 +319,18 @@ def draft_specializations(
     block_size: int,
     ctx_len: int,
     full_batch_size: int | None = None,
+    comp_ctx_lengths: list[int] | None = None,
 ) -> list[dict]:
     """Named specializations of the draft program: context chunk = block (decode) and = prefill
-    chunk; with `full_batch_size` N the decode block runs at batch N, the prefill at batch 1."""
+    chunk; with `full_batch_size` N the decode block runs at batch N, the prefill at batch 1;
+    with `comp_ctx_lengths`, each once per attention window."""
 
     def spec(name: str, seq: int) -> dict:
         sym = _batch_symbols(batch_size, full_batch_size, name == DRAFT_PREFILL)
         return {"name": name, "symbols": {**sym, SEQ: seq, CTX: ctx_len}}
 
-    return [spec(DRAFT_DECODE, block_size), spec(DRAFT_PREFILL, prefill_seq_len)]
+    specs = [spec(DRAFT_DECODE, block_size), spec(DRAFT_PREFILL, prefill_seq_len)]
+    return windowed(specs, comp_ctx_lengths, ctx_len)
 
 
 def max_positions(ctx_len: int) -> int:

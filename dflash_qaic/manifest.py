@@ -312,6 +312,7 @@ class Program:
     def from_json(cls, c: _Check, kind: str) -> Program:
         dims = {k: c.int(k, 1, 1 << 24) for k in _TARGET_IO}
         cb = c.bool("continuous_batching", False)
+        window = c.bool("comp_ctx", False)
         if kind == "target":
             # the listed inputs are what the runtime binds: they decide `sampling` when given
             listed = c.get("inputs", None)
@@ -320,7 +321,11 @@ class Program:
                 names = {i.get("name") for i in listed if isinstance(i, dict)}
                 sampling = all(n in names for n in contract.SAMPLING_INPUTS)
             io = contract.TargetIO(
-                **dims, emit_logits=c.bool("emit_logits"), sampling=sampling, continuous_batching=cb
+                **dims,
+                emit_logits=c.bool("emit_logits"),
+                sampling=sampling,
+                continuous_batching=cb,
+                comp_ctx=window,
             )
         else:
             io = contract.DraftIO(
@@ -328,6 +333,7 @@ class Program:
                 emit_logits=c.bool("emit_logits"),
                 block_size=c.int("block_size", 2, 4096),
                 continuous_batching=cb,
+                comp_ctx=window,
             )
         for which, specs in (("inputs", io.inputs), ("outputs", io.outputs)):
             want = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]
@@ -337,7 +343,7 @@ class Program:
         known = (
             {f.name for f in fields(cls)}
             | set(dims)
-            | {"emit_logits", "sampling", "block_size", "continuous_batching"}
+            | {"emit_logits", "sampling", "block_size", "continuous_batching", "comp_ctx"}
         )
         known |= {"inputs", "outputs", "qpc"}
         return cls(
@@ -381,6 +387,7 @@ class Manifest:
     target: Program
     draft: Program
     full_batch_size: int | None = None  # continuous batching: cache rows of both programs
+    comp_ctx_lengths: tuple[int, ...] | None = None  # attention windows (contract.py), ascending
     files: tuple[FileRecord, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     tokenizer: str | None = None  # relative directory holding the target's tokenizer files
@@ -453,6 +460,7 @@ class Manifest:
             ctx_len=c.int("ctx_len", 4, 1 << 22),
             batch_size=c.int("batch_size", 1, 4096),
             full_batch_size=c.int("full_batch_size", 1, 4096, default=None),
+            comp_ctx_lengths=_windows(c),
             vocab_size=vocab,
             hidden_size=c.int("hidden_size", 1, 1 << 20),
             target=Program.from_json(c.sub(c.obj("target"), "target"), "target"),
@@ -471,6 +479,15 @@ class Manifest:
         return m
 
 
+def _windows(c: _Check) -> tuple[int, ...] | None:
+    if c.get("comp_ctx_lengths", None) is None:
+        return None
+    w = c.ints("comp_ctx_lengths", 1, 1 << 22)
+    if not w or list(w) != sorted(set(w)) or w[-1] != c.get("ctx_len", None):
+        c.fail("comp_ctx_lengths", f"must ascend and end at ctx_len, got {list(w)}")
+    return w
+
+
 def _consistent(m: Manifest, c: _Check, complete: bool) -> None:
     """Cross-field checks: the values the runtime sizes its buffers from agree everywhere."""
     for prog in (m.target, m.draft):
@@ -481,13 +498,15 @@ def _consistent(m: Manifest, c: _Check, complete: bool) -> None:
     if m.block_size > m.prefill_seq_len or m.ctx_len < m.prefill_seq_len + m.block_size + 2:
         c.fail("ctx_len", "is too small for prefill_seq_len and block_size")
     args = (m.batch_size, m.prefill_seq_len, m.block_size, m.ctx_len)
-    fbs = m.full_batch_size
+    fbs, w = m.full_batch_size, (list(m.comp_ctx_lengths) if m.comp_ctx_lengths else None)
     for prog in (m.target, m.draft):
         if prog.io.continuous_batching != (fbs is not None):
             c.fail(f"{prog.kind}.continuous_batching", f"disagrees with full_batch_size {fbs}")
+        if prog.io.comp_ctx != (w is not None):
+            c.fail(f"{prog.kind}.comp_ctx", f"disagrees with comp_ctx_lengths {w}")
     for prog, want in (
-        (m.target, contract.target_specializations(*args, m.target.io.sampling, fbs)),
-        (m.draft, contract.draft_specializations(*args, fbs)),
+        (m.target, contract.target_specializations(*args, m.target.io.sampling, fbs, w)),
+        (m.draft, contract.draft_specializations(*args, fbs, w)),
     ):
         if list(prog.specializations) != want:
             c.fail(f"{prog.kind}.specializations", f"must be {want} for these dimensions")

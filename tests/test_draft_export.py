@@ -55,6 +55,7 @@ class DraftRunner:
             contract.POSITION_IDS_TARGET: pos_t,
             contract.INPUT_IDS: np.array([block_ids], np.int64),
             contract.POSITION_IDS: np.arange(start, start + B, dtype=np.int64)[None],
+            contract.COMP_CTX_LENGTHS: np.arange(CTX, dtype=np.int64),
             **self.cache,
         }
         out = dict(zip([o.name for o in self.sess.get_outputs()], self.sess.run(None, feed)))
@@ -170,6 +171,7 @@ def test_draft_traffic_is_tokens_only(tiny_pair, tmp_path):
         contract.POSITION_IDS_TARGET,
         contract.INPUT_IDS,
         contract.POSITION_IDS,
+        contract.COMP_CTX_LENGTHS,
     ]
     assert "Softmax" in facts["check"]["ops"] and "ArgMax" in facts["check"]["ops"]
     assert facts["check"]["fp16_runs"] == 2 and np.isfinite(facts["check"]["fp16_max_abs"])

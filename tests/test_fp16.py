@@ -160,7 +160,7 @@ def export_massive_target(tmp_path, family, value):
     facts = export_target(
         model, fc, hn_w, hn_eps, ids, path, ctx_len=CTX, prefill_seq_len=CHUNK, block_size=BLOCK
     )
-    io = contract.TargetIO(n_layers, 2, 16, 64, VOCAB)
+    io = contract.TargetIO(n_layers, 2, 16, 64, VOCAB, comp_ctx=True)
     return model, (ids, fc, hn_w, hn_eps), path, facts, io
 
 
@@ -206,14 +206,14 @@ def test_unscaled_rmsnorm_is_caught(tmp_path, monkeypatch):
     monkeypatch.setattr(layers.RMSNorm, "forward", _plain_rms_forward)
     model = massive_target("qwen3", 3, 1000.0)
     path = tmp_path / "target.onnx"
-    io = contract.TargetIO(3, 2, 16, 64, VOCAB)
+    io = contract.TargetIO(3, 2, 16, 64, VOCAB, comp_ctx=True)
     fc, hn_w, hn_eps = make_draft_side(2)
     export_target(
         model, fc, hn_w, hn_eps, [0, 2], path, ctx_len=CTX, prefill_seq_len=CHUNK,
         block_size=BLOCK, fp16_check=False,
     )  # fmt: skip
     # the graph check fails it ...
-    specs = contract.target_specializations(1, CHUNK, BLOCK, CTX)
+    specs = contract.target_specializations(1, CHUNK, BLOCK, CTX, comp_ctx_lengths=[CTX])
     with pytest.raises(GraphCheckError, match="fp16 overflow.*Pow"):
         check_graph(path, io, specs, trigger_feeds(io, specs))
     # ... while ONNX Runtime's fp16 run (fp32 Pow / ReduceMean inside) sees nothing wrong
@@ -247,7 +247,7 @@ def test_graph_check_reports_skip_and_layers(tmp_path):
     # identical layers, identical graphs (layer 0 also holds the constants they share)
     assert len({per_layer[k] for k in "123"}) == 1 and per_layer["0"] >= per_layer["1"]
     assert sum(per_layer.values()) == check["n_nodes"]
-    specs = contract.target_specializations(1, CHUNK, BLOCK, CTX)
+    specs = contract.target_specializations(1, CHUNK, BLOCK, CTX, comp_ctx_lengths=[CTX])
     feeds = check_feeds(io, specs)
     skipped = check_graph(path, io, specs, feeds, faithful_max_bytes=0)
     assert not skipped["fp16_faithful"]["ran"]

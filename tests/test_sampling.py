@@ -189,6 +189,7 @@ def program_draws(sess, manifest, seq, configs, n, seed, fp16=False):
         contract.TOP_K: np.repeat([c[1] for c in configs], n).astype(np.int64),
         contract.TOP_P: np.repeat([c[2] for c in configs], n).astype(np.float32),
         contract.RANDOM_U: rng.random((b, s, contract.N_RANDOM), dtype=np.float32),
+        contract.COMP_CTX_LENGTHS: np.arange(manifest["ctx_len"], dtype=np.int64),
     }
     kv_shape = (b, f["n_kv_heads"], manifest["ctx_len"], f["head_dim"])
     for i in range(f["n_layers"]):
@@ -304,6 +305,7 @@ def test_only_the_first_sample_len_rows_sample(art, pipe):
         contract.TEMPERATURE: np.ones(4, np.float32),
         contract.TOP_K: np.zeros(4, np.int64),
         contract.TOP_P: np.ones(4, np.float32),
+        contract.COMP_CTX_LENGTHS: np.arange(m["ctx_len"], dtype=np.int64),
     }
     f = m["target"]
     for i in range(f["n_layers"]):
@@ -609,7 +611,12 @@ def test_artifacts_without_sampling_inputs_refuse_sampling(pipe):
         "inputs": [i for i in m["target"]["inputs"] if i["name"] not in contract.SAMPLING_INPUTS],
         # a program without sampling inputs has no `sample_len` symbol either
         "specializations": contract.target_specializations(
-            m["batch_size"], m["prefill_seq_len"], m["block_size"], m["ctx_len"], sampling=False
+            m["batch_size"],
+            m["prefill_seq_len"],
+            m["block_size"],
+            m["ctx_len"],
+            sampling=False,
+            comp_ctx_lengths=m["comp_ctx_lengths"],
         ),
     }
     old = Pipeline(m, pipe.target, pipe.draft)

@@ -79,8 +79,8 @@ def _program_io(facts: dict, prog: str):
     keys = ("n_layers", "n_kv_heads", "head_dim", "hidden_size", "vocab_size", "emit_logits")
     common = {k: facts[k] for k in keys}
     if prog == "target":
-        return contract.TargetIO(**common, sampling=facts["sampling"])
-    return contract.DraftIO(block_size=facts["block_size"], **common)
+        return contract.TargetIO(**common, sampling=facts["sampling"], comp_ctx=facts["comp_ctx"])
+    return contract.DraftIO(block_size=facts["block_size"], comp_ctx=facts["comp_ctx"], **common)
 
 
 def _feeds(prog, facts, pair):

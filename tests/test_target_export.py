@@ -100,6 +100,7 @@ def greedy_feed(batch: int, seq: int, dtype=np.float32) -> dict[str, np.ndarray]
         contract.TOP_K: np.zeros(batch, np.int64),
         contract.TOP_P: np.ones(batch, dtype),
         contract.RANDOM_U: np.zeros((batch, seq, contract.N_RANDOM), dtype),
+        contract.COMP_CTX_LENGTHS: np.arange(CTX, dtype=np.int64),  # every slot
     }
 
 
@@ -177,7 +178,7 @@ def exported(request, tmp_path_factory):
         block_size=BLOCK,
         emit_logits=True,
     )
-    io = contract.TargetIO(n_layers, 2, 16, H, VOCAB, emit_logits=True)
+    io = contract.TargetIO(n_layers, 2, 16, H, VOCAB, emit_logits=True, comp_ctx=True)
     return dict(
         family=family,
         model=model,
@@ -234,15 +235,18 @@ def test_export_facts_and_graph(exported):
     assert facts["fc_scale"] > 1.0  # the fp16 rescale of fc is exercised by the HF comparison
     assert [s["name"] for s in facts["inputs"]] == [s.name for s in io.inputs]
     assert [s["name"] for s in facts["outputs"]] == [s.name for s in io.outputs]
+    names = [contract.PREFILL, contract.VERIFY, contract.VERIFY_SAMPLED, contract.DECODE]
+    windows = facts["comp_ctx_lengths"]
+    assert windows[-1] == CTX and windows == sorted(windows)
     assert [s["name"] for s in facts["specializations"]] == [
-        contract.PREFILL,
-        contract.VERIFY,
-        contract.VERIFY_SAMPLED,
-        contract.DECODE,
+        n if w == CTX else f"{n}@{w}" for w in windows for n in names
+    ]
+    assert [s["symbols"][contract.CCL] for s in facts["specializations"]] == [
+        w for w in windows for _ in names
     ]
     check = facts["check"]
     assert check["ops"]["CtxScatter"] == 2 * io.n_layers
-    assert check["unresolved_intermediates"] == [0, 0, 0, 0]
+    assert check["unresolved_intermediates"] == [0] * 4 * len(windows)
     assert check["fp16_runs"] == 4 and 0 < check["fp16_max_abs"] < 6e4
     # the fp16-faithful evaluation ran (a tiny graph) and nothing came near fp16's maximum
     faithful = check["fp16_faithful"]
@@ -451,8 +455,9 @@ def test_export_onnx_external_data_and_atomicity(exported, tmp_path, monkeypatch
     e = exported
     n_layers, _ = FAMILIES[e["family"]]
     module = ExportTarget.from_hf(e["model"], e["fc"], *e["hn"], e["layer_ids"], ctx_len=CTX)
-    io = contract.TargetIO(n_layers, 2, 16, H, VOCAB)
+    io = contract.TargetIO(n_layers, 2, 16, H, VOCAB, comp_ctx=True)
     sym = {"name": contract.PREFILL, "symbols": dict(batch_size=1, seq_len=CHUNK, ctx_len=CTX)}
+    sym["symbols"][contract.CCL] = CTX
     sym["symbols"][contract.SAMPLE] = CHUNK
     feed = check_feeds(io, [sym])[0]
     example = tuple(torch.from_numpy(feed[s.name]) for s in io.inputs)

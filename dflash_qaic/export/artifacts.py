@@ -476,6 +476,7 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, progress, steps) -> d
         "ctx_len": o.ctx_len,
         "batch_size": o.batch_size,
         "full_batch_size": o.full_batch_size,
+        "comp_ctx_lengths": tfacts["comp_ctx_lengths"],
         "vocab_size": pair.target.vocab_size,
         "hidden_size": pair.target.hidden_size,
         "eos_token_ids": _eos_ids(pair.target.path),

@@ -11,12 +11,17 @@ from dflash_qaic import contract
 from dflash_qaic.checkpoints import DraftConfig, Pair
 from dflash_qaic.export import weights
 from dflash_qaic.export.onnx_export import export_and_check, program_facts
-from dflash_qaic.export.target import batch_index_feed
+from dflash_qaic.export.target import batch_index_feed, window_feed
 from dflash_qaic.modeling.draft import DFlashDraft, ExportDraft
 
 
 def draft_io(
-    c: DraftConfig, vocab_size: int, block_size: int, emit_logits=False, continuous_batching=False
+    c: DraftConfig,
+    vocab_size: int,
+    block_size: int,
+    emit_logits=False,
+    continuous_batching=False,
+    comp_ctx=True,
 ) -> contract.DraftIO:
     return contract.DraftIO(
         n_layers=c.num_layers,
@@ -27,6 +32,7 @@ def draft_io(
         block_size=block_size,
         emit_logits=emit_logits,
         continuous_batching=continuous_batching,
+        comp_ctx=comp_ctx,
     )
 
 
@@ -51,6 +57,7 @@ def check_feeds(io: contract.DraftIO, specializations: list[dict], mask_id: int,
             contract.INPUT_IDS: block,
             contract.POSITION_IDS: pos,
             **batch_index_feed(io, sym, pos),
+            **window_feed(io, sym),
         }
         if contract.BATCH_INDEX in feed:  # an inactive row's context positions are -1 too
             pos_t[feed[contract.BATCH_INDEX][:, 0] < 0] = contract.PAD_POSITION
@@ -72,6 +79,7 @@ def export_draft(
     block_size: int,
     batch_size: int = 1,
     full_batch_size: int | None = None,
+    comp_ctx_lengths: list[int] | None = None,
     emit_logits: bool = False,
     external_data: bool | None = None,
     fp16_check: bool = True,
@@ -84,6 +92,7 @@ def export_draft(
     and head are placeholders (`weights.placeholder_head`), and the program's weights are written
     from this pair's checkpoints tensor by tensor.
     full_batch_size: continuous batching with this many cache rows (contract.py).
+    comp_ctx_lengths: the attention windows (contract.COMP_CTX_LENGTHS); None: the default ones.
     """
     if not 2 <= block_size <= contract.max_positions(ctx_len):
         raise ValueError(f"block_size {block_size} must be in [2, ctx_len - 1 = {ctx_len - 1}]")
@@ -94,8 +103,11 @@ def export_draft(
     cb = full_batch_size is not None
     module = ExportDraft(draft, embed_weight, head_weight, ctx_len, emit_logits, cb).eval()
     io = draft_io(draft_cfg, embed_weight.shape[0], block_size, emit_logits, cb)
+    windows = comp_ctx_lengths or contract.default_comp_ctx_lengths(
+        ctx_len, prefill_seq_len, block_size
+    )
     specializations = contract.draft_specializations(
-        batch_size, prefill_seq_len, block_size, ctx_len, full_batch_size
+        batch_size, prefill_seq_len, block_size, ctx_len, full_batch_size, windows
     )
     mask_id = draft_cfg.mask_token_id
     sources = None
@@ -118,4 +130,5 @@ def export_draft(
         "block_size": block_size,
         "mask_token_id": mask_id,
         "tied_head": head_weight.data_ptr() == embed_weight.data_ptr(),
+        "comp_ctx_lengths": windows,
     }

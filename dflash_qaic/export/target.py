@@ -33,7 +33,8 @@ def check_feeds(io: contract.TargetIO, specializations: list[dict], seed: int = 
     for spec in specializations:
         sym = spec["symbols"]
         b, s = sym[contract.BATCH], sym[contract.SEQ]
-        start = 0 if spec["name"] == contract.PREFILL else min(s, sym[contract.CTX] - 1 - s)
+        name = contract.base_name(spec["name"])
+        start = 0 if name == contract.PREFILL else min(s, sym[contract.CTX] - 1 - s)
         pos = np.tile(np.arange(start, start + s, dtype=np.int64), (b, 1))
         if s > 1:
             pos[:, -1] = contract.PAD_POSITION
@@ -41,9 +42,10 @@ def check_feeds(io: contract.TargetIO, specializations: list[dict], seed: int = 
             contract.INPUT_IDS: rng.integers(0, io.vocab_size, (b, s), dtype=np.int64),
             contract.POSITION_IDS: pos,
             **batch_index_feed(io, sym, pos),
+            **window_feed(io, sym),
         }
         if io.sampling:
-            t, k, p = CHECK_SAMPLING.get(spec["name"], (1.0, 0, 1.0))
+            t, k, p = CHECK_SAMPLING.get(name, (1.0, 0, 1.0))
             feed[contract.TEMPERATURE] = np.full((b,), t, np.float32)
             feed[contract.TOP_K] = np.full((b,), k, np.int64)
             feed[contract.TOP_P] = np.full((b,), p, np.float32)
@@ -69,6 +71,13 @@ def batch_index_feed(io, sym: dict, pos: np.ndarray) -> dict:
     return {contract.BATCH_INDEX: rows}
 
 
+def window_feed(io, sym: dict) -> dict:
+    """`comp_ctx_lengths` of a check feed: the specialization's window, slots 0 … L-1."""
+    if not io.comp_ctx:
+        return {}
+    return {contract.COMP_CTX_LENGTHS: np.arange(sym[contract.CCL], dtype=np.int64)}
+
+
 def target_io(
     module: ExportTarget, hidden_size: int, emit_logits: bool, sampling: bool
 ) -> contract.TargetIO:
@@ -83,6 +92,7 @@ def target_io(
         emit_logits=emit_logits,
         sampling=sampling,
         continuous_batching=module.continuous_batching,
+        comp_ctx=module.comp_ctx,
     )
 
 
@@ -99,6 +109,7 @@ def export_target(
     block_size: int,
     batch_size: int = 1,
     full_batch_size: int | None = None,
+    comp_ctx_lengths: list[int] | None = None,
     emit_logits: bool = False,
     sampling: bool = True,
     sampling_candidates: int = SAMPLING_CANDIDATES,
@@ -119,6 +130,7 @@ def export_target(
     fp16_check: run the graph check's fp16 evaluations (export/fp16_check.py).
     full_batch_size: continuous batching with this many cache rows (contract.py); None: one
     sequence per call row, batch_size rows.
+    comp_ctx_lengths: the attention windows (contract.COMP_CTX_LENGTHS); None: the default ones.
     """
     if not 1 <= block_size <= contract.max_positions(ctx_len):
         raise ValueError(f"block_size {block_size} must be in [1, ctx_len - 1 = {ctx_len - 1}]")
@@ -138,8 +150,11 @@ def export_target(
         continuous_batching=full_batch_size is not None,
     ).eval()
     io = target_io(module, cfg.hidden_size, emit_logits, sampling)
+    windows = comp_ctx_lengths or contract.default_comp_ctx_lengths(
+        ctx_len, prefill_seq_len, block_size
+    )
     specializations = contract.target_specializations(
-        batch_size, prefill_seq_len, block_size, ctx_len, sampling, full_batch_size
+        batch_size, prefill_seq_len, block_size, ctx_len, sampling, full_batch_size, windows
     )
 
     # Trace at the prefill shape (at least 2 rows, so no size-1 dim gets specialised away).
@@ -168,5 +183,6 @@ def export_target(
         "target_layer_ids": list(module.target_layer_ids),
         "model_type": cfg.model_type,
         "fc_scale": module.fc_scale,
+        "comp_ctx_lengths": windows,
         "hidden_norm_eps": float(hidden_norm_eps),
     }

@@ -164,9 +164,11 @@ class ExportDraft(nn.Module):
         ctx_len: int,
         emit_logits: bool = False,
         continuous_batching: bool = False,
+        comp_ctx: bool = True,
     ):
         super().__init__()
         self.continuous_batching = continuous_batching
+        self.comp_ctx = comp_ctx
         self.c = draft.config
         self.layers, self.norm = draft.layers, draft.norm
         self.rope = RopeTable.from_rope(draft.rope, ctx_len)
@@ -176,25 +178,29 @@ class ExportDraft(nn.Module):
         self.emit_logits = emit_logits
 
     def forward(self, target_hidden, position_ids_target, input_ids, position_ids, *rest):
-        # with continuous batching rest = (batch_index [b, 1], *past), caches [N, n_kv, ctx, hd]
-        rows = cache_rows(rest[0]) if self.continuous_batching else None  # -1 -> row 0
-        past = rest[1:] if self.continuous_batching else rest
+        # rest = ([batch_index [b, 1]], [comp_ctx_lengths [L]], *past): batch_index with
+        # continuous batching (caches [N, n_kv, ctx, hd]), comp_ctx_lengths = 0 … L-1, the
+        # cached slots attention reads
+        rest = list(rest)
+        rows = cache_rows(rest.pop(0)) if self.continuous_batching else None  # -1 -> row 0
+        window = rest.pop(0) if self.comp_ctx else None
+        past = rest
         slots = cache_slots(position_ids_target, self.ctx_len)  # [b, s]
         ccos, csin = self.rope(position_ids_target)  # [b, s, hd]
         cos, sin = self.rope(position_ids)  # [b, B, hd]
         # Cached slot i is visible iff i < block start; this hides the padding slot
         # (ctx_len − 1) and every stale slot at or past the block after a rollback.
         start = position_ids[:, :1]  # [b, 1]
-        kv_index = torch.arange(self.ctx_len, device=start.device)[None, :]  # [1, ctx]
-        ctx_mask = torch.where(kv_index < start, 0.0, MASK_VALUE)[:, None, None, :]  # [b,1,1,ctx]
+        kv_index = (window if window is not None else torch.arange(self.ctx_len))[None, :]  # [1, L]
+        ctx_mask = torch.where(kv_index < start, 0.0, MASK_VALUE)[:, None, None, :]  # [b,1,1,L]
 
         h = embed_rows(input_ids, self.head_t, self.embed)
         h = h * self.c.input_embedding_scale  # [b, B, H]
         retained = []
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.kv(target_hidden, ccos, csin)  # [b, n_kv, s, hd]
-            cache_k, keys = update_cache(past[2 * i], rows, slots, k)  # keys [b, n_kv, ctx, hd]
-            cache_v, values = update_cache(past[2 * i + 1], rows, slots, v)
+            cache_k, keys = update_cache(past[2 * i], rows, slots, k, window)  # [b, n_kv, L, hd]
+            cache_v, values = update_cache(past[2 * i + 1], rows, slots, v, window)
             h = layer(h, cos, sin, keys, values, ctx_mask)
             retained += [cache_k, cache_v]
 

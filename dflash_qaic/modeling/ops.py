@@ -163,15 +163,18 @@ def ctx_scatter_cb(cache, rows, slots, updates) -> torch.Tensor:
     return CtxScatterCB.apply(cache, rows, slots, updates)
 
 
-def update_cache(cache, rows, slots, new) -> tuple[torch.Tensor, torch.Tensor]:
+def update_cache(cache, rows, slots, new, window=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Write `new` [b, h, s, d] at `slots` [b, s] and return (the updated cache, the call's view
-    of it [b, h, ctx, d]). rows [b, 1] (from `cache_rows`) with continuous batching, else None:
-    then the cache has one row per call row and is its own view."""
+    of it [b, h, L, d]). rows [b, 1] (from `cache_rows`) with continuous batching, else None (the
+    cache has one row per call row). window [L]: the slots the call reads (`comp_ctx_lengths`,
+    0 … L-1), else all ctx_len of them. The view is read from the updated cache, never from
+    the input: that is what makes the in-place update safe (runtime/backends.py)."""
     if rows is None:
         cache = ctx_scatter(cache, slots, new)
-        return cache, cache
-    cache = ctx_scatter_cb(cache, rows, slots, new)
-    return cache, gather_rows(cache, rows)
+    else:
+        cache = ctx_scatter_cb(cache, rows, slots, new)
+    view = cache if window is None else cache[:, :, window]  # [N or b, h, L, d]
+    return cache, (view if rows is None else gather_rows(view, rows))
 
 
 def ctx_gather(cache: torch.Tensor, ctx_indices: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ its rotary tables are used; the forward is ours (static KV cache, masks from pos
     per layer i:
         q, k, v = proj(input_layernorm(x)); (Qwen3: q_norm/k_norm per head); RoPE at position
         cache_k[i], cache_v[i] = CtxScatter(cache, slots, k / v)               # [b, kvh, ctx, hd]
-        x += o_proj(softmax(q·kᵀ, key slot j visible iff j <= position) · v)   # over the full cache
+        x += o_proj(softmax(q·kᵀ + mask) · v)   # key slot j visible iff j <= position, j < L
         x += mlp(post_attention_layernorm(x))
     logits      = lm_head(norm(x))                                                 # [b, s, V]
     next_tokens = argmax(logits) where temperature == 0, else the lossless sample  # [b, s]
@@ -79,10 +79,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm.from_hf(hf.q_norm) if qk_norm else None
         self.k_norm = RMSNorm.from_hf(hf.k_norm) if qk_norm else None
 
-    def forward(self, x, cos, sin, slots, rows, visible, cache_k, cache_v):
-        # x [b, s, H]; cos/sin [b, s, hd]; slots [b, s]; visible [b, s, ctx] bool
-        # cache_k/cache_v [b, kvh, ctx, hd], or [N, kvh, ctx, hd] with rows [b, 1] (continuous
-        # batching: the call's rows are gathered for attention)
+    def forward(self, x, cos, sin, slots, rows, window, mask, cache_k, cache_v):
+        # x [b, s, H]; cos/sin [b, s, hd]; slots [b, s]; window [L] (or None: all ctx slots);
+        # mask [b, 1, g*s, L] additive (0 visible, MASK_VALUE hidden); cache_k/cache_v [b, kvh, ctx, hd], or [N, kvh, ctx, hd] with
+        # rows [b, 1] (continuous batching: the call's rows are gathered for attention)
         b, s, _ = x.shape
         nh, kvh, hd = self.n_heads, self.n_kv_heads, self.head_dim
         q = self.q_proj(x).view(b, s, nh, hd)
@@ -93,16 +93,17 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin, hd)  # [b, nh, s, hd]
         k = apply_rope(k.transpose(1, 2), cos, sin, hd)  # [b, kvh, s, hd]
 
-        cache_k, keys = update_cache(cache_k, rows, slots, k)  # keys [b, kvh, ctx, hd]
-        cache_v, values = update_cache(cache_v, rows, slots, v)
+        cache_k, keys = update_cache(cache_k, rows, slots, k, window)  # keys [b, kvh, L, hd]
+        cache_v, values = update_cache(cache_v, rows, slots, v, window)
 
         # GQA without repeating the cache: query head h uses kv head h // g, so fold each kv
         # head's g query heads into the row axis: [b, nh, s, hd] -> [b, kvh, g*s, hd].
         g = nh // kvh
         q = q.reshape(b, kvh, g * s, hd) * self.scale
-        scores = (q @ keys.transpose(2, 3)).view(b, kvh, g, s, -1)  # [b, kvh, g, s, ctx]
-        scores = torch.where(visible[:, None, None], scores, MASK_VALUE)
-        probs = scores.softmax(dim=-1).view(b, kvh, g * s, -1)  # [b, kvh, g*s, ctx]
+        # one broadcast Add over the kv-head axis (a per-layer Where over [b, kvh, g, s, L] was
+        # the graph's most expensive op on ONNX Runtime); a hidden score becomes score - 2048,
+        # whose exp is exactly 0 in fp16 and fp32 whenever the row sees any key
+        probs = (q @ keys.transpose(2, 3) + mask).softmax(dim=-1)  # [b, kvh, g*s, L]
         out = (probs @ values).view(b, nh, s, hd)  # [b, nh, s, hd]
         out = out.transpose(1, 2).reshape(b, s, nh * hd)
         return self.o_proj(out), cache_k, cache_v
@@ -116,9 +117,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm.from_hf(hf.post_attention_layernorm)
         self.mlp = MLP.from_hf(hf.mlp)
 
-    def forward(self, x, cos, sin, slots, rows, visible, cache_k, cache_v):
+    def forward(self, x, cos, sin, slots, rows, window, mask, cache_k, cache_v):
         a, cache_k, cache_v = self.self_attn(
-            self.input_layernorm(x), cos, sin, slots, rows, visible, cache_k, cache_v
+            self.input_layernorm(x), cos, sin, slots, rows, window, mask, cache_k, cache_v
         )
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x))
@@ -126,10 +127,11 @@ class DecoderLayer(nn.Module):
 
 
 class ExportTarget(nn.Module):
-    """forward(input_ids, position_ids, [batch_index], [temperature, top_k, top_p, random_u],
-    *past) -> (next_tokens, hidden_states, [logits], *retained past), past as past_key.0,
-    past_value.0, ... The sampling inputs are there when `sampling` (the default), batch_index
-    with `continuous_batching` (see contract.TargetIO).
+    """forward(input_ids, position_ids, [batch_index], [comp_ctx_lengths], [temperature, top_k,
+    top_p, random_u], *past) -> (next_tokens, hidden_states, [logits], *retained past), past as
+    past_key.0, past_value.0, ... The sampling inputs are there when `sampling` (the default),
+    batch_index with `continuous_batching`, comp_ctx_lengths with `comp_ctx` (the default; see
+    contract.TargetIO).
     """
 
     def __init__(
@@ -148,9 +150,11 @@ class ExportTarget(nn.Module):
         sampling_candidates: int = SAMPLING_CANDIDATES,
         fc_scale: float = 1.0,
         continuous_batching: bool = False,
+        comp_ctx: bool = True,
     ):
         super().__init__()
         self.continuous_batching = continuous_batching
+        self.comp_ctx = comp_ctx
         if lm_head.bias is not None:
             raise ValueError("an lm_head with a bias is not supported")
         self.vocab_size = lm_head.out_features
@@ -215,26 +219,32 @@ class ExportTarget(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *rest: torch.Tensor):
         # input_ids, position_ids [b, s] int64 (position -1 = padding); with continuous
-        # batching, batch_index [b, 1]; with sampling, temperature, top_k, top_p [b] and
-        # random_u [b, sample_len, 2]; then past[2i], past[2i+1] = key / value cache of layer i
-        # [b or N, kvh, ctx, hd]
-        n_cb = 1 if self.continuous_batching else 0
+        # batching, batch_index [b, 1]; comp_ctx_lengths [L] = 0 … L-1, the slots attention
+        # reads; with sampling, temperature, top_k, top_p [b] and random_u [b, sample_len, 2];
+        # then past[2i], past[2i+1] = key / value cache of layer i [b or N, kvh, ctx, hd]
+        rest = list(rest)
+        rows = cache_rows(rest.pop(0)) if self.continuous_batching else None  # -1 -> row 0
+        window = rest.pop(0) if self.comp_ctx else None  # [L]
         n_sampling = len(SAMPLING_INPUTS) if self.sampling else 0
-        rows = cache_rows(rest[0]) if n_cb else None  # [b, 1]; -1 (inactive) -> row 0
-        sampling, past = rest[n_cb : n_cb + n_sampling], rest[n_cb + n_sampling :]
+        sampling, past = rest[:n_sampling], rest[n_sampling:]
         ctx_len = self.ctx_len
         slots = cache_slots(position_ids, ctx_len)  # [b, s]; -1 -> padding slot ctx_len - 1
         cos, sin = self.rope(position_ids)  # [b, s, hd]
         # key slot j is visible to a query iff j <= its position: causal within the call, stale
         # slots after a rejection hidden, and a padding row (position -1) sees nothing.
-        kv_index = torch.arange(ctx_len, device=position_ids.device)
-        visible = kv_index <= position_ids[..., None]  # [b, s, ctx]
+        kv_index = window if window is not None else torch.arange(ctx_len)  # [L]
+        visible = kv_index <= position_ids[..., None]  # [b, s, L]
+        # the additive mask, once per call, laid out as attention's rows (kv head's g query
+        # heads folded into the row axis, see Attention): [b, 1, g*s, L]
+        g = self.layers[0].self_attn.n_heads // self.layers[0].self_attn.n_kv_heads
+        mask = (~visible).to(torch.float32) * MASK_VALUE  # [b, s, L]: 0 or MASK_VALUE
+        mask = torch.cat([mask] * g, dim=1)[:, None]
 
         x = embed_rows(input_ids, self.head_t, self.embed)  # [b, s, H]
         last = len(self.layers) - 1
         taps, retained = {}, []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, cos, sin, slots, rows, visible, past[2 * i], past[2 * i + 1])
+            x, k, v = layer(x, cos, sin, slots, rows, window, mask, past[2 * i], past[2 * i + 1])
             retained += [k, v]
             if i in self.target_layer_ids and i != last:
                 taps[i] = x  # raw decoder-layer output = HF hidden_states[i + 1]

@@ -135,6 +135,10 @@ class Engine:
         self.B, self.C, self.H = m.block_size, m.prefill_seq_len, m.hidden_size
         self.ctx_len, self.mask_id = m.ctx_len, m.mask_token_id
         self.can_sample = m.target.io.sampling
+        # attention windows (contract.COMP_CTX_LENGTHS): a call reads the smallest one holding
+        # every slot it needs, so its cost follows the context, not ctx_len
+        self.windows = list(m.comp_ctx_lengths) if m.comp_ctx_lengths else None
+        self._window_ids = {n: np.arange(n, dtype=np.int64) for n in self.windows or ()}
         self.rows: list[Sequence | None] = [None] * self.N  # slot -> sequence
         self.waiting: collections.deque[Sequence] = collections.deque()
         self._sample_len = {
@@ -272,9 +276,14 @@ class Engine:
         else:
             u[row].fill(0.0)
 
-    def _with_index(self, feeds: dict, bidx: np.ndarray) -> dict:
+    def _with_index(self, feeds: dict, bidx: np.ndarray, needed: int) -> dict:
+        """Add batch_index (continuous batching) and the attention window holding slots
+        0 … needed-1 (every position the call reads)."""
         if self.cb:
             feeds[contract.BATCH_INDEX] = bidx
+        if self.windows is not None:
+            n = contract.window_for(self.windows, needed)
+            feeds[contract.COMP_CTX_LENGTHS] = self._window_ids[n]
         return feeds
 
     # ------------------------------------------------------------------ prefill
@@ -293,7 +302,8 @@ class Engine:
         self._set_row_sampling(one, u, 0, seq)
         feeds = {contract.INPUT_IDS: one["ids"], contract.POSITION_IDS: one["pos"]}
         feeds.update(self._sampling_feeds(one, u))
-        out = self._call("prefill", self.target, self._with_index(feeds, one["bidx"]), [seq])
+        feeds = self._with_index(feeds, one["bidx"], lo + n)
+        out = self._call("prefill", self.target, feeds, [seq])
         last = lo + n == P
         first = int(out[contract.NEXT_TOKENS][0, n - 1]) if last else None
         if last:
@@ -304,7 +314,7 @@ class Engine:
             one["ctx_pos"][0, n:] = contract.PAD_POSITION
             one["blk_ids"][0, 0] = first if last else self.mask_id
             np.add(self._arange_b, lo + n, out=one["blk_pos"][0])
-            props = self._draft_call("draft_prefill", one, "ctx", [seq])
+            props = self._draft_call("draft_prefill", one, "ctx", [seq], lo + n)
             if last:
                 seq.proposals[:] = props[0]
         seq.prefilled = lo + n
@@ -313,14 +323,15 @@ class Engine:
             seq.start = P
             self._commit(seq, [first])
 
-    def _draft_call(self, kind: str, buf: dict, ctx: str, seqs: list[Sequence]) -> np.ndarray:
+    def _draft_call(self, kind, buf: dict, ctx: str, seqs: list[Sequence], start: int):
+        """The draft over `buf`; its blocks start at `start` at most (the cached slots read)."""
         feeds = {
             contract.TARGET_HIDDEN: buf[ctx],
             contract.POSITION_IDS_TARGET: buf["ctx_pos"],
             contract.INPUT_IDS: buf["blk_ids"],
             contract.POSITION_IDS: buf["blk_pos"],
         }
-        out = self._call(kind, self.draft, self._with_index(feeds, buf["bidx"]), seqs)
+        out = self._call(kind, self.draft, self._with_index(feeds, buf["bidx"], start), seqs)
         return out[contract.DRAFT_TOKENS]
 
     # ------------------------------------------------------------------ steps
@@ -361,13 +372,14 @@ class Engine:
                 self._set_row_sampling(f, u, r, None)
 
     def _target_step(self, kind: str, ids: str, pos: str, seqs: list[Sequence], fill) -> dict:
-        f = self.full
+        f, rows = self.full, self.full[ids].shape[1]
         greedy = all(s.rng is None for s in seqs)
-        u = self.u_full[self._sample_len[f[ids].shape[1], greedy]]
+        u = self.u_full[self._sample_len[rows, greedy]]
         self._fill_rows(ids, pos, u, seqs, fill)
         feeds = {contract.INPUT_IDS: f[ids], contract.POSITION_IDS: f[pos]}
         feeds.update(self._sampling_feeds(f, u))
-        return self._call(kind, self.target, self._with_index(feeds, f["bidx"]), seqs)
+        needed = max(s.start for s in seqs) + rows
+        return self._call(kind, self.target, self._with_index(feeds, f["bidx"], needed), seqs)
 
     def _dflash_step(self, seqs: list[Sequence]) -> None:
         f, B = self.full, self.B
@@ -404,7 +416,7 @@ class Engine:
                 f["ctx_pos"][r] = contract.PAD_POSITION
                 f["blk_pos"][r] = contract.PAD_POSITION
                 f["bidx"][r, 0] = contract.INACTIVE_ROW
-        props = self._draft_call("draft", f, "ctx", going)
+        props = self._draft_call("draft", f, "ctx", going, max(s.start for s in going))
         for seq in going:
             seq.proposals[:] = props[seq.slot]
 
