@@ -38,7 +38,6 @@ PROFILES = [
     "ai100_mxfp6_mxint8",
     "ai100_split",
     "ai100_multidevice",
-    "ai100_disaggregated",
 ]
 SDK = "/opt/qti-aic/exec/qaic-compile"
 
@@ -58,36 +57,6 @@ TARGET_FLAT = """\
 {
   "specializations": [
     {"batch_size": "1", "seq_len": "32", "ctx_len": "128"},
-    {"batch_size": "1", "seq_len": "4", "ctx_len": "128"},
-    {"batch_size": "1", "seq_len": "1", "ctx_len": "128"}
-  ]
-}
-"""
-PREFILL_NAMED = """\
-{
-  "specializations": [
-    {"name": "Prefill", "symbols": {"batch_size": "1", "seq_len": "32", "ctx_len": "128"}}
-  ]
-}
-"""
-PREFILL_FLAT = """\
-{
-  "specializations": [
-    {"batch_size": "1", "seq_len": "32", "ctx_len": "128"}
-  ]
-}
-"""
-VERIFY_DECODE_NAMED = """\
-{
-  "specializations": [
-    {"name": "Verify", "symbols": {"batch_size": "1", "seq_len": "4", "ctx_len": "128"}},
-    {"name": "Decode", "symbols": {"batch_size": "1", "seq_len": "1", "ctx_len": "128"}}
-  ]
-}
-"""
-VERIFY_DECODE_FLAT = """\
-{
-  "specializations": [
     {"batch_size": "1", "seq_len": "4", "ctx_len": "128"},
     {"batch_size": "1", "seq_len": "1", "ctx_len": "128"}
   ]
@@ -197,13 +166,6 @@ COMMANDS = {
         f" -mdp-load-partition-config=/art/target/qpc-K/mdp.json {TFILES}"
     ),
     ("ai100_multidevice", "draft", "all"): f"{HW} {D} -aic-num-cores=4 {DFILES}",
-    ("ai100_disaggregated", "target", "prefill"): (
-        f"{HW} {T} -aic-num-cores=16 -mos=1 -aic-enable-depth-first {TFILES}"
-    ),
-    ("ai100_disaggregated", "target", "verify_decode"): (
-        f"{HW} {T} -aic-num-cores=12 -mos=1 {TFILES}"
-    ),
-    ("ai100_disaggregated", "draft", "all"): f"{HW} {D} -aic-num-cores=4 {DFILES}",
 }
 # What each profile writes, per (program, part): specializations.json, custom_io.yaml.
 FILES = {
@@ -223,16 +185,9 @@ FILES = {
         ("target", "all"): (TARGET_NAMED, TARGET_IO_FP16),
         ("draft", "all"): (DRAFT_NAMED, DRAFT_IO_FP16),
     },
-    "ai100_disaggregated": {
-        ("target", "prefill"): (PREFILL_NAMED, TARGET_IO_FP16),
-        ("target", "verify_decode"): (VERIFY_DECODE_NAMED, TARGET_IO_FP16),
-        ("draft", "all"): (DRAFT_NAMED, DRAFT_IO_FP16),
-    },
 }
 FLAT = {
     TARGET_NAMED: TARGET_FLAT,
-    PREFILL_NAMED: PREFILL_FLAT,
-    VERIFY_DECODE_NAMED: VERIFY_DECODE_FLAT,
     DRAFT_NAMED: DRAFT_FLAT,
 }
 
@@ -273,9 +228,7 @@ if mode == "hang":
 
 
 def parts_of(profile: CompileProfile, program: str):
-    """(part, program profile) as the compile step plans them."""
-    if program == "target" and profile.target.disaggregate:
-        return [("prefill", profile.target.prefill), ("verify_decode", profile.target)]
+    """(part, program profile) as the compile step plans them: one QPC per program."""
     return [("all", profile.program(program))]
 
 
@@ -330,7 +283,7 @@ def compile_target(art: Path, profile: CompileProfile, **kw):
 
 
 def test_shipped_profiles_load():
-    assert set(PROFILES) <= set(available_profiles())
+    assert available_profiles() == sorted(PROFILES)
     fp16 = load_profile("ai100_fp16")
     assert (fp16.kv_dtype, fp16.mxfp6_matmul, fp16.convert_to_fp16) == ("float16", False, True)
     assert (fp16.target.num_cores, fp16.draft.num_cores) == (12, 4)
@@ -341,9 +294,6 @@ def test_shipped_profiles_load():
     assert split.target.device_ids != split.draft.device_ids
     multi = load_profile("ai100_multidevice")
     assert multi.target.tensor_slicing == 4 and multi.target.device_ids == (0, 1, 2, 3)
-    dis = load_profile("ai100_disaggregated")
-    assert dis.target.disaggregate and dis.target.prefill.num_cores == 16
-    assert dis.target.prefill.mos == 1  # inherited from target
     for name in PROFILES:
         p = load_profile(name)
         assert p.name == name and p.description
@@ -383,7 +333,7 @@ def _with(**changes):
         (_with(num_core=4), ["unknown key 'num_core'", "allowed keys", "kv_dtype", "draft"]),
         (
             _with(target__num_corse=4),
-            ["unknown key 'target.num_corse'", "num_cores", "tensor_slicing", "disaggregate"],
+            ["unknown key 'target.num_corse'", "num_cores", "tensor_slicing"],
         ),
         (_with(draft__disaggregate=True), ["unknown key 'draft.disaggregate'", "num_cores"]),
         (_with(target__num_cores=0), ["'target.num_cores'", ">= 1"]),
@@ -403,16 +353,7 @@ def _with(**changes):
         ),
         (_with(target__extra_flags="-v"), ["'target.extra_flags'", "list"]),
         (_with(target__extra_flags=["-aic-num-cores=2"]), ["'target.extra_flags'", "num_cores"]),
-        (_with(target__prefill={"num_cores": 4}), ["'target.prefill'", "disaggregate"]),
-        (
-            _with(target__disaggregate=True, target__prefill={"num_cores": 4, "bogus": 1}),
-            ["unknown key 'target.prefill.bogus'"],
-        ),
         (_with(target__num_cores=14), ["device 0", "target 14 + draft 4 = 18", "core budget"]),
-        (
-            _with(target__disaggregate=True),
-            ["device 0", "target.prefill 8 + target 8 + draft 4 = 20"],
-        ),
         ({"target": {"num_cores": 4}, "draft": {"num_cores": 4}}, ["missing", "'kv_dtype'"]),
         ({"kv_dtype": "float16", "draft": {"num_cores": 4}}, ["missing", "'target'"]),
         (_with(draft={"device_ids": [0]}), ["missing", "'draft.num_cores'"]),
@@ -594,20 +535,64 @@ def test_no_compiler_writes_inputs(name, art, no_compiler):
         assert served == [s["name"] for s in specs]
 
 
-def test_disaggregated_result_for_manifest(art, no_compiler):
-    res = compile_target(art, load_profile("ai100_disaggregated"))
-    prefill, rest = res.qpcs
-    assert res.qpc_for(contract.PREFILL) is prefill
-    assert res.qpc_for(contract.VERIFY) is rest and res.qpc_for(contract.DECODE) is rest
-    assert prefill.key != rest.key
-    assert (prefill.device_ids, rest.device_ids) == ((1,), (0,))
-    with pytest.raises(AttributeError, match="use .qpcs"):
-        _ = res.qpc_path
+# A profile written for the removed disaggregated prefill (ai100_disaggregated.yaml as shipped
+# before): a target prefill QPC on device 1, verify + decode on device 0.
+OLD_DISAGGREGATED = """\
+name: ai100_disaggregated
+kv_dtype: float16
+target:
+  num_cores: 12
+  device_ids: [0]
+  disaggregate: true
+  prefill:
+    num_cores: 16
+    device_ids: [1]
+draft:
+  num_cores: 4
+"""
+
+
+@pytest.mark.parametrize(
+    ("target", "keys", "fix"),
+    [
+        (None, "'target.disaggregate' and 'target.prefill'", "remove these keys"),
+        ({"num_cores": 8, "disaggregate": False}, "'target.disaggregate'", "remove this key"),
+        ({"num_cores": 8, "prefill": {"num_cores": 4}}, "'target.prefill'", "remove this key"),
+    ],
+)
+def test_disaggregated_profile_is_refused(tmp_path, target, keys, fix):
+    path = tmp_path / "old.yaml"
+    text = OLD_DISAGGREGATED if target is None else yaml.safe_dump(_with(target=target))
+    path.write_text(text)
+    with pytest.raises(ProfileError) as exc:
+        load_profile(path)
+    message = str(exc.value)
+    assert message.startswith(f"{path}: {keys}: disaggregated prefill")
+    for needle in (
+        "no longer supported",
+        "off the card and back through the host",  # why
+        fix,
+        "see docs/DESIGN.md, Disaggregated prefill",
+    ):
+        assert needle in message, message
+    assert "\n" not in message  # one message, not a traceback of checks
+    # the shipped profile is gone: its name now lists the ones that exist
+    with pytest.raises(ProfileError, match="no such compile profile.*ai100_fp16"):
+        load_profile("ai100_disaggregated")
+
+
+def test_one_qpc_per_program_for_manifest(art, no_compiler):
+    res = compile_target(art, load_profile("ai100_split"))
+    (only,) = res.qpcs
+    assert res.qpc is only and res.qpc_path == only.qpc_path and res.key == only.key
+    assert only.device_ids == (0,) and only.num_cores == 16
     data = res.to_dict(relative_to=art)
     json.dumps(data)
-    assert [q["part"] for q in data["qpcs"]] == ["prefill", "verify_decode"]
-    assert data["qpcs"][0]["qpc"] == f"target/qpc-{prefill.key}/qpc"
-    assert data["qpcs"][1]["specializations"] == ["Verify", "Decode"]
+    # the manifest's QpcRecord format is unchanged: `part` stays, and is "all"
+    (record,) = data["qpcs"]
+    assert record["part"] == "all"
+    assert record["specializations"] == ["Prefill", "Verify", "Decode"]
+    assert record["qpc"] == f"target/qpc-{only.key}/qpc"
 
 
 def test_older_sdk_flat_profile(art, no_compiler):
@@ -665,7 +650,7 @@ def test_half_finished_qpc_is_rebuilt(art, fake_compiler):
     assert not (again.qpc_dir / ".build-stale").exists()
 
 
-def test_draft_and_disaggregated_builds(art, fake_compiler):
+def test_draft_build(art, fake_compiler):
     res = qpc.compile_program(
         art / "draft" / "draft.onnx",
         art / "draft",
@@ -674,14 +659,18 @@ def test_draft_and_disaggregated_builds(art, fake_compiler):
         load_profile("ai100_fp16"),
         "draft",
     )
-    assert res.ready and len(fake_compiler()) == 1
-    dis = compile_target(art, load_profile("ai100_disaggregated"))
-    assert [q.status for q in dis.qpcs] == ["built", "built"] and dis.ready
-    assert len(fake_compiler()) == 3
-    assert (dis.qpcs[0].dir / "specializations.json").read_text() == PREFILL_NAMED
-    assert (dis.qpcs[1].dir / "specializations.json").read_text() == VERIFY_DECODE_NAMED
-    assert compile_target(art, load_profile("ai100_disaggregated")).cached
-    assert len(fake_compiler()) == 3
+    assert res.ready and [q.status for q in res.qpcs] == ["built"] and len(fake_compiler()) == 1
+    assert (res.qpc_dir / "specializations.json").read_text() == DRAFT_NAMED
+    assert (res.qpc_dir / "custom_io.yaml").read_text() == DRAFT_IO_FP16
+    again = qpc.compile_program(
+        art / "draft" / "draft.onnx",
+        art / "draft",
+        DIO,
+        DSPECS,
+        load_profile("ai100_fp16"),
+        "draft",
+    )
+    assert again.cached and again.key == res.key and len(fake_compiler()) == 1
 
 
 def test_multidevice_passes_mdp(art, fake_compiler):
@@ -842,12 +831,156 @@ def test_program_and_io_must_agree(art, no_compiler):
             load_profile("ai100_fp16"),
             "target",
         )
-    with pytest.raises(ValueError, match="Prefill"):
+    with pytest.raises(TypeError, match="DraftIO"):
         qpc.compile_program(
-            art / "target" / "target.onnx",
-            art / "target",
+            art / "draft" / "draft.onnx",
+            art / "draft",
             TIO,
-            TSPECS[1:],
-            load_profile("ai100_disaggregated"),
-            "target",
+            DSPECS,
+            load_profile("ai100_fp16"),
+            "draft",
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# continuous batching: the default pair exported with full_batch_size, compiled
+
+# Prefill / DraftPrefill at batch 1 (one sequence into its cache row), the others at the 4 rows;
+# full_batch_size (the cache rows) bound in every specialization.
+CB_TARGET_NAMED = """\
+{
+  "specializations": [
+    {"name": "Prefill", "symbols": {"batch_size": "1", "full_batch_size": "4", "seq_len": "64", "ctx_len": "1024", "sample_len": "64"}},
+    {"name": "Verify", "symbols": {"batch_size": "4", "full_batch_size": "4", "seq_len": "16", "ctx_len": "1024", "sample_len": "1"}},
+    {"name": "VerifySampled", "symbols": {"batch_size": "4", "full_batch_size": "4", "seq_len": "16", "ctx_len": "1024", "sample_len": "16"}},
+    {"name": "Decode", "symbols": {"batch_size": "4", "full_batch_size": "4", "seq_len": "1", "ctx_len": "1024", "sample_len": "1"}}
+  ]
+}
+"""  # noqa: E501
+CB_TARGET_FLAT = """\
+{
+  "specializations": [
+    {"batch_size": "1", "full_batch_size": "4", "seq_len": "64", "ctx_len": "1024", "sample_len": "64"},
+    {"batch_size": "4", "full_batch_size": "4", "seq_len": "16", "ctx_len": "1024", "sample_len": "1"},
+    {"batch_size": "4", "full_batch_size": "4", "seq_len": "16", "ctx_len": "1024", "sample_len": "16"},
+    {"batch_size": "4", "full_batch_size": "4", "seq_len": "1", "ctx_len": "1024", "sample_len": "1"}
+  ]
+}
+"""  # noqa: E501
+CB_DRAFT_NAMED = """\
+{
+  "specializations": [
+    {"name": "DraftDecode", "symbols": {"batch_size": "4", "full_batch_size": "4", "seq_len": "16", "ctx_len": "1024"}},
+    {"name": "DraftPrefill", "symbols": {"batch_size": "1", "full_batch_size": "4", "seq_len": "64", "ctx_len": "1024"}}
+  ]
+}
+"""  # noqa: E501
+CB_DRAFT_FLAT = """\
+{
+  "specializations": [
+    {"batch_size": "4", "full_batch_size": "4", "seq_len": "16", "ctx_len": "1024"},
+    {"batch_size": "1", "full_batch_size": "4", "seq_len": "64", "ctx_len": "1024"}
+  ]
+}
+"""
+
+
+def _kv_io(n_layers: int) -> str:
+    """custom_io.yaml of an fp16 KV cache: every past_* input, then its retained output."""
+    names = [f"past_{kv}.{i}" for i in range(n_layers) for kv in ("key", "value")]
+    names += [f"{n}_RetainedState" for n in names]
+    return "".join(f"- IOName: {n}\n  Precision: float16\n" for n in names)
+
+
+def _onnx_inputs(path: Path) -> dict[str, list]:
+    onnx = pytest.importorskip("onnx")
+    model = onnx.load(str(path), load_external_data=False)
+    dims = lambda i: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]  # noqa: E731
+    return {i.name: dims(i) for i in model.graph.input}
+
+
+def test_continuous_batching_pair_compiles(tmp_path, fake_compiler):
+    import dflash_qaic
+    from dflash_qaic.export.cli import load_recipe
+    from dflash_qaic.manifest import ArtifactsError
+    from dflash_qaic.runtime import _qpc_path
+
+    recipe = load_recipe("default")
+    out = tmp_path / "cb"
+    # fp16_check off: the fp16 graph check is test_fp16's; here only the compile inputs matter
+    m = dflash_qaic.export(
+        recipe["target"],
+        recipe["draft"],
+        out,
+        full_batch_size=4,
+        prefill_seq_len=64,
+        ctx_len=1024,
+        fp16_check=False,
+    )
+    # the programs really are in the continuous-batching form
+    for name, prog in (("target", m.target), ("draft", m.draft)):
+        inputs = _onnx_inputs(out / prog.onnx)
+        assert inputs["batch_index"] == ["batch_size", 1], name
+        assert inputs["past_key.0"][0] == "full_batch_size", name
+    assert (m.target.io.n_layers, m.draft.io.n_layers) == (4, 2)
+
+    assert len(fake_compiler()) == 2  # one compiler run per program
+    expected = {
+        "target": (CB_TARGET_NAMED, _kv_io(4), COMMANDS[("ai100_fp16", "target", "all")]),
+        "draft": (CB_DRAFT_NAMED, _kv_io(2), COMMANDS[("ai100_fp16", "draft", "all")]),
+    }
+    for name, prog in (("target", m.target), ("draft", m.draft)):
+        spec_text, io_text, pinned = expected[name]
+        (rec,) = prog.qpcs
+        assert (rec.part, rec.status) == ("all", "built")
+        assert rec.specializations == tuple(s["name"] for s in prog.specializations)
+        qdir = out / rec.dir
+        assert (qdir / "specializations.json").read_text() == spec_text
+        # ... which are the manifest's (the runtime's view of the program), values as strings
+        assert json.loads(spec_text)["specializations"] == [
+            {"name": s["name"], "symbols": {k: str(v) for k, v in s["symbols"].items()}}
+            for s in prog.specializations
+        ]
+        assert (qdir / "custom_io.yaml").read_text() == io_text  # no batch_index in it
+        # the command line is the one without continuous batching: no flag added
+        pinned = pinned.replace(SDK, str(fake_compiler.script))
+        pinned = pinned.replace(f"/art/{name}/qpc-K", rec.dir)
+        pinned = pinned.replace(f"/art/{name}/{name}.onnx", prog.onnx)
+        assert rec.command == pinned
+        assert (qdir / "compile.cmd").read_text() == pinned + "\n"
+        assert _qpc_path(out, prog, name) == out / rec.qpc
+
+    # the flat format (older SDKs) of the same specializations
+    flat = replace(load_profile("ai100_fp16"), specializations_format="flat")
+    for name, prog, text in (
+        ("target", m.target, CB_TARGET_FLAT),
+        ("draft", m.draft, CB_DRAFT_FLAT),
+    ):
+        specs = [dict(s) for s in prog.specializations]
+        res = qpc.compile_program(out / prog.onnx, out / name, prog.io, specs, flat, name)
+        assert (res.qpc_dir / "specializations.json").read_text() == text
+        assert res.command[:-3] == shlex.split(prog.qpcs[0].command)[:-3]
+
+    # artifacts of the removed disaggregated profile (two target QPCs): re-export
+    (rec,) = m.target.qpcs
+    split = replace(
+        m.target, qpcs=(replace(rec, part="prefill"), replace(rec, part="verify_decode"))
+    )
+    with pytest.raises(ArtifactsError, match="older version .* disaggregated profile.*re-export"):
+        _qpc_path(out, split, "target")
+
+
+def test_full_batch_size_must_agree():
+    specs = contract.target_specializations(1, 32, 4, 128, sampling=False, full_batch_size=4)
+    assert qpc.specializations_json(specs)["specializations"][0]["symbols"] == {
+        "batch_size": "1",
+        "full_batch_size": "4",
+        "seq_len": "32",
+        "ctx_len": "128",
+    }
+    specs[2]["symbols"]["full_batch_size"] = 8
+    with pytest.raises(ValueError, match="full_batch_size to the same value"):
+        qpc.specializations_json(specs)
+    del specs[2]["symbols"]["full_batch_size"]
+    with pytest.raises(ValueError, match="full_batch_size to the same value"):
+        qpc.specializations_json(specs)

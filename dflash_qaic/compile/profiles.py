@@ -28,21 +28,22 @@ programs. Schema (every key is optional unless marked *required*)::
                                   # that other keys control are refused
       tensor_slicing: null        # int >= 1: slice the program over this many devices
                                   # (> 1 emits an mdp partition config, -mdp-load-partition-config)
-      disaggregate: false         # target only: the Prefill specialization in its own QPC,
-                                  # Verify + Decode in another
-      prefill:                    # target only, only with disaggregate: true. Overrides for the
-        num_cores: 16             # prefill QPC (same keys as a program section, minus
-        device_ids: [1]           # disaggregate/prefill); keys not given come from `target:`
-    draft:                        # *required*: the draft program; same keys as `target:` minus
-      num_cores: 4                # disaggregate and prefill
+    draft:                        # *required*: the draft program; same keys as `target:`
+      num_cores: 4
       device_ids: [0]
 
 Validation is strict: an unknown key raises `ProfileError` naming the file, the key (dotted:
 `target.num_corse`) and the allowed keys; a bad value names the key and what is allowed; two
-QPCs that would share a device must fit in `cores_per_device` together (all QPCs of an export
-stay loaded at once: target, draft, and with disaggregation both target parts). `device_ids`
-do not change the binary (they are where the runtime loads it), so they are not part of the
-QPC cache key; everything else is.
+QPCs that would share a device must fit in `cores_per_device` together (both QPCs of an export
+stay loaded at once). `device_ids` do not change the binary (they are where the runtime loads
+it), so they are not part of the QPC cache key; everything else is.
+
+Each program compiles to one QPC serving all its specializations. The keys `disaggregate` and
+`prefill` under `target:` (a separate target prefill QPC, in earlier versions) are refused with
+their own message: handing each request's KV cache from a prefill QPC to the verify/decode QPC
+would move it off the card and back through the host, and with continuous batching the prefill
+already runs at batch 1 on the target's QPC, between the other sequences' steps (docs/DESIGN.md,
+Disaggregated prefill).
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ _PROGRAM_KEYS = (
     "extra_flags",
     "tensor_slicing",
 )
-_TARGET_KEYS = (*_PROGRAM_KEYS, "disaggregate", "prefill")
+#: target keys of the removed disaggregated prefill (refused with their own message)
+_REMOVED_TARGET_KEYS = ("disaggregate", "prefill")
 
 
 class ProfileError(ValueError):
@@ -147,27 +149,12 @@ class ProgramProfile:
 
 
 @dataclass(frozen=True)
-class TargetProfile(ProgramProfile):
-    """The target's section: a program profile, optionally split into two QPCs."""
-
-    disaggregate: bool = False
-    prefill: ProgramProfile | None = None  # set exactly when disaggregate is true
-
-    def to_dict(self) -> dict[str, Any]:
-        out = super().to_dict()
-        out["disaggregate"] = self.disaggregate
-        if self.prefill is not None:
-            out["prefill"] = self.prefill.to_dict()
-        return out
-
-
-@dataclass(frozen=True)
 class CompileProfile:
     """A validated compile profile (see the module docstring for the YAML schema)."""
 
     name: str
     kv_dtype: str
-    target: TargetProfile
+    target: ProgramProfile
     draft: ProgramProfile
     description: str = ""
     hw_version: str = "ai100"
@@ -286,34 +273,9 @@ def profile_from_dict(
         maximum=MAX_CORES_PER_DEVICE,
     )
 
-    target_raw = v.mapping(top["target"], "target", _TARGET_KEYS)
-    disaggregate = v.boolean(target_raw.get("disaggregate", False), "target.disaggregate")
-    prefill = None
-    if "prefill" in target_raw:
-        if not disaggregate:
-            raise ProfileError(
-                f"{source}: key 'target.prefill' is only allowed with 'target.disaggregate: true'"
-            )
-        overrides = v.mapping(target_raw["prefill"], "target.prefill", _PROGRAM_KEYS)
-        base = {k: target_raw[k] for k in _PROGRAM_KEYS if k in target_raw}
-        # device_ids derived from tensor_slicing must not leak from the parent when the
-        # prefill section changes the slicing.
-        if "tensor_slicing" in overrides and "device_ids" not in overrides:
-            base.pop("device_ids", None)
-        prefill = v.program({**base, **overrides}, "target.prefill", cores_per_device)
-    elif disaggregate:
-        prefill = v.program(
-            {k: target_raw[k] for k in _PROGRAM_KEYS if k in target_raw},
-            "target",
-            cores_per_device,
-        )
-    base_target = v.program(
-        {k: target_raw[k] for k in _PROGRAM_KEYS if k in target_raw}, "target", cores_per_device
-    )
-    target = TargetProfile(
-        **{k: getattr(base_target, k) for k in _PROGRAM_KEYS},
-        disaggregate=disaggregate,
-        prefill=prefill,
+    _refuse_disaggregated(top["target"], source)
+    target = v.program(
+        v.mapping(top["target"], "target", _PROGRAM_KEYS), "target", cores_per_device
     )
     draft = v.program(v.mapping(top["draft"], "draft", _PROGRAM_KEYS), "draft", cores_per_device)
 
@@ -414,14 +376,24 @@ class CompileOverrides:
 
 
 def placements(profile: CompileProfile) -> list[tuple[str, ProgramProfile]]:
-    """Every QPC the profile produces, as (label, program profile): the target (or its
-    `target.prefill` and `target` parts when disaggregated) and the draft."""
-    out: list[tuple[str, ProgramProfile]] = []
-    if profile.target.disaggregate and profile.target.prefill is not None:
-        out.append(("target.prefill", profile.target.prefill))
-    out.append(("target", profile.target))
-    out.append(("draft", profile.draft))
-    return out
+    """Every QPC the profile produces, as (label, program profile): the target and the draft."""
+    return [("target", profile.target), ("draft", profile.draft)]
+
+
+def _refuse_disaggregated(target: Any, source: str) -> None:
+    """The one error for a profile written for the removed disaggregated prefill."""
+    if not isinstance(target, Mapping):
+        return  # the mapping check names the problem
+    found = [k for k in _REMOVED_TARGET_KEYS if k in target]
+    if found:
+        keys = " and ".join(f"'target.{k}'" for k in found)
+        raise ProfileError(
+            f"{source}: {keys}: disaggregated prefill (a separate target prefill QPC) is no "
+            "longer supported, because handing each request's KV cache to the verify/decode QPC "
+            "moves it off the card and back through the host; remove "
+            f"{'these keys' if len(found) > 1 else 'this key'} (prefill runs on the target's "
+            "QPC; see docs/DESIGN.md, Disaggregated prefill)"
+        )
 
 
 def _check_core_budget(profile: CompileProfile) -> None:

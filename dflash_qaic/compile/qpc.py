@@ -34,10 +34,18 @@ directly, which the cache then accepts.
 Without a compiler the step still writes everything but the binary and returns a result with
 `skipped=True`, the places it looked, and the commands to run on an AI100 host.
 
-A disaggregated target (profile `target.disaggregate: true`) yields two QPCs: `prefill` (the
-Prefill specialization only) and `verify_decode` (the others), each with its own key, cores and
-devices; `CompileResult.qpcs` lists both and `CompileResult.qpc_for(name)` picks the one that
-serves a specialization.
+Each program compiles to one QPC serving all its specializations (`part` "all"; the field stays
+in the manifest, where exports made with the removed disaggregated profile recorded a `prefill`
+and a `verify_decode` part: see docs/DESIGN.md, Disaggregated prefill).
+
+Continuous batching (programs exported with `full_batch_size` N) changes only the inputs: every
+specialization binds `full_batch_size` (the cache rows, one value in all of them), Prefill and
+DraftPrefill run at `batch_size` 1 and the others at N; `custom_io.yaml` still lists the `past_*`
+caches only (`batch_index` is an ordinary int64 input). The command line is the same: QEfficient
+compiles its continuous-batching models with no extra flag either (QEfficient
+`transformers/models/modeling_auto.py`, `QEFFAutoModelForCausalLM.compile`: the same
+`_compile` options, `full_batch_size` only in `build_prefill_specialization` /
+`build_decode_specialization`).
 """
 
 from __future__ import annotations
@@ -92,10 +100,8 @@ _CACHE_VERSION = "dflash-qaic/qpc-cache/1"
 _ONNX_PLACEHOLDER = "{onnx}"
 _DIR_PLACEHOLDER = "{qpc_dir}"
 
-#: part names of a program's QPCs
+#: the part name of a program's QPC (it serves every specialization)
 PART_ALL = "all"
-PART_PREFILL = "prefill"
-PART_VERIFY_DECODE = "verify_decode"
 
 Progress = Callable[[str], None]
 
@@ -143,6 +149,14 @@ def _check_specs(specs: Sequence[Mapping[str, Any]]) -> list[tuple[str, dict[str
     names = [n for n, _ in out]
     if len(set(names)) != len(names):
         raise ValueError(f"specialization names must be unique, got {names}")
+    # The caches are one retained buffer of full_batch_size rows: every specialization of a
+    # continuous-batching program binds it, to the same value.
+    rows = {n: sym.get(contract.FULL_BATCH) for n, sym in out}
+    if any(v is not None for v in rows.values()) and len(set(rows.values())) != 1:
+        raise ValueError(
+            f"every specialization must bind {contract.FULL_BATCH} to the same value (the "
+            f"cache rows), got {rows}"
+        )
     return out
 
 
@@ -328,7 +342,7 @@ class QpcBuild:
     """One QPC of a program: where it is, what it serves, how it is (or would be) built."""
 
     program: str  # "target" | "draft"
-    part: str  # "all" | "prefill" | "verify_decode"
+    part: str  # "all" (the manifest's field; see the module docstring)
     specializations: tuple[str, ...]  # names, in specializations.json order
     key: str  # 16 hex digits
     dir: Path  # <program_dir>/qpc-<key>
@@ -379,7 +393,8 @@ class QpcBuild:
 
 @dataclass(frozen=True)
 class CompileResult:
-    """What `compile_program` did for one program: one QPC, or two for a disaggregated target."""
+    """What `compile_program` did for one program: its QPC (`qpcs` holds exactly one, the form
+    the manifest records)."""
 
     program: str
     qpcs: tuple[QpcBuild, ...]
@@ -387,13 +402,18 @@ class CompileResult:
     looked_in: tuple[str, ...] = field(default_factory=tuple)
 
     @property
+    def qpc(self) -> QpcBuild:
+        """The program's one QPC."""
+        return self.qpcs[0]
+
+    @property
     def cached(self) -> bool:
-        """Every QPC came from the cache; the compiler did not run."""
+        """The QPC came from the cache; the compiler did not run."""
         return all(q.cached for q in self.qpcs)
 
     @property
     def skipped(self) -> bool:
-        """No compiler was found and at least one QPC is missing."""
+        """No compiler was found and the QPC is missing."""
         return any(q.skipped for q in self.qpcs)
 
     @property
@@ -405,36 +425,23 @@ class CompileResult:
         """The shell command lines that build the QPCs (to run on an AI100 host when skipped)."""
         return [q.command_line for q in self.qpcs]
 
-    def _single(self) -> QpcBuild:
-        if len(self.qpcs) != 1:
-            parts = ", ".join(q.part for q in self.qpcs)
-            raise AttributeError(f"{self.program} has {len(self.qpcs)} QPCs ({parts}); use .qpcs")
-        return self.qpcs[0]
-
     @property
     def key(self) -> str:
-        return self._single().key
+        return self.qpc.key
 
     @property
     def qpc_dir(self) -> Path:
-        """`qpc-<key>` of a single-QPC program."""
-        return self._single().dir
+        """`qpc-<key>`."""
+        return self.qpc.dir
 
     @property
     def qpc_path(self) -> Path:
-        """`qpc-<key>/qpc` of a single-QPC program."""
-        return self._single().qpc_path
+        """`qpc-<key>/qpc`, the directory the runtime loads."""
+        return self.qpc.qpc_path
 
     @property
     def command(self) -> list[str]:
-        return list(self._single().command)
-
-    def qpc_for(self, specialization: str) -> QpcBuild:
-        """The QPC that serves a named specialization."""
-        for q in self.qpcs:
-            if specialization in q.specializations:
-                return q
-        raise KeyError(f"{self.program} has no QPC for specialization {specialization!r}")
+        return list(self.qpc.command)
 
     def summary(self) -> str:
         """One readable paragraph: where the QPCs are, or what to run to build them."""
@@ -537,32 +544,6 @@ def _cache_key(
 
 # ----------------------------------------------------------------------------------------------
 # compile
-
-
-@dataclass(frozen=True)
-class _Part:
-    part: str
-    specs: list[Mapping[str, Any]]
-    program_profile: ProgramProfile
-
-
-def _plan(specs: Sequence[Mapping[str, Any]], profile: CompileProfile, program: str) -> list[_Part]:
-    prog = profile.program(program)
-    if program == "target" and profile.target.disaggregate:
-        assert profile.target.prefill is not None
-        prefill = [s for s in specs if s.get("name") == contract.PREFILL]
-        rest = [s for s in specs if s.get("name") != contract.PREFILL]
-        if not prefill or not rest:
-            names = [s.get("name") for s in specs]
-            raise ValueError(
-                f"profile {profile.name!r} disaggregates the target: it needs the "
-                f"{contract.PREFILL!r} specialization and at least one other, got {names}"
-            )
-        return [
-            _Part(PART_PREFILL, prefill, profile.target.prefill),
-            _Part(PART_VERIFY_DECODE, rest, prog),
-        ]
-    return [_Part(PART_ALL, list(specs), prog)]
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -675,7 +656,8 @@ class _Job:
     """One compiler run: the QPC directory, compile.cmd's argv and the artifacts root."""
 
     program: str
-    part: _Part
+    specs: list[Mapping[str, Any]]
+    program_profile: ProgramProfile
     qpc_dir: Path
     argv: list[str]
     onnx: Path
@@ -707,11 +689,11 @@ def _build(job: _Job, profile: CompileProfile, timeout: float, say: Progress) ->
                 job.compiler,
                 _rel(job.onnx, job.root),
                 _rel(qpc_dir, job.root),
-                job.part.program_profile,
+                job.program_profile,
                 profile,
                 binary_dir=_rel(out_dir, job.root),
             )
-            names = "+".join(s["name"] for s in job.part.specs)
+            names = "+".join(s["name"] for s in job.specs)
             say(f"{job.program}: compiling {names} → {_rel(final, job.root)}")
             rc = _run_compiler(run_argv, argv, job.root, qpc_dir, timeout)
             if rc != 0 or not plausible_qpc(out_dir):
@@ -723,7 +705,7 @@ def _build(job: _Job, profile: CompileProfile, timeout: float, say: Progress) ->
                 )
                 tail = _tail(qpc_dir / STDERR_LOG)
                 raise CompileError(
-                    f"the AI100 compiler {what} for {job.program} ({job.part.part})\n"
+                    f"the AI100 compiler {what} for {job.program}\n"
                     f"command: {shlex.join(argv)}\n(run in {job.root})\n"
                     f"stderr (last lines; full log {qpc_dir / STDERR_LOG}):\n{tail or '(empty)'}",
                     command=argv,
@@ -779,51 +761,41 @@ def compile_program(
 
     found, looked_in = compiler_search(profile.compiler)
     compiler = found if found is not None else default_compiler_path(profile.compiler)
-    parts = _plan(specs, profile, program)
-    digest = _onnx_digest(onnx)
-    io_text = custom_io_yaml(io, profile.kv_dtype)
+    pp = profile.program(program)
+    texts = {
+        SPECIALIZATIONS_FILE: specializations_text(specs, profile.specializations_format),
+        CUSTOM_IO_FILE: custom_io_yaml(io, profile.kv_dtype),
+    }
+    if pp.uses_mdp:
+        texts[MDP_FILE] = mdp_text(pp.num_devices, pp.num_cores)
+    normalised = compile_command(compiler, _ONNX_PLACEHOLDER, _DIR_PLACEHOLDER, pp, profile)
+    key = _cache_key(compiler, normalised, texts, _onnx_digest(onnx))
+    qpc_dir = pdir / f"qpc-{key}"
+    qpc_dir.mkdir(exist_ok=True)
+    argv = compile_command(compiler, _rel(onnx, base), _rel(qpc_dir, base), pp, profile)
+    for name, text in texts.items():
+        _write_text(qpc_dir / name, text)
+    _write_text(qpc_dir / COMMAND_FILE, shlex.join(argv) + "\n")
 
-    builds: list[QpcBuild] = []
-    for part in parts:
-        pp = part.program_profile
-        texts = {
-            SPECIALIZATIONS_FILE: specializations_text(part.specs, profile.specializations_format),
-            CUSTOM_IO_FILE: io_text,
-        }
-        if pp.uses_mdp:
-            texts[MDP_FILE] = mdp_text(pp.num_devices, pp.num_cores)
-        normalised = compile_command(compiler, _ONNX_PLACEHOLDER, _DIR_PLACEHOLDER, pp, profile)
-        key = _cache_key(compiler, normalised, texts, digest)
-        qpc_dir = pdir / f"qpc-{key}"
-        qpc_dir.mkdir(exist_ok=True)
-        argv = compile_command(compiler, _rel(onnx, base), _rel(qpc_dir, base), pp, profile)
-        for name, text in texts.items():
-            _write_text(qpc_dir / name, text)
-        _write_text(qpc_dir / COMMAND_FILE, shlex.join(argv) + "\n")
-
-        if plausible_qpc(qpc_dir / QPC_SUBDIR):
-            status = "cached"
-            say(f"{program}: using cached {_rel(qpc_dir / QPC_SUBDIR, base)}")
-        elif found is None:
-            status = "skipped"
-            say(f"{program}: no AI100 compiler; wrote {_rel(qpc_dir / COMMAND_FILE, base)}")
-        else:
-            job = _Job(program, part, qpc_dir, argv, onnx, compiler, base)
-            status = _build(job, profile, limit, say)
-        builds.append(
-            QpcBuild(
-                program=program,
-                part=part.part,
-                specializations=tuple(str(s["name"]) for s in part.specs),
-                key=key,
-                dir=qpc_dir,
-                command=tuple(argv),
-                num_cores=pp.num_cores,
-                device_ids=pp.device_ids,
-                tensor_slicing=pp.tensor_slicing,
-                status=status,
-            )
-        )
-    return CompileResult(
-        program=program, qpcs=tuple(builds), compiler=found, looked_in=tuple(looked_in)
+    if plausible_qpc(qpc_dir / QPC_SUBDIR):
+        status = "cached"
+        say(f"{program}: using cached {_rel(qpc_dir / QPC_SUBDIR, base)}")
+    elif found is None:
+        status = "skipped"
+        say(f"{program}: no AI100 compiler; wrote {_rel(qpc_dir / COMMAND_FILE, base)}")
+    else:
+        job = _Job(program, list(specs), pp, qpc_dir, argv, onnx, compiler, base)
+        status = _build(job, profile, limit, say)
+    build = QpcBuild(
+        program=program,
+        part=PART_ALL,
+        specializations=tuple(str(s["name"]) for s in specs),
+        key=key,
+        dir=qpc_dir,
+        command=tuple(argv),
+        num_cores=pp.num_cores,
+        device_ids=pp.device_ids,
+        tensor_slicing=pp.tensor_slicing,
+        status=status,
     )
+    return CompileResult(program=program, qpcs=(build,), compiler=found, looked_in=tuple(looked_in))

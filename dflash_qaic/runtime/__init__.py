@@ -42,19 +42,20 @@ __all__ = [
 
 
 def _qpc_path(d: Path, prog: Program, name: str) -> Path:
-    qpcs = [q for q in prog.qpcs if q.ready]
-    if not qpcs:
+    if len(prog.qpcs) > 1:  # a separate prefill QPC: see docs/DESIGN.md, Disaggregated prefill
+        raise ArtifactsError(
+            f"the {name} program of {d} is split over {len(prog.qpcs)} QPCs "
+            f"({', '.join(q.part for q in prog.qpcs)}): these artifacts come from an older "
+            "version compiled with a disaggregated profile, which is no longer supported; "
+            "re-export them (dflash-export, with a profile from qpc_configs/)"
+        )
+    if not prog.qpcs or not prog.qpcs[0].ready:
         raise BackendError(
             f"the {name} program of {d} has no compiled QPC (compilation was skipped: no "
             "qaic-compile on the exporting host). Run the commands in "
             f"{d}/{name}/qpc-*/compile.cmd from {d} on an AI100 host, or re-export there"
         )
-    if len(qpcs) > 1:
-        raise BackendError(
-            f"the {name} program of {d} is split over {len(qpcs)} QPCs (disaggregated "
-            "profile); this runtime runs one QPC per program: export with another profile"
-        )
-    return inside(d, qpcs[0].qpc, f"{name}.qpc")
+    return inside(d, prog.qpcs[0].qpc, f"{name}.qpc")
 
 
 def _io(prog: Program) -> tuple[list[dict], list[dict]]:
