@@ -23,6 +23,7 @@ def export(
     ctx_len: int = 4096,
     batch_size: int = 1,
     full_batch_size: int | None = None,
+    comp_ctx_lengths: list[int] | None = None,
     emit_logits: bool = False,
     sampling: bool = True,
     fp16_check: bool = True,
@@ -46,6 +47,8 @@ def export(
         (default: the draft's block size); both given must agree.
     prefill_seq_len, ctx_len, batch_size: the prefill chunk, KV slots and batch (1).
     full_batch_size: continuous batching with N cache rows, N sequences at once (None: off).
+    comp_ctx_lengths: the attention windows, ascending, ending at ctx_len (None: ctx_len / 8,
+        / 4, / 2 and ctx_len); each call reads the smallest one holding its positions.
     emit_logits: also output full logits; sampling: False = a greedy-only target program;
     fp16_check: run the fp16 graph check; compile: False = ONNX only.
     qpc_config: a compile profile name or YAML path; num_cores (the target's), num_devices,
@@ -65,6 +68,7 @@ def export(
         ctx_len=ctx_len,
         batch_size=batch_size,
         full_batch_size=full_batch_size,
+        comp_ctx_lengths=comp_ctx_lengths,
         emit_logits=emit_logits,
         sampling=sampling,
         qpc_config=qpc_config,

@@ -118,6 +118,14 @@ def test_batch_size_flag_points_to_full_batch_size(tiny_pair, tmp_path):
         ExportOptions(full_batch_size=0)
 
 
+def test_windows_option_is_checked():
+    with pytest.raises(ExportError, match="--comp-ctx-lengths must be distinct ascending"):
+        ExportOptions(ctx_len=256, comp_ctx_lengths=(128, 64, 256))
+    with pytest.raises(ExportError, match="ending at --ctx-len 256"):
+        ExportOptions(ctx_len=256, comp_ctx_lengths=(64, 128))
+    assert ExportOptions(ctx_len=256, comp_ctx_lengths=[64, 256]).comp_ctx_lengths == (64, 256)
+
+
 def _caches(prog) -> list[np.ndarray]:
     return [v.numpy().copy() for v in prog.caches]
 
@@ -216,6 +224,21 @@ def test_requests_joining_mid_flight_equal_their_solo_run(built, policy):
     assert {s.result.stats["slot"] for s in seqs} == set(range(N))
 
 
+def test_max_running_holds_the_concurrency(built):
+    _, _, art, _ = built(*CONFIGS[0])
+    pipe = dflash_qaic.load(art)
+    reqs = [pipe.request(prompt(4 + i, 200 + i), 12, []) for i in range(5)]
+    engine = Engine(pipe, "dflash", max_running=2)
+    seqs = [engine.add(r) for r in reqs]
+    in_flight = []
+    while engine.busy:
+        engine.step()
+        in_flight.append(sum(s is not None for s in engine.rows))
+    assert max(in_flight) == 2
+    solo = [pipe.generate(r.ids, 12, stop_token_ids=[]).tokens for r in reqs]
+    assert [s.result.tokens for s in seqs] == solo
+
+
 def test_stops_and_context_end_inside_a_batch(tiny_pair, tmp_path):
     t, d = tiny_pair(
         family="qwen3", block_size=8, agree=1.25, tie_word_embeddings=False, target_layer_ids=[1, 3]
@@ -251,6 +274,8 @@ def test_standin_runs_the_same_engine(built):
     res = pipe.generate(prompts, max_new_tokens=15)
     assert [r.tokens for r in res] == [r.tokens for r in ort_res]
     assert [r.acceptance_lengths for r in res] == [r.acceptance_lengths for r in ort_res]
+    # short contexts run on the smallest attention window (specializations `<name>@<window>`)
+    assert any("@" in n for n in pipe.target.session.used)
     used = {contract.base_name(n) for n in pipe.target.session.used}
     assert {contract.PREFILL, contract.VERIFY} <= used
     used = {contract.base_name(n) for n in pipe.draft.session.used}

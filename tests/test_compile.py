@@ -850,36 +850,36 @@ def test_program_and_io_must_agree(art, no_compiler):
 CB_TARGET_NAMED = """\
 {
   "specializations": [
-    {"name": "Prefill", "symbols": {"batch_size": "1", "full_batch_size": "4", "seq_len": "64", "ctx_len": "1024", "sample_len": "64"}},
-    {"name": "Verify", "symbols": {"batch_size": "4", "full_batch_size": "4", "seq_len": "16", "ctx_len": "1024", "sample_len": "1"}},
-    {"name": "VerifySampled", "symbols": {"batch_size": "4", "full_batch_size": "4", "seq_len": "16", "ctx_len": "1024", "sample_len": "16"}},
-    {"name": "Decode", "symbols": {"batch_size": "4", "full_batch_size": "4", "seq_len": "1", "ctx_len": "1024", "sample_len": "1"}}
+    {"name": "Prefill", "symbols": {"batch_size": "1", "full_batch_size": "4", "seq_len": "64", "ctx_len": "1024", "sample_len": "64", "comp_ctx_lengths": "1024"}},
+    {"name": "Verify", "symbols": {"batch_size": "4", "full_batch_size": "4", "seq_len": "16", "ctx_len": "1024", "sample_len": "1", "comp_ctx_lengths": "1024"}},
+    {"name": "VerifySampled", "symbols": {"batch_size": "4", "full_batch_size": "4", "seq_len": "16", "ctx_len": "1024", "sample_len": "16", "comp_ctx_lengths": "1024"}},
+    {"name": "Decode", "symbols": {"batch_size": "4", "full_batch_size": "4", "seq_len": "1", "ctx_len": "1024", "sample_len": "1", "comp_ctx_lengths": "1024"}}
   ]
 }
 """  # noqa: E501
 CB_TARGET_FLAT = """\
 {
   "specializations": [
-    {"batch_size": "1", "full_batch_size": "4", "seq_len": "64", "ctx_len": "1024", "sample_len": "64"},
-    {"batch_size": "4", "full_batch_size": "4", "seq_len": "16", "ctx_len": "1024", "sample_len": "1"},
-    {"batch_size": "4", "full_batch_size": "4", "seq_len": "16", "ctx_len": "1024", "sample_len": "16"},
-    {"batch_size": "4", "full_batch_size": "4", "seq_len": "1", "ctx_len": "1024", "sample_len": "1"}
+    {"batch_size": "1", "full_batch_size": "4", "seq_len": "64", "ctx_len": "1024", "sample_len": "64", "comp_ctx_lengths": "1024"},
+    {"batch_size": "4", "full_batch_size": "4", "seq_len": "16", "ctx_len": "1024", "sample_len": "1", "comp_ctx_lengths": "1024"},
+    {"batch_size": "4", "full_batch_size": "4", "seq_len": "16", "ctx_len": "1024", "sample_len": "16", "comp_ctx_lengths": "1024"},
+    {"batch_size": "4", "full_batch_size": "4", "seq_len": "1", "ctx_len": "1024", "sample_len": "1", "comp_ctx_lengths": "1024"}
   ]
 }
 """  # noqa: E501
 CB_DRAFT_NAMED = """\
 {
   "specializations": [
-    {"name": "DraftDecode", "symbols": {"batch_size": "4", "full_batch_size": "4", "seq_len": "16", "ctx_len": "1024"}},
-    {"name": "DraftPrefill", "symbols": {"batch_size": "1", "full_batch_size": "4", "seq_len": "64", "ctx_len": "1024"}}
+    {"name": "DraftDecode", "symbols": {"batch_size": "4", "full_batch_size": "4", "seq_len": "16", "ctx_len": "1024", "comp_ctx_lengths": "1024"}},
+    {"name": "DraftPrefill", "symbols": {"batch_size": "1", "full_batch_size": "4", "seq_len": "64", "ctx_len": "1024", "comp_ctx_lengths": "1024"}}
   ]
 }
 """  # noqa: E501
 CB_DRAFT_FLAT = """\
 {
   "specializations": [
-    {"batch_size": "4", "full_batch_size": "4", "seq_len": "16", "ctx_len": "1024"},
-    {"batch_size": "1", "full_batch_size": "4", "seq_len": "64", "ctx_len": "1024"}
+    {"batch_size": "4", "full_batch_size": "4", "seq_len": "16", "ctx_len": "1024", "comp_ctx_lengths": "1024"},
+    {"batch_size": "1", "full_batch_size": "4", "seq_len": "64", "ctx_len": "1024", "comp_ctx_lengths": "1024"}
   ]
 }
 """
@@ -915,6 +915,7 @@ def test_continuous_batching_pair_compiles(tmp_path, fake_compiler):
         full_batch_size=4,
         prefill_seq_len=64,
         ctx_len=1024,
+        comp_ctx_lengths=[1024],  # one window: the pinned texts below stay short
         fp16_check=False,
     )
     # the programs really are in the continuous-batching form

@@ -213,9 +213,10 @@ def test_greedy_only_export(pair, tmp_path, no_compiler):
         == 0
     )
     m = json.loads((out / "manifest.json").read_text())
-    assert [i["name"] for i in m["target"]["inputs"][:3]] == [
+    assert [i["name"] for i in m["target"]["inputs"][:4]] == [
         "input_ids",
         "position_ids",
+        "comp_ctx_lengths",
         "past_key.0",
     ]
     pipe = dflash_qaic.load(out)

@@ -63,6 +63,7 @@ class ExportOptions:
     ctx_len: int = 4096
     batch_size: int = 1
     full_batch_size: int | None = None  # continuous batching with this many cache rows
+    comp_ctx_lengths: tuple[int, ...] | None = None  # attention windows; None: the default ones
     emit_logits: bool = False
     sampling: bool = True  # False: a greedy-only target program (no sampler in the graph)
     qpc_config: str = "ai100_fp16"
@@ -85,6 +86,18 @@ class ExportOptions:
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 flag = "--" + name.replace("_", "-")
                 raise ExportError(f"{flag} must be an integer in [{lo}, {hi}], got {v!r}")
+        w = self.comp_ctx_lengths
+        if w is not None:
+            ok = isinstance(w, (list, tuple)) and all(
+                isinstance(n, int) and not isinstance(n, bool) and 1 <= n for n in w
+            )
+            if not ok or not w or list(w) != sorted(set(w)) or w[-1] != self.ctx_len:
+                raise ExportError(
+                    f"--comp-ctx-lengths must be distinct ascending integers ending at --ctx-len "
+                    f"{self.ctx_len}, got {w!r}: e.g. {self.ctx_len // 4},{self.ctx_len // 2},"
+                    f"{self.ctx_len}"
+                )
+            object.__setattr__(self, "comp_ctx_lengths", tuple(w))
         for name in ("emit_logits", "sampling", "compile", "fp16_check"):
             if not isinstance(getattr(self, name), bool):
                 raise ExportError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -439,6 +452,7 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, progress, steps) -> d
         block_size=B,
         batch_size=o.batch_size,
         full_batch_size=o.full_batch_size,
+        comp_ctx_lengths=list(o.comp_ctx_lengths) if o.comp_ctx_lengths else None,
         emit_logits=o.emit_logits,
         fp16_check=o.fp16_check,
         stream_from=pair,

@@ -29,6 +29,7 @@ RECIPE_KEYS = {
     "ctx_len",
     "batch_size",
     "full_batch_size",
+    "comp_ctx_lengths",
     "qpc_config",
 }
 # Shipped recipes are package data (the repository's `export/` links here).
@@ -99,6 +100,15 @@ def _int_flag(lo: int, hi: int):
     return parse
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers"
+        ) from None
+
+
 def _seconds(text: str) -> float:
     try:
         v = float(text)
@@ -139,6 +149,12 @@ def parser() -> argparse.ArgumentParser:
         "--ctx-len", type=size(4, MAX_CTX_LEN), help="context length in slots (default 4096)"
     )
     p.add_argument("--batch-size", type=size(1, MAX_BATCH_SIZE), help="batch size (default 1)")
+    p.add_argument(
+        "--comp-ctx-lengths",
+        type=_int_list,
+        help="attention windows, e.g. 512,1024,2048,4096 (must end at --ctx-len; default: "
+        "ctx/8, ctx/4, ctx/2, ctx)",
+    )
     p.add_argument(
         "--full-batch-size",
         type=size(1, MAX_BATCH_SIZE),
@@ -209,6 +225,7 @@ def resolve(args) -> tuple[Path, Path, dict]:
         "ctx_len": _pick(args.ctx_len, recipe, "ctx_len", 4096),
         "batch_size": _pick(args.batch_size, recipe, "batch_size", 1),
         "full_batch_size": _pick(args.full_batch_size, recipe, "full_batch_size"),
+        "comp_ctx_lengths": _pick(args.comp_ctx_lengths, recipe, "comp_ctx_lengths"),
         "emit_logits": args.emit_logits,
         "sampling": not args.no_sampling,
         "qpc_config": str(_pick(args.qpc_config, recipe, "qpc_config", "ai100_fp16")),
@@ -274,6 +291,8 @@ def _run(args) -> int:
     from dflash_qaic.export.artifacts import ExportError, ExportOptions, build_artifacts
     from dflash_qaic.manifest import ArtifactsError
 
+    if args.quiet:
+        os.environ["TQDM_DISABLE"] = "1"  # tqdm's own switch: no progress bars either
     try:
         target, draft, opts = resolve(args)
         say = (lambda _m: None) if args.quiet else (lambda m: print(f"· {m}", flush=True))

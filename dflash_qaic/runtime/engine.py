@@ -121,7 +121,15 @@ class Engine:
     engine.busy                          sequences queued or in flight
     """
 
-    def __init__(self, pipe, mode: str = "dflash", prefill_chunks_per_step: int | None = 1):
+    def __init__(
+        self,
+        pipe,
+        mode: str = "dflash",
+        prefill_chunks_per_step: int | None = 1,
+        max_running: int | None = None,
+    ):
+        """max_running: at most this many sequences in slots at once (None: every slot); the
+        benchmark holds concurrency c with it on a program of more slots."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if prefill_chunks_per_step is not None and prefill_chunks_per_step < 1:
@@ -132,6 +140,7 @@ class Engine:
         m = pipe.artifacts
         self.cb = m.full_batch_size is not None
         self.N = m.full_batch_size or 1
+        self.max_running = min(max_running or self.N, self.N)
         self.B, self.C, self.H = m.block_size, m.prefill_seq_len, m.hidden_size
         self.ctx_len, self.mask_id = m.ctx_len, m.mask_token_id
         self.can_sample = m.target.io.sampling
@@ -226,10 +235,12 @@ class Engine:
     # ------------------------------------------------------------------ slots
 
     def _admit(self) -> None:
+        running = sum(s is not None for s in self.rows)
         for slot in range(self.N):
-            if not self.waiting:
+            if not self.waiting or running >= self.max_running:
                 return
             if self.rows[slot] is None:
+                running += 1
                 seq = self.waiting.popleft()
                 seq.slot = slot
                 self.rows[slot] = seq
