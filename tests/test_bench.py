@@ -331,9 +331,15 @@ def _batch_results(measured, temperature=0.0, concs=(1, 2, 8)) -> dict:
 
     res = _results()
     res["artifacts"].update(full_batch_size=8)
-    res["config"] = {"concurrency": list(concs), "max_new_tokens": 100, "repeats": 2,
-                     "warmup": 0, "temperature": temperature, "prompts_source": "test",
-                     "prompts": [f"p{i}" for i in range(max(concs))]}  # fmt: skip
+    res["config"] = {
+        "concurrency": list(concs),
+        "max_new_tokens": 100,
+        "repeats": 2,
+        "warmup": 0,
+        "temperature": temperature,
+        "prompts_source": "test",
+        "prompts": [f"p{i}" for i in range(max(concs))],
+    }
     res = {k: res[k] for k in ("command", "started", "seconds", "artifacts", "config", "machine")}
     return {
         "schema": batch_report.SCHEMA,
@@ -398,8 +404,10 @@ def test_batch_equality_finds_a_difference():
     from dflash_qaic.bench.batch import equality
 
     solo = {"dflash": [[1, 2, 3], [4, 5]], "baseline": [[1, 2, 3], [4, 6]]}
-    checks = [{"label": "c=2 dflash", "mode": "dflash", "tokens": [[1, 2, 3], [4, 5]]},
-              {"label": "c=2 baseline", "mode": "baseline", "tokens": [[1, 9, 3], [4, 6]]}]  # fmt: skip
+    checks = [
+        {"label": "c=2 dflash", "mode": "dflash", "tokens": [[1, 2, 3], [4, 5]]},
+        {"label": "c=2 baseline", "mode": "baseline", "tokens": [[1, 9, 3], [4, 6]]},
+    ]
     e = equality(solo, checks, greedy=True)
     # the batch's prompt 0 differs at index 1; solo prompt 1 differs between the modes
     assert (e["equal"], e["total"], e["passed"]) == (4, 6, False)
@@ -432,8 +440,15 @@ def default_cb2(tmp_path_factory):
 
     r = load_recipe("default")
     out = tmp_path_factory.mktemp("default-cb2") / "art"
-    dflash_qaic.export(r["target"], r["draft"], out, full_batch_size=2, compile=False,
-                       prefill_seq_len=64, ctx_len=1024)  # fmt: skip
+    dflash_qaic.export(
+        r["target"],
+        r["draft"],
+        out,
+        full_batch_size=2,
+        compile=False,
+        prefill_seq_len=64,
+        ctx_len=1024,
+    )
     return out
 
 

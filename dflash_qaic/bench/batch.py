@@ -230,8 +230,9 @@ class _Runner:
         pipe.draft = _Timed(pipe.draft, False, B, budget)
         try:
             t = time.perf_counter()
-            res = self._gen(mode)([p.ids for p in self.prompts[:c]], **self.kw,
-                                  seed=self.seeds[mode][:c])  # fmt: skip
+            res = self._gen(mode)(
+                [p.ids for p in self.prompts[:c]], **self.kw, seed=self.seeds[mode][:c]
+            )
             wall = time.perf_counter() - t
         finally:
             pipe.prefill_chunks_per_step, pipe.target, pipe.draft = saved
@@ -326,10 +327,15 @@ def goals(pts: list[dict], temperature: float) -> dict:
     r = at[GOAL_C]["ratios"]
     value = {"vs_one_request": r["vs_c1"]["dflash"], "vs_target": r["dflash_vs_target"]}
     items = [
-        {"name": n, "at_least": want, "what": what, "value": value[n]["median"],
-         "met": value[n]["median"] >= want}
+        {
+            "name": n,
+            "at_least": want,
+            "what": what,
+            "value": value[n]["median"],
+            "met": value[n]["median"] >= want,
+        }
         for n, want, what in GOALS
-    ]  # fmt: skip
+    ]
     return {"concurrency": GOAL_C, "measured": True, "note": None, "items": items}
 
 
@@ -338,11 +344,14 @@ def summarise(measured: dict, concs: list[int], temperature: float) -> dict:
     runs, default, cmax = measured["runs"], measured["default"], max(concs)
     pts = points(runs, concs, default)
     policies = [
-        {"prefill_chunks_per_step": p, "default": p == default,
-         "modes": {m: stats.batch_point(runs[cmax, m, p]) for m in MODES}}
+        {
+            "prefill_chunks_per_step": p,
+            "default": p == default,
+            "modes": {m: stats.batch_point(runs[cmax, m, p]) for m in MODES},
+        }
         for p in POLICIES
         if (cmax, MODES[0], p) in runs
-    ]  # fmt: skip
+    ]
     return {
         "points": pts,
         "policy": {"concurrency": cmax, "default": default, "policies": policies},

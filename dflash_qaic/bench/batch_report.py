@@ -48,10 +48,11 @@ def _latency(x: dict) -> str:
 def _budget(x: dict) -> str:
     """Where a batch's wall time went: kind calls×ms share, then the host's share."""
     return " · ".join(
-        f"{k} {v['share']:.0%}" if k == "host" else
-        f"{k} {v['calls_per_batch']:.0f}×{ms(v['call_s'])} {v['share']:.0%}"
+        f"{k} {v['share']:.0%}"
+        if k == "host"
+        else f"{k} {v['calls_per_batch']:.0f}×{ms(v['call_s'])} {v['share']:.0%}"
         for k, v in _ordered(x["budget"])
-    )  # fmt: skip
+    )
 
 
 def _ordered(budget: dict) -> list:
@@ -78,9 +79,9 @@ def summary_screen(res: dict) -> str:
     ]
     for p in pts:
         d, b, r = p["modes"]["dflash"], p["modes"]["baseline"], p["ratios"]
-        vs = "—" if r["vs_c1"]["dflash"] is None else (
-            f"{r['vs_c1']['dflash']['median']:.2f}×, {r['vs_c1']['baseline']['median']:.2f}×"
-        )  # fmt: skip
+        v = r["vs_c1"]
+        vs = "—" if v["dflash"] is None else f"{v['dflash']['median']:.2f}×, "
+        vs += "" if v["baseline"] is None else f"{v['baseline']['median']:.2f}×"
         out.append(
             f"{p['concurrency']:>3}  {tps(d['tokens_per_s']):<22}{tps(b['tokens_per_s']):<22}"
             f"{ratio(r['dflash_vs_target']):<22}{vs:<24}{d['tau']:.2f}"
@@ -92,8 +93,10 @@ def summary_screen(res: dict) -> str:
         for p in pts
     ]
     pol = res["policy"]
-    out.append(f"admission at c={pol['concurrency']} (prefill_chunks_per_step): TTFT p50/p95 "
-               "TPOT p50/p95 ms — DFlash | target alone")  # fmt: skip
+    out.append(
+        f"admission at c={pol['concurrency']} (prefill_chunks_per_step): TTFT p50/p95 "
+        "TPOT p50/p95 ms — DFlash | target alone"
+    )
     for x in pol["policies"]:
         name = str(x["prefill_chunks_per_step"]) + (" (default)" if x["default"] else "")
         d, b = x["modes"]["dflash"], x["modes"]["baseline"]

@@ -276,9 +276,15 @@ def wall_budget(batches: Sequence[dict]) -> dict:
     for k in kinds:
         calls = sum(b["budget"].get(k, {}).get("calls", 0) for b in batches)
         secs = sum(b["budget"].get(k, {}).get("s", 0.0) for b in batches)
-        out[k] = {"calls_per_batch": calls / len(batches), "call_s": secs / calls if calls else 0.0,
-                  "share": secs / walls}  # fmt: skip
+        out[k] = {
+            "calls_per_batch": calls / len(batches),
+            "call_s": secs / calls if calls else 0.0,
+            "share": secs / walls,
+        }
     if out:
-        out["host"] = {"calls_per_batch": 0, "call_s": None,
-                       "share": 1 - sum(x["share"] for x in out.values())}  # fmt: skip
+        out["host"] = {
+            "calls_per_batch": 0,
+            "call_s": None,
+            "share": 1 - sum(x["share"] for x in out.values()),
+        }
     return out
