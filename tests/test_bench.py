@@ -491,3 +491,5 @@ def test_batch_cli_refuses_more_than_the_slots(default_cb2, tmp_path, capsys):
     assert "holds 2" in err and "Traceback" not in err
     assert main([str(default_cb2), "--concurrency", "1,x"]) == 2
     assert "'x' is not an integer" in capsys.readouterr().err
+    bad_t = [str(default_cb2), "--concurrency", "1", "--temperature", "nan", "--out", str(tmp_path)]
+    assert main(bad_t) == 2 and "--temperature must be" in capsys.readouterr().err

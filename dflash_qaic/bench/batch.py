@@ -18,6 +18,7 @@ Exits 1 when a request's tokens differ from its solo run, 2 on bad input.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import sys
@@ -118,8 +119,8 @@ def _main(args, command: str) -> int:
 
     args.concurrency = parse_concurrency(args.concurrency)
     check_common(args, ("max_new_tokens", "repeats"))
-    if args.temperature < 0 or args.temperature != args.temperature:
-        raise BenchError("--temperature must be a number ≥ 0 (0 is greedy)")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise BenchError("--temperature must be a finite number ≥ 0 (0 is greedy)")
     t0, started = time.perf_counter(), datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     machine = run.machine(args.threads)
     _log(f"dflash-bench: loading {args.artifacts} on {args.backend} ({args.threads} threads)")
