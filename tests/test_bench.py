@@ -361,6 +361,8 @@ def test_batch_summary_goals_and_report(tmp_path):
     assert p8["ratios"]["vs_c1"]["dflash"]["median"] == pytest.approx(5.0)
     assert p8["ratios"]["vs_c1"]["baseline"]["median"] == pytest.approx(400 / 80)
     assert p8["ratios"]["dflash_vs_target"]["median"] == pytest.approx(1.25)
+    # bound: τ 4 × decode (0.5 × 2.0 s / 100 calls) ÷ verify (0.5 × 1.6 s / 25 calls), no draft
+    assert p8["ratios"]["bound"] == pytest.approx(4 * 0.010 / 0.032)
     g = {i["name"]: i for i in res["goals"]["items"]}
     assert g["vs_one_request"]["met"] and not g["vs_target"]["met"]
     # (1 + 2 + 8) requests × 2 modes + 8 × 2 under the other policy + 8 solo pairs (T = 0)
@@ -466,7 +468,7 @@ def test_batch_cli_end_to_end(default_cb2, tmp_path, capsys):
             assert x["tokens_per_s"]["median"] > 0 and x["ttft_s"]["p95"] >= x["ttft_s"]["p50"]
             assert sum(v["share"] for v in x["budget"].values()) == pytest.approx(1.0)
         assert p["modes"]["baseline"]["tau"] == 1.0 and p["modes"]["dflash"]["tau"] >= 1.0
-        assert p["ratios"]["dflash_vs_target"]["n"] == 1
+        assert p["ratios"]["dflash_vs_target"]["n"] == 1 and p["ratios"]["bound"] > 0
         assert "verify" in p["modes"]["dflash"]["budget"]
         assert "decode" in p["modes"]["baseline"]["budget"]
     assert res["points"][0]["ratios"]["vs_c1"]["dflash"]["median"] == pytest.approx(1.0)

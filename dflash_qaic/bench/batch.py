@@ -313,9 +313,20 @@ def points(runs: dict, concs: list[int], policy) -> list[dict]:
         ratios = {
             "dflash_vs_target": stats.round_ratios(rounds[c]["dflash"], rounds[c]["baseline"]),
             "vs_c1": vs_c1,
+            "bound": step_bound(by_c[c]),
         }
         out.append({"concurrency": c, "modes": by_c[c], "ratios": ratios})
     return out
+
+
+def step_bound(modes: dict) -> float | None:
+    """DFlash ÷ target alone if only the steps counted: τ · T_decode / (T_verify + T_draft), with
+    the mean calls of these batches (stats.bound); None without the calls."""
+    d, b = modes["dflash"]["budget"], modes["baseline"]["budget"]
+    if "verify" not in d or "decode" not in b:
+        return None
+    draft = d["draft"]["call_s"] if "draft" in d else 0.0
+    return stats.bound(modes["dflash"]["tau"], b["decode"]["call_s"], d["verify"]["call_s"], draft)
 
 
 def goals(pts: list[dict], temperature: float) -> dict:

@@ -16,6 +16,7 @@ LABEL = {"dflash": "DFlash", "baseline": "target alone"}
 
 tps = lambda x: sp(x, "{:.1f}".format)  # noqa: E731
 ratio = lambda x: "—" if x is None else sp(x, x_)  # noqa: E731
+bound = lambda b: "—" if b is None else x_(b)  # noqa: E731
 policy_name = lambda p: "None (all waiting prompts)" if p is None else str(p)  # noqa: E731
 
 
@@ -74,8 +75,8 @@ def summary_screen(res: dict) -> str:
         f"{m['load_end'][0]:.2f}",
         *goal_lines(res),
         equality_text(res["equality"]),
-        f"{'c':>3}  {'DFlash tokens/s':<22}{'target tokens/s':<22}{'DFlash÷target':<22}"
-        f"{'vs c=1 DFlash, target':<24}τ",
+        f"{'c':>3}  {'DFlash tokens/s':<24}{'target tokens/s':<24}{'DFlash÷target':<22}"
+        f"{'(bound)':<9}{'vs c=1 DFlash, target':<24}τ",
     ]
     for p in pts:
         d, b, r = p["modes"]["dflash"], p["modes"]["baseline"], p["ratios"]
@@ -83,8 +84,8 @@ def summary_screen(res: dict) -> str:
         vs = "—" if v["dflash"] is None else f"{v['dflash']['median']:.2f}×, "
         vs += "" if v["baseline"] is None else f"{v['baseline']['median']:.2f}×"
         out.append(
-            f"{p['concurrency']:>3}  {tps(d['tokens_per_s']):<22}{tps(b['tokens_per_s']):<22}"
-            f"{ratio(r['dflash_vs_target']):<22}{vs:<24}{d['tau']:.2f}"
+            f"{p['concurrency']:>3}  {tps(d['tokens_per_s']):<24}{tps(b['tokens_per_s']):<24}"
+            f"{ratio(r['dflash_vs_target']):<22}{bound(r['bound']):<9}{vs:<24}{d['tau']:.2f}"
         )
     out.append("per request, ms: TTFT p50/p95 TPOT p50/p95 — DFlash | target alone")
     out += [
@@ -122,10 +123,13 @@ def throughput_md(res: dict) -> str:
     for p in res["points"]:
         for mode in MODES:
             x, r = p["modes"][mode], p["ratios"]
-            vs = ratio(r["dflash_vs_target"]) if mode == "dflash" else ""
+            vs, b = (
+                (ratio(r["dflash_vs_target"]), bound(r["bound"])) if mode == "dflash" else ("", "")
+            )
             rows.append([p["concurrency"], LABEL[mode], tps(x["tokens_per_s"])])
-            rows[-1] += [ratio(r["vs_c1"][mode]), vs, f"{x['tau']:.2f}", x["new_tokens"]]
-    head = ["c", "", "aggregate tokens/s", "vs c = 1", "DFlash ÷ target alone", "τ", "tokens"]
+            rows[-1] += [ratio(r["vs_c1"][mode]), vs, b, f"{x['tau']:.2f}", x["new_tokens"]]
+    head = ["c", "", "aggregate tokens/s", "vs c = 1", "DFlash ÷ target alone", "bound", "τ"]
+    head.append("tokens")
     return table(head, rows)
 
 
