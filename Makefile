@@ -5,8 +5,9 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 OUT    ?= artifacts/default
+CB_OUT ?= artifacts/default-cb8
 
-.PHONY: setup test test-slow lint format demo bench clean
+.PHONY: setup test test-slow lint format demo bench bench-batch clean
 
 setup: $(STAMP)
 
@@ -43,6 +44,12 @@ demo: setup
 bench: setup
 	$(VENV)/bin/dflash-export --out $(OUT) --quiet
 	$(VENV)/bin/dflash-bench $(OUT) --out bench/latest
+
+# Continuous batching: the default pair exported with 8 cache rows (reused if present), DFlash
+# against the target alone at 1, 2, 4 and 8 concurrent requests; writes bench/latest-batch/.
+bench-batch: setup
+	$(VENV)/bin/dflash-export --out $(CB_OUT) --full-batch-size 8 --quiet
+	$(VENV)/bin/dflash-bench $(CB_OUT) --concurrency 1,2,4,8 --out bench/latest-batch
 
 clean:
 	rm -rf $(VENV) artifacts .pytest_cache

@@ -261,3 +261,237 @@ def test_export_and_serve_modes_are_delegated(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "dflash_qaic.bench.export", None)  # absent
     assert main(["--export"]) == 2
     assert "--export needs dflash_qaic.bench.export, not installed" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- continuous batching
+
+
+def _req(n_tokens, ttft, tpot, lengths=(), calls=None):
+    st = {"new_tokens": n_tokens, "ttft_s": ttft, "tpot_s": tpot}
+    return SimpleNamespace(
+        tokens=[7] * n_tokens, acceptance_lengths=list(lengths), stats=st, call_times=calls or {}
+    )
+
+
+def _batch(c, wall, mode, tokens=100):
+    """c requests of `tokens` tokens in `wall` seconds; request i has TTFT (i + 1) × 10 ms."""
+    lengths = [4] * (tokens // 4) if mode == "dflash" else [1] * tokens
+    kind = "verify" if mode == "dflash" else "decode"
+    res = [
+        _req(tokens, 0.01 * (i + 1), 0.002 * (i + 1), lengths, {kind: [0.01] * len(lengths)})
+        for i in range(c)
+    ]
+    budget = {
+        "prefill": {"calls": c, "s": 0.1 * wall},
+        kind: {"calls": len(lengths), "s": 0.5 * wall},
+    }
+    return {"wall_s": wall, "results": res, "budget": budget}
+
+
+def test_batch_point_by_hand():
+    # two rounds of 4 requests × 100 tokens, in 1 s and 2 s: 400 and 200 tokens/s
+    p = stats.batch_point([_batch(4, 1.0, "dflash"), _batch(4, 2.0, "dflash")])
+    assert p["rounds_tokens_per_s"] == [400.0, 200.0] and p["tokens_per_s"]["median"] == 300.0
+    assert p["requests"] == 8 and p["new_tokens"] == 800 and p["tau"] == 4.0
+    ttft = [0.01, 0.02, 0.03, 0.04] * 2  # pooled over rounds; numpy's linear interpolation
+    assert p["ttft_s"]["p50"] == pytest.approx(np.percentile(ttft, 50))
+    assert p["ttft_s"]["p95"] == pytest.approx(np.percentile(ttft, 95)) and p["ttft_s"]["n"] == 8
+    # TPOT 2, 4, 6, 8 ms twice: the 95th percentile sits between the two 8 ms, the median at 5
+    assert p["tpot_s"]["p95"] == pytest.approx(0.008) and p["tpot_s"]["p50"] == pytest.approx(0.005)
+    b = p["budget"]  # prefill 10 % and verify 50 % of each wall time: the host has the rest
+    assert b["prefill"]["share"] == pytest.approx(0.1) and b["verify"]["calls_per_batch"] == 25
+    assert b["verify"]["call_s"] == pytest.approx((0.5 + 1.0) / 50)
+    assert b["host"]["share"] == pytest.approx(0.4)
+    assert p["calls"]["verify"] == {"median_s": 0.01, "per_request": 25.0}
+    assert stats.round_ratios([4.0, 9.0], [2.0, 3.0])["median"] == pytest.approx(2.5)
+    with pytest.raises(ValueError):
+        stats.round_ratios([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError):
+        stats.batch_point([])
+
+
+def _measured(walls: dict, concs=(1, 2, 8), rounds=2, default=1):
+    """runs[(c, mode, policy)]: `rounds` batches of c requests in walls[c, mode] seconds; the
+    other policy at the largest c runs 10 % slower."""
+    runs = {
+        (c, m, default): [_batch(c, walls[c, m], m) for _ in range(rounds)]
+        for c in concs
+        for m in ("dflash", "baseline")
+    }
+    other = None if default == 1 else 1
+    for m in ("dflash", "baseline"):
+        runs[max(concs), m, other] = [_batch(max(concs), 1.1 * walls[max(concs), m], m)] * rounds
+    solo = {m: [[7] * 100 for _ in range(max(concs))] for m in ("dflash", "baseline")}
+    checks = [{"label": f"c={c}", "mode": m, "tokens": [[7] * 100] * c} for (c, m, _p) in runs]
+    return {"runs": runs, "solo": solo, "checks": checks, "default": default}
+
+
+def _batch_results(measured, temperature=0.0, concs=(1, 2, 8)) -> dict:
+    from dflash_qaic.bench import batch, batch_report
+
+    res = _results()
+    res["artifacts"].update(full_batch_size=8)
+    res["config"] = {
+        "concurrency": list(concs),
+        "max_new_tokens": 100,
+        "repeats": 2,
+        "warmup": 0,
+        "temperature": temperature,
+        "prompts_source": "test",
+        "prompts": [f"p{i}" for i in range(max(concs))],
+    }
+    res = {k: res[k] for k in ("command", "started", "seconds", "artifacts", "config", "machine")}
+    return {
+        "schema": batch_report.SCHEMA,
+        **res,
+        **batch.summarise(measured, list(concs), temperature),
+    }
+
+
+def test_batch_summary_goals_and_report(tmp_path):
+    from dflash_qaic.bench import batch_report
+
+    # DFlash: 100 tokens/s alone, 8 × 100 tokens in 1.6 s at 8 = 500 tokens/s (5× one request's);
+    # target alone: 8 × 100 tokens in 2 s = 400 tokens/s, so DFlash is 1.25× it (goal 1.5×)
+    walls = {(1, "dflash"): 1.0, (1, "baseline"): 1.25, (2, "dflash"): 1.0}
+    walls.update({(2, "baseline"): 1.0, (8, "dflash"): 1.6, (8, "baseline"): 2.0})
+    res = _batch_results(_measured(walls))
+    p8 = res["points"][-1]
+    assert p8["concurrency"] == 8 and p8["modes"]["dflash"]["tokens_per_s"]["median"] == 500
+    assert p8["ratios"]["vs_c1"]["dflash"]["median"] == pytest.approx(5.0)
+    assert p8["ratios"]["vs_c1"]["baseline"]["median"] == pytest.approx(400 / 80)
+    assert p8["ratios"]["dflash_vs_target"]["median"] == pytest.approx(1.25)
+    # bound: τ 4 × decode (0.5 × 2.0 s / 100 calls) ÷ verify (0.5 × 1.6 s / 25 calls), no draft
+    assert p8["ratios"]["bound"] == pytest.approx(4 * 0.010 / 0.032)
+    g = {i["name"]: i for i in res["goals"]["items"]}
+    assert g["vs_one_request"]["met"] and not g["vs_target"]["met"]
+    # (1 + 2 + 8) requests × 2 modes + 8 × 2 under the other policy + 8 solo pairs (T = 0)
+    assert res["equality"] == {"equal": 46, "total": 46, "passed": True, "problems": []}
+    pol = {x["prefill_chunks_per_step"]: x for x in res["policy"]["policies"]}
+    assert set(pol) == {None, 1} and pol[1]["default"] and not pol[None]["default"]
+    slower = pol[None]["modes"]["dflash"]["tokens_per_s"]["median"]
+    assert slower == pytest.approx(800 / (1.1 * 1.6))
+    screen = batch_report.summary_screen(res)
+    lines = screen.splitlines()
+    assert lines[2].startswith("goal (issue 15): 8 concurrent, T=0: aggregate ≥ 4× one request's")
+    assert "5.00× one request's (≥ 4×: met)" in lines[3]
+    assert "1.25× the target alone at 8 (≥ 1.5×: NOT MET)" in lines[3]
+    assert "requests equal to their solo run: 46/46" in screen and len(lines) < 30
+    md = batch_report.render_markdown(res)
+    assert md.index(lines[0]) < md.index("## Aggregate throughput") < md.index("## Machine")
+    assert "$" not in md and "| None (all waiting prompts) | DFlash |" in md
+    paths = batch_report.write_outputs(res, tmp_path)
+    back = json.loads(paths["json"].read_text())
+    assert back["points"][0]["modes"]["dflash"]["tau"] == 4.0
+    assert back["policy"]["policies"][0]["prefill_chunks_per_step"] is None
+    assert paths["png"].stat().st_size > 0
+
+
+def test_batch_goals_need_8_and_greedy():
+    from dflash_qaic.bench import batch
+
+    walls = {(c, m): 1.0 for c in (1, 2) for m in ("dflash", "baseline")}
+    res = _batch_results(_measured(walls, concs=(1, 2)), concs=(1, 2))
+    assert not res["goals"]["measured"] and "lacks 8" in res["goals"]["note"]
+    assert res["policy"]["concurrency"] == 2 and len(res["policy"]["policies"]) == 2
+    sampled = batch.goals(res["points"], 0.7)
+    assert not sampled["measured"] and sampled["note"] == "T > 0"
+    # without c = 1 there is no ratio against one request
+    walls = {(c, m): 1.0 for c in (2, 4) for m in ("dflash", "baseline")}
+    res = _batch_results(_measured(walls, concs=(2, 4)), concs=(2, 4))
+    assert res["points"][0]["ratios"]["vs_c1"] == {"dflash": None, "baseline": None}
+
+
+def test_batch_equality_finds_a_difference():
+    from dflash_qaic.bench.batch import equality
+
+    solo = {"dflash": [[1, 2, 3], [4, 5]], "baseline": [[1, 2, 3], [4, 6]]}
+    checks = [
+        {"label": "c=2 dflash", "mode": "dflash", "tokens": [[1, 2, 3], [4, 5]]},
+        {"label": "c=2 baseline", "mode": "baseline", "tokens": [[1, 9, 3], [4, 6]]},
+    ]
+    e = equality(solo, checks, greedy=True)
+    # the batch's prompt 0 differs at index 1; solo prompt 1 differs between the modes
+    assert (e["equal"], e["total"], e["passed"]) == (4, 6, False)
+    assert e["problems"] == [
+        "c=2 baseline, prompt 0: tokens differ from index 1",
+        "solo prompt 1, DFlash against the target alone: tokens differ from index 1",
+    ]
+    assert equality(solo, checks[:1], greedy=False)["passed"]
+
+
+def test_parse_concurrency_and_fit():
+    from dflash_qaic.bench.batch import check_fits, parse_concurrency
+
+    assert parse_concurrency("8, 1,2 ,4,") == [1, 2, 4, 8]
+    for bad in ("", "x", "0", "1,1", "-2"):
+        with pytest.raises(BenchError):
+            parse_concurrency(bad)
+    check_fits(8, [1, 8], "a")
+    check_fits(None, [1], "a")  # one slot without continuous batching
+    for rows in (4, None):
+        with pytest.raises(BenchError, match="--full-batch-size 8"):
+            check_fits(rows, [1, 8], "a")
+
+
+@pytest.fixture(scope="module")
+def default_cb2(tmp_path_factory):
+    """The default pair exported in the continuous-batching form with 2 cache rows."""
+    import dflash_qaic
+    from dflash_qaic.export.cli import load_recipe
+
+    r = load_recipe("default")
+    out = tmp_path_factory.mktemp("default-cb2") / "art"
+    dflash_qaic.export(
+        r["target"],
+        r["draft"],
+        out,
+        full_batch_size=2,
+        compile=False,
+        prefill_seq_len=64,
+        ctx_len=1024,
+    )
+    return out
+
+
+def test_batch_cli_end_to_end(default_cb2, tmp_path, capsys):
+    out = tmp_path / "batch"
+    argv = [str(default_cb2), "--concurrency", "1,2", "--max-new-tokens", "8", "--repeats", "1"]
+    assert main([*argv, "--warmup", "0", "--threads", "1", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["schema"] == "dflash-bench-batch/1" and res["artifacts"]["full_batch_size"] == 2
+    assert [p["concurrency"] for p in res["points"]] == [1, 2]
+    for p in res["points"]:
+        for mode in ("dflash", "baseline"):
+            x = p["modes"][mode]
+            assert x["requests"] == p["concurrency"] and x["new_tokens"] == 8 * p["concurrency"]
+            assert x["tokens_per_s"]["median"] > 0 and x["ttft_s"]["p95"] >= x["ttft_s"]["p50"]
+            assert sum(v["share"] for v in x["budget"].values()) == pytest.approx(1.0)
+        assert p["modes"]["baseline"]["tau"] == 1.0 and p["modes"]["dflash"]["tau"] >= 1.0
+        assert p["ratios"]["dflash_vs_target"]["n"] == 1 and p["ratios"]["bound"] > 0
+        assert "verify" in p["modes"]["dflash"]["budget"]
+        assert "decode" in p["modes"]["baseline"]["budget"]
+    assert res["points"][0]["ratios"]["vs_c1"]["dflash"]["median"] == pytest.approx(1.0)
+    # the equality check ran: 2 solo comparisons + (1 + 2 requests) × 2 modes + 2 × 2 (policy)
+    e = res["equality"]
+    assert e == {"equal": 12, "total": 12, "passed": True, "problems": []}
+    pol = res["policy"]
+    assert pol["concurrency"] == 2 and len(pol["policies"]) == 2
+    assert not res["goals"]["measured"]
+    screen = capsys.readouterr().out
+    assert screen.startswith("dflash-bench --concurrency") and "requests equal" in screen
+    md = (out / "report.md").read_text()
+    assert md.startswith("# dflash-bench report: continuous batching") and "![" in md
+    assert (out / "report.png").stat().st_size > 0
+
+
+def test_batch_cli_refuses_more_than_the_slots(default_cb2, tmp_path, capsys):
+    argv = [str(default_cb2), "--concurrency", "1,4", "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "dflash-bench: error:" in err and "--full-batch-size 4" in err
+    assert "holds 2" in err and "Traceback" not in err
+    assert main([str(default_cb2), "--concurrency", "1,x"]) == 2
+    assert "'x' is not an integer" in capsys.readouterr().err
+    bad_t = [str(default_cb2), "--concurrency", "1", "--temperature", "nan", "--out", str(tmp_path)]
+    assert main(bad_t) == 2 and "--temperature must be" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
     dflash-bench artifacts/default                # writes bench/latest/{report.md,.png,results.json}
     dflash-bench artifacts/default --temperatures 0 --no-peers --repeats 1    # a quick look
+    dflash-bench artifacts/default-cb8 --concurrency 1,2,4,8   # continuous batching (batch.py)
     dflash-bench --export …  /  dflash-bench --serve …   # the export and server benchmarks
 
 Prints the summary screen. Exits 1 when DFlash's tokens differ from the target's at T = 0 (the
@@ -64,6 +65,10 @@ def _log(msg: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a == "--concurrency" or a.startswith("--concurrency=") for a in argv):
+        from dflash_qaic.bench import batch  # continuous batching: its own flags and report
+
+        return batch.main(argv)
     for flag, module in MODES.items():
         if flag in argv:
             return _delegate(flag, module, [a for a in argv if a != flag])
@@ -95,12 +100,19 @@ def _delegate(flag: str, module: str, argv: list[str]) -> int:
 
 def check_args(args) -> None:
     """Every flag checked before any long work; --out created (or refused) up front."""
+    check_common(args, ("num_prompts", "max_new_tokens", "repeats"))
+    args.temperatures = parse_temperatures(args.temperatures)
+
+
+def check_common(args, counts: tuple[str, ...]) -> None:
+    """The flags both benchmarks share: counts ≥ 1, --warmup, --threads, --top-k / --top-p,
+    --out (created or refused)."""
     from dflash_qaic.bench.run import BenchError
     from dflash_qaic.runtime.pipeline import GenerationError, Sampling
 
     if importlib.util.find_spec("scipy") is None:
         raise BenchError("dflash-bench needs scipy: pip install 'dflash-qaic[bench]'")
-    for name in ("num_prompts", "max_new_tokens", "repeats"):
+    for name in counts:
         if getattr(args, name) < 1:
             raise BenchError(f"--{name.replace('_', '-')} must be ≥ 1")
     if args.warmup < 0:
@@ -109,7 +121,6 @@ def check_args(args) -> None:
     args.threads = cpus if args.threads is None else args.threads
     if not 1 <= args.threads <= 4 * cpus:
         raise BenchError(f"--threads must be 1 … {4 * cpus} (this machine has {cpus} CPUs)")
-    args.temperatures = parse_temperatures(args.temperatures)
     try:
         Sampling.checked(1.0, args.top_k, args.top_p, args.seed)
     except GenerationError as e:

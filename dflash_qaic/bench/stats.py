@@ -214,3 +214,77 @@ def section(temperature: float, runs, problems: list[str], prompts, B: int, seed
         pairs = [(b.tokens, d.tokens) for b, d in zip(base, dfl)]
         out["check"] = {"kind": "histograms", **token_distribution_check(pairs, seed=seed)}
     return out
+
+
+# ---------------------------------------------------------------- continuous batching (batch.py)
+
+
+def quantiles(xs: Iterable[float]) -> dict:
+    """Median and 95th percentile (numpy's linear interpolation) with the count."""
+    a = np.asarray(list(xs), np.float64)
+    if a.size == 0:
+        raise ValueError("no values")
+    p50, p95 = np.percentile(a, [50, 95]).tolist()
+    return {"p50": p50, "p95": p95, "n": int(a.size)}
+
+
+def batch_point(batches: Sequence[dict]) -> dict:
+    """One (concurrency, mode) over its rounds. `batches`: per round {"wall_s": seconds of the
+    whole batch, "results": one record per request (.stats, .acceptance_lengths, .call_times),
+    optionally "budget": {kind: {"calls", "s"}} of the batch's program calls}.
+    Aggregate tokens/s = all requests' new tokens ÷ the batch's wall time (prefill included),
+    per round; TTFT and TPOT pool every request of every round; τ pools every step."""
+    if not batches or not all(b["results"] for b in batches):
+        raise ValueError("no batches")
+    rounds = [sum(r.stats["new_tokens"] for r in b["results"]) / b["wall_s"] for b in batches]
+    recs = [r for b in batches for r in b["results"]]
+    lengths = [n for r in recs for n in r.acceptance_lengths]
+    kinds = sorted({k for r in recs for k in r.call_times})
+    calls = {
+        k: {
+            "median_s": float(np.median([t for r in recs for t in r.call_times.get(k, ())])),
+            "per_request": float(np.mean([len(r.call_times.get(k, ())) for r in recs])),
+        }
+        for k in kinds
+    }
+    return {
+        "budget": wall_budget(batches),
+        "rounds_tokens_per_s": rounds,
+        "tokens_per_s": spread(rounds),
+        "ttft_s": quantiles(r.stats["ttft_s"] for r in recs),
+        "tpot_s": quantiles(r.stats["tpot_s"] for r in recs),
+        "tau": tau(lengths),
+        "requests": len(recs),
+        "new_tokens": sum(r.stats["new_tokens"] for r in recs),
+        "calls": calls,
+    }
+
+
+def round_ratios(num: Sequence[float], den: Sequence[float]) -> dict:
+    """Round-by-round num[r] / den[r] (measured in the same round), as a spread."""
+    if len(num) != len(den) or not num:
+        raise ValueError("ratios need the same, non-zero number of rounds on both sides")
+    return spread(a / b for a, b in zip(num, den))
+
+
+def wall_budget(batches: Sequence[dict]) -> dict:
+    """Where the batches' wall time went: per call kind, calls per batch, seconds per call and
+    share of the wall time; "host" is the rest (the host loop, Python, waiting)."""
+    walls = sum(b["wall_s"] for b in batches)
+    kinds = sorted({k for b in batches for k in b.get("budget", {})})
+    out = {}
+    for k in kinds:
+        calls = sum(b["budget"].get(k, {}).get("calls", 0) for b in batches)
+        secs = sum(b["budget"].get(k, {}).get("s", 0.0) for b in batches)
+        out[k] = {
+            "calls_per_batch": calls / len(batches),
+            "call_s": secs / calls if calls else 0.0,
+            "share": secs / walls,
+        }
+    if out:
+        out["host"] = {
+            "calls_per_batch": 0,
+            "call_s": None,
+            "share": 1 - sum(x["share"] for x in out.values()),
+        }
+    return out

@@ -1,0 +1,372 @@
+"""`dflash-bench ARTIFACTS --concurrency 1,2,4,8`: continuous batching, DFlash against the target
+alone on the same program at each concurrency, and a report (issue 15).
+
+    dflash-export --out artifacts/default-cb8 --full-batch-size 8
+    dflash-bench artifacts/default-cb8 --concurrency 1,2,4,8     # writes bench/latest-batch/
+    dflash-bench artifacts/default-cb8 --concurrency 1,2 --max-new-tokens 16 --repeats 1
+
+Per round, at each concurrency c, c distinct prompts run as one batch (`pipe.generate(list)`,
+then `pipe.generate_baseline(list)`, the order alternating) in one process. Aggregate tokens/s =
+all new tokens ÷ the batch's wall time; TTFT and TPOT per request (p50, p95); τ; ratios against
+c = 1 of the same mode and DFlash against the target alone at the same c, round by round. Every
+request's tokens are compared with the same prompt run alone (same mode, same seed); at the
+largest c the admission policies (`prefill_chunks_per_step` None and 1) are compared.
+
+Exits 1 when a request's tokens differ from its solo run, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shlex
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from dflash_qaic.bench import stats
+from dflash_qaic.bench.run import BenchError
+
+MODES = ("dflash", "baseline")  # generate / generate_baseline
+LABEL = {"dflash": "DFlash", "baseline": "target alone"}
+POLICIES = (None, 1)  # prefill_chunks_per_step: every waiting prompt / one chunk between steps
+GOAL_C = 8
+GOALS = (  # name, at least, what (issue 15: default pair, 8 concurrent, T = 0)
+    ("vs_one_request", 4.0, "× one request's"),
+    ("vs_target", 1.5, "× the target alone at 8"),
+)
+OPTIONS = [  # flag, type, default, help
+    ("--concurrency", str, None, "comma-separated concurrencies, e.g. 1,2,4,8 (required)"),
+    ("--max-new-tokens", int, 128, "tokens per request"),
+    ("--repeats", int, 3, "timed rounds"),
+    ("--warmup", int, 1, "discarded rounds first"),
+    ("--out", str, "bench/latest-batch", "output directory"),
+    ("--prompts", str, None, "prompts file as for the decode benchmark; None: the default "
+     "pair's held-out prompts, else random ids"),
+    ("--threads", int, None, "ONNX Runtime threads; None: the usable CPUs"),
+    ("--temperature", float, 0.0, "0 = greedy"),
+    ("--top-k", int, 0, "top-k at T > 0 (0: off)"),
+    ("--top-p", float, 1.0, "top-p at T > 0 (1: off)"),
+    ("--seed", int, 0, "base seed of the sampled runs (one seed per prompt and mode)"),
+]  # fmt: skip
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dflash-bench",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("artifacts", help="artifacts exported with --full-batch-size")
+    p.add_argument("--backend", default="ort", choices=["ort", "qaic", "auto", "qaic-standin"])
+    for flag, typ, default, text in OPTIONS:
+        p.add_argument(flag, type=typ, default=default, help=f"{text} (default %(default)s)")
+    p.add_argument("--debug", action="store_true", help="tracebacks on errors")
+    return p
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    from dflash_qaic.runtime import ArtifactsError, BackendError, GenerationError
+
+    try:
+        return _main(args, shlex.join(["dflash-bench", *argv]))
+    except (BenchError, ArtifactsError, BackendError, GenerationError) as e:
+        if args.debug:
+            raise
+        print(f"dflash-bench: error: {e}", file=sys.stderr)
+        return 2
+
+
+def parse_concurrency(text: str | None) -> list[int]:
+    """'1,2,4,8' -> [1, 2, 4, 8]: distinct integers ≥ 1, sorted."""
+    out: set[int] = set()
+    for part in filter(str.strip, (text or "").split(",")):
+        try:
+            c = int(part)
+        except ValueError:
+            raise BenchError(f"--concurrency: {part.strip()!r} is not an integer") from None
+        if c < 1 or c in out:
+            raise BenchError(f"--concurrency: {c} must be ≥ 1 and not repeated")
+        out.add(c)
+    if not out:
+        raise BenchError("--concurrency: give at least one, e.g. 1,2,4,8")
+    return sorted(out)
+
+
+def check_fits(full_batch_size: int | None, concurrency: list[int], artifacts) -> None:
+    """The program must hold the largest concurrency at once (one cache row per request)."""
+    rows, c = full_batch_size or 1, max(concurrency)
+    if c > rows:
+        how = f"full_batch_size {full_batch_size}" if full_batch_size else "no continuous batching"
+        raise BenchError(
+            f"--concurrency {c} needs {c} sequences at once, but {artifacts} holds {rows} "
+            f"({how}): export with `dflash-export --full-batch-size {c}` (or lower --concurrency)"
+        )
+
+
+def _main(args, command: str) -> int:
+    import dflash_qaic
+    from dflash_qaic.bench import batch_report, run
+    from dflash_qaic.bench.cli import check_common
+
+    args.concurrency = parse_concurrency(args.concurrency)
+    check_common(args, ("max_new_tokens", "repeats"))
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise BenchError("--temperature must be a finite number ≥ 0 (0 is greedy)")
+    t0, started = time.perf_counter(), datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    machine = run.machine(args.threads)
+    _log(f"dflash-bench: loading {args.artifacts} on {args.backend} ({args.threads} threads)")
+    pipe = dflash_qaic.load(args.artifacts, backend=args.backend, threads=args.threads)
+    f = run.facts(pipe, args.artifacts)
+    check_fits(f["full_batch_size"], args.concurrency, args.artifacts)
+    if args.temperature > 0 and not pipe.can_sample:
+        raise BenchError("these artifacts have no sampler (--no-sampling): use --temperature 0")
+    cmax = max(args.concurrency)
+    prompts, source = run.select_prompts(f, pipe.tokenizer, args.max_new_tokens, args.prompts, cmax)
+    if len(prompts) < cmax:
+        raise BenchError(
+            f"--concurrency {cmax} needs {cmax} distinct prompts, {source} has {len(prompts)}: "
+            "give more with --prompts or lower --concurrency"
+        )
+    _log(f"{cmax} prompts from {source}")
+    measured = measure(pipe, prompts, args, _log)
+    res = {
+        "schema": batch_report.SCHEMA,
+        "command": command,
+        "started": started,
+        "seconds": time.perf_counter() - t0,
+        "artifacts": {**f, "backend": pipe.backend},
+        "config": {k: v for k, v in vars(args).items() if k not in ("artifacts", "debug")},
+        "machine": {**machine, "load_end": [round(x, 2) for x in os.getloadavg()]},
+        **summarise(measured, args.concurrency, args.temperature),
+    }
+    res["config"].update(prompts_source=source, prompts=[p.name for p in prompts])
+    paths = batch_report.write_outputs(res, Path(args.out))
+    print(batch_report.summary_screen(res))
+    _log(f"wrote {', '.join(map(str, paths.values()))} ({res['seconds']:.0f} s)")
+    if not res["equality"]["passed"]:
+        _log(f"dflash-bench: TOKENS DIFFER: {'; '.join(res['equality']['problems'][:3])}")
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+class _Timed:
+    """A program whose calls are counted and timed by kind while a batch runs: where the batch's
+    wall time goes (the engine's own call times count a shared call once per request in it).
+    The kind comes from the call's shapes: target ids of 1 column are a decode call, of B a
+    verify call, else a prefill chunk (a prefill chunk of exactly B counts as verify); draft
+    context of B rows is a step's draft call, else a prefill chunk's."""
+
+    def __init__(self, program, is_target: bool, block_size: int, budget: dict):
+        self._program, self._target, self._B, self._budget = program, is_target, block_size, budget
+
+    def __getattr__(self, name):
+        return getattr(self._program, name)
+
+    def run(self, feeds):
+        from dflash_qaic import contract
+
+        t = time.perf_counter()
+        out = self._program.run(feeds)
+        dt = time.perf_counter() - t
+        if self._target:
+            n = feeds[contract.INPUT_IDS].shape[1]
+            kind = "decode" if n == 1 else "verify" if n == self._B else "prefill"
+        else:
+            n = feeds[contract.TARGET_HIDDEN].shape[1]
+            kind = "draft" if n == self._B else "draft_prefill"
+        got = self._budget.setdefault(kind, [0, 0.0])
+        got[0], got[1] = got[0] + 1, got[1] + dt
+        return out
+
+
+class _Runner:
+    """Runs batches of the first c prompts in one mode under one admission policy, with each
+    prompt's settings (its own seed per mode when sampling), and checks every request against
+    the prompt's solo run."""
+
+    def __init__(self, pipe, prompts, args):
+        from dflash_qaic.bench.run import sample_seed
+
+        self.pipe, self.prompts = pipe, prompts
+        self.kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=[])
+        T = args.temperature
+        self.kw["temperature"] = T
+        if T > 0:
+            self.kw.update(top_k=args.top_k, top_p=args.top_p)
+        self.seeds = {  # the same seed in every round: a request's tokens are fixed
+            m: [sample_seed(args.seed, T, i, 0, m) if T > 0 else None for i in range(len(prompts))]
+            for m in MODES
+        }
+        self.solo: dict[str, list[list[int]]] = {}
+        self.checks: list[dict] = []  # {"label", "mode", "tokens": [...]} of every batch run
+
+    def _gen(self, mode):
+        return self.pipe.generate if mode == "dflash" else self.pipe.generate_baseline
+
+    def run_solo(self) -> None:
+        """Each prompt alone, once per mode: the reference tokens."""
+        for m in MODES:
+            self.solo[m] = [
+                self._gen(m)(p.ids, **self.kw, seed=self.seeds[m][i]).tokens
+                for i, p in enumerate(self.prompts)
+            ]
+
+    def batch(self, c: int, mode: str, policy, label: str) -> dict:
+        pipe, budget, B = self.pipe, {}, self.pipe.B
+        saved = pipe.prefill_chunks_per_step, pipe.target, pipe.draft
+        pipe.prefill_chunks_per_step = policy
+        pipe.target = _Timed(pipe.target, True, B, budget)
+        pipe.draft = _Timed(pipe.draft, False, B, budget)
+        try:
+            t = time.perf_counter()
+            res = self._gen(mode)(
+                [p.ids for p in self.prompts[:c]], **self.kw, seed=self.seeds[mode][:c]
+            )
+            wall = time.perf_counter() - t
+        finally:
+            pipe.prefill_chunks_per_step, pipe.target, pipe.draft = saved
+        self.checks.append({"label": label, "mode": mode, "tokens": [r.tokens for r in res]})
+        budget = {k: {"calls": n, "s": sec} for k, (n, sec) in budget.items()}
+        return {"wall_s": wall, "results": res, "budget": budget}
+
+
+def measure(pipe, prompts, args, log) -> dict:
+    """Solo runs, then per round every concurrency in both modes (the order alternating), then
+    the other admission policy at the largest concurrency. Returns the timed batches by
+    (c, mode, policy), the solo tokens and the checked batches."""
+    concs, cmax = args.concurrency, max(args.concurrency)
+    default = pipe.prefill_chunks_per_step
+    others = [p for p in POLICIES if p != default]
+    runner = _Runner(pipe, prompts[:cmax], args)
+    log(f"solo runs: {cmax} prompts × {len(MODES)} modes (the reference tokens)")
+    runner.run_solo()
+    runs: dict[tuple, list[dict]] = {}
+    plan = [(c, default) for c in concs] + [(cmax, p) for p in others]
+    log(f"{args.warmup} warm-up + {args.repeats} rounds × concurrency {concs} × {len(MODES)} modes")
+    for r in range(args.warmup + args.repeats):
+        t0, stage = time.perf_counter(), f"round {r - args.warmup + 1}/{args.repeats}"
+        stage = stage if r >= args.warmup else "warm-up"
+        for k, (c, policy) in enumerate(plan):
+            got = {}
+            for mode in MODES[:: 1 if (r + k) % 2 == 0 else -1]:
+                got[mode] = runner.batch(c, mode, policy, f"c={c} {mode} {stage} policy={policy}")
+                if r >= args.warmup:
+                    runs.setdefault((c, mode, policy), []).append(got[mode])
+            tps = {
+                m: sum(len(x.tokens) for x in b["results"]) / b["wall_s"] for m, b in got.items()
+            }
+            note = "" if policy == default else f" (prefill_chunks_per_step={policy})"
+            log(
+                f"  {stage} c={c}{note}: DFlash {tps['dflash']:.0f} tokens/s, target alone "
+                f"{tps['baseline']:.0f} tokens/s ({time.perf_counter() - t0:.0f} s)"
+            )
+    return {"runs": runs, "solo": runner.solo, "checks": runner.checks, "default": default}
+
+
+# ---------------------------------------------------------------------------- summarising
+
+
+def equality(solo: dict, checks: list[dict], greedy: bool) -> dict:
+    """Every request of every batch against its prompt's solo run of the same mode (same seed);
+    at T = 0 also DFlash's solo runs against the target's (lossless)."""
+    problems, total = [], 0
+
+    def compare(a, b, what):
+        nonlocal total
+        total += 1
+        if a != b:
+            at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            problems.append(f"{what}: tokens differ from index {at}")
+
+    for chk in checks:
+        for i, toks in enumerate(chk["tokens"]):
+            compare(toks, solo[chk["mode"]][i], f"{chk['label']}, prompt {i}")
+    if greedy:
+        for i, (d, b) in enumerate(zip(solo["dflash"], solo["baseline"])):
+            compare(d, b, f"solo prompt {i}, DFlash against the target alone")
+    n = len(problems)
+    return {"equal": total - n, "total": total, "passed": n == 0, "problems": problems}
+
+
+def points(runs: dict, concs: list[int], policy) -> list[dict]:
+    """Per concurrency: both modes' batch_point and the round-by-round ratios (against c = 1 of
+    the same mode when measured, and DFlash against the target alone)."""
+    by_c = {c: {m: stats.batch_point(runs[c, m, policy]) for m in MODES} for c in concs}
+    rounds = {c: {m: x["rounds_tokens_per_s"] for m, x in by_c[c].items()} for c in concs}
+    out = []
+    for c in concs:
+        vs_c1 = {
+            m: stats.round_ratios(rounds[c][m], rounds[1][m]) if 1 in concs else None for m in MODES
+        }
+        ratios = {
+            "dflash_vs_target": stats.round_ratios(rounds[c]["dflash"], rounds[c]["baseline"]),
+            "vs_c1": vs_c1,
+            "bound": step_bound(by_c[c]),
+        }
+        out.append({"concurrency": c, "modes": by_c[c], "ratios": ratios})
+    return out
+
+
+def step_bound(modes: dict) -> float | None:
+    """DFlash ÷ target alone if only the steps counted: τ · T_decode / (T_verify + T_draft), with
+    the mean calls of these batches (stats.bound); None without the calls."""
+    d, b = modes["dflash"]["budget"], modes["baseline"]["budget"]
+    if "verify" not in d or "decode" not in b:
+        return None
+    draft = d["draft"]["call_s"] if "draft" in d else 0.0
+    return stats.bound(modes["dflash"]["tau"], b["decode"]["call_s"], d["verify"]["call_s"], draft)
+
+
+def goals(pts: list[dict], temperature: float) -> dict:
+    """Issue 15's goals at 8 concurrent requests, T = 0: DFlash's aggregate ≥ 4× its own at
+    c = 1 and ≥ 1.5× the target alone at 8 (medians of the round-by-round ratios)."""
+    at = {p["concurrency"]: p for p in pts}
+    if temperature != 0 or GOAL_C not in at or 1 not in at:
+        why = "T > 0" if temperature != 0 else f"--concurrency lacks {1 if GOAL_C in at else 8}"
+        return {"concurrency": GOAL_C, "measured": False, "note": why, "items": []}
+    r = at[GOAL_C]["ratios"]
+    value = {"vs_one_request": r["vs_c1"]["dflash"], "vs_target": r["dflash_vs_target"]}
+    items = [
+        {
+            "name": n,
+            "at_least": want,
+            "what": what,
+            "value": value[n]["median"],
+            "met": value[n]["median"] >= want,
+        }
+        for n, want, what in GOALS
+    ]
+    return {"concurrency": GOAL_C, "measured": True, "note": None, "items": items}
+
+
+def summarise(measured: dict, concs: list[int], temperature: float) -> dict:
+    """The results' measured part: points, the admission policies, equality and goals."""
+    runs, default, cmax = measured["runs"], measured["default"], max(concs)
+    pts = points(runs, concs, default)
+    policies = [
+        {
+            "prefill_chunks_per_step": p,
+            "default": p == default,
+            "modes": {m: stats.batch_point(runs[cmax, m, p]) for m in MODES},
+        }
+        for p in POLICIES
+        if (cmax, MODES[0], p) in runs
+    ]
+    return {
+        "points": pts,
+        "policy": {"concurrency": cmax, "default": default, "policies": policies},
+        "equality": equality(measured["solo"], measured["checks"], temperature == 0),
+        "goals": goals(pts, temperature),
+    }
