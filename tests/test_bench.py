@@ -464,7 +464,8 @@ def test_batch_cli_end_to_end(default_cb2, tmp_path, capsys):
     for p in res["points"]:
         for mode in ("dflash", "baseline"):
             x = p["modes"][mode]
-            assert x["requests"] == p["concurrency"] and x["new_tokens"] == 8 * p["concurrency"]
+            # every concurrency runs the same requests: 2 prompts × 2 (--requests-per-prompt)
+            assert x["requests"] == 4 and x["new_tokens"] == 8 * 4
             assert x["tokens_per_s"]["median"] > 0 and x["ttft_s"]["p95"] >= x["ttft_s"]["p50"]
             assert sum(v["share"] for v in x["budget"].values()) == pytest.approx(1.0)
         assert p["modes"]["baseline"]["tau"] == 1.0 and p["modes"]["dflash"]["tau"] >= 1.0
@@ -472,9 +473,10 @@ def test_batch_cli_end_to_end(default_cb2, tmp_path, capsys):
         assert "verify" in p["modes"]["dflash"]["budget"]
         assert "decode" in p["modes"]["baseline"]["budget"]
     assert res["points"][0]["ratios"]["vs_c1"]["dflash"]["median"] == pytest.approx(1.0)
-    # the equality check ran: 2 solo comparisons + (1 + 2 requests) × 2 modes + 2 × 2 (policy)
+    # the equality check ran: 2 solo comparisons + 4 requests × 2 modes × (c = 1, c = 2, the
+    # other policy at c = 2)
     e = res["equality"]
-    assert e == {"equal": 12, "total": 12, "passed": True, "problems": []}
+    assert e == {"equal": 26, "total": 26, "passed": True, "problems": []}
     pol = res["policy"]
     assert pol["concurrency"] == 2 and len(pol["policies"]) == 2
     assert not res["goals"]["measured"]

@@ -5,9 +5,11 @@ alone on the same program at each concurrency, and a report (issue 15).
     dflash-bench artifacts/default-cb8 --concurrency 1,2,4,8     # writes bench/latest-batch/
     dflash-bench artifacts/default-cb8 --concurrency 1,2 --max-new-tokens 16 --repeats 1
 
-Per round, at each concurrency c, c distinct prompts run as one batch (`pipe.generate(list)`,
-then `pipe.generate_baseline(list)`, the order alternating) in one process. Aggregate tokens/s =
-all new tokens ÷ the batch's wall time; TTFT and TPOT per request (p50, p95); τ; ratios against
+Per round, at each concurrency c, the same requests (the largest concurrency's prompts, each
+`--requests-per-prompt` times) run with at most c in flight, a closed loop: a finished request's
+slot goes to the next at once, as c clients sending back to back (`pipe.generate(list)` with
+`pipe.max_running = c`, then `pipe.generate_baseline(list)`, the order alternating) in one
+process. Aggregate tokens/s = all new tokens ÷ the run's wall time; TTFT and TPOT per request (p50, p95); τ; ratios against
 c = 1 of the same mode and DFlash against the target alone at the same c, round by round. Every
 request's tokens are compared with the same prompt run alone (same mode, same seed); at the
 largest c the admission policies (`prefill_chunks_per_step` None and 1) are compared.
@@ -41,6 +43,7 @@ OPTIONS = [  # flag, type, default, help
     ("--concurrency", str, None, "comma-separated concurrencies, e.g. 1,2,4,8 (required)"),
     ("--max-new-tokens", int, 128, "tokens per request"),
     ("--repeats", int, 3, "timed rounds"),
+    ("--requests-per-prompt", int, 2, "each prompt's requests per run (closed loop, c in flight)"),
     ("--warmup", int, 1, "discarded rounds first"),
     ("--out", str, "bench/latest-batch", "output directory"),
     ("--prompts", str, None, "prompts file as for the decode benchmark; None: the default "
@@ -209,6 +212,7 @@ class _Runner:
             m: [sample_seed(args.seed, T, i, 0, m) if T > 0 else None for i in range(len(prompts))]
             for m in MODES
         }
+        self.per_prompt = args.requests_per_prompt
         self.solo: dict[str, list[list[int]]] = {}
         self.checks: list[dict] = []  # {"label", "mode", "tokens": [...]} of every batch run
 
@@ -224,20 +228,29 @@ class _Runner:
             ]
 
     def batch(self, c: int, mode: str, policy, label: str) -> dict:
+        """The same requests at every concurrency (each prompt `requests_per_prompt` times),
+        at most c in flight: a closed loop where a finished request's slot is taken by the next
+        one at once, as c clients sending back to back would (a single batch of c would measure
+        its slowest request instead)."""
         pipe, budget, B = self.pipe, {}, self.pipe.B
-        saved = pipe.prefill_chunks_per_step, pipe.target, pipe.draft
-        pipe.prefill_chunks_per_step = policy
+        saved = pipe.prefill_chunks_per_step, pipe.max_running, pipe.target, pipe.draft
+        pipe.prefill_chunks_per_step, pipe.max_running = policy, c
         pipe.target = _Timed(pipe.target, True, B, budget)
         pipe.draft = _Timed(pipe.draft, False, B, budget)
+        index = [j % len(self.prompts) for j in range(self.per_prompt * len(self.prompts))]
         try:
             t = time.perf_counter()
             res = self._gen(mode)(
-                [p.ids for p in self.prompts[:c]], **self.kw, seed=self.seeds[mode][:c]
+                [self.prompts[i].ids for i in index],
+                **self.kw,
+                seed=[self.seeds[mode][i] for i in index],
             )
             wall = time.perf_counter() - t
         finally:
-            pipe.prefill_chunks_per_step, pipe.target, pipe.draft = saved
-        self.checks.append({"label": label, "mode": mode, "tokens": [r.tokens for r in res]})
+            pipe.prefill_chunks_per_step, pipe.max_running, pipe.target, pipe.draft = saved
+        self.checks.append(
+            {"label": label, "mode": mode, "tokens": [r.tokens for r in res], "index": index}
+        )
         budget = {k: {"calls": n, "s": sec} for k, (n, sec) in budget.items()}
         return {"wall_s": wall, "results": res, "budget": budget}
 
@@ -291,7 +304,7 @@ def equality(solo: dict, checks: list[dict], greedy: bool) -> dict:
             problems.append(f"{what}: tokens differ from index {at}")
 
     for chk in checks:
-        for i, toks in enumerate(chk["tokens"]):
+        for i, toks in zip(chk.get("index", range(len(chk["tokens"]))), chk["tokens"]):
             compare(toks, solo[chk["mode"]][i], f"{chk['label']}, prompt {i}")
     if greedy:
         for i, (d, b) in enumerate(zip(solo["dflash"], solo["baseline"])):

@@ -121,12 +121,16 @@ class Pipeline:
         self.can_sample = m.target.io.sampling
         # the largest top_k the program takes (its top-k/top-p candidates; all of V if unknown)
         self.max_top_k = m.target.sampling_candidates or self.vocab
-        #: prefill chunks run between two steps of the sequences in flight (engine.py)
-        self.prefill_chunks_per_step: int | None = 1
+        #: prefill chunks run between two steps of the sequences in flight (engine.py); None:
+        #: every waiting prompt is prefilled before the next step (measured the better default
+        #: on the default pair: a prefill chunk costs less than a step, see README, Benchmark)
+        self.prefill_chunks_per_step: int | None = None
+        #: at most this many sequences in flight (None: full_batch_size)
+        self.max_running: int | None = None
 
     def engine(self, mode: str = "dflash") -> Engine:
         """A continuous-batching engine over these programs (what dflash-serve drives)."""
-        return Engine(self, mode, self.prefill_chunks_per_step)
+        return Engine(self, mode, self.prefill_chunks_per_step, self.max_running)
 
     # ------------------------------------------------------------------ inputs
 
