@@ -365,3 +365,9 @@ def test_stream_takes_one_prompt(built):
     # more requests than slots in a blocking call queue for a free slot
     res = pipe.generate([[5 + i] for i in range(2 * N + 1)], max_new_tokens=3)
     assert len(res) == 2 * N + 1 and all(len(r.tokens) == 3 for r in res)
+
+
+def test_small_programs_run_on_one_thread(built):
+    _, _, art, _ = built(*CONFIGS[0])
+    assert dflash_qaic.load(art).threads == 1  # tiny ops: a second thread costs more than it saves
+    assert dflash_qaic.load(art, threads=2).threads == 2

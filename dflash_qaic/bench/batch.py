@@ -126,8 +126,11 @@ def _main(args, command: str) -> int:
         raise BenchError("--temperature must be a finite number ≥ 0 (0 is greedy)")
     t0, started = time.perf_counter(), datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     machine = run.machine(args.threads)
-    _log(f"dflash-bench: loading {args.artifacts} on {args.backend} ({args.threads} threads)")
-    pipe = dflash_qaic.load(args.artifacts, backend=args.backend, threads=args.threads)
+    pipe = dflash_qaic.load(args.artifacts, backend=args.backend, threads=args.ort_threads)
+    machine["ort_threads"] = pipe.threads
+    _log(
+        f"dflash-bench: loaded {args.artifacts} on {args.backend} ({pipe.threads or 'default'} threads)"
+    )
     f = run.facts(pipe, args.artifacts)
     check_fits(f["full_batch_size"], args.concurrency, args.artifacts)
     if args.temperature > 0 and not pipe.can_sample:

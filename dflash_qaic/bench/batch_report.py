@@ -71,7 +71,7 @@ def summary_screen(res: dict) -> str:
         f"dflash-bench --concurrency {a['path']} ({a['backend']}, block {a['block_size']}, "
         f"ctx_len {a['ctx_len']}, full_batch_size {a['full_batch_size']})",
         f"T = {c['temperature']:g} · {c['repeats']} rounds × {c['max_new_tokens']} tokens per "
-        f"request · {m['threads']} threads · load average {m['load_start'][0]:.2f} → "
+        f"request · {m.get('ort_threads', m['threads']) or 'default'} threads · load average {m['load_start'][0]:.2f} → "
         f"{m['load_end'][0]:.2f}",
         *goal_lines(res),
         equality_text(res["equality"]),

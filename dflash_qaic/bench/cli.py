@@ -34,7 +34,8 @@ OPTIONS = [  # flag, type, default, help
     ("--out", str, "bench/latest", "output directory"),
     ("--repeats", int, 3, "timed rounds"),
     ("--warmup", int, 1, "discarded rounds first"),
-    ("--threads", int, None, "ONNX Runtime and PyTorch threads; None: the usable CPUs"),
+    ("--threads", int, None, "ONNX Runtime and PyTorch threads; None: the runtime's default "
+     "for ours (1 for small programs) and the usable CPUs for the PyTorch peers"),
     ("--temperatures", str, "0,1", "comma-separated temperatures, 0 = greedy"),
     ("--top-k", int, 0, "top-k at T > 0 (0: off)"),
     ("--top-p", float, 1.0, "top-p at T > 0 (1: off)"),
@@ -118,6 +119,7 @@ def check_common(args, counts: tuple[str, ...]) -> None:
     if args.warmup < 0:
         raise BenchError("--warmup must be ≥ 0")
     cpus = len(os.sched_getaffinity(0))
+    args.ort_threads = args.threads  # None: dflash_qaic.load's default
     args.threads = cpus if args.threads is None else args.threads
     if not 1 <= args.threads <= 4 * cpus:
         raise BenchError(f"--threads must be 1 … {4 * cpus} (this machine has {cpus} CPUs)")
@@ -161,8 +163,11 @@ def _main(args, command: str) -> int:
     check_args(args)
     t0, started = time.perf_counter(), datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     machine = run.machine(args.threads)
-    _log(f"dflash-bench: loading {args.artifacts} on {args.backend} ({args.threads} threads)")
-    pipe = dflash_qaic.load(args.artifacts, backend=args.backend, threads=args.threads)
+    pipe = dflash_qaic.load(args.artifacts, backend=args.backend, threads=args.ort_threads)
+    machine["ort_threads"] = pipe.threads
+    _log(
+        f"dflash-bench: loaded {args.artifacts} on {args.backend} ({pipe.threads or 'default'} threads)"
+    )
     f = run.facts(pipe, args.artifacts)
     if not pipe.can_sample and all(t > 0 for t in args.temperatures):
         raise run.BenchError(
@@ -179,7 +184,7 @@ def _main(args, command: str) -> int:
     profile = {"skipped": "--no-profile"}
     if not args.no_profile:
         w_s = {k: weights["draft" if k == "draft" else "target"] / copy_Bps for k in run.KINDS}
-        profile = run.cost_profile(pipe, f, prompts[0].ids, args.threads, w_s, log=_log)
+        profile = run.cost_profile(pipe, f, prompts[0].ids, pipe.threads, w_s, log=_log)
     peers = {"skipped": "--no-peers" if args.no_peers else "T = 0 was not measured"}
     if ours and not args.no_peers:
         from dflash_qaic.bench.peers import run_peers

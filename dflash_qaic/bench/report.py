@@ -49,7 +49,7 @@ def summary_screen(res: dict) -> str:
     out = [
         f"dflash-bench {a['path']} ({a['backend']}, block {a['block_size']}, ctx_len "
         f"{a['ctx_len']}) · {c['num_prompts']} prompts × {c['repeats']} rounds × "
-        f"{c['max_new_tokens']} tokens · {m['threads']} threads · load average "
+        f"{c['max_new_tokens']} tokens · {threads(m)} · load average "
         f"{m['load_start'][0]:.2f} → {m['load_end'][0]:.2f}"
     ]
     rows = {
@@ -182,7 +182,7 @@ def peers_md(res: dict) -> str:
     return (
         f"{table(head, rows)}\n\nThe reference gains {x_(pe['reference_speedup'])} over its own "
         f"target-only loop at τ {pe['reference_tau']:.2f}. PyTorch threads: "
-        f"{pe['torch_threads']}, as ONNX Runtime's. Medians over the timed rounds."
+        f"{pe['torch_threads']}. Medians over the timed rounds."
     )
 
 
@@ -198,12 +198,18 @@ def distribution_md(res: dict) -> str:
     return table([*head, "p (permutation)", "total variation"], rows) if rows else "Not run."
 
 
+def threads(m: dict) -> str:
+    """ONNX Runtime's and PyTorch's threads (ours default to 1 for small programs)."""
+    ort = m.get("ort_threads", m["threads"])
+    return f"{ort or 'default'} ONNX Runtime thread(s), {m['threads']} PyTorch"
+
+
 def machine_md(res: dict) -> str:
     m = res["machine"]
     vers = ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v)
     return (
-        f"- {m['cpu']}; {m['cpus']} usable CPUs; {m['threads']} threads for ONNX Runtime and "
-        f"PyTorch\n- load average (1, 5, 15 min): {m['load_start']} at start, {m['load_end']} "
+        f"- {m['cpu']}; {m['cpus']} usable CPUs; {threads(m)}"
+        f"\n- load average (1, 5, 15 min): {m['load_start']} at start, {m['load_end']} "
         f"at end\n- {m['platform']}\n- {vers}"
     )
 
