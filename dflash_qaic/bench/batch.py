@@ -48,7 +48,7 @@ OPTIONS = [  # flag, type, default, help
     ("--out", str, "bench/latest-batch", "output directory"),
     ("--prompts", str, None, "prompts file as for the decode benchmark; None: the default "
      "pair's held-out prompts, else random ids"),
-    ("--threads", int, None, "ONNX Runtime threads; None: the usable CPUs"),
+    ("--threads", int, None, "ONNX Runtime threads; None: the runtime's default"),
     ("--temperature", float, 0.0, "0 = greedy"),
     ("--top-k", int, 0, "top-k at T > 0 (0: off)"),
     ("--top-p", float, 1.0, "top-p at T > 0 (1: off)"),
@@ -57,16 +57,9 @@ OPTIONS = [  # flag, type, default, help
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="dflash-bench",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("artifacts", help="artifacts exported with --full-batch-size")
-    p.add_argument("--backend", default="ort", choices=["ort", "qaic", "auto", "qaic-standin"])
-    for flag, typ, default, text in OPTIONS:
-        p.add_argument(flag, type=typ, default=default, help=f"{text} (default %(default)s)")
+    from dflash_qaic.bench.cli import common_parser
+
+    p = common_parser(__doc__, "artifacts exported with --full-batch-size", OPTIONS)
     p.add_argument("--debug", action="store_true", help="tracebacks on errors")
     return p
 

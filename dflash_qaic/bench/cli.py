@@ -43,17 +43,24 @@ OPTIONS = [  # flag, type, default, help
 ]  # fmt: skip
 
 
-def parser() -> argparse.ArgumentParser:
+def common_parser(doc: str, artifacts: str, options) -> argparse.ArgumentParser:
+    """A dflash-bench parser: the module's docstring as help, the artifacts argument, the
+    backend, and `options` (flag, type, default, help)."""
     p = argparse.ArgumentParser(
         prog="dflash-bench",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
+        description=doc.split("\n\n")[0],
+        epilog=doc.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("artifacts", help="artifacts directory written by dflash-export")
+    p.add_argument("artifacts", help=artifacts)
     p.add_argument("--backend", default="ort", choices=["ort", "qaic", "auto", "qaic-standin"])
-    for flag, typ, default, text in OPTIONS:
+    for flag, typ, default, text in options:
         p.add_argument(flag, type=typ, default=default, help=f"{text} (default %(default)s)")
+    return p
+
+
+def parser() -> argparse.ArgumentParser:
+    p = common_parser(__doc__, "artifacts directory written by dflash-export", OPTIONS)
     p.add_argument("--no-peers", action="store_true", help="skip the PyTorch peers")
     p.add_argument("--no-profile", action="store_true", help="skip the cost profile")
     p.add_argument("--debug", action="store_true", help="tracebacks on errors")

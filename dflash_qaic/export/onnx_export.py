@@ -165,7 +165,8 @@ def _layer_progress(module: torch.nn.Module, name: str):
     from tqdm.auto import tqdm
 
     layers = getattr(module, "layers", None) or []
-    bar = tqdm(total=len(layers), desc=f"tracing {name}", unit="layer", leave=False)
+    quiet = os.environ.get("TQDM_DISABLE", "") not in ("", "0")  # dflash-export --quiet
+    bar = tqdm(total=len(layers), desc=f"tracing {name}", unit="layer", leave=False, disable=quiet)
 
     def tick(*_):  # a forward hook must return None (anything else replaces the output)
         bar.update(1)
