@@ -367,7 +367,10 @@ def test_stream_takes_one_prompt(built):
     assert len(res) == 2 * N + 1 and all(len(r.tokens) == 3 for r in res)
 
 
-def test_small_programs_run_on_one_thread(built):
-    _, _, art, _ = built(*CONFIGS[0])
-    assert dflash_qaic.load(art).threads == 1  # tiny ops: a second thread costs more than it saves
+def test_small_single_sequence_programs_run_on_one_thread(built, tmp_path):
+    t, d, art, _ = built(*CONFIGS[0])
+    assert dflash_qaic.load(art).threads is None  # batched calls: ONNX Runtime's default
     assert dflash_qaic.load(art, threads=2).threads == 2
+    opts = ExportOptions(prefill_seq_len=8, ctx_len=160, compile=False)
+    build_artifacts(t, d, tmp_path, opts, progress=lambda m: None)
+    assert dflash_qaic.load(tmp_path).threads == 1  # tiny ops: a second thread costs more

@@ -353,7 +353,13 @@ def attach_initializers(
     total = sum(4 * math.prod(s.info.shape or (1,)) for _, s, _ in plan)
     quiet = os.environ.get("TQDM_DISABLE", "") not in ("", "0")  # dflash-export --quiet
     bar = tqdm(
-        total=total, desc=desc, unit="B", unit_scale=True, leave=False, mininterval=1.0, disable=quiet
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        leave=False,
+        mininterval=1.0,
+        disable=quiet,
     )
     f = open(data_path, "wb") if data_path is not None else None
     blocks = _prefetch(plan)

@@ -29,9 +29,10 @@ from dflash_qaic.runtime.backends import (
 from dflash_qaic.runtime.pipeline import GenerationError, GenerationResult, Pipeline
 
 BACKENDS = ("ort", "qaic", "auto", "qaic-standin")
-#: programs up to this size run on one ONNX Runtime thread by default: their ops are so small
-#: that waking a second thread per op costs more than it saves (measured on the default pair:
-#: verify 2.7 -> 2.0 ms, decode 1.1 -> 0.7 ms with 1 thread instead of 2)
+#: single-sequence programs up to this size run on one ONNX Runtime thread by default: their
+#: ops are so small that waking a second thread per op costs more than it saves (default pair:
+#: verify 2.7 -> 2.0 ms, decode 1.1 -> 0.7 ms with 1 thread instead of 2); with continuous
+#: batching the calls have N times the rows and the cores pay off again
 SMALL_PROGRAMS_BYTES = 64 << 20
 
 __all__ = [
@@ -101,8 +102,8 @@ def load(
     backend: "ort" (ONNX Runtime, any machine), "qaic" (AI100 via QEfficient/qaicrt), "auto"
         (qaic when its runtime and compiled QPCs are present, else ort), or "qaic-standin"
         (the AI100 buffer logic over ONNX Runtime, for tests without a card).
-    threads: ONNX Runtime intra-op threads, 1 … 4 × cores (None: 1 for programs up to 64 MiB,
-        ONNX Runtime's default, one per core, above).
+    threads: ONNX Runtime intra-op threads, 1 … 4 × cores (None: 1 for single-sequence
+        programs up to 64 MiB, else ONNX Runtime's default, one per core).
     tokenizer: load the tokenizer the artifacts carry (text prompts, `res.text`); False skips it.
     verify: "fast" checks every file's size and the sha256 of files up to 64 MiB; "full"
         hashes every file (slow for multi-GB programs); "none" checks only that they exist.
@@ -116,7 +117,8 @@ def load(
     if backend == "auto":
         backend = "qaic" if m.compiled and qaic_available() else "ort"
 
-    if threads is None and m.target.onnx_bytes + m.draft.onnx_bytes <= SMALL_PROGRAMS_BYTES:
+    small = m.target.onnx_bytes + m.draft.onnx_bytes <= SMALL_PROGRAMS_BYTES
+    if threads is None and small and m.full_batch_size is None:
         threads = 1
     symbols = {"batch_size": m.batch_size, "ctx_len": m.ctx_len}
     if m.full_batch_size is not None:  # continuous batching: the caches have this many rows
