@@ -339,7 +339,8 @@ def test_metrics_match_the_requests(http, pipe):
 
 
 class _OneStepAtATime:
-    """The real Pipeline, slowed to at least 20 ms per step (so a shutdown lands mid-request)."""
+    """The real Pipeline whose engine takes at least 20 ms per step (so a shutdown lands
+    mid-request)."""
 
     def __init__(self, pipe):
         self._pipe = pipe
@@ -347,12 +348,16 @@ class _OneStepAtATime:
     def __getattr__(self, name):
         return getattr(self._pipe, name)
 
-    def generate(self, prompt, max_new_tokens, stop, on_tokens, **kw):
-        def slow(chunk):
-            time.sleep(0.02)
-            on_tokens(chunk)
+    def engine(self, mode):
+        core = self._pipe.engine(mode)
+        step = core.step
 
-        return self._pipe.generate(prompt, max_new_tokens, stop, slow, **kw)
+        def slow():
+            time.sleep(0.02)
+            return step()
+
+        core.step = slow
+        return core
 
 
 def test_engine_shutdown_cancels_at_the_next_step(pipe):

@@ -95,7 +95,9 @@ def _server_side(before: dict, after: dict) -> dict:
         key = (name, tuple(labels))
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    errors = sum(v - before.get(k, 0.0) for k, v in after.items() if k[0].startswith("dflash:"))
+    errors = sum(
+        v - before.get(k, 0.0) for k, v in after.items() if k[0] == "dflash:request_errors_total"
+    )
     steps = d("vllm:spec_decode_num_drafts_total")
     accepted = d("vllm:spec_decode_num_accepted_tokens_total")
     return {
