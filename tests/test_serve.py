@@ -339,7 +339,8 @@ def test_metrics_match_the_requests(http, pipe):
 
 
 class _OneStepAtATime:
-    """The real Pipeline, slowed to at least 20 ms per step (so a shutdown lands mid-request)."""
+    """The real Pipeline whose engine takes at least 20 ms per step (so a shutdown lands
+    mid-request)."""
 
     def __init__(self, pipe):
         self._pipe = pipe
@@ -347,12 +348,16 @@ class _OneStepAtATime:
     def __getattr__(self, name):
         return getattr(self._pipe, name)
 
-    def generate(self, prompt, max_new_tokens, stop, on_tokens, **kw):
-        def slow(chunk):
-            time.sleep(0.02)
-            on_tokens(chunk)
+    def engine(self, mode):
+        core = self._pipe.engine(mode)
+        step = core.step
 
-        return self._pipe.generate(prompt, max_new_tokens, stop, slow, **kw)
+        def slow():
+            time.sleep(0.02)
+            return step()
+
+        core.step = slow
+        return core
 
 
 def test_engine_shutdown_cancels_at_the_next_step(pipe):
@@ -374,6 +379,44 @@ def test_engine_shutdown_cancels_at_the_next_step(pipe):
     assert outs[-1].finish_reason == "abort" and outs[-1].completion_tokens < 600
     assert [(o.finish_reason, o.completion_tokens) for o in rest] == [("abort", 0)]
     assert not engine.alive
+
+
+class _FailsOnce(_OneStepAtATime):
+    """The real Pipeline whose first engine's third step raises (a backend failure)."""
+
+    engines = 0
+
+    def engine(self, mode):
+        core = self._pipe.engine(mode)
+        self.engines += 1
+        if self.engines == 1:
+            step, calls = core.step, []
+
+            def failing():
+                calls.append(1)
+                if len(calls) == 3:
+                    raise RuntimeError("device lost")
+                return step()
+
+            core.step = failing
+        return core
+
+
+def test_engine_backend_failure_fails_the_requests_in_flight_only(pipe):
+    ids = pipe.tokenizer(PROMPTS[1])["input_ids"]
+    ref = pipe.generate(ids, 24, temperature=0)
+
+    async def main():
+        engine = Engine(_FailsOnce(pipe))
+        engine.start()
+        failed = [o async for o in engine.submit(ids, Params(max_tokens=200, stop_token_ids=()))]
+        ok = [o async for o in engine.submit(ids, Params(max_tokens=24, stop_token_ids=()))]
+        engine.shutdown(timeout=30)
+        return failed, ok
+
+    failed, ok = asyncio.run(main())
+    assert isinstance(failed[-1].error, RuntimeError) and "device lost" in str(failed[-1].error)
+    assert [t for o in ok for t in o.token_ids] == ref.tokens and ok[-1].finish_reason == "length"
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(default_artifacts):
@@ -410,6 +453,7 @@ def test_serve_bench(default_artifacts):
     assert res["ok"], res
     assert (res["completed"], res["equal_greedy"], res["server_errors"]) == (4, 4, 0)
     assert res["tokens"] == 4 * 24 and res["server_exit_code"] == 0
+    assert (res["full_batch_size"], res["max_running"]) == (1, 1)
     assert res["ttft_p50_s"] <= res["ttft_p95_s"] and res["aggregate_tokens_per_s"] > 0
     assert "| completed | 4 / 4 |" in render_markdown(res)
 

@@ -8,12 +8,13 @@ over HTTP (httpx, server-sent events). The benchmark first computes every prompt
 single-request greedy output in-process with `Pipeline.generate`, then starts the server
 (`serve/process.py`), sends one warm-up request, and releases all clients at once. It reports:
 all completed, every output equal to its single-request greedy output, server errors (from
-/metrics and from HTTP status codes), time to first token p50 / p95 as the clients see it
-(queueing included: the server runs one sequence at a time, so the k-th client waits for the
-k − 1 before it), time per output token, aggregate tokens/s (all tokens over the wall time from
-the first request sent to the last token received) next to the same requests run one after
-another in-process (prefill included: the most a one-at-a-time server can reach), the acceptance
-the server measured, and the load average. `ok` is true when all complete, all equal and no error occurred.
+/metrics and from HTTP status codes), the full batch size the server ran with (the artifacts'
+`--full-batch-size`, 1 without it) and the most requests it had in its slots at once, time to
+first token p50 / p95 as the clients see it (queueing included: with F slots, client k > F waits
+for a slot), time per output token, aggregate tokens/s (all tokens over the wall time from the
+first request sent to the last token received) next to the same requests run one after another
+in-process (prefill included: the most a one-at-a-time server can reach), the acceptance the
+server measured, and the load average. `ok` is true when all complete, all equal and no error occurred.
 
 `run_serve_bench(...) -> dict` and `render_markdown(result) -> str` are what `dflash-bench
 --serve` calls.
@@ -95,7 +96,9 @@ def _server_side(before: dict, after: dict) -> dict:
         key = (name, tuple(labels))
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    errors = sum(v - before.get(k, 0.0) for k, v in after.items() if k[0].startswith("dflash:"))
+    errors = sum(
+        v - before.get(k, 0.0) for k, v in after.items() if k[0] == "dflash:request_errors_total"
+    )
     steps = d("vllm:spec_decode_num_drafts_total")
     accepted = d("vllm:spec_decode_num_accepted_tokens_total")
     return {
@@ -103,6 +106,7 @@ def _server_side(before: dict, after: dict) -> dict:
         "aborted": int(d("vllm:request_success_total", ("finished_reason", "abort"))),
         "steps": int(steps),
         "tau": (accepted + steps) / steps if steps else None,  # tokens committed per step
+        "max_running": int(after.get(("dflash:num_requests_running_max", ()), 0.0)),
     }
 
 
@@ -125,6 +129,7 @@ def run_serve_bench(
     chosen = [pool[i % len(pool)] for i in range(clients)]
     progress(f"serve bench: {clients} single-request greedy references in-process")
     pipe = dflash_qaic.load(artifacts, backend=backend, threads=threads)
+    full_batch_size = pipe.full_batch_size
     pipe.generate(chosen[0], 8, temperature=0)  # warm-up, as the server gets
     t = time.perf_counter()
     refs = [pipe.generate(p, max_tokens, temperature=0) for p in chosen]
@@ -153,6 +158,7 @@ def run_serve_bench(
         "max_tokens": max_tokens,
         "backend": backend,
         "threads": threads,
+        "full_batch_size": full_batch_size,
         "completed": len(done),
         "equal_greedy": int(sum(equal)),
         "http_errors": http_errors,
@@ -178,6 +184,18 @@ def run_serve_bench(
     return res
 
 
+def batching(full_batch_size: int) -> str:
+    if full_batch_size == 1:
+        return (
+            "the artifacts have one slot (exported without --full-batch-size), so the server "
+            "runs the requests one at a time and TTFT grows with the queue."
+        )
+    return (
+        f"the server's continuous-batching engine runs up to {full_batch_size} requests at once "
+        f"(--full-batch-size {full_batch_size}); the others wait for a free slot."
+    )
+
+
 def render_markdown(res: dict) -> str:
     def ms(x):
         return "–" if x is None else f"{x * 1e3:.1f} ms"
@@ -198,12 +216,13 @@ def render_markdown(res: dict) -> str:
         f"({res['tokens']} tokens in {res['wall_s']:.2f} s) |",
         "| the same requests one after another, in-process | "
         f"{res['serial_in_process_tokens_per_s']:.1f} tok/s |",
+        f"| requests in the server's slots at once (most) | {res['max_running']} of "
+        f"{res['full_batch_size']} |",
         f"| τ measured by the server | {tau} over {res['steps']} steps |",
         f"| load average before / after | {' '.join(f'{x:.2f}' for x in res['loadavg_before'])}"
         f" / {' '.join(f'{x:.2f}' for x in res['loadavg_after'])} |",
         "",
-        f"{res['max_tokens']} new tokens per request, greedy; one worker serves the requests one "
-        "at a time (continuous batching is not built yet), so TTFT grows with the queue.",
+        f"{res['max_tokens']} new tokens per request, greedy; {batching(res['full_batch_size'])}",
     ]
     if not res["ok"]:
         lines += ["", f"**FAILED**: {res['errors']}"]

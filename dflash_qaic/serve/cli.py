@@ -7,8 +7,10 @@
 
 Binds 127.0.0.1 unless told otherwise (--host 0.0.0.0 exposes the server to the network; it has
 no authentication). --port 0 takes a free port; the line "dflash-serve: serving ... on URL" on
-stdout says which. One worker thread runs the generations one at a time; up to --max-queue more
-requests wait (a full queue answers 503). On SIGTERM or Ctrl-C the server stops accepting
+stdout says which. One worker thread drives the continuous-batching engine: artifacts exported
+with `dflash-export --full-batch-size N` generate up to N requests at once (a newcomer joins at
+the next step), others one at a time; up to --max-queue more requests wait for a slot (a full
+queue answers 503). On SIGTERM or Ctrl-C the server stops accepting
 connections, lets the requests in flight finish for up to --shutdown-timeout seconds, cancels
 what is left at its next step, and exits 0.
 """
@@ -129,7 +131,8 @@ def _serve(args, template: str | None, sock: socket.socket) -> None:
     ours.setLevel(args.log_level.upper())
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    print(f"dflash-serve: serving {name} on {url} (backend {pipe.backend})", flush=True)
+    slots = f"{pipe.full_batch_size} request{'s' if pipe.full_batch_size > 1 else ''} at once"
+    print(f"dflash-serve: serving {name} on {url} (backend {pipe.backend}, {slots})", flush=True)
     # uvicorn handles SIGINT/SIGTERM while it runs, then re-raises the signal to the handler that
     # was installed before it; a no-op there lets a graceful shutdown exit 0
     for sig in (signal.SIGINT, signal.SIGTERM):

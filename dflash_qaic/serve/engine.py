@@ -1,19 +1,24 @@
-"""The engine behind dflash-serve: one worker thread owns the Pipeline; requests wait in a FIFO.
+"""The engine behind dflash-serve: one worker thread drives one continuous-batching engine
+(`runtime/engine.py`); requests wait in a bounded FIFO until a slot is free.
 
-The Pipeline serves one sequence at a time and is not thread-safe, so exactly one thread calls it.
-The HTTP side (asyncio) talks to the engine only through this interface, which a
-continuous-batching engine can implement in its place:
+The runtime engine is not thread-safe, so exactly one thread calls it. The HTTP side (asyncio)
+talks to it only through this interface:
 
     handle = engine.submit(prompt_ids, params)   # from the event loop; EngineFull when the queue is
     async for out in handle: ...                 # Output deltas: text, ids, then a finish_reason
-    handle.cancel()                              # the generation stops at its next step
+    handle.cancel()                              # the request leaves the batch at the next step
     engine.shutdown()                            # cancel everything, stop the worker
 
-Per step the worker turns the committed ids into text (`runtime/streamer.py`: whole characters
-only), holds back what could still become a stop string, and hands the delta to the request's
-asyncio queue with `call_soon_threadsafe`. A cancellation (client gone, stop string found, server
-stopping) is raised from the Pipeline's `on_tokens` callback, which ends `generate` at the next
-step; the next request's prefill overwrites the caches from position 0, so nothing needs reset.
+The worker loop: take submissions while a slot is free (blocking only when nothing is in
+flight), validate each with `pipe.request` and `add` it; one `step()` (prefill chunks of the
+newcomers, then one verify + draft call over every sequence in flight); for each sequence the
+step touched, turn its new runs of tokens into text (`runtime/streamer.py`: whole characters
+only), hold back what could still become a stop string, and hand one delta per run to the
+request's asyncio queue with `call_soon_threadsafe`. A sequence leaves its slot when it finishes
+(stop token, max_tokens, context end), when its text reaches a stop string, or when its handle is
+cancelled (client gone, server stopping): `abort(seq)` frees the slot for the next request at the
+next step. With artifacts exported without `--full-batch-size` there is one slot, so requests
+run one at a time.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dflash_qaic.runtime.pipeline import GenerationError
 from dflash_qaic.runtime.streamer import TextStreamer
@@ -35,14 +40,6 @@ log = logging.getLogger("dflash_qaic.serve")
 
 class EngineFull(RuntimeError):
     """The request queue is full."""
-
-
-class _Abort(Exception):
-    """Raised from on_tokens: the request was cancelled."""
-
-
-class _StopString(Exception):
-    """Raised from on_tokens: the text reached a stop string."""
 
 
 @dataclass(frozen=True)
@@ -151,26 +148,33 @@ class _Text:
         return self._release(final=True)[0]
 
 
-@dataclass
 class _Run:
-    """Bookkeeping of the request being generated."""
+    """Bookkeeping of one request in the runtime engine."""
 
-    handle: Handle
-    text: _Text
-    t_start: float = field(default_factory=time.perf_counter)
-    t_first: float | None = None
-    tokens: int = 0
+    def __init__(self, handle: Handle, seq, tokenizer):
+        p = handle.params
+        self.handle, self.seq = handle, seq
+        self.text = _Text(tokenizer, p.stop, p.skip_special_tokens)
+        self.t_added = time.perf_counter()
+        self.tokens = 0  # tokens sent to the client
+        self.cut = False  # ended by a stop string: the text is cut, nothing held back counts
+
+
+_REASONS = {"stop_token": "stop", "max_new_tokens": "length", "ctx_len": "length"}
 
 
 class Engine:
-    """A FIFO of requests served one at a time by a worker thread that owns `pipe`."""
+    """Requests served by a worker thread that owns one continuous-batching engine of `pipe`:
+    up to `pipe.full_batch_size` at once, up to `max_queue` more waiting in a FIFO."""
 
     def __init__(self, pipe, *, max_queue: int = 256, metrics: Metrics | None = None):
         self.pipe = pipe
+        self.slots = pipe.full_batch_size
         self.metrics = metrics or Metrics("dflash", pipe.B)
         self._queue: queue.Queue[Handle | None] = queue.Queue(maxsize=max_queue)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._work, name="dflash-engine", daemon=True)
+        self._live: list[_Run] = []  # requests in the runtime engine (worker thread only)
 
     # ------------------------------------------------------------------ event-loop side
 
@@ -215,71 +219,100 @@ class Engine:
     # ------------------------------------------------------------------ worker side
 
     def _work(self) -> None:
+        core = self.pipe.engine("dflash")
         while not self._stopping.is_set():
-            h = self._queue.get()
-            if h is None:
+            if not self._admit(core):
                 break
+            if not core.busy:
+                continue
+            try:
+                touched = core.step()
+            except Exception as e:  # a backend failure: the requests in flight fail, the server
+                log.exception("generation failed")  # lives on with a fresh engine
+                for run in list(self._live):
+                    self._fail(run, e)
+                core = self.pipe.engine("dflash")
+                continue
+            runs = {id(r.seq): r for r in self._live}
+            for seq in touched:
+                self._emit(core, runs[id(seq)])
+            for run in [r for r in self._live if r.handle.cancelled]:
+                core.abort(run.seq)  # client gone: its slot is free for the next step
+                self._finish(run)
+        for run in list(self._live):  # the server stops: what is left ends now
+            core.abort(run.seq)
+            self._finish(run)
+
+    def _admit(self, core) -> bool:
+        """Move submissions into free slots: wait for one while nothing is in flight, else take
+        only what is already queued. Returns False when the worker must stop."""
+        while len(self._live) < self.slots:
+            try:
+                h = self._queue.get(block=not self._live)
+            except queue.Empty:
+                return True
+            if h is None:
+                return False
             self.metrics.waiting.dec()
             if h.cancelled or self._stopping.is_set():
                 self._finish_unstarted(h)
                 continue
-            self.metrics.running.inc()
+            p = h.params
             try:
-                out = self._serve(h)
-            finally:
-                self.metrics.running.dec()
-            h._put(out)  # last, so that a client that sees its answer sees the metrics too
+                req = self.pipe.request(
+                    h.prompt_ids,
+                    p.max_tokens,
+                    list(p.stop_token_ids),
+                    "dflash",
+                    temperature=p.temperature,
+                    top_k=p.top_k,
+                    top_p=p.top_p,
+                    seed=p.seed,
+                )
+            except GenerationError as e:  # bad input the HTTP layer did not catch: a 400
+                h._put(Output("", [], error=e))
+                continue
+            self._live.append(_Run(h, core.add(req), self.pipe.tokenizer))
+            self.metrics.running_now(len(self._live))
+        return True
+
+    def _emit(self, core, run: _Run) -> None:
+        """Send the new runs of a sequence the step touched; end it at a stop string or when it
+        finished."""
+        h = run.handle
+        for ids in run.seq.take():
+            if run.cut:
+                break
+            run.tokens += len(ids)
+            delta, run.cut = run.text.push(ids)
+            h._put(Output(delta, list(ids), completion_tokens=run.tokens))
+        if run.cut:
+            core.abort(run.seq)
+        if run.seq.finished:
+            self._finish(run)
+
+    def _finish(self, run: _Run) -> None:
+        """The final Output of a finished sequence, after its metrics."""
+        res, h = run.seq.result, run.handle
+        reason = "stop" if run.cut else _REASONS.get(res.stop_reason, "abort")
+        tail = "" if run.cut else run.text.flush()
+        self._live.remove(run)
+        self.metrics.running_now(len(self._live))
+        for n in res.acceptance_lengths:
+            self.metrics.step(n)
+        st, P, n = res.stats, len(h.prompt_ids), run.tokens
+        queued = run.t_added - h.t_arrival
+        ttft = queued + st["ttft_s"] if n else None
+        e2e = time.perf_counter() - h.t_arrival
+        self.metrics.finished(reason, P, n, queued, ttft, st["decode_s"], e2e)
+        h._put(Output(tail, [], reason, prompt_tokens=P, completion_tokens=n))
+
+    def _fail(self, run: _Run, e: Exception) -> None:
+        self._live.remove(run)
+        self.metrics.running_now(len(self._live))
+        run.handle._put(Output("", [], error=e))
 
     def _finish_unstarted(self, h: Handle) -> None:
         now = time.perf_counter()
         self.metrics.finished("abort", len(h.prompt_ids), 0, now - h.t_arrival, None, 0.0, 0.0)
         h._put(Output("", [], "abort", prompt_tokens=len(h.prompt_ids)))
-
-    def _on_tokens(self, run: _Run, chunk: list[int]) -> None:
-        h = run.handle
-        if h.cancelled or self._stopping.is_set():
-            raise _Abort
-        if run.t_first is None:
-            run.t_first = time.perf_counter()  # prefill's token: no verify step
-        else:
-            self.metrics.step(len(chunk))
-        run.tokens += len(chunk)
-        delta, hit = run.text.push(chunk)
-        h._put(Output(delta, list(chunk), completion_tokens=run.tokens))
-        if hit:
-            raise _StopString
-
-    def _serve(self, h: Handle) -> Output:
-        """Generate one request, streaming its deltas; returns its final Output."""
-        p = h.params
-        run = _Run(h, _Text(self.pipe.tokenizer, p.stop, p.skip_special_tokens))
-        cut = False  # ended by a stop string: the text is already cut, nothing held back counts
-        try:
-            res = self.pipe.generate(
-                h.prompt_ids,
-                p.max_tokens,
-                list(p.stop_token_ids),
-                lambda chunk: self._on_tokens(run, chunk),
-                temperature=p.temperature,
-                top_k=p.top_k,
-                top_p=p.top_p,
-                seed=p.seed,
-            )
-            reason = "stop" if res.stop_reason == "stop_token" else "length"
-        except _StopString:
-            reason, cut = "stop", True
-        except _Abort:
-            reason = "abort"
-        except GenerationError as e:  # bad input the HTTP layer did not catch: a 400
-            return Output("", [], error=e)
-        except Exception as e:  # a backend failure: this request fails, the server lives on
-            log.exception("generation failed")
-            return Output("", [], error=e)
-        tail = "" if cut else run.text.flush()
-        t_end = time.perf_counter()
-        P, n = len(h.prompt_ids), run.tokens
-        ttft = None if run.t_first is None else run.t_first - h.t_arrival
-        decode = 0.0 if run.t_first is None else t_end - run.t_first
-        queued, e2e = run.t_start - h.t_arrival, t_end - h.t_arrival
-        self.metrics.finished(reason, P, n, queued, ttft, decode, e2e)
-        return Output(tail, [], reason, prompt_tokens=P, completion_tokens=n)

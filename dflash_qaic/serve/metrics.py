@@ -11,7 +11,9 @@ B − 1 drafts; the first token of a request comes from prefill and belongs to n
 Requests: `vllm:request_success_total{finished_reason="stop"|"length"|"abort"}` (abort: the client
 went away or the server shut down), `dflash:request_errors_total{status=...}` (requests answered
 with an error), `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, the gauges
-`vllm:num_requests_running` / `vllm:num_requests_waiting`, and the histograms
+`vllm:num_requests_running` (sequences in the engine's slots) / `vllm:num_requests_waiting`
+(queued for a slot), `dflash:num_requests_running_max` (the most sequences in slots at once since
+the server started: > 1 only when requests really ran together), and the histograms
 `vllm:time_to_first_token_seconds`, `vllm:time_per_output_token_seconds` (per request: decode time
 over tokens after the first), `vllm:e2e_request_latency_seconds`, `vllm:request_queue_time_seconds`.
 Every series carries `model_name`. The registry is the server's own (not the process-global one).
@@ -65,10 +67,21 @@ class Metrics:
         gauge = lambda name, doc: Gauge(name, doc, m, registry=r).labels(model_name)
         self.running = gauge("vllm:num_requests_running", "Requests generating")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests queued")
+        self.running_max = gauge(
+            "dflash:num_requests_running_max", "The most requests generating at once"
+        )
+        self._most = 0
         self._ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token", _LATENCY)
         self._tpot = histogram("vllm:time_per_output_token_seconds", "Time per output token", _TPOT)
         self._e2e = histogram("vllm:e2e_request_latency_seconds", "Request latency", _LATENCY)
         self._queue = histogram("vllm:request_queue_time_seconds", "Time queued", _LATENCY)
+
+    def running_now(self, n: int) -> None:
+        """`n` sequences are in the engine's slots."""
+        self.running.set(n)
+        if n > self._most:
+            self._most = n
+            self.running_max.set(n)
 
     def step(self, committed: int) -> None:
         """One verify step that committed `committed` tokens (1 … B)."""
