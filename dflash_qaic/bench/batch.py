@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shlex
 import sys
 import time
 from datetime import UTC, datetime
@@ -69,16 +68,9 @@ def _log(msg: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    args = parser().parse_args(argv)
-    from dflash_qaic.runtime import ArtifactsError, BackendError, GenerationError
+    from dflash_qaic.bench.cli import guarded
 
-    try:
-        return _main(args, shlex.join(["dflash-bench", *argv]))
-    except (BenchError, ArtifactsError, BackendError, GenerationError) as e:
-        if args.debug:
-            raise
-        print(f"dflash-bench: error: {e}", file=sys.stderr)
-        return 2
+    return guarded(_main, parser().parse_args(argv), argv)
 
 
 def parse_concurrency(text: str | None) -> list[int]:

@@ -80,12 +80,17 @@ def main(argv: list[str] | None = None) -> int:
     for flag, module in MODES.items():
         if flag in argv:
             return _delegate(flag, module, [a for a in argv if a != flag])
-    args = parser().parse_args(argv)
+    return guarded(_main, parser().parse_args(argv), argv)
+
+
+def guarded(main_fn, args, argv: list[str]) -> int:
+    """main_fn(args, command) with a user error as one line on stderr and exit 2 (no
+    traceback unless --debug)."""
     from dflash_qaic.bench.run import BenchError
     from dflash_qaic.runtime import ArtifactsError, BackendError, GenerationError
 
     try:
-        return _main(args, shlex.join(["dflash-bench", *argv]))
+        return main_fn(args, shlex.join(["dflash-bench", *argv]))
     except (BenchError, ArtifactsError, BackendError, GenerationError) as e:
         if args.debug:
             raise
