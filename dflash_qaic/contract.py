@@ -131,6 +131,14 @@ def default_comp_ctx_lengths(ctx_len: int, prefill_seq_len: int, block_size: int
     return sorted({ctx_len >> k for k in range(4) if (ctx_len >> k) >= floor} | {ctx_len})
 
 
+def windows_or_default(
+    lengths: list[int] | None, ctx_len: int, prefill_seq_len: int, block_size: int
+) -> list[int]:
+    return (
+        list(lengths) if lengths else default_comp_ctx_lengths(ctx_len, prefill_seq_len, block_size)
+    )
+
+
 def window_for(lengths: list[int], needed: int) -> int:
     """The smallest exported window holding `needed` slots (0 … needed-1)."""
     for n in lengths:

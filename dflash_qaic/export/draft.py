@@ -11,7 +11,7 @@ from dflash_qaic import contract
 from dflash_qaic.checkpoints import DraftConfig, Pair
 from dflash_qaic.export import weights
 from dflash_qaic.export.onnx_export import export_and_check, program_facts
-from dflash_qaic.export.target import batch_index_feed, window_feed
+from dflash_qaic.export.target import batch_index_feed, check_sizes, window_feed
 from dflash_qaic.modeling.draft import DFlashDraft, ExportDraft
 
 
@@ -94,8 +94,7 @@ def export_draft(
     full_batch_size: continuous batching with this many cache rows (contract.py).
     comp_ctx_lengths: the attention windows (contract.COMP_CTX_LENGTHS); None: the default ones.
     """
-    if not 2 <= block_size <= contract.max_positions(ctx_len):
-        raise ValueError(f"block_size {block_size} must be in [2, ctx_len - 1 = {ctx_len - 1}]")
+    check_sizes(ctx_len, prefill_seq_len, block_size, min_block=2)
     if stream_from is not None:
         draft = weights.placeholder_draft(draft_cfg)
     else:
@@ -103,9 +102,7 @@ def export_draft(
     cb = full_batch_size is not None
     module = ExportDraft(draft, embed_weight, head_weight, ctx_len, emit_logits, cb).eval()
     io = draft_io(draft_cfg, embed_weight.shape[0], block_size, emit_logits, cb)
-    windows = comp_ctx_lengths or contract.default_comp_ctx_lengths(
-        ctx_len, prefill_seq_len, block_size
-    )
+    windows = contract.windows_or_default(comp_ctx_lengths, ctx_len, prefill_seq_len, block_size)
     specializations = contract.draft_specializations(
         batch_size, prefill_seq_len, block_size, ctx_len, full_batch_size, windows
     )

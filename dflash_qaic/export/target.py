@@ -78,6 +78,15 @@ def window_feed(io, sym: dict) -> dict:
     return {contract.COMP_CTX_LENGTHS: np.arange(sym[contract.CCL], dtype=np.int64)}
 
 
+def check_sizes(ctx_len: int, prefill_seq_len: int, block_size: int, min_block: int) -> None:
+    if not min_block <= block_size <= contract.max_positions(ctx_len):
+        raise ValueError(
+            f"block_size {block_size} must be in [{min_block}, ctx_len - 1 = {ctx_len - 1}]"
+        )
+    if not 1 <= prefill_seq_len <= contract.max_positions(ctx_len):
+        raise ValueError(f"prefill_seq_len {prefill_seq_len} must be in [1, ctx_len - 1]")
+
+
 def target_io(
     module: ExportTarget, hidden_size: int, emit_logits: bool, sampling: bool
 ) -> contract.TargetIO:
@@ -128,14 +137,10 @@ def export_target(
     sampling_candidates: how many most likely tokens the top-k / top-p thresholds are read from
     (see modeling.sampler.sampling_weights): the largest top_k the program takes.
     fp16_check: run the graph check's fp16 evaluations (export/fp16_check.py).
-    full_batch_size: continuous batching with this many cache rows (contract.py); None: one
-    sequence per call row, batch_size rows.
-    comp_ctx_lengths: the attention windows (contract.COMP_CTX_LENGTHS); None: the default ones.
+    full_batch_size: continuous batching with this many cache rows (None: off); comp_ctx_lengths:
+    the attention windows (None: the default ones); see contract.py.
     """
-    if not 1 <= block_size <= contract.max_positions(ctx_len):
-        raise ValueError(f"block_size {block_size} must be in [1, ctx_len - 1 = {ctx_len - 1}]")
-    if not 1 <= prefill_seq_len <= contract.max_positions(ctx_len):
-        raise ValueError(f"prefill_seq_len {prefill_seq_len} must be in [1, ctx_len - 1]")
+    check_sizes(ctx_len, prefill_seq_len, block_size, min_block=1)
     cfg = hf_model.config
     module = ExportTarget.from_hf(
         hf_model,
@@ -150,16 +155,13 @@ def export_target(
         continuous_batching=full_batch_size is not None,
     ).eval()
     io = target_io(module, cfg.hidden_size, emit_logits, sampling)
-    windows = comp_ctx_lengths or contract.default_comp_ctx_lengths(
-        ctx_len, prefill_seq_len, block_size
-    )
+    windows = contract.windows_or_default(comp_ctx_lengths, ctx_len, prefill_seq_len, block_size)
     specializations = contract.target_specializations(
         batch_size, prefill_seq_len, block_size, ctx_len, sampling, full_batch_size, windows
     )
 
-    # Trace at the prefill shape (at least 2 rows, so no size-1 dim gets specialised away).
-    # The streaming export traces at 2 rows: the graph is the same (every dim that varies is
-    # symbolic), and the tracer keeps every intermediate alive until it is done.
+    # Trace at the prefill shape, at least 2 rows (no size-1 dim specialised away); streaming:
+    # at 2 rows (the same graph: every varying dim is symbolic; the tracer keeps intermediates).
     sources = None
     if stream_from is not None:
         sources = weights.target_sources(weights.stream_ready(module), stream_from)
@@ -174,15 +176,17 @@ def export_target(
         sources=sources,
         fp16_check=fp16_check,
     )
+    sizes = dict(block_size=block_size, prefill_seq_len=prefill_seq_len, comp_ctx_lengths=windows)
+    facts = _module_facts(module, cfg, sampling, hidden_norm_eps)
+    return {**program_facts(path, io, specializations, report), **sizes, **facts}
+
+
+def _module_facts(module: ExportTarget, cfg, sampling: bool, hidden_norm_eps: float) -> dict:
     return {
-        **program_facts(path, io, specializations, report),
-        "prefill_seq_len": prefill_seq_len,
-        "block_size": block_size,
         "sampling": sampling,
         "sampling_candidates": module.sampling_candidates if sampling else None,
         "target_layer_ids": list(module.target_layer_ids),
         "model_type": cfg.model_type,
         "fc_scale": module.fc_scale,
-        "comp_ctx_lengths": windows,
         "hidden_norm_eps": float(hidden_norm_eps),
     }
