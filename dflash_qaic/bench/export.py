@@ -115,6 +115,8 @@ def _ort_target_greedy(artifacts: str, prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         s = len(ids)
         feed = {contract.INPUT_IDS: np.array([ids]), contract.POSITION_IDS: np.array([pos])}
+        if io.comp_ctx:  # every slot: this check is about tokens, not cost
+            feed[contract.COMP_CTX_LENGTHS] = np.arange(m.ctx_len, dtype=np.int64)
         if io.sampling:
             feed[contract.TEMPERATURE] = np.zeros(1, np.float32)
             feed[contract.TOP_K] = np.zeros(1, np.int64)
