@@ -101,21 +101,15 @@ def check_fits(full_batch_size: int | None, concurrency: list[int], artifacts) -
 
 
 def _main(args, command: str) -> int:
-    import dflash_qaic
     from dflash_qaic.bench import batch_report, run
-    from dflash_qaic.bench.cli import check_common
+    from dflash_qaic.bench.cli import check_common, load_pipe
 
     args.concurrency = parse_concurrency(args.concurrency)
     check_common(args, ("max_new_tokens", "repeats"))
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise BenchError("--temperature must be a finite number ≥ 0 (0 is greedy)")
     t0, started = time.perf_counter(), datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    machine = run.machine(args.threads)
-    pipe = dflash_qaic.load(args.artifacts, backend=args.backend, threads=args.ort_threads)
-    machine["ort_threads"] = pipe.threads
-    _log(
-        f"dflash-bench: loaded {args.artifacts} on {args.backend} ({pipe.threads or 'default'} threads)"
-    )
+    pipe, machine = load_pipe(args)
     f = run.facts(pipe, args.artifacts)
     check_fits(f["full_batch_size"], args.concurrency, args.artifacts)
     if args.temperature > 0 and not pipe.can_sample:

@@ -168,18 +168,26 @@ def parse_temperatures(text: str) -> list[float]:
     return out
 
 
-def _main(args, command: str) -> int:
+def load_pipe(args):
+    """The artifacts on the asked backend (ONNX Runtime threads: --threads, else the runtime's
+    default) and the machine's facts, both benchmarks alike."""
     import dflash_qaic
+    from dflash_qaic.bench import run
+
+    machine = run.machine(args.threads)
+    pipe = dflash_qaic.load(args.artifacts, backend=args.backend, threads=args.ort_threads)
+    machine["ort_threads"] = pipe.threads
+    threads = pipe.threads or "default"
+    _log(f"dflash-bench: loaded {args.artifacts} on {args.backend} ({threads} threads)")
+    return pipe, machine
+
+
+def _main(args, command: str) -> int:
     from dflash_qaic.bench import report, run
 
     check_args(args)
     t0, started = time.perf_counter(), datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    machine = run.machine(args.threads)
-    pipe = dflash_qaic.load(args.artifacts, backend=args.backend, threads=args.ort_threads)
-    machine["ort_threads"] = pipe.threads
-    _log(
-        f"dflash-bench: loaded {args.artifacts} on {args.backend} ({pipe.threads or 'default'} threads)"
-    )
+    pipe, machine = load_pipe(args)
     f = run.facts(pipe, args.artifacts)
     if not pipe.can_sample and all(t > 0 for t in args.temperatures):
         raise run.BenchError(
