@@ -24,6 +24,7 @@ def export(
     batch_size: int = 1,
     full_batch_size: int | None = None,
     comp_ctx_lengths: list[int] | None = None,
+    verify_lengths: list[int] | None = None,
     emit_logits: bool = False,
     sampling: bool = True,
     fp16_check: bool = True,
@@ -49,6 +50,8 @@ def export(
     full_batch_size: continuous batching with N cache rows, N sequences at once (None: off).
     comp_ctx_lengths: the attention windows, ascending, ending at ctx_len (None: ctx_len / 8,
         / 4, / 2 and ctx_len); each call reads the smallest one holding its positions.
+    verify_lengths: the verify calls' row counts, ascending, ending at the block size (None:
+        B/4, B/2, B); each step verifies the head of the block worth verifying (README).
     emit_logits: also output full logits; sampling: False = a greedy-only target program;
     fp16_check: run the fp16 graph check; compile: False = ONNX only.
     qpc_config: a compile profile name or YAML path; num_cores (the target's), num_devices,
@@ -69,6 +72,7 @@ def export(
         batch_size=batch_size,
         full_batch_size=full_batch_size,
         comp_ctx_lengths=comp_ctx_lengths,
+        verify_lengths=verify_lengths,
         emit_logits=emit_logits,
         sampling=sampling,
         qpc_config=qpc_config,

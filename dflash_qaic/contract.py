@@ -67,6 +67,11 @@ LOGITS = "logits"
 TARGET_HIDDEN = "target_hidden"
 POSITION_IDS_TARGET = "position_ids_target"
 DRAFT_TOKENS = "draft_tokens"
+# float [batch, B−1]: the draft's probability of each proposal, estimated as the softmax over its
+# CONFIDENCE_TOPK largest logits (an upper bound of the full softmax's; every term and the sum
+# stay ≤ CONFIDENCE_TOPK, so fp16 holds it). The runtime picks the verify length from it.
+DRAFT_CONFIDENCE = "draft_confidence"
+CONFIDENCE_TOPK = 16
 
 RETAINED_SUFFIX = "_RetainedState"
 PAD_POSITION = -1
@@ -221,6 +226,7 @@ class DraftIO:
     emit_logits: bool = False
     continuous_batching: bool = False
     comp_ctx: bool = False  # takes `comp_ctx_lengths`
+    confidence: bool = False  # returns `draft_confidence` (every export since it existed does)
 
     @property
     def kv(self) -> list[TensorSpec]:
@@ -242,6 +248,8 @@ class DraftIO:
     @property
     def outputs(self) -> list[TensorSpec]:
         out = [TensorSpec(DRAFT_TOKENS, "int64", (BATCH, self.block_size - 1))]
+        if self.confidence:
+            out.append(TensorSpec(DRAFT_CONFIDENCE, "float32", (BATCH, self.block_size - 1)))
         if self.emit_logits:
             out.append(TensorSpec(LOGITS, "float32", (BATCH, self.block_size - 1, self.vocab_size)))
         out += [TensorSpec(retained(s.name), s.dtype, s.shape) for s in self.kv]
@@ -256,6 +264,32 @@ def _batch_symbols(batch_size: int, full_batch_size: int | None, prefill: bool) 
     return {BATCH: 1 if prefill else full_batch_size, FULL_BATCH: full_batch_size}
 
 
+def default_verify_lengths(block_size: int) -> list[int]:
+    """Verify calls of B/4, B/2 and B rows (at least 2): the runtime verifies a shorter head of
+    the block when the draft is unsure of the rest and a shorter call costs less."""
+    return sorted({n for n in (block_size // 4, block_size // 2, block_size) if n >= 2})
+
+
+def check_verify_lengths(lengths: list[int] | None, block_size: int) -> list[int]:
+    """The verify lengths to export (None: `default_verify_lengths`), checked: ascending, each in
+    2 … B, the last one B (a step can always verify the whole block)."""
+    if lengths is None:
+        return default_verify_lengths(block_size)
+    lengths = [int(n) for n in lengths]
+    if (
+        not lengths
+        or lengths != sorted(set(lengths))
+        or lengths[0] < 2
+        or lengths[-1] != block_size
+    ):
+        raise ValueError(
+            f"verify lengths must ascend, be at least 2 and end at the block size {block_size}, "
+            f"got {lengths} (e.g. {default_verify_lengths(block_size)}; {block_size} alone "
+            "always verifies the whole block)"
+        )
+    return lengths
+
+
 def target_specializations(
     batch_size: int,
     prefill_seq_len: int,
@@ -264,10 +298,12 @@ def target_specializations(
     sampling: bool = True,
     full_batch_size: int | None = None,
     comp_ctx_lengths: list[int] | None = None,
+    verify_lengths: list[int] | None = None,
 ) -> list[dict]:
     """Named specializations of the target program: prefill chunk, verify block, single-token
     decode; with sampling, `sample_len` bound in each and a second verify block that samples
     every row (the greedy Verify runs the sampler on one row only, whose result it discards).
+    Both verify blocks exist once per verify length n (`Verify` at B rows, `Verify[n]` below).
     With `full_batch_size` N (continuous batching) prefill is at batch 1, the others at N.
     With `comp_ctx_lengths`, each of them once per attention window (`windowed`)."""
 
@@ -279,13 +315,15 @@ def target_specializations(
         }
         return {"name": name, "symbols": {**sym, SAMPLE: sample} if sampling else sym}
 
-    specs = [
-        spec(PREFILL, prefill_seq_len, prefill_seq_len),
-        spec(VERIFY, block_size, 1),
-        spec(DECODE, 1, 1),
-    ]
+    def verify(name: str, n: int, sample: int) -> dict:
+        return spec(name if n == block_size else f"{name}[{n}]", n, sample)
+
+    lengths = verify_lengths or [block_size]
+    specs = [spec(PREFILL, prefill_seq_len, prefill_seq_len)]
+    specs += [verify(VERIFY, n, 1) for n in lengths]
     if sampling:
-        specs.insert(2, spec(VERIFY_SAMPLED, block_size, block_size))
+        specs += [verify(VERIFY_SAMPLED, n, n) for n in lengths]
+    specs.append(spec(DECODE, 1, 1))
     return windowed(specs, comp_ctx_lengths, ctx_len)
 
 
@@ -305,8 +343,16 @@ def windowed(specs: list[dict], lengths: list[int] | None, ctx_len: int) -> list
 
 
 def base_name(specialization_name: str) -> str:
-    """`Verify@256` -> `Verify`."""
-    return specialization_name.split("@", 1)[0]
+    """`Verify@256`, `Verify[4]@256` -> `Verify`."""
+    return specialization_name.split("@", 1)[0].split("[", 1)[0]
+
+
+def verify_lengths_of(specializations) -> list[int]:
+    """The verify lengths a target program was exported with (its Verify specializations'
+    seq_len), ascending; artifacts from before verify lengths have the block size only."""
+    return sorted(
+        {s["symbols"][SEQ] for s in specializations if base_name(s["name"]) == VERIFY}
+    )
 
 
 def sample_rows(specializations: list[dict], seq: int, greedy: bool) -> int:

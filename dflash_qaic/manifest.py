@@ -334,6 +334,7 @@ class Program:
                 block_size=c.int("block_size", 2, 4096),
                 continuous_batching=cb,
                 comp_ctx=window,
+                confidence=c.bool("confidence", False),
             )
         for which, specs in (("inputs", io.inputs), ("outputs", io.outputs)):
             want = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]
@@ -343,7 +344,7 @@ class Program:
         known = (
             {f.name for f in fields(cls)}
             | set(dims)
-            | {"emit_logits", "sampling", "block_size", "continuous_batching", "comp_ctx"}
+            | {"emit_logits", "sampling", "block_size", "continuous_batching", "comp_ctx", "confidence"}
         )
         known |= {"inputs", "outputs", "qpc"}
         return cls(
@@ -504,8 +505,13 @@ def _consistent(m: Manifest, c: _Check, complete: bool) -> None:
             c.fail(f"{prog.kind}.continuous_batching", f"disagrees with full_batch_size {fbs}")
         if prog.io.comp_ctx != (w is not None):
             c.fail(f"{prog.kind}.comp_ctx", f"disagrees with comp_ctx_lengths {w}")
+    lengths = contract.verify_lengths_of(m.target.specializations)  # [B] before they existed
+    try:
+        contract.check_verify_lengths(lengths, m.block_size)
+    except ValueError as e:
+        c.fail("target.specializations", str(e))
     for prog, want in (
-        (m.target, contract.target_specializations(*args, m.target.io.sampling, fbs, w)),
+        (m.target, contract.target_specializations(*args, m.target.io.sampling, fbs, w, lengths)),
         (m.draft, contract.draft_specializations(*args, fbs, w)),
     ):
         if list(prog.specializations) != want:

@@ -182,6 +182,7 @@ def test_batch_is_lossless_per_request(built, cfg):
     _, B, chunk, _, _ = cfg
     _, _, art, model = built(*cfg)
     pipe = dflash_qaic.load(art)
+    pipe.verify_lengths = [B]  # whole blocks every step, so every acceptance length happens
     shapes = [(1, 30), (chunk - 1, 41), (chunk + 3, 25), (2 * chunk + 5, 57), (3 * chunk - 2, 33)]
     prompts = [prompt(n, seed) for seed, (n, _) in enumerate(shapes)]
     news = [new for _, new in shapes]
@@ -206,6 +207,7 @@ def test_requests_joining_mid_flight_equal_their_solo_run(built, policy):
     their solo tokens; each request's acceptance lengths equal its solo run's."""
     _, _, art, _ = built(*CONFIGS[1])
     pipe = dflash_qaic.load(art)
+    pipe.verify_lengths = [pipe.B]  # the same steps alone and batched (not picked by timing)
     reqs = [pipe.request(prompt(5 + 7 * i, 100 + i), 20 + 9 * i, []) for i in range(6)]
     solo = [pipe.generate(r.ids, r.max_new_tokens, stop_token_ids=[]) for r in reqs]
     engine = Engine(pipe, "dflash", prefill_chunks_per_step=policy)
@@ -269,8 +271,11 @@ def test_stops_and_context_end_inside_a_batch(tiny_pair, tmp_path):
 def test_standin_runs_the_same_engine(built):
     _, _, art, _ = built(*CONFIGS[0])
     prompts = [prompt(3 + 5 * i, 40 + i) for i in range(4)]
-    ort_res = dflash_qaic.load(art).generate(prompts, max_new_tokens=15)
+    ort_pipe = dflash_qaic.load(art)
     pipe = dflash_qaic.load(art, backend="qaic-standin")
+    for p in (ort_pipe, pipe):  # the same steps on both (lengths picked by timing differ)
+        p.verify_lengths = [p.B]
+    ort_res = ort_pipe.generate(prompts, max_new_tokens=15)
     res = pipe.generate(prompts, max_new_tokens=15)
     assert [r.tokens for r in res] == [r.tokens for r in ort_res]
     assert [r.acceptance_lengths for r in res] == [r.acceptance_lengths for r in ort_res]

@@ -915,7 +915,8 @@ def test_continuous_batching_pair_compiles(tmp_path, fake_compiler):
         full_batch_size=4,
         prefill_seq_len=64,
         ctx_len=1024,
-        comp_ctx_lengths=[1024],  # one window: the pinned texts below stay short
+        comp_ctx_lengths=[1024],  # one window and one verify length: the pinned texts below
+        verify_lengths=[16],  # stay short (other lengths are more of the same Verify entries)
         fp16_check=False,
     )
     # the programs really are in the continuous-batching form

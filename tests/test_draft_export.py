@@ -146,8 +146,8 @@ def test_draft_program_matches_reference(tiny_pair, tmp_path, case):
 
 
 def test_draft_traffic_is_tokens_only(tiny_pair, tmp_path):
-    """Per decode step the host sends B ids + committed feature rows and gets B−1 ids back:
-    no logits, no KV (the caches are retained state)."""
+    """Per decode step the host sends B ids + committed feature rows and gets B−1 ids and their
+    B−1 confidences back: no logits, no KV (the caches are retained state)."""
     t, d = tiny_pair(family="qwen3", target_layer_ids=[0, 3])
     pair = ck.read_pair(t, d)
     target = ck.load_target_model(pair.target)
@@ -163,8 +163,9 @@ def test_draft_traffic_is_tokens_only(tiny_pair, tmp_path):
         block_size=8,
     )
     outs = [o["name"] for o in facts["outputs"] if not o["name"].endswith("_RetainedState")]
-    assert outs == [contract.DRAFT_TOKENS]
-    assert facts["outputs"][0]["shape"] == [contract.BATCH, 7]
+    assert outs == [contract.DRAFT_TOKENS, contract.DRAFT_CONFIDENCE]
+    assert facts["outputs"][0]["shape"] == facts["outputs"][1]["shape"] == [contract.BATCH, 7]
+    assert facts["outputs"][1]["dtype"] == "float32"
     ins = [i["name"] for i in facts["inputs"] if not i["name"].startswith("past_")]
     assert ins == [
         contract.TARGET_HIDDEN,
@@ -174,6 +175,7 @@ def test_draft_traffic_is_tokens_only(tiny_pair, tmp_path):
         contract.COMP_CTX_LENGTHS,
     ]
     assert "Softmax" in facts["check"]["ops"] and "ArgMax" in facts["check"]["ops"]
+    assert facts["check"]["ops"]["TopK"] == 1  # the confidences: one TopK over the vocabulary
     assert facts["check"]["fp16_runs"] == 2 and np.isfinite(facts["check"]["fp16_max_abs"])
     faithful = facts["check"]["fp16_faithful"]  # every op in fp16, as on the card
     assert faithful["ran"] and faithful["flagged"] == [] and faithful["max_abs"] < 65504 / 16

@@ -33,7 +33,9 @@ B = 16
 
 @pytest.fixture(scope="module")
 def pipe(default_artifacts):
-    return dflash_qaic.load(default_artifacts, threads=1)
+    pipe = dflash_qaic.load(default_artifacts, threads=1)
+    pipe.verify_lengths = [B]  # as the server below: the same steps, step for step
+    return pipe
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +43,7 @@ def server(default_artifacts, tmp_path_factory):
     tpl = tmp_path_factory.mktemp("template") / "chat.jinja"
     tpl.write_text(TEMPLATE)
     args = ["--threads", "1", "--served-model-name", MODEL, "--chat-template", str(tpl)]
+    args += ["--verify-lengths", str(B)]
     with ServerProcess(default_artifacts, *args) as s:
         yield s
         assert s.stop() == 0, s.log()

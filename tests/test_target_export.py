@@ -235,7 +235,16 @@ def test_export_facts_and_graph(exported):
     assert facts["fc_scale"] > 1.0  # the fp16 rescale of fc is exercised by the HF comparison
     assert [s["name"] for s in facts["inputs"]] == [s.name for s in io.inputs]
     assert [s["name"] for s in facts["outputs"]] == [s.name for s in io.outputs]
-    names = [contract.PREFILL, contract.VERIFY, contract.VERIFY_SAMPLED, contract.DECODE]
+    lengths = facts["verify_lengths"]  # Verify[n] and VerifySampled[n] below the block size
+    assert lengths == contract.default_verify_lengths(lengths[-1]) and len(lengths) > 1
+    names = [
+        contract.PREFILL,
+        *(f"{contract.VERIFY}[{n}]" for n in lengths[:-1]),
+        contract.VERIFY,
+        *(f"{contract.VERIFY_SAMPLED}[{n}]" for n in lengths[:-1]),
+        contract.VERIFY_SAMPLED,
+        contract.DECODE,
+    ]
     windows = facts["comp_ctx_lengths"]
     assert windows[-1] == CTX and windows == sorted(windows)
     assert [s["name"] for s in facts["specializations"]] == [
@@ -246,7 +255,7 @@ def test_export_facts_and_graph(exported):
     ]
     check = facts["check"]
     assert check["ops"]["CtxScatter"] == 2 * io.n_layers
-    assert check["unresolved_intermediates"] == [0] * 4 * len(windows)
+    assert check["unresolved_intermediates"] == [0] * len(names) * len(windows)
     assert check["fp16_runs"] == 4 and 0 < check["fp16_max_abs"] < 6e4
     # the fp16-faithful evaluation ran (a tiny graph) and nothing came near fp16's maximum
     faithful = check["fp16_faithful"]

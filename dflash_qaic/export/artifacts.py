@@ -30,6 +30,7 @@ from pathlib import Path
 
 from dflash_qaic import __version__
 from dflash_qaic import checkpoints as ck
+from dflash_qaic import contract
 from dflash_qaic.compile.profiles import CompileOverrides
 from dflash_qaic.export.transaction import Transaction, TransactionError, link_tree
 from dflash_qaic.manifest import FORMAT as _FORMAT
@@ -64,6 +65,7 @@ class ExportOptions:
     batch_size: int = 1
     full_batch_size: int | None = None  # continuous batching with this many cache rows
     comp_ctx_lengths: tuple[int, ...] | None = None  # attention windows; None: the default ones
+    verify_lengths: tuple[int, ...] | None = None  # verify calls' rows; None: the default ones
     emit_logits: bool = False
     sampling: bool = True  # False: a greedy-only target program (no sampler in the graph)
     qpc_config: str = "ai100_fp16"
@@ -98,6 +100,13 @@ class ExportOptions:
                     f"{self.ctx_len}"
                 )
             object.__setattr__(self, "comp_ctx_lengths", tuple(w))
+        v = self.verify_lengths
+        if v is not None:
+            if not isinstance(v, (list, tuple)) or not all(
+                isinstance(n, int) and not isinstance(n, bool) for n in v
+            ):
+                raise ExportError(f"--verify-lengths must be integers, got {v!r}: e.g. 4,8,16")
+            object.__setattr__(self, "verify_lengths", tuple(v))
         for name in ("emit_logits", "sampling", "compile", "fp16_check"):
             if not isinstance(getattr(self, name), bool):
                 raise ExportError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -142,6 +151,10 @@ def validate_options(pair: ck.Pair, o: ExportOptions) -> int:
             f"--ctx-len {o.ctx_len} is too small for prefill chunk {o.prefill_seq_len} and block "
             f"{B}: use --ctx-len {need} or more (one slot is reserved for padding rows)"
         )
+    try:
+        contract.check_verify_lengths(o.verify_lengths and list(o.verify_lengths), B)
+    except ValueError as e:
+        raise ExportError(f"--verify-lengths: {e}") from None
     if o.batch_size != 1:
         raise ExportError(
             f"--batch-size {o.batch_size}: a batch of independent sequences is served by "
@@ -469,6 +482,7 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, progress, steps) -> d
             pair.draft.target_layer_ids,
             out / "target" / "target.onnx",
             sampling=o.sampling,
+            verify_lengths=list(o.verify_lengths) if o.verify_lengths else None,
             **common,
         )
     del target

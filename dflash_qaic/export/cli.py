@@ -30,6 +30,7 @@ RECIPE_KEYS = {
     "batch_size",
     "full_batch_size",
     "comp_ctx_lengths",
+    "verify_lengths",
     "qpc_config",
 }
 # Shipped recipes are package data (the repository's `export/` links here).
@@ -156,6 +157,12 @@ def parser() -> argparse.ArgumentParser:
         "ctx/8, ctx/4, ctx/2, ctx)",
     )
     p.add_argument(
+        "--verify-lengths",
+        type=_int_list,
+        help="verify calls' row counts, e.g. 4,8,16 (must end at the block size; default: B/4, "
+        "B/2, B); B alone compiles the fewest specializations",
+    )
+    p.add_argument(
         "--full-batch-size",
         type=size(1, MAX_BATCH_SIZE),
         help="continuous batching: N sequences at once (QEfficient's name; default: off)",
@@ -226,6 +233,7 @@ def resolve(args) -> tuple[Path, Path, dict]:
         "batch_size": _pick(args.batch_size, recipe, "batch_size", 1),
         "full_batch_size": _pick(args.full_batch_size, recipe, "full_batch_size"),
         "comp_ctx_lengths": _pick(args.comp_ctx_lengths, recipe, "comp_ctx_lengths"),
+        "verify_lengths": _pick(args.verify_lengths, recipe, "verify_lengths"),
         "emit_logits": args.emit_logits,
         "sampling": not args.no_sampling,
         "qpc_config": str(_pick(args.qpc_config, recipe, "qpc_config", "ai100_fp16")),

@@ -22,6 +22,7 @@ def draft_io(
     emit_logits=False,
     continuous_batching=False,
     comp_ctx=True,
+    confidence=True,
 ) -> contract.DraftIO:
     return contract.DraftIO(
         n_layers=c.num_layers,
@@ -33,6 +34,7 @@ def draft_io(
         emit_logits=emit_logits,
         continuous_batching=continuous_batching,
         comp_ctx=comp_ctx,
+        confidence=confidence,
     )
 
 

@@ -239,6 +239,7 @@ def program_facts(path: Path, io, specializations: list[dict], report: dict) -> 
         "emit_logits": io.emit_logits,
         "continuous_batching": io.continuous_batching,
         "comp_ctx": io.comp_ctx,
+        **({"confidence": io.confidence} if isinstance(io, contract.DraftIO) else {}),
         "n_layers": io.n_layers,
         "n_kv_heads": io.n_kv_heads,
         "head_dim": io.head_dim,
@@ -289,9 +290,12 @@ def export_and_check(
         sources=sources,
     )
     skipped = weights.graph_run_skip_reason(weights.weights_bytes(sources)) if sources else None
-    # the fp16 runs use the full-context windows: a smaller window computes the same values
+    # the fp16 runs use the full-context windows and whole verify blocks: a smaller window or a
+    # shorter verify (`Verify[n]`) computes the same values on fewer slots or rows
     full = [
-        s for s in specializations if s["symbols"].get(contract.CCL) in (None, sym[contract.CTX])
+        s
+        for s in specializations
+        if s["symbols"].get(contract.CCL) in (None, sym[contract.CTX]) and "[" not in s["name"]
     ]
     feeds = feeds_for(full) if fp16_check and not skipped else None
     report = check_graph(path, io, specializations, feeds)

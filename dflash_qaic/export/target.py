@@ -119,6 +119,7 @@ def export_target(
     batch_size: int = 1,
     full_batch_size: int | None = None,
     comp_ctx_lengths: list[int] | None = None,
+    verify_lengths: list[int] | None = None,
     emit_logits: bool = False,
     sampling: bool = True,
     sampling_candidates: int = SAMPLING_CANDIDATES,
@@ -138,7 +139,8 @@ def export_target(
     (see modeling.sampler.sampling_weights): the largest top_k the program takes.
     fp16_check: run the graph check's fp16 evaluations (export/fp16_check.py).
     full_batch_size: continuous batching with this many cache rows (None: off); comp_ctx_lengths:
-    the attention windows (None: the default ones); see contract.py.
+    the attention windows (None: the default ones); verify_lengths: the verify blocks' row
+    counts (None: the default ones); see contract.py.
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=1)
     cfg = hf_model.config
@@ -156,8 +158,9 @@ def export_target(
     ).eval()
     io = target_io(module, cfg.hidden_size, emit_logits, sampling)
     windows = contract.windows_or_default(comp_ctx_lengths, ctx_len, prefill_seq_len, block_size)
+    lengths = contract.check_verify_lengths(verify_lengths, block_size)
     specializations = contract.target_specializations(
-        batch_size, prefill_seq_len, block_size, ctx_len, sampling, full_batch_size, windows
+        batch_size, prefill_seq_len, block_size, ctx_len, sampling, full_batch_size, windows, lengths
     )
 
     # Trace at the prefill shape, at least 2 rows (no size-1 dim specialised away); streaming:
@@ -177,6 +180,7 @@ def export_target(
         fp16_check=fp16_check,
     )
     sizes = dict(block_size=block_size, prefill_seq_len=prefill_seq_len, comp_ctx_lengths=windows)
+    sizes["verify_lengths"] = lengths
     facts = _module_facts(module, cfg, sampling, hidden_norm_eps)
     return {**program_facts(path, io, specializations, report), **sizes, **facts}
 

@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dflash_qaic.checkpoints import DraftConfig
+from dflash_qaic.contract import CONFIDENCE_TOPK
 from dflash_qaic.modeling.layers import (
     MASK_VALUE,
     MLP,
@@ -153,7 +154,9 @@ class ExportDraft(nn.Module):
          program) into every layer's cache at `position_ids_target` (−1 → the padding slot);
       2. runs the block `[anchor, MASK…]` at `position_ids` against every cached slot below the
          block start plus the block's own K/V (bidirectional; the block K/V are not persisted);
-      3. returns argmax of the target's head over rows 1 … B−1, and the updated caches.
+      3. returns argmax of the target's head over rows 1 … B−1, with `confidence` the softmax
+         over the CONFIDENCE_TOPK largest logits at the argmax (contract.DRAFT_CONFIDENCE),
+         and the updated caches.
     """
 
     def __init__(
@@ -165,10 +168,12 @@ class ExportDraft(nn.Module):
         emit_logits: bool = False,
         continuous_batching: bool = False,
         comp_ctx: bool = True,
+        confidence: bool = True,
     ):
         super().__init__()
         self.continuous_batching = continuous_batching
         self.comp_ctx = comp_ctx
+        self.confidence = confidence
         self.c = draft.config
         self.layers, self.norm = draft.layers, draft.norm
         self.rope = RopeTable.from_rope(draft.rope, ctx_len)
@@ -209,4 +214,8 @@ class ExportDraft(nn.Module):
             cap = self.c.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         draft_tokens = logits.argmax(-1)  # [b, B−1]
-        return (draft_tokens, *([logits] if self.emit_logits else []), *retained)
+        conf = []
+        if self.confidence:  # 1 / Σ exp(top_i − top_0) over the k largest: each term ≤ 1, fp16-safe
+            top = logits.topk(min(CONFIDENCE_TOPK, logits.shape[-1]), dim=-1).values  # [b, B−1, k]
+            conf = [1.0 / torch.exp(top - top[..., :1]).sum(-1)]  # [b, B−1]
+        return (draft_tokens, *conf, *([logits] if self.emit_logits else []), *retained)

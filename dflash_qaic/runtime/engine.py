@@ -6,8 +6,9 @@ Continuous batching; the algorithm is REFERENCE.md §3).
                   target(chunk) -> next_tokens, features;  draft(features of the chunk)
               first token = the target's choice at the last prompt row; the last draft call
               also proposes the first block [first, MASK…] -> B−1 proposals
-    step:     one verify call over every slot: row r verifies [anchor_r, proposals_r] at
-              start_r … start_r+B−1; acc_r = leading proposals equal to the target's choice;
+    step:     one verify call over every slot: row r verifies [anchor_r, proposals_r[:n−1]] at
+              start_r … start_r+n−1 (n: the verify length, below); acc_r = leading proposals
+              equal to the target's choice;
               commit them + 1 target token; then one draft call over the rows that go on
               (features of their acc_r+1 committed rows, block [new anchor, MASK…])
     retire:   a sequence ends on a stop token, max_new_tokens or the context end; its slot is
@@ -20,6 +21,19 @@ row has its own positions, acceptance, sampling settings and random numbers, so 
 tokens never depend on what else is in the batch or when it joined. Artifacts exported without
 continuous batching run the same loop with one slot and no `batch_index`.
 
+Verify length: the target has Verify specializations of several lengths (contract.py, default
+B/4, B/2, B rows), and each step verifies the first n rows of the block. Row r is expected to
+commit E_r(n) = 1 + Σ_{j<n} Π_{i≤j} c_{r,i} tokens, from the draft's confidences c
+(contract.DRAFT_CONFIDENCE). A greedy step takes the n with the most expected tokens per second:
+Σ_r E_r(n) over the measured cost of a verify call of n rows plus a draft call (running means
+kept by the Pipeline; a length not yet timed is assumed to cost its share of the next longer
+timed one, so it gets tried). Where a call costs the same at any length (a memory-bound device)
+that is B; where rows cost compute (a CPU) unsure steps verify fewer rows. Timings never change
+greedy tokens, but at temperature > 0 the proposals a position sees depend on where steps
+begin, so a step with a sampled row takes n from the confidences alone (the shortest giving up
+less than StepCosts.LOSS expected tokens per row) and a seed still reproduces its tokens. Any n
+is lossless: a step commits the accepted proposals and one target token whatever n is.
+
 Admission policy (`prefill_chunks_per_step`): at most that many prefill chunks run between two
 steps; None (the default) prefills every waiting prompt before the next step, as QEfficient's
 host does. Bounding it bounds how long the sequences in flight wait for a newcomer (their time
@@ -31,8 +45,10 @@ Sampling (temperature > 0) is decided inside the target program: row j of a veri
 proposal j+1 with probability p(proposal), else returns a sample from p with the proposal
 removed; so "accept while proposal == choice" commits exactly what lossless speculative sampling
 commits. The host supplies each row's settings and one pair of uniforms per sampled position,
-drawn from that request's own `np.random.default_rng(seed)`: a request draws the same numbers in
-the same order whatever shares its calls. A greedy call (no sampling row) takes the
+taken from that request's own table, drawn once from `np.random.default_rng(seed)` and indexed by
+the position of the token it decides: a request's tokens depend on its seed only, not on what
+shares its calls, when it joined, or the verify lengths chosen (a position's uniforms decide it
+once: rows past a rejection are discarded unread, and the lengths depend on the draft only). A greedy call (no sampling row) takes the
 specialization that runs the sampler on one row only (`sample_len`).
 
 No cache is ever reset: a query at position p sees only slots written at positions ≤ p (target)
@@ -73,6 +89,9 @@ class GenerationResult:
     stop_reason: str  # "max_new_tokens" | "stop_token" | "ctx_len" | "abort"
     text: str | None = None
     call_times: dict[str, list[float]] = field(default_factory=dict, repr=False)
+    #: rows each step verified (its verify length, ≤ B; empty for the target alone): step i
+    #: proposed verify_lengths[i] − 1 draft tokens and accepted acceptance_lengths[i] − 1
+    verify_lengths: list[int] = field(default_factory=list, repr=False)
 
 
 class Sequence:
@@ -83,12 +102,20 @@ class Sequence:
         self.slot: int | None = None
         self.tokens: list[int] = []
         self.lengths: list[int] = []  # tokens committed per step
+        self.verified: list[int] = []  # rows of each step's verify call (its verify length)
         self.new: list[list[int]] = []  # runs of tokens committed since the caller took them
         self.prefilled = 0  # prompt tokens already in the caches
         self.start = 0  # position of the anchor (the last committed token)
         self.proposals = np.zeros(block_size - 1, np.int64)
+        self.confidence = np.ones(block_size - 1, np.float32)  # the draft's, per proposal
         sp = req.sampling
         self.rng = None if sp.greedy else np.random.default_rng(sp.seed)
+        # uniforms of the token at position len(ids) + i: row i (a step may look B − 1 past
+        # the budget; the rows it discards are never used again)
+        self.uniforms = None
+        if self.rng is not None:
+            rows = req.max_new_tokens + block_size + 1
+            self.uniforms = self.rng.random((rows, contract.N_RANDOM), dtype=np.float32)
         self.reason: str | None = None
         self.times: dict[str, list[float]] = {}
         self.bytes: dict[str, float] = {}
@@ -112,6 +139,54 @@ class Sequence:
         return out
 
 
+class StepCosts:
+    """Running means of a verify call's seconds by length and of a draft call's, and the verify
+    length they make best (module docstring). A Pipeline keeps one for all its engines."""
+
+    WEIGHT = 0.2  # of the newest call in the running mean
+    LOSS = 0.1  # sampled steps: expected tokens per row a shorter verify may give up
+
+    def __init__(self):
+        self.verify_s: dict[int, float] = {}
+        self.draft_s: float | None = None
+
+    def observe(self, kind: str, seconds: float, n: int = 0) -> None:
+        old = self.verify_s.get(n) if kind == "verify" else self.draft_s
+        new = seconds if old is None else old + self.WEIGHT * (seconds - old)
+        if kind == "verify":
+            self.verify_s[n] = new
+        else:
+            self.draft_s = new
+
+    def best_length(
+        self, lengths: list[int], confidences: list[np.ndarray], sampled: bool = False
+    ) -> int:
+        """The verify length for rows with these confidences. Greedy: the most expected
+        committed tokens per second (the longest until a call of it and a draft call have been
+        timed). With a sampled row: the shortest that loses less than LOSS expected tokens per
+        row, from the confidences alone, so that a seed reproduces its tokens."""
+        B = lengths[-1]
+        if len(lengths) == 1:
+            return B
+        # gain[n−1]: expected committed tokens at n rows, 1 + Σ_{j<n} Π_{i≤j} c_i per row
+        gain = np.full(B, float(len(confidences)))
+        for c in confidences:
+            gain[1:] += np.cumsum(np.cumprod(c))
+        if sampled:
+            return next(n for n in lengths if gain[-1] - gain[n - 1] < self.LOSS * len(confidences))
+        if B not in self.verify_s or self.draft_s is None:
+            return B
+        best, best_rate, ref = B, -1.0, B  # ref: the shortest timed length so far
+        for n in reversed(lengths):
+            if n in self.verify_s:
+                ref = n
+            cost = self.verify_s.get(n, self.verify_s[ref] * n / ref)  # untimed: n/ref of ref's
+            rate = gain[n - 1] / (cost + self.draft_s)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = n, rate
+        return best
+
+
 class Engine:
     """Continuous batching over a Pipeline's two programs (module docstring).
 
@@ -128,9 +203,11 @@ class Engine:
         mode: str = "dflash",
         prefill_chunks_per_step: int | None = None,
         max_running: int | None = None,
+        costs: StepCosts | None = None,
     ):
         """max_running: at most this many sequences in slots at once (None: every slot); the
-        benchmark holds concurrency c with it on a program of more slots."""
+        benchmark holds concurrency c with it on a program of more slots. costs: the timings
+        that pick verify lengths (a Pipeline passes its own, kept across engines)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if prefill_chunks_per_step is not None and prefill_chunks_per_step < 1:
@@ -151,9 +228,21 @@ class Engine:
         self._window_ids = {n: np.arange(n, dtype=np.int64) for n in self.windows or ()}
         self.rows: list[Sequence | None] = [None] * self.N  # slot -> sequence
         self.waiting: collections.deque[Sequence] = collections.deque()
+        self.lengths = contract.verify_lengths_of(m.target.specializations) or [self.B]
+        chosen = getattr(pipe, "verify_lengths", None)
+        if chosen is not None:
+            if not set(chosen) <= set(self.lengths) or self.B not in chosen:
+                raise ValueError(
+                    f"verify_lengths {list(chosen)}: the target has verify lengths "
+                    f"{self.lengths}; pick some of them, including the block size {self.B}"
+                )
+            self.lengths = sorted(set(chosen))
+        if not m.draft.io.confidence:  # no confidences: always the whole block
+            self.lengths = [self.B]
+        self.costs = costs if costs is not None else StepCosts()
         self._sample_len = {
             (n, greedy): contract.sample_rows(list(m.target.specializations), n, greedy)
-            for n in {1, self.B, self.C}
+            for n in {1, self.C, *self.lengths}
             for greedy in (True, False)
         }
         self._alloc()
@@ -163,8 +252,8 @@ class Engine:
         batch-1 prefill calls'."""
         N, B, C, H, z = self.N, self.B, self.C, self.H, np.zeros
         self.full = {
-            "ver_ids": z((N, B), np.int64),
-            "ver_pos": z((N, B), np.int64),
+            **{f"ver_ids{n}": z((N, n), np.int64) for n in self.lengths},
+            **{f"ver_pos{n}": z((N, n), np.int64) for n in self.lengths},
             "dec_ids": z((N, 1), np.int64),
             "dec_pos": z((N, 1), np.int64),
             "ctx": z((N, B, H), np.float32),
@@ -275,18 +364,24 @@ class Engine:
             contract.RANDOM_U: u,
         }
 
-    def _set_row_sampling(self, buf: dict, u: np.ndarray, row: int, seq: Sequence | None):
-        """Row `row`'s settings and uniforms: the sequence's own, or greedy zeros."""
+    def _set_row_sampling(
+        self, buf: dict, u: np.ndarray, row: int, seq: Sequence | None, first: int = 0
+    ):
+        """Row `row`'s settings and uniforms: the sequence's own (call row j decides the token
+        at position first + j), or greedy zeros."""
         if not self.can_sample:
             return
         sp = seq.req.sampling if seq is not None else None
         buf["temperature"][row] = sp.temperature if sp else 0.0
         buf["top_k"][row] = sp.top_k if sp else 0
         buf["top_p"][row] = sp.top_p if sp else 1.0
-        if seq is not None and seq.rng is not None:
-            seq.rng.random(out=u[row], dtype=np.float32)
-        else:
-            u[row].fill(0.0)
+        u[row].fill(0.0)  # rows without a table row (prompt positions) are never read
+        if seq is None or seq.uniforms is None:
+            return
+        t0 = first - len(seq.req.ids)  # the table row of call row 0
+        lo, hi = max(0, -t0), min(u.shape[1], len(seq.uniforms) - t0)
+        if lo < hi:
+            u[row, lo:hi] = seq.uniforms[t0 + lo : t0 + hi]
 
     def _with_index(self, feeds: dict, bidx: np.ndarray, needed: int) -> dict:
         """Add batch_index (continuous batching) and the attention window holding slots
@@ -311,7 +406,7 @@ class Engine:
         one["pos"][0, n:] = contract.PAD_POSITION
         one["bidx"][0, 0] = seq.slot
         u = self.u_one[self._sample_len[C, seq.rng is None]]
-        self._set_row_sampling(one, u, 0, seq)
+        self._set_row_sampling(one, u, 0, seq, lo + 1)
         feeds = {contract.INPUT_IDS: one["ids"], contract.POSITION_IDS: one["pos"]}
         feeds.update(self._sampling_feeds(one, u))
         feeds = self._with_index(feeds, one["bidx"], lo + n)
@@ -326,9 +421,11 @@ class Engine:
             one["ctx_pos"][0, n:] = contract.PAD_POSITION
             one["blk_ids"][0, 0] = first if last else self.mask_id
             np.add(self._arange_b, lo + n, out=one["blk_pos"][0])
-            props = self._draft_call("draft_prefill", one, "ctx", [seq], lo + n)
+            props, conf = self._draft_call("draft_prefill", one, "ctx", [seq], lo + n)
             if last:
                 seq.proposals[:] = props[0]
+                if conf is not None:
+                    seq.confidence[:] = conf[0]
         seq.prefilled = lo + n
         if last:
             seq.t_dec = time.perf_counter()
@@ -336,7 +433,8 @@ class Engine:
             self._commit(seq, [first])
 
     def _draft_call(self, kind, buf: dict, ctx: str, seqs: list[Sequence], start: int):
-        """The draft over `buf`; its blocks start at `start` at most (the cached slots read)."""
+        """The draft over `buf`; its blocks start at `start` at most (the cached slots read).
+        Returns the proposals and their confidences (None from drafts without them)."""
         feeds = {
             contract.TARGET_HIDDEN: buf[ctx],
             contract.POSITION_IDS_TARGET: buf["ctx_pos"],
@@ -344,7 +442,7 @@ class Engine:
             contract.POSITION_IDS: buf["blk_pos"],
         }
         out = self._call(kind, self.draft, self._with_index(feeds, buf["bidx"], start), seqs)
-        return out[contract.DRAFT_TOKENS]
+        return out[contract.DRAFT_TOKENS], out.get(contract.DRAFT_CONFIDENCE)
 
     # ------------------------------------------------------------------ steps
 
@@ -376,7 +474,7 @@ class Engine:
             if seq is not None and seq in seqs:
                 fill(r, seq)
                 f["bidx"][r, 0] = r
-                self._set_row_sampling(f, u, r, seq)
+                self._set_row_sampling(f, u, r, seq, seq.start + 1)
             else:
                 f[ids][r] = 0
                 f[pos][r] = contract.PAD_POSITION
@@ -394,30 +492,37 @@ class Engine:
         return self._call(kind, self.target, self._with_index(feeds, f["bidx"], needed), seqs)
 
     def _dflash_step(self, seqs: list[Sequence]) -> None:
-        f, B = self.full, self.B
+        f = self.full
+        sampled = any(s.rng is not None for s in seqs)
+        n = self.costs.best_length(self.lengths, [s.confidence for s in seqs], sampled)
+        ids, pos = f"ver_ids{n}", f"ver_pos{n}"
 
         def fill(r, seq):
-            f["ver_ids"][r, 0] = seq.tokens[-1]
-            f["ver_ids"][r, 1:] = seq.proposals
-            np.add(self._arange_b, seq.start, out=f["ver_pos"][r])
+            f[ids][r, 0] = seq.tokens[-1]
+            f[ids][r, 1:] = seq.proposals[: n - 1]
+            np.add(self._arange_b[:n], seq.start, out=f[pos][r])
 
-        out = self._target_step("verify", "ver_ids", "ver_pos", seqs, fill)
+        for seq in seqs:
+            seq.verified.append(n)
+        t = time.perf_counter()
+        out = self._target_step("verify", ids, pos, seqs, fill)
+        self.costs.observe("verify", time.perf_counter() - t, n)
         choice, feats = out[contract.NEXT_TOKENS], out[contract.HIDDEN_STATES]
         going = []
         for seq in seqs:
             r, props = seq.slot, seq.proposals
             acc = 0
-            while acc < B - 1 and props[acc] == choice[r, acc]:
+            while acc < n - 1 and props[acc] == choice[r, acc]:
                 acc += 1
             committed = [int(t) for t in props[:acc]] + [int(choice[r, acc])]
             start = seq.start
             seq.start = start + acc + 1
             self._commit(seq, committed, step=True)
             if seq.reason is None:  # its committed rows become draft context
-                n = acc + 1
-                f["ctx"][r, :n] = feats[r, :n]
-                np.add(self._arange_b[:n], start, out=f["ctx_pos"][r, :n])
-                f["ctx_pos"][r, n:] = contract.PAD_POSITION
+                k = acc + 1
+                f["ctx"][r, :k] = feats[r, :k]
+                np.add(self._arange_b[:k], start, out=f["ctx_pos"][r, :k])
+                f["ctx_pos"][r, k:] = contract.PAD_POSITION
                 f["blk_ids"][r, 0] = committed[-1]
                 np.add(self._arange_b, seq.start, out=f["blk_pos"][r])
                 going.append(seq)
@@ -428,9 +533,13 @@ class Engine:
                 f["ctx_pos"][r] = contract.PAD_POSITION
                 f["blk_pos"][r] = contract.PAD_POSITION
                 f["bidx"][r, 0] = contract.INACTIVE_ROW
-        props = self._draft_call("draft", f, "ctx", going, max(s.start for s in going))
+        t = time.perf_counter()
+        props, conf = self._draft_call("draft", f, "ctx", going, max(s.start for s in going))
+        self.costs.observe("draft", time.perf_counter() - t)
         for seq in going:
             seq.proposals[:] = props[seq.slot]
+            if conf is not None:
+                seq.confidence[:] = conf[seq.slot]
 
     def _decode_step(self, seqs: list[Sequence]) -> None:
         f = self.full
@@ -461,6 +570,7 @@ class Engine:
         stats = {
             "tau": float(np.mean(seq.lengths)) if steps else 0.0,
             "steps": steps,
+            "verify_rows": float(np.mean(seq.verified)) if seq.verified else None,
             "ttft_s": (seq.t_first or now) - seq.t_arrival,
             "prefill_s": t_dec - seq.t_arrival,
             "decode_s": decode_s,
@@ -480,5 +590,10 @@ class Engine:
             "seed": sp.seed,
         }
         return GenerationResult(
-            seq.tokens, seq.lengths, stats, seq.reason or "abort", call_times=seq.times
+            seq.tokens,
+            seq.lengths,
+            stats,
+            seq.reason or "abort",
+            call_times=seq.times,
+            verify_lengths=seq.verified,
         )

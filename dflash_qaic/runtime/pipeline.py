@@ -17,7 +17,7 @@ import numpy as np
 
 from dflash_qaic import contract
 from dflash_qaic.manifest import Manifest
-from dflash_qaic.runtime.engine import Engine, GenerationResult, Request
+from dflash_qaic.runtime.engine import Engine, GenerationResult, Request, StepCosts
 
 __all__ = ["GenerationError", "GenerationResult", "Pipeline", "Sampling"]
 
@@ -127,10 +127,15 @@ class Pipeline:
         self.prefill_chunks_per_step: int | None = None
         #: at most this many sequences in flight (None: full_batch_size)
         self.max_running: int | None = None
+        #: the verify lengths a step may pick from (engine.py; None: every one the target was
+        #: exported with); [block size] verifies the whole block every step
+        self.verify_lengths: list[int] | None = None
+        #: timings that pick each step's verify length, kept across calls (engine.StepCosts)
+        self.step_costs = StepCosts()
 
     def engine(self, mode: str = "dflash") -> Engine:
         """A continuous-batching engine over these programs (what dflash-serve drives)."""
-        return Engine(self, mode, self.prefill_chunks_per_step, self.max_running)
+        return Engine(self, mode, self.prefill_chunks_per_step, self.max_running, self.step_costs)
 
     # ------------------------------------------------------------------ inputs
 

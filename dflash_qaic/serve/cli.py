@@ -40,6 +40,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="ort", choices=["ort", "qaic", "auto", "qaic-standin"])
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     p.add_argument(
+        "--verify-lengths",
+        default=None,
+        help="verify lengths steps may pick from, e.g. 16 (default: every one the artifacts "
+        "have; the block size alone verifies the whole block every step)",
+    )
+    p.add_argument(
         "--max-queue", type=int, default=256, help="requests that may wait (default 256)"
     )
     p.add_argument(
@@ -78,6 +84,14 @@ def _check(args) -> str | None:
         raise UsageError(f"--threads must be in 1 … {most} (got {args.threads})")
     if args.max_queue < 1:
         raise UsageError(f"--max-queue must be ≥ 1 (got {args.max_queue})")
+    if args.verify_lengths is not None:
+        try:
+            args.verify_lengths = [int(x) for x in args.verify_lengths.split(",")]
+        except ValueError:
+            raise UsageError(
+                f"--verify-lengths must be integers separated by commas, e.g. 4,8,16 "
+                f"(got {args.verify_lengths!r})"
+            ) from None
     if not args.shutdown_timeout >= 0:
         raise UsageError(f"--shutdown-timeout must be ≥ 0 (got {args.shutdown_timeout})")
     if args.chat_template is None:
@@ -114,6 +128,12 @@ def _serve(args, template: str | None, sock: socket.socket) -> None:
 
     prometheus_client.disable_created_metrics()  # as vLLM: no *_created series
     pipe = dflash_qaic.load(args.artifacts, backend=args.backend, threads=args.threads)
+    if args.verify_lengths is not None:
+        pipe.verify_lengths = args.verify_lengths
+        try:
+            pipe.engine()  # checks them against the artifacts' lengths before serving
+        except ValueError as e:
+            raise UsageError(f"--verify-lengths: {e}") from None
     name = args.served_model_name or args.artifacts
     engine = Engine(pipe, max_queue=args.max_queue, metrics=Metrics(name, pipe.B))
     # the HTTP side encodes prompts with its own tokenizer: never one shared across threads
@@ -152,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         _serve(args, template, sock)
-    except (ArtifactsError, BackendError) as e:
+    except (ArtifactsError, BackendError, UsageError) as e:
         if args.debug:
             raise
         print(f"dflash-serve: error: {e}", file=sys.stderr)

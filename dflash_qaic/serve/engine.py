@@ -298,8 +298,9 @@ class Engine:
         tail = "" if run.cut else run.text.flush()
         self._live.remove(run)
         self.metrics.running_now(len(self._live))
-        for n in res.acceptance_lengths:
-            self.metrics.step(n)
+        verified = res.verify_lengths or [None] * len(res.acceptance_lengths)
+        for n, v in zip(res.acceptance_lengths, verified):
+            self.metrics.step(n, v)
         st, P, n = res.stats, len(h.prompt_ids), run.tokens
         queued = run.t_added - h.t_arrival
         ttft = queued + st["ttft_s"] if n else None

@@ -1,10 +1,11 @@
 """Prometheus metrics with vLLM's names (`/metrics`).
 
-Speculative decoding, per verify step (a step that committed n tokens accepted n − 1 of its
-B − 1 drafts; the first token of a request comes from prefill and belongs to no step):
+Speculative decoding, per verify step (a step that verified v rows and committed n tokens
+accepted n − 1 of its v − 1 drafts; v is B unless the step verified a shorter head of the block,
+runtime/engine.py; the first token of a request comes from prefill and belongs to no step):
 
     vllm:spec_decode_num_drafts_total                  steps
-    vllm:spec_decode_num_draft_tokens_total            steps × (B − 1)
+    vllm:spec_decode_num_draft_tokens_total            Σ (v − 1)
     vllm:spec_decode_num_accepted_tokens_total         Σ (n − 1)
     vllm:spec_decode_num_accepted_tokens_per_pos_total{position="i"}   steps whose draft i was accepted
 
@@ -83,11 +84,11 @@ class Metrics:
             self._most = n
             self.running_max.set(n)
 
-    def step(self, committed: int) -> None:
-        """One verify step that committed `committed` tokens (1 … B)."""
+    def step(self, committed: int, verified: int | None = None) -> None:
+        """One verify step of `verified` rows (None: B) that committed `committed` tokens."""
         accepted = committed - 1
         self._drafts.inc()
-        self._draft_tokens.inc(self.drafts_per_step)
+        self._draft_tokens.inc(self.drafts_per_step if verified is None else verified - 1)
         self._accepted.inc(accepted)
         for c in self._per_pos[:accepted]:
             c.inc()
