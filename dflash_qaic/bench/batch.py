@@ -149,12 +149,14 @@ def _main(args, command: str) -> int:
 class _Timed:
     """A program whose calls are counted and timed by kind while a batch runs: where the batch's
     wall time goes (the engine's own call times count a shared call once per request in it).
-    The kind comes from the call's shapes: target ids of 1 column are a decode call, of B a
-    verify call, else a prefill chunk (a prefill chunk of exactly B counts as verify); draft
-    context of B rows is a step's draft call, else a prefill chunk's."""
+    The kind comes from the call's shapes: target ids of 1 column are a decode call, of the
+    prefill chunk's a prefill call, else a verify call (of one of the verify lengths; a prefill
+    chunk of exactly B counts as prefill); draft context of B rows is a step's draft call, else a
+    prefill chunk's."""
 
-    def __init__(self, program, is_target: bool, block_size: int, budget: dict):
+    def __init__(self, program, is_target: bool, block_size: int, chunk: int, budget: dict):
         self._program, self._target, self._B, self._budget = program, is_target, block_size, budget
+        self._chunk = chunk
 
     def __getattr__(self, name):
         return getattr(self._program, name)
@@ -167,10 +169,10 @@ class _Timed:
         dt = time.perf_counter() - t
         if self._target:
             n = feeds[contract.INPUT_IDS].shape[1]
-            kind = "decode" if n == 1 else "verify" if n == self._B else "prefill"
+            kind = "decode" if n == 1 else "prefill" if n == self._chunk else "verify"
         else:
             n = feeds[contract.TARGET_HIDDEN].shape[1]
-            kind = "draft" if n == self._B else "draft_prefill"
+            kind = "draft_prefill" if n == self._chunk else "draft"
         got = self._budget.setdefault(kind, [0, 0.0])
         got[0], got[1] = got[0] + 1, got[1] + dt
         return out
@@ -217,8 +219,8 @@ class _Runner:
         pipe, budget, B = self.pipe, {}, self.pipe.B
         saved = pipe.prefill_chunks_per_step, pipe.max_running, pipe.target, pipe.draft
         pipe.prefill_chunks_per_step, pipe.max_running = policy, c
-        pipe.target = _Timed(pipe.target, True, B, budget)
-        pipe.draft = _Timed(pipe.draft, False, B, budget)
+        pipe.target = _Timed(pipe.target, True, B, pipe.chunk, budget)
+        pipe.draft = _Timed(pipe.draft, False, B, pipe.chunk, budget)
         index = [j % len(self.prompts) for j in range(self.per_prompt * len(self.prompts))]
         try:
             t = time.perf_counter()

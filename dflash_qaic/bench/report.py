@@ -56,6 +56,9 @@ def summary_screen(res: dict) -> str:
         "": temp,
         "speedup (decode)": lambda s: sp(s["speedup"], x_),
         "τ": lambda s: f"{s['tau']:.2f}",
+        "verify rows per step": lambda s: (
+            f"{s['loop']['verify_rows']:.1f}" if s["loop"].get("verify_rows") else "—"
+        ),
         "tokens/s DFlash": lambda s: f"{s['modes']['dflash']['tokens_per_s']['median']:.1f}",
         "tokens/s target alone": lambda s: (
             f"{s['modes']['baseline']['tokens_per_s']['median']:.1f}"
@@ -68,7 +71,9 @@ def summary_screen(res: dict) -> str:
     out += [f"{k:<24}" + "".join(f"{f(s):<26}" for s in secs) for k, f in rows.items()]
     for L in (s["loop"] for s in secs if s["temperature"] == 0):
         out.append(
-            f"a DFlash step (T = 0): verify {ms(L['verify_s'])} + draft {ms(L['draft_s'])} + host "
+            f"a DFlash step (T = 0): verify {ms(L['verify_s'])}"
+            + (f" ({L['verify_rows']:.1f} rows)" if L.get("verify_rows") else "")
+            + f" + draft {ms(L['draft_s'])} + host "
             f"{ms(L['host_per_step_s'])} = {ms(L['step_s'])} ms for {L['tau']:.2f} tokens; "
             f"a target-only token {ms(L['token_s'])} ms"
         )

@@ -70,7 +70,9 @@ def loop_costs(baseline: list, dflash: list) -> dict:
     if not tokens or not steps:
         raise ValueError("no decode calls or no DFlash steps")
     lengths = [n for r in dflash for n in r.acceptance_lengths]
+    rows = [n for r in dflash for n in getattr(r, "verify_lengths", ())]  # the chosen lengths
     out = {
+        "verify_rows": float(np.mean(rows)) if rows else None,
         "decode_s": total(baseline, "decode") / tokens,
         "verify_s": total(dflash, "verify") / steps,
         "draft_s": total(dflash, "draft") / steps,  # per step: the last step drafts nothing
