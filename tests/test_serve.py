@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
+import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -478,6 +479,11 @@ def test_serve_cli_errors_are_one_line(default_artifacts, tmp_path, capsys):
         ([str(default_artifacts), "--port", "70000"], "--port must be in 0 … 65535"),
         ([str(default_artifacts), "--threads", "0"], "--threads must be in 1 …"),
         ([str(default_artifacts), "--max-queue", "0"], "--max-queue must be ≥ 1"),
+        ([str(default_artifacts), "--verify-lengths", "4,x"], "--verify-lengths must be integers"),
+        (
+            [str(default_artifacts), "--port", "0", "--verify-lengths", "4,8"],
+            "--verify-lengths: verify_lengths [4, 8]: the target has verify lengths [4, 8, 16]",
+        ),
         ([str(default_artifacts), "--chat-template", str(tmp_path / "no.jinja")], "cannot read"),
     ]
     try:
@@ -488,3 +494,15 @@ def test_serve_cli_errors_are_one_line(default_artifacts, tmp_path, capsys):
             assert err.startswith("dflash-serve: error: ") and err.count("\n") == 1, err
     finally:
         busy.close()
+
+
+def test_metrics_count_the_drafts_each_step_verified():
+    """A step of v rows proposed v − 1 draft tokens (steps of shorter verify lengths)."""
+    from dflash_qaic.serve.metrics import Metrics
+
+    m = Metrics("m", B)
+    for committed, verified in ((3, 4), (16, 16), (1, 8), (2, None)):
+        m.step(committed, verified)
+    text = prometheus_client.generate_latest(m.registry).decode()
+    assert 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 40.0' in text  # 3+15+7+15
+    assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 18.0' in text
