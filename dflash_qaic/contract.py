@@ -350,9 +350,7 @@ def base_name(specialization_name: str) -> str:
 def verify_lengths_of(specializations) -> list[int]:
     """The verify lengths a target program was exported with (its Verify specializations'
     seq_len), ascending; artifacts from before verify lengths have the block size only."""
-    return sorted(
-        {s["symbols"][SEQ] for s in specializations if base_name(s["name"]) == VERIFY}
-    )
+    return sorted({s["symbols"][SEQ] for s in specializations if base_name(s["name"]) == VERIFY})
 
 
 def sample_rows(specializations: list[dict], seq: int, greedy: bool) -> int:

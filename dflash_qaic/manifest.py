@@ -344,9 +344,9 @@ class Program:
         known = (
             {f.name for f in fields(cls)}
             | set(dims)
-            | {"emit_logits", "sampling", "block_size", "continuous_batching", "comp_ctx", "confidence"}
+            | {"emit_logits", "sampling", "block_size", "continuous_batching", "comp_ctx"}
         )
-        known |= {"inputs", "outputs", "qpc"}
+        known |= {"confidence", "inputs", "outputs", "qpc"}
         return cls(
             io=io,
             onnx=c.relpath("onnx"),

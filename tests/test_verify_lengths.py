@@ -166,9 +166,7 @@ def test_sampled_tokens_follow_the_target_at_a_short_length(built):
     cfg = (1.0, 0, 1.0)
     a = np.array(
         [
-            pipe.generate(
-                SAMPLING_PROMPT, 2, stop_token_ids=[], temperature=1.0, seed=i
-            ).tokens
+            pipe.generate(SAMPLING_PROMPT, 2, stop_token_ids=[], temperature=1.0, seed=i).tokens
             for i in range(600)
         ]
     )

@@ -28,9 +28,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dflash_qaic import __version__
+from dflash_qaic import __version__, contract
 from dflash_qaic import checkpoints as ck
-from dflash_qaic import contract
 from dflash_qaic.compile.profiles import CompileOverrides
 from dflash_qaic.export.transaction import Transaction, TransactionError, link_tree
 from dflash_qaic.manifest import FORMAT as _FORMAT
@@ -465,12 +464,11 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, progress, steps) -> d
         block_size=B,
         batch_size=o.batch_size,
         full_batch_size=o.full_batch_size,
-        comp_ctx_lengths=list(o.comp_ctx_lengths) if o.comp_ctx_lengths else None,
+        comp_ctx_lengths=o.comp_ctx_lengths and list(o.comp_ctx_lengths),
         emit_logits=o.emit_logits,
         fp16_check=o.fp16_check,
         stream_from=pair,
     )
-
     t = time.perf_counter()
     progress(f"exporting the target program (ctx {o.ctx_len}, chunk {o.prefill_seq_len}, B {B})")
     with torch.no_grad():
@@ -482,7 +480,7 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, progress, steps) -> d
             pair.draft.target_layer_ids,
             out / "target" / "target.onnx",
             sampling=o.sampling,
-            verify_lengths=list(o.verify_lengths) if o.verify_lengths else None,
+            verify_lengths=o.verify_lengths and list(o.verify_lengths),  # None: the default
             **common,
         )
     del target

@@ -159,9 +159,8 @@ def export_target(
     io = target_io(module, cfg.hidden_size, emit_logits, sampling)
     windows = contract.windows_or_default(comp_ctx_lengths, ctx_len, prefill_seq_len, block_size)
     lengths = contract.check_verify_lengths(verify_lengths, block_size)
-    specializations = contract.target_specializations(
-        batch_size, prefill_seq_len, block_size, ctx_len, sampling, full_batch_size, windows, lengths
-    )
+    args = (batch_size, prefill_seq_len, block_size, ctx_len, sampling, full_batch_size, windows)
+    specializations = contract.target_specializations(*args, lengths)
 
     # Trace at the prefill shape, at least 2 rows (no size-1 dim specialised away); streaming:
     # at 2 rows (the same graph: every varying dim is symbolic; the tracer keeps intermediates).
@@ -180,7 +179,7 @@ def export_target(
         fp16_check=fp16_check,
     )
     sizes = dict(block_size=block_size, prefill_seq_len=prefill_seq_len, comp_ctx_lengths=windows)
-    sizes["verify_lengths"] = lengths
+    sizes |= {"verify_lengths": lengths}
     facts = _module_facts(module, cfg, sampling, hidden_norm_eps)
     return {**program_facts(path, io, specializations, report), **sizes, **facts}
 
