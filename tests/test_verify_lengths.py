@@ -32,7 +32,7 @@ class Fixed(StepCosts):
     """Always the same verify length."""
 
     def __init__(self, n):
-        super().__init__()
+        super().__init__(warmup_calls=0)
         self.n = n
 
     def best_length(self, lengths, confidences, sampled=False):
@@ -150,7 +150,7 @@ def test_a_batch_is_lossless_at_the_chosen_lengths(built):
     art, model = built(full_batch_size=3)
     pipe = dflash_qaic.load(art)
     prompts = [prompt(n, s) for s, n in enumerate([4, 9, CHUNK + 1, 2 * CHUNK, 7])]
-    for costs in (Fixed(2), Fixed(4), StepCosts()):
+    for costs in (Fixed(2), Fixed(4), StepCosts(warmup_calls=0)):
         pipe.step_costs = costs
         results = pipe.generate(prompts, max_new_tokens=30, stop_token_ids=[])
         for ids, res in zip(prompts, results):
@@ -185,6 +185,9 @@ def conf(*values):
 def test_greedy_choice_follows_the_costs():
     lengths = [2, 4, 8]
     c = StepCosts()
+    c.observe("verify", 5.0, 8)  # a first call sets up buffers: not timed
+    c.observe("draft", 5.0)
+    assert c.verify_s == {} and c.draft_s is None
     assert c.best_length(lengths, [conf(0.01)]) == 8  # nothing timed yet: the whole block
     c.observe("verify", 1.0, 8)
     c.observe("draft", 0.5)
@@ -192,19 +195,27 @@ def test_greedy_choice_follows_the_costs():
     assert c.best_length(lengths, [conf(0.05)]) == 2
     assert c.best_length(lengths, [conf(0.99)]) == 8
     # a device whose calls cost the same at any length: the whole block, however unsure
-    flat = StepCosts()
+    flat = StepCosts(warmup_calls=0)
     for n in lengths:
         flat.observe("verify", 1.0, n)
     flat.observe("draft", 0.5)
     assert flat.best_length(lengths, [conf(0.01)]) == 8
     # the expected-token arithmetic: 1 + c1 + c1c2 + … per row, summed over rows
-    c.observe("verify", 0.25, 2)
-    c.observe("verify", 0.5, 4)
-    # at 2 rows: (1 + 0.9) / 0.75 = 2.53; at 4: (1 + .9 + .81 + .729) / 1.0 = 3.44;
+    for _ in range(2):  # the first call of each length is not timed
+        c.observe("verify", 0.4, 2)
+        c.observe("verify", 0.5, 4)
+    assert c.verify_s == {8: 1.0, 2: 0.4, 4: 0.5}
+    # at 2 rows: (1 + 0.9) / 0.9 = 2.11; at 4: (1 + .9 + .81 + .729) / 1.0 = 3.44;
     # at 8: (1 + Σ_{j≤7} 0.9^j) / 1.5 = 3.80 -> 8; a second, unsure row (0.3) makes it
-    # 4.27 / 4.86 / 4.75 -> 4
+    # 3.56 / 4.86 / 4.75 -> 4
     assert c.best_length(lengths, [conf(0.9)]) == 8
     assert c.best_length(lengths, [conf(0.9), conf(0.3)]) == 4
+    # … unless 4 rows turn out slow: 4.86 / 1.4 = 3.47 < 4.75 -> 8
+    slow = StepCosts(warmup_calls=0)
+    for n, t in ((8, 1.0), (2, 0.4), (4, 0.9)):
+        slow.observe("verify", t, n)
+    slow.observe("draft", 0.5)
+    assert slow.best_length(lengths, [conf(0.9), conf(0.3)]) == 8
     # a running mean: one slow call moves the estimate a fifth of the way
     c.observe("verify", 2.0, 8)
     assert c.verify_s[8] == pytest.approx(1.2)
@@ -212,7 +223,7 @@ def test_greedy_choice_follows_the_costs():
 
 def test_sampled_choice_uses_the_confidences_only():
     lengths = [2, 4, 8]
-    timed, untimed = StepCosts(), StepCosts()
+    timed, untimed = StepCosts(warmup_calls=0), StepCosts()
     timed.observe("verify", 1.0, 8)
     timed.observe("draft", 0.5)
     for c in (timed, untimed):
@@ -229,7 +240,7 @@ def test_a_seed_reproduces_its_tokens_whatever_the_timings(built):
     kw = dict(max_new_tokens=40, stop_token_ids=[], temperature=1.0, seed=11)
     ids = prompt(6, 1)
     first = pipe.generate(ids, **kw)
-    skewed = StepCosts()  # timings that make every greedy step pick 2 rows
+    skewed = StepCosts(warmup_calls=0)  # timings that make every greedy step pick 2 rows
     skewed.observe("verify", 10.0, 8)
     skewed.observe("verify", 0.01, 2)
     skewed.observe("draft", 0.01)

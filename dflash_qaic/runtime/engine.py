@@ -146,11 +146,19 @@ class StepCosts:
     WEIGHT = 0.2  # of the newest call in the running mean
     LOSS = 0.1  # sampled steps: expected tokens per row a shorter verify may give up
 
-    def __init__(self):
+    def __init__(self, warmup_calls: int = 1):
+        """warmup_calls: the first calls of each kind and length are not timed (a program's
+        first call of a shape sets up its buffers; timed, it would make that length look slow,
+        and a length that looks slow is never picked again to correct it)."""
         self.verify_s: dict[int, float] = {}
         self.draft_s: float | None = None
+        self.warmup_calls = warmup_calls
+        self._seen: collections.Counter = collections.Counter()
 
     def observe(self, kind: str, seconds: float, n: int = 0) -> None:
+        self._seen[kind, n] += 1
+        if self._seen[kind, n] <= self.warmup_calls:
+            return
         old = self.verify_s.get(n) if kind == "verify" else self.draft_s
         new = seconds if old is None else old + self.WEIGHT * (seconds - old)
         if kind == "verify":
