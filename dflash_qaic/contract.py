@@ -347,6 +347,11 @@ def base_name(specialization_name: str) -> str:
     return specialization_name.split("@", 1)[0].split("[", 1)[0]
 
 
+def shorter_verify(specialization_name: str) -> bool:
+    """`Verify[4]@256` -> True: a verify block shorter than B (`target_specializations`)."""
+    return "[" in specialization_name.split("@", 1)[0]
+
+
 def verify_lengths_of(specializations) -> list[int]:
     """The verify lengths a target program was exported with (its Verify specializations'
     seq_len), ascending; artifacts from before verify lengths have the block size only."""

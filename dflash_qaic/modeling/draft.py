@@ -215,7 +215,8 @@ class ExportDraft(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         draft_tokens = logits.argmax(-1)  # [b, B−1]
         conf = []
-        if self.confidence:  # 1 / Σ exp(top_i − top_0) over the k largest: each term ≤ 1, fp16-safe
-            top = logits.topk(min(CONFIDENCE_TOPK, logits.shape[-1]), dim=-1).values  # [b, B−1, k]
+        if self.confidence:  # 1 / Σ exp(top_i − top_0) over the k largest: terms ≤ 1, fp16-safe
+            k = min(CONFIDENCE_TOPK, logits.shape[-1])
+            top = logits.topk(k, dim=-1).values  # [b, B−1, k]
             conf = [1.0 / torch.exp(top - top[..., :1]).sum(-1)]  # [b, B−1]
         return (draft_tokens, *conf, *([logits] if self.emit_logits else []), *retained)

@@ -48,8 +48,9 @@ commits. The host supplies each row's settings and one pair of uniforms per samp
 taken from that request's own table, drawn once from `np.random.default_rng(seed)` and indexed by
 the position of the token it decides: a request's tokens depend on its seed only, not on what
 shares its calls, when it joined, or the verify lengths chosen (a position's uniforms decide it
-once: rows past a rejection are discarded unread, and the lengths depend on the draft only). A greedy call (no sampling row) takes the
-specialization that runs the sampler on one row only (`sample_len`).
+once: rows past a rejection are discarded unread, and the lengths depend on the draft only).
+A greedy call (no sampling row) takes the specialization that runs the sampler on one row only
+(`sample_len`).
 
 No cache is ever reset: a query at position p sees only slots written at positions ≤ p (target)
 or < the block start (draft), and every such slot was written by the sequence now in that cache
@@ -109,13 +110,14 @@ class Sequence:
         self.proposals = np.zeros(block_size - 1, np.int64)
         self.confidence = np.ones(block_size - 1, np.float32)  # the draft's, per proposal
         sp = req.sampling
-        self.rng = None if sp.greedy else np.random.default_rng(sp.seed)
-        # uniforms of the token at position len(ids) + i: row i (a step may look B − 1 past
-        # the budget; the rows it discards are never used again)
+        # sampling: the uniforms of the token at position len(ids) + i are row i, drawn once
+        # from the seed (a step may look B − 1 past the budget; the rows it discards are never
+        # used again); None when greedy
         self.uniforms = None
-        if self.rng is not None:
+        if not sp.greedy:
             rows = req.max_new_tokens + block_size + 1
-            self.uniforms = self.rng.random((rows, contract.N_RANDOM), dtype=np.float32)
+            rng = np.random.default_rng(sp.seed)
+            self.uniforms = rng.random((rows, contract.N_RANDOM), dtype=np.float32)
         self.reason: str | None = None
         self.times: dict[str, list[float]] = {}
         self.bytes: dict[str, float] = {}
@@ -236,8 +238,8 @@ class Engine:
         self._window_ids = {n: np.arange(n, dtype=np.int64) for n in self.windows or ()}
         self.rows: list[Sequence | None] = [None] * self.N  # slot -> sequence
         self.waiting: collections.deque[Sequence] = collections.deque()
-        self.lengths = contract.verify_lengths_of(m.target.specializations) or [self.B]
-        chosen = getattr(pipe, "verify_lengths", None)
+        self.lengths = contract.verify_lengths_of(m.target.specializations)  # manifest: ends at B
+        chosen = pipe.verify_lengths
         if chosen is not None:
             if not set(chosen) <= set(self.lengths) or self.B not in chosen:
                 raise ValueError(
@@ -351,10 +353,15 @@ class Engine:
     # ------------------------------------------------------------------ calls
 
     def _call(self, kind: str, program, feeds: dict, seqs: list[Sequence]) -> dict:
-        """One program call, its time and bytes attributed to every sequence in it."""
+        """One program call, its time and bytes attributed to every sequence in it; a step's
+        verify and draft calls also time the verify lengths (StepCosts)."""
         d0, t = program.device_s, time.perf_counter()
         out = program.run(feeds)
         dt, dev = time.perf_counter() - t, program.device_s - d0
+        if kind in ("verify", "draft"):
+            self.costs.observe(
+                kind, dt, feeds[contract.INPUT_IDS].shape[1] if kind == "verify" else 0
+            )
         moved = sum(a.nbytes for a in feeds.values()) + sum(a.nbytes for a in out.values())
         for s in seqs:
             s.times.setdefault(kind, []).append(dt)
@@ -413,7 +420,7 @@ class Engine:
         one["pos"][0, :n] = np.arange(lo, lo + n)
         one["pos"][0, n:] = contract.PAD_POSITION
         one["bidx"][0, 0] = seq.slot
-        u = self.u_one[self._sample_len[C, seq.rng is None]]
+        u = self.u_one[self._sample_len[C, seq.uniforms is None]]
         self._set_row_sampling(one, u, 0, seq, lo + 1)
         feeds = {contract.INPUT_IDS: one["ids"], contract.POSITION_IDS: one["pos"]}
         feeds.update(self._sampling_feeds(one, u))
@@ -491,7 +498,7 @@ class Engine:
 
     def _target_step(self, kind: str, ids: str, pos: str, seqs: list[Sequence], fill) -> dict:
         f, rows = self.full, self.full[ids].shape[1]
-        greedy = all(s.rng is None for s in seqs)
+        greedy = all(s.uniforms is None for s in seqs)
         u = self.u_full[self._sample_len[rows, greedy]]
         self._fill_rows(ids, pos, u, seqs, fill)
         feeds = {contract.INPUT_IDS: f[ids], contract.POSITION_IDS: f[pos]}
@@ -501,8 +508,8 @@ class Engine:
 
     def _dflash_step(self, seqs: list[Sequence]) -> None:
         f = self.full
-        sampled = any(s.rng is not None for s in seqs)
-        n = self.costs.best_length(self.lengths, [s.confidence for s in seqs], sampled)
+        greedy = all(s.uniforms is None for s in seqs)
+        n = self.costs.best_length(self.lengths, [s.confidence for s in seqs], not greedy)
         ids, pos = f"ver_ids{n}", f"ver_pos{n}"
 
         def fill(r, seq):
@@ -512,9 +519,7 @@ class Engine:
 
         for seq in seqs:
             seq.verified.append(n)
-        t = time.perf_counter()
         out = self._target_step("verify", ids, pos, seqs, fill)
-        self.costs.observe("verify", time.perf_counter() - t, n)
         choice, feats = out[contract.NEXT_TOKENS], out[contract.HIDDEN_STATES]
         going = []
         for seq in seqs:
@@ -541,9 +546,7 @@ class Engine:
                 f["ctx_pos"][r] = contract.PAD_POSITION
                 f["blk_pos"][r] = contract.PAD_POSITION
                 f["bidx"][r, 0] = contract.INACTIVE_ROW
-        t = time.perf_counter()
         props, conf = self._draft_call("draft", f, "ctx", going, max(s.start for s in going))
-        self.costs.observe("draft", time.perf_counter() - t)
         for seq in going:
             seq.proposals[:] = props[seq.slot]
             if conf is not None:
