@@ -20,7 +20,8 @@ row its `batch_index` names; verify, decode and the draft block run at batch N. 
 Greedy calls do not pay for the sampler: `random_u` is [batch, sample_len, 2], and only the first
 `sample_len` rows of a call run the sampler; the rest take the argmax. The greedy Verify
 specialization binds sample_len = 1, VerifySampled binds it to the block (the runtime picks one by
-the shape of `random_u`); Prefill and Decode bind it to seq_len (decode has one row anyway). One
+the shape of `random_u`); likewise Prefill (1: a greedy prompt, and every chunk of a sampled prompt
+but its last) and PrefillSampled (the chunk); Decode has one row anyway. One
 program, no control flow: a specialization is just another static shape to the compiler, and no
 dimension is ever 0 (docs/DESIGN.md, Sampling).
 
@@ -77,7 +78,8 @@ RETAINED_SUFFIX = "_RetainedState"
 PAD_POSITION = -1
 
 # Specialization names (the named form of specializations.json).
-PREFILL = "Prefill"
+PREFILL = "Prefill"  # greedy: sample_len 1 (also a sampled prompt's chunks before its last)
+PREFILL_SAMPLED = "PrefillSampled"  # sampling: sample_len = the chunk
 VERIFY = "Verify"  # greedy: sample_len 1
 VERIFY_SAMPLED = "VerifySampled"  # sampling: sample_len = block
 DECODE = "Decode"
@@ -301,15 +303,16 @@ def target_specializations(
     verify_lengths: list[int] | None = None,
 ) -> list[dict]:
     """Named specializations of the target program: prefill chunk, verify block, single-token
-    decode; with sampling, `sample_len` bound in each and a second verify block that samples
-    every row (the greedy Verify runs the sampler on one row only, whose result it discards).
+    decode; with sampling, `sample_len` bound in each and a second prefill chunk and verify
+    block that sample every row (the greedy Prefill and Verify run the sampler on one row only,
+    at temperature 0 the argmax).
     Both verify blocks exist once per verify length n (`Verify` at B rows, `Verify[n]` below).
     With `full_batch_size` N (continuous batching) prefill is at batch 1, the others at N.
     With `comp_ctx_lengths`, each of them once per attention window (`windowed`)."""
 
     def spec(name: str, seq: int, sample: int) -> dict:
         sym = {
-            **_batch_symbols(batch_size, full_batch_size, name == PREFILL),
+            **_batch_symbols(batch_size, full_batch_size, name in (PREFILL, PREFILL_SAMPLED)),
             SEQ: seq,
             CTX: ctx_len,
         }
@@ -319,7 +322,9 @@ def target_specializations(
         return spec(name if n == block_size else f"{name}[{n}]", n, sample)
 
     lengths = verify_lengths or [block_size]
-    specs = [spec(PREFILL, prefill_seq_len, prefill_seq_len)]
+    specs = [spec(PREFILL, prefill_seq_len, 1 if sampling else prefill_seq_len)]
+    if sampling:
+        specs.append(spec(PREFILL_SAMPLED, prefill_seq_len, prefill_seq_len))
     specs += [verify(VERIFY, n, 1) for n in lengths]
     if sampling:
         specs += [verify(VERIFY_SAMPLED, n, n) for n in lengths]

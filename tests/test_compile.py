@@ -850,7 +850,8 @@ def test_program_and_io_must_agree(art, no_compiler):
 CB_TARGET_NAMED = """\
 {
   "specializations": [
-    {"name": "Prefill", "symbols": {"batch_size": "1", "full_batch_size": "4", "seq_len": "64", "ctx_len": "1024", "sample_len": "64", "comp_ctx_lengths": "1024"}},
+    {"name": "Prefill", "symbols": {"batch_size": "1", "full_batch_size": "4", "seq_len": "64", "ctx_len": "1024", "sample_len": "1", "comp_ctx_lengths": "1024"}},
+    {"name": "PrefillSampled", "symbols": {"batch_size": "1", "full_batch_size": "4", "seq_len": "64", "ctx_len": "1024", "sample_len": "64", "comp_ctx_lengths": "1024"}},
     {"name": "Verify", "symbols": {"batch_size": "4", "full_batch_size": "4", "seq_len": "16", "ctx_len": "1024", "sample_len": "1", "comp_ctx_lengths": "1024"}},
     {"name": "VerifySampled", "symbols": {"batch_size": "4", "full_batch_size": "4", "seq_len": "16", "ctx_len": "1024", "sample_len": "16", "comp_ctx_lengths": "1024"}},
     {"name": "Decode", "symbols": {"batch_size": "4", "full_batch_size": "4", "seq_len": "1", "ctx_len": "1024", "sample_len": "1", "comp_ctx_lengths": "1024"}}
@@ -860,6 +861,7 @@ CB_TARGET_NAMED = """\
 CB_TARGET_FLAT = """\
 {
   "specializations": [
+    {"batch_size": "1", "full_batch_size": "4", "seq_len": "64", "ctx_len": "1024", "sample_len": "1", "comp_ctx_lengths": "1024"},
     {"batch_size": "1", "full_batch_size": "4", "seq_len": "64", "ctx_len": "1024", "sample_len": "64", "comp_ctx_lengths": "1024"},
     {"batch_size": "4", "full_batch_size": "4", "seq_len": "16", "ctx_len": "1024", "sample_len": "1", "comp_ctx_lengths": "1024"},
     {"batch_size": "4", "full_batch_size": "4", "seq_len": "16", "ctx_len": "1024", "sample_len": "16", "comp_ctx_lengths": "1024"},

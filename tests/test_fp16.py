@@ -252,7 +252,7 @@ def test_graph_check_reports_skip_and_layers(tmp_path):
     skipped = check_graph(path, io, specs, feeds, faithful_max_bytes=0)
     assert not skipped["fp16_faithful"]["ran"]
     assert "above the faithful check's limit of 0 MiB" in skipped["fp16_faithful"]["skipped"]
-    assert skipped["fp16_runs"] == 4 and skipped["fp16_max_abs"] > 0  # ORT fp16 still ran
+    assert skipped["fp16_runs"] == 5 and skipped["fp16_max_abs"] > 0  # ORT fp16 still ran
     off = check_graph(path, io, specs)
     assert "fp16_check off" in off["fp16_faithful"]["skipped"]
 

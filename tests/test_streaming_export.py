@@ -178,7 +178,7 @@ def test_build_artifacts_streams_and_reuses(pair, tmp_path):
     steps = []
     res = build_artifacts(pair.target.path, pair.draft.path, tmp_path, opts, progress=steps.append)
     m = res.manifest
-    assert m["target"]["check"]["fp16_runs"] == 4  # tiny programs: the fp16 run is not skipped
+    assert m["target"]["check"]["fp16_runs"] == 5  # tiny programs: the fp16 run is not skipped
     again = build_artifacts(
         pair.target.path, pair.draft.path, tmp_path, opts, progress=steps.append
     )

@@ -239,6 +239,7 @@ def test_export_facts_and_graph(exported):
     assert lengths == contract.default_verify_lengths(lengths[-1]) and len(lengths) > 1
     names = [
         contract.PREFILL,
+        contract.PREFILL_SAMPLED,
         *(f"{contract.VERIFY}[{n}]" for n in lengths[:-1]),
         contract.VERIFY,
         *(f"{contract.VERIFY_SAMPLED}[{n}]" for n in lengths[:-1]),
@@ -256,10 +257,11 @@ def test_export_facts_and_graph(exported):
     check = facts["check"]
     assert check["ops"]["CtxScatter"] == 2 * io.n_layers
     assert check["unresolved_intermediates"] == [0] * len(names) * len(windows)
-    assert check["fp16_runs"] == 4 and 0 < check["fp16_max_abs"] < 6e4
+    # Prefill, PrefillSampled, Verify, VerifySampled, Decode (shorter verify blocks skipped)
+    assert check["fp16_runs"] == 5 and 0 < check["fp16_max_abs"] < 6e4
     # the fp16-faithful evaluation ran (a tiny graph) and nothing came near fp16's maximum
     faithful = check["fp16_faithful"]
-    assert faithful["ran"] and faithful["runs"] == 4 and faithful["flagged"] == []
+    assert faithful["ran"] and faithful["runs"] == 5 and faithful["flagged"] == []
     assert 0 < faithful["max_abs"] < 65504 / 16
     assert list(check["nodes_per_layer"]) == [str(i) for i in range(io.n_layers)] + ["other"]
     graph = onnx.load(str(e["path"]), load_external_data=False).graph

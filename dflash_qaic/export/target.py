@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -19,6 +20,7 @@ from dflash_qaic.modeling.target import ExportTarget
 # path (temperature > 0, with and without top-k / top-p); greedy rows are a plain ArgMax.
 CHECK_SAMPLING = {
     contract.PREFILL: (1.0, 0, 1.0),
+    contract.PREFILL_SAMPLED: (1.0, 0, 1.0),
     contract.VERIFY: (0.7, 5, 0.9),
     contract.DECODE: (1.5, 0, 0.8),
 }
@@ -27,14 +29,19 @@ CHECK_SAMPLING = {
 def check_feeds(io: contract.TargetIO, specializations: list[dict], seed: int = 0) -> list[dict]:
     """One feed per specialization for the fp16 check: random tokens at positions 0.. (prefill)
     or right after them (verify, decode), the last row of each padded (-1), empty caches, and
-    (with sampling) the settings of CHECK_SAMPLING with random uniforms."""
-    rng = np.random.default_rng(seed)
+    (with sampling) the settings of CHECK_SAMPLING with random uniforms. Each specialization
+    draws from its own generator (seed and its name), so adding one leaves the others' feeds."""
     feeds = []
     for spec in specializations:
+        rng = np.random.default_rng([seed, zlib.crc32(spec["name"].encode())])
         sym = spec["symbols"]
         b, s = sym[contract.BATCH], sym[contract.SEQ]
         name = contract.base_name(spec["name"])
-        start = 0 if name == contract.PREFILL else min(s, sym[contract.CTX] - 1 - s)
+        start = (
+            0
+            if name in (contract.PREFILL, contract.PREFILL_SAMPLED)
+            else min(s, sym[contract.CTX] - 1 - s)
+        )
         pos = np.tile(np.arange(start, start + s, dtype=np.int64), (b, 1))
         if s > 1:
             pos[:, -1] = contract.PAD_POSITION

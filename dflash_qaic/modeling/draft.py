@@ -61,23 +61,28 @@ class DraftAttention(nn.Module):
         """x [b, B, H] (normed block); ctx_k/ctx_v [b, n_kv, n, hd] already roped;
         ctx_mask: optional additive [b, 1, 1, n] (0 visible, large negative hidden)."""
         b, B, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, B, self.n_heads, self.hd)).transpose(1, 2)
-        q = apply_rope(q, cos, sin, self.hd)  # [b, heads, B, hd]
+        nh, kvh, hd = self.n_heads, self.n_kv, self.hd
+        q = self.q_norm(self.q_proj(x).view(b, B, nh, hd)).transpose(1, 2)
+        q = apply_rope(q, cos, sin, hd)  # [b, nh, B, hd]
         blk_k, blk_v = self.kv(x, cos, sin)  # the block's own K/V: used here, never cached
-        k = torch.cat([ctx_k, blk_k], dim=2)  # [b, n_kv, n + B, hd]
-        v = torch.cat([ctx_v, blk_v], dim=2)
-        rep = self.n_heads // self.n_kv
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        # q is scaled before the product (fp16: the unscaled products are hd**0.5 times larger)
-        scores = (q * self.hd**-0.5) @ k.transpose(-1, -2)  # [b, heads, B, n + B]
+        # GQA without repeating K/V: query head h uses kv head h // g, so each kv head's g query
+        # heads are folded into the row axis, [b, nh, B, hd] -> [b, kvh, g*B, hd]. The context
+        # and the block are scored apart and only the scores are joined: neither the cached
+        # keys nor the values are ever copied (a repeat or a concat of K/V copies the window
+        # every layer, every call). q is scaled first (fp16: unscaled products are sqrt(hd)×).
+        q = q.reshape(b, kvh, (nh // kvh) * B, hd) * hd**-0.5
+        s_ctx = q @ ctx_k.transpose(-1, -2)  # [b, kvh, g*B, n]
         if ctx_mask is not None:
-            scores = scores + F.pad(ctx_mask, (0, B))  # block keys always visible
+            s_ctx = s_ctx + ctx_mask  # block keys are always visible
+        scores = torch.cat([s_ctx, q @ blk_k.transpose(-1, -2)], dim=-1)  # [b, kvh, g*B, n + B]
         if scores.dtype == torch.float32:  # a Python branch: an fp32 graph gets no Casts
             probs = scores.softmax(dim=-1)
         else:  # training below fp32: the softmax in fp32
             probs = scores.float().softmax(dim=-1).to(scores.dtype)
-        out = probs @ v  # [b, heads, B, hd]
-        return self.o_proj(out.transpose(1, 2).reshape(b, B, -1))
+        n = ctx_k.shape[2]
+        out = probs[..., :n] @ ctx_v + probs[..., n:] @ blk_v  # [b, kvh, g*B, hd]
+        out = out.reshape(b, nh, B, hd).transpose(1, 2).reshape(b, B, nh * hd)
+        return self.o_proj(out)
 
 
 class DraftLayer(nn.Module):

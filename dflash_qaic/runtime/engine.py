@@ -420,7 +420,8 @@ class Engine:
         one["pos"][0, :n] = np.arange(lo, lo + n)
         one["pos"][0, n:] = contract.PAD_POSITION
         one["bidx"][0, 0] = seq.slot
-        u = self.u_one[self._sample_len[C, seq.uniforms is None]]
+        # only the last chunk's last row is sampled: the chunks before it take the greedy Prefill
+        u = self.u_one[self._sample_len[C, seq.uniforms is None or lo + n < P]]
         self._set_row_sampling(one, u, 0, seq, lo + 1)
         feeds = {contract.INPUT_IDS: one["ids"], contract.POSITION_IDS: one["pos"]}
         feeds.update(self._sampling_feeds(one, u))
