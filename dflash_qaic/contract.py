@@ -301,6 +301,7 @@ def target_specializations(
     full_batch_size: int | None = None,
     comp_ctx_lengths: list[int] | None = None,
     verify_lengths: list[int] | None = None,
+    greedy_prefill: bool = True,
 ) -> list[dict]:
     """Named specializations of the target program: prefill chunk, verify block, single-token
     decode; with sampling, `sample_len` bound in each and a second prefill chunk and verify
@@ -308,7 +309,8 @@ def target_specializations(
     at temperature 0 the argmax).
     Both verify blocks exist once per verify length n (`Verify` at B rows, `Verify[n]` below).
     With `full_batch_size` N (continuous batching) prefill is at batch 1, the others at N.
-    With `comp_ctx_lengths`, each of them once per attention window (`windowed`)."""
+    With `comp_ctx_lengths`, each of them once per attention window (`windowed`).
+    `greedy_prefill` False: the one Prefill that samples every row (artifacts from before 0.4)."""
 
     def spec(name: str, seq: int, sample: int) -> dict:
         sym = {
@@ -322,8 +324,9 @@ def target_specializations(
         return spec(name if n == block_size else f"{name}[{n}]", n, sample)
 
     lengths = verify_lengths or [block_size]
-    specs = [spec(PREFILL, prefill_seq_len, 1 if sampling else prefill_seq_len)]
-    if sampling:
+    two = sampling and greedy_prefill
+    specs = [spec(PREFILL, prefill_seq_len, 1 if two else prefill_seq_len)]
+    if two:
         specs.append(spec(PREFILL_SAMPLED, prefill_seq_len, prefill_seq_len))
     specs += [verify(VERIFY, n, 1) for n in lengths]
     if sampling:
@@ -361,6 +364,12 @@ def verify_lengths_of(specializations) -> list[int]:
     """The verify lengths a target program was exported with (its Verify specializations'
     seq_len), ascending; artifacts from before verify lengths have the block size only."""
     return sorted({s["symbols"][SEQ] for s in specializations if base_name(s["name"]) == VERIFY})
+
+
+def has_greedy_prefill(specializations) -> bool:
+    """Whether a target program has the greedy Prefill beside PrefillSampled (before 0.4 its one
+    Prefill sampled every row)."""
+    return any(base_name(s["name"]) == PREFILL_SAMPLED for s in specializations)
 
 
 def sample_rows(specializations: list[dict], seq: int, greedy: bool) -> int:

@@ -510,8 +510,10 @@ def _consistent(m: Manifest, c: _Check, complete: bool) -> None:
         contract.check_verify_lengths(lengths, m.block_size)
     except ValueError as e:
         c.fail("target.specializations", str(e))
+    two = contract.has_greedy_prefill(m.target.specializations)  # one sampling Prefill before 0.4
+    target = contract.target_specializations(*args, m.target.io.sampling, fbs, w, lengths, two)
     for prog, want in (
-        (m.target, contract.target_specializations(*args, m.target.io.sampling, fbs, w, lengths)),
+        (m.target, target),
         (m.draft, contract.draft_specializations(*args, fbs, w)),
     ):
         if list(prog.specializations) != want:

@@ -137,6 +137,37 @@ def test_strict_standin_runs_the_same_loop(built):
     assert {contract.base_name(n) for n in used} == {"Prefill", "PrefillSampled", "VerifySampled"}
 
 
+def test_artifacts_with_one_sampling_prefill_still_run(built, tmp_path):
+    """Before 0.4 the target had one Prefill that sampled every row. Such artifacts still load,
+    and give the same tokens: the runtime reads the rows to sample from the specializations."""
+    import shutil
+
+    _, _, art, _ = built(*CONFIGS[1])
+    old = tmp_path / "old"
+    shutil.copytree(art, old)
+    path = old / "manifest.json"
+    m = json.loads(path.read_text())
+    specs = m["target"]["specializations"]
+    assert any(contract.base_name(s["name"]) == contract.PREFILL_SAMPLED for s in specs)
+    old_specs = []
+    for s in specs:
+        name, sym = contract.base_name(s["name"]), s["symbols"]
+        if name == contract.PREFILL:
+            s = {**s, "symbols": {**sym, contract.SAMPLE: sym[contract.SEQ]}}
+        if name != contract.PREFILL_SAMPLED:
+            old_specs.append(s)
+    m["target"]["specializations"] = old_specs
+    path.write_text(json.dumps(m))
+    new_pipe, old_pipe = dflash_qaic.load(art), dflash_qaic.load(old)
+    assert not contract.has_greedy_prefill(old_pipe.artifacts.target.specializations)
+    for p in (new_pipe, old_pipe):
+        p.verify_lengths = [p.B]
+    ids = prompt(37, 3)  # three chunks
+    assert old_pipe.generate(ids, 24).tokens == new_pipe.generate(ids, 24).tokens
+    kw = dict(temperature=1.0, seed=4)
+    assert old_pipe.generate(ids, 24, **kw).tokens == new_pipe.generate(ids, 24, **kw).tokens
+
+
 def test_standin_refuses_what_the_card_refuses(built):
     import numpy as np
 
