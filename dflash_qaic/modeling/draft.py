@@ -33,7 +33,7 @@ from dflash_qaic.modeling.layers import (
     embed_rows,
     vocab_tables,
 )
-from dflash_qaic.modeling.ops import cache_rows, cache_slots, update_cache
+from dflash_qaic.modeling.ops import cache_reads, cache_rows, cache_slots, update_cache
 
 __all__ = ["DFlashDraft", "DraftAttention", "DraftLayer", "ExportDraft", "apply_rope"]
 
@@ -204,13 +204,14 @@ class ExportDraft(nn.Module):
         kv_index = (window if window is not None else torch.arange(self.ctx_len))[None, :]  # [1, L]
         ctx_mask = torch.where(kv_index < start, 0.0, MASK_VALUE)[:, None, None, :]  # [b,1,1,L]
 
+        reads = cache_reads(rows, window, self.c.num_kv_heads, self.ctx_len)  # once per call
         h = embed_rows(input_ids, self.head_t, self.embed)
         h = h * self.c.input_embedding_scale  # [b, B, H]
         retained = []
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.kv(target_hidden, ccos, csin)  # [b, n_kv, s, hd]
-            cache_k, keys = update_cache(past[2 * i], rows, slots, k, window)  # [b, n_kv, L, hd]
-            cache_v, values = update_cache(past[2 * i + 1], rows, slots, v, window)
+            cache_k, keys = update_cache(past[2 * i], rows, slots, k, reads)  # [b, n_kv, L, hd]
+            cache_v, values = update_cache(past[2 * i + 1], rows, slots, v, reads)
             h = layer(h, cos, sin, keys, values, ctx_mask)
             retained += [cache_k, cache_v]
 

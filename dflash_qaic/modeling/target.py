@@ -47,7 +47,7 @@ from dflash_qaic.modeling.layers import (
     frozen_linear,
     vocab_tables,
 )
-from dflash_qaic.modeling.ops import cache_rows, cache_slots, update_cache
+from dflash_qaic.modeling.ops import cache_reads, cache_rows, cache_slots, update_cache
 from dflash_qaic.modeling.sampler import SAMPLING_CANDIDATES, sample_next_tokens
 
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_TARGETS)
@@ -79,8 +79,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm.from_hf(hf.q_norm) if qk_norm else None
         self.k_norm = RMSNorm.from_hf(hf.k_norm) if qk_norm else None
 
-    def forward(self, x, cos, sin, slots, rows, window, mask, cache_k, cache_v):
-        # x [b, s, H]; cos/sin [b, s, hd]; slots [b, s]; window [L] (or None: all ctx slots);
+    def forward(self, x, cos, sin, slots, rows, reads, mask, cache_k, cache_v):
+        # x [b, s, H]; cos/sin [b, s, hd]; slots [b, s]; reads: the slots read (ops.cache_reads);
         # mask [b, 1, g*s, L] additive (0 visible, MASK_VALUE hidden); cache_k/cache_v [b, kvh, ctx, hd], or [N, kvh, ctx, hd] with
         # rows [b, 1] (continuous batching: the call's rows are gathered for attention)
         b, s, _ = x.shape
@@ -93,8 +93,8 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin, hd)  # [b, nh, s, hd]
         k = apply_rope(k.transpose(1, 2), cos, sin, hd)  # [b, kvh, s, hd]
 
-        cache_k, keys = update_cache(cache_k, rows, slots, k, window)  # keys [b, kvh, L, hd]
-        cache_v, values = update_cache(cache_v, rows, slots, v, window)
+        cache_k, keys = update_cache(cache_k, rows, slots, k, reads)  # keys [b, kvh, L, hd]
+        cache_v, values = update_cache(cache_v, rows, slots, v, reads)
 
         # GQA without repeating the cache: query head h uses kv head h // g, so fold each kv
         # head's g query heads into the row axis: [b, nh, s, hd] -> [b, kvh, g*s, hd].
@@ -117,9 +117,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm.from_hf(hf.post_attention_layernorm)
         self.mlp = MLP.from_hf(hf.mlp)
 
-    def forward(self, x, cos, sin, slots, rows, window, mask, cache_k, cache_v):
+    def forward(self, x, cos, sin, slots, rows, reads, mask, cache_k, cache_v):
         a, cache_k, cache_v = self.self_attn(
-            self.input_layernorm(x), cos, sin, slots, rows, window, mask, cache_k, cache_v
+            self.input_layernorm(x), cos, sin, slots, rows, reads, mask, cache_k, cache_v
         )
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x))
@@ -240,11 +240,13 @@ class ExportTarget(nn.Module):
         mask = (~visible).to(torch.float32) * MASK_VALUE  # [b, s, L]: 0 or MASK_VALUE
         mask = torch.cat([mask] * g, dim=1)[:, None]
 
+        kvh = self.layers[0].self_attn.n_kv_heads
+        reads = cache_reads(rows, window, kvh, ctx_len)  # once per call, shared by every layer
         x = embed_rows(input_ids, self.head_t, self.embed)  # [b, s, H]
         last = len(self.layers) - 1
         taps, retained = {}, []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, cos, sin, slots, rows, window, mask, past[2 * i], past[2 * i + 1])
+            x, k, v = layer(x, cos, sin, slots, rows, reads, mask, past[2 * i], past[2 * i + 1])
             retained += [k, v]
             if i in self.target_layer_ids and i != last:
                 taps[i] = x  # raw decoder-layer output = HF hidden_states[i + 1]
