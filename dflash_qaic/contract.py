@@ -85,6 +85,8 @@ VERIFY_SAMPLED = "VerifySampled"  # sampling: sample_len = block
 DECODE = "Decode"
 DRAFT_DECODE = "DraftDecode"
 DRAFT_PREFILL = "DraftPrefill"
+# Prefill chunks of context one DraftPrefill call takes (`draft_prefill_rows`).
+DRAFT_PREFILL_CHUNKS = 4
 
 
 @dataclass(frozen=True)
@@ -384,6 +386,21 @@ def sample_rows(specializations: list[dict], seq: int, greedy: bool) -> int:
     return min(bound) if greedy and bound else seq
 
 
+def draft_prefill_rows(ctx_len: int, prefill_seq_len: int, block_size: int) -> int:
+    """Context rows of the DraftPrefill specialization: up to DRAFT_PREFILL_CHUNKS prefill chunks
+    (fewer when ctx_len is small), so a prompt of P tokens costs ⌈P / rows⌉ draft calls, each
+    running the block once, instead of one per target chunk."""
+    room = (ctx_len - block_size - 2) // prefill_seq_len
+    return prefill_seq_len * max(1, min(DRAFT_PREFILL_CHUNKS, room))
+
+
+def draft_prefill_rows_of(specializations) -> int | None:
+    """The DraftPrefill context rows a draft program was exported with (the prefill chunk in
+    artifacts from before 0.4); None without a DraftPrefill."""
+    rows = (s["symbols"][SEQ] for s in specializations if base_name(s["name"]) == DRAFT_PREFILL)
+    return next(rows, None)
+
+
 def draft_specializations(
     batch_size: int,
     prefill_seq_len: int,
@@ -391,16 +408,19 @@ def draft_specializations(
     ctx_len: int,
     full_batch_size: int | None = None,
     comp_ctx_lengths: list[int] | None = None,
+    prefill_rows: int | None = None,
 ) -> list[dict]:
-    """Named specializations of the draft program: context chunk = block (decode) and = prefill
-    chunk; with `full_batch_size` N the decode block runs at batch N, the prefill at batch 1;
-    with `comp_ctx_lengths`, each once per attention window."""
+    """Named specializations of the draft program: context chunk = block (decode) and
+    `prefill_rows` (default `draft_prefill_rows`) for the prompt; with `full_batch_size` N the
+    decode block runs at batch N, the prefill at batch 1; with `comp_ctx_lengths`, each once per
+    attention window."""
 
     def spec(name: str, seq: int) -> dict:
         sym = _batch_symbols(batch_size, full_batch_size, name == DRAFT_PREFILL)
         return {"name": name, "symbols": {**sym, SEQ: seq, CTX: ctx_len}}
 
-    specs = [spec(DRAFT_DECODE, block_size), spec(DRAFT_PREFILL, prefill_seq_len)]
+    rows = prefill_rows or draft_prefill_rows(ctx_len, prefill_seq_len, block_size)
+    specs = [spec(DRAFT_DECODE, block_size), spec(DRAFT_PREFILL, rows)]
     return windowed(specs, comp_ctx_lengths, ctx_len)
 
 

@@ -75,7 +75,9 @@ def test_lossless_against_hf_generate(built, cfg):
         assert res.tokens == hf_greedy(model, ids, new), (n, new)
         assert len(res.tokens) == new and res.stop_reason == "max_new_tokens"
         assert sum(res.acceptance_lengths) == new - 1
-        assert res.stats["draft_prefill_calls"] == -(-n // chunk)
+        # the draft takes up to draft_prefill_rows of context a call: fewer calls than chunks
+        rows = contract.draft_prefill_rows(ctx, chunk, B)
+        assert rows > chunk and res.stats["draft_prefill_calls"] == -(-n // rows)
         assert res.stats["prefill_calls"] == -(-n // chunk)
         lengths += res.acceptance_lengths
     # the biased pair makes acceptance vary from 1 to B step to step
@@ -138,8 +140,9 @@ def test_strict_standin_runs_the_same_loop(built):
 
 
 def test_artifacts_with_one_sampling_prefill_still_run(built, tmp_path):
-    """Before 0.4 the target had one Prefill that sampled every row. Such artifacts still load,
-    and give the same tokens: the runtime reads the rows to sample from the specializations."""
+    """Before 0.4 the target had one Prefill that sampled every row, and the draft's prefill took
+    one chunk of context. Such artifacts still load and give the same tokens: the runtime reads
+    the rows to sample and the draft's prefill rows from the specializations."""
     import shutil
 
     _, _, art, _ = built(*CONFIGS[1])
@@ -157,13 +160,19 @@ def test_artifacts_with_one_sampling_prefill_still_run(built, tmp_path):
         if name != contract.PREFILL_SAMPLED:
             old_specs.append(s)
     m["target"]["specializations"] = old_specs
+    chunk = m["prefill_seq_len"]
+    for s in m["draft"]["specializations"]:  # and a DraftPrefill of one chunk
+        if contract.base_name(s["name"]) == contract.DRAFT_PREFILL:
+            s["symbols"][contract.SEQ] = chunk
     path.write_text(json.dumps(m))
     new_pipe, old_pipe = dflash_qaic.load(art), dflash_qaic.load(old)
     assert not contract.has_greedy_prefill(old_pipe.artifacts.target.specializations)
     for p in (new_pipe, old_pipe):
         p.verify_lengths = [p.B]
     ids = prompt(37, 3)  # three chunks
-    assert old_pipe.generate(ids, 24).tokens == new_pipe.generate(ids, 24).tokens
+    old_res, new_res = old_pipe.generate(ids, 24), new_pipe.generate(ids, 24)
+    assert old_res.tokens == new_res.tokens
+    assert old_res.stats["draft_prefill_calls"] == 3 > new_res.stats["draft_prefill_calls"]
     kw = dict(temperature=1.0, seed=4)
     assert old_pipe.generate(ids, 24, **kw).tokens == new_pipe.generate(ids, 24, **kw).tokens
 

@@ -105,7 +105,9 @@ class Sequence:
         self.lengths: list[int] = []  # tokens committed per step
         self.verified: list[int] = []  # rows of each step's verify call (its verify length)
         self.new: list[list[int]] = []  # runs of tokens committed since the caller took them
-        self.prefilled = 0  # prompt tokens already in the caches
+        self.prefilled = 0  # prompt tokens already in the target's cache
+        self.inject: dict | None = None  # prompt features waiting for a DraftPrefill call
+        self.pending = 0  # rows of them
         self.start = 0  # position of the anchor (the last committed token)
         self.proposals = np.zeros(block_size - 1, np.int64)
         self.confidence = np.ones(block_size - 1, np.float32)  # the draft's, per proposal
@@ -230,6 +232,7 @@ class Engine:
         self.N = m.full_batch_size or 1
         self.max_running = min(max_running or self.N, self.N)
         self.B, self.C, self.H = m.block_size, m.prefill_seq_len, m.hidden_size
+        self.D = contract.draft_prefill_rows_of(m.draft.specializations)  # draft prefill rows
         self.ctx_len, self.mask_id = m.ctx_len, m.mask_token_id
         self.can_sample = m.target.io.sampling
         # attention windows (contract.COMP_CTX_LENGTHS): a call reads the smallest one holding
@@ -278,8 +281,6 @@ class Engine:
         self.one = {
             "ids": z((1, C), np.int64),
             "pos": z((1, C), np.int64),
-            "ctx": z((1, C, H), np.float32),
-            "ctx_pos": z((1, C), np.int64),
             "blk_ids": np.full((1, B), self.mask_id, np.int64),
             "blk_pos": z((1, B), np.int64),
             "bidx": z((1, 1), np.int64),
@@ -432,21 +433,43 @@ class Engine:
         if last:
             seq.t_first = time.perf_counter()  # the first token exists from here on
         if self.mode == "dflash":
-            one["ctx"][0, :n] = out[contract.HIDDEN_STATES][0, :n]
-            one["ctx_pos"][0, :n] = one["pos"][0, :n]
-            one["ctx_pos"][0, n:] = contract.PAD_POSITION
-            one["blk_ids"][0, 0] = first if last else self.mask_id
-            np.add(self._arange_b, lo + n, out=one["blk_pos"][0])
-            props, conf = self._draft_call("draft_prefill", one, "ctx", [seq], lo + n)
-            if last:
-                seq.proposals[:] = props[0]
-                if conf is not None:
-                    seq.confidence[:] = conf[0]
+            self._draft_prefill(seq, out[contract.HIDDEN_STATES][0, :n], lo, n, first)
         seq.prefilled = lo + n
         if last:
             seq.t_dec = time.perf_counter()
             seq.start = P
             self._commit(seq, [first])
+
+    def _draft_prefill(self, seq: Sequence, hidden: np.ndarray, lo: int, n: int, first) -> None:
+        """Queue a prompt chunk's features (positions lo … lo+n-1) for the draft; one DraftPrefill
+        call takes up to D rows (several target chunks), so the block it also runs, wasted on
+        every call but the last, runs ⌈P / D⌉ times, not once per chunk. The last call's block
+        starts at the prompt's end: its proposals are the first step's."""
+        if seq.inject is None:  # per sequence: prefills of several sequences may interleave
+            seq.inject = {
+                "ctx": np.zeros((1, self.D, self.H), np.float32),
+                "ctx_pos": np.full((1, self.D), contract.PAD_POSITION, np.int64),
+                "blk_ids": self.one["blk_ids"],
+                "blk_pos": self.one["blk_pos"],
+                "bidx": self.one["bidx"],
+            }
+        buf, k = seq.inject, seq.pending
+        buf["ctx"][0, k : k + n] = hidden
+        buf["ctx_pos"][0, k : k + n] = np.arange(lo, lo + n)
+        seq.pending = k = k + n
+        end, P = lo + n, len(seq.req.ids)
+        if first is None and k + min(self.C, P - end) <= self.D:
+            return  # the next chunk still fits
+        buf["ctx_pos"][0, k:] = contract.PAD_POSITION
+        buf["blk_ids"][0, 0] = self.mask_id if first is None else first
+        np.add(self._arange_b, end, out=buf["blk_pos"][0])
+        props, conf = self._draft_call("draft_prefill", buf, "ctx", [seq], end)
+        seq.pending = 0
+        if first is not None:
+            seq.inject = None
+            seq.proposals[:] = props[0]
+            if conf is not None:
+                seq.confidence[:] = conf[0]
 
     def _draft_call(self, kind, buf: dict, ctx: str, seqs: list[Sequence], start: int):
         """The draft over `buf`; its blocks start at `start` at most (the cached slots read).
