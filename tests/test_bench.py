@@ -472,6 +472,9 @@ def test_batch_cli_end_to_end(default_cb2, tmp_path, capsys):
         assert p["ratios"]["dflash_vs_target"]["n"] == 1 and p["ratios"]["bound"] > 0
         assert "verify" in p["modes"]["dflash"]["budget"]
         assert "decode" in p["modes"]["baseline"]["budget"]
+        # the draft takes several target chunks of a prompt per call (and they are told apart)
+        calls = {k: v["calls_per_batch"] for k, v in p["modes"]["dflash"]["budget"].items()}
+        assert 1 <= calls["draft_prefill"] < calls["prefill"]
     assert res["points"][0]["ratios"]["vs_c1"]["dflash"]["median"] == pytest.approx(1.0)
     # the equality check ran: 2 solo comparisons + 4 requests × 2 modes × (c = 1, c = 2, the
     # other policy at c = 2)

@@ -27,6 +27,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from dflash_qaic import contract
 from dflash_qaic.bench import stats
 from dflash_qaic.bench.run import BenchError
 
@@ -151,8 +152,8 @@ class _Timed:
     wall time goes (the engine's own call times count a shared call once per request in it).
     The kind comes from the call's shapes: target ids of 1 column are a decode call, of the
     prefill chunk's a prefill call, else a verify call (of one of the verify lengths; a prefill
-    chunk of exactly B counts as prefill); draft context of B rows is a step's draft call, else a
-    prefill chunk's."""
+    chunk of exactly B counts as prefill); draft context of the DraftPrefill rows (`chunk` for the
+    draft) is a prompt's draft call, else a step's."""
 
     def __init__(self, program, is_target: bool, block_size: int, chunk: int, budget: dict):
         self._program, self._target, self._B, self._budget = program, is_target, block_size, budget
@@ -162,8 +163,6 @@ class _Timed:
         return getattr(self._program, name)
 
     def run(self, feeds):
-        from dflash_qaic import contract
-
         t = time.perf_counter()
         out = self._program.run(feeds)
         dt = time.perf_counter() - t
@@ -220,7 +219,8 @@ class _Runner:
         saved = pipe.prefill_chunks_per_step, pipe.max_running, pipe.target, pipe.draft
         pipe.prefill_chunks_per_step, pipe.max_running = policy, c
         pipe.target = _Timed(pipe.target, True, B, pipe.chunk, budget)
-        pipe.draft = _Timed(pipe.draft, False, B, pipe.chunk, budget)
+        rows = contract.draft_prefill_rows_of(pipe.artifacts.draft.specializations)
+        pipe.draft = _Timed(pipe.draft, False, B, rows, budget)
         index = [j % len(self.prompts) for j in range(self.per_prompt * len(self.prompts))]
         try:
             t = time.perf_counter()
