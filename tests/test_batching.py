@@ -383,3 +383,23 @@ def test_small_single_sequence_programs_run_on_one_thread(built, tmp_path):
     opts = ExportOptions(prefill_seq_len=8, ctx_len=160, compile=False)
     build_artifacts(t, d, tmp_path, opts, progress=lambda m: None)
     assert dflash_qaic.load(tmp_path).threads == 1  # tiny ops: a second thread costs more
+
+
+def test_batched_reads_are_the_call_rows_windows():
+    """ops.cache_reads + update_cache: one Gather at a flat index gives, for each call row, its
+    cache row's window after the write, exactly what the window over every cache row and then
+    the call's rows (the two copies it replaces) give; inactive rows (-1) read cache row 0."""
+    from dflash_qaic.modeling.ops import cache_reads, cache_rows, cache_slots, update_cache
+
+    torch.manual_seed(0)
+    N, h, ctx, d, s = 5, 3, 40, 4, 2
+    cache = torch.randn(N, h, ctx, d)
+    rows = cache_rows(torch.tensor([[3], [-1], [4]]))
+    slots = cache_slots(torch.tensor([[7, 8], [-1, -1], [20, 21]]), ctx)
+    new = torch.randn(3, h, s, d)
+    for window in (torch.arange(24), None):
+        written, got = update_cache(cache, rows, slots, new, cache_reads(rows, window, h, ctx))
+        want = written if window is None else written[:, :, window]
+        assert torch.equal(got, want[rows[:, 0]])
+        assert torch.equal(written[3][:, 7:9], new[0]) and torch.equal(written[4][:, 20:22], new[2])
+        assert torch.equal(got[1], want[0])  # the inactive row reads cache row 0
