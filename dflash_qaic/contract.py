@@ -172,7 +172,7 @@ class TargetIO:
 
     With `sampling` (the default) the program also takes `temperature`, `top_k`, `top_p` per
     batch row and `random_u` for the first `sample_len` positions, and `next_tokens` at those
-    positions is the token committed under the lossless rule (REFERENCE.md §3): row j's proposal
+    positions is the token committed under the lossless rule (docs/DESIGN.md, Sampling): row j's proposal
     is the next row's input token when that row exists and is not padding; it is accepted with
     probability p(d), else the row samples from p with d removed; a row without a proposal
     samples from p. Temperature 0 and every row past `sample_len` take the plain argmax.

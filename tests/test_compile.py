@@ -42,7 +42,7 @@ PROFILES = [
 SDK = "/opt/qti-aic/exec/qaic-compile"
 
 # ---------------------------------------------------------------------------------------------
-# expected texts, written out from REFERENCE.md §5
+# expected texts: the compiler inputs as docs/DESIGN.md, Artifacts describes them
 
 TARGET_NAMED = """\
 {

@@ -1,4 +1,4 @@
-"""Lossless sampling at temperature > 0, decided inside the target program (REFERENCE.md §3).
+"""Lossless sampling at temperature > 0, decided inside the target program (docs/DESIGN.md, Sampling).
 
 (1) The graph rule. One batched call of the target program on a fixed sequence gives thousands
     of independent draws at every row (one pair of uniforms each). Whatever a row's proposal

@@ -1,5 +1,5 @@
-"""The host loop: one engine steps every sequence in flight (docs/DESIGN.md, Host runtime and
-Continuous batching; the algorithm is REFERENCE.md §3).
+"""The host loop: one engine steps every sequence in flight (docs/DESIGN.md, Runtime and
+Continuous batching; the algorithm is docs/DESIGN.md, Algorithm).
 
     admit:    a queued request takes a free slot (a cache row)
     prefill:  per prompt chunk, at batch 1 into the slot's cache row:
