@@ -353,7 +353,7 @@ def windowed(specs: list[dict], lengths: list[int] | None, ctx_len: int) -> list
 
 
 def base_name(specialization_name: str) -> str:
-    """`Verify@256`, `Verify[4]@256` -> `Verify`."""
+    """`Verify@256`, `Verify[4]@256` -> `Verify` (`DraftPrefill[64]` -> `DraftPrefill`)."""
     return specialization_name.split("@", 1)[0].split("[", 1)[0]
 
 
@@ -394,11 +394,12 @@ def draft_prefill_rows(ctx_len: int, prefill_seq_len: int, block_size: int) -> i
     return prefill_seq_len * max(1, min(DRAFT_PREFILL_CHUNKS, room))
 
 
-def draft_prefill_rows_of(specializations) -> int | None:
-    """The DraftPrefill context rows a draft program was exported with (the prefill chunk in
-    artifacts from before 0.4); None without a DraftPrefill."""
-    rows = (s["symbols"][SEQ] for s in specializations if base_name(s["name"]) == DRAFT_PREFILL)
-    return next(rows, None)
+def draft_prefill_rows_of(specializations) -> list[int]:
+    """The context rows of a draft program's DraftPrefill specializations, ascending: the prefill
+    chunk and `draft_prefill_rows` (the chunk alone in artifacts from before 0.4)."""
+    return sorted(
+        {s["symbols"][SEQ] for s in specializations if base_name(s["name"]) == DRAFT_PREFILL}
+    )
 
 
 def draft_specializations(
@@ -408,19 +409,24 @@ def draft_specializations(
     ctx_len: int,
     full_batch_size: int | None = None,
     comp_ctx_lengths: list[int] | None = None,
-    prefill_rows: int | None = None,
+    prefill_rows: list[int] | None = None,
 ) -> list[dict]:
-    """Named specializations of the draft program: context chunk = block (decode) and
-    `prefill_rows` (default `draft_prefill_rows`) for the prompt; with `full_batch_size` N the
-    decode block runs at batch N, the prefill at batch 1; with `comp_ctx_lengths`, each once per
+    """Named specializations of the draft program: context chunk = block (DraftDecode) and, for
+    the prompt, `prefill_rows` (default: the prefill chunk, named `DraftPrefill[chunk]`, and
+    `draft_prefill_rows`, named `DraftPrefill`; the runtime takes the smallest that holds what it
+    hands over, so a short prompt never pays for the long one); with `full_batch_size` N the
+    decode block runs at batch N, the prefills at batch 1; with `comp_ctx_lengths`, each once per
     attention window."""
 
     def spec(name: str, seq: int) -> dict:
-        sym = _batch_symbols(batch_size, full_batch_size, name == DRAFT_PREFILL)
+        sym = _batch_symbols(batch_size, full_batch_size, name != DRAFT_DECODE)
         return {"name": name, "symbols": {**sym, SEQ: seq, CTX: ctx_len}}
 
-    rows = prefill_rows or draft_prefill_rows(ctx_len, prefill_seq_len, block_size)
-    specs = [spec(DRAFT_DECODE, block_size), spec(DRAFT_PREFILL, rows)]
+    rows = prefill_rows or sorted(
+        {prefill_seq_len, draft_prefill_rows(ctx_len, prefill_seq_len, block_size)}
+    )
+    specs = [spec(DRAFT_DECODE, block_size)]
+    specs += [spec(DRAFT_PREFILL if n == rows[-1] else f"{DRAFT_PREFILL}[{n}]", n) for n in rows]
     return windowed(specs, comp_ctx_lengths, ctx_len)
 
 

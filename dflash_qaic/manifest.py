@@ -511,7 +511,7 @@ def _consistent(m: Manifest, c: _Check, complete: bool) -> None:
     except ValueError as e:
         c.fail("target.specializations", str(e))
     two = contract.has_greedy_prefill(m.target.specializations)  # one sampling Prefill before 0.4
-    draft_rows = contract.draft_prefill_rows_of(m.draft.specializations)  # the chunk before 0.4
+    draft_rows = contract.draft_prefill_rows_of(m.draft.specializations)  # [chunk] before 0.4
     target = contract.target_specializations(*args, m.target.io.sampling, fbs, w, lengths, two)
     for prog, want in (
         (m.target, target),

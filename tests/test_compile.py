@@ -66,6 +66,7 @@ DRAFT_NAMED = """\
 {
   "specializations": [
     {"name": "DraftDecode", "symbols": {"batch_size": "1", "seq_len": "4", "ctx_len": "128"}},
+    {"name": "DraftPrefill[32]", "symbols": {"batch_size": "1", "seq_len": "32", "ctx_len": "128"}},
     {"name": "DraftPrefill", "symbols": {"batch_size": "1", "seq_len": "96", "ctx_len": "128"}}
   ]
 }
@@ -74,6 +75,7 @@ DRAFT_FLAT = """\
 {
   "specializations": [
     {"batch_size": "1", "seq_len": "4", "ctx_len": "128"},
+    {"batch_size": "1", "seq_len": "32", "ctx_len": "128"},
     {"batch_size": "1", "seq_len": "96", "ctx_len": "128"}
   ]
 }
@@ -399,6 +401,7 @@ def test_specializations_json_values_are_strings():
     assert flat == {
         "specializations": [
             {"batch_size": "1", "seq_len": "4", "ctx_len": "128"},
+            {"batch_size": "1", "seq_len": "32", "ctx_len": "128"},
             {"batch_size": "1", "seq_len": "96", "ctx_len": "128"},  # 3 chunks fit ctx_len 128
         ]
     }
@@ -873,6 +876,7 @@ CB_DRAFT_NAMED = """\
 {
   "specializations": [
     {"name": "DraftDecode", "symbols": {"batch_size": "4", "full_batch_size": "4", "seq_len": "16", "ctx_len": "1024", "comp_ctx_lengths": "1024"}},
+    {"name": "DraftPrefill[64]", "symbols": {"batch_size": "1", "full_batch_size": "4", "seq_len": "64", "ctx_len": "1024", "comp_ctx_lengths": "1024"}},
     {"name": "DraftPrefill", "symbols": {"batch_size": "1", "full_batch_size": "4", "seq_len": "256", "ctx_len": "1024", "comp_ctx_lengths": "1024"}}
   ]
 }
@@ -881,6 +885,7 @@ CB_DRAFT_FLAT = """\
 {
   "specializations": [
     {"batch_size": "4", "full_batch_size": "4", "seq_len": "16", "ctx_len": "1024", "comp_ctx_lengths": "1024"},
+    {"batch_size": "1", "full_batch_size": "4", "seq_len": "64", "ctx_len": "1024", "comp_ctx_lengths": "1024"},
     {"batch_size": "1", "full_batch_size": "4", "seq_len": "256", "ctx_len": "1024", "comp_ctx_lengths": "1024"}
   ]
 }

@@ -161,7 +161,10 @@ def test_artifacts_with_one_sampling_prefill_still_run(built, tmp_path):
             old_specs.append(s)
     m["target"]["specializations"] = old_specs
     chunk = m["prefill_seq_len"]
-    for s in m["draft"]["specializations"]:  # and a DraftPrefill of one chunk
+    draft_specs = m["draft"]["specializations"]  # and one DraftPrefill, of one chunk
+    assert contract.draft_prefill_rows_of(draft_specs)[0] == chunk
+    m["draft"]["specializations"] = [s for s in draft_specs if "[" not in s["name"]]
+    for s in m["draft"]["specializations"]:
         if contract.base_name(s["name"]) == contract.DRAFT_PREFILL:
             s["symbols"][contract.SEQ] = chunk
     path.write_text(json.dumps(m))
@@ -175,6 +178,28 @@ def test_artifacts_with_one_sampling_prefill_still_run(built, tmp_path):
     assert old_res.stats["draft_prefill_calls"] == 3 > new_res.stats["draft_prefill_calls"]
     kw = dict(temperature=1.0, seed=4)
     assert old_pipe.generate(ids, 24, **kw).tokens == new_pipe.generate(ids, 24, **kw).tokens
+
+
+def test_draft_prefill_takes_the_smallest_specialization_that_holds_it(built):
+    """The draft's prompt calls hand over up to draft_prefill_rows at a time, on the long
+    DraftPrefill; a call of at most a chunk (a short prompt, a long prompt's rest) takes the
+    chunk-sized one, so a short prompt never pays for the long one."""
+    _, _, art, _ = built(*CONFIGS[1])
+    standin = dflash_qaic.load(art, backend="qaic-standin")
+    chunk, used = standin.chunk, standin.draft.session.used
+    rows = contract.draft_prefill_rows_of(standin.artifacts.draft.specializations)
+    assert rows == [chunk, 4 * chunk]
+
+    def prefills():
+        names = [n.split("@")[0] for n in used if contract.base_name(n) == contract.DRAFT_PREFILL]
+        used.clear()
+        return names
+
+    short, long = f"{contract.DRAFT_PREFILL}[{chunk}]", contract.DRAFT_PREFILL
+    standin.generate(prompt(chunk - 3, 1), 4)
+    assert prefills() == [short]
+    standin.generate(prompt(2 * rows[-1] + 5, 2), 4)
+    assert prefills() == [long, long, short]
 
 
 def test_standin_refuses_what_the_card_refuses(built):

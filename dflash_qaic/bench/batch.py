@@ -152,8 +152,8 @@ class _Timed:
     wall time goes (the engine's own call times count a shared call once per request in it).
     The kind comes from the call's shapes: target ids of 1 column are a decode call, of the
     prefill chunk's a prefill call, else a verify call (of one of the verify lengths; a prefill
-    chunk of exactly B counts as prefill); draft context of the DraftPrefill rows (`chunk` for the
-    draft) is a prompt's draft call, else a step's."""
+    chunk of exactly B counts as prefill); draft context of one of the DraftPrefill row counts (`chunk`,
+    a set, for the draft) is a prompt's draft call, else a step's."""
 
     def __init__(self, program, is_target: bool, block_size: int, chunk: int, budget: dict):
         self._program, self._target, self._B, self._budget = program, is_target, block_size, budget
@@ -171,7 +171,7 @@ class _Timed:
             kind = "decode" if n == 1 else "prefill" if n == self._chunk else "verify"
         else:
             n = feeds[contract.TARGET_HIDDEN].shape[1]
-            kind = "draft_prefill" if n == self._chunk else "draft"
+            kind = "draft_prefill" if n in self._chunk else "draft"
         got = self._budget.setdefault(kind, [0, 0.0])
         got[0], got[1] = got[0] + 1, got[1] + dt
         return out
@@ -219,7 +219,7 @@ class _Runner:
         saved = pipe.prefill_chunks_per_step, pipe.max_running, pipe.target, pipe.draft
         pipe.prefill_chunks_per_step, pipe.max_running = policy, c
         pipe.target = _Timed(pipe.target, True, B, pipe.chunk, budget)
-        rows = contract.draft_prefill_rows_of(pipe.artifacts.draft.specializations)
+        rows = set(contract.draft_prefill_rows_of(pipe.artifacts.draft.specializations))
         pipe.draft = _Timed(pipe.draft, False, B, rows, budget)
         index = [j % len(self.prompts) for j in range(self.per_prompt * len(self.prompts))]
         try:

@@ -232,7 +232,8 @@ class Engine:
         self.N = m.full_batch_size or 1
         self.max_running = min(max_running or self.N, self.N)
         self.B, self.C, self.H = m.block_size, m.prefill_seq_len, m.hidden_size
-        self.D = contract.draft_prefill_rows_of(m.draft.specializations)  # draft prefill rows
+        self.draft_rows = contract.draft_prefill_rows_of(m.draft.specializations)  # ascending
+        self.D = self.draft_rows[-1]  # the most a DraftPrefill call takes
         self.ctx_len, self.mask_id = m.ctx_len, m.mask_token_id
         self.can_sample = m.target.io.sampling
         # attention windows (contract.COMP_CTX_LENGTHS): a call reads the smallest one holding
@@ -443,8 +444,9 @@ class Engine:
     def _draft_prefill(self, seq: Sequence, hidden: np.ndarray, lo: int, n: int, first) -> None:
         """Queue a prompt chunk's features (positions lo … lo+n-1) for the draft; one DraftPrefill
         call takes up to D rows (several target chunks), so the block it also runs, wasted on
-        every call but the last, runs ⌈P / D⌉ times, not once per chunk. The last call's block
-        starts at the prompt's end: its proposals are the first step's."""
+        every call but the last, runs ⌈P / D⌉ times, not once per chunk; a call of at most a
+        chunk takes the chunk-sized specialization. The last call's block starts at the
+        prompt's end: its proposals are the first step's."""
         if seq.inject is None:  # per sequence: prefills of several sequences may interleave
             seq.inject = {
                 "ctx": np.zeros((1, self.D, self.H), np.float32),
@@ -460,10 +462,12 @@ class Engine:
         end, P = lo + n, len(seq.req.ids)
         if first is None and k + min(self.C, P - end) <= self.D:
             return  # the next chunk still fits
+        rows = next(r for r in self.draft_rows if r >= k)  # the smallest that holds them
         buf["ctx_pos"][0, k:] = contract.PAD_POSITION
         buf["blk_ids"][0, 0] = self.mask_id if first is None else first
         np.add(self._arange_b, end, out=buf["blk_pos"][0])
-        props, conf = self._draft_call("draft_prefill", buf, "ctx", [seq], end)
+        call = {**buf, "ctx": buf["ctx"][:, :rows], "ctx_pos": buf["ctx_pos"][:, :rows]}
+        props, conf = self._draft_call("draft_prefill", call, "ctx", [seq], end)
         seq.pending = 0
         if first is not None:
             seq.inject = None
