@@ -80,6 +80,7 @@ PAD_POSITION = -1
 # Specialization names (the named form of specializations.json).
 PREFILL = "Prefill"  # greedy: sample_len 1 (also a sampled prompt's chunks before its last)
 PREFILL_SAMPLED = "PrefillSampled"  # sampling: sample_len = the chunk
+PREFILLS = (PREFILL, PREFILL_SAMPLED)  # the target's prompt chunks (batch 1 in continuous batching)
 VERIFY = "Verify"  # greedy: sample_len 1
 VERIFY_SAMPLED = "VerifySampled"  # sampling: sample_len = block
 DECODE = "Decode"
@@ -316,7 +317,7 @@ def target_specializations(
 
     def spec(name: str, seq: int, sample: int) -> dict:
         sym = {
-            **_batch_symbols(batch_size, full_batch_size, name in (PREFILL, PREFILL_SAMPLED)),
+            **_batch_symbols(batch_size, full_batch_size, name in PREFILLS),
             SEQ: seq,
             CTX: ctx_len,
         }

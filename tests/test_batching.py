@@ -87,11 +87,7 @@ def test_export_has_the_continuous_batching_form(built):
         bi = next(s for s in prog.io.inputs if s.name == contract.BATCH_INDEX)
         assert bi.shape == (contract.BATCH, 1) and bi.dtype == "int64"
         assert all(s.shape[0] == contract.FULL_BATCH for s in prog.io.kv)
-        prefill = (
-            (contract.PREFILL, contract.PREFILL_SAMPLED)
-            if prog.kind == "target"
-            else (contract.DRAFT_PREFILL,)
-        )
+        prefill = contract.PREFILLS if prog.kind == "target" else (contract.DRAFT_PREFILL,)
         for s in prog.specializations:
             want = 1 if contract.base_name(s["name"]) in prefill else N
             assert s["symbols"][contract.BATCH] == want, s

@@ -150,14 +150,14 @@ def _main(args, command: str) -> int:
 class _Timed:
     """A program whose calls are counted and timed by kind while a batch runs: where the batch's
     wall time goes (the engine's own call times count a shared call once per request in it).
-    The kind comes from the call's shapes: target ids of 1 column are a decode call, of the
-    prefill chunk's a prefill call, else a verify call (of one of the verify lengths; a prefill
-    chunk of exactly B counts as prefill); draft context of one of the DraftPrefill row counts (`chunk`,
-    a set, for the draft) is a prompt's draft call, else a step's."""
+    The kind comes from the call's shapes: target ids of 1 column are a decode call, of a
+    `prefill_rows` count (the prefill chunk) a prefill call, else a verify call (of one of the
+    verify lengths; a prefill chunk of exactly B counts as prefill); draft context of a
+    `prefill_rows` count (the DraftPrefill rows) is a prompt's draft call, else a step's."""
 
-    def __init__(self, program, is_target: bool, block_size: int, chunk: int, budget: dict):
-        self._program, self._target, self._B, self._budget = program, is_target, block_size, budget
-        self._chunk = chunk
+    def __init__(self, program, is_target: bool, prefill_rows: set[int], budget: dict):
+        self._program, self._target, self._budget = program, is_target, budget
+        self._prefill_rows = prefill_rows
 
     def __getattr__(self, name):
         return getattr(self._program, name)
@@ -168,10 +168,10 @@ class _Timed:
         dt = time.perf_counter() - t
         if self._target:
             n = feeds[contract.INPUT_IDS].shape[1]
-            kind = "decode" if n == 1 else "prefill" if n == self._chunk else "verify"
+            kind = "decode" if n == 1 else "prefill" if n in self._prefill_rows else "verify"
         else:
             n = feeds[contract.TARGET_HIDDEN].shape[1]
-            kind = "draft_prefill" if n in self._chunk else "draft"
+            kind = "draft_prefill" if n in self._prefill_rows else "draft"
         got = self._budget.setdefault(kind, [0, 0.0])
         got[0], got[1] = got[0] + 1, got[1] + dt
         return out
@@ -215,12 +215,12 @@ class _Runner:
         at most c in flight: a closed loop where a finished request's slot is taken by the next
         one at once, as c clients sending back to back would (a single batch of c would measure
         its slowest request instead)."""
-        pipe, budget, B = self.pipe, {}, self.pipe.B
+        pipe, budget = self.pipe, {}
         saved = pipe.prefill_chunks_per_step, pipe.max_running, pipe.target, pipe.draft
         pipe.prefill_chunks_per_step, pipe.max_running = policy, c
-        pipe.target = _Timed(pipe.target, True, B, pipe.chunk, budget)
+        pipe.target = _Timed(pipe.target, True, {pipe.chunk}, budget)
         rows = set(contract.draft_prefill_rows_of(pipe.artifacts.draft.specializations))
-        pipe.draft = _Timed(pipe.draft, False, B, rows, budget)
+        pipe.draft = _Timed(pipe.draft, False, rows, budget)
         index = [j % len(self.prompts) for j in range(self.per_prompt * len(self.prompts))]
         try:
             t = time.perf_counter()

@@ -37,11 +37,7 @@ def check_feeds(io: contract.TargetIO, specializations: list[dict], seed: int = 
         sym = spec["symbols"]
         b, s = sym[contract.BATCH], sym[contract.SEQ]
         name = contract.base_name(spec["name"])
-        start = (
-            0
-            if name in (contract.PREFILL, contract.PREFILL_SAMPLED)
-            else min(s, sym[contract.CTX] - 1 - s)
-        )
+        start = 0 if name in contract.PREFILLS else min(s, sym[contract.CTX] - 1 - s)
         pos = np.tile(np.arange(start, start + s, dtype=np.int64), (b, 1))
         if s > 1:
             pos[:, -1] = contract.PAD_POSITION

@@ -233,7 +233,6 @@ class Engine:
         self.max_running = min(max_running or self.N, self.N)
         self.B, self.C, self.H = m.block_size, m.prefill_seq_len, m.hidden_size
         self.draft_rows = contract.draft_prefill_rows_of(m.draft.specializations)  # ascending
-        self.D = self.draft_rows[-1]  # the most a DraftPrefill call takes
         self.ctx_len, self.mask_id = m.ctx_len, m.mask_token_id
         self.can_sample = m.target.io.sampling
         # attention windows (contract.COMP_CTX_LENGTHS): a call reads the smallest one holding
@@ -417,19 +416,19 @@ class Engine:
         one, ids, C = self.one, seq.req.ids, self.C
         lo, P = seq.prefilled, len(ids)
         n = min(C, P - lo)
+        last = lo + n == P
         one["ids"][0, :n] = ids[lo : lo + n]
         one["ids"][0, n:] = 0
         one["pos"][0, :n] = np.arange(lo, lo + n)
         one["pos"][0, n:] = contract.PAD_POSITION
         one["bidx"][0, 0] = seq.slot
         # only the last chunk's last row is sampled: the chunks before it take the greedy Prefill
-        u = self.u_one[self._sample_len[C, seq.uniforms is None or lo + n < P]]
+        u = self.u_one[self._sample_len[C, seq.uniforms is None or not last]]
         self._set_row_sampling(one, u, 0, seq, lo + 1)
         feeds = {contract.INPUT_IDS: one["ids"], contract.POSITION_IDS: one["pos"]}
         feeds.update(self._sampling_feeds(one, u))
         feeds = self._with_index(feeds, one["bidx"], lo + n)
         out = self._call("prefill", self.target, feeds, [seq])
-        last = lo + n == P
         first = int(out[contract.NEXT_TOKENS][0, n - 1]) if last else None
         if last:
             seq.t_first = time.perf_counter()  # the first token exists from here on
@@ -443,30 +442,29 @@ class Engine:
 
     def _draft_prefill(self, seq: Sequence, hidden: np.ndarray, lo: int, n: int, first) -> None:
         """Queue a prompt chunk's features (positions lo … lo+n-1) for the draft; one DraftPrefill
-        call takes up to D rows (several target chunks), so the block it also runs, wasted on
-        every call but the last, runs ⌈P / D⌉ times, not once per chunk; a call of at most a
-        chunk takes the chunk-sized specialization. The last call's block starts at the
-        prompt's end: its proposals are the first step's."""
+        call takes up to D = draft_rows[-1] rows (several target chunks), so the block it also
+        runs, wasted on every call but the last, runs ⌈P / D⌉ times, not once per chunk; a call
+        of at most a chunk takes the chunk-sized specialization. The last call's block starts at
+        the prompt's end: its proposals are the first step's."""
+        D = self.draft_rows[-1]
         if seq.inject is None:  # per sequence: prefills of several sequences may interleave
             seq.inject = {
-                "ctx": np.zeros((1, self.D, self.H), np.float32),
-                "ctx_pos": np.full((1, self.D), contract.PAD_POSITION, np.int64),
-                "blk_ids": self.one["blk_ids"],
-                "blk_pos": self.one["blk_pos"],
-                "bidx": self.one["bidx"],
+                "ctx": np.zeros((1, D, self.H), np.float32),
+                "ctx_pos": np.full((1, D), contract.PAD_POSITION, np.int64),
             }
-        buf, k = seq.inject, seq.pending
-        buf["ctx"][0, k : k + n] = hidden
-        buf["ctx_pos"][0, k : k + n] = np.arange(lo, lo + n)
+        ctx, ctx_pos, k = seq.inject["ctx"], seq.inject["ctx_pos"], seq.pending
+        ctx[0, k : k + n] = hidden
+        ctx_pos[0, k : k + n] = np.arange(lo, lo + n)
         seq.pending = k = k + n
         end, P = lo + n, len(seq.req.ids)
-        if first is None and k + min(self.C, P - end) <= self.D:
+        if first is None and k + min(self.C, P - end) <= D:
             return  # the next chunk still fits
         rows = next(r for r in self.draft_rows if r >= k)  # the smallest that holds them
-        buf["ctx_pos"][0, k:] = contract.PAD_POSITION
-        buf["blk_ids"][0, 0] = self.mask_id if first is None else first
-        np.add(self._arange_b, end, out=buf["blk_pos"][0])
-        call = {**buf, "ctx": buf["ctx"][:, :rows], "ctx_pos": buf["ctx_pos"][:, :rows]}
+        ctx_pos[0, k:] = contract.PAD_POSITION
+        one = self.one  # its bidx is this sequence's slot (set by _prefill_chunk)
+        one["blk_ids"][0, 0] = self.mask_id if first is None else first
+        np.add(self._arange_b, end, out=one["blk_pos"][0])
+        call = {**one, "ctx": ctx[:, :rows], "ctx_pos": ctx_pos[:, :rows]}
         props, conf = self._draft_call("draft_prefill", call, "ctx", [seq], end)
         seq.pending = 0
         if first is not None:
