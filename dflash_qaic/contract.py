@@ -80,6 +80,7 @@ PAD_POSITION = -1
 # Specialization names (the named form of specializations.json).
 PREFILL = "Prefill"  # greedy: sample_len 1 (also a sampled prompt's chunks before its last)
 PREFILL_SAMPLED = "PrefillSampled"  # sampling: sample_len = the chunk
+# Both at every prefill length (`prefill_lengths`): `Prefill` is the chunk, `Prefill[n]` shorter.
 PREFILLS = (PREFILL, PREFILL_SAMPLED)  # the target's prompt chunks (batch 1 in continuous batching)
 VERIFY = "Verify"  # greedy: sample_len 1
 VERIFY_SAMPLED = "VerifySampled"  # sampling: sample_len = block
@@ -136,8 +137,8 @@ def window_specs(comp_ctx: bool) -> list[TensorSpec]:
 
 def default_comp_ctx_lengths(ctx_len: int, prefill_seq_len: int, block_size: int) -> list[int]:
     """Attention windows exported by default: ctx_len / 8, / 4, / 2 and ctx_len itself, those
-    that hold at least a prefill chunk and a block."""
-    floor = prefill_seq_len + block_size
+    that hold at least the shortest prefill chunk and a block."""
+    floor = prefill_lengths(prefill_seq_len, block_size)[0] + block_size
     return sorted({ctx_len >> k for k in range(4) if (ctx_len >> k) >= floor} | {ctx_len})
 
 
@@ -275,6 +276,32 @@ def default_verify_lengths(block_size: int) -> list[int]:
     return sorted({n for n in (block_size // 4, block_size // 2, block_size) if n >= 2})
 
 
+def prefill_lengths(prefill_seq_len: int, block_size: int) -> list[int]:
+    """The prefill chunks' row counts: the chunk C and, when C/4 exceeds the block size, C/4 too.
+    A prompt takes chunks of C while at least C tokens are left, then the fewest rows that cover
+    the rest (`plan_prefill`): a 280-token prompt costs 256 + 64 rows, not 5 chunks of 64 (each
+    call also pays a fixed cost), nor 2 chunks of 256. Every length exceeds the block size, so a
+    prefill call never has a verify call's shape (docs/DESIGN.md, Prefill chunks)."""
+    quarter = prefill_seq_len // 4
+    return [quarter, prefill_seq_len] if quarter > block_size else [prefill_seq_len]
+
+
+def plan_prefill(remaining: int, lengths: list[int]) -> int:
+    """The row count of the next prefill call when `remaining` prompt tokens are left: the chunk
+    (the longest length) while it is filled; else the length whose repeats cover the rest in
+    the fewest rows, and of those the longest (fewest calls). It depends on the prompt alone,
+    so a prompt is cut the same way whatever else runs (a batched request equals its solo run)."""
+    if remaining >= lengths[-1]:
+        return lengths[-1]
+    return min(lengths, key=lambda n: (-(-remaining // n) * n, -n))
+
+
+def prefill_lengths_of(specializations) -> list[int]:
+    """The prefill lengths a target program was exported with (its Prefill specializations'
+    seq_len), ascending; artifacts from before them have the chunk only."""
+    return sorted({s["symbols"][SEQ] for s in specializations if base_name(s["name"]) == PREFILL})
+
+
 def check_verify_lengths(lengths: list[int] | None, block_size: int) -> list[int]:
     """The verify lengths to export (None: `default_verify_lengths`), checked: ascending, each in
     2 … B, the last one B (a step can always verify the whole block)."""
@@ -305,6 +332,7 @@ def target_specializations(
     comp_ctx_lengths: list[int] | None = None,
     verify_lengths: list[int] | None = None,
     greedy_prefill: bool = True,
+    prefill_rows: list[int] | None = None,
 ) -> list[dict]:
     """Named specializations of the target program: prefill chunk, verify block, single-token
     decode; with sampling, `sample_len` bound in each and a second prefill chunk and verify
@@ -312,6 +340,8 @@ def target_specializations(
     at temperature 0 the argmax).
     Both verify blocks exist once per verify length n (`Verify` at B rows, `Verify[n]` below).
     With `full_batch_size` N (continuous batching) prefill is at batch 1, the others at N.
+    Both prefill chunks exist once per prefill length n (`prefill_lengths`, or `prefill_rows`;
+    `Prefill` at the chunk, `Prefill[n]` below).
     With `comp_ctx_lengths`, each of them once per attention window (`windowed`).
     `greedy_prefill` False: the one Prefill that samples every row (artifacts from before 0.4)."""
 
@@ -323,17 +353,20 @@ def target_specializations(
         }
         return {"name": name, "symbols": {**sym, SAMPLE: sample} if sampling else sym}
 
-    def verify(name: str, n: int, sample: int) -> dict:
-        return spec(name if n == block_size else f"{name}[{n}]", n, sample)
+    def sized(name: str, n: int, full: int, sample: int) -> dict:
+        return spec(name if n == full else f"{name}[{n}]", n, sample)
 
     lengths = verify_lengths or [block_size]
+    chunks = prefill_rows or prefill_lengths(prefill_seq_len, block_size)
     two = sampling and greedy_prefill
-    specs = [spec(PREFILL, prefill_seq_len, 1 if two else prefill_seq_len)]
-    if two:
-        specs.append(spec(PREFILL_SAMPLED, prefill_seq_len, prefill_seq_len))
-    specs += [verify(VERIFY, n, 1) for n in lengths]
+    specs = []
+    for n in chunks:
+        specs.append(sized(PREFILL, n, prefill_seq_len, 1 if two else n))
+        if two:
+            specs.append(sized(PREFILL_SAMPLED, n, prefill_seq_len, n))
+    specs += [sized(VERIFY, n, block_size, 1) for n in lengths]
     if sampling:
-        specs += [verify(VERIFY_SAMPLED, n, n) for n in lengths]
+        specs += [sized(VERIFY_SAMPLED, n, block_size, n) for n in lengths]
     specs.append(spec(DECODE, 1, 1))
     return windowed(specs, comp_ctx_lengths, ctx_len)
 
@@ -354,12 +387,14 @@ def windowed(specs: list[dict], lengths: list[int] | None, ctx_len: int) -> list
 
 
 def base_name(specialization_name: str) -> str:
-    """`Verify@256`, `Verify[4]@256` -> `Verify` (`DraftPrefill[64]` -> `DraftPrefill`)."""
+    """`Verify@256`, `Verify[4]@256` -> `Verify` (`DraftPrefill[64]` -> `DraftPrefill`,
+    `Prefill[64]` -> `Prefill`)."""
     return specialization_name.split("@", 1)[0].split("[", 1)[0]
 
 
-def shorter_verify(specialization_name: str) -> bool:
-    """`Verify[4]@256` -> True: a verify block shorter than B (`target_specializations`)."""
+def shorter_length(specialization_name: str) -> bool:
+    """`Verify[4]@256`, `Prefill[64]` -> True: a verify block shorter than B or a prefill chunk
+    shorter than the chunk (`target_specializations`)."""
     return "[" in specialization_name.split("@", 1)[0]
 
 
@@ -413,7 +448,7 @@ def draft_specializations(
     prefill_rows: list[int] | None = None,
 ) -> list[dict]:
     """Named specializations of the draft program: context chunk = block (DraftDecode) and, for
-    the prompt, `prefill_rows` (default: the prefill chunk, named `DraftPrefill[chunk]`, and
+    the prompt, `prefill_rows` (default: the prefill lengths, named `DraftPrefill[n]`, and
     `draft_prefill_rows`, named `DraftPrefill`; the runtime takes the smallest that holds what it
     hands over, so a short prompt never pays for the long one); with `full_batch_size` N the
     decode block runs at batch N, the prefills at batch 1; with `comp_ctx_lengths`, each once per
@@ -424,7 +459,10 @@ def draft_specializations(
         return {"name": name, "symbols": {**sym, SEQ: seq, CTX: ctx_len}}
 
     rows = prefill_rows or sorted(
-        {prefill_seq_len, draft_prefill_rows(ctx_len, prefill_seq_len, block_size)}
+        {
+            *prefill_lengths(prefill_seq_len, block_size),
+            draft_prefill_rows(ctx_len, prefill_seq_len, block_size),
+        }
     )
     specs = [spec(DRAFT_DECODE, block_size)]
     specs += [spec(DRAFT_PREFILL if n == rows[-1] else f"{DRAFT_PREFILL}[{n}]", n) for n in rows]

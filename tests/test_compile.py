@@ -47,6 +47,7 @@ SDK = "/opt/qti-aic/exec/qaic-compile"
 TARGET_NAMED = """\
 {
   "specializations": [
+    {"name": "Prefill[8]", "symbols": {"batch_size": "1", "seq_len": "8", "ctx_len": "128"}},
     {"name": "Prefill", "symbols": {"batch_size": "1", "seq_len": "32", "ctx_len": "128"}},
     {"name": "Verify", "symbols": {"batch_size": "1", "seq_len": "4", "ctx_len": "128"}},
     {"name": "Decode", "symbols": {"batch_size": "1", "seq_len": "1", "ctx_len": "128"}}
@@ -56,6 +57,7 @@ TARGET_NAMED = """\
 TARGET_FLAT = """\
 {
   "specializations": [
+    {"batch_size": "1", "seq_len": "8", "ctx_len": "128"},
     {"batch_size": "1", "seq_len": "32", "ctx_len": "128"},
     {"batch_size": "1", "seq_len": "4", "ctx_len": "128"},
     {"batch_size": "1", "seq_len": "1", "ctx_len": "128"}
@@ -66,6 +68,7 @@ DRAFT_NAMED = """\
 {
   "specializations": [
     {"name": "DraftDecode", "symbols": {"batch_size": "1", "seq_len": "4", "ctx_len": "128"}},
+    {"name": "DraftPrefill[8]", "symbols": {"batch_size": "1", "seq_len": "8", "ctx_len": "128"}},
     {"name": "DraftPrefill[32]", "symbols": {"batch_size": "1", "seq_len": "32", "ctx_len": "128"}},
     {"name": "DraftPrefill", "symbols": {"batch_size": "1", "seq_len": "96", "ctx_len": "128"}}
   ]
@@ -75,6 +78,7 @@ DRAFT_FLAT = """\
 {
   "specializations": [
     {"batch_size": "1", "seq_len": "4", "ctx_len": "128"},
+    {"batch_size": "1", "seq_len": "8", "ctx_len": "128"},
     {"batch_size": "1", "seq_len": "32", "ctx_len": "128"},
     {"batch_size": "1", "seq_len": "96", "ctx_len": "128"}
   ]
@@ -393,14 +397,15 @@ def test_bad_profile_yaml(tmp_path):
 
 def test_specializations_json_values_are_strings():
     named = qpc.specializations_json(TSPECS, "named")
-    assert named["specializations"][0] == {
-        "name": "Prefill",
-        "symbols": {"batch_size": "1", "seq_len": "32", "ctx_len": "128"},
-    }
+    assert named["specializations"][:2] == [
+        {"name": "Prefill[8]", "symbols": {"batch_size": "1", "seq_len": "8", "ctx_len": "128"}},
+        {"name": "Prefill", "symbols": {"batch_size": "1", "seq_len": "32", "ctx_len": "128"}},
+    ]
     flat = qpc.specializations_json(DSPECS, "flat")
     assert flat == {
         "specializations": [
             {"batch_size": "1", "seq_len": "4", "ctx_len": "128"},
+            {"batch_size": "1", "seq_len": "8", "ctx_len": "128"},  # the prefill lengths
             {"batch_size": "1", "seq_len": "32", "ctx_len": "128"},
             {"batch_size": "1", "seq_len": "96", "ctx_len": "128"},  # 3 chunks fit ctx_len 128
         ]
@@ -594,7 +599,7 @@ def test_one_qpc_per_program_for_manifest(art, no_compiler):
     # the manifest's QpcRecord format is unchanged: `part` stays, and is "all"
     (record,) = data["qpcs"]
     assert record["part"] == "all"
-    assert record["specializations"] == ["Prefill", "Verify", "Decode"]
+    assert record["specializations"] == ["Prefill[8]", "Prefill", "Verify", "Decode"]
     assert record["qpc"] == f"target/qpc-{only.key}/qpc"
 
 
@@ -633,7 +638,7 @@ def test_invocation_and_cache(art, fake_compiler):
     marker = res.qpc_path / "programqpc.bin"
     assert marker.read_bytes().startswith(b"QPC:-aic-hw ")
     assert (res.qpc_dir / "compile.stdout.log").exists()
-    assert any("compiling Prefill+Verify+Decode" in m for m in messages)
+    assert any("compiling Prefill[8]+Prefill+Verify+Decode" in m for m in messages)
 
     again = compile_target(art, profile)
     assert again.cached and again.qpc_path == res.qpc_path and again.key == res.key
@@ -981,7 +986,7 @@ def test_continuous_batching_pair_compiles(tmp_path, fake_compiler):
 
 def test_full_batch_size_must_agree():
     specs = contract.target_specializations(1, 32, 4, 128, sampling=False, full_batch_size=4)
-    assert qpc.specializations_json(specs)["specializations"][0]["symbols"] == {
+    assert qpc.specializations_json(specs)["specializations"][1]["symbols"] == {
         "batch_size": "1",
         "full_batch_size": "4",
         "seq_len": "32",

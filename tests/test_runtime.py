@@ -18,6 +18,16 @@ from dflash_qaic.runtime import ArtifactsError, BackendError, GenerationError
 
 # family, block, prefill chunk, ctx, agreement bias (see dflash_qaic.tiny)
 CONFIGS = [("qwen3", 4, 8, 160, 1.25), ("llama", 8, 16, 160, 1.25), ("qwen3", 16, 16, 192, 1.5)]
+CONFIGS += [("qwen3", 4, 32, 160, 2.0)]  # two prefill lengths: 8 and the chunk of 32
+
+
+def planned_chunks(n: int, lengths: list[int]) -> list[int]:
+    """The prefill call lengths of an n-token prompt (contract.plan_prefill, call by call)."""
+    out = []
+    while n > 0:
+        out.append(contract.plan_prefill(n, lengths))
+        n -= out[-1]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +88,8 @@ def test_lossless_against_hf_generate(built, cfg):
         # the draft takes up to draft_prefill_rows of context a call: fewer calls than chunks
         rows = contract.draft_prefill_rows(ctx, chunk, B)
         assert rows > chunk and res.stats["draft_prefill_calls"] == -(-n // rows)
-        assert res.stats["prefill_calls"] == -(-n // chunk)
+        chunks = contract.prefill_lengths(chunk, B)
+        assert res.stats["prefill_calls"] == len(planned_chunks(n, chunks))
         lengths += res.acceptance_lengths
     # the biased pair makes acceptance vary from 1 to B step to step
     assert min(lengths) == 1 and max(lengths) >= B - 1 and len(set(lengths)) >= 3, lengths
@@ -137,6 +148,59 @@ def test_strict_standin_runs_the_same_loop(built):
     # last chunk pays for sampling every row
     assert [contract.base_name(n) for n in used[:2]] == ["Prefill", "PrefillSampled"]
     assert {contract.base_name(n) for n in used} == {"Prefill", "PrefillSampled", "VerifySampled"}
+
+
+def test_prefill_lengths_plan():
+    """A prompt takes chunks while one is filled, then the fewest rows that cover the rest (the
+    longest length on a tie): fewer padded rows than whole chunks, fewer calls than the short
+    length alone."""
+    assert contract.prefill_lengths(256, 16) == [64, 256]
+    assert contract.prefill_lengths(64, 16) == [64]  # 16 is no more than the block: one length
+    assert contract.prefill_lengths(128, 16) == [32, 128]
+    L = [64, 256]
+    assert planned_chunks(280, L) == [256, 64]
+    assert planned_chunks(200, L) == [256]  # 4 × 64 is as many rows in more calls
+    assert planned_chunks(130, L) == [64, 64, 64]  # 192 rows, not 256
+    assert planned_chunks(600, L) == [256, 256, 64, 64]
+    assert planned_chunks(5, L) == [64] and planned_chunks(700, [64]) == [64] * 11
+    assert contract.default_comp_ctx_lengths(1024, 256, 16) == [128, 256, 512, 1024]
+
+
+def test_prompt_chunks_take_the_planned_prefill_lengths(built):
+    """With two prefill lengths the stand-in sees the planned specializations (a prompt's rest
+    on the short one, sampled last chunks on PrefillSampled of their length), the draft takes
+    its prompt at the smallest DraftPrefill that holds it, and tokens equal ONNX Runtime's."""
+    _, _, art, model = built(*CONFIGS[3])
+    ort_pipe = dflash_qaic.load(art)
+    standin = dflash_qaic.load(art, backend="qaic-standin")
+    target_used, draft_used = standin.target.session.used, standin.draft.session.used
+    assert contract.prefill_lengths_of(standin.artifacts.target.specializations) == [8, 32]
+    assert contract.draft_prefill_rows_of(standin.artifacts.draft.specializations) == [8, 32, 128]
+    for p in (ort_pipe, standin):
+        p.verify_lengths = [p.B]
+
+    def names(used, base):
+        got = [n.split("@")[0] for n in used if contract.base_name(n) == base]
+        used.clear()
+        return got
+
+    for n, want, draft in [
+        (45, ["Prefill", "Prefill[8]", "Prefill[8]"], ["DraftPrefill"]),
+        (5, ["Prefill[8]"], ["DraftPrefill[8]"]),
+        (27, ["Prefill"], ["DraftPrefill[32]"]),
+    ]:
+        ids = prompt(n, 40 + n)
+        a, b = ort_pipe.generate(ids, 20), standin.generate(ids, 20)
+        assert a.tokens == b.tokens == hf_greedy(model, ids, 20), n
+        assert names(target_used, contract.PREFILL) == want, n
+        assert names(draft_used, contract.DRAFT_PREFILL) == draft, n
+        target_used.clear()
+    ids = prompt(45, 7)
+    a = ort_pipe.generate(ids, 20, temperature=1.0, seed=3)
+    b = standin.generate(ids, 20, temperature=1.0, seed=3)
+    assert a.tokens == b.tokens
+    prefills = [n.split("@")[0] for n in target_used if "Prefill" in n]
+    assert prefills == ["Prefill", "Prefill[8]", "PrefillSampled[8]"]
 
 
 def test_artifacts_with_one_sampling_prefill_still_run(built, tmp_path):

@@ -151,8 +151,8 @@ class _Timed:
     """A program whose calls are counted and timed by kind while a batch runs: where the batch's
     wall time goes (the engine's own call times count a shared call once per request in it).
     The kind comes from the call's shapes: target ids of 1 column are a decode call, of a
-    `prefill_rows` count (the prefill chunk) a prefill call, else a verify call (of one of the
-    verify lengths; a prefill chunk of exactly B counts as prefill); draft context of a
+    `prefill_rows` count (a prefill length, all above B) a prefill call, else a verify call (of
+    one of the verify lengths); draft context of a
     `prefill_rows` count (the DraftPrefill rows) is a prompt's draft call, else a step's."""
 
     def __init__(self, program, is_target: bool, prefill_rows: set[int], budget: dict):
@@ -218,7 +218,8 @@ class _Runner:
         pipe, budget = self.pipe, {}
         saved = pipe.prefill_chunks_per_step, pipe.max_running, pipe.target, pipe.draft
         pipe.prefill_chunks_per_step, pipe.max_running = policy, c
-        pipe.target = _Timed(pipe.target, True, {pipe.chunk}, budget)
+        chunks = set(contract.prefill_lengths_of(pipe.artifacts.target.specializations))
+        pipe.target = _Timed(pipe.target, True, chunks, budget)
         rows = set(contract.draft_prefill_rows_of(pipe.artifacts.draft.specializations))
         pipe.draft = _Timed(pipe.draft, False, rows, budget)
         index = [j % len(self.prompts) for j in range(self.per_prompt * len(self.prompts))]

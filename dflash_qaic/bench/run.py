@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from dflash_qaic import contract
 from dflash_qaic.bench import stats
 
 KINDS = ("decode", "verify", "draft")
@@ -216,8 +217,9 @@ def _call_times(pipe, ids, tokens, temperature) -> dict:
     return {k: [t for r in runs for t in r.call_times.get(k, ())] for k in KINDS}
 
 
-def _short_pipe(f: dict, ctx_len: int, out: str, threads: int):
-    """The same pair exported again at a short ctx_len (the only use of the export API here)."""
+def _short_pipe(f: dict, ctx_len: int, chunk: int, out: str, threads: int):
+    """The same pair exported again at a short ctx_len and prefill chunk (the only use of the
+    export API here)."""
     from transformers.utils import logging as hf_logging
 
     import dflash_qaic
@@ -225,8 +227,10 @@ def _short_pipe(f: dict, ctx_len: int, out: str, threads: int):
 
     hf_logging.disable_progress_bar()
 
-    keep = {k: f[k] for k in ("block_size", "prefill_seq_len", "sampling")}
-    opts = ExportOptions(**keep, ctx_len=ctx_len, compile=False, fp16_check=False)
+    keep = {k: f[k] for k in ("block_size", "sampling")}
+    opts = ExportOptions(
+        **keep, prefill_seq_len=chunk, ctx_len=ctx_len, compile=False, fp16_check=False
+    )
     out = Path(out, "short")  # a directory of the exporter's own making
     build_artifacts(*f["sources"].values(), out, opts, progress=lambda m: None)
     return dflash_qaic.load(out, "ort", threads=threads, tokenizer=False)
@@ -236,7 +240,8 @@ def cost_profile(pipe, f: dict, ids, threads, weights_s: dict, rounds=3, tokens=
     """Each call's median cost at the artifacts' ctx_len split into weights, cache, sampler and
     fixed overhead (`stats.cost_split`). The cache part compares with the same pair exported at a
     short ctx_len: it needs the source checkpoints and ONNX Runtime."""
-    L, B, C = f["ctx_len"], f["block_size"], f["prefill_seq_len"]
+    L, B = f["ctx_len"], f["block_size"]
+    C = contract.prefill_lengths(f["prefill_seq_len"], B)[0]  # the prompt is one shortest chunk
     S, ids, note = 2 * C + 4 * B, ids[: C - B], None
     tokens = min(tokens, S - C - 2 * B)  # room at the short ctx_len
     if pipe.backend != "ort":
@@ -248,7 +253,7 @@ def cost_profile(pipe, f: dict, ids, threads, weights_s: dict, rounds=3, tokens=
     acc: dict[str, list[dict]] = {"long": [], "short": [], "sampled": []}  # rounds interleaved
     with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
         log(f"cost profile at ctx_len {L}" + ("" if note else f" and {S} (exported again)"))
-        short = None if note else _short_pipe(f, S, tmp, threads)
+        short = None if note else _short_pipe(f, S, C, tmp, threads)
         for r in range(rounds + 1):  # the first round warms up
             got = {"long": _call_times(pipe, ids, tokens, 0.0)}
             if short:

@@ -290,13 +290,14 @@ def export_and_check(
         sources=sources,
     )
     skipped = weights.graph_run_skip_reason(weights.weights_bytes(sources)) if sources else None
-    # the fp16 runs use the full-context windows and whole verify blocks: a smaller window or a
-    # shorter verify (`Verify[n]`) computes the same values on fewer slots or rows
+    # the fp16 runs use the full-context windows, whole verify blocks and prefill chunks: a
+    # smaller window, a shorter verify (`Verify[n]`) or chunk (`Prefill[n]`) computes the same
+    # values on fewer slots or rows
     full = [
         s
         for s in specializations
         if s["symbols"].get(contract.CCL) in (None, sym[contract.CTX])
-        and not contract.shorter_verify(s["name"])
+        and not contract.shorter_length(s["name"])
     ]
     feeds = feeds_for(full) if fp16_check and not skipped else None
     report = check_graph(path, io, specializations, feeds)

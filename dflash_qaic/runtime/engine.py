@@ -2,7 +2,8 @@
 Continuous batching; the algorithm is docs/DESIGN.md, Algorithm).
 
     admit:    a queued request takes a free slot (a cache row)
-    prefill:  per prompt chunk, at batch 1 into the slot's cache row:
+    prefill:  per prompt chunk (of a prefill length, contract.plan_prefill), at batch 1 into
+              the slot's cache row:
                   target(chunk) -> next_tokens, features;  draft(features of the chunk)
               first token = the target's choice at the last prompt row; the last draft call
               also proposes the first block [first, MASK…] -> B−1 proposals
@@ -232,6 +233,7 @@ class Engine:
         self.N = m.full_batch_size or 1
         self.max_running = min(max_running or self.N, self.N)
         self.B, self.C, self.H = m.block_size, m.prefill_seq_len, m.hidden_size
+        self.chunks = contract.prefill_lengths_of(m.target.specializations)  # ascending, ends at C
         self.draft_rows = contract.draft_prefill_rows_of(m.draft.specializations)  # ascending
         self.ctx_len, self.mask_id = m.ctx_len, m.mask_token_id
         self.can_sample = m.target.io.sampling
@@ -255,7 +257,7 @@ class Engine:
         self.costs = costs if costs is not None else StepCosts()
         self._sample_len = {
             (n, greedy): contract.sample_rows(list(m.target.specializations), n, greedy)
-            for n in {1, self.C, *self.lengths}
+            for n in {1, *self.chunks, *self.lengths}
             for greedy in (True, False)
         }
         self._alloc()
@@ -412,20 +414,23 @@ class Engine:
     # ------------------------------------------------------------------ prefill
 
     def _prefill_chunk(self, seq: Sequence) -> None:
-        """One prompt chunk of `seq` at batch 1 into its cache row (target, then the draft)."""
-        one, ids, C = self.one, seq.req.ids, self.C
+        """One prompt chunk of `seq` at batch 1 into its cache row (target, then the draft), of
+        the prefill length `contract.plan_prefill` picks for the rest of the prompt."""
+        one, ids = self.one, seq.req.ids
         lo, P = seq.prefilled, len(ids)
-        n = min(C, P - lo)
+        L = contract.plan_prefill(P - lo, self.chunks)
+        n = min(L, P - lo)
         last = lo + n == P
-        one["ids"][0, :n] = ids[lo : lo + n]
-        one["ids"][0, n:] = 0
-        one["pos"][0, :n] = np.arange(lo, lo + n)
-        one["pos"][0, n:] = contract.PAD_POSITION
+        chunk_ids, chunk_pos = one["ids"][:, :L], one["pos"][:, :L]  # views: (1, L)
+        chunk_ids[0, :n] = ids[lo : lo + n]
+        chunk_ids[0, n:] = 0
+        chunk_pos[0, :n] = np.arange(lo, lo + n)
+        chunk_pos[0, n:] = contract.PAD_POSITION
         one["bidx"][0, 0] = seq.slot
         # only the last chunk's last row is sampled: the chunks before it take the greedy Prefill
-        u = self.u_one[self._sample_len[C, seq.uniforms is None or not last]]
+        u = self.u_one[self._sample_len[L, seq.uniforms is None or not last]]
         self._set_row_sampling(one, u, 0, seq, lo + 1)
-        feeds = {contract.INPUT_IDS: one["ids"], contract.POSITION_IDS: one["pos"]}
+        feeds = {contract.INPUT_IDS: chunk_ids, contract.POSITION_IDS: chunk_pos}
         feeds.update(self._sampling_feeds(one, u))
         feeds = self._with_index(feeds, one["bidx"], lo + n)
         out = self._call("prefill", self.target, feeds, [seq])
