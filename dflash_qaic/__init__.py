@@ -13,7 +13,7 @@ imports what its backend needs.
 
 from __future__ import annotations
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 # `dflash_qaic.export(...)` / `dflash_qaic.compile(...)`: callable packages (dflash_qaic.api);
 # `load` is the runtime's own (its imports are light: numpy; a backend's on first use).
