@@ -296,6 +296,23 @@ def plan_prefill(remaining: int, lengths: list[int]) -> int:
     return min(lengths, key=lambda n: (-(-remaining // n) * n, -n))
 
 
+def check_prefill_lengths(lengths: list[int], prefill_seq_len: int, block_size: int) -> None:
+    """Prefill lengths as a manifest may list them: ascending, ending at the chunk, the shorter
+    ones above the block size (a prefill call must not take a verify call's shape)."""
+    if (
+        not lengths
+        or lengths != sorted(set(lengths))
+        or lengths[-1] != prefill_seq_len
+        or any(n <= block_size for n in lengths[:-1])
+    ):
+        raise ValueError(
+            f"prefill lengths must ascend, the shorter ones above the block size {block_size}, "
+            "and end at "
+            f"prefill_seq_len {prefill_seq_len}, got {lengths} (e.g. "
+            f"{prefill_lengths(prefill_seq_len, block_size)}): re-export the artifacts"
+        )
+
+
 def prefill_lengths_of(specializations) -> list[int]:
     """The prefill lengths a target program was exported with (its Prefill specializations'
     seq_len), ascending; artifacts from before them have the chunk only."""

@@ -511,8 +511,15 @@ def _consistent(m: Manifest, c: _Check, complete: bool) -> None:
     except ValueError as e:
         c.fail("target.specializations", str(e))
     two = contract.has_greedy_prefill(m.target.specializations)  # one sampling Prefill before 0.4
+    chunks = contract.prefill_lengths_of(m.target.specializations)  # [chunk] before 0.5
+    try:
+        contract.check_prefill_lengths(chunks, m.prefill_seq_len, m.block_size)
+    except ValueError as e:
+        c.fail("target.specializations", str(e))
     draft_rows = contract.draft_prefill_rows_of(m.draft.specializations)  # [chunk] before 0.4
-    target = contract.target_specializations(*args, m.target.io.sampling, fbs, w, lengths, two)
+    target = contract.target_specializations(
+        *args, m.target.io.sampling, fbs, w, lengths, two, chunks
+    )
     for prog, want in (
         (m.target, target),
         (m.draft, contract.draft_specializations(*args, fbs, w, draft_rows)),

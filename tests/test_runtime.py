@@ -203,6 +203,46 @@ def test_prompt_chunks_take_the_planned_prefill_lengths(built):
     assert prefills == ["Prefill", "Prefill[8]", "PrefillSampled[8]"]
 
 
+def test_artifacts_with_one_prefill_length_still_run(built, tmp_path):
+    """Before 0.5 a target had its Prefill at the chunk only (and the draft no DraftPrefill[n]
+    below it). Such artifacts load and give the same tokens in whole chunks; prefill lengths a
+    manifest cannot have been written with are refused with the fix."""
+    import shutil
+
+    _, _, art, _ = built(*CONFIGS[3])
+    old = tmp_path / "old"
+    shutil.copytree(art, old)
+    path = old / "manifest.json"
+    m = json.loads(path.read_text())
+    short = lambda s: "[8]" in s["name"]  # noqa: E731
+    assert any(map(short, m["target"]["specializations"]))
+    for prog in ("target", "draft"):
+        m[prog]["specializations"] = [s for s in m[prog]["specializations"] if not short(s)]
+    path.write_text(json.dumps(m))
+    new_pipe, old_pipe = dflash_qaic.load(art), dflash_qaic.load(old)
+    for p in (new_pipe, old_pipe):
+        p.verify_lengths = [p.B]
+    ids = prompt(45, 9)
+    old_res, new_res = old_pipe.generate(ids, 24), new_pipe.generate(ids, 24)
+    assert old_res.tokens == new_res.tokens
+    assert old_res.stats["prefill_calls"] == 2 < new_res.stats["prefill_calls"] == 3  # 32 + 32
+    kw = dict(temperature=1.0, seed=4)
+    assert old_pipe.generate(ids, 24, **kw).tokens == new_pipe.generate(ids, 24, **kw).tokens
+
+    for s in m["target"]["specializations"]:  # a Prefill of the block size: a Verify's shape
+        if s["name"].startswith("Prefill@") or s["name"] == "Prefill":
+            m["target"]["specializations"].append(
+                {
+                    "name": s["name"].replace("Prefill", "Prefill[4]"),
+                    "symbols": {**s["symbols"], "seq_len": 4},
+                }
+            )
+            break
+    path.write_text(json.dumps(m))
+    with pytest.raises(ArtifactsError, match="prefill lengths must ascend.*re-export"):
+        dflash_qaic.load(old)
+
+
 def test_artifacts_with_one_sampling_prefill_still_run(built, tmp_path):
     """Before 0.4 the target had one Prefill that sampled every row, and the draft's prefill took
     one chunk of context. Such artifacts still load and give the same tokens: the runtime reads
