@@ -175,6 +175,14 @@ def test_report_sections_render(tmp_path):
     for text in ("## Cost profile at ctx_len 1024", "Not run: --no-peers.", "χ²", "length ≥ k"):
         assert text in md, text
     assert "$" not in md.replace("$ ", "")  # every placeholder substituted
+    assert "prefill chunks 16," in md and "was busy" not in md  # no prefill_lengths: the chunk
+    # busy is the load before the run: after it, the benchmark's own threads count too
+    res["machine"]["load_end"] = [1.3, 0, 0]
+    res["artifacts"]["prefill_lengths"] = [16, 64]
+    md = report.render_markdown(res)
+    assert "was busy" not in md and "prefill chunks 16, 64," in md
+    res["machine"]["load_start"] = [1.1, 0, 0]
+    assert "was busy" in report.render_markdown(res)
     paths = report.write_outputs(res, tmp_path)
     assert json.loads(paths["json"].read_text())["temperatures"][0]["tau"] == 4
     assert paths["png"].stat().st_size > 0 and not list(tmp_path.glob(".*"))

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from string import Template
 
-from dflash_qaic.bench.report import BUSY, _clean, machine_md, ms, sp, table, x_
+from dflash_qaic.bench.report import _clean, chunks, load_note, machine_md, ms, sp, table, x_
 
 SCHEMA = "dflash-bench-batch/1"
 TEMPLATE = Path(__file__).with_name("batch_report.md.tmpl")
@@ -183,12 +183,12 @@ def render_markdown(res: dict) -> str:
     return Template(TEMPLATE.read_text(encoding="utf-8")).substitute(
         **{f.__name__[:-3]: f(res) for f in sections},
         summary=summary_screen(res),
-        load_note=BUSY if max(m["load_start"][0], m["load_end"][0]) >= 1 else "",
+        load_note=load_note(m),
         command=res["command"],
         started=res["started"],
         seconds=f"{res['seconds']:.0f}",
         artifacts=f"`{a['path']}` on `{a['backend']}`: full_batch_size {a['full_batch_size']}, "
-        f"block {a['block_size']}, ctx_len {a['ctx_len']}, prefill chunk {a['prefill_seq_len']}, "
+        f"block {a['block_size']}, ctx_len {a['ctx_len']}, prefill chunks {chunks(a)}, "
         f"target {a['target']['n_layers']} layers, draft {a['draft']['n_layers']}",
         prompts=f"{len(c['prompts'])} from {c['prompts_source']}",
         concurrency=", ".join(map(str, c["concurrency"])),

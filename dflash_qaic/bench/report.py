@@ -227,12 +227,12 @@ def render_markdown(res: dict) -> str:
         **c,
         **{f.__name__[:-3]: f(res) for f in (*sections, distribution_md, machine_md)},
         summary=summary_screen(res),
-        load_note=BUSY if max(m["load_start"][0], m["load_end"][0]) >= 1 else "",
+        load_note=load_note(m),
         command=res["command"],
         started=res["started"],
         seconds=f"{res['seconds']:.0f}",
         artifacts=f"`{a['path']}` on `{a['backend']}`: block {a['block_size']}, ctx_len "
-        f"{a['ctx_len']}, prefill chunk {a['prefill_seq_len']}, H {a['hidden_size']}, vocab "
+        f"{a['ctx_len']}, prefill chunks {chunks(a)}, H {a['hidden_size']}, vocab "
         f"{a['vocab_size']}, target {a['target']['n_layers']} layers, draft "
         f"{a['draft']['n_layers']}",
         e2e=", ".join(f"{temp(s)} {sp(s['speedup_end_to_end'], x_)}" for s in measured(res)),
@@ -241,9 +241,20 @@ def render_markdown(res: dict) -> str:
 
 
 BUSY = (
-    "\n**The machine was busy** (load average ≥ 1): other processes competed with every "
-    "timing. Ratios come from alternating runs in one process, but are noisier.\n"
+    "\n**The machine was busy** (load average ≥ 1 before the run): other processes competed "
+    "with every timing. Ratios come from alternating runs in one process, but are noisier.\n"
 )
+
+
+def chunks(artifacts: dict) -> str:
+    """The prefill lengths, e.g. "64, 256" (results from before them: the chunk)."""
+    return ", ".join(map(str, artifacts.get("prefill_lengths") or [artifacts["prefill_seq_len"]]))
+
+
+def load_note(machine: dict) -> str:
+    """BUSY when the load before the run says others were using the machine (the load after it
+    also counts the benchmark's own threads, which keep a 2-core machine near 1)."""
+    return BUSY if machine["load_start"][0] >= 1 else ""
 
 
 def _speed_panel(ax, s: dict, k: int, B: int) -> None:
