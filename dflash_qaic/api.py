@@ -46,7 +46,8 @@ def export(
         any failure), refused when it holds files the exporter did not write.
     block_size / num_speculative_tokens: B, or N = B − 1 as QEfficient and vLLM say it
         (default: the draft's block size); both given must agree.
-    prefill_seq_len, ctx_len, batch_size: the prefill chunk, KV slots and batch (1).
+    prefill_seq_len, ctx_len, batch_size: the prefill chunk C (and C/4 beside it when that
+        exceeds B: a prompt's rest takes the fewest rows), KV slots and batch (1).
     full_batch_size: continuous batching with N cache rows, N sequences at once (None: off).
     comp_ctx_lengths: the attention windows, ascending, ending at ctx_len (None: ctx_len / 8,
         / 4, / 2 and ctx_len); each call reads the smallest one holding its positions.

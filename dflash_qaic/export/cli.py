@@ -144,7 +144,9 @@ def parser() -> argparse.ArgumentParser:
         help="proposals per step, as QEfficient and vLLM say it (= block size - 1)",
     )
     p.add_argument(
-        "--prefill-seq-len", type=size(1, MAX_CTX_LEN), help="prefill chunk (default 128)"
+        "--prefill-seq-len",
+        type=size(1, MAX_CTX_LEN),
+        help="prefill chunk C (default 128; a C/4 chunk beside it when C/4 > the block size)",
     )
     p.add_argument(
         "--ctx-len", type=size(4, MAX_CTX_LEN), help="context length in slots (default 4096)"
