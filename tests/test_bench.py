@@ -371,6 +371,8 @@ def test_batch_summary_goals_and_report(tmp_path):
     assert p8["ratios"]["dflash_vs_target"]["median"] == pytest.approx(1.25)
     # bound: τ 4 × decode (0.5 × 2.0 s / 100 calls) ÷ verify (0.5 × 1.6 s / 25 calls), no draft
     assert p8["ratios"]["bound"] == pytest.approx(4 * 0.010 / 0.032)
+    # steps: the same calls as spent, 100 decode calls against 25 verify calls per batch
+    assert p8["ratios"]["steps"] == pytest.approx(100 * 0.010 / (25 * 0.032))
     g = {i["name"]: i for i in res["goals"]["items"]}
     assert g["vs_one_request"]["met"] and not g["vs_target"]["met"]
     # (1 + 2 + 8) requests × 2 modes + 8 × 2 under the other policy + 8 solo pairs (T = 0)
@@ -385,6 +387,7 @@ def test_batch_summary_goals_and_report(tmp_path):
     assert "5.00× one request's (≥ 4×: met)" in lines[3]
     assert "1.25× the target alone at 8 (≥ 1.5×: NOT MET)" in lines[3]
     assert "requests equal to their solo run: 46/46" in screen and len(lines) < 30
+    assert "(steps)" in lines[5] and lines[8].split()[-4] == "1.25×"  # c = 8: (steps)
     md = batch_report.render_markdown(res)
     assert md.index(lines[0]) < md.index("## Aggregate throughput") < md.index("## Machine")
     assert "$" not in md and "| None (all waiting prompts) | DFlash |" in md

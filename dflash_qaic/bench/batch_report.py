@@ -76,7 +76,7 @@ def summary_screen(res: dict) -> str:
         *goal_lines(res),
         equality_text(res["equality"]),
         f"{'c':>3}  {'DFlash tokens/s':<24}{'target tokens/s':<24}{'DFlash÷target':<22}"
-        f"{'(bound)':<9}{'vs c=1 DFlash, target':<24}τ",
+        f"{'(bound)':<9}{'(steps)':<9}{'vs c=1 DFlash, target':<24}τ",
     ]
     for p in pts:
         d, b, r = p["modes"]["dflash"], p["modes"]["baseline"], p["ratios"]
@@ -85,7 +85,8 @@ def summary_screen(res: dict) -> str:
         vs += "" if v["baseline"] is None else f"{v['baseline']['median']:.2f}×"
         out.append(
             f"{p['concurrency']:>3}  {tps(d['tokens_per_s']):<24}{tps(b['tokens_per_s']):<24}"
-            f"{ratio(r['dflash_vs_target']):<22}{bound(r['bound']):<9}{vs:<24}{d['tau']:.2f}"
+            f"{ratio(r['dflash_vs_target']):<22}{bound(r['bound']):<9}"
+            f"{bound(r.get('steps')):<9}{vs:<24}{d['tau']:.2f}"
         )
     out.append("per request, ms: TTFT p50/p95 TPOT p50/p95 — DFlash | target alone")
     out += [
@@ -123,12 +124,15 @@ def throughput_md(res: dict) -> str:
     for p in res["points"]:
         for mode in MODES:
             x, r = p["modes"][mode], p["ratios"]
-            vs, b = (
-                (ratio(r["dflash_vs_target"]), bound(r["bound"])) if mode == "dflash" else ("", "")
+            vs, b, st = (
+                (ratio(r["dflash_vs_target"]), bound(r["bound"]), bound(r.get("steps")))
+                if mode == "dflash"
+                else ("", "", "")
             )
             rows.append([p["concurrency"], LABEL[mode], tps(x["tokens_per_s"])])
-            rows[-1] += [ratio(r["vs_c1"][mode]), vs, b, f"{x['tau']:.2f}", x["new_tokens"]]
-    head = ["c", "", "aggregate tokens/s", "vs c = 1", "DFlash ÷ target alone", "bound", "τ"]
+            rows[-1] += [ratio(r["vs_c1"][mode]), vs, b, st, f"{x['tau']:.2f}", x["new_tokens"]]
+    head = ["c", "", "aggregate tokens/s", "vs c = 1", "DFlash ÷ target alone", "bound", "steps"]
+    head.append("τ")
     head.append("tokens")
     return table(head, rows)
 
