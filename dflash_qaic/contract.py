@@ -364,7 +364,7 @@ def target_specializations(
 
     def spec(name: str, seq: int, sample: int) -> dict:
         sym = {
-            **_batch_symbols(batch_size, full_batch_size, name in PREFILLS),
+            **_batch_symbols(batch_size, full_batch_size, base_name(name) in PREFILLS),
             SEQ: seq,
             CTX: ctx_len,
         }

@@ -30,6 +30,16 @@ from dflash_qaic.runtime.engine import Engine
 N = 3  # slots: fewer than most batches below, so requests also queue for a free slot
 # family, block, prefill chunk, ctx, agreement bias (see dflash_qaic.tiny)
 CONFIGS = [("qwen3", 4, 8, 160, 1.25), ("llama", 8, 16, 160, 1.25)]
+CONFIGS += [("qwen3", 4, 32, 160, 2.0)]  # two prefill lengths, 8 and the chunk of 32
+
+
+def planned_calls(n: int, chunk: int, B: int) -> list[int]:
+    """The prefill call lengths of an n-token prompt (contract.plan_prefill, call by call)."""
+    lengths, out = contract.prefill_lengths(chunk, B), []
+    while n > 0:
+        out.append(contract.plan_prefill(n, lengths))
+        n -= out[-1]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +87,9 @@ def hf_greedy(model, ids, n, eos=None):
 # ---------------------------------------------------------------- the programs
 
 
-def test_export_has_the_continuous_batching_form(built):
-    _, _, art, _ = built(*CONFIGS[0])
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[2]], ids=["one-prefill-length", "two"])
+def test_export_has_the_continuous_batching_form(built, cfg):
+    _, _, art, _ = built(*cfg)
     m = dflash_qaic.load(art).artifacts
     assert m.full_batch_size == N
     for prog in (m.target, m.draft):
@@ -192,7 +203,7 @@ def test_batch_is_lossless_per_request(built, cfg):
     for ids, new, res in zip(prompts, news, results):
         assert res.tokens == hf_greedy(model, ids, new), (len(ids), new)
         assert res.stop_reason == "max_new_tokens" and sum(res.acceptance_lengths) == new - 1
-        assert res.stats["prefill_calls"] == -(-len(ids) // chunk)
+        assert res.stats["prefill_calls"] == len(planned_calls(len(ids), chunk, B))
         assert 0 <= res.stats["slot"] < N
         lengths += res.acceptance_lengths
     assert min(lengths) == 1 and max(lengths) >= B - 1 and len(set(lengths)) >= 3, lengths
@@ -285,6 +296,30 @@ def test_standin_runs_the_same_engine(built):
     assert {contract.PREFILL, contract.VERIFY} <= used
     used = {contract.base_name(n) for n in pipe.draft.session.used}
     assert {contract.DRAFT_PREFILL, contract.DRAFT_DECODE} <= used
+
+
+def test_standin_batches_prompts_over_two_prefill_lengths(built):
+    """Continuous batching with two prefill lengths on the strict stand-in: every prompt chunk
+    runs at batch 1 on the planned Prefill specialization, and a batch equals ONNX Runtime's
+    and each prompt's solo run."""
+    _, B, chunk, _, _ = CONFIGS[2]
+    _, _, art, _ = built(*CONFIGS[2])
+    lengths = [5, 45, 70, 33]
+    prompts = [prompt(n, 60 + n) for n in lengths]
+    ort_pipe = dflash_qaic.load(art)
+    pipe = dflash_qaic.load(art, backend="qaic-standin")
+    for p in (ort_pipe, pipe):
+        p.verify_lengths = [p.B]
+    res = pipe.generate(prompts, max_new_tokens=12)
+    assert [r.tokens for r in res] == [r.tokens for r in ort_pipe.generate(prompts, 12)]
+    assert [r.tokens for r in res] == [ort_pipe.generate(p, 12).tokens for p in prompts]
+    used = [n.split("@")[0] for n in pipe.target.session.used if "Prefill" in n]
+    want = [
+        f"Prefill[{n}]" if n < chunk else "Prefill"
+        for k in lengths
+        for n in planned_calls(k, chunk, B)
+    ]
+    assert sorted(used) == sorted(want) and "Prefill[8]" in used
 
 
 def test_artifacts_without_batching_run_a_list_one_by_one(built, tiny_pair, tmp_path):
