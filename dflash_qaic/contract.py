@@ -307,8 +307,7 @@ def check_prefill_lengths(lengths: list[int], prefill_seq_len: int, block_size: 
     ):
         raise ValueError(
             f"prefill lengths must ascend, the shorter ones above the block size {block_size}, "
-            "and end at "
-            f"prefill_seq_len {prefill_seq_len}, got {lengths} (e.g. "
+            f"and end at prefill_seq_len {prefill_seq_len}, got {lengths} (e.g. "
             f"{prefill_lengths(prefill_seq_len, block_size)}): re-export the artifacts"
         )
 

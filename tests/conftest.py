@@ -27,6 +27,22 @@ def tiny_pair(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session")
+def planned_chunks():
+    """planned_chunks(n, lengths) -> the prefill call lengths of an n-token prompt, call by call
+    (contract.plan_prefill, as the engine applies it)."""
+    from dflash_qaic import contract
+
+    def plan(n: int, lengths: list[int]) -> list[int]:
+        out = []
+        while n > 0:
+            out.append(contract.plan_prefill(n, lengths))
+            n -= out[-1]
+        return out
+
+    return plan
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _reference_on_cpu():
     """dflash 0.1.0 times with torch.cuda.synchronize; on a CPU machine use the wall clock."""

@@ -33,15 +33,6 @@ CONFIGS = [("qwen3", 4, 8, 160, 1.25), ("llama", 8, 16, 160, 1.25)]
 CONFIGS += [("qwen3", 4, 32, 160, 2.0)]  # two prefill lengths, 8 and the chunk of 32
 
 
-def planned_calls(n: int, chunk: int, B: int) -> list[int]:
-    """The prefill call lengths of an n-token prompt (contract.plan_prefill, call by call)."""
-    lengths, out = contract.prefill_lengths(chunk, B), []
-    while n > 0:
-        out.append(contract.plan_prefill(n, lengths))
-        n -= out[-1]
-    return out
-
-
 @pytest.fixture(scope="module")
 def built(tiny_pair, tmp_path_factory):
     cache = {}
@@ -189,7 +180,7 @@ def test_inactive_rows_change_nothing_readable(built):
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c[0]}-B{c[1]}")
-def test_batch_is_lossless_per_request(built, cfg):
+def test_batch_is_lossless_per_request(built, cfg, planned_chunks):
     _, B, chunk, _, _ = cfg
     _, _, art, model = built(*cfg)
     pipe = dflash_qaic.load(art)
@@ -203,7 +194,9 @@ def test_batch_is_lossless_per_request(built, cfg):
     for ids, new, res in zip(prompts, news, results):
         assert res.tokens == hf_greedy(model, ids, new), (len(ids), new)
         assert res.stop_reason == "max_new_tokens" and sum(res.acceptance_lengths) == new - 1
-        assert res.stats["prefill_calls"] == len(planned_calls(len(ids), chunk, B))
+        assert res.stats["prefill_calls"] == len(
+            planned_chunks(len(ids), contract.prefill_lengths(chunk, B))
+        )
         assert 0 <= res.stats["slot"] < N
         lengths += res.acceptance_lengths
     assert min(lengths) == 1 and max(lengths) >= B - 1 and len(set(lengths)) >= 3, lengths
@@ -298,7 +291,7 @@ def test_standin_runs_the_same_engine(built):
     assert {contract.DRAFT_PREFILL, contract.DRAFT_DECODE} <= used
 
 
-def test_standin_batches_prompts_over_two_prefill_lengths(built):
+def test_standin_batches_prompts_over_two_prefill_lengths(built, planned_chunks):
     """Continuous batching with two prefill lengths on the strict stand-in: every prompt chunk
     runs at batch 1 on the planned Prefill specialization, and a batch equals ONNX Runtime's
     and each prompt's solo run."""
@@ -317,7 +310,7 @@ def test_standin_batches_prompts_over_two_prefill_lengths(built):
     want = [
         f"Prefill[{n}]" if n < chunk else "Prefill"
         for k in lengths
-        for n in planned_calls(k, chunk, B)
+        for n in planned_chunks(k, contract.prefill_lengths(chunk, B))
     ]
     assert sorted(used) == sorted(want) and "Prefill[8]" in used
 

@@ -21,15 +21,6 @@ CONFIGS = [("qwen3", 4, 8, 160, 1.25), ("llama", 8, 16, 160, 1.25), ("qwen3", 16
 CONFIGS += [("qwen3", 4, 32, 160, 2.0)]  # two prefill lengths: 8 and the chunk of 32
 
 
-def planned_chunks(n: int, lengths: list[int]) -> list[int]:
-    """The prefill call lengths of an n-token prompt (contract.plan_prefill, call by call)."""
-    out = []
-    while n > 0:
-        out.append(contract.plan_prefill(n, lengths))
-        n -= out[-1]
-    return out
-
-
 @pytest.fixture(scope="module")
 def built(tiny_pair, tmp_path_factory):
     cache = {}
@@ -71,7 +62,7 @@ def hf_greedy(model, ids, n, eos=None):
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c[0]}-B{c[1]}")
-def test_lossless_against_hf_generate(built, cfg):
+def test_lossless_against_hf_generate(built, cfg, planned_chunks):
     family, B, chunk, ctx, _ = cfg
     _, _, art, model = built(*cfg)
     pipe = dflash_qaic.load(art)
@@ -150,7 +141,7 @@ def test_strict_standin_runs_the_same_loop(built):
     assert {contract.base_name(n) for n in used} == {"Prefill", "PrefillSampled", "VerifySampled"}
 
 
-def test_prefill_lengths_plan():
+def test_prefill_lengths_plan(planned_chunks):
     """A prompt takes chunks while one is filled, then the fewest rows that cover the rest (the
     longest length on a tie): fewer padded rows than whole chunks, fewer calls than the short
     length alone."""

@@ -152,8 +152,8 @@ class _Timed:
     wall time goes (the engine's own call times count a shared call once per request in it).
     The kind comes from the call's shapes: target ids of 1 column are a decode call, of a
     `prefill_rows` count (a prefill length, all above B) a prefill call, else a verify call (of
-    one of the verify lengths); draft context of a
-    `prefill_rows` count (the DraftPrefill rows) is a prompt's draft call, else a step's."""
+    one of the verify lengths); draft context of a `prefill_rows` count (the DraftPrefill rows)
+    is a prompt's draft call, else a step's."""
 
     def __init__(self, program, is_target: bool, prefill_rows: set[int], budget: dict):
         self._program, self._target, self._budget = program, is_target, budget

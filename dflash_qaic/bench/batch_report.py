@@ -131,9 +131,8 @@ def throughput_md(res: dict) -> str:
             )
             rows.append([p["concurrency"], LABEL[mode], tps(x["tokens_per_s"])])
             rows[-1] += [ratio(r["vs_c1"][mode]), vs, b, st, f"{x['tau']:.2f}", x["new_tokens"]]
-    head = ["c", "", "aggregate tokens/s", "vs c = 1", "DFlash ÷ target alone", "bound", "steps"]
-    head.append("τ")
-    head.append("tokens")
+    head = ["c", "", "aggregate tokens/s", "vs c = 1", "DFlash ÷ target alone", "bound"]
+    head += ["steps", "τ", "tokens"]
     return table(head, rows)
 
 

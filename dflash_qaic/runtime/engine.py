@@ -449,8 +449,8 @@ class Engine:
         """Queue a prompt chunk's features (positions lo … lo+n-1) for the draft; one DraftPrefill
         call takes up to D = draft_rows[-1] rows (several target chunks), so the block it also
         runs, wasted on every call but the last, runs ⌈P / D⌉ times, not once per chunk; a call
-        of at most a chunk takes the chunk-sized specialization. The last call's block starts at
-        the prompt's end: its proposals are the first step's."""
+        takes the smallest DraftPrefill that holds its rows. The last call's block starts at the
+        prompt's end: its proposals are the first step's."""
         D = self.draft_rows[-1]
         if seq.inject is None:  # per sequence: prefills of several sequences may interleave
             seq.inject = {
