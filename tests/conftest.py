@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from dflash_qaic.tiny import make_tiny_pair
+from dflash_lab.tiny import make_tiny_pair
 
 
 def _key(kw: dict) -> str:

@@ -28,7 +28,7 @@ from dflash_qaic.runtime import GenerationError
 from dflash_qaic.runtime.engine import Engine
 
 N = 3  # slots: fewer than most batches below, so requests also queue for a free slot
-# family, block, prefill chunk, ctx, agreement bias (see dflash_qaic.tiny)
+# family, block, prefill chunk, ctx, agreement bias (see dflash_lab.tiny)
 CONFIGS = [("qwen3", 4, 8, 160, 1.25), ("llama", 8, 16, 160, 1.25)]
 CONFIGS += [("qwen3", 4, 32, 160, 2.0)]  # two prefill lengths, 8 and the chunk of 32
 

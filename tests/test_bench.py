@@ -266,9 +266,9 @@ def test_export_and_serve_modes_are_delegated(monkeypatch, capsys):
     assert main(["--serve", "artifacts/x", "--clients", "2"]) == 0
     assert got["argv"] == ["artifacts/x", "--clients", "2"]
     assert sys.argv[0] == "dflash-bench --serve"
-    monkeypatch.setitem(sys.modules, "dflash_qaic.bench.export", None)  # absent
+    monkeypatch.setitem(sys.modules, "dflash_lab.export_bench", None)  # absent
     assert main(["--export"]) == 2
-    assert "--export needs dflash_qaic.bench.export, not installed" in capsys.readouterr().err
+    assert "--export needs dflash_lab.export_bench, not installed" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------- continuous batching

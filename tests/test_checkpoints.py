@@ -155,12 +155,12 @@ def test_pair_mismatch(pair, field, value, match):
     if field in ("num_attention_heads", "head_dim"):
         # keep the tensor layout consistent so the config mismatch is what is reported
         c = ck.read_draft_config(d)
-        from dflash_qaic.tiny import TinySpec, random_draft_state
+        from dflash_lab.tiny import TinySpec, random_draft_state
 
         spec = TinySpec(num_heads=c.num_heads, head_dim=c.head_dim, target_layer_ids=[0, 3])
         save_file(random_draft_state(spec, torch.Generator()), str(d / "model.safetensors"))
     if field == "num_key_value_heads":
-        from dflash_qaic.tiny import TinySpec, random_draft_state
+        from dflash_lab.tiny import TinySpec, random_draft_state
 
         spec = TinySpec(num_kv_heads=4, target_layer_ids=[0, 3])
         save_file(random_draft_state(spec, torch.Generator()), str(d / "model.safetensors"))
@@ -232,7 +232,7 @@ def test_fp16_fc_scale():
 @pytest.fixture
 def sharded(tmp_path):
     """A bf16 target in 3 shards with an index, and its bf16 draft."""
-    from dflash_qaic.tiny import make_tiny_pair
+    from dflash_lab.tiny import make_tiny_pair
 
     return make_tiny_pair(tmp_path, dtype="bfloat16", shards=3, target_layer_ids=[0, 3])
 

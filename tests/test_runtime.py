@@ -16,7 +16,7 @@ from dflash_qaic import contract
 from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
 from dflash_qaic.runtime import ArtifactsError, BackendError, GenerationError
 
-# family, block, prefill chunk, ctx, agreement bias (see dflash_qaic.tiny)
+# family, block, prefill chunk, ctx, agreement bias (see dflash_lab.tiny)
 CONFIGS = [("qwen3", 4, 8, 160, 1.25), ("llama", 8, 16, 160, 1.25), ("qwen3", 16, 16, 192, 1.5)]
 CONFIGS += [("qwen3", 4, 32, 160, 2.0)]  # two prefill lengths: 8 and the chunk of 32
 

@@ -13,6 +13,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from dflash_lab.tiny import make_tiny_pair
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
 from dflash_qaic.export import weights
@@ -23,7 +24,6 @@ from dflash_qaic.export.target import check_feeds as target_feeds
 from dflash_qaic.export.target import export_target
 from dflash_qaic.modeling.draft import DFlashDraft, ExportDraft
 from dflash_qaic.modeling.target import ExportTarget
-from dflash_qaic.tiny import make_tiny_pair
 
 KW = dict(ctx_len=48, prefill_seq_len=12, block_size=8, fp16_check=False)
 PAIRS = {
@@ -207,8 +207,8 @@ def test_fingerprint_reads_no_weights_but_sees_changes(pair, tmp_path):
 
 @pytest.mark.slow
 def test_export_bench_on_a_small_preset(tmp_path, monkeypatch):
-    from dflash_qaic import tiny
-    from dflash_qaic.bench.export import render_markdown, run_export_bench
+    from dflash_lab import tiny
+    from dflash_lab.export_bench import render_markdown, run_export_bench
 
     small = dict(hidden_size=64, target_layers=6, intermediate_size=128, num_heads=4)
     small |= dict(num_kv_heads=2, head_dim=16, vocab_size=512, mask_token_id=511, draft_layers=2)

@@ -1,4 +1,4 @@
-"""The trainers (`dflash_qaic.train`) and the committed trained pair (`dflash_qaic.assets`)."""
+"""The trainers (`dflash_lab.train`) and the committed trained pair (`dflash_qaic.assets`)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dflash_lab.train import corpus as C
+from dflash_lab.train import draft as D
+from dflash_lab.train import target as T
 from dflash_qaic import assets
 from dflash_qaic import checkpoints as ck
 from dflash_qaic.modeling.draft import DFlashDraft
-from dflash_qaic.train import corpus as C
-from dflash_qaic.train import draft as D
-from dflash_qaic.train import target as T
 
 CODE_A = "def f(x):\n    return x + 1\n\n" * 20
 CODE_B = "for i in range(10):\n    print(i, i * i)\n" * 20
@@ -31,7 +31,7 @@ def _one_thread():
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny random target (layer ids 1 and 3 named) and a two-file corpus."""
-    from dflash_qaic.tiny import make_tiny_pair
+    from dflash_lab.tiny import make_tiny_pair
 
     root = tmp_path_factory.mktemp("train")
     tdir, _ = make_tiny_pair(root / "pair", target_layer_ids=[1, 3], block_size=8)
@@ -215,7 +215,7 @@ def test_committed_pair_loads_and_validates():
 def test_committed_pair_reference_is_greedy_and_accepts():
     """dflash_generate on the committed pair equals HF greedy generate, and the trained draft is
     accepted (τ > 3) on held-out prompts."""
-    from dflash_qaic.train.tau import measure_tau
+    from dflash_lab.train.tau import measure_tau
 
     tdir, ddir = assets.default_pair()
     res = measure_tau(tdir, ddir, assets.heldout_prompts()[:4], 64, check_greedy=True)
@@ -225,7 +225,7 @@ def test_committed_pair_reference_is_greedy_and_accepts():
 
 @pytest.mark.slow
 def test_committed_pair_tau_at_block_16():
-    from dflash_qaic.train.tau import measure_tau
+    from dflash_lab.train.tau import measure_tau
 
     tdir, ddir = assets.default_pair()
     res = measure_tau(tdir, ddir, assets.heldout_prompts(), 128, block_size=16)

@@ -22,7 +22,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-MODES = {"--export": "dflash_qaic.bench.export", "--serve": "dflash_qaic.bench.serve"}
+MODES = {"--export": "dflash_lab.export_bench", "--serve": "dflash_qaic.bench.serve"}
 PEER_ROUNDS = 2  # the PyTorch peers are slow on a CPU
 
 

@@ -1,6 +1,6 @@
 """Mean acceptance length τ of a target + draft pair, measured with the reference `dflash`.
 
-    python -m dflash_qaic.train.tau --target DIR --draft DIR [--prompts FILE] [--max-new-tokens 128]
+    python -m dflash_lab.train.tau --target DIR --draft DIR [--prompts FILE] [--max-new-tokens 128]
         [--temperature T --seed S]
 
 DFlash with `dflash.model.dflash_generate` (the oracle; greedy by default, sampling at
@@ -103,7 +103,7 @@ def measure_tau(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m dflash_qaic.train.tau", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m dflash_lab.train.tau", description=__doc__)
     p.add_argument("--target", default=None, help="default: the committed pair's target")
     p.add_argument("--draft", default=None, help="default: the committed pair's draft")
     p.add_argument("--prompts", default=None, help="JSONL with a 'prompt' field per line")

@@ -1,6 +1,6 @@
 """Train a DFlash draft for a target directory, on CPU, in the published checkpoint format.
 
-    python -m dflash_qaic.train.draft --target DIR --corpus PATH... --out DIR
+    python -m dflash_lab.train.draft --target DIR --corpus PATH... --out DIR
         [--block-size 16] [--draft-layers 1] [--target-layer-ids 1 3] [--steps N] [--seed S]
         [--resume] [--eval-prompts FILE]
     dflash-train-draft ...
@@ -38,10 +38,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from dflash_qaic import checkpoints as ck
-from dflash_qaic.modeling.draft import DFlashDraft
-from dflash_qaic.modeling.layers import MASK_VALUE
-from dflash_qaic.train.common import (
+from dflash_lab.train.common import (
     DTYPES,
     THREADS_HELP,
     Log,
@@ -55,6 +52,9 @@ from dflash_qaic.train.common import (
     step_generator,
     torch_settings,
 )
+from dflash_qaic import checkpoints as ck
+from dflash_qaic.modeling.draft import DFlashDraft
+from dflash_qaic.modeling.layers import MASK_VALUE
 
 # Settings that must match for --resume.
 RESUME_KEYS = (
@@ -490,7 +490,7 @@ def _training_sequences(
     """The target's own continuations (greedy and sampled) of corpus prompts, generated once and
     cached in `seq_path`; sets `a.data_key`. Returns (sequences, generation seconds; 0 if read
     from the cache)."""
-    from dflash_qaic.train.corpus import corpus_digest, read_corpus
+    from dflash_lab.train.corpus import corpus_digest, read_corpus
 
     docs = read_corpus(a.corpus, a.glob)
     a.data_key = _data_key(a, ck.file_digest(tdir), corpus_digest(docs))
@@ -587,7 +587,7 @@ def _summary(
 
 def _eval_tau(a: argparse.Namespace, tdir: Path, out: Path) -> dict:
     """τ of the saved draft on `a.eval_prompts` (mean, pooled, per prompt)."""
-    from dflash_qaic.train.tau import measure_tau, read_prompts
+    from dflash_lab.train.tau import measure_tau, read_prompts
 
     res = measure_tau(tdir, out, read_prompts(a.eval_prompts), max_new_tokens=a.eval_max_new_tokens)
     return {k: res[k] for k in ("mean_tau", "pooled_tau", "per_prompt_tau")}
@@ -603,7 +603,7 @@ def save_draft(draft: DFlashDraft, cfg: dict, out: Path, dtype: torch.dtype) -> 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m dflash_qaic.train.draft",
+        prog="python -m dflash_lab.train.draft",
         description="Train a DFlash draft for a target directory (CPU).",
     )
     p.add_argument("--target", required=True, help="Hugging Face target directory (frozen)")

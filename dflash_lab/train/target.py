@@ -1,6 +1,6 @@
 """Train a small Qwen3 target from scratch on a byte-level corpus (by default the Python stdlib).
 
-    python -m dflash_qaic.train.target --corpus stdlib --out runs/target --steps 1200 --seed 0
+    python -m dflash_lab.train.target --corpus stdlib --out runs/target --steps 1200 --seed 0
 
 Writes a Hugging Face directory: `config.json`, `generation_config.json`, `model.safetensors`
 and the byte-level tokenizer (`tokenizer.json`, `tokenizer_config.json`; see `corpus`), so
@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from dflash_qaic.train import corpus as C
-from dflash_qaic.train.common import (
+from dflash_lab.train import corpus as C
+from dflash_lab.train.common import (
     DTYPES,
     THREADS_HELP,
     Log,
@@ -271,7 +271,7 @@ def _summary(
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m dflash_qaic.train.target",
+        prog="python -m dflash_lab.train.target",
         description="Train a small byte-level Qwen3 target from scratch (CPU).",
     )
     p.add_argument("--corpus", nargs="+", default=["stdlib"], help="stdlib | files | dirs")

@@ -1,4 +1,4 @@
-"""Write random checkpoints of any size tensor by tensor (used by `dflash_qaic.tiny`).
+"""Write random checkpoints of any size tensor by tensor (used by `dflash_lab.tiny`).
 
 Each safetensors file is written as: the header (every tensor's dtype, shape and offsets are
 known up front), then each tensor's bytes, generated a block of rows at a time. Memory stays at

@@ -2,7 +2,7 @@
 form (bf16, the target sharded with an index, tied head; a 5-layer b16 draft), exported each
 in a child process so its peak RSS is its own.
 
-    python -m dflash_qaic.bench.export [--presets qwen3-0.6b qwen3-4b] [--ctx-len 4096]
+    python -m dflash_lab.export_bench [--presets qwen3-0.6b qwen3-4b] [--ctx-len 4096]
                                        [--verify-tokens 4] [--work DIR] [--keep] [--out FILE.md]
 
 Per pair it reports: bytes of programs written, peak RSS of the export and its ratio to those
@@ -45,7 +45,7 @@ def disk_write_speed(directory: Path, nbytes: int = 1 << 30) -> float:
 
 def _child(mode: str, **kw) -> dict:
     """Run `mode` in a fresh interpreter; its last stdout line is a JSON result."""
-    cmd = [sys.executable, "-m", "dflash_qaic.bench.export", "--child", json.dumps([mode, kw])]
+    cmd = [sys.executable, "-m", "dflash_lab.export_bench", "--child", json.dumps([mode, kw])]
     env = {**os.environ, "TQDM_DISABLE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = proc.stdout.strip().splitlines()
@@ -135,7 +135,7 @@ def _bytes_written(out: Path) -> int:
 
 def bench_pair(preset: str, work: Path, ctx_len: int, write_speed: float, verify: int, **kw):
     """Make (or reuse) the random pair of `preset`, export it, re-run it, optionally verify."""
-    from dflash_qaic.tiny import make_tiny_pair
+    from dflash_lab.tiny import make_tiny_pair
 
     pair_dir = work / preset
     t_make = time.perf_counter()
@@ -191,7 +191,7 @@ def run_export_bench(
     target_only: bool = False,
     progress=print,
 ) -> dict:
-    """Export benchmark over `presets` (names of `dflash_qaic.tiny.PRESETS`); returns
+    """Export benchmark over `presets` (names of `dflash_lab.tiny.PRESETS`); returns
     {"write_speed_bytes_per_s", "rows": [one dict per preset]}. Pairs are kept in `work_dir`
     (a temp dir when None) for re-runs; artifacts are removed unless `keep`."""
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="dflash-bench-export-"))

@@ -1,6 +1,6 @@
 """Write a random target + DFlash draft pair in the real on-disk formats, tiny or real-sized.
 
-    python -m dflash_qaic.tiny OUT [--family qwen3|llama] [--agree 3.0] ...
+    python -m dflash_lab.tiny OUT [--family qwen3|llama] [--agree 3.0] ...
     dflash-make-tiny-pair OUT ...
     dflash-make-tiny-pair OUT --preset qwen3-4b        # Qwen3-4B shapes, bf16, 3 shards + index
 
@@ -202,7 +202,7 @@ def make_tiny_pair(
     tdir.mkdir(parents=True, exist_ok=True)
     ddir.mkdir(parents=True, exist_ok=True)
     if preset or s.dtype != "float32" or s.shards > 1:
-        from dflash_qaic.tiny_writer import write_pair_streamed
+        from dflash_lab.tiny_writer import write_pair_streamed
 
         write_pair_streamed(s, tdir, ddir, _target_config(s))
         (ddir / "config.json").write_text(json.dumps(draft_config_dict(s), indent=2) + "\n")
