@@ -488,3 +488,36 @@ def draft_specializations(
 def max_positions(ctx_len: int) -> int:
     """Real tokens a sequence may hold: every slot but the padding slot."""
     return ctx_len - 1
+
+
+@dataclass(frozen=True)
+class ShapePlan:
+    """The shapes both programs are specialized for: what the exporter compiled them for and
+    what the runtime may call (docs/DESIGN.md, I/O contract). It travels in the manifest; the
+    runtime reads these fields and never parses a specialization name.
+
+    prefill_lengths: the target's prompt-chunk row counts, ascending, the last one the chunk;
+    verify_lengths: the verify blocks' row counts, ascending, the last one the block size;
+    draft_prefill_rows: the draft's prompt-context row counts, ascending;
+    windows: the attention windows (comp_ctx_lengths), ascending, the last one ctx_len;
+    full_batch_size: continuous batching's cache rows (None: off);
+    sampling: the target takes the sampling inputs (greedy calls run the sampler on one row)."""
+
+    block_size: int
+    prefill_seq_len: int
+    ctx_len: int
+    prefill_lengths: tuple[int, ...]
+    verify_lengths: tuple[int, ...]
+    draft_prefill_rows: tuple[int, ...]
+    windows: tuple[int, ...] | None = None
+    full_batch_size: int | None = None
+    sampling: bool = True
+
+    def sample_len(self, seq: int, greedy: bool) -> int:
+        """`sample_len` of the target specialization a call of `seq` rows takes: 1 when no row
+        samples (the greedy Prefill, Verify and Decode), else every row."""
+        return 1 if greedy else seq
+
+    @property
+    def cache_rows(self) -> int:
+        return self.full_batch_size or 1

@@ -399,6 +399,22 @@ class Manifest:
     sources: dict = field(default_factory=dict)
     versions: dict = field(default_factory=dict)
 
+    @property
+    def plan(self) -> contract.ShapePlan:
+        """The shape plan both programs were exported for (contract.ShapePlan)."""
+        t, d = self.target.specializations, self.draft.specializations
+        return contract.ShapePlan(
+            block_size=self.block_size,
+            prefill_seq_len=self.prefill_seq_len,
+            ctx_len=self.ctx_len,
+            prefill_lengths=tuple(contract.prefill_lengths_of(t)),
+            verify_lengths=tuple(contract.verify_lengths_of(t)),
+            draft_prefill_rows=tuple(contract.draft_prefill_rows_of(d)),
+            windows=self.comp_ctx_lengths,
+            full_batch_size=self.full_batch_size,
+            sampling=self.target.io.sampling,
+        )
+
     def program(self, name: str) -> Program:
         if name not in ("target", "draft"):
             raise ValueError(f"program must be 'target' or 'draft', got {name!r}")
