@@ -198,7 +198,7 @@ def test_python_blocks_run(default_artifacts, tmp_path, monkeypatch, capsys):
             continue
         exec(compile(b.text, str(b), "exec"), {"__name__": "__readme__"})
         ran += 1
-    assert ran >= 4
+    assert ran >= 2
     out = capsys.readouterr().out
     assert "× speedup" in out and "16.0 [16, 16, 16, 16]" in out  # as the blocks' comments say
 
