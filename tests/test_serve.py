@@ -453,7 +453,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(default_artifacts):
 
 @pytest.mark.slow
 def test_serve_bench(default_artifacts):
-    from dflash_qaic.bench.serve import render_markdown, run_serve_bench
+    from dflash_lab.serve_bench import render_markdown, run_serve_bench
 
     res = run_serve_bench(default_artifacts, 4, max_tokens=24, threads=1, progress=lambda m: None)
     assert res["ok"], res

@@ -1,5 +1,5 @@
 """`dflash-bench ARTIFACTS --concurrency 1,2,4,8`: continuous batching, DFlash against the target
-alone on the same program at each concurrency, and a report (issue 15).
+alone on the same program at each concurrency, and a report.
 
     dflash-export --out artifacts/default-cb8 --full-batch-size 8
     dflash-bench artifacts/default-cb8 --concurrency 1,2,4,8     # writes bench/latest-batch/
@@ -19,26 +19,15 @@ Exits 1 when a request's tokens differ from its solo run, 2 on bad input.
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
-import sys
 import time
-from datetime import UTC, datetime
-from pathlib import Path
 
 from dflash_qaic import contract
 from dflash_qaic.bench import stats
 from dflash_qaic.bench.run import BenchError
 
 MODES = ("dflash", "baseline")  # generate / generate_baseline
-LABEL = {"dflash": "DFlash", "baseline": "target alone"}
 POLICIES = (None, 1)  # prefill_chunks_per_step: every waiting prompt / one chunk between steps
-GOAL_C = 8
-GOALS = (  # name, at least, what (issue 15: default pair, 8 concurrent, T = 0)
-    ("vs_one_request", 4.0, "× one request's"),
-    ("vs_target", 1.5, "× the target alone at 8"),
-)
 OPTIONS = [  # flag, type, default, help
     ("--concurrency", str, None, "comma-separated concurrencies, e.g. 1,2,4,8 (required)"),
     ("--max-new-tokens", int, 128, "tokens per request"),
@@ -56,40 +45,6 @@ OPTIONS = [  # flag, type, default, help
 ]  # fmt: skip
 
 
-def parser() -> argparse.ArgumentParser:
-    from dflash_qaic.bench.cli import common_parser
-
-    p = common_parser(__doc__, "artifacts exported with --full-batch-size", OPTIONS)
-    p.add_argument("--debug", action="store_true", help="tracebacks on errors")
-    return p
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def main(argv: list[str]) -> int:
-    from dflash_qaic.bench.cli import guarded
-
-    return guarded(_main, parser().parse_args(argv), argv)
-
-
-def parse_concurrency(text: str | None) -> list[int]:
-    """'1,2,4,8' -> [1, 2, 4, 8]: distinct integers ≥ 1, sorted."""
-    out: set[int] = set()
-    for part in filter(str.strip, (text or "").split(",")):
-        try:
-            c = int(part)
-        except ValueError:
-            raise BenchError(f"--concurrency: {part.strip()!r} is not an integer") from None
-        if c < 1 or c in out:
-            raise BenchError(f"--concurrency: {c} must be ≥ 1 and not repeated")
-        out.add(c)
-    if not out:
-        raise BenchError("--concurrency: give at least one, e.g. 1,2,4,8")
-    return sorted(out)
-
-
 def check_fits(full_batch_size: int | None, concurrency: list[int], artifacts) -> None:
     """The program must hold the largest concurrency at once (one cache row per request)."""
     rows, c = full_batch_size or 1, max(concurrency)
@@ -103,45 +58,31 @@ def check_fits(full_batch_size: int | None, concurrency: list[int], artifacts) -
 
 def _main(args, command: str) -> int:
     from dflash_qaic.bench import batch_report, run
-    from dflash_qaic.bench.cli import check_common, load_pipe
+    from dflash_qaic.bench.cli import _log, bench, check_common, parse_list
 
-    args.concurrency = parse_concurrency(args.concurrency)
+    args.concurrency = sorted(parse_list("--concurrency", args.concurrency, int))
     check_common(args, ("max_new_tokens", "repeats"))
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise BenchError("--temperature must be a finite number ≥ 0 (0 is greedy)")
-    t0, started = time.perf_counter(), datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    pipe, machine = load_pipe(args)
-    f = run.facts(pipe, args.artifacts)
-    check_fits(f["full_batch_size"], args.concurrency, args.artifacts)
-    if args.temperature > 0 and not pipe.can_sample:
-        raise BenchError("these artifacts have no sampler (--no-sampling): use --temperature 0")
-    cmax = max(args.concurrency)
-    prompts, source = run.select_prompts(f, pipe.tokenizer, args.max_new_tokens, args.prompts, cmax)
-    if len(prompts) < cmax:
-        raise BenchError(
-            f"--concurrency {cmax} needs {cmax} distinct prompts, {source} has {len(prompts)}: "
-            "give more with --prompts or lower --concurrency"
-        )
-    _log(f"{cmax} prompts from {source}")
-    measured = measure(pipe, prompts, args, _log)
-    res = {
-        "schema": batch_report.SCHEMA,
-        "command": command,
-        "started": started,
-        "seconds": time.perf_counter() - t0,
-        "artifacts": {**f, "backend": pipe.backend},
-        "config": {k: v for k, v in vars(args).items() if k not in ("artifacts", "debug")},
-        "machine": {**machine, "load_end": [round(x, 2) for x in os.getloadavg()]},
-        **summarise(measured, args.concurrency, args.temperature),
-    }
-    res["config"].update(prompts_source=source, prompts=[p.name for p in prompts])
-    paths = batch_report.write_outputs(res, Path(args.out))
-    print(batch_report.summary_screen(res))
-    _log(f"wrote {', '.join(map(str, paths.values()))} ({res['seconds']:.0f} s)")
-    if not res["equality"]["passed"]:
-        _log(f"dflash-bench: TOKENS DIFFER: {'; '.join(res['equality']['problems'][:3])}")
-        return 1
-    return 0
+
+    def body(pipe, f):
+        check_fits(f["full_batch_size"], args.concurrency, args.artifacts)
+        if args.temperature > 0 and not pipe.can_sample:
+            raise BenchError("these artifacts have no sampler (--no-sampling): use --temperature 0")
+        cmax = max(args.concurrency)
+        tok, n = pipe.tokenizer, args.max_new_tokens
+        prompts, source = run.select_prompts(f, tok, n, args.prompts, cmax)
+        if len(prompts) < cmax:
+            raise BenchError(
+                f"--concurrency {cmax} needs {cmax} distinct prompts, {source} has "
+                f"{len(prompts)}: give more with --prompts or lower --concurrency"
+            )
+        _log(f"{cmax} prompts from {source}")
+        measured = measure(pipe, prompts, args, _log)
+        notes = {"prompts_source": source, "prompts": [p.name for p in prompts]}
+        return summarise(measured, args.concurrency, args.temperature), notes
+
+    return bench(args, command, batch_report, body)
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -340,30 +281,8 @@ def steps_ratio(modes: dict) -> float | None:
     return spent(b, "decode") / (spent(d, "verify") + spent(d, "draft"))
 
 
-def goals(pts: list[dict], temperature: float) -> dict:
-    """Issue 15's goals at 8 concurrent requests, T = 0: DFlash's aggregate ≥ 4× its own at
-    c = 1 and ≥ 1.5× the target alone at 8 (medians of the round-by-round ratios)."""
-    at = {p["concurrency"]: p for p in pts}
-    if temperature != 0 or GOAL_C not in at or 1 not in at:
-        why = "T > 0" if temperature != 0 else f"--concurrency lacks {1 if GOAL_C in at else 8}"
-        return {"concurrency": GOAL_C, "measured": False, "note": why, "items": []}
-    r = at[GOAL_C]["ratios"]
-    value = {"vs_one_request": r["vs_c1"]["dflash"], "vs_target": r["dflash_vs_target"]}
-    items = [
-        {
-            "name": n,
-            "at_least": want,
-            "what": what,
-            "value": value[n]["median"],
-            "met": value[n]["median"] >= want,
-        }
-        for n, want, what in GOALS
-    ]
-    return {"concurrency": GOAL_C, "measured": True, "note": None, "items": items}
-
-
 def summarise(measured: dict, concs: list[int], temperature: float) -> dict:
-    """The results' measured part: points, the admission policies, equality and goals."""
+    """The results' measured part: points, the admission policies and equality."""
     runs, default, cmax = measured["runs"], measured["default"], max(concs)
     pts = points(runs, concs, default)
     policies = [
@@ -379,5 +298,4 @@ def summarise(measured: dict, concs: list[int], temperature: float) -> dict:
         "points": pts,
         "policy": {"concurrency": cmax, "default": default, "policies": policies},
         "equality": equality(measured["solo"], measured["checks"], temperature == 0),
-        "goals": goals(pts, temperature),
     }

@@ -232,8 +232,8 @@ def quantiles(xs: Iterable[float]) -> dict:
 
 def batch_point(batches: Sequence[dict]) -> dict:
     """One (concurrency, mode) over its rounds. `batches`: per round {"wall_s": seconds of the
-    whole batch, "results": one record per request (.stats, .acceptance_lengths, .call_times),
-    optionally "budget": {kind: {"calls", "s"}} of the batch's program calls}.
+    whole batch, "results": one record per request (.stats, .acceptance_lengths), optionally
+    "budget": {kind: {"calls", "s"}} of the batch's program calls}.
     Aggregate tokens/s = all requests' new tokens ÷ the batch's wall time (prefill included),
     per round; TTFT and TPOT pool every request of every round; τ pools every step."""
     if not batches or not all(b["results"] for b in batches):
@@ -241,14 +241,6 @@ def batch_point(batches: Sequence[dict]) -> dict:
     rounds = [sum(r.stats["new_tokens"] for r in b["results"]) / b["wall_s"] for b in batches]
     recs = [r for b in batches for r in b["results"]]
     lengths = [n for r in recs for n in r.acceptance_lengths]
-    kinds = sorted({k for r in recs for k in r.call_times})
-    calls = {
-        k: {
-            "median_s": float(np.median([t for r in recs for t in r.call_times.get(k, ())])),
-            "per_request": float(np.mean([len(r.call_times.get(k, ())) for r in recs])),
-        }
-        for k in kinds
-    }
     return {
         "budget": wall_budget(batches),
         "rounds_tokens_per_s": rounds,
@@ -258,7 +250,6 @@ def batch_point(batches: Sequence[dict]) -> dict:
         "tau": tau(lengths),
         "requests": len(recs),
         "new_tokens": sum(r.stats["new_tokens"] for r in recs),
-        "calls": calls,
     }
 
 
