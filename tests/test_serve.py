@@ -425,6 +425,7 @@ def test_engine_backend_failure_fails_the_requests_in_flight_only(pipe):
     assert [t for o in ok for t in o.token_ids] == ref.tokens and ok[-1].finish_reason == "length"
 
 
+@pytest.mark.slow  # the fast tier drains a batched server (test_serve_batching)
 def test_sigterm_drains_in_flight_requests_and_exits_0(default_artifacts):
     with ServerProcess(default_artifacts, "--threads", "1") as server:
         started, result = threading.Event(), {}

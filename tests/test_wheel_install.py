@@ -16,6 +16,8 @@ import sysconfig
 import venv
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -25,6 +27,7 @@ def _run(cmd, **kw):
     return res
 
 
+@pytest.mark.slow
 def test_wheel_install_exports_from_any_directory(tmp_path):
     wheels = tmp_path / "wheels"
     _run(
