@@ -5,16 +5,11 @@ alone on the same program at each concurrency, and a report.
     dflash-bench artifacts/default-cb8 --concurrency 1,2,4,8     # writes bench/latest-batch/
     dflash-bench artifacts/default-cb8 --concurrency 1,2 --max-new-tokens 16 --repeats 1
 
-Per round, at each concurrency c, the same requests (the largest concurrency's prompts, each
-`--requests-per-prompt` times) run with at most c in flight, a closed loop: a finished request's
-slot goes to the next at once, as c clients sending back to back (`pipe.generate(list)` with
-`pipe.max_running = c`, then `pipe.generate_baseline(list)`, the order alternating) in one
-process. Aggregate tokens/s = all new tokens ÷ the run's wall time; TTFT and TPOT per request (p50, p95); τ; ratios against
-c = 1 of the same mode and DFlash against the target alone at the same c, round by round. Every
-request's tokens are compared with the same prompt run alone (same mode, same seed); at the
-largest c the admission policies (`prefill_chunks_per_step` None and 1) are compared.
-
-Exits 1 when a request's tokens differ from its solo run, 2 on bad input.
+At each concurrency c the same requests (each prompt `--requests-per-prompt` times) run with at
+most c in flight, a closed loop as c clients sending back to back, in both modes, the order
+alternating; every request's tokens are compared with its prompt's solo run; at the largest c
+both admission policies (`prefill_chunks_per_step` None and 1). Exits 1 when a request's tokens
+differ from its solo run, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -252,33 +247,26 @@ def points(runs: dict, concs: list[int], policy) -> list[dict]:
         ratios = {
             "dflash_vs_target": stats.round_ratios(rounds[c]["dflash"], rounds[c]["baseline"]),
             "vs_c1": vs_c1,
-            "bound": step_bound(by_c[c]),
-            "steps": steps_ratio(by_c[c]),
         }
+        ratios["bound"], ratios["steps"] = step_ratios(by_c[c])
         out.append({"concurrency": c, "modes": by_c[c], "ratios": ratios})
     return out
 
 
-def step_bound(modes: dict) -> float | None:
-    """DFlash ÷ target alone if only the steps counted: τ · T_decode / (T_verify + T_draft), with
-    the mean calls of these batches (stats.bound); None without the calls."""
+def step_ratios(modes: dict) -> tuple[float | None, float | None]:
+    """DFlash ÷ target alone if only the steps counted, (bound, steps); None without the calls.
+    bound: τ · T_decode / (T_verify + T_draft) with the mean calls of these batches (stats.bound),
+    as if every step were shared by all c requests. steps: the target alone's decode seconds per
+    batch over DFlash's verify + draft seconds per batch, with the batches' real occupancy
+    (prefill, the draft's prompt calls and host work left out)."""
     d, b = modes["dflash"]["budget"], modes["baseline"]["budget"]
     if "verify" not in d or "decode" not in b:
-        return None
-    draft = d["draft"]["call_s"] if "draft" in d else 0.0
-    return stats.bound(modes["dflash"]["tau"], b["decode"]["call_s"], d["verify"]["call_s"], draft)
-
-
-def steps_ratio(modes: dict) -> float | None:
-    """DFlash ÷ target alone as measured with each mode's step calls only: the target alone's
-    decode seconds per batch over DFlash's verify + draft seconds per batch (prefill, the draft's
-    prompt calls and host work left out; the batches' real occupancy kept, unlike the bound);
-    None without the calls."""
-    d, b = modes["dflash"]["budget"], modes["baseline"]["budget"]
-    if "verify" not in d or "decode" not in b:
-        return None
+        return None, None
     spent = lambda x, k: x[k]["calls_per_batch"] * x[k]["call_s"] if k in x else 0.0  # noqa: E731
-    return spent(b, "decode") / (spent(d, "verify") + spent(d, "draft"))
+    draft = d["draft"]["call_s"] if "draft" in d else 0.0
+    tau = modes["dflash"]["tau"]
+    bound = stats.bound(tau, b["decode"]["call_s"], d["verify"]["call_s"], draft)
+    return bound, spent(b, "decode") / (spent(d, "verify") + spent(d, "draft"))
 
 
 def summarise(measured: dict, concs: list[int], temperature: float) -> dict:

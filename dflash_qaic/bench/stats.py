@@ -21,12 +21,14 @@ from scipy import stats as sps
 
 
 def spread(xs: Iterable[float]) -> dict:
-    """Median with min, max, quartiles and count."""
+    """Median (also as p50) with min, max, quartiles, the 95th percentile (numpy's linear
+    interpolation) and count."""
     a = np.asarray(list(xs), np.float64)
     if a.size == 0:
         raise ValueError("no values")
-    q = np.percentile(a, [0, 25, 50, 75, 100]).tolist()
-    return {**dict(zip(("min", "p25", "median", "p75", "max"), q)), "n": int(a.size)}
+    q = np.percentile(a, [0, 25, 50, 75, 95, 100]).tolist()
+    out = dict(zip(("min", "p25", "median", "p75", "p95", "max"), q))
+    return {**out, "p50": out["median"], "n": int(a.size)}
 
 
 def tau(lengths: Sequence[int]) -> float:
@@ -221,15 +223,6 @@ def section(temperature: float, runs, problems: list[str], prompts, B: int, seed
 # ---------------------------------------------------------------- continuous batching (batch.py)
 
 
-def quantiles(xs: Iterable[float]) -> dict:
-    """Median and 95th percentile (numpy's linear interpolation) with the count."""
-    a = np.asarray(list(xs), np.float64)
-    if a.size == 0:
-        raise ValueError("no values")
-    p50, p95 = np.percentile(a, [50, 95]).tolist()
-    return {"p50": p50, "p95": p95, "n": int(a.size)}
-
-
 def batch_point(batches: Sequence[dict]) -> dict:
     """One (concurrency, mode) over its rounds. `batches`: per round {"wall_s": seconds of the
     whole batch, "results": one record per request (.stats, .acceptance_lengths), optionally
@@ -245,8 +238,8 @@ def batch_point(batches: Sequence[dict]) -> dict:
         "budget": wall_budget(batches),
         "rounds_tokens_per_s": rounds,
         "tokens_per_s": spread(rounds),
-        "ttft_s": quantiles(r.stats["ttft_s"] for r in recs),
-        "tpot_s": quantiles(r.stats["tpot_s"] for r in recs),
+        "ttft_s": spread(r.stats["ttft_s"] for r in recs),
+        "tpot_s": spread(r.stats["tpot_s"] for r in recs),
         "tau": tau(lengths),
         "requests": len(recs),
         "new_tokens": sum(r.stats["new_tokens"] for r in recs),
