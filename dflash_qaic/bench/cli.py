@@ -175,7 +175,9 @@ def bench(args, command: str, out, body) -> int:
     machine = run.machine(args.threads)
     pipe = dflash_qaic.load(args.artifacts, backend=args.backend, threads=args.ort_threads)
     machine["ort_threads"] = pipe.threads  # None: ONNX Runtime's default
-    _log(f"dflash-bench: loaded {args.artifacts} on {args.backend} ({pipe.threads} threads)")
+    _log(
+        f"dflash-bench: loaded {args.artifacts} on {args.backend} ({pipe.threads or 'default'} threads)"
+    )
     f = run.facts(pipe, args.artifacts)
     parts, notes = body(pipe, f)
     config = {k: v for k, v in vars(args).items() if k not in ("artifacts", "debug")}
