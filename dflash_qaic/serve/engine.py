@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 
 from dflash_qaic.runtime.pipeline import GenerationError
-from dflash_qaic.runtime.streamer import TextStreamer
+from dflash_qaic.runtime.streamer import IncrementalDetokenizer
 from dflash_qaic.serve.metrics import Metrics
 
 log = logging.getLogger("dflash_qaic.serve")
@@ -118,7 +118,9 @@ class _Text:
     def __init__(self, tokenizer, stop: tuple[str, ...], skip_special_tokens: bool):
         self.streamer = None
         if tokenizer is not None:
-            self.streamer = TextStreamer(tokenizer, skip_special_tokens=skip_special_tokens)
+            self.streamer = IncrementalDetokenizer(
+                tokenizer, skip_special_tokens=skip_special_tokens
+            )
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
