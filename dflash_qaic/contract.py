@@ -30,6 +30,14 @@ last slot, `ctx_len - 1`, is the *padding slot*: rows whose position is -1 write
 real token is ever placed there (the runtime stops a sequence at `ctx_len - 1` positions), so
 the causal/visibility masks never let any query read it. That is how "a position of -1 never
 changes a slot that can later be read" holds on ONNX Runtime and on the device alike.
+
+Ring caches (draft sliding layers, `DraftIO.ring_slots`): a sliding layer of window W < ctx_len
+keeps W slots, a static axis: slots 0 … W−2 hold position mod (W − 1), the last one, W − 1, is the
+ring's padding slot. A call writes a context row there when its position is −1, when it is too
+old for the call's block to see (below start − (W − 1)) or at or past the block start; a query
+reads a ring slot only while the position it holds (derived from the block start) is within its
+window, so the padding slot, too-old and not-yet-written slots are never read (docs/DESIGN.md,
+Sliding drafts).
 """
 
 from __future__ import annotations
@@ -233,10 +241,18 @@ class DraftIO:
     continuous_batching: bool = False
     comp_ctx: bool = False  # takes `comp_ctx_lengths`
     confidence: bool = False  # returns `draft_confidence` (every export since it existed does)
+    # per layer: the ring's slots of a sliding layer, 0 for a ctx_len cache (empty: all ctx_len)
+    ring_slots: tuple[int, ...] = ()
 
     @property
     def kv(self) -> list[TensorSpec]:
-        return kv_specs(self.n_layers, self.n_kv_heads, self.head_dim, self.continuous_batching)
+        specs = kv_specs(self.n_layers, self.n_kv_heads, self.head_dim, self.continuous_batching)
+        if not self.ring_slots:
+            return specs
+        return [  # a ring layer's slot axis is static: its window
+            TensorSpec(s.name, s.dtype, (*s.shape[:2], self.ring_slots[i // 2] or CTX, s.shape[3]))
+            for i, s in enumerate(specs)
+        ]
 
     @property
     def inputs(self) -> list[TensorSpec]:

@@ -240,6 +240,7 @@ def program_facts(path: Path, io, specializations: list[dict], report: dict) -> 
         "continuous_batching": io.continuous_batching,
         "comp_ctx": io.comp_ctx,
         **({"confidence": io.confidence} if isinstance(io, contract.DraftIO) else {}),
+        **({"ring_slots": list(io.ring_slots)} if getattr(io, "ring_slots", ()) else {}),
         "n_layers": io.n_layers,
         "n_kv_heads": io.n_kv_heads,
         "head_dim": io.head_dim,

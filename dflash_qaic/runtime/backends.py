@@ -178,9 +178,9 @@ class OrtProgram:
         if inplace and not safe:
             raise BackendError(f"{onnx_path}: a cache has readers besides its update, in place")
         self.inplace = safe if inplace is None else inplace
-        kv_shape = _bind(next(i for i in inputs if _is_kv(i["name"]))["shape"], self.symbols)
-        self._kv = [
-            [ort.OrtValue.ortvalue_from_numpy(_touched_zeros(kv_shape)) for _ in self.kv_names]
+        kv_shapes = [_bind(i["shape"], self.symbols) for i in inputs if _is_kv(i["name"])]
+        self._kv = [  # one shape per cache: a draft's ring layers keep fewer slots
+            [ort.OrtValue.ortvalue_from_numpy(_touched_zeros(shape)) for shape in kv_shapes]
             for _ in range(1 if self.inplace else 2)
         ]
         self._cur = 0
