@@ -106,7 +106,12 @@ def export_draft(
     cb = full_batch_size is not None
     module = ExportDraft(draft, embed_weight, head_weight, ctx_len, emit_logits, cb).eval()
     io = draft_io(
-        draft_cfg, embed_weight.shape[0], block_size, emit_logits, cb, ring_slots=module.cache_slots()
+        draft_cfg,
+        embed_weight.shape[0],
+        block_size,
+        emit_logits,
+        cb,
+        ring_slots=module.cache_slots(),
     )
     windows = contract.windows_or_default(comp_ctx_lengths, ctx_len, prefill_seq_len, block_size)
     specializations = contract.draft_specializations(
