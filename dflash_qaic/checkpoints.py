@@ -136,8 +136,9 @@ def read_moe_spec(cfg: dict, cpath: Path, n_layers: int) -> MoeSpec:
     """Hugging Face's rule: layer i has experts iff i is not in `mlp_only_layers` and
     (i + 1) % `decoder_sparse_step` == 0 (and there are experts at all)."""
     # `num_experts` in the published configs; transformers 5.x writes `num_local_experts`
-    key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
-    experts = _positive(cfg, "num_experts" if "num_experts" in cfg else key, cpath)
+    key = "num_local_experts" if "num_experts" not in cfg and "num_local_experts" in cfg else ""
+    key = key or "num_experts"
+    experts = _positive(cfg, key, cpath)
     top_k = _positive(cfg, "num_experts_per_tok", cpath)
     if top_k > experts:
         raise CheckpointError(
