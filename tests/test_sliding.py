@@ -42,6 +42,8 @@ DRAFTS = {
         final_logit_softcapping=3.0,
     ),
     "causal-full": dict(is_causal=True, seed=1),
+    # a ring wider than the smallest attention window (40 of ctx 160): it reads min(window, ring)
+    "wide-window": dict(layer_types=[FULL, SLIDE], sliding_window=50),
 }
 
 
