@@ -193,6 +193,14 @@ class Tokenizer:
         """The `tokenizers.Tokenizer` underneath (as HF's fast tokenizers name it)."""
         return self._tokenizer
 
+    @property
+    def vocab_size(self) -> int:
+        """The base vocabulary, without added tokens (as HF's `vocab_size`)."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=False)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._tokenizer.get_vocab(with_added_tokens=True)
+
     def __len__(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
