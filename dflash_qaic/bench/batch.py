@@ -8,8 +8,8 @@ alone on the same program at each concurrency, and a report (issue 15).
 Per round, at each concurrency c, the same requests (the largest concurrency's prompts, each
 `--requests-per-prompt` times) run with at most c in flight, a closed loop: a finished request's
 slot goes to the next at once, as c clients sending back to back (`pipe.generate(list)` with
-`pipe.max_running = c`, then `pipe.generate_baseline(list)`, the order alternating) in one
-process. Aggregate tokens/s = all new tokens ÷ the run's wall time; TTFT and TPOT per request (p50, p95); τ; ratios against
+`pipe.configure(max_running=c)`, then `pipe.generate_baseline(list)`, the order alternating) in
+one process. Aggregate tokens/s = all new tokens ÷ the run's wall time; TTFT and TPOT per request (p50, p95); τ; ratios against
 c = 1 of the same mode and DFlash against the target alone at the same c, round by round. Every
 request's tokens are compared with the same prompt run alone (same mode, same seed); at the
 largest c the admission policies (`prefill_chunks_per_step` None and 1) are compared.
@@ -216,12 +216,11 @@ class _Runner:
         one at once, as c clients sending back to back would (a single batch of c would measure
         its slowest request instead)."""
         pipe, budget = self.pipe, {}
-        saved = pipe.prefill_chunks_per_step, pipe.max_running, pipe.target, pipe.draft
-        pipe.prefill_chunks_per_step, pipe.max_running = policy, c
-        chunks = set(contract.prefill_lengths_of(pipe.artifacts.target.specializations))
-        pipe.target = _Timed(pipe.target, True, chunks, budget)
-        rows = set(contract.draft_prefill_rows_of(pipe.artifacts.draft.specializations))
-        pipe.draft = _Timed(pipe.draft, False, rows, budget)
+        saved = pipe.configure(prefill_chunks_per_step=policy, max_running=c)
+        programs = pipe.target, pipe.draft
+        plan = pipe.artifacts.plan
+        pipe.target = _Timed(pipe.target, True, set(plan.prefill_lengths), budget)
+        pipe.draft = _Timed(pipe.draft, False, set(plan.draft_prefill_rows), budget)
         index = [j % len(self.prompts) for j in range(self.per_prompt * len(self.prompts))]
         try:
             t = time.perf_counter()
@@ -232,7 +231,8 @@ class _Runner:
             )
             wall = time.perf_counter() - t
         finally:
-            pipe.prefill_chunks_per_step, pipe.max_running, pipe.target, pipe.draft = saved
+            pipe.configure(saved)
+            pipe.target, pipe.draft = programs
         self.checks.append(
             {"label": label, "mode": mode, "tokens": [r.tokens for r in res], "index": index}
         )
@@ -245,7 +245,7 @@ def measure(pipe, prompts, args, log) -> dict:
     the other admission policy at the largest concurrency. Returns the timed batches by
     (c, mode, policy), the solo tokens and the checked batches."""
     concs, cmax = args.concurrency, max(args.concurrency)
-    default = pipe.prefill_chunks_per_step
+    default = pipe.config.prefill_chunks_per_step
     others = [p for p in POLICIES if p != default]
     runner = _Runner(pipe, prompts[:cmax], args)
     log(f"solo runs: {cmax} prompts × {len(MODES)} modes (the reference tokens)")

@@ -146,6 +146,4 @@ def load(
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(inside(d, m.tokenizer), local_files_only=True)
-    pipe = Pipeline(m, programs["target"], programs["draft"], tok, backend=backend)
-    pipe.threads = threads  # None: ONNX Runtime's default
-    return pipe
+    return Pipeline(m, programs["target"], programs["draft"], tok, backend=backend, threads=threads)
