@@ -218,9 +218,9 @@ class _Runner:
         pipe, budget = self.pipe, {}
         saved = pipe.prefill_chunks_per_step, pipe.max_running, pipe.target, pipe.draft
         pipe.prefill_chunks_per_step, pipe.max_running = policy, c
-        chunks = set(contract.prefill_lengths_of(pipe.artifacts.target.specializations))
+        chunks = set(pipe.artifacts.plan.prefill_lengths)
         pipe.target = _Timed(pipe.target, True, chunks, budget)
-        rows = set(contract.draft_prefill_rows_of(pipe.artifacts.draft.specializations))
+        rows = set(pipe.artifacts.plan.draft_prefill_rows)
         pipe.draft = _Timed(pipe.draft, False, rows, budget)
         index = [j % len(self.prompts) for j in range(self.per_prompt * len(self.prompts))]
         try:

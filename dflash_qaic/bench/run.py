@@ -41,7 +41,7 @@ def facts(pipe, artifacts) -> dict:
         **{k: m[k] for k in ("block_size", "ctx_len", "prefill_seq_len", "hidden_size")},
         **{k: m[k] for k in ("vocab_size", "mask_token_id")},
         "path": str(d),
-        "prefill_lengths": contract.prefill_lengths_of(m["target"]["specializations"]),
+        "prefill_lengths": list(m["prefill_lengths"]),
         "full_batch_size": m.get("full_batch_size"),  # None: no continuous batching
         "eos": list(m.get("eos_token_ids") or []),
         "sampling": bool(pipe.can_sample),

@@ -233,8 +233,9 @@ class Engine:
         self.N = m.full_batch_size or 1
         self.max_running = min(max_running or self.N, self.N)
         self.B, self.C, self.H = m.block_size, m.prefill_seq_len, m.hidden_size
-        self.chunks = contract.prefill_lengths_of(m.target.specializations)  # ascending, ends at C
-        self.draft_rows = contract.draft_prefill_rows_of(m.draft.specializations)  # ascending
+        plan = m.plan
+        self.chunks = list(plan.prefill_lengths)  # ascending, ends at C
+        self.draft_rows = list(plan.draft_prefill_rows)  # ascending
         self.ctx_len, self.mask_id = m.ctx_len, m.mask_token_id
         self.can_sample = m.target.io.sampling
         # attention windows (contract.COMP_CTX_LENGTHS): a call reads the smallest one holding
@@ -243,7 +244,7 @@ class Engine:
         self._window_ids = {n: np.arange(n, dtype=np.int64) for n in self.windows or ()}
         self.rows: list[Sequence | None] = [None] * self.N  # slot -> sequence
         self.waiting: collections.deque[Sequence] = collections.deque()
-        self.lengths = contract.verify_lengths_of(m.target.specializations)  # manifest: ends at B
+        self.lengths = list(plan.verify_lengths)  # ends at B
         chosen = pipe.verify_lengths
         if chosen is not None:
             if not set(chosen) <= set(self.lengths) or self.B not in chosen:
@@ -256,7 +257,7 @@ class Engine:
             self.lengths = [self.B]
         self.costs = costs if costs is not None else StepCosts()
         self._sample_len = {
-            (n, greedy): contract.sample_rows(list(m.target.specializations), n, greedy)
+            (n, greedy): plan.sample_len(n, greedy)
             for n in {1, *self.chunks, *self.lengths}
             for greedy in (True, False)
         }
