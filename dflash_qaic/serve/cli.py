@@ -258,7 +258,7 @@ def _limits(args, pipe) -> None:
                 f"they have {how}; use --max-num-seqs ≤ {pipe.full_batch_size}, or re-export "
                 f"with dflash-export --full-batch-size {args.max_num_seqs}"
             )
-        pipe.max_running = args.max_num_seqs
+        pipe.configure(max_running=args.max_num_seqs)
 
 
 def main(argv: list[str] | None = None) -> int:
