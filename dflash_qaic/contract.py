@@ -143,11 +143,18 @@ def window_specs(comp_ctx: bool) -> list[TensorSpec]:
     return [TensorSpec(COMP_CTX_LENGTHS, "int64", (CCL,))] if comp_ctx else []
 
 
+LONG_WINDOW = 2048  # past 16K of context, windows halve down to about this many slots
+
+
 def default_comp_ctx_lengths(ctx_len: int, prefill_seq_len: int, block_size: int) -> list[int]:
-    """Attention windows exported by default: ctx_len / 8, / 4, / 2 and ctx_len itself, those
-    that hold at least the shortest prefill chunk and a block."""
+    """Attention windows exported by default: ctx_len, / 2, / 4 and / 8 (up to 16K of context),
+    and past that halvings down to LONG_WINDOW (40K: 2560 … 40960), those that hold at least the
+    shortest prefill chunk and a block. Each window at most doubles the one below, so a call
+    reads at most twice the slots it needs above the smallest window: a long prompt's cost
+    follows its length, not ctx_len (docs/DESIGN.md, Sliding drafts)."""
     floor = prefill_lengths(prefill_seq_len, block_size)[0] + block_size
-    return sorted({ctx_len >> k for k in range(4) if (ctx_len >> k) >= floor} | {ctx_len})
+    smallest = max(floor, min(ctx_len >> 3, LONG_WINDOW))
+    return sorted({ctx_len >> k for k in range(16) if (ctx_len >> k) >= smallest} | {ctx_len})
 
 
 def windows_or_default(

@@ -105,14 +105,8 @@ def export_draft(
         draft = DFlashDraft.from_checkpoint(draft_cfg, draft_state)
     cb = full_batch_size is not None
     module = ExportDraft(draft, embed_weight, head_weight, ctx_len, emit_logits, cb).eval()
-    io = draft_io(
-        draft_cfg,
-        embed_weight.shape[0],
-        block_size,
-        emit_logits,
-        cb,
-        ring_slots=module.cache_slots(),
-    )
+    rings = module.cache_slots()  # sliding layers: a ring of their window's slots
+    io = draft_io(draft_cfg, embed_weight.shape[0], block_size, emit_logits, cb, ring_slots=rings)
     windows = contract.windows_or_default(comp_ctx_lengths, ctx_len, prefill_seq_len, block_size)
     specializations = contract.draft_specializations(
         batch_size, prefill_seq_len, block_size, ctx_len, full_batch_size, windows

@@ -238,15 +238,14 @@ class ExportDraft(nn.Module):
         # (with a window ≥ ctx_len every key is in the window: a full cache, the same mask)
         w = self.c.sliding_window
         self.ring = w if w is not None and w < ctx_len else None
-        self.ring_layers = [
-            self.ring is not None and layer.window is not None for layer in self.layers
-        ]
+        self.ring_layers = [w is not None and layer.window is not None for layer in self.layers]
+        self.ring_layers = [r and self.ring is not None for r in self.ring_layers]
 
     def cache_slots(self) -> tuple[int, ...]:
         """Per layer: the ring's slots, or 0 for a full-context cache (contract.DraftIO)."""
-        return (
-            tuple(self.ring if r else 0 for r in self.ring_layers) if any(self.ring_layers) else ()
-        )
+        if not any(self.ring_layers):
+            return ()
+        return tuple(self.ring if r else 0 for r in self.ring_layers)
 
     def forward(self, target_hidden, position_ids_target, input_ids, position_ids, *rest):
         # rest = ([batch_index [b, 1]], [comp_ctx_lengths [L]], *past): batch_index with
