@@ -3,6 +3,8 @@
     python -m dflash_lab.tiny OUT [--family qwen3|llama] [--agree 3.0] ...
     dflash-make-tiny-pair OUT ...
     dflash-make-tiny-pair OUT --preset qwen3-4b        # Qwen3-4B shapes, bf16, 3 shards + index
+    dflash-make-tiny-pair OUT --layer-types sliding,full --sliding-window 64 [--is-causal false]
+        [--input-embedding-scale S] [--output-multiplier M] [--final-logit-softcapping C]
 
 `OUT/target` is a Hugging Face directory (config.json + model.safetensors, or shards
 model-0000i-of-0000n.safetensors with model.safetensors.index.json), `OUT/draft` a DFlash draft

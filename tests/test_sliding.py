@@ -101,6 +101,19 @@ def test_bad_draft_attention_configs_are_refused(pair, tmp_path, edit, match):
         ck.read_draft_config(bad)
 
 
+def test_make_tiny_pair_writes_the_newer_draft_fields(tmp_path):
+    from dflash_lab.tiny import main
+
+    argv = [str(tmp_path), "--layer-types", "sliding,full", "--sliding-window", "4"]
+    main([*argv, "--is-causal", "false", "--output-multiplier", "0.5", "--vocab-size", "32"])
+    c = ck.read_draft_config(tmp_path / "draft")
+    assert c.layer_types == (SLIDE, FULL) and c.sliding_window == 4 and c.is_causal is False
+    assert c.output_multiplier == 0.5 and c.input_embedding_scale == 1.0
+    assert [c.layer_attention(i) for i in range(2)] == [(False, 4), (False, None)]
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "x"), "--layer-types", "sliding,full"])  # no window
+
+
 def test_block_size_inside_dflash_config(pair, tmp_path):
     import shutil
 
