@@ -20,6 +20,7 @@ UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")
 SUPPORTED_TARGETS = {
     "qwen3": ("Qwen3ForCausalLM",),
     "llama": ("LlamaForCausalLM",),
+    "qwen3_moe": ("Qwen3MoeForCausalLM",),
 }
 DRAFT_ARCH = "DFlashDraftModel"
 # Per-layer tensors of a DFlash (b16) draft: 11 per layer, plus fc, hidden_norm and norm.
@@ -105,7 +106,7 @@ def _positive(cfg: dict, key: str, path: Path, default: int | None = None) -> in
 @dataclass(frozen=True)
 class TargetConfig:
     path: Path
-    family: str  # "qwen3" | "llama"
+    family: str  # "qwen3" | "llama" | "qwen3_moe"
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -117,6 +118,43 @@ class TargetConfig:
     tie_word_embeddings: bool
     raw: dict = field(repr=False, compare=False)
     intermediate_size: int = 0
+    moe: MoeSpec | None = None  # a mixture-of-experts target (family "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The experts of a Qwen3-MoE target, from its config.json."""
+
+    num_experts: int
+    top_k: int  # num_experts_per_tok
+    intermediate_size: int  # moe_intermediate_size, of each expert
+    norm_topk_prob: bool
+    sparse: tuple[bool, ...]  # per layer: experts (True) or the dense MLP (mlp_only_layers)
+
+
+def read_moe_spec(cfg: dict, cpath: Path, n_layers: int) -> MoeSpec:
+    """Hugging Face's rule: layer i has experts iff i is not in `mlp_only_layers` and
+    (i + 1) % `decoder_sparse_step` == 0 (and there are experts at all)."""
+    # `num_experts` in the published configs; transformers 5.x writes `num_local_experts`
+    key = "num_local_experts" if "num_experts" not in cfg and "num_local_experts" in cfg else ""
+    key = key or "num_experts"
+    experts = _positive(cfg, key, cpath)
+    top_k = _positive(cfg, "num_experts_per_tok", cpath)
+    if top_k > experts:
+        raise CheckpointError(
+            f"{cpath}: `num_experts_per_tok` {top_k} exceeds `{key}` {experts} (fix config.json)"
+        )
+    step = _positive(cfg, "decoder_sparse_step", cpath, 1)
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+        raise CheckpointError(f"{cpath}: `mlp_only_layers` must be a list of layer ids")
+    return MoeSpec(
+        num_experts=experts,
+        top_k=top_k,
+        intermediate_size=_positive(cfg, "moe_intermediate_size", cpath),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        sparse=tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers)),
+    )
 
 
 def read_target_config(directory: str | Path) -> TargetConfig:
@@ -136,11 +174,12 @@ def read_target_config(directory: str | Path) -> TargetConfig:
     _safetensors_files(d, "target")
     heads = _positive(cfg, "num_attention_heads", cpath)
     hidden = _positive(cfg, "hidden_size", cpath)
+    n_layers = _positive(cfg, "num_hidden_layers", cpath)
     return TargetConfig(
         path=d,
         family=family,
         hidden_size=hidden,
-        num_layers=_positive(cfg, "num_hidden_layers", cpath),
+        num_layers=n_layers,
         num_heads=heads,
         num_kv_heads=_positive(cfg, "num_key_value_heads", cpath, heads),
         head_dim=_positive(cfg, "head_dim", cpath, hidden // heads or 1),
@@ -150,6 +189,7 @@ def read_target_config(directory: str | Path) -> TargetConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         raw=cfg,
         intermediate_size=_positive(cfg, "intermediate_size", cpath),
+        moe=read_moe_spec(cfg, cpath, n_layers) if family == "qwen3_moe" else None,
     )
 
 
@@ -463,8 +503,31 @@ def checkpoint_tensors(directory: str | Path, what: str = "checkpoint") -> dict[
     return tensors
 
 
-def expected_target_shapes(t: TargetConfig) -> dict[str, list[int]]:
-    """Every tensor the target architecture needs, with its shape (Hugging Face names)."""
+def expert_shapes(t: TargetConfig, fused: bool) -> dict[str, list[int]]:
+    """A sparse layer's MLP tensors (names under `model.layers.{i}.`): the router and the
+    experts, per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`, the published form) or
+    fused (`mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj` [E, H, I], the form
+    transformers 5.x holds in memory)."""
+    m, H = t.moe, t.hidden_size
+    E, inter = m.num_experts, m.intermediate_size
+    out = {"mlp.gate.weight": [E, H]}
+    if fused:
+        out |= {"mlp.experts.gate_up_proj": [E, 2 * inter, H]}
+        return out | {"mlp.experts.down_proj": [E, H, inter]}
+    for e in range(E):
+        out |= {f"mlp.experts.{e}.{p}_proj.weight": [inter, H] for p in ("gate", "up")}
+        out[f"mlp.experts.{e}.down_proj.weight"] = [H, inter]
+    return out
+
+
+def experts_fused(names) -> bool:
+    """Whether a checkpoint stores its experts fused (see `expert_shapes`)."""
+    return any(n.endswith("mlp.experts.gate_up_proj") for n in names)
+
+
+def expected_target_shapes(t: TargetConfig, fused: bool = False) -> dict[str, list[int]]:
+    """Every tensor the target architecture needs, with its shape (Hugging Face names);
+    `fused`: a MoE target's experts in the fused form (see `expert_shapes`)."""
     H, hd, inter, V = t.hidden_size, t.head_dim, t.intermediate_size, t.vocab_size
     q, kv = t.num_heads * hd, t.num_kv_heads * hd
     per_layer = {
@@ -478,7 +541,7 @@ def expected_target_shapes(t: TargetConfig) -> dict[str, list[int]]:
         "input_layernorm.weight": [H],
         "post_attention_layernorm.weight": [H],
     }
-    if t.family == "qwen3":
+    if t.family in ("qwen3", "qwen3_moe"):
         per_layer |= {"self_attn.q_norm.weight": [hd], "self_attn.k_norm.weight": [hd]}
     if t.raw.get("attention_bias"):
         per_layer |= {f"self_attn.{p}_proj.bias": [n] for p, n in zip("qkvo", (q, kv, kv, H))}
@@ -488,8 +551,12 @@ def expected_target_shapes(t: TargetConfig) -> dict[str, list[int]]:
     shapes = {"model.embed_tokens.weight": [V, H], "model.norm.weight": [H]}
     if not t.tie_word_embeddings:
         shapes["lm_head.weight"] = [V, H]
+    sparse = {k: v for k, v in per_layer.items() if not k.startswith("mlp.")}
+    if t.moe is not None:
+        sparse |= expert_shapes(t, fused)
     for i in range(t.num_layers):
-        shapes.update({f"model.layers.{i}.{k}": s for k, s in per_layer.items()})
+        layer = sparse if t.moe is not None and t.moe.sparse[i] else per_layer
+        shapes.update({f"model.layers.{i}.{k}": s for k, s in layer.items()})
     return shapes
 
 
@@ -522,7 +589,8 @@ def check_target_tensors(t: TargetConfig) -> dict[str, TensorInfo]:
         ignored.add("lm_head.weight")  # tied: the head is the embedding (as Hugging Face does)
     shapes = {k: list(v.shape) for k, v in tensors.items()}
     hint = f"not a {t.family} checkpoint with {t.num_layers} layers as config.json declares"
-    _check_layout(t.path, shapes, expected_target_shapes(t), ignored, hint)
+    expected = expected_target_shapes(t, fused=t.moe is not None and experts_fused(tensors))
+    _check_layout(t.path, shapes, expected, ignored, hint)
     return tensors
 
 

@@ -90,7 +90,7 @@ def blocks(text: str | None = None) -> list[Block]:
 
 def commands(script: str) -> list[list[str]]:
     """The simple commands of a shell script (continuations joined, comments dropped, split at
-    `&&`, `||`, `;` and `|`), each as its words."""
+    `&&`, `||`, `;` and `|`, leading `NAME=value` assignments dropped), each as its words."""
     out = []
     for line in script.replace("\\\n", " ").splitlines():
         words = shlex.split(line, comments=True)
@@ -99,7 +99,7 @@ def commands(script: str) -> list[list[str]]:
             if w in ("&&", "||", ";", "|"):
                 out += [cmd] if cmd else []
                 cmd = []
-            else:
+            elif cmd or not re.match(r"^[A-Za-z_]\w*=", w):
                 cmd.append(w)
     return out
 
@@ -130,7 +130,7 @@ def test_every_block_has_a_known_language():
 
 
 def test_the_parser_of_blocks():
-    text = "a\n```bash\n# illustrative: x\nfoo --a \\\n  --b && bar ; baz | q # c\n```\n"
+    text = "a\n```bash\n# illustrative: x\nfoo --a \\\n  --b && bar ; K=v baz | q # c\n```\n"
     (b,) = blocks(text)
     assert b.illustrative and b.line == 2
     assert commands(b.text) == [["foo", "--a", "--b"], ["bar"], ["baz"], ["q"]]
@@ -293,7 +293,7 @@ def test_readme_walkthrough(tmp_path):
             elif b.server:
                 for line in b.text.strip().splitlines():
                     line = f"{line.split('#')[0].strip()} --port {port}"
-                    proc = subprocess.Popen(["bash", "-c", f"exec {line}"], cwd=repo, env=env)
+                    proc = subprocess.Popen(["bash", "-c", line], cwd=repo, env=env)  # execs it
                     servers.append(proc)
                     _wait_healthy(f"http://127.0.0.1:{port}", proc)
             else:

@@ -66,7 +66,7 @@ def test_lossless_against_hf_generate(built, cfg, planned_chunks):
     family, B, chunk, ctx, _ = cfg
     _, _, art, model = built(*cfg)
     pipe = dflash_qaic.load(art)
-    pipe.verify_lengths = [B]  # whole blocks every step, so full-block steps happen
+    pipe.configure(verify_lengths=[B])  # whole blocks every step, so full-block steps happen
     lengths = []
     for seed, (n, new) in enumerate(
         [(1, 30), (chunk - 1, 41), (chunk + 3, 25), (2 * chunk + 5, 57), (3 * chunk - 2, 33)]
@@ -104,7 +104,7 @@ def test_acceptance_equals_reference(built, cfg):
     t, d, art, model = built(*cfg)
     ref = DFlashDraftModel.from_pretrained(d, dtype=torch.float32).eval()
     pipe = dflash_qaic.load(art)
-    pipe.verify_lengths = [B]  # whole blocks every step, as the reference verifies
+    pipe.configure(verify_lengths=[B])  # whole blocks every step, as the reference verifies
     compared = 0
     for seed, n in enumerate([3, chunk + 1, 2 * chunk + 7]):
         ids = prompt(n, 100 + seed)
@@ -122,7 +122,7 @@ def test_strict_standin_runs_the_same_loop(built):
     ort_pipe = dflash_qaic.load(art)
     standin = dflash_qaic.load(art, backend="qaic-standin")
     for p in (ort_pipe, standin):  # the same steps on both (lengths picked by timing differ)
-        p.verify_lengths = [p.B]
+        p.configure(verify_lengths=[p.B])
     for seed, n in enumerate([5, 20, 37]):
         ids = prompt(n, seed)
         a, b = ort_pipe.generate(ids, 40), standin.generate(ids, 40)
@@ -168,7 +168,7 @@ def test_prompt_chunks_take_the_planned_prefill_lengths(built):
     assert contract.prefill_lengths_of(standin.artifacts.target.specializations) == [8, 32]
     assert contract.draft_prefill_rows_of(standin.artifacts.draft.specializations) == [8, 32, 128]
     for p in (ort_pipe, standin):
-        p.verify_lengths = [p.B]
+        p.configure(verify_lengths=[p.B])
 
     def names(used, base):
         got = [n.split("@")[0] for n in used if contract.base_name(n) == base]
@@ -212,7 +212,7 @@ def test_artifacts_with_one_prefill_length_still_run(built, tmp_path):
     path.write_text(json.dumps(m))
     new_pipe, old_pipe = dflash_qaic.load(art), dflash_qaic.load(old)
     for p in (new_pipe, old_pipe):
-        p.verify_lengths = [p.B]
+        p.configure(verify_lengths=[p.B])
     ids = prompt(45, 9)
     old_res, new_res = old_pipe.generate(ids, 24), new_pipe.generate(ids, 24)
     assert old_res.tokens == new_res.tokens
@@ -266,7 +266,7 @@ def test_artifacts_with_one_sampling_prefill_still_run(built, tmp_path):
     new_pipe, old_pipe = dflash_qaic.load(art), dflash_qaic.load(old)
     assert not contract.has_greedy_prefill(old_pipe.artifacts.target.specializations)
     for p in (new_pipe, old_pipe):
-        p.verify_lengths = [p.B]
+        p.configure(verify_lengths=[p.B])
     ids = prompt(37, 3)  # three chunks
     old_res, new_res = old_pipe.generate(ids, 24), new_pipe.generate(ids, 24)
     assert old_res.tokens == new_res.tokens
@@ -328,7 +328,7 @@ def test_standin_refuses_what_the_card_refuses(built):
 def test_stop_token_inside_accepted_run(built):
     _, _, art, model = built(*CONFIGS[1])
     pipe = dflash_qaic.load(art)
-    pipe.verify_lengths = [pipe.B]  # the same steps in both runs
+    pipe.configure(verify_lengths=[pipe.B])  # the same steps in both runs
     # find a step that committed several tokens, and stop on one in the middle of it
     for seed in range(20):
         ids = prompt(9 + seed, seed)
@@ -422,7 +422,7 @@ def test_inplace_caches_equal_double_buffered(built):
     _, _, art, _ = built(*CONFIGS[2])
     inplace, double = dflash_qaic.load(art), dflash_qaic.load(art)
     for p in (inplace, double):  # the same steps in both runs
-        p.verify_lengths = [p.B]
+        p.configure(verify_lengths=[p.B])
     m = double.manifest
     for name in ("target", "draft"):
         prog = m[name]
