@@ -298,7 +298,7 @@ def test_tokens_and_acceptance_equal_reference(built, name):
     t, d, art, model = built(name)
     ref = DFlashDraftModel.from_pretrained(d, dtype=torch.float32).eval()
     pipe = dflash_qaic.load(art)
-    pipe.verify_lengths = [pipe.B]  # whole blocks, as the reference verifies
+    pipe.configure(verify_lengths=[pipe.B])  # whole blocks, as the reference verifies
     lengths = []
     for seed, n in enumerate([3, 17, 39, 70]):
         ids = prompt(n, 200 + seed)
@@ -318,7 +318,7 @@ def test_tokens_and_acceptance_equal_reference(built, name):
 def test_batched_equals_solo(built):
     _, _, art, _ = built("mixed", full_batch_size=3)
     pipe = dflash_qaic.load(art)
-    pipe.verify_lengths = [pipe.B]
+    pipe.configure(verify_lengths=[pipe.B])
     prompts = [prompt(n, 300 + n) for n in (4, 19, 45, 70, 9)]
     batched = pipe.generate(prompts, max_new_tokens=30)
     for ids, res in zip(prompts, batched):
@@ -332,7 +332,7 @@ def test_standin_runs_the_ring_programs(built):
     _, _, art, _ = built("mixed")
     a, b = dflash_qaic.load(art), dflash_qaic.load(art, backend="qaic-standin")
     for p in (a, b):
-        p.verify_lengths = [p.B]
+        p.configure(verify_lengths=[p.B])
     for n in (5, 70):
         x, y = a.generate(prompt(n, n), 24), b.generate(prompt(n, n), 24)
         assert x.tokens == y.tokens and x.acceptance_lengths == y.acceptance_lengths
