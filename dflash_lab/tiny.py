@@ -3,6 +3,8 @@
     python -m dflash_lab.tiny OUT [--family qwen3|llama] [--agree 3.0] ...
     dflash-make-tiny-pair OUT ...
     dflash-make-tiny-pair OUT --preset qwen3-4b        # Qwen3-4B shapes, bf16, 3 shards + index
+    dflash-make-tiny-pair OUT --layer-types sliding,full --sliding-window 64 [--is-causal false]
+        [--input-embedding-scale S] [--output-multiplier M] [--final-logit-softcapping C]
 
     dflash-make-tiny-pair OUT --family qwen3_moe       # 8 experts, top-2, layer 1 dense
     dflash-make-tiny-pair OUT --preset qwen3-30b-a3b   # Qwen3-30B-A3B layers (4 of them), bf16
