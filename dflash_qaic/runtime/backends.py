@@ -60,8 +60,17 @@ def inplace_cache_safe(onnx_path, kv_names: list[str]) -> bool:
     for node in graph.node:
         for i, name in enumerate(node.input):
             readers.setdefault(name, []).append((node, i))
+    producer = {out: node for node in graph.node for out in node.output}
     for name in kv_names:
         uses = [(n, i) for n, i in readers.get(name, []) if n.op_type != "Shape"]
+        update = [(n, i) for n, i in uses if list(n.output) == [contract.retained(name)]]
+        if len(uses) == 2 and len(update) == 1:
+            # a recurrent state (hybrid targets): its rows are read by a Gather that the update
+            # depends on, so the read happens before the in-place write
+            read = next(n for n, _ in uses if n is not update[0][0])
+            if read.op_type != "Gather" or not _feeds(read, update[0][0], producer):
+                return False
+            uses = update
         if len(uses) != 1:
             return False
         node, i = uses[0]
@@ -70,6 +79,21 @@ def inplace_cache_safe(onnx_path, kv_names: list[str]) -> bool:
         if list(node.output) != [contract.retained(name)]:
             return False
     return True
+
+
+def _feeds(src, dst, producer: dict) -> bool:
+    """Whether node `src`'s output reaches node `dst` (walking dst's inputs back)."""
+    seen, todo = set(), list(dst.input)
+    while todo:
+        name = todo.pop()
+        node = producer.get(name)
+        if node is None or id(node) in seen:
+            continue
+        if node is src:
+            return True
+        seen.add(id(node))
+        todo.extend(node.input)
+    return False
 
 
 class OrtProgram:
@@ -111,9 +135,9 @@ class OrtProgram:
         if inplace and not safe:
             raise BackendError(f"{onnx_path}: a cache has readers besides its update, in place")
         self.inplace = safe if inplace is None else inplace
-        kv_shape = _bind(next(i for i in inputs if _is_kv(i["name"]))["shape"], self.symbols)
+        shapes = [_bind(i["shape"], self.symbols) for i in inputs if _is_kv(i["name"])]
         self._kv = [
-            [ort.OrtValue.ortvalue_from_numpy(_touched_zeros(kv_shape)) for _ in self.kv_names]
+            [ort.OrtValue.ortvalue_from_numpy(_touched_zeros(shape)) for shape in shapes]
             for _ in range(1 if self.inplace else 2)
         ]
         self._cur = 0
