@@ -303,9 +303,12 @@ class Program:
 
     def to_json(self) -> dict:
         spec = lambda s: {"name": s.name, "dtype": s.dtype, "shape": list(s.shape)}  # noqa: E731
+        io = asdict(self.io)
+        rings = io.pop("ring_slots", ())  # a draft with ring caches only (b16: absent)
         return {
             **self.facts,
-            **asdict(self.io),
+            **io,
+            **({"ring_slots": list(rings)} if rings else {}),
             "onnx": self.onnx,
             "external_data": self.external_data,
             "onnx_bytes": self.onnx_bytes,
@@ -349,6 +352,7 @@ class Program:
                 continuous_batching=cb,
                 comp_ctx=window,
                 confidence=c.bool("confidence", False),
+                ring_slots=c.ints("ring_slots", 0, 1 << 22, default=[]),
             )
         for which, specs in (("inputs", io.inputs), ("outputs", io.outputs)):
             want = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]
@@ -361,7 +365,7 @@ class Program:
             | {"emit_logits", "sampling", "block_size", "continuous_batching", "comp_ctx"}
         )
         known |= {"linear_layers", "state_dims"}
-        known |= {"confidence", "inputs", "outputs", "qpc"}
+        known |= {"confidence", "ring_slots", "inputs", "outputs", "qpc"}
         return cls(
             io=io,
             onnx=c.relpath("onnx"),

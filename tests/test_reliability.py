@@ -287,6 +287,7 @@ def test_concurrent_exports_on_one_out(pair, tmp_path):
     assert len(pipe.generate([1, 2, 3], 4).tokens) == 4
 
 
+@pytest.mark.slow  # the fast tier: a failed and a Ctrl-C'd export (test_export_cli)
 def test_kill_9_mid_export_keeps_previous(pair, good, tmp_path):
     before = snapshot(good)
     base = ["--target", pair[0], "--draft", pair[1], "--out", good, "--quiet", *BASE]

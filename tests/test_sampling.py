@@ -535,7 +535,9 @@ def end_to_end(pipe, model, cfg, n, n_negative=0):
 
 
 @pytest.mark.parametrize(
-    "cfg, n, n_negative", [((1.0, 0, 1.0), 800, 300), ((0.7, 8, 0.9), 500, 0)], ids=str
+    "cfg, n, n_negative",
+    [((1.0, 0, 1.0), 800, 300), pytest.param((0.7, 8, 0.9), 500, 0, marks=pytest.mark.slow)],
+    ids=str,
 )
 def test_dflash_sampling_matches_target_sampling(pipe, art, cfg, n, n_negative):
     end_to_end(pipe, art[1], cfg, n, n_negative)

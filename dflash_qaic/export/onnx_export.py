@@ -241,6 +241,7 @@ def program_facts(path: Path, io, specializations: list[dict], report: dict) -> 
         "comp_ctx": io.comp_ctx,
         **({"confidence": io.confidence} if isinstance(io, contract.DraftIO) else {}),
         **(_hybrid_facts(io) if getattr(io, "hybrid", False) else {}),
+        **({"ring_slots": list(io.ring_slots)} if getattr(io, "ring_slots", ()) else {}),
         "n_layers": io.n_layers,
         "n_kv_heads": io.n_kv_heads,
         "head_dim": io.head_dim,
