@@ -35,7 +35,7 @@ B = 16
 @pytest.fixture(scope="module")
 def pipe(default_artifacts):
     pipe = dflash_qaic.load(default_artifacts, threads=1)
-    pipe.verify_lengths = [B]  # as the server below: the same steps, step for step
+    pipe.configure(verify_lengths=[B])  # as the server below: the same steps, step for step
     return pipe
 
 

@@ -152,12 +152,11 @@ class _Runner:
         one at once, as c clients sending back to back would (a single batch of c would measure
         its slowest request instead)."""
         pipe, budget = self.pipe, {}
-        saved = pipe.prefill_chunks_per_step, pipe.max_running, pipe.target, pipe.draft
-        pipe.prefill_chunks_per_step, pipe.max_running = policy, c
-        chunks = set(contract.prefill_lengths_of(pipe.artifacts.target.specializations))
-        pipe.target = _Timed(pipe.target, True, chunks, budget)
-        rows = set(contract.draft_prefill_rows_of(pipe.artifacts.draft.specializations))
-        pipe.draft = _Timed(pipe.draft, False, rows, budget)
+        saved = pipe.configure(prefill_chunks_per_step=policy, max_running=c)
+        programs = pipe.target, pipe.draft
+        plan = pipe.artifacts.plan
+        pipe.target = _Timed(pipe.target, True, set(plan.prefill_lengths), budget)
+        pipe.draft = _Timed(pipe.draft, False, set(plan.draft_prefill_rows), budget)
         index = [j % len(self.prompts) for j in range(self.per_prompt * len(self.prompts))]
         try:
             t = time.perf_counter()
@@ -168,7 +167,8 @@ class _Runner:
             )
             wall = time.perf_counter() - t
         finally:
-            pipe.prefill_chunks_per_step, pipe.max_running, pipe.target, pipe.draft = saved
+            pipe.configure(saved)
+            pipe.target, pipe.draft = programs
         self.checks.append(
             {"label": label, "mode": mode, "tokens": [r.tokens for r in res], "index": index}
         )
@@ -181,7 +181,7 @@ def measure(pipe, prompts, args, log) -> dict:
     the other admission policy at the largest concurrency. Returns the timed batches by
     (c, mode, policy), the solo tokens and the checked batches."""
     concs, cmax = args.concurrency, max(args.concurrency)
-    default = pipe.prefill_chunks_per_step
+    default = pipe.config.prefill_chunks_per_step
     others = [p for p in POLICIES if p != default]
     runner = _Runner(pipe, prompts[:cmax], args)
     log(f"solo runs: {cmax} prompts × {len(MODES)} modes (the reference tokens)")

@@ -168,6 +168,4 @@ def load(
             tok = load_tokenizer(inside(d, m.tokenizer))
         except TokenizerError as e:
             raise ArtifactsError(str(e)) from e
-    pipe = Pipeline(m, programs["target"], programs["draft"], tok, backend=backend)
-    pipe.threads = threads  # None: ONNX Runtime's default
-    return pipe
+    return Pipeline(m, programs["target"], programs["draft"], tok, backend=backend, threads=threads)

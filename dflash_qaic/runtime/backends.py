@@ -204,7 +204,7 @@ class OrtProgram:
             raise BackendError(f"{onnx_path}: a cache has readers besides its update, in place")
         self.inplace = safe if inplace is None else inplace
         kv_shapes = [_bind(i["shape"], self.symbols) for i in inputs if _is_kv(i["name"])]
-        self._kv = [  # one shape per cache: a draft's ring layers keep fewer slots
+        self._kv = [  # one OrtValue per cache, each of its own shape, in kv_names' order
             [ort.OrtValue.ortvalue_from_numpy(_touched_zeros(shape)) for shape in kv_shapes]
             for _ in range(1 if self.inplace else 2)
         ]
@@ -369,7 +369,10 @@ class StrictStandinSession:
             if buf is None or buf.shape != _bind(o["shape"], spec):
                 raise BackendError(f"output buffer {name} is not sized for specialization {spec}")
         self.used.append(self._names[self._specs.index(spec)])
-        res = dict(zip(self.output_names, self.sess.run(None, {**inputs, **self._state})))
+        # outputs requested by name: the graph's order is never relied on
+        res = dict(
+            zip(self.output_names, self.sess.run(self.output_names, {**inputs, **self._state}))
+        )
         for n in kv_in:
             self._state[n] = res[contract.retained(n)]
         out = {}

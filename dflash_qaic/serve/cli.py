@@ -186,9 +186,8 @@ def _serve(args, template: str | None, sock: socket.socket) -> None:
     prometheus_client.disable_created_metrics()  # as vLLM: no *_created series
     pipe = dflash_qaic.load(args.artifacts, backend=args.backend, threads=args.threads)
     if args.verify_lengths is not None:
-        pipe.verify_lengths = args.verify_lengths
         try:
-            pipe.engine()  # checks them against the artifacts' lengths before serving
+            pipe.configure(verify_lengths=args.verify_lengths)  # checked against the artifacts
         except ValueError as e:
             raise UsageError(f"--verify-lengths: {e}") from None
     _limits(args, pipe)

@@ -17,7 +17,8 @@ only), hold back what could still become a stop string, and hand one delta per r
 request's asyncio queue with `call_soon_threadsafe`. A sequence leaves its slot when it finishes
 (stop token, max_tokens, context end), when its text reaches a stop string, or when its handle is
 cancelled (client gone, server stopping): `abort(seq)` frees the slot for the next request at the
-next step. With artifacts exported without `--full-batch-size` there is one slot, so requests
+next step. A program call that fails ends only the requests in that call (an error Output: HTTP
+500); the others go on. With artifacts exported without `--full-batch-size` there is one slot, so requests
 run one at a time.
 """
 
@@ -232,8 +233,8 @@ class Engine:
                 continue
             try:
                 touched = core.step()
-            except Exception as e:  # a backend failure: the requests in flight fail, the server
-                log.exception("generation failed")  # lives on with a fresh engine
+            except Exception as e:  # the engine itself failed (a failed program call fails only
+                log.exception("generation failed")  # its requests, in step()): all in flight do
                 for run in list(self._live):
                     self._fail(run, e)
                 self._kv_usage()
@@ -308,7 +309,9 @@ class Engine:
             h._put(Output(delta, list(ids), completion_tokens=run.tokens))
         if run.cut:
             core.abort(run.seq)
-        if run.seq.finished:
+        if run.seq.error is not None:  # a call of its own failed: it alone ends (HTTP 500)
+            self._fail(run, run.seq.error)
+        elif run.seq.finished:
             self._finish(run)
         return tokens
 
