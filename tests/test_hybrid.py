@@ -312,6 +312,7 @@ def test_custom_io_lists_the_state_in_fp16(pair, built):
     assert len(entries) == 2 * len(io.kv)
 
 
+@pytest.mark.slow
 def test_sampled_distribution_equals_the_target_alone(tiny_pair, tmp_path_factory):
     """At T > 0 the state is committed by the sampler's own acceptance: DFlash's first five
     tokens are distributed as the target's own sampling, and the first two as the exact
@@ -325,3 +326,53 @@ def test_sampled_distribution_equals_the_target_alone(tiny_pair, tmp_path_factor
     pipe = dflash_qaic.load(out, threads=1)
     pipe.configure(verify_lengths=[S.B])
     S.end_to_end(pipe, ck.load_target_model(t), (1.0, 0, 1.0), 800)
+
+
+def test_streamed_program_equals_in_memory_one(published, tmp_path):
+    """The published bf16 sharded pair: the program written tensor by tensor from the
+    safetensors files (model.language_model.* names) equals the in-memory export from Hugging
+    Face's loaded model, output for output on every specialization's check feed."""
+    import onnxruntime as ort
+
+    from dflash_qaic.export import weights
+    from dflash_qaic.export.target import check_feeds, export_target
+
+    p = ck.read_pair(*published)
+    kw = dict(ctx_len=48, prefill_seq_len=12, block_size=B, fp16_check=False)
+    args = (p.draft.rms_norm_eps, p.draft.target_layer_ids)
+    state = ck.load_draft_state(p.draft)
+    fa = export_target(
+        ck.load_target_model(p.target),
+        state["fc.weight"],
+        state["hidden_norm.weight"],
+        *args,
+        tmp_path / "a" / "target.onnx",
+        **kw,
+    )
+    fb = export_target(
+        weights.placeholder_target(p.target),
+        weights.load_fp32(p.draft_tensors["fc.weight"]),
+        weights.load_fp32(p.draft_tensors["hidden_norm.weight"]),
+        *args,
+        tmp_path / "b" / "target.onnx",
+        stream_from=p,
+        **kw,
+    )
+    io = read_manifest_io(fa)
+    a = ort.InferenceSession(fa["path"], providers=["CPUExecutionProvider"])
+    b = ort.InferenceSession(fb["path"], providers=["CPUExecutionProvider"])
+    full = [sp for sp in fa["specializations"] if "@" not in sp["name"]]  # the full window
+    for feed in check_feeds(io, full):
+        for x, y, spec in zip(a.run(None, feed), b.run(None, feed), a.get_outputs()):
+            assert np.array_equal(x, y), spec.name
+
+
+def read_manifest_io(facts: dict) -> contract.TargetIO:
+    keys = ("n_layers", "n_kv_heads", "head_dim", "hidden_size", "vocab_size", "emit_logits")
+    return contract.TargetIO(
+        **{k: facts[k] for k in keys},
+        sampling=facts["sampling"],
+        comp_ctx=facts["comp_ctx"],
+        linear_layers=tuple(facts["linear_layers"]),
+        state_dims=tuple(facts["state_dims"]),
+    )
