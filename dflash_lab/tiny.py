@@ -55,6 +55,13 @@ class TinySpec:
     shards: int = 1  # > 1: the target in that many shards with model.safetensors.index.json
     mask_token_id: int | None = None  # None: vocab_size - 1
     max_position_embeddings: int = 4096
+    # newer draft forms (None: absent from the draft config, the b16 form)
+    layer_types: list[str] | None = None  # per draft layer: full_attention | sliding_attention
+    sliding_window: int | None = None
+    is_causal: bool | None = None
+    input_embedding_scale: float | None = None
+    output_multiplier: float | None = None
+    final_logit_softcapping: float | None = None
     # family "qwen3_moe": experts of moe_intermediate_size, top-k routing, dense mlp_only_layers
     num_experts: int = 8
     num_experts_per_tok: int = 2
@@ -170,6 +177,15 @@ def draft_config_dict(s: TinySpec) -> dict:
     dflash = {"mask_token_id": mask, "block_size": s.block_size}
     if s.target_layer_ids is not None:
         dflash["target_layer_ids"] = list(s.target_layer_ids)
+    for key in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+        if getattr(s, key) is not None:
+            dflash[key] = getattr(s, key)
+    attention = {}
+    if s.layer_types is not None:  # use_sliding_window: else transformers drops the window
+        attention = {"layer_types": list(s.layer_types), "use_sliding_window": True}
+        attention["sliding_window"] = s.sliding_window
+    if s.is_causal is not None:
+        attention["is_causal"] = s.is_causal
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -189,6 +205,7 @@ def draft_config_dict(s: TinySpec) -> dict:
         "block_size": s.block_size,
         "dflash_config": dflash,
         "torch_dtype": s.dtype,
+        **attention,
     }
 
 
@@ -272,6 +289,14 @@ def make_tiny_pair(
     return tdir, ddir
 
 
+def _layer_types(text: str) -> list[str]:
+    names = {"sliding": "sliding_attention", "full": "full_attention"}
+    out = [names.get(t.strip(), t.strip()) for t in text.split(",")]
+    if set(out) - set(names.values()):
+        raise argparse.ArgumentTypeError(f"layer types are sliding or full, got {text!r}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="directory to write target/ and draft/ into")
@@ -289,7 +314,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--untied", action="store_true", help="untie the target's lm_head")
     p.add_argument("--agree", type=float, default=0.0, help="bias toward agreement (see docs)")
     p.add_argument("--seed", type=int, default=0)
+    d = p.add_argument_group("newer draft forms")
+    d.add_argument(
+        "--layer-types",
+        type=_layer_types,
+        help="per draft layer, comma-separated: sliding | full (e.g. sliding,sliding,full)",
+    )
+    d.add_argument("--sliding-window", type=int, help="keys a sliding layer's query sees")
+    d.add_argument("--is-causal", choices=["true", "false"], help="override causality per layer")
+    for flag in ("input-embedding-scale", "output-multiplier", "final-logit-softcapping"):
+        d.add_argument(f"--{flag}", type=float)
     a = p.parse_args(argv)
+    if a.is_causal is not None:
+        a.is_causal = a.is_causal == "true"
+    if a.layer_types is not None:
+        a.draft_layers = a.draft_layers or len(a.layer_types)
+        if a.sliding_window is None and "sliding_attention" in a.layer_types:
+            p.error("--layer-types with sliding layers needs --sliding-window")
     kw = {
         k: v
         for k, v in vars(a).items()

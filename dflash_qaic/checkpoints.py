@@ -220,7 +220,19 @@ class DraftConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    # per layer "full_attention" | "sliding_attention" (empty: every layer full, the b16 form)
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None  # keys a sliding layer's query sees (itself included)
+    is_causal: bool | None = None  # None: causal in the block exactly in the sliding layers
     raw: dict = field(default=None, repr=False, compare=False)
+
+    def layer_attention(self, i: int) -> tuple[bool, int | None]:
+        """(causal inside the block, window) of draft layer i, as the reference decides them: a
+        sliding layer sees a key iff query_pos − key_pos < window (and, not causal, also
+        key_pos − query_pos < window); `is_causal`, when set, applies to every layer."""
+        sliding = bool(self.layer_types) and self.layer_types[i] == "sliding_attention"
+        causal = sliding if self.is_causal is None else self.is_causal
+        return causal, (self.sliding_window if sliding else None)
 
 
 def _dflash_value(cfg: dict, key: str, default=None):
@@ -238,15 +250,6 @@ def read_draft_config(directory: str | Path) -> DraftConfig:
             f"{cpath}: `architectures` is {cfg.get('architectures')}, expected [{DRAFT_ARCH!r}] "
             "(a DFlash draft checkpoint in the published z-lab format)"
         )
-    if (
-        bool(_dflash_value(cfg, "is_causal", False))
-        or cfg.get("layer_types")
-        and any(t != "full_attention" for t in cfg["layer_types"])
-    ):
-        raise CheckpointError(
-            f"{cpath}: `is_causal` / sliding-window `layer_types` drafts are not supported; "
-            "use a bidirectional (b16-style) DFlash draft"
-        )
     heads = _positive(cfg, "num_attention_heads", cpath)
     hidden = _positive(cfg, "hidden_size", cpath)
     n_layers = _positive(cfg, "num_hidden_layers", cpath)
@@ -262,6 +265,13 @@ def read_draft_config(directory: str | Path) -> DraftConfig:
         raise CheckpointError(
             f"{cpath}: field `block_size` is missing (top level or in `dflash_config`)"
         )
+    inner = (cfg.get("dflash_config") or {}).get("block_size")
+    if inner is not None and cfg.get("block_size") is not None and inner != cfg["block_size"]:
+        raise CheckpointError(
+            f"{cpath}: `block_size` is {cfg['block_size']} but `dflash_config.block_size` is "
+            f"{inner}; the draft was trained with one block size: keep one of them"
+        )
+    layer_types, window, causal = _draft_attention(cfg, cpath, n_layers)
     softcap = _dflash_value(cfg, "final_logit_softcapping")
     return DraftConfig(
         path=d,
@@ -281,8 +291,40 @@ def read_draft_config(directory: str | Path) -> DraftConfig:
         input_embedding_scale=float(_dflash_value(cfg, "input_embedding_scale", 1.0)),
         output_multiplier=float(_dflash_value(cfg, "output_multiplier", 1.0)),
         final_logit_softcapping=None if softcap in (None, 0) else float(softcap),
+        layer_types=layer_types,
+        sliding_window=window,
+        is_causal=causal,
         raw=cfg,
     )
+
+
+DRAFT_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _draft_attention(cfg: dict, cpath: Path, n_layers: int):
+    """`layer_types`, `sliding_window` and `is_causal` of a draft config (top level, where the
+    reference reads them), checked. A sliding layer's window is `sliding_window` as written:
+    Hugging Face's Qwen3Config drops it unless `use_sliding_window` is true, so the reference
+    run through transformers agrees only with configs that set it (docs/DESIGN.md, Sliding drafts)."""
+    types = cfg.get("layer_types") or ()
+    if types and (
+        not isinstance(types, list) or len(types) != n_layers or set(types) - set(DRAFT_LAYER_TYPES)
+    ):
+        raise CheckpointError(
+            f"{cpath}: `layer_types` must list one of {list(DRAFT_LAYER_TYPES)} per draft layer "
+            f"({n_layers}), got {types!r}"
+        )
+    types = tuple(types) if "sliding_attention" in types else ()
+    window = cfg.get("sliding_window") if types else None
+    if types and (not isinstance(window, int) or isinstance(window, bool) or window < 2):
+        raise CheckpointError(
+            f"{cpath}: `sliding_attention` layers need an integer `sliding_window` of at least 2 "
+            f"(the keys a query sees, itself included), got {window!r}"
+        )
+    causal = cfg.get("is_causal")
+    if causal is not None and not isinstance(causal, bool):
+        raise CheckpointError(f"{cpath}: `is_causal` must be true, false or absent, got {causal!r}")
+    return types, window, causal
 
 
 def expected_draft_shapes(c: DraftConfig) -> dict[str, list[int]]:

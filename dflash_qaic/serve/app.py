@@ -1,6 +1,6 @@
 """The HTTP routes of dflash-serve (FastAPI): vLLM's OpenAI-compatible endpoints.
 
-    GET  /health                 200 while the engine's worker lives, else 503
+    GET  /health                 200 while the engine's worker lives, else 503 (never needs a key)
     GET  /metrics                Prometheus text (serve/metrics.py)
     GET  /v1/models              the one served model
     POST /v1/completions         prompt (text or ids) -> text; stream=true for server-sent events
@@ -11,6 +11,8 @@ model, as vLLM and OpenAI answer) with an OpenAI-style body, and never reaches t
 streamed answer starts once the engine has produced its first token (so a late error is still a
 proper status code), then sends one chunk per verify step and `data: [DONE]`. A client that goes
 away, while queued or while generating, cancels its request: the worker moves on at the next step.
+With an API key (`--api-key`, or `VLLM_API_KEY`, as vLLM) every endpoint but /health answers 401
+unless the request carries `Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
+import secrets
 import time
 from contextlib import asynccontextmanager
 
@@ -44,14 +48,29 @@ class Frontend:
     """Request validation against the served program's limits (event-loop side; it has its own
     tokenizer instance, so it never shares one with the engine's worker thread)."""
 
-    def __init__(self, engine: Engine, model_name: str, tokenizer, chat_template: str | None):
+    def __init__(
+        self,
+        engine: Engine,
+        model_name: str,
+        tokenizer,
+        chat_template: str | None,
+        max_model_len: int | None = None,
+        seed: int | None = None,
+    ):
         pipe = engine.pipe
         self.engine, self.model_name, self.tokenizer = engine, model_name, tokenizer
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
         self.vocab, self.eos = pipe.vocab, tuple(pipe.eos)
+        #: prompt + output, at most (vLLM's max_model_len: the artifacts' positions, or less)
         self.max_model_len = contract.max_positions(pipe.ctx_len)
+        if max_model_len is not None:
+            self.max_model_len = min(self.max_model_len, max_model_len)
         self.max_prompt = pipe.ctx_len - 1 - pipe.B  # room for one verify block (Pipeline)
+        self.max_prompt = min(self.max_prompt, self.max_model_len - 1)  # and one output token
         self.can_sample, self.max_top_k = pipe.can_sample, pipe.max_top_k
+        #: --seed: seeds of sampling requests that bring none (vLLM's global seed)
+        self._seeds = random.Random(seed) if seed is not None else None
+        self.log_requests = True  # one info line per request (--disable-log-requests: off)
 
     # ------------------------------------------------------------------ prompts
 
@@ -112,7 +131,8 @@ class Frontend:
         if len(ids) > self.max_prompt:
             raise APIError(
                 f"the prompt has {len(ids)} tokens but this model takes at most {self.max_prompt} "
-                f"(context {self.max_model_len}, less one speculative block): shorten the prompt",
+                f"(max_model_len {self.max_model_len}, less room for the output): shorten the "
+                "prompt",
                 param=param,
             )
         return ids
@@ -135,8 +155,11 @@ class Frontend:
         if temperature is None:  # OpenAI's default, or greedy when the program cannot sample
             temperature = 1.0 if self.can_sample else 0.0
         top_k = 0 if req.top_k == -1 else req.top_k  # vLLM's -1 = off
+        seed = req.seed
+        if seed is None and self._seeds is not None and temperature != 0:
+            seed = self._seeds.getrandbits(63)  # the server's --seed: reproducible in order
         try:
-            sp = Sampling.checked(temperature, top_k, req.top_p, req.seed)
+            sp = Sampling.checked(temperature, top_k, req.top_p, seed)
         except GenerationError as e:
             raise APIError(str(e)) from None
         if not sp.greedy and not self.can_sample:
@@ -234,6 +257,19 @@ async def answer(fe: Frontend, request: Request, req, ids: list[int], params: Pa
             f"{e}: retry later, or start dflash-serve with a larger --max-queue", 503
         ) from None
     rid = proto.request_id("chatcmpl" if chat else "cmpl")
+    if fe.log_requests:
+        log.info(
+            "Received request %s: %d prompt tokens, max_tokens %d, temperature %g, top_p %g, "
+            "top_k %d, seed %s, stream %s",
+            rid,
+            len(ids),
+            params.max_tokens,
+            params.temperature,
+            params.top_p,
+            params.top_k,
+            params.seed,
+            req.stream,
+        )
     if req.stream:
         first = await _unless_gone(handle.__anext__(), request, handle)
         if first is None:
@@ -279,11 +315,50 @@ class _CancelledAtShutdown:
             log.warning("%s %s cancelled by the shutdown", scope["method"], scope["path"])
 
 
+class _ApiKey:
+    """ASGI wrapper: with a key, every HTTP request but GET /health needs
+    `Authorization: Bearer KEY` (vLLM's --api-key); others get a 401 with an OpenAI-style body."""
+
+    def __init__(self, app, key: str, metrics):
+        self.app, self.metrics = app, metrics
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if secrets.compare_digest(given, self.expected):
+            return await self.app(scope, receive, send)
+        self.metrics.error(401)
+        body = {
+            "error": {
+                "message": "Unauthorized: this server needs an API key (Authorization: Bearer KEY)",
+                "type": "AuthenticationError",
+                "param": None,
+                "code": 401,
+            }
+        }
+        response = JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
 def create_app(
-    engine: Engine, model_name: str, tokenizer=None, chat_template: str | None = None
+    engine: Engine,
+    model_name: str,
+    tokenizer=None,
+    chat_template: str | None = None,
+    *,
+    api_key: str | None = None,
+    max_model_len: int | None = None,
+    seed: int | None = None,
+    log_requests: bool = True,
 ) -> FastAPI:
-    """The FastAPI app over a (not yet started) engine; the app's lifespan starts and stops it."""
-    fe = Frontend(engine, model_name, tokenizer, chat_template)
+    """The FastAPI app over a (not yet started) engine; the app's lifespan starts and stops it.
+    api_key: required on every endpoint but /health (None: no authentication); max_model_len:
+    caps prompt + output below the artifacts' positions; seed: seeds the sampling requests that
+    bring no seed; log_requests: one info line per request."""
+    fe = Frontend(engine, model_name, tokenizer, chat_template, max_model_len, seed)
+    fe.log_requests = log_requests
     metrics = engine.metrics
 
     @asynccontextmanager
@@ -294,6 +369,8 @@ def create_app(
 
     app = FastAPI(title="dflash-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(_CancelledAtShutdown)
+    if api_key:
+        app.add_middleware(_ApiKey, key=api_key, metrics=metrics)
     app.state.frontend = fe
 
     @app.exception_handler(APIError)
