@@ -219,7 +219,12 @@ def _target_config(s: TinySpec):
 
 def _hybrid_config(s: TinySpec):
     """Qwen3_5TextConfig (text-only form) or Qwen3_5Config around it (the published form)."""
-    from transformers import Qwen3_5Config, Qwen3_5MoeConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeTextConfig,
+        Qwen3_5TextConfig,
+    )
 
     moe = s.family == "qwen3_5_moe"
     text = dict(
