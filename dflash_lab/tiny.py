@@ -84,6 +84,9 @@ class TinySpec:
     attn_kv_heads: int | None = None
     attn_head_dim: int | None = None
     multimodal: bool = False  # the published form: Qwen3_5ForConditionalGeneration, text_config
+    # family "qwen3_5_moe": the hybrid with every MLP a MoE block (num_experts, top-k,
+    # moe_intermediate_size above) plus a gated shared expert of this size
+    shared_expert_intermediate_size: int = 48
 
 
 # Published shapes (Qwen3-0.6B / Qwen3-4B and z-lab's 5-layer b16 drafts for them): bf16, the
@@ -178,7 +181,7 @@ def preset_spec(name: str, **overrides) -> TinySpec:
 def _target_config(s: TinySpec):
     from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
-    if s.family == "qwen3_5":
+    if s.family in ("qwen3_5", "qwen3_5_moe"):
         return _hybrid_config(s)
 
     common = dict(
@@ -216,8 +219,14 @@ def _target_config(s: TinySpec):
 
 def _hybrid_config(s: TinySpec):
     """Qwen3_5TextConfig (text-only form) or Qwen3_5Config around it (the published form)."""
-    from transformers import Qwen3_5Config, Qwen3_5TextConfig
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeTextConfig,
+        Qwen3_5TextConfig,
+    )
 
+    moe = s.family == "qwen3_5_moe"
     text = dict(
         vocab_size=s.vocab_size,
         hidden_size=s.hidden_size,
@@ -249,11 +258,19 @@ def _hybrid_config(s: TinySpec):
         eos_token_id=None,
         pad_token_id=None,
     )
+    if moe:
+        del text["intermediate_size"]
+        text |= dict(
+            num_experts=s.num_experts,
+            num_experts_per_tok=s.num_experts_per_tok,
+            moe_intermediate_size=s.moe_intermediate_size,
+            shared_expert_intermediate_size=s.shared_expert_intermediate_size,
+        )
     if not s.multimodal:
-        return Qwen3_5TextConfig(**text)
+        return (Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig)(**text)
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2)
     vision |= dict(out_hidden_size=s.hidden_size)
-    cfg = Qwen3_5Config(text_config=text, vision_config=vision)
+    cfg = (Qwen3_5MoeConfig if moe else Qwen3_5Config)(text_config=text, vision_config=vision)
     cfg.tie_word_embeddings = s.tie_word_embeddings
     return cfg
 
@@ -291,7 +308,8 @@ def _save_hybrid(target, s: TinySpec, tdir: Path, gen: torch.Generator) -> None:
         target.to(getattr(torch, s.dtype)).save_pretrained(tdir, max_shard_size=shard)
         return
     cfg = _hybrid_config(s)
-    cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
+    moe = "Moe" if s.family == "qwen3_5_moe" else ""
+    cfg.architectures = [f"Qwen3_5{moe}ForConditionalGeneration"]
     cfg.dtype = s.dtype
     cfg.save_pretrained(tdir)
     dtype = getattr(torch, s.dtype)
@@ -404,7 +422,7 @@ def make_tiny_pair(
     tdir, ddir = out / "target", out / "draft"
     tdir.mkdir(parents=True, exist_ok=True)
     ddir.mkdir(parents=True, exist_ok=True)
-    if s.family == "qwen3_5" and not preset:
+    if s.family in ("qwen3_5", "qwen3_5_moe") and not preset:
         _make_hybrid(s, tdir, ddir)
         return tdir, ddir
     if preset or s.dtype != "float32" or s.shards > 1 or s.fused_experts:
@@ -473,7 +491,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="directory to write target/ and draft/ into")
     p.add_argument("--preset", choices=sorted(PRESETS), help="published shapes (bf16, sharded)")
-    p.add_argument("--family", choices=["qwen3", "llama", "qwen3_moe", "qwen3_5"])
+    p.add_argument("--family", choices=["qwen3", "llama", "qwen3_moe", "qwen3_5", "qwen3_5_moe"])
     p.add_argument(
         "--multimodal",
         action="store_true",
