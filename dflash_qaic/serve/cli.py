@@ -3,16 +3,17 @@
     dflash-serve artifacts/default
     dflash-serve ARTIFACTS [--host 127.0.0.1] [--port 8000] [--backend ort|qaic|auto|qaic-standin]
                  [--threads N] [--max-queue N] [--served-model-name NAME] [--chat-template FILE]
-                 [--shutdown-timeout S] [--log-level LEVEL]
+                 [--shutdown-timeout S] [--max-request-bytes N] [--log-level LEVEL]
 
 Binds 127.0.0.1 unless told otherwise (--host 0.0.0.0 exposes the server to the network; it has
 no authentication). --port 0 takes a free port; the line "dflash-serve: serving ... on URL" on
 stdout says which. One worker thread drives the continuous-batching engine: artifacts exported
 with `dflash-export --full-batch-size N` generate up to N requests at once (a newcomer joins at
 the next step), others one at a time; up to --max-queue more requests wait for a slot (a full
-queue answers 503). On SIGTERM or Ctrl-C the server stops accepting
-connections, lets the requests in flight finish for up to --shutdown-timeout seconds, cancels
-what is left at its next step, and exits 0.
+queue answers 503). A request body above --max-request-bytes is refused (413) as it is read.
+On SIGTERM or Ctrl-C the server stops accepting connections, lets the requests in flight
+finish for up to --shutdown-timeout seconds, then cuts what is left at its next step (a 503
+JSON error, or a stream's last chunk with finish_reason "abort" and [DONE]), and exits 0.
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ def parser() -> argparse.ArgumentParser:
         help="seconds in-flight requests may take to finish after SIGTERM (default 30)",
     )
     p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        help="largest request body accepted, in bytes (default 16 MiB); larger ones get 413",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -92,6 +99,8 @@ def _check(args) -> str | None:
                 f"--verify-lengths must be integers separated by commas, e.g. 4,8,16 "
                 f"(got {args.verify_lengths!r})"
             ) from None
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        raise UsageError(f"--max-request-bytes must be ≥ 1 (got {args.max_request_bytes})")
     if not args.shutdown_timeout >= 0:
         raise UsageError(f"--shutdown-timeout must be ≥ 0 (got {args.shutdown_timeout})")
     if args.chat_template is None:
@@ -122,7 +131,7 @@ def _serve(args, template: str | None, sock: socket.socket) -> None:
     import uvicorn
 
     import dflash_qaic
-    from dflash_qaic.serve.app import create_app
+    from dflash_qaic.serve.app import Server, create_app
     from dflash_qaic.serve.engine import Engine
     from dflash_qaic.serve.metrics import Metrics
 
@@ -138,14 +147,10 @@ def _serve(args, template: str | None, sock: socket.socket) -> None:
     engine = Engine(pipe, max_queue=args.max_queue, metrics=Metrics(name, pipe.B))
     # the HTTP side encodes prompts with its own tokenizer: never one shared across threads
     tok = copy.deepcopy(pipe.tokenizer) if pipe.tokenizer is not None else None
-    app = create_app(engine, name, tok, template)
-    config = uvicorn.Config(
-        app,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout,
-        lifespan="on",
-    )
-    server = uvicorn.Server(config)
+    limit = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
+    app = create_app(engine, name, tok, template, **limit)
+    config = uvicorn.Config(app, log_level=args.log_level, lifespan="on")
+    server = Server(config, engine, args.shutdown_timeout)  # cuts at --shutdown-timeout
     ours = logging.getLogger("dflash_qaic.serve")  # log as uvicorn does (it configured its own)
     ours.handlers, ours.propagate = logging.getLogger("uvicorn").handlers, False
     ours.setLevel(args.log_level.upper())
