@@ -272,6 +272,8 @@ def test_bad_requests_get_openai_errors_and_the_server_lives_on(http, client, pi
         assert err["code"] == status and len(err["message"]) > 10, err
         if param is not None:
             assert err["param"] == param, (body, err)
+    r = http.post("/v1/completions", content=b" " * ((1 << 20) + 1))  # the default limit
+    assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
     r = http.get("/v1/completions")
     assert r.status_code == 405 and r.json()["error"]["type"] == "BadRequestError", r.text
     err = http.post("/v1/completions", json={"prompt": [65, 66.5]}).json()["error"]

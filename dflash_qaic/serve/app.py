@@ -37,7 +37,7 @@ from dflash_qaic.runtime.pipeline import GenerationError, Sampling
 from dflash_qaic.serve import protocol as proto
 from dflash_qaic.serve.engine import Engine, EngineFull, Handle, Output, Params
 from dflash_qaic.serve.limits import (
-    DEFAULT_MAX_REQUEST_BYTES,
+    default_max_request_bytes,
     longest_token_chars,
     read_body,
     too_long,
@@ -66,7 +66,7 @@ class Frontend:
         model_name: str,
         tokenizer,
         chat_template: str | None,
-        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        max_request_bytes: int | None = None,
     ):
         pipe = engine.pipe
         self.engine, self.model_name, self.tokenizer = engine, model_name, tokenizer
@@ -75,7 +75,7 @@ class Frontend:
         self.max_model_len = contract.max_positions(pipe.ctx_len)
         self.max_prompt = pipe.ctx_len - 1 - pipe.B  # room for one verify block (Pipeline)
         self.can_sample, self.max_top_k = pipe.can_sample, pipe.max_top_k
-        self.max_request_bytes = max_request_bytes
+        self.max_request_bytes = max_request_bytes or default_max_request_bytes(self.max_model_len)
         #: no token is longer than this many characters (None: no bound; serve/limits.py)
         self.chars_per_token = None if tokenizer is None else longest_token_chars(tokenizer)
         self._local = threading.local()
@@ -331,7 +331,7 @@ async def answer(fe: Frontend, request: Request, req, ids: list[int], params: Pa
             raise _cut_error()
         created = int(time.time())
         last = proto.chunk_body(rid, fe.model_name, created, chat, "", "abort")
-        request.state.sse_tail = (_sse(last) + "data: [DONE]\n\n").encode()  # _ShutdownCut's
+        request.state.sse_tail = (_sse(last) + "data: [DONE]\n\n").encode()  # for the backstop
         events = _events(fe, first, handle, rid, chat, req, fe.engine.metrics)
         return StreamingResponse(events, media_type="text/event-stream")
     outs = await _unless_gone(_collect(handle), request, handle)
@@ -432,7 +432,7 @@ def create_app(
     model_name: str,
     tokenizer=None,
     chat_template: str | None = None,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_request_bytes: int | None = None,
 ) -> FastAPI:
     """The FastAPI app over a (not yet started) engine; the app's lifespan starts and stops it."""
     fe = Frontend(engine, model_name, tokenizer, chat_template, max_request_bytes)

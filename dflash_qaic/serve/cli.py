@@ -69,7 +69,8 @@ def parser() -> argparse.ArgumentParser:
         "--max-request-bytes",
         type=int,
         default=None,
-        help="largest request body accepted, in bytes (default 16 MiB); larger ones get 413",
+        help="largest request body accepted, in bytes (default: 64 per token of context, at "
+        "least 1 MiB); larger ones get 413",
     )
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
@@ -147,8 +148,7 @@ def _serve(args, template: str | None, sock: socket.socket) -> None:
     engine = Engine(pipe, max_queue=args.max_queue, metrics=Metrics(name, pipe.B))
     # the HTTP side encodes prompts with its own tokenizer: never one shared across threads
     tok = copy.deepcopy(pipe.tokenizer) if pipe.tokenizer is not None else None
-    limit = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
-    app = create_app(engine, name, tok, template, **limit)
+    app = create_app(engine, name, tok, template, max_request_bytes=args.max_request_bytes)
     config = uvicorn.Config(app, log_level=args.log_level, lifespan="on")
     server = Server(config, engine, args.shutdown_timeout)  # cuts at --shutdown-timeout
     ours = logging.getLogger("dflash_qaic.serve")  # log as uvicorn does (it configured its own)

@@ -21,7 +21,14 @@ from dflash_qaic.serve.protocol import APIError
 
 log = logging.getLogger("dflash_qaic.serve")
 
-DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
+
+def default_max_request_bytes(max_model_len: int) -> int:
+    """64 bytes per token of context, at least 1 MiB: room for any prompt that fits (token ids
+    take under 12 bytes each, text a few characters per token, up to 6 bytes per escaped
+    character), while the JSON parse of the largest body accepted (on the event loop, as
+    pydantic holds the GIL) stays short."""
+    return max(1 << 20, 64 * max_model_len)
+
 
 # normalizers that never make the text shorter, and those that shorten it by at most 4×
 _KEEPS = {"NFD", "NFKD", "Lowercase", "Prepend"}
