@@ -4,6 +4,9 @@
     dflash-make-tiny-pair OUT ...
     dflash-make-tiny-pair OUT --preset qwen3-4b        # Qwen3-4B shapes, bf16, 3 shards + index
 
+    dflash-make-tiny-pair OUT --family qwen3_moe       # 8 experts, top-2, layer 1 dense
+    dflash-make-tiny-pair OUT --preset qwen3-30b-a3b   # Qwen3-30B-A3B layers (4 of them), bf16
+
 `OUT/target` is a Hugging Face directory (config.json + model.safetensors, or shards
 model-0000i-of-0000n.safetensors with model.safetensors.index.json), `OUT/draft` a DFlash draft
 directory (config.json + model.safetensors, the 3 + 11·L layout, no embedding or head).
@@ -55,6 +58,21 @@ class TinySpec:
     shards: int = 1  # > 1: the target in that many shards with model.safetensors.index.json
     mask_token_id: int | None = None  # None: vocab_size - 1
     max_position_embeddings: int = 4096
+    # newer draft forms (None: absent from the draft config, the b16 form)
+    layer_types: list[str] | None = None  # per draft layer: full_attention | sliding_attention
+    sliding_window: int | None = None
+    is_causal: bool | None = None
+    input_embedding_scale: float | None = None
+    output_multiplier: float | None = None
+    final_logit_softcapping: float | None = None
+    # family "qwen3_moe": experts of moe_intermediate_size, top-k routing, dense mlp_only_layers
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    norm_topk_prob: bool = True
+    mlp_only_layers: list[int] | None = None  # None: [1] (one dense layer)
+    decoder_sparse_step: int = 1
+    fused_experts: bool = False  # write mlp.experts.gate_up_proj / down_proj (streamed writer)
 
 
 # Published shapes (Qwen3-0.6B / Qwen3-4B and z-lab's 5-layer b16 drafts for them): bf16, the
@@ -75,6 +93,25 @@ PRESETS: dict[str, dict] = {
         num_heads=32,
         num_kv_heads=8,
         head_dim=128,
+        shards=3,
+    ),
+    # Qwen3-30B-A3B's layers (Qwen3-Coder-30B-A3B has the same), 4 of its 48: untied head,
+    # 128 experts of 768, top-8, every layer sparse
+    "qwen3-30b-a3b": dict(
+        family="qwen3_moe",
+        hidden_size=2048,
+        target_layers=4,
+        draft_layers=2,
+        target_layer_ids=[1, 2],
+        intermediate_size=6144,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
         shards=3,
     ),
 }
@@ -103,7 +140,7 @@ def preset_spec(name: str, **overrides) -> TinySpec:
 
 
 def _target_config(s: TinySpec):
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=s.vocab_size,
@@ -125,7 +162,17 @@ def _target_config(s: TinySpec):
         return Qwen3Config(**common)
     if s.family == "llama":
         return LlamaConfig(**common)
-    raise ValueError(f"unknown family {s.family!r}: use 'qwen3' or 'llama'")
+    if s.family == "qwen3_moe":
+        return Qwen3MoeConfig(
+            **common,
+            num_experts=s.num_experts,
+            num_experts_per_tok=s.num_experts_per_tok,
+            moe_intermediate_size=s.moe_intermediate_size,
+            norm_topk_prob=s.norm_topk_prob,
+            mlp_only_layers=[1] if s.mlp_only_layers is None else list(s.mlp_only_layers),
+            decoder_sparse_step=s.decoder_sparse_step,
+        )
+    raise ValueError(f"unknown family {s.family!r}: use 'qwen3', 'llama' or 'qwen3_moe'")
 
 
 def draft_config_dict(s: TinySpec) -> dict:
@@ -133,6 +180,15 @@ def draft_config_dict(s: TinySpec) -> dict:
     dflash = {"mask_token_id": mask, "block_size": s.block_size}
     if s.target_layer_ids is not None:
         dflash["target_layer_ids"] = list(s.target_layer_ids)
+    for key in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+        if getattr(s, key) is not None:
+            dflash[key] = getattr(s, key)
+    attention = {}
+    if s.layer_types is not None:  # use_sliding_window: else transformers drops the window
+        attention = {"layer_types": list(s.layer_types), "use_sliding_window": True}
+        attention["sliding_window"] = s.sliding_window
+    if s.is_causal is not None:
+        attention["is_causal"] = s.is_causal
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -152,6 +208,7 @@ def draft_config_dict(s: TinySpec) -> dict:
         "block_size": s.block_size,
         "dflash_config": dflash,
         "torch_dtype": s.dtype,
+        **attention,
     }
 
 
@@ -229,7 +286,7 @@ def make_tiny_pair(
     tdir, ddir = out / "target", out / "draft"
     tdir.mkdir(parents=True, exist_ok=True)
     ddir.mkdir(parents=True, exist_ok=True)
-    if preset or s.dtype != "float32" or s.shards > 1:
+    if preset or s.dtype != "float32" or s.shards > 1 or s.fused_experts:
         from dflash_lab.tiny_writer import write_pair_streamed
 
         write_pair_streamed(s, tdir, ddir, _target_config(s))
@@ -260,26 +317,55 @@ def make_tiny_pair(
     return tdir, ddir
 
 
+def _layer_types(text: str) -> list[str]:
+    names = {"sliding": "sliding_attention", "full": "full_attention"}
+    out = [names.get(t.strip(), t.strip()) for t in text.split(",")]
+    if set(out) - set(names.values()):
+        raise argparse.ArgumentTypeError(f"layer types are sliding or full, got {text!r}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="directory to write target/ and draft/ into")
     p.add_argument("--preset", choices=sorted(PRESETS), help="published shapes (bf16, sharded)")
-    p.add_argument("--family", choices=["qwen3", "llama"])
+    p.add_argument("--family", choices=["qwen3", "llama", "qwen3_moe"])
     for flag in ("hidden-size", "target-layers", "draft-layers", "num-heads", "num-kv-heads"):
         p.add_argument(f"--{flag}", type=int)
     for flag in ("head-dim", "intermediate-size", "vocab-size", "block-size", "mask-token-id"):
         p.add_argument(f"--{flag}", type=int)
+    for flag in ("num-experts", "num-experts-per-tok", "moe-intermediate-size"):
+        p.add_argument(f"--{flag}", type=int, help="qwen3_moe")
+    p.add_argument("--fused-experts", action="store_true", help="qwen3_moe: fused expert tensors")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--shards", type=int, help="split the target into N shards with an index")
     p.add_argument("--untied", action="store_true", help="untie the target's lm_head")
     p.add_argument("--agree", type=float, default=0.0, help="bias toward agreement (see docs)")
     p.add_argument("--seed", type=int, default=0)
+    d = p.add_argument_group("newer draft forms")
+    d.add_argument(
+        "--layer-types",
+        type=_layer_types,
+        help="per draft layer, comma-separated: sliding | full (e.g. sliding,sliding,full)",
+    )
+    d.add_argument("--sliding-window", type=int, help="keys a sliding layer's query sees")
+    d.add_argument("--is-causal", choices=["true", "false"], help="override causality per layer")
+    for flag in ("input-embedding-scale", "output-multiplier", "final-logit-softcapping"):
+        d.add_argument(f"--{flag}", type=float)
     a = p.parse_args(argv)
+    if a.is_causal is not None:
+        a.is_causal = a.is_causal == "true"
+    if a.layer_types is not None:
+        a.draft_layers = a.draft_layers or len(a.layer_types)
+        if a.sliding_window is None and "sliding_attention" in a.layer_types:
+            p.error("--layer-types with sliding layers needs --sliding-window")
     kw = {
         k: v
         for k, v in vars(a).items()
-        if v is not None and k not in ("out", "preset", "untied", "family")
+        if v is not None and k not in ("out", "preset", "untied", "family", "fused_experts")
     }
+    if a.fused_experts:
+        kw["fused_experts"] = True
     if a.untied:
         kw["tie_word_embeddings"] = False
     if a.preset is None:

@@ -25,7 +25,32 @@ DTYPES = {
 BLOCK_ELEMS = 16 << 20
 
 
-def _layer_tensors(prefix: str, s, qk_norm: bool = True) -> list[tuple[str, tuple, str]]:
+def _expert_tensors(s) -> list[tuple[str, tuple, str]]:
+    """A sparse layer's router and experts (per expert, or fused when s.fused_experts)."""
+    E, H, inter = s.num_experts, s.hidden_size, s.moe_intermediate_size
+    out = [("mlp.gate.weight", (E, H), "linear")]
+    if s.fused_experts:
+        return out + [
+            ("mlp.experts.gate_up_proj", (E, 2 * inter, H), "experts"),
+            ("mlp.experts.down_proj", (E, H, inter), "experts"),
+        ]
+    for e in range(E):
+        p = f"mlp.experts.{e}."
+        out += [(p + "gate_proj.weight", (inter, H), "linear")]
+        out += [(p + "up_proj.weight", (inter, H), "linear")]
+        out += [(p + "down_proj.weight", (H, inter), "linear")]
+    return out
+
+
+def _sparse(s, i: int) -> bool:
+    """Hugging Face's rule for a Qwen3-MoE layer having experts."""
+    dense = [1] if s.mlp_only_layers is None else s.mlp_only_layers
+    return i not in dense and (i + 1) % s.decoder_sparse_step == 0
+
+
+def _layer_tensors(
+    prefix: str, s, qk_norm: bool = True, sparse: bool = False
+) -> list[tuple[str, tuple, str]]:
     H, hd, inter = s.hidden_size, s.head_dim, s.intermediate_size
     q, kv = s.num_heads * hd, s.num_kv_heads * hd
     out = [
@@ -40,12 +65,15 @@ def _layer_tensors(prefix: str, s, qk_norm: bool = True) -> list[tuple[str, tupl
             ("self_attn.q_norm.weight", (hd,), "norm"),
             ("self_attn.k_norm.weight", (hd,), "norm"),
         ]
-    out += [
-        ("post_attention_layernorm.weight", (H,), "norm"),
-        ("mlp.gate_proj.weight", (inter, H), "linear"),
-        ("mlp.up_proj.weight", (inter, H), "linear"),
-        ("mlp.down_proj.weight", (H, inter), "linear"),
-    ]
+    out += [("post_attention_layernorm.weight", (H,), "norm")]
+    if sparse:
+        out += _expert_tensors(s)
+    else:
+        out += [
+            ("mlp.gate_proj.weight", (inter, H), "linear"),
+            ("mlp.up_proj.weight", (inter, H), "linear"),
+            ("mlp.down_proj.weight", (H, inter), "linear"),
+        ]
     return [(prefix + n, shape, kind) for n, shape, kind in out]
 
 
@@ -54,7 +82,9 @@ def target_layout(s) -> list[tuple[str, tuple, str]]:
     V, H = s.vocab_size, s.hidden_size
     out = [("model.embed_tokens.weight", (V, H), "embed")]
     for i in range(s.target_layers):
-        out += _layer_tensors(f"model.layers.{i}.", s, qk_norm=s.family == "qwen3")
+        moe = s.family == "qwen3_moe"
+        qk = s.family in ("qwen3", "qwen3_moe")
+        out += _layer_tensors(f"model.layers.{i}.", s, qk_norm=qk, sparse=moe and _sparse(s, i))
     out.append(("model.norm.weight", (H,), "norm"))
     if not s.tie_word_embeddings:
         out.append(("lm_head.weight", (V, H), "linear"))
@@ -76,6 +106,10 @@ def draft_layout(s) -> list[tuple[str, tuple, str]]:
 
 
 def _blocks(shape: tuple, kind: str, gen: torch.Generator):
+    if kind == "experts":  # stacked [E, out, in] matrices: each an N(0, 1/in) Linear weight
+        for _ in range(shape[0]):
+            yield from _blocks(shape[1:], "linear", gen)
+        return
     rows, cols = (shape[0], math.prod(shape[1:])) if len(shape) > 1 else (1, shape[0])
     step = max(1, BLOCK_ELEMS // cols)
     for r0 in range(0, rows, step):

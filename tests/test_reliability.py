@@ -316,6 +316,7 @@ def test_concurrent_exports_on_one_out(pair, tmp_path):
     assert len(pipe.generate([1, 2, 3], 4).tokens) == 4
 
 
+@pytest.mark.slow  # the fast tier: a failed and a Ctrl-C'd export (test_export_cli)
 def test_kill_9_mid_export_keeps_previous(pair, good, tmp_path):
     before = snapshot(good)
     base = ["--target", pair[0], "--draft", pair[1], "--out", good, "--quiet", *BASE]
@@ -449,12 +450,33 @@ def rewrite(out: Path, fn) -> None:
         (lambda m: m.update(files=[]), "has no size and sha256"),
         (lambda m: m.update(eos_token_ids=[1, True]), "`eos_token_ids`"),
         (lambda m: m.update(version=1), "manifest version 1"),
+        (lambda m: m.update(verify_lengths=[2, 3]), "verify lengths must ascend"),
+        (lambda m: m.update(prefill_lengths=[]), "prefill lengths must ascend"),
+        (lambda m: m.update(draft_prefill_rows=[1 << 21]), "draft prefill rows"),
+        (lambda m: m.pop("verify_lengths"), "`verify_lengths` is missing"),
+        (lambda m: m.update(specialization_count={"target": 1, "draft": 1}), "specialization_co"),
         (lambda m: m.clear(), "not a dflash-qaic manifest"),
     ],
 )
 def test_malformed_manifest_values(good, edit, match):
     rewrite(good, edit)
     with pytest.raises(ArtifactsError, match=match):
+        dflash_qaic.load(good)
+
+
+def test_artifacts_of_an_earlier_manifest_version_are_refused(good):
+    """Version 2 (the shape plan only in specialization names) is refused with the fix, before
+    any program is opened: no branch reads the older form."""
+
+    def older(m):
+        for key in ("prefill_lengths", "verify_lengths", "draft_prefill_rows"):
+            m.pop(key)
+        m["version"] = 2
+
+    rewrite(good, older)
+    with pytest.raises(
+        ArtifactsError, match=r"manifest version 2, written by an earlier .*re-export"
+    ):
         dflash_qaic.load(good)
 
 

@@ -23,7 +23,7 @@ from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
 from dflash_qaic.export.artifacts import ExportError, ExportOptions, build_artifacts
 from dflash_qaic.export.draft import check_feeds
-from dflash_qaic.runtime.engine import StepCosts
+from dflash_qaic.runtime.stats import StepCosts
 
 B, CHUNK, CTX = 8, 16, 96
 
@@ -86,11 +86,11 @@ def prompt(n, seed):
 def test_export_has_every_verify_length_and_the_confidences(built):
     art, _ = built(emit_logits=True)
     m = dflash_qaic.load(art).artifacts
-    assert contract.verify_lengths_of(m.target.specializations) == [2, 4, 8]
+    assert m.plan.verify_lengths == (2, 4, 8)
     names = {s["name"] for s in m.target.specializations}
     assert {"Verify[2]", "Verify[4]", "Verify", "VerifySampled[2]", "VerifySampled"} <= names
     for s in m.target.specializations:
-        if contract.base_name(s["name"]) == contract.VERIFY_SAMPLED:
+        if s["kind"] == contract.VERIFY_SAMPLED:
             assert s["symbols"][contract.SAMPLE] == s["symbols"][contract.SEQ]
     assert m.target.facts["verify_lengths"] == [2, 4, 8]
     assert m.draft.io.confidence
@@ -113,7 +113,9 @@ def test_verify_lengths_option(built, tiny_pair, tmp_path):
     )
     opts = ExportOptions(prefill_seq_len=CHUNK, ctx_len=CTX, compile=False, verify_lengths=(8,))
     m = build_artifacts(t, d, tmp_path / "one", opts, progress=lambda m: None).manifest
-    assert contract.verify_lengths_of(m.target.specializations) == [8]
+    assert m.plan.verify_lengths == (8,)
+    verify = [s for s in m.target.specializations if s["kind"] == contract.VERIFY]
+    assert verify and all(s["symbols"][contract.SEQ] == 8 for s in verify)
     for bad in ((3, 5), (4, 4, 8), (1, 8), (8, 16)):
         opts = ExportOptions(prefill_seq_len=CHUNK, ctx_len=CTX, compile=False, verify_lengths=bad)
         with pytest.raises(ExportError, match="--verify-lengths: .*end at the block size 8"):
@@ -122,9 +124,11 @@ def test_verify_lengths_option(built, tiny_pair, tmp_path):
     with pytest.raises(ExportError, match="--verify-lengths must be integers"):
         ExportOptions(verify_lengths=("4", 8))
     pipe = dflash_qaic.load(built()[0])
-    pipe.verify_lengths = [2, 4]
     with pytest.raises(ValueError, match=r"pick some of them, including the block size 8"):
-        pipe.generate(prompt(5, 0), max_new_tokens=4)
+        pipe.configure(verify_lengths=[2, 4])
+    with pytest.raises(AttributeError):  # the config is replaced whole, never poked
+        pipe.verify_lengths = [8]
+    assert pipe.config.verify_lengths is None
 
 
 # ---------------------------------------------------------------- lossless at every length

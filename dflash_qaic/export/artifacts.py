@@ -504,6 +504,16 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, progress, steps) -> d
         dfacts = export_draft(pair.draft, None, embed, head, out / "draft" / "draft.onnx", **common)
     steps.append(("export draft", f"{dfacts['onnx_bytes'] / 1e6:.1f} MB", time.perf_counter() - t))
     tok = _copy_tokenizer(pair.target.path, out)
+    plan = contract.shape_plan(
+        B,
+        o.prefill_seq_len,
+        o.ctx_len,
+        batch_size=o.batch_size,
+        full_batch_size=o.full_batch_size,
+        windows=tfacts["comp_ctx_lengths"],
+        verify_lengths=o.verify_lengths and list(o.verify_lengths),
+        sampling=o.sampling,
+    )
     progress("hashing the checkpoint files for the manifest")
     return {
         "input_hash": key,
@@ -515,6 +525,9 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, progress, steps) -> d
         "batch_size": o.batch_size,
         "full_batch_size": o.full_batch_size,
         "comp_ctx_lengths": tfacts["comp_ctx_lengths"],
+        "prefill_lengths": list(plan.prefill_lengths),
+        "verify_lengths": list(plan.verify_lengths),
+        "draft_prefill_rows": list(plan.draft_prefill_rows),
         "vocab_size": pair.target.vocab_size,
         "hidden_size": pair.target.hidden_size,
         "eos_token_ids": _eos_ids(pair.target.path),

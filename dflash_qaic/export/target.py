@@ -36,7 +36,7 @@ def check_feeds(io: contract.TargetIO, specializations: list[dict], seed: int = 
         rng = np.random.default_rng([seed, zlib.crc32(spec["name"].encode())])
         sym = spec["symbols"]
         b, s = sym[contract.BATCH], sym[contract.SEQ]
-        name = contract.base_name(spec["name"])
+        name = spec["kind"]
         start = 0 if name in contract.PREFILLS else min(s, sym[contract.CTX] - 1 - s)
         pos = np.tile(np.arange(start, start + s, dtype=np.int64), (b, 1))
         if s > 1:
@@ -160,10 +160,17 @@ def export_target(
         continuous_batching=full_batch_size is not None,
     ).eval()
     io = target_io(module, cfg.hidden_size, emit_logits, sampling)
-    windows = contract.windows_or_default(comp_ctx_lengths, ctx_len, prefill_seq_len, block_size)
-    lengths = contract.check_verify_lengths(verify_lengths, block_size)
-    args = (batch_size, prefill_seq_len, block_size, ctx_len, sampling, full_batch_size, windows)
-    specializations = contract.target_specializations(*args, lengths)
+    plan = contract.shape_plan(
+        block_size,
+        prefill_seq_len,
+        ctx_len,
+        batch_size=batch_size,
+        full_batch_size=full_batch_size,
+        windows=contract.windows_or_default(comp_ctx_lengths, ctx_len, prefill_seq_len, block_size),
+        verify_lengths=verify_lengths,
+        sampling=sampling,
+    )
+    specializations = contract.target_specializations(plan)
 
     # Trace at the prefill shape, at least 2 rows (no size-1 dim specialised away); streaming:
     # at 2 rows (the same graph: every varying dim is symbolic; the tracer keeps intermediates).
@@ -176,13 +183,14 @@ def export_target(
         specializations,
         lambda specs: check_feeds(io, specs),
         out_path,
+        check_specs=contract.target_specializations(plan.longest()),
         trace_rows=2 if stream_from is not None else max(prefill_seq_len, 2),
         external_data=external_data,
         sources=sources,
         fp16_check=fp16_check,
     )
-    sizes = dict(block_size=block_size, prefill_seq_len=prefill_seq_len, comp_ctx_lengths=windows)
-    sizes |= {"verify_lengths": lengths}
+    sizes = dict(block_size=block_size, prefill_seq_len=prefill_seq_len)
+    sizes |= dict(comp_ctx_lengths=list(plan.windows), verify_lengths=list(plan.verify_lengths))
     facts = _module_facts(module, cfg, sampling, hidden_norm_eps)
     return {**program_facts(path, io, specializations, report), **sizes, **facts}
 

@@ -37,7 +37,6 @@ from dflash_qaic.checkpoints import SUPPORTED_TARGETS, UNSUPPORTED_ROPE_TYPES, f
 from dflash_qaic.contract import SAMPLING_INPUTS
 from dflash_qaic.modeling.layers import (
     MASK_VALUE,
-    MLP,
     RMSNorm,
     Rope,
     RopeTable,
@@ -47,6 +46,7 @@ from dflash_qaic.modeling.layers import (
     frozen_linear,
     vocab_tables,
 )
+from dflash_qaic.modeling.moe import mlp_from_hf
 from dflash_qaic.modeling.ops import cache_reads, cache_rows, cache_slots, update_cache
 from dflash_qaic.modeling.sampler import SAMPLING_CANDIDATES, sample_next_tokens
 
@@ -115,7 +115,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm.from_hf(hf.input_layernorm)
         self.self_attn = Attention(hf.self_attn, n_heads, n_kv_heads)
         self.post_attention_layernorm = RMSNorm.from_hf(hf.post_attention_layernorm)
-        self.mlp = MLP.from_hf(hf.mlp)
+        self.mlp = mlp_from_hf(hf.mlp)  # dense, or sparse MoE (modeling/moe.py)
 
     def forward(self, x, cos, sin, slots, rows, reads, mask, cache_k, cache_v):
         a, cache_k, cache_v = self.self_attn(

@@ -1,6 +1,6 @@
 """The HTTP routes of dflash-serve (FastAPI): vLLM's OpenAI-compatible endpoints.
 
-    GET  /health                 200 while the engine's worker lives, else 503
+    GET  /health                 200 while the engine's worker lives, else 503 (never needs a key)
     GET  /metrics                Prometheus text (serve/metrics.py)
     GET  /v1/models              the one served model
     POST /v1/completions         prompt (text or ids) -> text; stream=true for server-sent events
@@ -14,6 +14,8 @@ thread pool, so no request's size holds up the event loop (other clients, /healt
 streamed answer starts once the engine has produced its first token (so a late error is still a
 proper status code), then sends one chunk per verify step and `data: [DONE]`. A client that goes
 away, while queued or while generating, cancels its request: the worker moves on at the next step.
+With an API key (`--api-key`, or `VLLM_API_KEY`, as vLLM) every endpoint but /health answers 401
+unless the request carries `Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import asyncio
 import copy
 import json
 import logging
+import random
+import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -66,15 +70,24 @@ class Frontend:
         model_name: str,
         tokenizer,
         chat_template: str | None,
+        max_model_len: int | None = None,
+        seed: int | None = None,
         max_request_bytes: int | None = None,
     ):
         pipe = engine.pipe
         self.engine, self.model_name, self.tokenizer = engine, model_name, tokenizer
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
         self.vocab, self.eos = pipe.vocab, tuple(pipe.eos)
+        #: prompt + output, at most (vLLM's max_model_len: the artifacts' positions, or less)
         self.max_model_len = contract.max_positions(pipe.ctx_len)
+        if max_model_len is not None:
+            self.max_model_len = min(self.max_model_len, max_model_len)
         self.max_prompt = pipe.ctx_len - 1 - pipe.B  # room for one verify block (Pipeline)
+        self.max_prompt = min(self.max_prompt, self.max_model_len - 1)  # and one output token
         self.can_sample, self.max_top_k = pipe.can_sample, pipe.max_top_k
+        #: --seed: seeds of sampling requests that bring none (vLLM's global seed)
+        self._seeds = random.Random(seed) if seed is not None else None
+        self.log_requests = True  # one info line per request (--disable-log-requests: off)
         self.max_request_bytes = max_request_bytes or default_max_request_bytes(self.max_model_len)
         #: no token is longer than this many characters (None: no bound; serve/limits.py)
         self.chars_per_token = None if tokenizer is None else longest_token_chars(tokenizer)
@@ -104,12 +117,11 @@ class Frontend:
             raise APIError(
                 f"the prompt has {len(text)} characters, so at least {least} tokens (no token "
                 f"of this model's tokenizer is longer than {self.chars_per_token} characters), "
-                f"but this model takes at most {self.max_prompt} (context {self.max_model_len}, "
-                "less one speculative block): shorten the prompt",
+                f"but this model takes at most {self.max_prompt} (max_model_len "
+                f"{self.max_model_len}, less room for the output): shorten the prompt",
                 param=param,
             )
-        tok = self._local.tokenizer
-        return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+        return _encode_text(self._local.tokenizer, text, add_special_tokens)
 
     def _need_tokenizer(self, param: str) -> None:
         if self.tokenizer is None:
@@ -161,7 +173,8 @@ class Frontend:
         if len(ids) > self.max_prompt:  # first: cheap, and bounds the scan below
             raise APIError(
                 f"the prompt has {len(ids)} tokens but this model takes at most {self.max_prompt} "
-                f"(context {self.max_model_len}, less one speculative block): shorten the prompt",
+                f"(max_model_len {self.max_model_len}, less room for the output): shorten the "
+                "prompt",
                 param=param,
             )
         bad = [t for t in ids if not 0 <= t < self.vocab]
@@ -190,7 +203,10 @@ class Frontend:
         if temperature is None:  # OpenAI's default, or greedy when the program cannot sample
             temperature = 1.0 if self.can_sample else 0.0
         top_k = 0 if req.top_k == -1 else req.top_k  # vLLM's -1 = off
-        sp = _sampling(temperature=temperature, top_k=top_k, top_p=req.top_p, seed=req.seed)
+        seed = req.seed
+        if seed is None and self._seeds is not None and temperature != 0:
+            seed = self._seeds.getrandbits(63)  # the server's --seed: reproducible in order
+        sp = _sampling(temperature=temperature, top_k=top_k, top_p=req.top_p, seed=seed)
         if not sp.greedy and not self.can_sample:
             raise APIError(
                 "this model's program cannot sample: use temperature 0", param="temperature"
@@ -219,6 +235,15 @@ class Frontend:
             sp.seed,
             req.skip_special_tokens,
         )
+
+
+def _encode_text(tok, text: str, add_special_tokens: bool) -> list[int]:
+    """tok(text)["input_ids"], through the `tokenizers` backend's encode_batch where there is
+    one: unlike encode, it lets go of the GIL while it works, so the event loop runs meanwhile."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+    return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 def _sampling(**fields) -> Sampling:
@@ -321,6 +346,19 @@ async def answer(fe: Frontend, request: Request, req, ids: list[int], params: Pa
             f"{e}: retry later, or start dflash-serve with a larger --max-queue", 503
         ) from None
     rid = proto.request_id("chatcmpl" if chat else "cmpl")
+    if fe.log_requests:
+        log.info(
+            "Received request %s: %d prompt tokens, max_tokens %d, temperature %g, top_p %g, "
+            "top_k %d, seed %s, stream %s",
+            rid,
+            len(ids),
+            params.max_tokens,
+            params.temperature,
+            params.top_p,
+            params.top_k,
+            params.seed,
+            req.stream,
+        )
     if req.stream:
         first = await _unless_gone(handle.__anext__(), request, handle)
         if first is None:
@@ -427,15 +465,54 @@ class Server(uvicorn.Server):
         self.engine.stop()
 
 
+class _ApiKey:
+    """ASGI wrapper: with a key, every HTTP request but GET /health needs
+    `Authorization: Bearer KEY` (vLLM's --api-key); others get a 401 with an OpenAI-style body."""
+
+    def __init__(self, app, key: str, metrics):
+        self.app, self.metrics = app, metrics
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if secrets.compare_digest(given, self.expected):
+            return await self.app(scope, receive, send)
+        self.metrics.error(401)
+        body = {
+            "error": {
+                "message": "Unauthorized: this server needs an API key (Authorization: Bearer KEY)",
+                "type": "AuthenticationError",
+                "param": None,
+                "code": 401,
+            }
+        }
+        response = JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
 def create_app(
     engine: Engine,
     model_name: str,
     tokenizer=None,
     chat_template: str | None = None,
+    *,
+    api_key: str | None = None,
+    max_model_len: int | None = None,
+    seed: int | None = None,
+    log_requests: bool = True,
     max_request_bytes: int | None = None,
 ) -> FastAPI:
-    """The FastAPI app over a (not yet started) engine; the app's lifespan starts and stops it."""
-    fe = Frontend(engine, model_name, tokenizer, chat_template, max_request_bytes)
+    """The FastAPI app over a (not yet started) engine; the app's lifespan starts and stops it.
+    api_key: required on every endpoint but /health (None: no authentication); max_model_len:
+    caps prompt + output below the artifacts' positions; seed: seeds the sampling requests that
+    bring no seed; log_requests: one info line per request; max_request_bytes: the body limit
+    (None: serve/limits.py's default)."""
+    fe = Frontend(
+        engine, model_name, tokenizer, chat_template, max_model_len, seed, max_request_bytes
+    )
+    fe.log_requests = log_requests
     metrics = engine.metrics
 
     @asynccontextmanager
@@ -447,6 +524,8 @@ def create_app(
 
     app = FastAPI(title="dflash-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(_CancelledAtShutdown)
+    if api_key:
+        app.add_middleware(_ApiKey, key=api_key, metrics=metrics)
     app.state.frontend = fe
 
     @app.exception_handler(APIError)

@@ -108,7 +108,7 @@ def longest_token_chars(tokenizer) -> int | None:
     ):
         log.info("prompts are measured in tokens only: this tokenizer gives no length bound")
         return None
-    vocab = tokenizer.get_vocab()
+    vocab = backend.get_vocab(with_added_tokens=True)
     if not vocab:
         return None
     return factor * max(len(t) for t in vocab)
