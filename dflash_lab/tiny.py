@@ -3,6 +3,8 @@
     python -m dflash_lab.tiny OUT [--family qwen3|llama] [--agree 3.0] ...
     dflash-make-tiny-pair OUT ...
     dflash-make-tiny-pair OUT --preset qwen3-4b        # Qwen3-4B shapes, bf16, 3 shards + index
+    dflash-make-tiny-pair OUT --layer-types sliding,full --sliding-window 64 [--is-causal false]
+        [--input-embedding-scale S] [--output-multiplier M] [--final-logit-softcapping C]
 
     dflash-make-tiny-pair OUT --family qwen3_moe       # 8 experts, top-2, layer 1 dense
     dflash-make-tiny-pair OUT --preset qwen3-30b-a3b   # Qwen3-30B-A3B layers (4 of them), bf16
@@ -73,6 +75,18 @@ class TinySpec:
     mlp_only_layers: list[int] | None = None  # None: [1] (one dense layer)
     decoder_sparse_step: int = 1
     fused_experts: bool = False  # write mlp.experts.gate_up_proj / down_proj (streamed writer)
+    # family "qwen3_5" (hybrid: Gated DeltaNet + gated full attention, every
+    # full_attention_interval-th layer full). num_heads / num_kv_heads / head_dim are the
+    # draft's; the target's full attention takes attn_* (None: the same).
+    linear_key_heads: int = 2
+    linear_value_heads: int = 4
+    linear_head_dim: int = 16
+    conv_kernel: int = 4
+    full_attention_interval: int = 4
+    attn_heads: int | None = None
+    attn_kv_heads: int | None = None
+    attn_head_dim: int | None = None
+    multimodal: bool = False  # the published form: Qwen3_5ForConditionalGeneration, text_config
 
 
 # Published shapes (Qwen3-0.6B / Qwen3-4B and z-lab's 5-layer b16 drafts for them): bf16, the
@@ -94,6 +108,31 @@ PRESETS: dict[str, dict] = {
         num_kv_heads=8,
         head_dim=128,
         shards=3,
+    ),
+    # Qwen3.5-4B's text model in its published multimodal form (bf16, sharded, untied head),
+    # with a 5-layer b16-style draft of Qwen3-4B's attention shape (no vision tensors beyond a
+    # token few: the exporter ignores them)
+    "qwen3.5-4b": dict(
+        family="qwen3_5",
+        hidden_size=2560,
+        target_layers=32,
+        intermediate_size=9216,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        attn_heads=16,
+        attn_kv_heads=4,
+        attn_head_dim=256,
+        linear_key_heads=16,
+        linear_value_heads=32,
+        linear_head_dim=128,
+        vocab_size=248320,
+        mask_token_id=248077,
+        tie_word_embeddings=False,
+        multimodal=True,
+        shards=4,
+        max_position_embeddings=262144,
+        rope_theta=10000000.0,
     ),
     # Qwen3-30B-A3B's layers (Qwen3-Coder-30B-A3B has the same), 4 of its 48: untied head,
     # 128 experts of 768, top-8, every layer sparse
@@ -142,6 +181,9 @@ def preset_spec(name: str, **overrides) -> TinySpec:
 def _target_config(s: TinySpec):
     from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
+    if s.family == "qwen3_5":
+        return _hybrid_config(s)
+
     common = dict(
         vocab_size=s.vocab_size,
         hidden_size=s.hidden_size,
@@ -173,6 +215,110 @@ def _target_config(s: TinySpec):
             decoder_sparse_step=s.decoder_sparse_step,
         )
     raise ValueError(f"unknown family {s.family!r}: use 'qwen3', 'llama' or 'qwen3_moe'")
+
+
+def _hybrid_config(s: TinySpec):
+    """Qwen3_5TextConfig (text-only form) or Qwen3_5Config around it (the published form)."""
+    from transformers import Qwen3_5Config, Qwen3_5TextConfig
+
+    text = dict(
+        vocab_size=s.vocab_size,
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.target_layers,
+        num_attention_heads=s.attn_heads or s.num_heads,
+        num_key_value_heads=s.attn_kv_heads or s.num_kv_heads,
+        head_dim=s.attn_head_dim or s.head_dim,
+        linear_num_key_heads=s.linear_key_heads,
+        linear_num_value_heads=s.linear_value_heads,
+        linear_key_head_dim=s.linear_head_dim,
+        linear_value_head_dim=s.linear_head_dim,
+        linear_conv_kernel_dim=s.conv_kernel,
+        layer_types=[
+            "full_attention" if (i + 1) % s.full_attention_interval == 0 else "linear_attention"
+            for i in range(s.target_layers)
+        ],
+        max_position_embeddings=s.max_position_embeddings,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=s.tie_word_embeddings,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": s.rope_theta,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    if not s.multimodal:
+        return Qwen3_5TextConfig(**text)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2)
+    vision |= dict(out_hidden_size=s.hidden_size)
+    cfg = Qwen3_5Config(text_config=text, vision_config=vision)
+    cfg.tie_word_embeddings = s.tie_word_embeddings
+    return cfg
+
+
+# A token vision tower for the published form: the exporter must ignore model.visual.*
+_VISION_TENSORS = {"model.visual.patch_embed.proj.weight": (32, 3, 2, 16, 16)}
+_VISION_TENSORS |= {"model.visual.merger.linear_fc2.weight": (64, 128)}
+
+
+def _randomize_hybrid(target, s: TinySpec, gen: torch.Generator) -> None:
+    """HF's init but with readable scales: zero-centred norms near 0, the gated norm near 1,
+    Linear weights N(0, 1/in), conv N(0, 1/K); A_log and dt_bias keep HF's init."""
+    for name, p in target.named_parameters():
+        if name.endswith(("A_log", "dt_bias")):
+            continue
+        if name.endswith("linear_attn.norm.weight"):
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+        elif name.endswith("norm.weight"):
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+
+
+def _save_hybrid(target, s: TinySpec, tdir: Path, gen: torch.Generator) -> None:
+    """The text-only form through save_pretrained; the published form by hand: config.json of
+    Qwen3_5ForConditionalGeneration, text tensors under model.language_model.*, a token vision
+    tower, lm_head at the top, in s.dtype, sharded with an index when s.shards > 1."""
+    from safetensors.torch import save_file
+
+    from dflash_qaic.checkpoints import INDEX_NAME
+
+    if not s.multimodal:
+        total = sum(p.numel() for p in target.parameters()) * getattr(torch, s.dtype).itemsize
+        shard = f"{max(1, total // max(s.shards, 1) // 1000 + 1)}KB"
+        target.to(getattr(torch, s.dtype)).save_pretrained(tdir, max_shard_size=shard)
+        return
+    cfg = _hybrid_config(s)
+    cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
+    cfg.dtype = s.dtype
+    cfg.save_pretrained(tdir)
+    dtype = getattr(torch, s.dtype)
+    state = {}
+    for k, v in target.state_dict().items():
+        if s.tie_word_embeddings and k == "lm_head.weight":
+            continue
+        name = k if k.startswith("lm_head") else "model.language_model." + k[len("model.") :]
+        state[name] = v.detach().to(dtype).contiguous()
+    for k, shape in _VISION_TENSORS.items():
+        state[k] = torch.randn(shape, generator=gen).to(dtype)
+    names = list(state)
+    n = max(1, min(s.shards, len(names)))
+    groups = [names[i * len(names) // n : (i + 1) * len(names) // n] for i in range(n)]
+    if n == 1:
+        save_file(state, str(tdir / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, group in enumerate(groups, 1):
+        fname = f"model-{i:05d}-of-{n:05d}.safetensors"
+        save_file({k: state[k] for k in group}, str(tdir / fname), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(group, fname)
+    index = {"metadata": {"total_size": sum(v.nbytes for v in state.values())}}
+    (tdir / INDEX_NAME).write_text(json.dumps({**index, "weight_map": weight_map}, indent=2))
 
 
 def draft_config_dict(s: TinySpec) -> dict:
@@ -286,6 +432,9 @@ def make_tiny_pair(
     tdir, ddir = out / "target", out / "draft"
     tdir.mkdir(parents=True, exist_ok=True)
     ddir.mkdir(parents=True, exist_ok=True)
+    if s.family == "qwen3_5" and not preset:
+        _make_hybrid(s, tdir, ddir)
+        return tdir, ddir
     if preset or s.dtype != "float32" or s.shards > 1 or s.fused_experts:
         from dflash_lab.tiny_writer import write_pair_streamed
 
@@ -317,6 +466,29 @@ def make_tiny_pair(
     return tdir, ddir
 
 
+def _make_hybrid(s: TinySpec, tdir: Path, ddir: Path) -> None:
+    """A tiny hybrid pair in memory (any dtype, either form, sharded or not)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(s.seed)
+    gen = torch.Generator().manual_seed(s.seed + 1)
+    cfg = _hybrid_config(s)
+    target = AutoModelForCausalLM.from_config(getattr(cfg, "text_config", cfg)).float().eval()
+    with torch.no_grad():
+        _randomize_hybrid(target, s, gen)
+        emb = target.get_input_embeddings().weight
+        emb.mul_(4.0)
+        if s.agree > 0:
+            emb[:, 0] = 4.0
+            head = target.get_output_embeddings().weight
+            head[0, 0] += s.agree * head.norm(dim=1).mean()
+    _save_hybrid(target, s, tdir, gen)
+    (ddir / "config.json").write_text(json.dumps(draft_config_dict(s), indent=2) + "\n")
+    state = {k: v.to(getattr(torch, s.dtype)) for k, v in random_draft_state(s, gen).items()}
+    save_file(state, str(ddir / "model.safetensors"))
+
+
 def _layer_types(text: str) -> list[str]:
     names = {"sliding": "sliding_attention", "full": "full_attention"}
     out = [names.get(t.strip(), t.strip()) for t in text.split(",")]
@@ -329,7 +501,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="directory to write target/ and draft/ into")
     p.add_argument("--preset", choices=sorted(PRESETS), help="published shapes (bf16, sharded)")
-    p.add_argument("--family", choices=["qwen3", "llama", "qwen3_moe"])
+    p.add_argument("--family", choices=["qwen3", "llama", "qwen3_moe", "qwen3_5"])
+    p.add_argument(
+        "--multimodal",
+        action="store_true",
+        help="qwen3_5: the published Qwen3_5ForConditionalGeneration form (text_config)",
+    )
     for flag in ("hidden-size", "target-layers", "draft-layers", "num-heads", "num-kv-heads"):
         p.add_argument(f"--{flag}", type=int)
     for flag in ("head-dim", "intermediate-size", "vocab-size", "block-size", "mask-token-id"):
@@ -362,10 +539,13 @@ def main(argv: list[str] | None = None) -> None:
     kw = {
         k: v
         for k, v in vars(a).items()
-        if v is not None and k not in ("out", "preset", "untied", "family", "fused_experts")
+        if v is not None
+        and k not in ("out", "preset", "untied", "family", "fused_experts", "multimodal")
     }
     if a.fused_experts:
         kw["fused_experts"] = True
+    if a.multimodal:
+        kw["multimodal"] = True
     if a.untied:
         kw["tie_word_embeddings"] = False
     if a.preset is None:

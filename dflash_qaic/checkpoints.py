@@ -20,8 +20,17 @@ UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")
 SUPPORTED_TARGETS = {
     "qwen3": ("Qwen3ForCausalLM",),
     "llama": ("LlamaForCausalLM",),
+    # hybrids (Gated DeltaNet + gated full attention): the published multimodal form (text model
+    # under `text_config`, tensors under model.language_model.*) and the text-only form
+    "qwen3_5": ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeForCausalLM",),
 }
+HYBRID_FAMILIES = ("qwen3_5",)
+# model_type of the text-only hybrid (what Qwen3_5ForCausalLM.save_pretrained writes)
+_TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5"}
+# Tensors of a published multimodal checkpoint that the text model does not use (Hugging Face's
+# Qwen3_5ForCausalLM ignores them too): the vision tower and the multi-token-prediction head.
+_MULTIMODAL_IGNORED = ("model.visual.", "mtp.")
 DRAFT_ARCH = "DFlashDraftModel"
 # Per-layer tensors of a DFlash (b16) draft: 11 per layer, plus fc, hidden_norm and norm.
 DRAFT_LAYER_KEYS = (
@@ -119,6 +128,12 @@ class TargetConfig:
     raw: dict = field(repr=False, compare=False)
     intermediate_size: int = 0
     moe: MoeSpec | None = None  # a mixture-of-experts target (family "qwen3_moe")
+    # hybrids: where the text model's tensors live ("model." or, in the published multimodal
+    # form, "model.language_model."), its config (raw, or raw's text_config), and the Gated
+    # DeltaNet dims (`hybrid_dims`)
+    prefix: str = "model."
+    text: dict = field(default=None, repr=False, compare=False)
+    hybrid: dict | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -157,12 +172,49 @@ def read_moe_spec(cfg: dict, cpath: Path, n_layers: int) -> MoeSpec:
     )
 
 
+def hybrid_dims(cfg: dict, cpath: Path) -> dict:
+    """The Gated DeltaNet fields of a hybrid text config, validated: layer_types (linear_attention
+    and full_attention, at least one of each; Hugging Face's default when absent: every
+    `full_attention_interval`-th layer full), the linear heads and dims, and the conv kernel."""
+    n = _positive(cfg, "num_hidden_layers", cpath)
+    types = cfg.get("layer_types")
+    if types is None:
+        every = _positive(cfg, "full_attention_interval", cpath, 4)
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    if (
+        not isinstance(types, list)
+        or len(types) != n
+        or not set(types) <= {"linear_attention", "full_attention"}
+        or "full_attention" not in types
+    ):
+        raise CheckpointError(
+            f"{cpath}: `layer_types` must list {n} entries of linear_attention / full_attention "
+            f"with at least one full_attention layer, got {types!r}"
+        )
+    dims = {
+        k: _positive(cfg, k, cpath, dflt)
+        for k, dflt in (
+            ("linear_num_key_heads", 16),
+            ("linear_num_value_heads", 32),
+            ("linear_key_head_dim", 128),
+            ("linear_value_head_dim", 128),
+            ("linear_conv_kernel_dim", 4),
+        )
+    }
+    if dims["linear_num_value_heads"] % dims["linear_num_key_heads"]:
+        raise CheckpointError(
+            f"{cpath}: `linear_num_value_heads` {dims['linear_num_value_heads']} must be a "
+            f"multiple of `linear_num_key_heads` {dims['linear_num_key_heads']}"
+        )
+    return {"layer_types": list(types), **dims}
+
+
 def read_target_config(directory: str | Path) -> TargetConfig:
     d = Path(directory)
     cfg = _read_config(d, "target")
     cpath = d / "config.json"
     arch = (cfg.get("architectures") or [None])[0]
-    mtype = cfg.get("model_type")
+    mtype = _TEXT_MODEL_TYPES.get(cfg.get("model_type"), cfg.get("model_type"))
     family = next(
         (f for f, archs in SUPPORTED_TARGETS.items() if arch in archs or mtype == f), None
     )
@@ -172,23 +224,35 @@ def read_target_config(directory: str | Path) -> TargetConfig:
             f"supported; supported targets: {', '.join(a for v in SUPPORTED_TARGETS.values() for a in v)}"
         )
     _safetensors_files(d, "target")
-    heads = _positive(cfg, "num_attention_heads", cpath)
-    hidden = _positive(cfg, "hidden_size", cpath)
-    n_layers = _positive(cfg, "num_hidden_layers", cpath)
+    text, prefix, hybrid = cfg, "model.", None
+    if family in HYBRID_FAMILIES:
+        if "text_config" in cfg:  # the published multimodal form
+            text = cfg["text_config"]
+            if not isinstance(text, dict):
+                raise CheckpointError(f"{cpath}: `text_config` must be an object of config fields")
+            prefix = "model.language_model."
+        hybrid = hybrid_dims(text, cpath)
+    heads = _positive(text, "num_attention_heads", cpath)
+    hidden = _positive(text, "hidden_size", cpath)
+    tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    n_layers = _positive(text, "num_hidden_layers", cpath)
     return TargetConfig(
         path=d,
         family=family,
         hidden_size=hidden,
         num_layers=n_layers,
         num_heads=heads,
-        num_kv_heads=_positive(cfg, "num_key_value_heads", cpath, heads),
-        head_dim=_positive(cfg, "head_dim", cpath, hidden // heads or 1),
-        vocab_size=_positive(cfg, "vocab_size", cpath),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(cfg),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        num_kv_heads=_positive(text, "num_key_value_heads", cpath, heads),
+        head_dim=_positive(text, "head_dim", cpath, hidden // heads or 1),
+        vocab_size=_positive(text, "vocab_size", cpath),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(text),
+        tie_word_embeddings=bool(tied),
         raw=cfg,
-        intermediate_size=_positive(cfg, "intermediate_size", cpath),
+        intermediate_size=_positive(text, "intermediate_size", cpath),
+        prefix=prefix,
+        text=text,
+        hybrid=hybrid,
         moe=read_moe_spec(cfg, cpath, n_layers) if family == "qwen3_moe" else None,
     )
 
@@ -548,6 +612,8 @@ def expected_target_shapes(t: TargetConfig, fused: bool = False) -> dict[str, li
     if t.raw.get("mlp_bias"):
         per_layer |= {"mlp.gate_proj.bias": [inter], "mlp.up_proj.bias": [inter]}
         per_layer |= {"mlp.down_proj.bias": [H]}
+    if t.hybrid is not None:
+        return _hybrid_shapes(t, per_layer)
     shapes = {"model.embed_tokens.weight": [V, H], "model.norm.weight": [H]}
     if not t.tie_word_embeddings:
         shapes["lm_head.weight"] = [V, H]
@@ -557,6 +623,38 @@ def expected_target_shapes(t: TargetConfig, fused: bool = False) -> dict[str, li
     for i in range(t.num_layers):
         layer = sparse if t.moe is not None and t.moe.sparse[i] else per_layer
         shapes.update({f"model.layers.{i}.{k}": s for k, s in layer.items()})
+    return shapes
+
+
+def _hybrid_shapes(t: TargetConfig, dense: dict) -> dict[str, list[int]]:
+    """A hybrid's tensors (Hugging Face names, under t.prefix): Gated DeltaNet layers
+    (`linear_attn.*`), gated full-attention layers (q_proj twice as wide: query and gate)."""
+    H, hd, V, h = t.hidden_size, t.head_dim, t.vocab_size, t.hybrid
+    kd = h["linear_num_key_heads"] * h["linear_key_head_dim"]
+    hv, vd = h["linear_num_value_heads"], h["linear_num_value_heads"] * h["linear_value_head_dim"]
+    conv = 2 * kd + vd
+    common = {k: v for k, v in dense.items() if not k.startswith("self_attn.")}
+    full = {**dense, "self_attn.q_proj.weight": [2 * t.num_heads * hd, H]}
+    full |= {"self_attn.q_norm.weight": [hd], "self_attn.k_norm.weight": [hd]}
+    linear = {
+        **common,
+        "linear_attn.in_proj_qkv.weight": [conv, H],
+        "linear_attn.in_proj_z.weight": [vd, H],
+        "linear_attn.in_proj_b.weight": [hv, H],
+        "linear_attn.in_proj_a.weight": [hv, H],
+        "linear_attn.conv1d.weight": [conv, 1, h["linear_conv_kernel_dim"]],
+        "linear_attn.A_log": [hv],
+        "linear_attn.dt_bias": [hv],
+        "linear_attn.norm.weight": [h["linear_value_head_dim"]],
+        "linear_attn.out_proj.weight": [H, vd],
+    }
+    p = t.prefix
+    shapes = {p + "embed_tokens.weight": [V, H], p + "norm.weight": [H]}
+    if not t.tie_word_embeddings:
+        shapes["lm_head.weight"] = [V, H]
+    for i, kind in enumerate(h["layer_types"]):
+        layer = linear if kind == "linear_attention" else full
+        shapes.update({f"{p}layers.{i}.{k}": s for k, s in layer.items()})
     return shapes
 
 
@@ -585,6 +683,8 @@ def check_target_tensors(t: TargetConfig) -> dict[str, TensorInfo]:
     """Every tensor the target needs, with its shape; nothing unknown. Returns the tensors."""
     tensors = checkpoint_tensors(t.path, "target")
     ignored = {k for k in tensors if k.endswith(_IGNORED_SUFFIXES)}
+    if t.hybrid is not None:
+        ignored |= {k for k in tensors if k.startswith(_MULTIMODAL_IGNORED)}
     if t.tie_word_embeddings:
         ignored.add("lm_head.weight")  # tied: the head is the embedding (as Hugging Face does)
     shapes = {k: list(v.shape) for k, v in tensors.items()}
@@ -597,7 +697,9 @@ def check_target_tensors(t: TargetConfig) -> dict[str, TensorInfo]:
 def validate_pair(t: TargetConfig, d: DraftConfig) -> None:
     """One clear error per problem between a target and its draft."""
     dcfg = d.path / "config.json"
-    for fld in ("hidden_size", "num_heads", "num_kv_heads", "head_dim"):
+    # a hybrid's draft has its own attention shape (it borrows only the embedding and the head)
+    same = ("hidden_size",) if t.hybrid is not None else ("num_heads", "num_kv_heads", "head_dim")
+    for fld in dict.fromkeys(("hidden_size", *same)):
         tv, dv = getattr(t, fld), getattr(d, fld)
         if tv != dv:
             raise CheckpointError(

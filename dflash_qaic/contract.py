@@ -72,6 +72,10 @@ SAMPLING_INPUTS = (TEMPERATURE, TOP_K, TOP_P, RANDOM_U)
 NEXT_TOKENS = "next_tokens"
 HIDDEN_STATES = "hidden_states"
 LOGITS = "logits"
+# Hybrid targets (Gated DeltaNet layers): int64 [batch]: the positions of the call each row
+# committed to its recurrent state, decided in the graph by the host's rule (docs/DESIGN.md,
+# Hybrid targets): a prefill chunk's real rows; a verify or decode call's 1 + accepted proposals.
+NUM_COMMITTED = "num_committed"
 # Draft inputs / outputs.
 TARGET_HIDDEN = "target_hidden"
 POSITION_IDS_TARGET = "position_ids_target"
@@ -120,6 +124,41 @@ def past_value(i: int) -> str:
 
 def retained(name: str) -> str:
     return name + RETAINED_SUFFIX
+
+
+def past_state(i: int) -> str:
+    """Gated DeltaNet layer i's recurrent state [rows, v_heads, k_head_dim, v_head_dim]."""
+    return f"past_state.{i}"
+
+
+def past_conv(i: int) -> str:
+    """Gated DeltaNet layer i's conv window [rows, conv_dim, kernel - 1]: its last inputs."""
+    return f"past_conv.{i}"
+
+
+def hybrid_specs(
+    n_layers: int,
+    linear_layers: tuple[int, ...],
+    n_kv_heads: int,
+    head_dim: int,
+    state_dims: tuple[int, ...],
+    continuous_batching: bool = False,
+) -> list[TensorSpec]:
+    """The retained buffers of a hybrid target, layer by layer: past_state.{i}, past_conv.{i} for
+    a Gated DeltaNet layer (state_dims = v_heads, k_head_dim, v_head_dim, conv_dim, kernel - 1),
+    past_key.{i}, past_value.{i} for a full-attention layer; rows as `kv_specs`."""
+    rows = FULL_BATCH if continuous_batching else BATCH
+    hv, dk, dv, conv, window = state_dims
+    kv = (rows, n_kv_heads, CTX, head_dim)
+    out = []
+    for i in range(n_layers):
+        if i in linear_layers:
+            out.append(TensorSpec(past_state(i), "float32", (rows, hv, dk, dv)))
+            out.append(TensorSpec(past_conv(i), "float32", (rows, conv, window)))
+        else:
+            out.append(TensorSpec(past_key(i), "float32", kv))
+            out.append(TensorSpec(past_value(i), "float32", kv))
+    return out
 
 
 def kv_specs(
@@ -206,9 +245,27 @@ class TargetIO:
     sampling: bool = True
     continuous_batching: bool = False
     comp_ctx: bool = False  # takes `comp_ctx_lengths` (every export since it existed does)
+    # Hybrid targets: the Gated DeltaNet layers (no KV cache: a state and a conv window, see
+    # `hybrid_specs`) and their state dims; the program also returns NUM_COMMITTED.
+    linear_layers: tuple[int, ...] = ()
+    state_dims: tuple[int, ...] = ()
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.linear_layers)
 
     @property
     def kv(self) -> list[TensorSpec]:
+        """Every retained buffer (KV caches, and a hybrid's states and conv windows)."""
+        if self.hybrid:
+            return hybrid_specs(
+                self.n_layers,
+                self.linear_layers,
+                self.n_kv_heads,
+                self.head_dim,
+                self.state_dims,
+                self.continuous_batching,
+            )
         return kv_specs(self.n_layers, self.n_kv_heads, self.head_dim, self.continuous_batching)
 
     @property
@@ -230,6 +287,8 @@ class TargetIO:
         ]
         if self.emit_logits:
             out.append(TensorSpec(LOGITS, "float32", (BATCH, SEQ, self.vocab_size)))
+        if self.hybrid:
+            out.append(TensorSpec(NUM_COMMITTED, "int64", (BATCH,)))
         out += [TensorSpec(retained(s.name), s.dtype, s.shape) for s in self.kv]
         return out
 

@@ -268,6 +268,16 @@ class QpcRecord:
 _TARGET_IO = ("n_layers", "n_kv_heads", "head_dim", "hidden_size", "vocab_size")
 
 
+def _int_tuple(c: _Check, name: str, lo: int, hi: int) -> tuple[int, ...]:
+    """An optional list of integers in [lo, hi] (absent: empty)."""
+    v = c.get(name, [])
+    if not isinstance(v, list | tuple) or any(
+        isinstance(n, bool) or not isinstance(n, int) or not lo <= n <= hi for n in v
+    ):
+        c.fail(c.key(name), f"must be a list of integers in [{lo}, {hi}], got {v!r}")
+    return tuple(v)
+
+
 @dataclass(frozen=True)
 class Program:
     """An exported program: its contract I/O object, files, specializations and QPCs."""
@@ -323,7 +333,11 @@ class Program:
                 sampling=c.bool("sampling"),
                 continuous_batching=cb,
                 comp_ctx=window,
+                linear_layers=_int_tuple(c, "linear_layers", 0, dims["n_layers"] - 1),
+                state_dims=_int_tuple(c, "state_dims", 1, 1 << 24),
             )
+            if io.hybrid and len(io.state_dims) != 5:
+                c.fail(c.key("state_dims"), "must list 5 dims for a hybrid target")
         else:
             io = contract.DraftIO(
                 **dims,
@@ -344,6 +358,7 @@ class Program:
             | set(dims)
             | {"emit_logits", "sampling", "block_size", "continuous_batching", "comp_ctx"}
         )
+        known |= {"linear_layers", "state_dims"}
         known |= {"confidence", "ring_slots", "inputs", "outputs", "qpc"}
         return cls(
             io=io,

@@ -663,7 +663,7 @@ def test_max_num_seqs_caps_the_engine_slots():
     from dflash_qaic.serve.cli import UsageError, _limits
 
     pipe = types.SimpleNamespace(full_batch_size=4, max_running=None, ctx_len=1024, B=16)
-    pipe.configure = lambda **changes: vars(pipe).update(changes)  # as Pipeline.configure
+    pipe.configure = lambda max_running: setattr(pipe, "max_running", max_running)
     _limits(argparse.Namespace(max_model_len=1023, max_num_seqs=2), pipe)
     assert pipe.max_running == 2 and Engine(pipe).slots == 2
     with pytest.raises(

@@ -207,7 +207,7 @@ def _eos_ids(target_dir: Path) -> list[int]:
 def _check_target_support(pair: ck.Pair) -> None:
     """What the modeling code refuses at export time, checked from the configs up front."""
     for what, raw, path in (
-        ("target", pair.target.raw, pair.target.path),
+        ("target", pair.target.text or pair.target.raw, pair.target.path),
         ("draft", pair.draft.raw or {}, pair.draft.path),
     ):
         act = raw.get("hidden_act", "silu")
@@ -219,7 +219,7 @@ def _check_target_support(pair: ck.Pair) -> None:
         for key in ("rope_parameters", "rope_scaling"):
             _check_rope(raw.get(key) or {}, path / "config.json")
     types = pair.target.raw.get("layer_types") or []
-    if any(t != "full_attention" for t in types):
+    if pair.target.hybrid is None and any(t != "full_attention" for t in types):
         raise ExportError(
             f"{pair.target.path / 'config.json'}: sliding-window layers are not supported "
             f"(layer_types {sorted(set(types))})"

@@ -228,19 +228,19 @@ def _transposed_names(module: torch.nn.Module) -> set[str]:
 
 
 def _head_sources(pair: ck.Pair, tied: bool) -> dict[str, Source]:
-    tt = pair.target_tensors
-    head = tt["model.embed_tokens.weight"] if tied else tt["lm_head.weight"]
+    tt, p = pair.target_tensors, pair.target.prefix  # "model." (or a multimodal text model's)
+    head = tt[p + "embed_tokens.weight"] if tied else tt["lm_head.weight"]
     out = {"head_t": Source(head, transpose=True)}
     if not tied:
-        out["embed"] = Source(tt["model.embed_tokens.weight"])
+        out["embed"] = Source(tt[p + "embed_tokens.weight"])
     return out
 
 
 def target_sources(module: torch.nn.Module, pair: ck.Pair) -> dict[str, Source]:
     """Every parameter of an `ExportTarget` -> its checkpoint tensor and transform."""
-    tt, dt = pair.target_tensors, pair.draft_tensors
+    tt, dt, p = pair.target_tensors, pair.draft_tensors, pair.target.prefix
     fixed = {
-        "norm.weight": Source(tt["model.norm.weight"]),
+        "norm.weight": Source(tt[p + "norm.weight"]),
         "fc.weight": Source(dt["fc.weight"], scale=float(module.fc_scale)),
         "hidden_norm.weight": Source(dt["hidden_norm.weight"]),
         **_head_sources(pair, module.tied),
@@ -249,10 +249,10 @@ def target_sources(module: torch.nn.Module, pair: ck.Pair) -> dict[str, Source]:
     for name, param in module.named_parameters():
         if name in fixed:
             out[name] = fixed[name]
-        elif name.startswith("layers.") and "model." + name in tt:
-            out[name] = Source(tt["model." + name])
+        elif name.startswith("layers.") and p + name in tt:
+            out[name] = Source(tt[p + name])
         elif name.startswith("layers.") and name.endswith((".mlp.gate_up", ".mlp.down")):
-            out[name] = expert_source(tt, "model." + name, tuple(param.shape))
+            out[name] = expert_source(tt, p + name, tuple(param.shape))
         else:
             raise KeyError(f"target program parameter `{name}` has no checkpoint tensor")
     return _with_transposes(module, out)

@@ -55,11 +55,21 @@ def inplace_cache_safe(onnx_path, kv_names: list[str]) -> bool:
     a graph that does not gets double buffering instead.
     """
     readers: dict[str, list] = {}
-    for node in graph_nodes(onnx_path):
+    nodes = graph_nodes(onnx_path)
+    for node in nodes:
         for i, name in enumerate(node.input):
             readers.setdefault(name, []).append((node, i))
+    producer = {out: node for node in nodes for out in node.output}
     for name in kv_names:
         uses = [(n, i) for n, i in readers.get(name, []) if n.op_type != "Shape"]
+        update = [(n, i) for n, i in uses if list(n.output) == [contract.retained(name)]]
+        if len(uses) == 2 and len(update) == 1:
+            # a recurrent state (hybrid targets): its rows are read by a Gather that the update
+            # depends on, so the read happens before the in-place write
+            read = next(n for n, _ in uses if n is not update[0][0])
+            if read.op_type != "Gather" or not _feeds(read, update[0][0], producer):
+                return False
+            uses = update
         if len(uses) != 1:
             return False
         node, i = uses[0]
@@ -68,6 +78,21 @@ def inplace_cache_safe(onnx_path, kv_names: list[str]) -> bool:
         if list(node.output) != [contract.retained(name)]:
             return False
     return True
+
+
+def _feeds(src, dst, producer: dict) -> bool:
+    """Whether node `src`'s output reaches node `dst` (walking dst's inputs back)."""
+    seen, todo = set(), list(dst.input)
+    while todo:
+        name = todo.pop()
+        node = producer.get(name)
+        if node is None or id(node) in seen:
+            continue
+        if node is src:
+            return True
+        seen.add(id(node))
+        todo.extend(node.input)
+    return False
 
 
 @dataclass

@@ -14,15 +14,17 @@ sequences generating at once (at most the artifacts' cache rows, --full-batch-si
 --seed seeds the sampling requests that bring no seed of their own (the same requests in the
 same order give the same outputs; default: fresh entropy); --uvicorn-log-level sets uvicorn's
 logging (default: --log-level's); --disable-log-requests drops the one info line per request.
+
 Binds 127.0.0.1 unless told otherwise (--host 0.0.0.0 exposes the server to the network: give it
-an --api-key; without one a warning is logged). --port 0 takes a free port; the line "dflash-serve: serving ... on URL" on
-stdout says which. One worker thread drives the continuous-batching engine: artifacts exported
-with `dflash-export --full-batch-size N` generate up to N requests at once (a newcomer joins at
-the next step), others one at a time; up to --max-queue more requests wait for a slot (a full
-queue answers 503). A request body above --max-request-bytes is refused (413) as it is read.
-On SIGTERM or Ctrl-C the server stops accepting connections, lets the requests in flight
-finish for up to --shutdown-timeout seconds, then cuts what is left at its next step (a 503
-JSON error, or a stream's last chunk with finish_reason "abort" and [DONE]), and exits 0.
+an --api-key; without one a warning is logged). --port 0 takes a free port; the line
+"dflash-serve: serving ... on URL" on stdout says which. One worker thread drives the
+continuous-batching engine: artifacts exported with `dflash-export --full-batch-size N` generate
+up to N requests at once (a newcomer joins at the next step), others one at a time; up to
+--max-queue more requests wait for a slot (beyond, 503). A request body above
+--max-request-bytes is refused (413) as it is read. On SIGTERM or Ctrl-C the server stops
+accepting connections, lets the requests in flight finish for up to --shutdown-timeout seconds,
+then cuts what is left at its next step (a 503 JSON error, or a stream's last chunk with
+finish_reason "abort" and [DONE]), and exits 0.
 """
 
 from __future__ import annotations
