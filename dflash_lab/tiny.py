@@ -5,6 +5,7 @@
     dflash-make-tiny-pair OUT --preset qwen3-4b        # Qwen3-4B shapes, bf16, 3 shards + index
     dflash-make-tiny-pair OUT --layer-types sliding,full --sliding-window 64 [--is-causal false]
         [--input-embedding-scale S] [--output-multiplier M] [--final-logit-softcapping C]
+    dflash-make-tiny-pair OUT --draft-form dflash2 [--conv-kernel-size K] [--selector-top-k k]
 
     dflash-make-tiny-pair OUT --family qwen3_moe       # 8 experts, top-2, layer 1 dense
     dflash-make-tiny-pair OUT --preset qwen3-30b-a3b   # Qwen3-30B-A3B layers (4 of them), bf16
@@ -67,6 +68,13 @@ class TinySpec:
     input_embedding_scale: float | None = None
     output_multiplier: float | None = None
     final_logit_softcapping: float | None = None
+    # "dflash2": a DFlash2DraftModel (convs around attention and MLP, a candidate selector;
+    # its fields in dflash_config, the selector's tensors without `.weight`, as published)
+    draft_form: str = "dflash"
+    conv_kernel_size: int = 3
+    conv_group_size: int = 16
+    selector_rank: int = 4
+    selector_top_k: int = 4
     # family "qwen3_moe": experts of moe_intermediate_size, top-k routing, dense mlp_only_layers
     num_experts: int = 8
     num_experts_per_tok: int = 2
@@ -353,8 +361,13 @@ def draft_config_dict(s: TinySpec) -> dict:
         attention["sliding_window"] = s.sliding_window
     if s.is_causal is not None:
         attention["is_causal"] = s.is_causal
+    arch = "DFlashDraftModel"
+    if s.draft_form == "dflash2":
+        arch = "DFlash2DraftModel"
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            dflash[key] = getattr(s, key)
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [arch],
         "model_type": "qwen3",
         "hidden_size": s.hidden_size,
         "intermediate_size": s.intermediate_size,
@@ -392,6 +405,11 @@ def random_draft_state(s: TinySpec, gen: torch.Generator) -> dict[str, torch.Ten
         "hidden_norm.weight": norm(H),
         "norm.weight": torch.zeros(H) if s.agree > 0 else norm(H),
     }
+    if s.agree > 0 and s.draft_form == "dflash2":  # a zero norm would tie every logit (the
+        # selector's top-k would then depend on tie-breaking): keep the embedding's dim-0
+        # offset, which the target's head turns into a lead of token 0, and a little noise
+        state["norm.weight"] = 0.05 * torch.randn(H, generator=gen)
+        state["norm.weight"][0] = 1.0
     for i in range(s.draft_layers):
         p = f"layers.{i}."
         state.update(
@@ -409,6 +427,20 @@ def random_draft_state(s: TinySpec, gen: torch.Generator) -> dict[str, torch.Ten
                 p + "post_attention_layernorm.weight": norm(H),
             }
         )
+        if s.draft_form == "dflash2":  # base kernels near the identity, small dynamic parts
+            for conv in ("attention_conv", "mlp_conv"):
+                base = 0.3 * torch.randn(2, s.conv_kernel_size, H, generator=gen)
+                base[:, 0] += 1.0
+                state[p + f"{conv}.base_kernel"] = base
+                groups = H // s.conv_group_size
+                state[p + f"{conv}.kernel_projection.weight"] = w(
+                    2 * s.conv_kernel_size * groups, H, scale=0.3 * H**-0.5
+                )
+    if s.draft_form == "dflash2":  # codebooks without `.weight`, as the reference's loader
+        r = s.selector_rank  # maps them; pair scores of the size of logit gaps
+        state["candidate_selector.hidden_projection.weight"] = w(r, H)
+        state["candidate_selector.predecessor_codebook"] = w(s.vocab_size, r, scale=1.0)
+        state["candidate_selector.successor_codebook"] = w(s.vocab_size, r, scale=1.0)
     return state
 
 
@@ -454,6 +486,8 @@ def make_tiny_pair(
         _make_hybrid(s, tdir, ddir)
         return tdir, ddir
     if preset or s.dtype != "float32" or s.shards > 1 or s.fused_experts:
+        if s.draft_form != "dflash":
+            raise ValueError(f"draft form {s.draft_form!r} is written only as a tiny fp32 pair")
         from dflash_lab.tiny_writer import write_pair_streamed
 
         write_pair_streamed(s, tdir, ddir, _target_config(s))
@@ -547,6 +581,13 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--is-causal", choices=["true", "false"], help="override causality per layer")
     for flag in ("input-embedding-scale", "output-multiplier", "final-logit-softcapping"):
         d.add_argument(f"--{flag}", type=float)
+    d.add_argument(
+        "--draft-form",
+        choices=["dflash", "dflash2"],
+        help="dflash2: a DFlash2DraftModel (dynamic convs and a candidate selector)",
+    )
+    for flag in ("conv-kernel-size", "conv-group-size", "selector-rank", "selector-top-k"):
+        d.add_argument(f"--{flag}", type=int, help="--draft-form dflash2")
     a = p.parse_args(argv)
     if a.is_causal is not None:
         a.is_causal = a.is_causal == "true"

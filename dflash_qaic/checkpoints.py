@@ -50,6 +50,15 @@ DRAFT_LAYER_KEYS = (
     "post_attention_layernorm.weight",
 )
 DRAFT_TOP_KEYS = ("fc.weight", "hidden_norm.weight", "norm.weight")
+# DFlash-2 drafts (docs/DESIGN.md, DFlash-2 drafts): a dynamic causal conv around attention and
+# around the MLP of every layer, and a candidate selector. Its three tensors are stored without
+# a `.weight` suffix in published checkpoints; they are read under the module names below.
+DRAFT2_ARCH = "DFlash2DraftModel"
+DRAFT2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+SELECTOR_KEYS = tuple(
+    f"candidate_selector.{n}.weight"
+    for n in ("hidden_projection", "predecessor_codebook", "successor_codebook")
+)
 
 
 class CheckpointError(ValueError):
@@ -300,6 +309,11 @@ class DraftConfig:
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None  # keys a sliding layer's query sees (itself included)
     is_causal: bool | None = None  # None: causal in the block exactly in the sliding layers
+    # DFlash-2 (None: a DFlash draft): conv kernel K and group size G, selector rank r and top-k
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
     raw: dict = field(default=None, repr=False, compare=False)
 
     def layer_attention(self, i: int) -> tuple[bool, int | None]:
@@ -309,6 +323,11 @@ class DraftConfig:
         sliding = bool(self.layer_types) and self.layer_types[i] == "sliding_attention"
         causal = sliding if self.is_causal is None else self.is_causal
         return causal, (self.sliding_window if sliding else None)
+
+    @property
+    def dflash2(self) -> bool:
+        """A DFlash-2 draft: convs in every layer and a candidate selector."""
+        return self.conv_kernel_size is not None
 
 
 def _dflash_value(cfg: dict, key: str, default=None):
@@ -321,10 +340,10 @@ def read_draft_config(directory: str | Path) -> DraftConfig:
     cfg = _read_config(d, "draft")
     cpath = d / "config.json"
     arch = (cfg.get("architectures") or [None])[0]
-    if arch != DRAFT_ARCH:
+    if arch not in (DRAFT_ARCH, DRAFT2_ARCH):
         raise CheckpointError(
             f"{cpath}: `architectures` is {cfg.get('architectures')}, expected [{DRAFT_ARCH!r}] "
-            "(a DFlash draft checkpoint in the published z-lab format)"
+            f"or [{DRAFT2_ARCH!r}] (a DFlash draft checkpoint in the published z-lab format)"
         )
     heads = _positive(cfg, "num_attention_heads", cpath)
     hidden = _positive(cfg, "hidden_size", cpath)
@@ -349,6 +368,7 @@ def read_draft_config(directory: str | Path) -> DraftConfig:
         )
     layer_types, window, causal = _draft_attention(cfg, cpath, n_layers)
     softcap = _dflash_value(cfg, "final_logit_softcapping")
+    dflash2 = _dflash2_fields(cfg, cpath, hidden) if arch == DRAFT2_ARCH else {}
     return DraftConfig(
         path=d,
         hidden_size=hidden,
@@ -370,8 +390,34 @@ def read_draft_config(directory: str | Path) -> DraftConfig:
         layer_types=layer_types,
         sliding_window=window,
         is_causal=causal,
+        **dflash2,
         raw=cfg,
     )
+
+
+def _dflash2_fields(cfg: dict, cpath: Path, hidden: int) -> dict:
+    """The four DFlash-2 fields (top level or in `dflash_config`, as the reference reads them)."""
+    out = {}
+    for key in DRAFT2_FIELDS:
+        v = _dflash_value(cfg, key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise CheckpointError(
+                f"{cpath}: a {DRAFT2_ARCH} needs a positive integer `{key}` (top level or in "
+                f"`dflash_config`), got {v!r}"
+            )
+        out[key] = v
+    if hidden % out["conv_group_size"]:
+        raise CheckpointError(
+            f"{cpath}: `conv_group_size` {out['conv_group_size']} does not divide `hidden_size` "
+            f"{hidden}; the conv's channels are split into groups of that size"
+        )
+    vocab = cfg.get("vocab_size")
+    if not isinstance(vocab, int) or not 1 <= out["selector_top_k"] <= vocab:
+        raise CheckpointError(
+            f"{cpath}: a {DRAFT2_ARCH} needs `vocab_size` (its codebooks have one row per token) "
+            f"and `selector_top_k` ({out['selector_top_k']}) at most that, got {vocab!r}"
+        )
+    return out
 
 
 DRAFT_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -420,21 +466,46 @@ def expected_draft_shapes(c: DraftConfig) -> dict[str, list[int]]:
         "input_layernorm.weight": [H],
         "post_attention_layernorm.weight": [H],
     }
+    if c.dflash2:
+        K, G, r = c.conv_kernel_size, c.conv_group_size, c.selector_rank
+        for conv in ("attention_conv", "mlp_conv"):
+            per_layer[f"{conv}.base_kernel"] = [2, K, H]
+            per_layer[f"{conv}.kernel_projection.weight"] = [2 * K * (H // G), H]
+        shapes[SELECTOR_KEYS[0]] = [r, H]
+        shapes[SELECTOR_KEYS[1]] = shapes[SELECTOR_KEYS[2]] = [int(c.vocab_size), r]
     for i in range(c.num_layers):
         shapes.update({f"layers.{i}.{name}": s for name, s in per_layer.items()})
     return shapes
 
 
+def draft_tensor_names(names, where) -> dict[str, str]:
+    """Checkpoint key -> the name the draft's modules use: the selector's tensors are published
+    without `.weight` (`candidate_selector.predecessor_codebook`); both spellings are read, one
+    tensor may not appear under both."""
+    out = {}
+    for name in names:
+        canon = name + ".weight" if name + ".weight" in SELECTOR_KEYS else name
+        if canon in out.values():
+            raise CheckpointError(
+                f"{where}: tensor `{canon}` appears both with and without `.weight`; keep one"
+            )
+        out[name] = canon
+    return out
+
+
 def check_draft_tensors(c: DraftConfig) -> dict[str, TensorInfo]:
-    """The 3 + 11·L tensor layout, exactly: unknown keys mean an unsupported (e.g. DFlash-2)
-    draft. Returns the tensors."""
+    """The 3 + 11·L tensor layout (DFlash-2: + 4 per layer + 3), exactly: unknown keys mean an
+    unsupported draft. Returns the tensors, under the modules' names (`draft_tensor_names`)."""
     tensors = checkpoint_tensors(c.path, "draft")
     files = {i.file for i in tensors.values()}
     where = next(iter(files)) if len(files) == 1 else c.path
-    hint = (
-        f"this is not a DFlash (b16) draft with {c.num_layers} layers (e.g. a DFlash-2 checkpoint "
-        "with attention_conv / candidate_selector)"
-    )
+    names = draft_tensor_names(tensors, where)
+    tensors = {names[k]: v for k, v in tensors.items()}
+    arch = DRAFT2_ARCH if c.dflash2 else DRAFT_ARCH
+    hint = f"this is not a {arch} with {c.num_layers} layers as its config.json describes"
+    if not c.dflash2:
+        hint += " (a DFlash-2 checkpoint with attention_conv / candidate_selector says so in "
+        hint += f"`architectures`: [{DRAFT2_ARCH!r}])"
     shapes = {k: list(v.shape) for k, v in tensors.items()}
     _check_layout(where, shapes, expected_draft_shapes(c), set(), hint)
     return tensors
@@ -805,7 +876,8 @@ def load_draft_state(d: DraftConfig) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for f in _safetensors_files(d.path, "draft"):
         state.update(load_file(str(f)))
-    return {k: v.float() for k, v in state.items()}
+    names = draft_tensor_names(state, d.path)
+    return {names[k]: v.float() for k, v in state.items()}
 
 
 def file_digest(directory: str | Path, *, chunk: int = 1 << 22) -> str:

@@ -274,7 +274,7 @@ def draft_sources(module: torch.nn.Module, pair: ck.Pair) -> dict[str, Source]:
     for name, _ in module.named_parameters():
         if name in fixed:
             out[name] = fixed[name]
-        elif name.startswith("layers.") and name in dt:
+        elif name.startswith(("layers.", "candidate_selector.")) and name in dt:
             out[name] = Source(dt[name])
         else:
             raise KeyError(f"draft program parameter `{name}` has no checkpoint tensor")

@@ -45,7 +45,15 @@ from dflash_qaic.modeling.ops import (
     update_cache,
 )
 
-__all__ = ["DFlashDraft", "DraftAttention", "DraftLayer", "ExportDraft", "apply_rope"]
+__all__ = [
+    "CandidateSelector",
+    "DFlashDraft",
+    "DraftAttention",
+    "DraftLayer",
+    "DynamicCausalConv",
+    "ExportDraft",
+    "apply_rope",
+]
 
 
 class DraftAttention(nn.Module):
@@ -124,6 +132,75 @@ def window_mask(held: torch.Tensor, block_positions: torch.Tensor, window: int, 
     return torch.where(visible, 0.0, MASK_VALUE)[:, None].repeat(1, 1, g, 1)
 
 
+def causal_conv(x: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+    """DFlash-2's causal conv over the block's positions, one kernel per position and channel:
+    out[t, c] = Σ_o kernel[t, o, c] · x[t − o, c]   (x before the block is 0)
+    x [b, B, H]; kernel [b, B, K, H]. Unrolled over the K offsets: each is a shift of the block
+    by o rows."""
+    B, K = int(x.shape[1]), kernel.shape[2]
+    out = kernel[:, :, 0] * x
+    for o in range(1, min(K, B)):  # an offset ≥ B reaches before the block: all zeros
+        # x shifted down by o rows: a constant [B, B] 0/1 matrix, built in Python (a Pad or
+        # Slice sized from the traced shape would leave the graph's shapes unresolved)
+        shift = torch.tensor([[float(j == i - o) for j in range(B)] for i in range(B)])
+        out = out + kernel[:, :, o] * (shift.to(x.dtype) @ x)
+    return out
+
+
+class DynamicCausalConv(nn.Module):
+    """DFlash-2's grouped dynamic conv around one sub-block (attention or MLP) of a draft
+    layer: `prepare` convolves the sub-block's input x, `finish` its output, with kernels
+    base_kernel[0 | 1] + a per-position part projected from x, shared by each group of G
+    channels: kernel [b, B, 2, K, H] = base [2, K, H] + repeat_G(kernel_projection(x))."""
+
+    def __init__(self, H: int, K: int, G: int):
+        super().__init__()
+        self.H, self.K, self.G = H, K, G  # plain ints: static dims in the graph
+        self.base_kernel = nn.Parameter(torch.zeros(2, K, H))  # [2, K, H]
+        self.kernel_projection = nn.Linear(H, 2 * K * (H // G), bias=False)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, B, _ = x.shape
+        H = self.H
+        dyn = self.kernel_projection(x).view(b, B, 2, self.K, H // self.G, 1)
+        # the weight enters by an Add with the input's part (a Slice of it alone would be
+        # constant-folded by the exporter into a tensor with no checkpoint source)
+        kernel = (dyn * x.new_ones(self.G)).view(b, B, 2, self.K, H)  # each group's G channels
+        kernel = kernel + self.base_kernel  # [b, B, 2, K, H]
+        return causal_conv(x, kernel[:, :, 0]), kernel[:, :, 1]
+
+    def finish(self, y: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+        return causal_conv(y, kernel)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash-2's selector: walks the block left to right over each row's top-k logits,
+    scoring candidate c after predecessor p as unary(c) + ⟨pred(p) · proj(h), succ(c)⟩ and
+    keeping the best (greedy). Unrolled over the block's rows: no control flow in a graph."""
+
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        V, r = int(c.vocab_size), c.selector_rank
+        self.top_k = c.selector_top_k
+        self.hidden_projection = nn.Linear(c.hidden_size, r, bias=False)
+        self.predecessor_codebook = nn.Embedding(V, r)
+        self.successor_codebook = nn.Embedding(V, r)
+
+    def forward(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor):
+        """hidden [b, n, H] (normed draft rows 1 … B−1), logits [b, n, V], anchor [b] ->
+        the greedy path [b, n]."""
+        unary, cand = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1)  # [b, n, k]
+        proj = self.hidden_projection(hidden)  # [b, n, r]
+        succ = self.successor_codebook(cand)  # [b, n, k, r]
+        prev, path = anchor, []
+        for j in range(hidden.shape[1]):
+            query = self.predecessor_codebook(prev) * proj[:, j]  # [b, r]
+            scores = unary[:, j] + (succ[:, j] @ query[:, :, None])[..., 0]  # [b, k]
+            prev = cand[:, j].gather(-1, scores.argmax(-1, keepdim=True))[:, 0]  # [b]
+            path.append(prev)
+        return torch.stack(path, dim=1)
+
+
 class DraftLayer(nn.Module):
     def __init__(self, c: DraftConfig, i: int = 0):
         super().__init__()
@@ -132,10 +209,22 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.causal, self.window = c.layer_attention(i)  # plain attributes: no state dict entry
+        self.attention_conv = self.mlp_conv = None  # DFlash-2: a conv around each sub-block
+        if c.dflash2:
+            H, K, G = c.hidden_size, c.conv_kernel_size, c.conv_group_size
+            self.attention_conv = DynamicCausalConv(H, K, G)
+            self.mlp_conv = DynamicCausalConv(H, K, G)
 
     def forward(self, h, cos, sin, ctx_k, ctx_v, ctx_mask=None, blk_mask=None):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        if self.attention_conv is None:  # DFlash
+            a = self.self_attn(self.input_layernorm(h), cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask)
+            h = h + a
+            return h + self.mlp(self.post_attention_layernorm(h))
+        x, dyn = self.attention_conv.prepare(self.input_layernorm(h))  # DFlash-2
+        a = self.self_attn(x, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask)
+        h = h + self.attention_conv.finish(a, dyn)
+        x, dyn = self.mlp_conv.prepare(self.post_attention_layernorm(h))
+        return h + self.mlp_conv.finish(self.mlp(x), dyn)
 
 
 class DFlashDraft(nn.Module):
@@ -151,6 +240,7 @@ class DFlashDraft(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(c, i) for i in range(c.num_layers))
         self.norm = RMSNorm(H, c.rms_norm_eps)
         self.rope = Rope.from_config(c.raw)
+        self.candidate_selector = CandidateSelector(c) if c.dflash2 else None
 
     @classmethod
     def from_checkpoint(cls, c: DraftConfig, state: dict[str, torch.Tensor]) -> DFlashDraft:
@@ -192,7 +282,10 @@ class DFlashDraft(nn.Module):
         h = self.forward(
             self.fuse(features), ctx_positions, self.embed(block_ids, embed_w), block_positions
         )
-        return self.logits(h[:, 1:], head_w).argmax(-1)
+        logits = self.logits(h[:, 1:], head_w)
+        if self.candidate_selector is not None:  # DFlash-2: the selector's path
+            return self.candidate_selector(h[:, 1:], logits, block_ids[:, 0])
+        return logits.argmax(-1)
 
 
 class ExportDraft(nn.Module):
@@ -229,6 +322,7 @@ class ExportDraft(nn.Module):
         self.confidence = confidence
         self.c = draft.config
         self.layers, self.norm = draft.layers, draft.norm
+        self.candidate_selector = draft.candidate_selector  # DFlash-2 (None: argmax)
         self.rope = RopeTable.from_rope(draft.rope, ctx_len)
         # head_t [H, V]; a tied head is also the embedding table (embed is then None)
         self.tied, self.head_t, self.embed = vocab_tables(embed_weight, head_weight)
@@ -287,11 +381,15 @@ class ExportDraft(nn.Module):
             h = layer(h, cos, sin, keys, values, mask, blk_mask)
             retained += [cache_k, cache_v]
 
-        logits = (self.norm(h[:, 1:]) @ self.head_t) * self.c.output_multiplier  # [b, B−1, V]
+        hidden = self.norm(h[:, 1:])  # [b, B−1, H]
+        logits = (hidden @ self.head_t) * self.c.output_multiplier  # [b, B−1, V]
         if self.c.final_logit_softcapping:
             cap = self.c.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
-        draft_tokens = logits.argmax(-1)  # [b, B−1]
+        if self.candidate_selector is None:
+            draft_tokens = logits.argmax(-1)  # [b, B−1]
+        else:  # DFlash-2: the selector's greedy path from the anchor
+            draft_tokens = self.candidate_selector(hidden, logits, input_ids[:, 0])
         conf = []
         if self.confidence:  # 1 / Σ exp(top_i − top_0) over the k largest: terms ≤ 1, fp16-safe
             k = min(CONFIDENCE_TOPK, logits.shape[-1])

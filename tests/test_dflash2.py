@@ -1,0 +1,249 @@
+"""DFlash-2 drafts (docs/DESIGN.md, DFlash-2 drafts): the published `DFlash2DraftModel` form
+(dynamic causal convs around attention and MLP, a candidate selector over each row's top-k).
+
+Oracles: the reference `DFlash2DraftModel` (dflash 0.1.0) for the forward and the selector's
+path, and its `dflash_generate` for tokens and per-step acceptance (whole-block verification);
+the target's exact distribution (chi-square) when sampling.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from dflash.model import DFlash2DraftModel, dflash_generate
+from test_sampling import PROMPT as SAMPLING_PROMPT
+from test_sampling import V as SAMPLING_V
+from test_sampling import exact_first_two, gof, gof_pvalue
+
+import dflash_qaic
+from dflash_qaic import checkpoints as ck
+from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
+from dflash_qaic.modeling.draft import DFlashDraft
+
+V = 24  # a small vocabulary; `agree` makes the target and the draft lean to token 0
+FORM = dict(draft_form="dflash2", block_size=8, vocab_size=V, tie_word_embeddings=False)
+FORM["target_layer_ids"] = [1, 3]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_pair):
+    return tiny_pair(agree=2.0, **FORM)
+
+
+def _copy(d, tmp_path, **edit):
+    bad = tmp_path / "draft"
+    shutil.copytree(d, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    for k, v in edit.items():
+        if v is None:
+            cfg.pop(k, None)
+            cfg["dflash_config"].pop(k, None)
+        else:
+            cfg["dflash_config"][k] = v
+    (bad / "config.json").write_text(json.dumps(cfg))
+    return bad
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def test_published_form_is_read_and_validated(pair):
+    t, d = pair
+    c = ck.read_draft_config(d)
+    assert c.dflash2 and (c.conv_kernel_size, c.conv_group_size) == (3, 16)
+    assert (c.selector_rank, c.selector_top_k) == (4, 4)
+    on_disk = ck.checkpoint_tensors(d, "draft")
+    assert "candidate_selector.predecessor_codebook" in on_disk  # published: no `.weight`
+    tensors = ck.read_pair(t, d).draft_tensors
+    assert len(tensors) == 3 + 15 * c.num_layers + 3
+    assert "candidate_selector.predecessor_codebook.weight" in tensors
+    assert set(ck.load_draft_state(c)) == set(tensors)
+
+
+def test_fields_at_top_level(pair, tmp_path):
+    _, d = pair
+    moved = _copy(d, tmp_path)
+    cfg = json.loads((moved / "config.json").read_text())
+    for k in ck.DRAFT2_FIELDS:
+        cfg[k] = cfg["dflash_config"].pop(k)
+    (moved / "config.json").write_text(json.dumps(cfg))
+    assert ck.read_draft_config(moved).selector_top_k == 4
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        ({"conv_kernel_size": None}, "positive integer `conv_kernel_size`"),
+        ({"selector_rank": 0}, "positive integer `selector_rank`"),
+        ({"conv_group_size": 5}, "does not divide `hidden_size` 64"),
+        ({"selector_top_k": 25}, "`selector_top_k` \\(25\\) at most that"),
+    ],
+)
+def test_bad_fields_are_refused(pair, tmp_path, edit, match):
+    with pytest.raises(ck.CheckpointError, match=match):
+        ck.read_draft_config(_copy(pair[1], tmp_path, **edit))
+
+
+def _retensor(d, tmp_path, change):
+    from safetensors.torch import load_file, save_file
+
+    out = _copy(d, tmp_path)
+    state = load_file(str(out / "model.safetensors"))
+    change(state)
+    save_file(state, str(out / "model.safetensors"))
+    return ck.read_draft_config(out)
+
+
+def test_tensor_layout(pair, tmp_path):
+    _, d = pair
+    # the `.weight` spelling of the codebooks is read too
+    c = _retensor(d, tmp_path / "a", lambda s: s.update(
+        {"candidate_selector.successor_codebook.weight":
+         s.pop("candidate_selector.successor_codebook")}))  # fmt: skip
+    assert "candidate_selector.successor_codebook.weight" in ck.check_draft_tensors(c)
+
+    def both(s):
+        s["candidate_selector.successor_codebook.weight"] = s[
+            "candidate_selector.successor_codebook"
+        ].clone()
+
+    with pytest.raises(ck.CheckpointError, match="both with and without `.weight`"):
+        ck.check_draft_tensors(_retensor(d, tmp_path / "b", both))
+    with pytest.raises(ck.CheckpointError, match="unknown tensor keys .*selector.extra"):
+        c = _retensor(
+            d,
+            tmp_path / "c",
+            lambda s: s.update({"candidate_selector.extra": s["norm.weight"].clone()}),
+        )
+        ck.check_draft_tensors(c)
+    with pytest.raises(ck.CheckpointError, match="missing tensor keys .*layers.1.mlp_conv.base"):
+        ck.check_draft_tensors(
+            _retensor(d, tmp_path / "d", lambda s: s.pop("layers.1.mlp_conv.base_kernel"))
+        )
+
+    # a b16 draft carrying DFlash-2 tensors is refused, naming the architecture
+    def b16(path):
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["architectures"] = ["DFlashDraftModel"]
+        (path / "config.json").write_text(json.dumps(cfg))
+
+    plain = _copy(d, tmp_path / "e")
+    b16(plain)
+    with pytest.raises(ck.CheckpointError, match="unknown tensor keys .*DFlash2DraftModel"):
+        ck.check_draft_tensors(ck.read_draft_config(plain))
+
+
+def test_make_tiny_pair_cli(tmp_path):
+    from dflash_lab.tiny import main
+
+    main([str(tmp_path), "--draft-form", "dflash2", "--vocab-size", "32", "--selector-top-k", "6"])
+    c = ck.read_draft_config(tmp_path / "draft")
+    assert c.dflash2 and c.selector_top_k == 6
+    ck.read_pair(tmp_path / "target", tmp_path / "draft")
+    ref = DFlash2DraftModel.from_pretrained(tmp_path / "draft", dtype=torch.float32)
+    state = ck.load_draft_state(c)  # the reference's loader reads the published form as we do
+    assert all(torch.equal(ref.state_dict()[k], v) for k, v in state.items())
+
+
+# ---------------------------------------------------------------- the draft forward
+
+
+@torch.no_grad()
+def test_forward_and_selector_equal_reference(pair):
+    t, d = pair
+    c = ck.read_draft_config(d)
+    ours = DFlashDraft.from_checkpoint(c, ck.load_draft_state(c))
+    ref = DFlash2DraftModel.from_pretrained(d, dtype=torch.float32).eval()
+    head = ck.load_target_model(t).lm_head
+    gen = torch.Generator().manual_seed(0)
+    n, B, differ = 13, 8, 0
+    for _ in range(4):
+        feats = torch.randn(1, n, 64 * 2, generator=gen)
+        ids = torch.randint(0, V, (1, B), generator=gen)
+        emb_w = torch.randn(V, 64, generator=gen)
+        pos = torch.arange(n + B)[None]
+        emb = ours.embed(ids, emb_w)
+        a = ours(ours.fuse(feats), pos[:, :n], emb, pos[:, n:])
+        b = ref(position_ids=pos, noise_embedding=emb, target_hidden=feats)
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+        logits = ours.logits(a[:, 1:], head.weight)
+        path = ours.candidate_selector(a[:, 1:], logits, ids[:, 0])
+        want, _, _ = ref.propose(b[:, 1:], ids[:, 0], head, 0.0)
+        assert path.tolist() == want.tolist()
+        differ += int((path != logits.argmax(-1)).sum())
+    assert differ > 0  # the selector matters: its path is not the argmax everywhere
+    # the convs matter: the same layers without them give another block
+    plain = DFlashDraft.from_checkpoint(c, ck.load_draft_state(c))
+    for layer in plain.layers:
+        layer.attention_conv = layer.mlp_conv = None
+    assert (plain(plain.fuse(feats), pos[:, :n], emb, pos[:, n:]) - a).abs().max() > 1e-2
+
+
+# ---------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def built(pair, tmp_path_factory):
+    t, d = pair
+    out = tmp_path_factory.mktemp("dflash2-art")
+    opts = ExportOptions(prefill_seq_len=16, ctx_len=160, compile=False, full_batch_size=3)
+    build_artifacts(t, d, out, opts, progress=lambda m: None)  # fp16-faithful check included
+    return t, d, out, ck.load_target_model(t)
+
+
+def prompt(n, seed):
+    return torch.randint(1, V - 1, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.no_grad()
+def test_tokens_and_acceptance_equal_reference(built):
+    t, d, art, model = built
+    ref = DFlash2DraftModel.from_pretrained(d, dtype=torch.float32).eval()
+    pipe = dflash_qaic.load(art)
+    pipe.configure(verify_lengths=[pipe.B])  # whole blocks, as the reference verifies
+    lengths = []
+    for seed, n in enumerate([3, 17, 39]):
+        ids = prompt(n, 200 + seed)
+        out = dflash_generate(ref, model, torch.tensor([ids]), 40, None, return_stats=True)
+        res = pipe.generate(ids, max_new_tokens=40)
+        assert res.tokens == out.output_ids[0, n:].tolist(), n
+        start, k = n, 0  # the reference shrinks its last blocks: compare the whole-block steps
+        for a in out.acceptance_lengths:
+            if n + 40 - start < pipe.B:
+                break
+            start, k = start + a, k + 1
+        assert res.acceptance_lengths[:k] == out.acceptance_lengths[:k]
+        lengths += out.acceptance_lengths[:k]
+    assert len(set(lengths)) >= 3 and max(lengths) == 8, lengths
+
+
+def test_batched_equals_solo(built):
+    _, _, art, _ = built
+    pipe = dflash_qaic.load(art)
+    pipe.configure(verify_lengths=[pipe.B])
+    prompts = [prompt(n, 300 + n) for n in (4, 19, 45, 9)]
+    batched = pipe.generate(prompts, max_new_tokens=30)
+    for ids, res in zip(prompts, batched):
+        solo = pipe.generate(ids, max_new_tokens=30)
+        assert res.tokens == solo.tokens and res.acceptance_lengths == solo.acceptance_lengths
+
+
+def test_sampling_with_the_greedy_path_follows_the_target(tiny_pair, tmp_path):
+    """The selector's greedy path is a deterministic proposal: the one-hot verifier stays
+    lossless (chi-square on the first two tokens, as tests/test_sampling.py)."""
+    t, d = tiny_pair(**{**FORM, "block_size": 4, "vocab_size": SAMPLING_V, "agree": 1.5})
+    opts = ExportOptions(prefill_seq_len=8, ctx_len=32, compile=False, full_batch_size=4)
+    build_artifacts(t, d, tmp_path, opts, progress=lambda m: None)
+    pipe, model = dflash_qaic.load(tmp_path, threads=1), ck.load_target_model(t)
+    n = 400
+    res = pipe.generate(
+        [SAMPLING_PROMPT] * n, 2, stop_token_ids=[], temperature=1.0, seed=list(range(n))
+    )
+    a = np.array([r.tokens for r in res])
+    p1, p2 = exact_first_two(model, (1.0, 0, 1.0))
+    assert gof_pvalue([gof(a[:, 0], p1)]) > 1e-3 / 2
+    assert gof_pvalue([gof(a[:, 1], p2)]) > 1e-3 / 2
