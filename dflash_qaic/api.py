@@ -10,6 +10,8 @@ import inspect
 import os
 from typing import TYPE_CHECKING, Any
 
+from dflash_qaic.extras import require
+
 if TYPE_CHECKING:  # pragma: no cover
     from dflash_qaic.manifest import Manifest
 
@@ -26,8 +28,10 @@ def export(
         `compile=False` is `--no-compile`), listed below with their defaults; a wrong name is a
         TypeError, a wrong value an ExportError naming it.
     Returns the typed manifest. Raises `ExportError`, `CheckpointError`, `ProfileError` or
-    `CompileError` (all with a message naming the problem and the fix).
+    `CompileError` (all with a message naming the problem and the fix); `MissingExtraError`
+    without the `export` extra (pip install 'dflash-qaic[export]').
     """
+    require("export", "dflash_qaic.export")
     from dflash_qaic.export.artifacts import build_artifacts
     from dflash_qaic.export.options import ExportOptions
 
@@ -39,7 +43,9 @@ def compile(artifacts_dir: str | os.PathLike, **options: Any) -> Manifest:  # no
     """Compile the programs of an artifacts directory to QPCs (e.g. one exported with
     `compile=False` elsewhere and copied to an AI100 host). Options: `qpc_config` and the
     compile options of `export` (listed below); the manifest is rewritten as a transaction.
-    Logs where it looked for the compiler. Returns the typed manifest."""
+    Logs where it looked for the compiler. Returns the typed manifest; `MissingExtraError`
+    without the `export` extra."""
+    require("export", "dflash_qaic.compile")
     from dflash_qaic.export.artifacts import compile_artifacts
     from dflash_qaic.export.options import compile_kwargs
 

@@ -30,6 +30,14 @@ last slot, `ctx_len - 1`, is the *padding slot*: rows whose position is -1 write
 real token is ever placed there (the runtime stops a sequence at `ctx_len - 1` positions), so
 the causal/visibility masks never let any query read it. That is how "a position of -1 never
 changes a slot that can later be read" holds on ONNX Runtime and on the device alike.
+
+Ring caches (draft sliding layers, `DraftIO.ring_slots`): a sliding layer of window W < ctx_len
+keeps W slots, a static axis: slots 0 … W−2 hold position mod (W − 1), the last one, W − 1, is the
+ring's padding slot. A call writes a context row there when its position is −1, when it is too
+old for the call's block to see (below start − (W − 1)) or at or past the block start; a query
+reads a ring slot only while the position it holds (derived from the block start) is within its
+window, so the padding slot, too-old and not-yet-written slots are never read (docs/DESIGN.md,
+Sliding drafts).
 """
 
 from __future__ import annotations
@@ -64,6 +72,10 @@ SAMPLING_INPUTS = (TEMPERATURE, TOP_K, TOP_P, RANDOM_U)
 NEXT_TOKENS = "next_tokens"
 HIDDEN_STATES = "hidden_states"
 LOGITS = "logits"
+# Hybrid targets (Gated DeltaNet layers): int64 [batch]: the positions of the call each row
+# committed to its recurrent state, decided in the graph by the host's rule (docs/DESIGN.md,
+# Hybrid targets): a prefill chunk's real rows; a verify or decode call's 1 + accepted proposals.
+NUM_COMMITTED = "num_committed"
 # Draft inputs / outputs.
 TARGET_HIDDEN = "target_hidden"
 POSITION_IDS_TARGET = "position_ids_target"
@@ -114,6 +126,41 @@ def retained(name: str) -> str:
     return name + RETAINED_SUFFIX
 
 
+def past_state(i: int) -> str:
+    """Gated DeltaNet layer i's recurrent state [rows, v_heads, k_head_dim, v_head_dim]."""
+    return f"past_state.{i}"
+
+
+def past_conv(i: int) -> str:
+    """Gated DeltaNet layer i's conv window [rows, conv_dim, kernel - 1]: its last inputs."""
+    return f"past_conv.{i}"
+
+
+def hybrid_specs(
+    n_layers: int,
+    linear_layers: tuple[int, ...],
+    n_kv_heads: int,
+    head_dim: int,
+    state_dims: tuple[int, ...],
+    continuous_batching: bool = False,
+) -> list[TensorSpec]:
+    """The retained buffers of a hybrid target, layer by layer: past_state.{i}, past_conv.{i} for
+    a Gated DeltaNet layer (state_dims = v_heads, k_head_dim, v_head_dim, conv_dim, kernel - 1),
+    past_key.{i}, past_value.{i} for a full-attention layer; rows as `kv_specs`."""
+    rows = FULL_BATCH if continuous_batching else BATCH
+    hv, dk, dv, conv, window = state_dims
+    kv = (rows, n_kv_heads, CTX, head_dim)
+    out = []
+    for i in range(n_layers):
+        if i in linear_layers:
+            out.append(TensorSpec(past_state(i), "float32", (rows, hv, dk, dv)))
+            out.append(TensorSpec(past_conv(i), "float32", (rows, conv, window)))
+        else:
+            out.append(TensorSpec(past_key(i), "float32", kv))
+            out.append(TensorSpec(past_value(i), "float32", kv))
+    return out
+
+
 def kv_specs(
     n_layers: int, n_kv_heads: int, head_dim: int, continuous_batching: bool = False
 ) -> list[TensorSpec]:
@@ -135,11 +182,18 @@ def window_specs(comp_ctx: bool) -> list[TensorSpec]:
     return [TensorSpec(COMP_CTX_LENGTHS, "int64", (CCL,))] if comp_ctx else []
 
 
+LONG_WINDOW = 2048  # past 16K of context, windows halve down to about this many slots
+
+
 def default_comp_ctx_lengths(ctx_len: int, prefill_seq_len: int, block_size: int) -> list[int]:
-    """Attention windows exported by default: ctx_len / 8, / 4, / 2 and ctx_len itself, those
-    that hold at least the shortest prefill chunk and a block."""
+    """Attention windows exported by default: ctx_len, / 2, / 4 and / 8 (up to 16K of context),
+    and past that halvings down to LONG_WINDOW (40K: 2560 … 40960), those that hold at least the
+    shortest prefill chunk and a block. Each window at most doubles the one below, so a call
+    reads at most twice the slots it needs above the smallest window: a long prompt's cost
+    follows its length, not ctx_len (docs/DESIGN.md, Sliding drafts)."""
     floor = prefill_lengths(prefill_seq_len, block_size)[0] + block_size
-    return sorted({ctx_len >> k for k in range(4) if (ctx_len >> k) >= floor} | {ctx_len})
+    smallest = max(floor, min(ctx_len >> 3, LONG_WINDOW))
+    return sorted({ctx_len >> k for k in range(16) if (ctx_len >> k) >= smallest} | {ctx_len})
 
 
 def windows_or_default(
@@ -191,9 +245,27 @@ class TargetIO:
     sampling: bool = True
     continuous_batching: bool = False
     comp_ctx: bool = False  # takes `comp_ctx_lengths` (every export since it existed does)
+    # Hybrid targets: the Gated DeltaNet layers (no KV cache: a state and a conv window, see
+    # `hybrid_specs`) and their state dims; the program also returns NUM_COMMITTED.
+    linear_layers: tuple[int, ...] = ()
+    state_dims: tuple[int, ...] = ()
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.linear_layers)
 
     @property
     def kv(self) -> list[TensorSpec]:
+        """Every retained buffer (KV caches, and a hybrid's states and conv windows)."""
+        if self.hybrid:
+            return hybrid_specs(
+                self.n_layers,
+                self.linear_layers,
+                self.n_kv_heads,
+                self.head_dim,
+                self.state_dims,
+                self.continuous_batching,
+            )
         return kv_specs(self.n_layers, self.n_kv_heads, self.head_dim, self.continuous_batching)
 
     @property
@@ -215,6 +287,8 @@ class TargetIO:
         ]
         if self.emit_logits:
             out.append(TensorSpec(LOGITS, "float32", (BATCH, SEQ, self.vocab_size)))
+        if self.hybrid:
+            out.append(TensorSpec(NUM_COMMITTED, "int64", (BATCH,)))
         out += [TensorSpec(retained(s.name), s.dtype, s.shape) for s in self.kv]
         return out
 
@@ -233,10 +307,18 @@ class DraftIO:
     continuous_batching: bool = False
     comp_ctx: bool = False  # takes `comp_ctx_lengths`
     confidence: bool = False  # returns `draft_confidence` (every export since it existed does)
+    # per layer: the ring's slots of a sliding layer, 0 for a ctx_len cache (empty: all ctx_len)
+    ring_slots: tuple[int, ...] = ()
 
     @property
     def kv(self) -> list[TensorSpec]:
-        return kv_specs(self.n_layers, self.n_kv_heads, self.head_dim, self.continuous_batching)
+        specs = kv_specs(self.n_layers, self.n_kv_heads, self.head_dim, self.continuous_batching)
+        if not self.ring_slots:
+            return specs
+        return [  # a ring layer's slot axis is static: its window
+            TensorSpec(s.name, s.dtype, (*s.shape[:2], self.ring_slots[i // 2] or CTX, s.shape[3]))
+            for i, s in enumerate(specs)
+        ]
 
     @property
     def inputs(self) -> list[TensorSpec]:

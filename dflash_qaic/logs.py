@@ -4,6 +4,7 @@ tqdm's and stay)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 
@@ -37,3 +38,31 @@ def show(level: int = logging.INFO, prefix: str = "· ", stream: str = "stdout")
     handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
     handler.setLevel(level)
     logger.setLevel(min(level, logging.INFO))
+
+
+class _Callback(logging.Handler):
+    def __init__(self, fn):
+        super().__init__(logging.INFO)
+        self.fn = fn
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.fn(record.getMessage())
+
+
+@contextlib.contextmanager
+def listening(fn):
+    """Within the block, also hand each message of the library (INFO and up) to `fn` (None:
+    nothing more): for callers that collect the messages rather than configure logging."""
+    if fn is None:
+        yield
+        return
+    logger = logging.getLogger(ROOT)
+    handler, level = _Callback(fn), logger.level
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

@@ -202,6 +202,16 @@ def _qpc_record(c: _Check) -> QpcRecord:
 _TARGET_IO = ("n_layers", "n_kv_heads", "head_dim", "hidden_size", "vocab_size")
 
 
+def _int_tuple(c: _Check, name: str, lo: int, hi: int) -> tuple[int, ...]:
+    """An optional list of integers in [lo, hi] (absent: empty)."""
+    v = c.get(name, [])
+    if not isinstance(v, list | tuple) or any(
+        isinstance(n, bool) or not isinstance(n, int) or not lo <= n <= hi for n in v
+    ):
+        c.fail(c.key(name), f"must be a list of integers in [{lo}, {hi}], got {v!r}")
+    return tuple(v)
+
+
 @dataclass(frozen=True)
 class Program:
     """An exported program: its contract I/O object, files, specializations and QPCs."""
@@ -227,9 +237,12 @@ class Program:
 
     def to_json(self) -> dict:
         spec = lambda s: {"name": s.name, "dtype": s.dtype, "shape": list(s.shape)}  # noqa: E731
+        io = asdict(self.io)
+        rings = io.pop("ring_slots", ())  # a draft with ring caches only (b16: absent)
         return {
             **self.facts,
-            **asdict(self.io),
+            **io,
+            **({"ring_slots": list(rings)} if rings else {}),
             "onnx": self.onnx,
             "external_data": self.external_data,
             "onnx_bytes": self.onnx_bytes,
@@ -264,7 +277,11 @@ class Program:
                 sampling=c.bool("sampling"),
                 continuous_batching=cb,
                 comp_ctx=window,
+                linear_layers=_int_tuple(c, "linear_layers", 0, dims["n_layers"] - 1),
+                state_dims=_int_tuple(c, "state_dims", 1, 1 << 24),
             )
+            if io.hybrid and len(io.state_dims) != 5:
+                c.fail(c.key("state_dims"), "must list 5 dims for a hybrid target")
         else:
             io = contract.DraftIO(
                 **dims,
@@ -273,6 +290,7 @@ class Program:
                 continuous_batching=cb,
                 comp_ctx=window,
                 confidence=c.bool("confidence"),
+                ring_slots=c.ints("ring_slots", 0, 1 << 22, default=[]),
             )
         for which, specs in (("inputs", io.inputs), ("outputs", io.outputs)):
             want = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]
@@ -284,7 +302,8 @@ class Program:
             | set(dims)
             | {"emit_logits", "sampling", "block_size", "continuous_batching", "comp_ctx"}
         )
-        known |= {"confidence", "inputs", "outputs", "qpc"}
+        known |= {"linear_layers", "state_dims"}
+        known |= {"confidence", "ring_slots", "inputs", "outputs", "qpc"}
         return cls(
             io=io,
             onnx=c.relpath("onnx"),

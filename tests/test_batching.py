@@ -25,7 +25,6 @@ from dflash_qaic import contract
 from dflash_qaic.export.artifacts import ExportError, ExportOptions, build_artifacts
 from dflash_qaic.manifest import ArtifactsError, Manifest
 from dflash_qaic.runtime import GenerationError
-from dflash_qaic.runtime.engine import Engine
 
 N = 3  # slots: fewer than most batches below, so requests also queue for a free slot
 # family, block, prefill chunk, ctx, agreement bias (see dflash_lab.tiny)
@@ -184,7 +183,7 @@ def test_batch_is_lossless_per_request(built, cfg, planned_chunks):
     _, B, chunk, _, _ = cfg
     _, _, art, model = built(*cfg)
     pipe = dflash_qaic.load(art)
-    pipe.verify_lengths = [B]  # whole blocks every step, so every acceptance length happens
+    pipe.configure(verify_lengths=[B])  # whole blocks: every acceptance length happens
     shapes = [(1, 30), (chunk - 1, 41), (chunk + 3, 25), (2 * chunk + 5, 57), (3 * chunk - 2, 33)]
     prompts = [prompt(n, seed) for seed, (n, _) in enumerate(shapes)]
     news = [new for _, new in shapes]
@@ -211,17 +210,17 @@ def test_requests_joining_mid_flight_equal_their_solo_run(built, policy):
     their solo tokens; each request's acceptance lengths equal its solo run's."""
     _, _, art, _ = built(*CONFIGS[1])
     pipe = dflash_qaic.load(art)
-    pipe.verify_lengths = [pipe.B]  # the same steps alone and batched (not picked by timing)
+    pipe.configure(verify_lengths=[pipe.B])  # the same steps alone and batched
     reqs = [pipe.request(prompt(5 + 7 * i, 100 + i), 20 + 9 * i, []) for i in range(6)]
     solo = [pipe.generate(r.ids, r.max_new_tokens, stop_token_ids=[]) for r in reqs]
-    engine = Engine(pipe, "dflash", prefill_chunks_per_step=policy)
+    engine = pipe.engine("dflash", prefill_chunks_per_step=policy)
     seqs, steps, in_flight = [], 0, []
     pending = list(reqs)
     while pending or engine.busy:
         if pending and steps % 2 == 0:  # a newcomer every other step
             seqs.append(engine.add(pending.pop(0)))
         engine.step()
-        in_flight.append(sum(s is not None for s in engine.rows))
+        in_flight.append(engine.running)
         steps += 1
     assert max(in_flight) == N  # the slots really were shared
     for seq, ref in zip(seqs, solo):
@@ -234,12 +233,12 @@ def test_max_running_holds_the_concurrency(built):
     _, _, art, _ = built(*CONFIGS[0])
     pipe = dflash_qaic.load(art)
     reqs = [pipe.request(prompt(4 + i, 200 + i), 12, []) for i in range(5)]
-    engine = Engine(pipe, "dflash", max_running=2)
+    engine = pipe.engine("dflash", max_running=2)
     seqs = [engine.add(r) for r in reqs]
     in_flight = []
     while engine.busy:
         engine.step()
-        in_flight.append(sum(s is not None for s in engine.rows))
+        in_flight.append(engine.running)
     assert max(in_flight) == 2
     solo = [pipe.generate(r.ids, 12, stop_token_ids=[]).tokens for r in reqs]
     assert [s.result.tokens for s in seqs] == solo
@@ -278,7 +277,7 @@ def test_standin_runs_the_same_engine(built):
     ort_pipe = dflash_qaic.load(art)
     pipe = dflash_qaic.load(art, backend="qaic-standin")
     for p in (ort_pipe, pipe):  # the same steps on both (lengths picked by timing differ)
-        p.verify_lengths = [p.B]
+        p.configure(verify_lengths=[p.B])
     ort_res = ort_pipe.generate(prompts, max_new_tokens=15)
     res = pipe.generate(prompts, max_new_tokens=15)
     assert [r.tokens for r in res] == [r.tokens for r in ort_res]
@@ -304,7 +303,7 @@ def test_standin_batches_prompts_over_two_prefill_lengths(built, planned_chunks)
     ort_pipe = dflash_qaic.load(art)
     pipe = dflash_qaic.load(art, backend="qaic-standin")
     for p in (ort_pipe, pipe):
-        p.verify_lengths = [p.B]
+        p.configure(verify_lengths=[p.B])
     res = pipe.generate(prompts, max_new_tokens=12)
     assert [r.tokens for r in res] == [r.tokens for r in ort_pipe.generate(prompts, 12)]
     assert [r.tokens for r in res] == [ort_pipe.generate(p, 12).tokens for p in prompts]
@@ -371,7 +370,7 @@ def test_batched_sampling_follows_the_target_distribution(sampling_pipe):
 @pytest.mark.parametrize(
     "prompts,kw,match",
     [
-        ([], {}, "the prompt is empty"),
+        ([], {}, "the list of prompts is empty"),
         ([[1, 2], []], {}, "prompt 1 is empty"),
         ([[1, 2], "text"], {}, "mixes text and token ids"),
         ([1, [2, 3]], {}, "mixes token ids and nested lists"),

@@ -38,7 +38,7 @@ def test_heldout_prompts_lossless_with_reference_acceptance(artifacts):
     target = ck.load_target_model(tdir)
     ref = DFlashDraftModel.from_pretrained(ddir, dtype=torch.float32).eval()
     pipe = dflash_qaic.load(artifacts)
-    pipe.verify_lengths = [pipe.B]  # whole blocks every step, as the reference verifies
+    pipe.configure(verify_lengths=[pipe.B])  # whole blocks every step, as the reference verifies
     assert pipe.tokenizer is not None
     lengths = []
     for text in assets.heldout_prompts()[:4]:

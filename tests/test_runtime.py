@@ -65,7 +65,7 @@ def test_lossless_against_hf_generate(built, cfg, planned_chunks):
     family, B, chunk, ctx, _ = cfg
     _, _, art, model = built(*cfg)
     pipe = dflash_qaic.load(art)
-    pipe.verify_lengths = [B]  # whole blocks every step, so full-block steps happen
+    pipe.configure(verify_lengths=[B])  # whole blocks every step, so full-block steps happen
     lengths = []
     for seed, (n, new) in enumerate(
         [(1, 30), (chunk - 1, 41), (chunk + 3, 25), (2 * chunk + 5, 57), (3 * chunk - 2, 33)]
@@ -103,7 +103,7 @@ def test_acceptance_equals_reference(built, cfg):
     t, d, art, model = built(*cfg)
     ref = DFlashDraftModel.from_pretrained(d, dtype=torch.float32).eval()
     pipe = dflash_qaic.load(art)
-    pipe.verify_lengths = [B]  # whole blocks every step, as the reference verifies
+    pipe.configure(verify_lengths=[B])  # whole blocks every step, as the reference verifies
     compared = 0
     for seed, n in enumerate([3, chunk + 1, 2 * chunk + 7]):
         ids = prompt(n, 100 + seed)
@@ -121,7 +121,7 @@ def test_strict_standin_runs_the_same_loop(built):
     ort_pipe = dflash_qaic.load(art)
     standin = dflash_qaic.load(art, backend="qaic-standin")
     for p in (ort_pipe, standin):  # the same steps on both (lengths picked by timing differ)
-        p.verify_lengths = [p.B]
+        p.configure(verify_lengths=[p.B])
     for seed, n in enumerate([5, 20, 37]):
         ids = prompt(n, seed)
         a, b = ort_pipe.generate(ids, 40), standin.generate(ids, 40)
@@ -168,7 +168,7 @@ def test_prompt_chunks_take_the_planned_prefill_lengths(built):
     m = standin.artifacts
     assert m.plan.prefill_lengths == (8, 32) and m.plan.draft_prefill_rows == (8, 32, 128)
     for p in (ort_pipe, standin):
-        p.verify_lengths = [p.B]
+        p.configure(verify_lengths=[p.B])
     spec = {s["name"]: s for p in (m.target, m.draft) for s in p.specializations}
 
     def names(used, base):  # the specialization names at the full context (no `@window`)
@@ -263,7 +263,7 @@ def test_standin_refuses_what_the_card_refuses(built):
 def test_stop_token_inside_accepted_run(built):
     _, _, art, model = built(*CONFIGS[1])
     pipe = dflash_qaic.load(art)
-    pipe.verify_lengths = [pipe.B]  # the same steps in both runs
+    pipe.configure(verify_lengths=[pipe.B])  # the same steps in both runs
     # find a step that committed several tokens, and stop on one in the middle of it
     for seed in range(20):
         ids = prompt(9 + seed, seed)
@@ -356,7 +356,7 @@ def test_inplace_caches_equal_double_buffered(built):
     _, _, art, _ = built(*CONFIGS[2])
     inplace, double = dflash_qaic.load(art), dflash_qaic.load(art)
     for p in (inplace, double):  # the same steps in both runs
-        p.verify_lengths = [p.B]
+        p.configure(verify_lengths=[p.B])
     m = double.manifest
     for name in ("target", "draft"):
         prog = m[name]

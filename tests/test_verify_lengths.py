@@ -23,7 +23,7 @@ from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
 from dflash_qaic.export.artifacts import ExportError, ExportOptions, build_artifacts
 from dflash_qaic.export.draft import check_feeds
-from dflash_qaic.runtime.engine import StepCosts
+from dflash_qaic.runtime.stats import StepCosts
 
 B, CHUNK, CTX = 8, 16, 96
 
@@ -124,9 +124,11 @@ def test_verify_lengths_option(built, tiny_pair, tmp_path):
     with pytest.raises(ExportError, match="--verify-lengths must be integers"):
         ExportOptions(verify_lengths=("4", 8))
     pipe = dflash_qaic.load(built()[0])
-    pipe.verify_lengths = [2, 4]
     with pytest.raises(ValueError, match=r"pick some of them, including the block size 8"):
-        pipe.generate(prompt(5, 0), max_new_tokens=4)
+        pipe.configure(verify_lengths=[2, 4])
+    with pytest.raises(AttributeError):  # the config is replaced whole, never poked
+        pipe.verify_lengths = [8]
+    assert pipe.config.verify_lengths is None
 
 
 # ---------------------------------------------------------------- lossless at every length

@@ -41,7 +41,7 @@ def facts(pipe, artifacts) -> dict:
         **{k: m[k] for k in ("block_size", "ctx_len", "prefill_seq_len", "hidden_size")},
         **{k: m[k] for k in ("vocab_size", "mask_token_id")},
         "path": str(d),
-        "prefill_lengths": list(m["prefill_lengths"]),
+        "prefill_lengths": list(pipe.artifacts.plan.prefill_lengths),
         "full_batch_size": m.get("full_batch_size"),  # None: no continuous batching
         "eos": list(m.get("eos_token_ids") or []),
         "sampling": bool(pipe.can_sample),
@@ -210,11 +210,11 @@ def _call_times(pipe, ids, tokens, temperature) -> dict:
     """Seconds of each call, by kind, in one target-only and one DFlash run (verify calls of
     the whole block: the profile is of each call at its full size)."""
     kw = dict(max_new_tokens=tokens, stop_token_ids=[], temperature=temperature, seed=0)
-    chosen, pipe.verify_lengths = pipe.verify_lengths, [pipe.B]
+    chosen = pipe.configure(verify_lengths=[pipe.B])
     try:
         runs = (pipe.generate_baseline(ids, **kw), pipe.generate(ids, **kw))
     finally:
-        pipe.verify_lengths = chosen
+        pipe.configure(chosen)
     return {k: [t for r in runs for t in r.call_times.get(k, ())] for k in KINDS}
 
 

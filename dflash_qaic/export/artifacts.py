@@ -33,6 +33,7 @@ from dflash_qaic import checkpoints as ck
 from dflash_qaic.compile.profiles import CompileOverrides
 from dflash_qaic.export.options import ExportError, ExportOptions
 from dflash_qaic.export.transaction import Transaction, TransactionError, link_tree
+from dflash_qaic.logs import listening
 from dflash_qaic.manifest import NAME as MANIFEST
 from dflash_qaic.manifest import (
     ArtifactsError,
@@ -137,7 +138,7 @@ def _eos_ids(target_dir: Path) -> list[int]:
 def _check_target_support(pair: ck.Pair) -> None:
     """What the modeling code refuses at export time, checked from the configs up front."""
     for what, raw, path in (
-        ("target", pair.target.raw, pair.target.path),
+        ("target", pair.target.text or pair.target.raw, pair.target.path),
         ("draft", pair.draft.raw or {}, pair.draft.path),
     ):
         act = raw.get("hidden_act", "silu")
@@ -149,7 +150,7 @@ def _check_target_support(pair: ck.Pair) -> None:
         for key in ("rope_parameters", "rope_scaling"):
             _check_rope(raw.get(key) or {}, path / "config.json")
     types = pair.target.raw.get("layer_types") or []
-    if any(t != "full_attention" for t in types):
+    if pair.target.hybrid is None and any(t != "full_attention" for t in types):
         raise ExportError(
             f"{pair.target.path / 'config.json'}: sliding-window layers are not supported "
             f"(layer_types {sorted(set(types))})"
@@ -169,19 +170,31 @@ def _check_rope(rope, where: Path) -> None:
         raise ExportError(f"{where}: unknown rope type {rtype!r}")
 
 
-def _check_tokenizer(target_dir: Path) -> None:
-    """The tokenizer files the artifacts will carry must load (the runtime loads them)."""
+def _check_tokenizer(target_dir: Path, vocab_size: int) -> None:
+    """The tokenizer files the artifacts will carry must load (the runtime loads them), and
+    every token id they can produce must be in the model's vocabulary."""
     if not any((target_dir / f).is_file() for f in TOKENIZER_FILES):
         return
     from transformers import AutoTokenizer
 
     try:
-        AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
     except Exception as e:  # transformers raises many kinds for a broken tokenizer
         raise ExportError(
             f"the tokenizer files in {target_dir} do not load ({type(e).__name__}: {e}): fix "
             f"or remove them ({', '.join(TOKENIZER_FILES)})"
         ) from e
+    # refused, not warned: a prompt holding such a token would fail at generation, and a
+    # tokenizer that outgrows its model is most often another model's
+    beyond = sorted((i, t) for t, i in tok.get_vocab().items() if i >= vocab_size)
+    if beyond:
+        (first, name), n = beyond[0], len(beyond)
+        raise ExportError(
+            f"the tokenizer in {target_dir} has {n} token{'s' if n > 1 else ''} beyond the "
+            f"model's vocabulary of {vocab_size} (vocab_size in config.json), from id {first} "
+            f"({name!r}): a prompt holding one would fail at generation; use the model's own "
+            f"tokenizer files, or resize its embeddings to cover them"
+        )
 
 
 def preflight(target_dir, draft_dir, o: ExportOptions):
@@ -203,7 +216,7 @@ def preflight(target_dir, draft_dir, o: ExportOptions):
             f"{pair.target.path}: eos_token_id {bad} is outside the vocabulary of "
             f"{pair.target.vocab_size}: fix generation_config.json"
         )
-    _check_tokenizer(pair.target.path)
+    _check_tokenizer(pair.target.path, pair.target.vocab_size)
     return pair, B, profile
 
 
@@ -223,10 +236,17 @@ def build_artifacts(
     draft_dir: str | Path,
     out_dir: str | Path,
     options: ExportOptions | None = None,
+    *,
+    progress=None,
 ) -> ExportResult:
     """Export (or reuse), compile (or skip), and write the manifest, as one transaction
-    (options: None = the defaults). Progress goes to the `dflash_qaic.export.artifacts` logger."""
-    options = options or ExportOptions()
+    (options: None = the defaults). Progress goes to the `dflash_qaic` loggers (and, when
+    given, to `progress`, called with each message)."""
+    with listening(progress):
+        return _build(target_dir, draft_dir, out_dir, options or ExportOptions())
+
+
+def _build(target_dir, draft_dir, out_dir, options: ExportOptions) -> ExportResult:
     t_all = time.perf_counter()
     pair, B, profile = preflight(target_dir, draft_dir, options)
     steps: list[tuple[str, str, float]] = []
@@ -253,9 +273,17 @@ def compile_artifacts(
     out_dir: str | Path,
     qpc_config: str | os.PathLike | None = None,
     overrides: CompileOverrides | None = None,
+    *,
+    progress=None,
 ) -> ExportResult:
     """Compile (or re-compile with another profile) an existing artifacts directory, e.g. one
-    exported with --no-compile and copied to an AI100 host. A transaction like an export."""
+    exported with --no-compile and copied to an AI100 host. A transaction like an export.
+    Messages as `build_artifacts`'."""
+    with listening(progress):
+        return _compile_dir(out_dir, qpc_config, overrides)
+
+
+def _compile_dir(out_dir, qpc_config, overrides) -> ExportResult:
     from dflash_qaic.compile.profiles import DEFAULT_PROFILE, load_profile
     from dflash_qaic.compile.qpc import compiler_search
 

@@ -23,6 +23,7 @@ def draft_io(
     continuous_batching=False,
     comp_ctx=True,
     confidence=True,
+    ring_slots: tuple[int, ...] = (),
 ) -> contract.DraftIO:
     return contract.DraftIO(
         n_layers=c.num_layers,
@@ -35,6 +36,7 @@ def draft_io(
         continuous_batching=continuous_batching,
         comp_ctx=comp_ctx,
         confidence=confidence,
+        ring_slots=tuple(ring_slots),
     )
 
 
@@ -103,7 +105,8 @@ def export_draft(
         draft = DFlashDraft.from_checkpoint(draft_cfg, draft_state)
     cb = full_batch_size is not None
     module = ExportDraft(draft, embed_weight, head_weight, ctx_len, emit_logits, cb).eval()
-    io = draft_io(draft_cfg, embed_weight.shape[0], block_size, emit_logits, cb)
+    rings = module.cache_slots()  # sliding layers: a ring of their window's slots
+    io = draft_io(draft_cfg, embed_weight.shape[0], block_size, emit_logits, cb, ring_slots=rings)
     windows = contract.windows_or_default(comp_ctx_lengths, ctx_len, prefill_seq_len, block_size)
     plan = contract.shape_plan(
         block_size,

@@ -240,6 +240,8 @@ def program_facts(path: Path, io, specializations: list[dict], report: dict) -> 
         "continuous_batching": io.continuous_batching,
         "comp_ctx": io.comp_ctx,
         **({"confidence": io.confidence} if isinstance(io, contract.DraftIO) else {}),
+        **(_hybrid_facts(io) if getattr(io, "hybrid", False) else {}),
+        **({"ring_slots": list(io.ring_slots)} if getattr(io, "ring_slots", ()) else {}),
         "n_layers": io.n_layers,
         "n_kv_heads": io.n_kv_heads,
         "head_dim": io.head_dim,
@@ -300,3 +302,8 @@ def export_and_check(
     if fp16_check and skipped:
         report["skipped"] = skipped
     return path, report
+
+
+def _hybrid_facts(io) -> dict:
+    """A hybrid target's Gated DeltaNet layers and state dims (contract.TargetIO)."""
+    return {"linear_layers": list(io.linear_layers), "state_dims": list(io.state_dims)}

@@ -3,11 +3,13 @@
 It validates what callers pass (prompts, sampling settings, stop ids) and runs them on the one
 host loop, `runtime/engine.py`: a single prompt is a batch of one; a list of prompts runs as a
 continuous batch when the artifacts were exported with `--full-batch-size` (up to that many at
-once, the rest queued), else one after another.
+once, the rest queued), else one after another. How the engines run (admission policy,
+concurrency, verify lengths) is one frozen `EngineConfig`, replaced by `configure`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Callable, Iterator, Sequence
@@ -17,9 +19,12 @@ import numpy as np
 
 from dflash_qaic import contract
 from dflash_qaic.manifest import Manifest
-from dflash_qaic.runtime.engine import Engine, GenerationResult, Request, StepCosts
+from dflash_qaic.runtime.engine import Engine, EngineConfig
+from dflash_qaic.runtime.sequence import Request
+from dflash_qaic.runtime.stats import GenerationResult, StepCosts
+from dflash_qaic.runtime.streamer import prompt_array
 
-__all__ = ["GenerationError", "GenerationResult", "Pipeline", "Sampling"]
+__all__ = ["EngineConfig", "GenerationError", "GenerationResult", "Pipeline", "Sampling"]
 
 
 class GenerationError(ValueError):
@@ -67,6 +72,39 @@ class Sampling:
         return self.temperature == 0.0
 
 
+def _temperature(temperature, do_sample):
+    """The temperature that `temperature` and Hugging Face's `do_sample` mean together."""
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise GenerationError(f"do_sample must be True, False or None (got {do_sample!r})")
+    if do_sample is False:
+        return 0.0  # greedy, as transformers: the temperature is ignored
+    if do_sample is None:
+        return 0.0 if temperature is None else temperature
+    if temperature is None:
+        return 1.0  # transformers' default temperature
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
+        if temperature == 0:
+            raise GenerationError(
+                "do_sample=True with temperature=0: sampling needs a temperature > 0; for "
+                "greedy decoding pass do_sample=False (or leave temperature at 0 without do_sample)"
+            )
+    return temperature
+
+
+def _check_streamer(streamer, prompt) -> None:
+    if streamer is None:
+        return
+    if not callable(getattr(streamer, "put", None)) or not callable(getattr(streamer, "end", None)):
+        raise GenerationError(
+            f"streamer must have put(ids) and end() (Hugging Face's streamer interface, e.g. "
+            f"dflash_qaic.runtime.streamer.TextStreamer); got {type(streamer).__name__}"
+        )
+    if is_batch(prompt):
+        raise GenerationError(
+            "a streamer takes one prompt (as in transformers): use on_tokens for a list of prompts"
+        )
+
+
 def _token_ids(value, what: str, vocab: int | None) -> list[int]:
     """A flat sequence of token ids (Python or numpy ints; a 1-D integer array), checked against
     the vocabulary when given. Floats, bools, strings and nested lists are refused, never
@@ -100,8 +138,20 @@ def _token_ids(value, what: str, vocab: int | None) -> list[int]:
 class Pipeline:
     """DFlash generation over a target program and a draft program (see `dflash_qaic.load`)."""
 
-    def __init__(self, manifest, target, draft, tokenizer=None, backend: str = "ort"):
-        """manifest: a `dflash_qaic.manifest.Manifest`, or its JSON form (validated here)."""
+    def __init__(
+        self,
+        manifest,
+        target,
+        draft,
+        tokenizer=None,
+        backend: str = "ort",
+        *,
+        config: EngineConfig | None = None,
+        threads: int | None = None,
+    ):
+        """manifest: a `dflash_qaic.manifest.Manifest`, or its JSON form (validated here).
+        config: how its engines run (EngineConfig; `configure` changes it); threads: the
+        programs' ONNX Runtime threads, for reports (None: ONNX Runtime's default)."""
         if not isinstance(manifest, Manifest):
             manifest = Manifest.from_json(manifest, "manifest", complete=False)
         self.artifacts = manifest  # the typed manifest
@@ -109,7 +159,9 @@ class Pipeline:
         self.target, self.draft = target, draft
         self.tokenizer = tokenizer
         self.backend = backend
+        self.threads = threads
         m = manifest
+        self.plan = m.plan  # the shapes both programs were exported for (contract.ShapePlan)
         self.B = m.block_size
         self.chunk = m.prefill_seq_len
         self.ctx_len = m.ctx_len
@@ -121,21 +173,43 @@ class Pipeline:
         self.can_sample = m.target.io.sampling
         # the largest top_k the program takes (its top-k/top-p candidates; all of V if unknown)
         self.max_top_k = m.target.sampling_candidates or self.vocab
-        #: prefill chunks run between two steps of the sequences in flight (engine.py); None:
-        #: every waiting prompt is prefilled before the next step (measured the better default
-        #: on the default pair: a prefill chunk costs less than a step, see README, Benchmark)
-        self.prefill_chunks_per_step: int | None = None
-        #: at most this many sequences in flight (None: full_batch_size)
-        self.max_running: int | None = None
-        #: the verify lengths a step may pick from (engine.py; None: every one the target was
-        #: exported with); [block size] verifies the whole block every step
-        self.verify_lengths: list[int] | None = None
-        #: timings that pick each step's verify length, kept across calls (engine.StepCosts)
+        #: how engines run (admission policy, concurrency, verify lengths): frozen; the default
+        #: prefills every waiting prompt before the next step (measured the better default on
+        #: the default pair: a prefill chunk costs less than a step)
+        self.config = EngineConfig()
+        if config is not None:
+            self.configure(config)
+        #: timings that pick each step's verify length, kept across calls (stats.StepCosts)
         self.step_costs = StepCosts()
 
-    def engine(self, mode: str = "dflash") -> Engine:
-        """A continuous-batching engine over these programs (what dflash-serve drives)."""
-        return Engine(self, mode, self.prefill_chunks_per_step, self.max_running, self.step_costs)
+    def configure(self, config: EngineConfig | None = None, **changes) -> EngineConfig:
+        """Replace the engine config (or change some of its fields, e.g.
+        `pipe.configure(verify_lengths=[pipe.B])`), checked against these artifacts; engines
+        made afterwards use it. Returns the config it replaced."""
+        new = dataclasses.replace(config or self.config, **changes)
+        new.step_lengths(self.plan, self.artifacts.draft.io.confidence)  # ValueError if unfit
+        old, self.config = self.config, new
+        return old
+
+    # read-only views of the config (assigning one is an error: use configure)
+    verify_lengths = property(lambda self: self.config.verify_lengths)
+    max_running = property(lambda self: self.config.max_running)
+    prefill_chunks_per_step = property(lambda self: self.config.prefill_chunks_per_step)
+
+    def engine(self, mode: str = "dflash", **changes) -> Engine:
+        """A continuous-batching engine over these programs (what dflash-serve drives), with
+        the pipeline's config (and `changes` to it)."""
+        m = self.artifacts
+        return Engine(
+            dataclasses.replace(self.config, mode=mode, **changes),
+            self.plan,
+            self.target,
+            self.draft,
+            target_io=m.target.io,
+            draft_io=m.draft.io,
+            mask_token_id=m.mask_token_id,
+            costs=self.step_costs,
+        )
 
     # ------------------------------------------------------------------ inputs
 
@@ -148,6 +222,11 @@ class Pipeline:
                     "directory had no tokenizer files): pass token ids instead"
                 )
             prompt = self.tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, (list, tuple)) and not prompt and what == "the prompt":
+            raise GenerationError(
+                "the list of prompts is empty (an empty list is neither a prompt nor a batch): "
+                "give at least one prompt, as text or token ids"
+            )
         ids = _token_ids(prompt, what, self.vocab)
         if not ids:
             raise GenerationError(f"{what} is empty: give at least one token")
@@ -176,9 +255,12 @@ class Pipeline:
             return frozenset(self.eos)
         return frozenset(_token_ids(stop_token_ids, "stop_token_ids", None))
 
-    def sampling(self, temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Sampling:
+    def sampling(self, temperature=None, top_k=0, top_p=1.0, seed=None, do_sample=None) -> Sampling:
         """Validated settings this program can run; a sampling request without a seed gets
-        fresh entropy (the seed used is reported in stats)."""
+        fresh entropy (the seed used is reported in stats). do_sample as Hugging Face's: False
+        is greedy whatever the temperature, True samples at `temperature` (default 1.0), None
+        lets the temperature decide (default 0: greedy)."""
+        temperature = _temperature(temperature, do_sample)
         sp = Sampling.checked(temperature, top_k, top_p, seed)
         if not sp.greedy and not self.can_sample:
             raise GenerationError(
@@ -241,8 +323,10 @@ class Pipeline:
 
     # ------------------------------------------------------------------ running
 
-    def _run(self, reqs: list[Request], mode: str, on_tokens=None) -> Iterator[tuple[int, list]]:
-        """Run requests to completion on one engine; yields (request index, new tokens)."""
+    def _run(self, reqs: list[Request], mode: str, raises=False) -> Iterator[tuple[int, list]]:
+        """Run requests to completion on one engine; yields (request index, new tokens). A
+        request whose calls fail ends with stop_reason "error" (the others run on); `raises`:
+        re-raise its error instead (one prompt, no list of results to return it in)."""
         engine = self.engine(mode)
         seqs = [engine.add(r) for r in reqs]
         index = {id(s): i for i, s in enumerate(seqs)}
@@ -250,6 +334,8 @@ class Pipeline:
             for seq in engine.step():
                 for run in seq.take():
                     yield index[id(seq)], run
+                if raises and seq.error is not None:
+                    raise seq.error
         self._results = [s.result for s in seqs]
 
     def _finish(self, res: GenerationResult) -> GenerationResult:
@@ -257,9 +343,12 @@ class Pipeline:
             res.text = self.tokenizer.decode(res.tokens)
         return res
 
-    def _generate(self, prompt, max_new_tokens, stop_token_ids, on_tokens, mode, sp: dict):
+    def _generate(
+        self, prompt, max_new_tokens, stop_token_ids, on_tokens, mode, sp: dict, streamer=None
+    ):
         if on_tokens is not None and not callable(on_tokens):
             raise GenerationError(f"on_tokens must be callable or None (got {on_tokens!r})")
+        _check_streamer(streamer, prompt)
         if is_batch(prompt):
             reqs = self._batch(prompt, max_new_tokens, stop_token_ids, mode, sp)
             for i, new in self._run(reqs, mode):
@@ -267,9 +356,17 @@ class Pipeline:
                     on_tokens(i, new)
             return [self._finish(r) for r in self._results]
         req = self.request(prompt, max_new_tokens, stop_token_ids, mode, **sp)
-        for _, new in self._run([req], mode):
-            if on_tokens is not None:
-                on_tokens(new)
+        if streamer is not None:
+            streamer.put(prompt_array(req.ids))  # the prompt first, as transformers does
+        try:
+            for _, new in self._run([req], mode, raises=True):
+                if streamer is not None:
+                    streamer.put(np.asarray(new, dtype=np.int64))
+                if on_tokens is not None:
+                    on_tokens(new)
+        finally:
+            if streamer is not None:
+                streamer.end()  # also on failure: an iterating consumer is never left waiting
         return self._finish(self._results[0])
 
     # ------------------------------------------------------------------ public
@@ -281,29 +378,42 @@ class Pipeline:
         stop_token_ids: list[int] | None = None,
         on_tokens: Callable | None = None,
         *,
-        temperature: float | list[float] = 0.0,
+        temperature: float | None | list[float | None] = None,
         top_k: int | list[int] = 0,
         top_p: float | list[float] = 1.0,
         seed: int | None | list[int | None] = None,
+        do_sample: bool | None | list[bool | None] = None,
+        streamer=None,
     ) -> GenerationResult | list[GenerationResult]:
         """DFlash generation. Greedy by default: token for token the target's own greedy output.
 
         prompt: token ids, or text when the artifacts carry a tokenizer; or a list of prompts,
             which returns one result per prompt, in order (a continuous batch of up to
-            `full_batch_size` at once; the rest wait for a free slot).
+            `full_batch_size` at once; the rest wait for a free slot). A prompt whose program
+            calls fail gets stop_reason "error" and the message in `error` (the others are
+            unaffected); for one prompt the error is raised.
         stop_token_ids: None = the target's EOS ids from the manifest; [] = never stop early.
         on_tokens: called with each run of newly committed tokens, as they are committed (for a
             list of prompts: with the prompt's index and its tokens).
         temperature, top_k, top_p: sampling from the target's distribution after temperature,
             top-k (0 = off) and top-p (1 = off) filtering; lossless (the output is distributed
-            exactly as the target's own sampling); temperature 0 = greedy.
+            exactly as the target's own sampling); temperature 0 (the default) = greedy.
+        do_sample: Hugging Face's switch: False = greedy whatever the temperature; True =
+            sample at `temperature` (default 1.0, as transformers); None = the temperature says.
+        streamer: Hugging Face's streamer interface (anything with put(ids) and end(), e.g.
+            transformers' TextStreamer / TextIteratorStreamer or this package's,
+            runtime/streamer.py): put first receives the prompt's ids (shape (1, n), as
+            transformers passes them; skip_prompt=True skips them), then each run of committed
+            tokens (1-D); end() comes at the end, also when generation fails. One prompt only.
         seed: seeds the host's random numbers; the same seed gives the same tokens. None draws
             fresh entropy (the value used is in `stats["seed"]`).
         For a list of prompts, max_new_tokens and the sampling arguments take one value for all
         or a list with one per prompt.
         """
-        sp = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        return self._generate(prompt, max_new_tokens, stop_token_ids, on_tokens, "dflash", sp)
+        sp = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, do_sample=do_sample)
+        return self._generate(
+            prompt, max_new_tokens, stop_token_ids, on_tokens, "dflash", sp, streamer
+        )
 
     def stream(
         self,
@@ -311,18 +421,19 @@ class Pipeline:
         max_new_tokens: int = 64,
         stop_token_ids=None,
         *,
-        temperature: float = 0.0,
+        temperature: float | None = None,
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
+        do_sample: bool | None = None,
     ) -> Iterator[int]:
         """Yield generated tokens one by one as steps commit them (DFlash; arguments as generate,
         one prompt)."""
         if is_batch(prompt):
             raise GenerationError("stream takes one prompt: use generate for a list of prompts")
-        sp = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        sp = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, do_sample=do_sample)
         req = self.request(prompt, max_new_tokens, stop_token_ids, "dflash", **sp)
-        for _, new in self._run([req], "dflash"):
+        for _, new in self._run([req], "dflash", raises=True):
             yield from new
 
     def generate_baseline(
@@ -332,15 +443,19 @@ class Pipeline:
         stop_token_ids: list[int] | None = None,
         on_tokens: Callable | None = None,
         *,
-        temperature: float | list[float] = 0.0,
+        temperature: float | None | list[float | None] = None,
         top_k: int | list[int] = 0,
         top_p: float | list[float] = 1.0,
         seed: int | None | list[int | None] = None,
+        do_sample: bool | None | list[bool | None] = None,
+        streamer=None,
     ) -> GenerationResult | list[GenerationResult]:
         """The target alone on the decode specialization of the same program; same statistics,
         the same arguments and the same batching as generate (each decode call samples from p)."""
-        sp = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        return self._generate(prompt, max_new_tokens, stop_token_ids, on_tokens, "baseline", sp)
+        sp = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, do_sample=do_sample)
+        return self._generate(
+            prompt, max_new_tokens, stop_token_ids, on_tokens, "baseline", sp, streamer
+        )
 
 
 def is_batch(prompt) -> bool:

@@ -1,0 +1,192 @@
+"""The host buffers of every program call the engine makes, allocated once and refilled in place
+(docs/DESIGN.md, Runtime). One dataclass per call kind; each holds its feeds already bound by
+name to the contract's inputs (`bind`), so a call hands the same dict to the program every time
+and reordering the contract cannot rebind a tensor.
+
+    StepBuffers     the calls over every slot (full_batch_size rows): verify at each verify
+                    length, decode, the draft block
+    PrefillBuffers  the batch-1 calls of one prompt: a target chunk at each prefill length, the
+                    draft's prompt context at each DraftPrefill row count (per slot)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dflash_qaic import contract
+
+
+def bind(io, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The feeds of a call of the program with contract I/O `io` (TargetIO / DraftIO): every
+    input but the caches, by name, in the contract's order. A name the contract has and
+    `arrays` lacks, or the reverse, is an error."""
+    kv = {s.name for s in io.kv}
+    names = [s.name for s in io.inputs if s.name not in kv]
+    missing, extra = set(names) - set(arrays), set(arrays) - set(names)
+    if missing or extra:
+        raise ValueError(
+            f"the host buffers do not match the program's inputs: missing {sorted(missing)}, "
+            f"unknown {sorted(extra)}"
+        )
+    return {n: arrays[n] for n in names}
+
+
+@dataclass
+class SamplingRows:
+    """The target's sampling inputs of a call's rows (contract.SAMPLING_INPUTS)."""
+
+    temperature: np.ndarray  # float32 [rows]
+    top_k: np.ndarray  # int64 [rows]
+    top_p: np.ndarray  # float32 [rows]
+    u: dict[int, np.ndarray]  # sample_len -> float32 [rows, sample_len, N_RANDOM]
+
+    @classmethod
+    def alloc(cls, rows: int, sample_lens) -> SamplingRows:
+        u = {n: np.zeros((rows, n, contract.N_RANDOM), np.float32) for n in sorted(sample_lens)}
+        return cls(
+            np.zeros(rows, np.float32), np.zeros(rows, np.int64), np.ones(rows, np.float32), u
+        )
+
+    def set_row(self, r: int, sp) -> None:
+        """Row r's settings (runtime.pipeline.Sampling), or greedy for None."""
+        self.temperature[r] = sp.temperature if sp else 0.0
+        self.top_k[r] = sp.top_k if sp else 0
+        self.top_p[r] = sp.top_p if sp else 1.0
+
+    def arrays(self, sample_len: int) -> dict[str, np.ndarray]:
+        return {
+            contract.TEMPERATURE: self.temperature,
+            contract.TOP_K: self.top_k,
+            contract.TOP_P: self.top_p,
+            contract.RANDOM_U: self.u[sample_len],
+        }
+
+
+@dataclass
+class TargetCall:
+    """A target call of rows × n tokens: its ids and positions, and its feeds per sample_len."""
+
+    ids: np.ndarray  # int64 [rows, n]
+    pos: np.ndarray  # int64 [rows, n]
+    feeds: dict[int, dict[str, np.ndarray]]  # sample_len -> the call's named feeds
+
+
+@dataclass
+class DraftCall:
+    """A draft call: n rows of target features as context, then the block."""
+
+    ctx: np.ndarray  # float32 [rows, n, H]: target features of committed tokens
+    ctx_pos: np.ndarray  # int64 [rows, n]: their positions (-1: none)
+    blk_ids: np.ndarray  # int64 [rows, B]: [anchor, MASK, …]
+    blk_pos: np.ndarray  # int64 [rows, B]
+    feeds: dict[str, np.ndarray]
+
+
+class _Shared:
+    """Arrays every call of one batch size shares: the cache row of each call row, the sampling
+    rows, the attention windows."""
+
+    def __init__(self, plan: contract.ShapePlan, rows: int, sample_lens, target_io, draft_io):
+        self.plan, self.target_io, self.draft_io = plan, target_io, draft_io
+        self.bidx = np.zeros((rows, 1), np.int64)  # batch_index: the cache row of each row
+        self.sampling = SamplingRows.alloc(rows, sample_lens)
+        # attention windows (contract.COMP_CTX_LENGTHS): a call reads the smallest one holding
+        # every slot it needs, so its cost follows the context, not ctx_len
+        self.window_ids = {n: np.arange(n, dtype=np.int64) for n in plan.windows or ()}
+
+    def _common(self) -> dict[str, np.ndarray]:
+        out = {}
+        if self.plan.full_batch_size is not None:
+            out[contract.BATCH_INDEX] = self.bidx
+        if self.plan.windows:
+            out[contract.COMP_CTX_LENGTHS] = self.window_ids[self.plan.windows[-1]]
+        return out
+
+    def target_call(self, ids: np.ndarray, pos: np.ndarray, sample_lens) -> TargetCall:
+        feeds = {}
+        for s in sample_lens:
+            arrays = {contract.INPUT_IDS: ids, contract.POSITION_IDS: pos, **self._common()}
+            if self.plan.sampling:
+                arrays.update(self.sampling.arrays(s))
+            feeds[s] = bind(self.target_io, arrays)
+        return TargetCall(ids, pos, feeds)
+
+    def draft_call(self, ctx, ctx_pos, blk_ids, blk_pos) -> DraftCall:
+        arrays = {
+            contract.TARGET_HIDDEN: ctx,
+            contract.POSITION_IDS_TARGET: ctx_pos,
+            contract.INPUT_IDS: blk_ids,
+            contract.POSITION_IDS: blk_pos,
+            **self._common(),
+        }
+        return DraftCall(ctx, ctx_pos, blk_ids, blk_pos, bind(self.draft_io, arrays))
+
+    def window(self, feeds: dict, needed: int) -> dict:
+        """`feeds` reading the smallest attention window that holds slots 0 … needed-1."""
+        if self.plan.windows:
+            n = contract.window_for(list(self.plan.windows), needed)
+            feeds[contract.COMP_CTX_LENGTHS] = self.window_ids[n]
+        return feeds
+
+
+class StepBuffers(_Shared):
+    """The calls over every slot: row r is cache row r (an inactive row has batch_index -1)."""
+
+    def __init__(self, plan, lengths, target_io, draft_io, mask_id: int):
+        N, B, H = plan.cache_rows, plan.block_size, draft_io.hidden_size
+        sample_lens = {plan.sample_len(n, g) for n in (1, *lengths) for g in (True, False)}
+        super().__init__(plan, N, sample_lens, target_io, draft_io)
+
+        def target(n: int) -> TargetCall:
+            ids, pos = np.zeros((N, n), np.int64), np.zeros((N, n), np.int64)
+            return self.target_call(ids, pos, {plan.sample_len(n, g) for g in (True, False)})
+
+        self.verify = {n: target(n) for n in lengths}
+        self.decode = target(1)
+        self.draft = self.draft_call(
+            np.zeros((N, B, H), np.float32),
+            np.zeros((N, B), np.int64),
+            np.full((N, B), mask_id, np.int64),
+            np.zeros((N, B), np.int64),
+        )
+
+
+class PrefillBuffers(_Shared):
+    """The batch-1 calls of a prompt. A target chunk of each prefill length (views of one
+    [1, C] pair); the draft's prompt context per slot (its rows wait there across chunks, and
+    prefills of several slots may interleave), allocated at a slot's first prompt."""
+
+    def __init__(self, plan, target_io, draft_io, mask_id: int):
+        C, B = plan.prefill_seq_len, plan.block_size
+        sample_lens = {plan.sample_len(n, g) for n in plan.prefill_lengths for g in (True, False)}
+        super().__init__(plan, 1, sample_lens, target_io, draft_io)
+        self.H, self.mask_id = draft_io.hidden_size, mask_id
+        ids, pos = np.zeros((1, C), np.int64), np.zeros((1, C), np.int64)
+        self.chunk = {
+            L: self.target_call(
+                ids[:, :L], pos[:, :L], {plan.sample_len(L, g) for g in (True, False)}
+            )
+            for L in plan.prefill_lengths
+        }
+        self.blk_ids = np.full((1, B), mask_id, np.int64)
+        self.blk_pos = np.zeros((1, B), np.int64)
+        self._ctx: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # slot -> ctx, ctx_pos
+        self._calls: dict[tuple[int, int], DraftCall] = {}  # (slot, rows) -> its call
+
+    def context(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """The slot's prompt-context rows: float32 [1, D, H] and int64 [1, D]."""
+        if slot not in self._ctx:
+            D = self.plan.draft_prefill_rows[-1]
+            self._ctx[slot] = np.zeros((1, D, self.H), np.float32), np.zeros((1, D), np.int64)
+        return self._ctx[slot]
+
+    def draft_prefill(self, slot: int, rows: int) -> DraftCall:
+        """The DraftPrefill call of `rows` context rows, from the slot's context."""
+        call = self._calls.get((slot, rows))
+        if call is None:
+            ctx, ctx_pos = self.context(slot)
+            call = self.draft_call(ctx[:, :rows], ctx_pos[:, :rows], self.blk_ids, self.blk_pos)
+            self._calls[slot, rows] = call
+        return call

@@ -1,0 +1,94 @@
+"""One request in the engine: what was asked (`Request`) and what happened (`Sequence`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from dflash_qaic import contract
+from dflash_qaic.runtime.stats import CallLog, GenerationResult
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated request (see Pipeline for the checks)."""
+
+    ids: list[int]
+    max_new_tokens: int
+    stop: frozenset[int]
+    sampling: object  # runtime.pipeline.Sampling, seed resolved when sampling
+
+
+class Sequence:
+    """A request's tokens, its slot, its place in its prompt and its statistics. What the next
+    step reads of it (anchor, position, proposals) lives in the step's per-slot arrays
+    (runtime/step.py), written when it takes a slot."""
+
+    def __init__(self, req: Request, block_size: int):
+        self.req = req
+        self.slot: int | None = None
+        self.tokens: list[int] = []
+        self.lengths: list[int] = []  # tokens committed per step
+        self.verified: list[int] = []  # rows of each step's verify call (its verify length)
+        self.new: list[list[int]] = []  # runs of tokens committed since the caller took them
+        self.prefilled = 0  # prompt tokens already in the target's cache
+        self.pending = 0  # prompt feature rows waiting in its slot's context for the draft
+        # sampling: the uniforms of the token at position len(ids) + i are row i, drawn once
+        # from the seed (a step may look B − 1 past the budget; the rows it discards are never
+        # used again); None when greedy
+        self.uniforms = None
+        sp = req.sampling
+        if not sp.greedy:
+            rows = req.max_new_tokens + block_size + 1
+            rng = np.random.default_rng(sp.seed)
+            self.uniforms = rng.random((rows, contract.N_RANDOM), dtype=np.float32)
+        self.reason: str | None = None
+        self.error: BaseException | None = None  # reason "error": what failed
+        self.log = CallLog()
+        self.t_arrival = time.perf_counter()
+        self.t_first = self.t_dec = None
+        self.result: GenerationResult | None = None
+
+    @property
+    def decoding(self) -> bool:
+        return self.t_dec is not None and self.reason is None
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None
+
+    def take(self) -> list[list[int]]:
+        """The runs of tokens committed since the last call (the first token, then one run per
+        step), in order."""
+        out, self.new = self.new, []
+        return out
+
+    def commit(self, committed: list[int], step: bool) -> None:
+        """Commit tokens, cut at max_new_tokens and after a stop token (which ends it)."""
+        req = self.req
+        produced = committed[: req.max_new_tokens - len(self.tokens)]
+        for i, t in enumerate(produced):
+            if t in req.stop:
+                produced = produced[: i + 1]
+                self.reason = "stop_token"
+                break
+        self.tokens += produced
+        if produced:
+            self.new.append(produced)
+        if step:
+            self.lengths.append(len(produced))
+        if self.reason is None and len(self.tokens) >= req.max_new_tokens:
+            self.reason = "max_new_tokens"
+
+    def fill_uniforms(self, u: np.ndarray, first: int) -> None:
+        """Call row j of `u` ([n, 2]) <- this request's uniforms of the token at position
+        first + j (zeros where its table has none: prompt positions, never read)."""
+        u.fill(0.0)
+        if self.uniforms is None:
+            return
+        t0 = first - len(self.req.ids)  # the table row of call row 0
+        lo, hi = max(0, -t0), min(len(u), len(self.uniforms) - t0)
+        if lo < hi:
+            u[lo:hi] = self.uniforms[t0 + lo : t0 + hi]

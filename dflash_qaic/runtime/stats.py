@@ -1,0 +1,162 @@
+"""Statistics of the host loop: what each program call cost, the verify length those costs make
+best (`StepCosts`), and a finished request's `GenerationResult` (docs/DESIGN.md, Runtime)."""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # generated tokens only, prompt excluded
+    acceptance_lengths: list[int]  # tokens committed per step (1 … B); the first token is prefill's
+    stats: dict  # tau, ttft_s, tpot_s, tokens_per_s, host_s, device_s, bytes_per_step, …
+    stop_reason: str  # "max_new_tokens" | "stop_token" | "ctx_len" | "abort" | "error"
+    text: str | None = None
+    call_times: dict[str, list[float]] = field(default_factory=dict, repr=False)
+    #: rows each step verified (its verify length, ≤ B; empty for the target alone): step i
+    #: proposed verify_lengths[i] − 1 draft tokens and accepted acceptance_lengths[i] − 1
+    verify_lengths: list[int] = field(default_factory=list, repr=False)
+    #: stop_reason "error": what failed (the tokens before it are kept)
+    error: str | None = None
+
+
+class CallLog:
+    """One request's share of the program calls it took part in, by call kind: seconds of each
+    call, bytes moved (a shared call's split evenly over its requests), seconds inside programs
+    (shared calls counted whole)."""
+
+    __slots__ = ("times", "bytes", "device")
+
+    def __init__(self):
+        self.times: dict[str, list[float]] = {}
+        self.bytes: dict[str, float] = {}
+        self.device: dict[str, float] = {}
+
+    def add(self, kind: str, seconds: float, moved: float, device: float) -> None:
+        self.times.setdefault(kind, []).append(seconds)
+        self.bytes[kind] = self.bytes.get(kind, 0.0) + moved
+        self.device[kind] = self.device.get(kind, 0.0) + device
+
+
+def timed_call(kind: str, program, feeds: dict, seqs, costs=None, rows: int = 0) -> dict:
+    """Run `program` on `feeds`; its time and bytes go to every sequence in the call (and, for
+    a step's verify call of `rows` rows and its draft call, to the StepCosts `costs`)."""
+    d0, t = program.device_s, time.perf_counter()
+    out = program.run(feeds)
+    dt, dev = time.perf_counter() - t, program.device_s - d0
+    if costs is not None:
+        costs.observe(kind, dt, rows)
+    moved = sum(a.nbytes for a in feeds.values()) + sum(a.nbytes for a in out.values())
+    share = moved / len(seqs)
+    for s in seqs:
+        s.log.add(kind, dt, share, dev)
+    return out
+
+
+class StepCosts:
+    """Running means of a verify call's seconds by length and of a draft call's, and the verify
+    length they make best (docs/DESIGN.md, Verify length). A Pipeline keeps one for all its
+    engines."""
+
+    WEIGHT = 0.2  # of the newest call in the running mean
+    LOSS = 0.1  # sampled steps: expected tokens per row a shorter verify may give up
+
+    def __init__(self, warmup_calls: int = 1):
+        """warmup_calls: the first calls of each kind and length are not timed (a program's
+        first call of a shape sets up its buffers; timed, it would make that length look slow,
+        and a length that looks slow is never picked again to correct it)."""
+        self.verify_s: dict[int, float] = {}
+        self.draft_s: float | None = None
+        self.warmup_calls = warmup_calls
+        self._seen: collections.Counter = collections.Counter()
+
+    def observe(self, kind: str, seconds: float, n: int = 0) -> None:
+        self._seen[kind, n] += 1
+        if self._seen[kind, n] <= self.warmup_calls:
+            return
+        old = self.verify_s.get(n) if kind == "verify" else self.draft_s
+        new = seconds if old is None else old + self.WEIGHT * (seconds - old)
+        if kind == "verify":
+            self.verify_s[n] = new
+        else:
+            self.draft_s = new
+
+    def best_length(
+        self, lengths: list[int], confidences: list[np.ndarray] | np.ndarray, sampled: bool = False
+    ) -> int:
+        """The verify length for rows with these confidences ([rows, B−1]). Greedy: the most
+        expected committed tokens per second (the longest until a call of it and a draft call
+        have been timed). With a sampled row: the shortest that loses less than LOSS expected
+        tokens per row, from the confidences alone, so that a seed reproduces its tokens."""
+        B = lengths[-1]
+        if len(lengths) == 1:
+            return B
+        c = np.asarray(confidences)  # [rows, B−1]
+        rows = len(c)
+        # gain[n−1]: expected committed tokens at n rows, 1 + Σ_{j<n} Π_{i≤j} c_i per row
+        gain = np.full(B, float(rows))
+        gain[1:] += np.cumsum(np.cumprod(c, axis=1), axis=1).sum(axis=0, dtype=np.float64)
+        if sampled:
+            return next(n for n in lengths if gain[-1] - gain[n - 1] < self.LOSS * rows)
+        if B not in self.verify_s or self.draft_s is None:
+            return B
+        best, best_rate, ref = B, -1.0, B  # ref: the shortest timed length so far
+        for n in reversed(lengths):
+            if n in self.verify_s:
+                ref = n
+            cost = self.verify_s.get(n, self.verify_s[ref] * n / ref)  # untimed: n/ref of ref's
+            rate = gain[n - 1] / (cost + self.draft_s)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = n, rate
+        return best
+
+
+def result(seq, mode: str) -> GenerationResult:
+    """A sequence's result, with statistics as the reference measures them: decode time runs
+    from the end of prefill (the draft's included) to the end; device time is time inside this
+    sequence's step calls (shared calls counted whole), host time the rest of its decode time."""
+    now = time.perf_counter()
+    t_dec = seq.t_dec if seq.t_dec is not None else now
+    decode_s = now - t_dec
+    n, log = len(seq.tokens), seq.log
+    kinds = ("verify", "draft") if mode == "dflash" else ("decode",)
+    step_device = sum(log.device.get(k, 0.0) for k in kinds)
+    sp = seq.req.sampling
+    steps = len(seq.lengths)
+    stats = {
+        "tau": float(np.mean(seq.lengths)) if steps else 0.0,
+        "steps": steps,
+        "verify_rows": float(np.mean(seq.verified)) if seq.verified else None,
+        "ttft_s": (seq.t_first or now) - seq.t_arrival,
+        "prefill_s": t_dec - seq.t_arrival,
+        "decode_s": decode_s,
+        "tpot_s": decode_s / n if n else 0.0,
+        "tokens_per_s": n / decode_s if decode_s > 0 else float("inf"),
+        "device_s": step_device,
+        "host_s": decode_s - step_device,
+        "bytes_per_step": sum(log.bytes.get(k, 0.0) for k in kinds) / max(steps, 1),
+        "prompt_tokens": len(seq.req.ids),
+        "new_tokens": n,
+        "prefill_calls": len(log.times.get("prefill", ())),
+        "draft_prefill_calls": len(log.times.get("draft_prefill", ())),
+        "slot": seq.slot,
+        "temperature": sp.temperature,
+        "top_k": sp.top_k,
+        "top_p": sp.top_p,
+        "seed": sp.seed,
+    }
+    error = None if seq.error is None else f"{type(seq.error).__name__}: {seq.error}"
+    return GenerationResult(
+        seq.tokens,
+        seq.lengths,
+        stats,
+        seq.reason or "abort",
+        call_times=log.times,
+        verify_lengths=seq.verified,
+        error=error,
+    )

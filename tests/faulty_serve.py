@@ -1,0 +1,61 @@
+"""dflash-serve with an injected fault, for tests/test_faults.py: the target program raises on
+a batch-1 (prefill) call whose ids begin with the token ids in $FAULT_PROMPT (comma-separated).
+
+    FAULT_PROMPT=5,9,13 python tests/faulty_serve.py ARTIFACTS --port 0 ...
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from dflash_qaic import contract
+
+
+class Faulty:
+    """A program that raises on the calls `bad(feeds)` picks (an injected backend failure)
+    and runs every other call as the program it wraps."""
+
+    def __init__(self, program, bad):
+        self._program, self._bad = program, bad
+        self.failed: list[dict] = []  # copies of the feeds of the calls that raised
+
+    def __getattr__(self, name):
+        return getattr(self._program, name)
+
+    def run(self, feeds):
+        if self._bad(feeds):
+            self.failed.append({k: v.copy() for k, v in feeds.items()})
+            raise RuntimeError("injected fault")
+        return self._program.run(feeds)
+
+
+def prefill_of(prompt: list[int]):
+    """Picks the batch-1 target calls holding the first tokens of `prompt`."""
+
+    def bad(feeds) -> bool:
+        ids = feeds[contract.INPUT_IDS]
+        k = min(len(prompt), ids.shape[1])
+        return ids.shape[0] == 1 and ids[0, :k].tolist() == prompt[:k]
+
+    return bad
+
+
+def main() -> int:
+    import dflash_qaic
+    from dflash_qaic.serve.cli import main as serve
+
+    poison = [int(t) for t in os.environ["FAULT_PROMPT"].split(",")]
+    load = dflash_qaic.load
+
+    def faulty_load(*args, **kw):
+        pipe = load(*args, **kw)
+        pipe.target = Faulty(pipe.target, prefill_of(poison))
+        return pipe
+
+    dflash_qaic.load = faulty_load
+    return serve(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
