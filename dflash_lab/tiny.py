@@ -3,6 +3,8 @@
     python -m dflash_lab.tiny OUT [--family qwen3|llama] [--agree 3.0] ...
     dflash-make-tiny-pair OUT ...
     dflash-make-tiny-pair OUT --preset qwen3-4b        # Qwen3-4B shapes, bf16, 3 shards + index
+    dflash-make-tiny-pair OUT --layer-types sliding,full --sliding-window 64 [--is-causal false]
+        [--input-embedding-scale S] [--output-multiplier M] [--final-logit-softcapping C]
 
     dflash-make-tiny-pair OUT --family qwen3_moe       # 8 experts, top-2, layer 1 dense
     dflash-make-tiny-pair OUT --preset qwen3-30b-a3b   # Qwen3-30B-A3B layers (4 of them), bf16
@@ -25,6 +27,7 @@ dimension 0 of every embedding row, which the residual stream carries to the hea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +49,9 @@ class TinySpec:
     intermediate_size: int = 128
     vocab_size: int = 256
     block_size: int = 8
-    target_layer_ids: list[int] | None = None  # None: leave absent (the default rule applies)
+    # None: the published default rule, left absent from the config, when it gives distinct
+    # layers; else (a target too shallow for it, as the default 4 layers) spread, written down
+    target_layer_ids: list[int] | None = None
     tie_word_embeddings: bool = True
     agree: float = 0.0
     seed: int = 0
@@ -82,6 +87,9 @@ class TinySpec:
     attn_kv_heads: int | None = None
     attn_head_dim: int | None = None
     multimodal: bool = False  # the published form: Qwen3_5ForConditionalGeneration, text_config
+    # family "qwen3_5_moe": the hybrid with every MLP a MoE block (num_experts, top-k,
+    # moe_intermediate_size above) plus a gated shared expert of this size
+    shared_expert_intermediate_size: int = 48
 
 
 # Published shapes (Qwen3-0.6B / Qwen3-4B and z-lab's 5-layer b16 drafts for them): bf16, the
@@ -176,7 +184,7 @@ def preset_spec(name: str, **overrides) -> TinySpec:
 def _target_config(s: TinySpec):
     from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
-    if s.family == "qwen3_5":
+    if s.family in ("qwen3_5", "qwen3_5_moe"):
         return _hybrid_config(s)
 
     common = dict(
@@ -214,8 +222,14 @@ def _target_config(s: TinySpec):
 
 def _hybrid_config(s: TinySpec):
     """Qwen3_5TextConfig (text-only form) or Qwen3_5Config around it (the published form)."""
-    from transformers import Qwen3_5Config, Qwen3_5TextConfig
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeTextConfig,
+        Qwen3_5TextConfig,
+    )
 
+    moe = s.family == "qwen3_5_moe"
     text = dict(
         vocab_size=s.vocab_size,
         hidden_size=s.hidden_size,
@@ -247,11 +261,19 @@ def _hybrid_config(s: TinySpec):
         eos_token_id=None,
         pad_token_id=None,
     )
+    if moe:
+        del text["intermediate_size"]
+        text |= dict(
+            num_experts=s.num_experts,
+            num_experts_per_tok=s.num_experts_per_tok,
+            moe_intermediate_size=s.moe_intermediate_size,
+            shared_expert_intermediate_size=s.shared_expert_intermediate_size,
+        )
     if not s.multimodal:
-        return Qwen3_5TextConfig(**text)
+        return (Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig)(**text)
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2)
     vision |= dict(out_hidden_size=s.hidden_size)
-    cfg = Qwen3_5Config(text_config=text, vision_config=vision)
+    cfg = (Qwen3_5MoeConfig if moe else Qwen3_5Config)(text_config=text, vision_config=vision)
     cfg.tie_word_embeddings = s.tie_word_embeddings
     return cfg
 
@@ -289,7 +311,8 @@ def _save_hybrid(target, s: TinySpec, tdir: Path, gen: torch.Generator) -> None:
         target.to(getattr(torch, s.dtype)).save_pretrained(tdir, max_shard_size=shard)
         return
     cfg = _hybrid_config(s)
-    cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
+    moe = "Moe" if s.family == "qwen3_5_moe" else ""
+    cfg.architectures = [f"Qwen3_5{moe}ForConditionalGeneration"]
     cfg.dtype = s.dtype
     cfg.save_pretrained(tdir)
     dtype = getattr(torch, s.dtype)
@@ -389,6 +412,31 @@ def random_draft_state(s: TinySpec, gen: torch.Generator) -> dict[str, torch.Ten
     return state
 
 
+def _layer_ids(s: TinySpec) -> TinySpec:
+    """The spec with target layers the exporter takes: distinct layers of the target."""
+    L, D = s.target_layers, s.draft_layers
+    flags = "--target-layers / --draft-layers (target_layers / draft_layers)"
+    if s.target_layer_ids is not None:
+        ids = list(s.target_layer_ids)
+        if len(set(ids)) != len(ids) or not all(0 <= i < L for i in ids):
+            raise ValueError(
+                f"target_layer_ids {ids} must be distinct layers of the {L}-layer target "
+                f"(0 … {L - 1}): fix them, or leave them out for the default rule"
+            )
+        return s
+    ids = default_target_layer_ids(L, D)
+    if len(set(ids)) == len(ids) and all(0 <= i < L for i in ids):
+        return s  # left absent: the reader applies the same rule
+    if D > L:
+        raise ValueError(
+            f"a {D}-layer draft reads {D} distinct target layers but the target has {L}: give "
+            f"{flags} with at least as many target layers as draft layers"
+        )
+    lo = 1 if D < L else 0  # as the published rule, from layer 1 when there is room
+    span = L - 1 - lo
+    return dataclasses.replace(s, target_layer_ids=[lo + i * span // (D - 1) for i in range(D)])
+
+
 def make_tiny_pair(
     out_dir: str | Path, family: str = "qwen3", *, preset: str | None = None, **kw
 ) -> tuple[Path, Path]:
@@ -397,12 +445,12 @@ def make_tiny_pair(
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    s = preset_spec(preset, **kw) if preset else TinySpec(family=family, **kw)
+    s = _layer_ids(preset_spec(preset, **kw) if preset else TinySpec(family=family, **kw))
     out = Path(out_dir)
     tdir, ddir = out / "target", out / "draft"
     tdir.mkdir(parents=True, exist_ok=True)
     ddir.mkdir(parents=True, exist_ok=True)
-    if s.family == "qwen3_5" and not preset:
+    if s.family in ("qwen3_5", "qwen3_5_moe") and not preset:
         _make_hybrid(s, tdir, ddir)
         return tdir, ddir
     if preset or s.dtype != "float32" or s.shards > 1 or s.fused_experts:
@@ -471,7 +519,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="directory to write target/ and draft/ into")
     p.add_argument("--preset", choices=sorted(PRESETS), help="published shapes (bf16, sharded)")
-    p.add_argument("--family", choices=["qwen3", "llama", "qwen3_moe", "qwen3_5"])
+    p.add_argument("--family", choices=["qwen3", "llama", "qwen3_moe", "qwen3_5", "qwen3_5_moe"])
     p.add_argument(
         "--multimodal",
         action="store_true",

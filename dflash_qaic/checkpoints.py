@@ -24,10 +24,13 @@ SUPPORTED_TARGETS = {
     # under `text_config`, tensors under model.language_model.*) and the text-only form
     "qwen3_5": ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeForCausalLM",),
+    # hybrid and MoE at once (every layer's MLP: routed experts + a gated shared expert)
+    "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
 }
-HYBRID_FAMILIES = ("qwen3_5",)
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe")
 # model_type of the text-only hybrid (what Qwen3_5ForCausalLM.save_pretrained writes)
-_TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5"}
+_TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
 # Tensors of a published multimodal checkpoint that the text model does not use (Hugging Face's
 # Qwen3_5ForCausalLM ignores them too): the vision tower and the multi-token-prediction head.
 _MULTIMODAL_IGNORED = ("model.visual.", "mtp.")
@@ -145,11 +148,14 @@ class MoeSpec:
     intermediate_size: int  # moe_intermediate_size, of each expert
     norm_topk_prob: bool
     sparse: tuple[bool, ...]  # per layer: experts (True) or the dense MLP (mlp_only_layers)
+    shared_intermediate_size: int = 0  # Qwen3.5-MoE's shared expert (0: none)
 
 
-def read_moe_spec(cfg: dict, cpath: Path, n_layers: int) -> MoeSpec:
+def read_moe_spec(cfg: dict, cpath: Path, n_layers: int, family: str = "qwen3_moe") -> MoeSpec:
     """Hugging Face's rule: layer i has experts iff i is not in `mlp_only_layers` and
-    (i + 1) % `decoder_sparse_step` == 0 (and there are experts at all)."""
+    (i + 1) % `decoder_sparse_step` == 0 (and there are experts at all). Qwen3.5-MoE: every
+    layer, top-k always renormalised, plus a shared expert of
+    `shared_expert_intermediate_size`."""
     # `num_experts` in the published configs; transformers 5.x writes `num_local_experts`
     key = "num_local_experts" if "num_experts" not in cfg and "num_local_experts" in cfg else ""
     key = key or "num_experts"
@@ -163,10 +169,14 @@ def read_moe_spec(cfg: dict, cpath: Path, n_layers: int) -> MoeSpec:
     dense = cfg.get("mlp_only_layers") or []
     if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
         raise CheckpointError(f"{cpath}: `mlp_only_layers` must be a list of layer ids")
+    inter = _positive(cfg, "moe_intermediate_size", cpath)
+    if family == "qwen3_5_moe":
+        shared = _positive(cfg, "shared_expert_intermediate_size", cpath)
+        return MoeSpec(experts, top_k, inter, True, (True,) * n_layers, shared)
     return MoeSpec(
         num_experts=experts,
         top_k=top_k,
-        intermediate_size=_positive(cfg, "moe_intermediate_size", cpath),
+        intermediate_size=inter,
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         sparse=tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers)),
     )
@@ -249,11 +259,13 @@ def read_target_config(directory: str | Path) -> TargetConfig:
         rope_theta=_rope_theta(text),
         tie_word_embeddings=bool(tied),
         raw=cfg,
-        intermediate_size=_positive(text, "intermediate_size", cpath),
+        intermediate_size=_positive(
+            text, "intermediate_size", cpath, 0 if family == "qwen3_5_moe" else None
+        ),
         prefix=prefix,
         text=text,
         hybrid=hybrid,
-        moe=read_moe_spec(cfg, cpath, n_layers) if family == "qwen3_moe" else None,
+        moe=read_moe_spec(text, cpath, n_layers, family) if family in MOE_FAMILIES else None,
     )
 
 
@@ -575,6 +587,13 @@ def expert_shapes(t: TargetConfig, fused: bool) -> dict[str, list[int]]:
     m, H = t.moe, t.hidden_size
     E, inter = m.num_experts, m.intermediate_size
     out = {"mlp.gate.weight": [E, H]}
+    if m.shared_intermediate_size:
+        Is = m.shared_intermediate_size
+        out |= {f"mlp.shared_expert.{p}_proj.weight": [Is, H] for p in ("gate", "up")}
+        out |= {
+            "mlp.shared_expert.down_proj.weight": [H, Is],
+            "mlp.shared_expert_gate.weight": [1, H],
+        }
     if fused:
         out |= {"mlp.experts.gate_up_proj": [E, 2 * inter, H]}
         return out | {"mlp.experts.down_proj": [E, H, inter]}
@@ -613,7 +632,7 @@ def expected_target_shapes(t: TargetConfig, fused: bool = False) -> dict[str, li
         per_layer |= {"mlp.gate_proj.bias": [inter], "mlp.up_proj.bias": [inter]}
         per_layer |= {"mlp.down_proj.bias": [H]}
     if t.hybrid is not None:
-        return _hybrid_shapes(t, per_layer)
+        return _hybrid_shapes(t, per_layer, fused)
     shapes = {"model.embed_tokens.weight": [V, H], "model.norm.weight": [H]}
     if not t.tie_word_embeddings:
         shapes["lm_head.weight"] = [V, H]
@@ -626,10 +645,14 @@ def expected_target_shapes(t: TargetConfig, fused: bool = False) -> dict[str, li
     return shapes
 
 
-def _hybrid_shapes(t: TargetConfig, dense: dict) -> dict[str, list[int]]:
+def _hybrid_shapes(t: TargetConfig, dense: dict, fused: bool = False) -> dict[str, list[int]]:
     """A hybrid's tensors (Hugging Face names, under t.prefix): Gated DeltaNet layers
-    (`linear_attn.*`), gated full-attention layers (q_proj twice as wide: query and gate)."""
+    (`linear_attn.*`), gated full-attention layers (q_proj twice as wide: query and gate);
+    a MoE hybrid's MLPs are its experts (`expert_shapes`)."""
     H, hd, V, h = t.hidden_size, t.head_dim, t.vocab_size, t.hybrid
+    if t.moe is not None:
+        dense = {k: v for k, v in dense.items() if not k.startswith("mlp.")}
+        dense |= expert_shapes(t, fused)
     kd = h["linear_num_key_heads"] * h["linear_key_head_dim"]
     hv, vd = h["linear_num_value_heads"], h["linear_num_value_heads"] * h["linear_value_head_dim"]
     conv = 2 * kd + vd

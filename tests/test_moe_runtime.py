@@ -61,7 +61,7 @@ def test_lossless_against_hf_generate(built):
     _, _, art, model = built()
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
     pipe = dflash_qaic.load(art)
-    pipe.verify_lengths = [B]
+    pipe.configure(verify_lengths=[B])
     lengths = []
     for seed, (n, new) in enumerate([(1, 30), (CHUNK - 1, 41), (CHUNK + 3, 25), (3 * CHUNK, 40)]):
         ids = prompt(n, seed)
@@ -79,7 +79,7 @@ def test_acceptance_equals_reference(built):
     t, d, art, model = built(agree=2.0)
     ref = DFlashDraftModel.from_pretrained(d, dtype=torch.float32).eval()
     pipe = dflash_qaic.load(art)
-    pipe.verify_lengths = [B]  # whole blocks every step, as the reference verifies
+    pipe.configure(verify_lengths=[B])  # whole blocks every step, as the reference verifies
     compared, lengths = 0, []
     for seed, n in enumerate([3, CHUNK + 1, 2 * CHUNK + 7]):
         ids = prompt(n, 100 + seed)

@@ -203,6 +203,14 @@ def test_python_blocks_run(default_artifacts, tmp_path, monkeypatch, capsys):
     assert "× speedup" in out and "16.0 [16, 16, 16, 16]" in out  # as the blocks' comments say
 
 
+def test_links_resolve():
+    text = README.read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([^)#\s]+)[^)]*\)", text)
+    assert "docs/BENCHMARKS.md" in links
+    for link in links:
+        assert link.startswith("http") or (ROOT / link).exists(), f"README links to {link}"
+
+
 def test_the_fp16_check_limits_are_the_codes():
     from dflash_qaic.export import fp16_check, weights
 

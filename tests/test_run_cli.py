@@ -279,5 +279,7 @@ def test_load_a_hub_id_says_to_export_first(tmp_path, monkeypatch):
     msg = str(e.value)
     assert "dflash-export --target Qwen/Qwen3-4B --draft " in msg
     assert "--out artifacts/qwen3-4b" in msg and "load('artifacts/qwen3-4b')" in msg
-    with pytest.raises(ArtifactsError, match="does not exist"):  # a plain missing directory
-        dflash_qaic.load(str(tmp_path / "nothing"))
+    (tmp_path / "artifacts").mkdir()  # under an existing directory it is a path, mistyped
+    with pytest.raises(ArtifactsError, match="does not exist") as e:
+        dflash_qaic.load("artifacts/typo")
+    assert "Hugging Face" not in str(e.value)

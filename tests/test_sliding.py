@@ -101,6 +101,19 @@ def test_bad_draft_attention_configs_are_refused(pair, tmp_path, edit, match):
         ck.read_draft_config(bad)
 
 
+def test_make_tiny_pair_writes_the_newer_draft_fields(tmp_path):
+    from dflash_lab.tiny import main
+
+    argv = [str(tmp_path), "--layer-types", "sliding,full", "--sliding-window", "4"]
+    main([*argv, "--is-causal", "false", "--output-multiplier", "0.5", "--vocab-size", "32"])
+    c = ck.read_draft_config(tmp_path / "draft")
+    assert c.layer_types == (SLIDE, FULL) and c.sliding_window == 4 and c.is_causal is False
+    assert c.output_multiplier == 0.5 and c.input_embedding_scale == 1.0
+    assert [c.layer_attention(i) for i in range(2)] == [(False, 4), (False, None)]
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "x"), "--layer-types", "sliding,full"])  # no window
+
+
 def test_block_size_inside_dflash_config(pair, tmp_path):
     import shutil
 
@@ -285,7 +298,7 @@ def test_tokens_and_acceptance_equal_reference(built, name):
     t, d, art, model = built(name)
     ref = DFlashDraftModel.from_pretrained(d, dtype=torch.float32).eval()
     pipe = dflash_qaic.load(art)
-    pipe.verify_lengths = [pipe.B]  # whole blocks, as the reference verifies
+    pipe.configure(verify_lengths=[pipe.B])  # whole blocks, as the reference verifies
     lengths = []
     for seed, n in enumerate([3, 17, 39, 70]):
         ids = prompt(n, 200 + seed)
@@ -305,12 +318,24 @@ def test_tokens_and_acceptance_equal_reference(built, name):
 def test_batched_equals_solo(built):
     _, _, art, _ = built("mixed", full_batch_size=3)
     pipe = dflash_qaic.load(art)
-    pipe.verify_lengths = [pipe.B]
+    pipe.configure(verify_lengths=[pipe.B])
     prompts = [prompt(n, 300 + n) for n in (4, 19, 45, 70, 9)]
     batched = pipe.generate(prompts, max_new_tokens=30)
     for ids, res in zip(prompts, batched):
         solo = pipe.generate(ids, max_new_tokens=30)
         assert res.tokens == solo.tokens and res.acceptance_lengths == solo.acceptance_lengths
+
+
+def test_standin_runs_the_ring_programs(built):
+    """The AI100 buffer logic (a retained state per cache, shapes from the contract) runs the
+    ring caches: the same tokens and steps as ONNX Runtime, on compiled specializations only."""
+    _, _, art, _ = built("mixed")
+    a, b = dflash_qaic.load(art), dflash_qaic.load(art, backend="qaic-standin")
+    for p in (a, b):
+        p.configure(verify_lengths=[p.B])
+    for n in (5, 70):
+        x, y = a.generate(prompt(n, n), 24), b.generate(prompt(n, n), 24)
+        assert x.tokens == y.tokens and x.acceptance_lengths == y.acceptance_lengths
 
 
 def test_sampling_with_a_sliding_draft_follows_the_target(tiny_pair, tmp_path):
@@ -331,3 +356,30 @@ def test_sampling_with_a_sliding_draft_follows_the_target(tiny_pair, tmp_path):
     p1, p2 = exact_first_two(model, (1.0, 0, 1.0))
     assert gof_pvalue([gof(a[:, 0], p1)]) > 1e-3 / 2
     assert gof_pvalue([gof(a[:, 1], p2)]) > 1e-3 / 2
+
+
+# ---------------------------------------------------------------- long context
+
+
+def test_long_context_windows_follow_the_prompt():
+    """Up to 16K of context the default windows are ctx/8 … ctx as before; past it they halve
+    down to 2K, each at most twice the one below."""
+    w = contract.default_comp_ctx_lengths
+    for ctx, chunk in [(160, 16), (1024, 256), (4096, 128), (16384, 1024)]:
+        floor = contract.prefill_lengths(chunk, 16)[0] + 16
+        assert w(ctx, chunk, 16) == sorted({ctx >> k for k in range(4) if ctx >> k >= floor})
+    assert w(40960, 1024, 16) == [2560, 5120, 10240, 20480, 40960]
+    assert w(131072, 1024, 16) == [2048 << k for k in range(7)]
+
+
+def test_long_context_bench_mode(built, tmp_path):
+    from dflash_qaic.bench.cli import main
+
+    _, _, art, _ = built("mixed")
+    out = tmp_path / "long.json"
+    argv = ["--long-context", str(art), "--prompt-len", "60", "--positions", "10,120"]
+    assert main([*argv, "--max-new-tokens", "4", "--repeats", "1", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["ring_slots"] == [6, 0] and r["prompt_len"] == 60 and r["peak_rss_gb"] > 0
+    assert set(r["cost_s"]) == {"10", "120"}
+    assert all(set(c) == {"draft", "verify", "decode"} for c in r["cost_s"].values())

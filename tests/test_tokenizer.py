@@ -202,6 +202,8 @@ def write_legacy_tokenizer(d) -> None:
         vocab_size=200, special_tokens=["[UNK]"], show_progress=False
     )
     tok.train_from_iterator(_corpus(), trainer)
+    tok.enable_truncation(max_length=4)  # stored in tokenizer.json; a call without truncation
+    tok.enable_padding(length=64)  # or padding arguments uses neither
     tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps({"clean_up_tokenization_spaces": True}))
     smap = {
@@ -263,6 +265,7 @@ def test_a_llama3_and_a_legacy_tokenizer_equal_transformers(tmp_path):
     _, ours = assert_same(tmp_path / "legacy")
     assert ours.sep_token_id is not None  # added from special_tokens_map.json
     assert ours.decode(ours("don't stop , ok .")["input_ids"]) == "don't stop, ok."
+    assert len(ours(TEXTS[2])["input_ids"]) > 4  # no truncation
 
 
 def test_named_chat_templates_and_template_errors(tmp_path):

@@ -249,3 +249,19 @@ print(json.dumps(dict(tokens=res.tokens, text=res.text, streamed="".join(streame
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, log.read_text()
+
+
+def test_the_graph_reader_reads_what_onnx_reads(default_artifacts):
+    """runtime/backends.graph_nodes (the protobuf wire format, no onnx package) gives the same
+    nodes as onnx.load, for both programs."""
+    import onnx
+
+    from dflash_qaic.runtime.backends import graph_nodes
+
+    for name in ("target", "draft"):
+        (path,) = (default_artifacts / name).glob("*.onnx")
+        want = onnx.load(str(path), load_external_data=False).graph.node
+        got = graph_nodes(path)
+        assert len(got) == len(want) > 10
+        for a, b in zip(got, want):
+            assert (a.op_type, a.input, a.output) == (b.op_type, list(b.input), list(b.output))

@@ -52,7 +52,6 @@ from torch.nn import functional as F
 from dflash_qaic.contract import SAMPLING_INPUTS
 from dflash_qaic.modeling.layers import (
     MASK_VALUE,
-    MLP,
     RMSNorm,
     Rope,
     RopeTable,
@@ -61,6 +60,7 @@ from dflash_qaic.modeling.layers import (
     frozen,
     frozen_linear,
 )
+from dflash_qaic.modeling.moe import mlp_from_hf
 from dflash_qaic.modeling.ops import cache_reads, cache_rows, cache_slots
 from dflash_qaic.modeling.sampler import SAMPLING_CANDIDATES, sample_next_tokens
 from dflash_qaic.modeling.target import ExportTarget, attend, fp16_safe_fc_weight
@@ -305,7 +305,7 @@ class HybridDecoderLayer(nn.Module):
             rd = rotary_dim(cfg)
             heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
             self.self_attn = GatedAttention(hf.self_attn, heads, kv, rd)
-        self.mlp = MLP.from_hf(hf.mlp)
+        self.mlp = mlp_from_hf(hf.mlp)  # dense, or sparse MoE (modeling/moe.py)
 
     def forward(self, x, past_a, past_b, call):
         """x [b, s, H]; past_a, past_b: the layer's retained pair (key/value caches, or state and

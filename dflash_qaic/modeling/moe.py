@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.onnx.operators import shape_as_tensor
 
 from dflash_qaic.modeling.layers import MLP, frozen, frozen_linear
 
@@ -99,7 +100,7 @@ class SparseMoeBlock(nn.Module):
         chosen = onehot.amax(1)  # [T, E]: 1 where the token chose the expert
         weight = (onehot * top_p[..., None]).sum(1)  # [T, E]: its routing weight, else 0
 
-        union = self.union(chosen.amax(0), torch._shape_as_tensor(xt)[0])  # [U]
+        union = self.union(chosen.amax(0), shape_as_tensor(xt)[0])  # [U], U traced from T
         w_gu = self.gate_up[union]  # [U, 2I, H]: the only expert weights read
         w_d = self.down[union]  # [U, H, I]
         h = w_gu @ xt.t()  # [U, 2I, T]

@@ -93,16 +93,23 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def _hub_id_hint(given, d: Path) -> None:
-    """A Hugging Face model id given where an artifacts directory belongs: say how to make one."""
-    if d.exists() or not isinstance(given, str) or not _HUB_ID.fullmatch(given):
+    """A Hugging Face model id given where an artifacts directory belongs: say how to make one.
+    ("org/name" with no `org` directory here; under an existing directory it is a path.)"""
+    if (
+        d.exists()
+        or d.parent.exists()
+        or not isinstance(given, str)
+        or not _HUB_ID.fullmatch(given)
+    ):
         return
     name = given.split("/")[1]
     out = f"artifacts/{name.lower()}"
     raise ArtifactsError(
-        f"{given!r} looks like a Hugging Face model id, not an artifacts directory: dflash_qaic.load "
-        f"runs programs exported by dflash-export. Export the model with its DFlash draft first, "
-        f"e.g. `dflash-export --target {given} --draft z-lab/{name}-DFlash-b16 --out {out}` "
-        f"(the draft: a DFlash draft trained for this target), then `dflash_qaic.load({out!r})`"
+        f"there is no artifacts directory {given!r}, and it looks like a Hugging Face model id: "
+        "dflash_qaic.load runs the programs dflash-export writes. Export the model with its "
+        f"DFlash draft first, e.g. `dflash-export --target {given} --draft "
+        f"z-lab/{name}-DFlash-b16 --out {out}` (the draft: a DFlash draft trained for this "
+        f"target), then `dflash_qaic.load({out!r})`"
     )
 
 

@@ -222,6 +222,11 @@ class Pipeline:
                     "directory had no tokenizer files): pass token ids instead"
                 )
             prompt = self.tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, (list, tuple)) and not prompt and what == "the prompt":
+            raise GenerationError(
+                "the list of prompts is empty (an empty list is neither a prompt nor a batch): "
+                "give at least one prompt, as text or token ids"
+            )
         ids = _token_ids(prompt, what, self.vocab)
         if not ids:
             raise GenerationError(f"{what} is empty: give at least one token")
@@ -351,19 +356,17 @@ class Pipeline:
                     on_tokens(i, new)
             return [self._finish(r) for r in self._results]
         req = self.request(prompt, max_new_tokens, stop_token_ids, mode, **sp)
-        if streamer is None:
-            for _, new in self._run([req], mode, raises=True):
-                if on_tokens is not None:
-                    on_tokens(new)
-            return self._finish(self._results[0])
-        try:
+        if streamer is not None:
             streamer.put(prompt_array(req.ids))  # the prompt first, as transformers does
+        try:
             for _, new in self._run([req], mode, raises=True):
-                streamer.put(np.asarray(new, dtype=np.int64))
+                if streamer is not None:
+                    streamer.put(np.asarray(new, dtype=np.int64))
                 if on_tokens is not None:
                     on_tokens(new)
         finally:
-            streamer.end()  # also on failure: an iterating consumer is never left waiting
+            if streamer is not None:
+                streamer.end()  # also on failure: an iterating consumer is never left waiting
         return self._finish(self._results[0])
 
     # ------------------------------------------------------------------ public

@@ -11,7 +11,9 @@ module reads the same files and applies the same rules (transformers 5):
   as special tokens; `special_tokens_map.json` is read only when the config has no
   `added_tokens_decoder` (legacy checkpoints);
 - `add_bos_token` / `add_eos_token` in the config are ignored when `tokenizer.json` exists (its
-  post-processor decides); a missing post-processor adds nothing;
+  post-processor decides); a missing post-processor adds nothing; truncation and padding stored
+  in `tokenizer.json` are off (HF turns them off for a call that does not ask for them);
+  `split_special_tokens` is honoured;
 - `decode` cleans up tokenization spaces only when the config asks for it and the model is not
   BPE (where the cleanup would corrupt text);
 - the chat template comes from `chat_template.jinja` when present, else the config's
@@ -67,6 +69,10 @@ class Tokenizer:
     def __init__(self, backend, config: dict | None = None, chat_template=None):
         self._tokenizer = backend
         config = dict(config or {})
+        # as HF's __call__ without truncation or padding arguments: whole prompts, never padded
+        backend.no_truncation()
+        backend.no_padding()
+        backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
         self.chat_template = chat_template
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         self.special_tokens_map: dict[str, str] = {}
@@ -192,6 +198,14 @@ class Tokenizer:
     def backend_tokenizer(self):
         """The `tokenizers.Tokenizer` underneath (as HF's fast tokenizers name it)."""
         return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """The base vocabulary, without added tokens (as HF's `vocab_size`)."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=False)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._tokenizer.get_vocab(with_added_tokens=True)
 
     def __len__(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
