@@ -27,6 +27,7 @@ dimension 0 of every embedding row, which the residual stream carries to the hea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,9 @@ class TinySpec:
     intermediate_size: int = 128
     vocab_size: int = 256
     block_size: int = 8
-    target_layer_ids: list[int] | None = None  # None: leave absent (the default rule applies)
+    # None: the published default rule, left absent from the config, when it gives distinct
+    # layers; else (a target too shallow for it, as the default 4 layers) spread, written down
+    target_layer_ids: list[int] | None = None
     tie_word_embeddings: bool = True
     agree: float = 0.0
     seed: int = 0
@@ -409,6 +412,31 @@ def random_draft_state(s: TinySpec, gen: torch.Generator) -> dict[str, torch.Ten
     return state
 
 
+def _layer_ids(s: TinySpec) -> TinySpec:
+    """The spec with target layers the exporter takes: distinct layers of the target."""
+    L, D = s.target_layers, s.draft_layers
+    flags = "--target-layers / --draft-layers (target_layers / draft_layers)"
+    if s.target_layer_ids is not None:
+        ids = list(s.target_layer_ids)
+        if len(set(ids)) != len(ids) or not all(0 <= i < L for i in ids):
+            raise ValueError(
+                f"target_layer_ids {ids} must be distinct layers of the {L}-layer target "
+                f"(0 … {L - 1}): fix them, or leave them out for the default rule"
+            )
+        return s
+    ids = default_target_layer_ids(L, D)
+    if len(set(ids)) == len(ids) and all(0 <= i < L for i in ids):
+        return s  # left absent: the reader applies the same rule
+    if D > L:
+        raise ValueError(
+            f"a {D}-layer draft reads {D} distinct target layers but the target has {L}: give "
+            f"{flags} with at least as many target layers as draft layers"
+        )
+    lo = 1 if D < L else 0  # as the published rule, from layer 1 when there is room
+    span = L - 1 - lo
+    return dataclasses.replace(s, target_layer_ids=[lo + i * span // (D - 1) for i in range(D)])
+
+
 def make_tiny_pair(
     out_dir: str | Path, family: str = "qwen3", *, preset: str | None = None, **kw
 ) -> tuple[Path, Path]:
@@ -417,7 +445,7 @@ def make_tiny_pair(
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    s = preset_spec(preset, **kw) if preset else TinySpec(family=family, **kw)
+    s = _layer_ids(preset_spec(preset, **kw) if preset else TinySpec(family=family, **kw))
     out = Path(out_dir)
     tdir, ddir = out / "target", out / "draft"
     tdir.mkdir(parents=True, exist_ok=True)

@@ -372,7 +372,7 @@ def test_batched_sampling_follows_the_target_distribution(sampling_pipe):
 @pytest.mark.parametrize(
     "prompts,kw,match",
     [
-        ([], {}, "the prompt is empty"),
+        ([], {}, "the list of prompts is empty"),
         ([[1, 2], []], {}, "prompt 1 is empty"),
         ([[1, 2], "text"], {}, "mixes text and token ids"),
         ([1, [2, 3]], {}, "mixes token ids and nested lists"),

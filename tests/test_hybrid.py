@@ -193,7 +193,7 @@ def test_lossless_and_acceptance_equal_reference(pair, published, built, form):
     model = ck.load_target_model(t)
     ref = DFlashDraftModel.from_pretrained(d, dtype=torch.float32).eval()
     pipe = dflash_qaic.load(art)
-    pipe.verify_lengths = [B]  # whole blocks, as the reference verifies
+    pipe.configure(verify_lengths=[B])  # whole blocks, as the reference verifies
     lengths, compared = [], 0
     cases = [(1, 30), (CHUNK - 1, 33), (CHUNK + 3, 25), (2 * CHUNK + 5, 41)]
     for seed, (n, new) in enumerate(cases):
@@ -235,7 +235,7 @@ def test_batched_equals_solo(pair, built):
     solo = dflash_qaic.load(built(*pair))
     pipe = dflash_qaic.load(art)
     for p in (pipe, solo):
-        p.verify_lengths = [B]
+        p.configure(verify_lengths=[B])
     prompts = [prompt(n, 40 + n) for n in (5, CHUNK + 2, 2 * CHUNK + 1, 9)]  # 4 > 3 slots
     news = [20, 31, 17, 26]
     batch = pipe.generate(prompts, max_new_tokens=news)
@@ -253,7 +253,7 @@ def test_sampled_runs_agree_across_backends(pair, built):
     a = dflash_qaic.load(art)
     s = dflash_qaic.load(art, backend="qaic-standin")
     for p in (a, s):
-        p.verify_lengths = [B]
+        p.configure(verify_lengths=[B])
     ids = prompt(CHUNK + 4, 3)
     x = a.generate(ids, 40, temperature=1.0, seed=5)
     y = s.generate(ids, 40, temperature=1.0, seed=5)
@@ -278,3 +278,101 @@ def test_fp16_faithful_with_massive_activations(tiny_pair, built):
     art = built(out / "target", out / "draft")
     rep = read_manifest(art).target.check["fp16_faithful"]
     assert rep["ran"] and not rep["flagged"] and np.isfinite(rep["max_abs"])
+
+
+def test_host_refuses_a_count_that_disagrees(pair, built):
+    """The runtime checks the program's num_committed against its own acceptance: a program
+    whose state would no longer match the tokens fails its request instead of diverging."""
+    pipe = dflash_qaic.load(built(*pair))
+    pipe.configure(verify_lengths=[B])
+    good = pipe.generate([prompt(6, 1)], max_new_tokens=12)[0]
+    assert good.stop_reason == "max_new_tokens"
+    run = pipe.target.run
+
+    def off_by_one(feeds):
+        out = run(feeds)
+        if feeds[contract.INPUT_IDS].shape[1] == B:  # verify calls
+            out[contract.NUM_COMMITTED] += 1
+        return out
+
+    pipe.target.run = off_by_one
+    bad = pipe.generate([prompt(6, 1)], max_new_tokens=12)[0]
+    assert bad.stop_reason == "error" and bad.tokens == good.tokens[:1]
+
+
+def test_custom_io_lists_the_state_in_fp16(pair, built):
+    from dflash_qaic.compile.qpc import custom_io
+
+    io = read_manifest(built(*pair)).target.io
+    for kv_dtype in ("float16", "mxint8"):
+        entries = {e["IOName"]: e["Precision"] for e in custom_io(io, kv_dtype)}
+        for name in (contract.past_state(0), contract.retained(contract.past_conv(2))):
+            assert entries[name] == "float16"
+        assert entries[contract.retained(contract.past_key(3))] == kv_dtype
+    assert len(entries) == 2 * len(io.kv)
+
+
+@pytest.mark.slow
+def test_sampled_distribution_equals_the_target_alone(tiny_pair, tmp_path_factory):
+    """At T > 0 the state is committed by the sampler's own acceptance: DFlash's first five
+    tokens are distributed as the target's own sampling, and the first two as the exact
+    distribution from Hugging Face's logits (chi-square; test_sampling.end_to_end)."""
+    import test_sampling as S
+
+    t, d = tiny_pair(vocab_size=S.V, agree=2.5, **HYBRID)
+    out = tmp_path_factory.mktemp("hy-sampling")
+    opts = ExportOptions(prefill_seq_len=S.CHUNK, ctx_len=S.CTX, compile=False)
+    build_artifacts(t, d, out, opts, progress=lambda m: None)
+    pipe = dflash_qaic.load(out, threads=1)
+    pipe.configure(verify_lengths=[S.B])
+    S.end_to_end(pipe, ck.load_target_model(t), (1.0, 0, 1.0), 800)
+
+
+def test_streamed_program_equals_in_memory_one(published, tmp_path):
+    """The published bf16 sharded pair: the program written tensor by tensor from the
+    safetensors files (model.language_model.* names) equals the in-memory export from Hugging
+    Face's loaded model, output for output on every specialization's check feed."""
+    import onnxruntime as ort
+
+    from dflash_qaic.export import weights
+    from dflash_qaic.export.target import check_feeds, export_target
+
+    p = ck.read_pair(*published)
+    kw = dict(ctx_len=48, prefill_seq_len=12, block_size=B, fp16_check=False)
+    args = (p.draft.rms_norm_eps, p.draft.target_layer_ids)
+    state = ck.load_draft_state(p.draft)
+    fa = export_target(
+        ck.load_target_model(p.target),
+        state["fc.weight"],
+        state["hidden_norm.weight"],
+        *args,
+        tmp_path / "a" / "target.onnx",
+        **kw,
+    )
+    fb = export_target(
+        weights.placeholder_target(p.target),
+        weights.load_fp32(p.draft_tensors["fc.weight"]),
+        weights.load_fp32(p.draft_tensors["hidden_norm.weight"]),
+        *args,
+        tmp_path / "b" / "target.onnx",
+        stream_from=p,
+        **kw,
+    )
+    io = read_manifest_io(fa)
+    a = ort.InferenceSession(fa["path"], providers=["CPUExecutionProvider"])
+    b = ort.InferenceSession(fb["path"], providers=["CPUExecutionProvider"])
+    full = [sp for sp in fa["specializations"] if "@" not in sp["name"]]  # the full window
+    for feed in check_feeds(io, full):
+        for x, y, spec in zip(a.run(None, feed), b.run(None, feed), a.get_outputs()):
+            assert np.array_equal(x, y), spec.name
+
+
+def read_manifest_io(facts: dict) -> contract.TargetIO:
+    keys = ("n_layers", "n_kv_heads", "head_dim", "hidden_size", "vocab_size", "emit_logits")
+    return contract.TargetIO(
+        **{k: facts[k] for k in keys},
+        sampling=facts["sampling"],
+        comp_ctx=facts["comp_ctx"],
+        linear_layers=tuple(facts["linear_layers"]),
+        state_dims=tuple(facts["state_dims"]),
+    )

@@ -248,8 +248,13 @@ BAD = [
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
-    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, None),
-    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, None),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_k": -2}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [258]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": [65, 66.5]}, 400, "prompt.1"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 1}]}, 400, None),
@@ -267,7 +272,14 @@ def test_bad_requests_get_openai_errors_and_the_server_lives_on(http, client, pi
         assert err["code"] == status and len(err["message"]) > 10, err
         if param is not None:
             assert err["param"] == param, (body, err)
-    assert http.get("/v1/completions").status_code == 405
+    r = http.post("/v1/completions", content=b" " * ((1 << 20) + 1))  # the default limit
+    assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
+    r = http.get("/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "BadRequestError", r.text
+    err = http.post("/v1/completions", json={"prompt": [65, 66.5]}).json()["error"]
+    assert "should be a valid integer (got 66.5): token ids" in err["message"], err
+    err = http.post("/v1/completions", json={"prompt": "x", "top_p": 2}).json()["error"]
+    assert err["message"].startswith("top_p must be in (0, 1]"), err
     with pytest.raises(openai.BadRequestError, match="max_tokens must be ≥ 1"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=0)
     with pytest.raises(openai.NotFoundError):
@@ -480,6 +492,7 @@ def test_serve_cli_errors_are_one_line(default_artifacts, tmp_path, capsys):
         ([str(default_artifacts), "--port", "70000"], "--port must be in 0 … 65535"),
         ([str(default_artifacts), "--threads", "0"], "--threads must be in 1 …"),
         ([str(default_artifacts), "--max-queue", "0"], "--max-queue must be ≥ 1"),
+        ([str(default_artifacts), "--max-request-bytes", "0"], "--max-request-bytes must be ≥ 1"),
         ([str(default_artifacts), "--verify-lengths", "4,x"], "--verify-lengths must be integers"),
         (
             [str(default_artifacts), "--port", "0", "--verify-lengths", "4,8"],

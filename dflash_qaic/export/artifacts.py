@@ -239,19 +239,31 @@ def _check_rope(rope, where: Path) -> None:
         raise ExportError(f"{where}: unknown rope type {rtype!r}")
 
 
-def _check_tokenizer(target_dir: Path) -> None:
-    """The tokenizer files the artifacts will carry must load (the runtime loads them)."""
+def _check_tokenizer(target_dir: Path, vocab_size: int) -> None:
+    """The tokenizer files the artifacts will carry must load (the runtime loads them), and
+    every token id they can produce must be in the model's vocabulary."""
     if not any((target_dir / f).is_file() for f in TOKENIZER_FILES):
         return
     from transformers import AutoTokenizer
 
     try:
-        AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
     except Exception as e:  # transformers raises many kinds for a broken tokenizer
         raise ExportError(
             f"the tokenizer files in {target_dir} do not load ({type(e).__name__}: {e}): fix "
             f"or remove them ({', '.join(TOKENIZER_FILES)})"
         ) from e
+    # refused, not warned: a prompt holding such a token would fail at generation, and a
+    # tokenizer that outgrows its model is most often another model's
+    beyond = sorted((i, t) for t, i in tok.get_vocab().items() if i >= vocab_size)
+    if beyond:
+        (first, name), n = beyond[0], len(beyond)
+        raise ExportError(
+            f"the tokenizer in {target_dir} has {n} token{'s' if n > 1 else ''} beyond the "
+            f"model's vocabulary of {vocab_size} (vocab_size in config.json), from id {first} "
+            f"({name!r}): a prompt holding one would fail at generation; use the model's own "
+            f"tokenizer files, or resize its embeddings to cover them"
+        )
 
 
 def preflight(target_dir, draft_dir, o: ExportOptions):
@@ -273,7 +285,7 @@ def preflight(target_dir, draft_dir, o: ExportOptions):
             f"{pair.target.path}: eos_token_id {bad} is outside the vocabulary of "
             f"{pair.target.vocab_size}: fix generation_config.json"
         )
-    _check_tokenizer(pair.target.path)
+    _check_tokenizer(pair.target.path, pair.target.vocab_size)
     return pair, B, profile
 
 

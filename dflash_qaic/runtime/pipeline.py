@@ -222,6 +222,11 @@ class Pipeline:
                     "directory had no tokenizer files): pass token ids instead"
                 )
             prompt = self.tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, (list, tuple)) and not prompt and what == "the prompt":
+            raise GenerationError(
+                "the list of prompts is empty (an empty list is neither a prompt nor a batch): "
+                "give at least one prompt, as text or token ids"
+            )
         ids = _token_ids(prompt, what, self.vocab)
         if not ids:
             raise GenerationError(f"{what} is empty: give at least one token")

@@ -4,8 +4,8 @@
     dflash-serve ARTIFACTS [--host 127.0.0.1] [--port 8000] [--backend ort|qaic|auto|qaic-standin]
                  [--threads N] [--max-queue N] [--served-model-name NAME] [--chat-template FILE]
                  [--api-key KEY] [--max-model-len N] [--max-num-seqs N] [--seed N]
-                 [--shutdown-timeout S] [--log-level LEVEL] [--uvicorn-log-level LEVEL]
-                 [--disable-log-requests]
+                 [--shutdown-timeout S] [--max-request-bytes N] [--log-level LEVEL]
+                 [--uvicorn-log-level LEVEL] [--disable-log-requests]
 
 vLLM's flags mean what they mean there: --api-key (or $VLLM_API_KEY) makes every endpoint but
 /health answer 401 without `Authorization: Bearer KEY`; --max-model-len caps prompt + output
@@ -20,9 +20,11 @@ an --api-key; without one a warning is logged). --port 0 takes a free port; the 
 "dflash-serve: serving ... on URL" on stdout says which. One worker thread drives the
 continuous-batching engine: artifacts exported with `dflash-export --full-batch-size N` generate
 up to N requests at once (a newcomer joins at the next step), others one at a time; up to
---max-queue more requests wait for a slot (a full queue answers 503). On SIGTERM or Ctrl-C the
-server stops accepting connections, lets the requests in flight finish for up to
---shutdown-timeout seconds, cancels what is left at its next step, and exits 0.
+--max-queue more requests wait for a slot (beyond, 503). A request body above
+--max-request-bytes is refused (413) as it is read. On SIGTERM or Ctrl-C the server stops
+accepting connections, lets the requests in flight finish for up to --shutdown-timeout seconds,
+then cuts what is left at its next step (a 503 JSON error, or a stream's last chunk with
+finish_reason "abort" and [DONE]), and exits 0.
 """
 
 from __future__ import annotations
@@ -74,6 +76,13 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="seconds in-flight requests may take to finish after SIGTERM (default 30)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        help="largest request body accepted, in bytes (default: 64 per token of context, at "
+        "least 1 MiB); larger ones get 413",
     )
     p.add_argument(
         "--api-key",
@@ -139,6 +148,8 @@ def _check(args) -> str | None:
                 f"--verify-lengths must be integers separated by commas, e.g. 4,8,16 "
                 f"(got {args.verify_lengths!r})"
             ) from None
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        raise UsageError(f"--max-request-bytes must be ≥ 1 (got {args.max_request_bytes})")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise UsageError(
             f"--max-model-len must be ≥ 2: one prompt token and one output token "
@@ -180,7 +191,7 @@ def _serve(args, template: str | None, sock: socket.socket) -> None:
     import uvicorn
 
     import dflash_qaic
-    from dflash_qaic.serve.app import create_app
+    from dflash_qaic.serve.app import Server, create_app
     from dflash_qaic.serve.engine import Engine
     from dflash_qaic.serve.metrics import Metrics
 
@@ -205,14 +216,10 @@ def _serve(args, template: str | None, sock: socket.socket) -> None:
         max_model_len=args.max_model_len,
         seed=args.seed,
         log_requests=not args.disable_log_requests,
+        max_request_bytes=args.max_request_bytes,
     )
-    config = uvicorn.Config(
-        app,
-        log_level=args.uvicorn_log_level or args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout,
-        lifespan="on",
-    )
-    server = uvicorn.Server(config)
+    config = uvicorn.Config(app, log_level=args.uvicorn_log_level or args.log_level, lifespan="on")
+    server = Server(config, engine, args.shutdown_timeout)  # cuts at --shutdown-timeout
     ours = logging.getLogger("dflash_qaic.serve")  # log as uvicorn does (it configured its own)
     ours.handlers, ours.propagate = logging.getLogger("uvicorn").handlers, False
     ours.setLevel(args.log_level.upper())
