@@ -201,6 +201,8 @@ def sample_next_tokens(
     random_u: torch.Tensor,
     vocab: int,
     candidates: int = SAMPLING_CANDIDATES,
+    q_ids: torch.Tensor | None = None,
+    q_probs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The token committed at every row under the lossless rule (docs/DESIGN.md, Sampling).
 
@@ -212,6 +214,12 @@ def sample_next_tokens(
     every row j >= n, return the argmax of the logits, exactly: only the first n rows pay for
     the sampler (a greedy verify binds n = 1, see `contract.target_specializations`).
     p is `sampling_weights` (see there for `candidates`).
+
+    q_ids, q_probs [b, m, k] (a DFlash-2 draft's sampled path, docs/DESIGN.md, DFlash-2
+    drafts): the draft's distribution q over k candidates for the proposal of row j < m
+    (rows from m on have none). Then the rule is q-aware: d if u1 < p(d) / q(d), else a sample
+    from norm(max(p − q, 0)) (p itself if that is empty). None: q is one-hot at d (the rule
+    above; the graph is exactly the one without q).
     """
     greedy = logits.argmax(dim=-1)  # [b, s]
     rows = _leading_rows(random_u)  # [n]: 0 … n−1
@@ -225,6 +233,8 @@ def sample_next_tokens(
     has = next_pos.index_select(1, rows) >= 0  # [b, n]
     w_d = torch.where(has, w.gather(-1, proposal[..., None])[..., 0], 0.0)  # [b, n]
     total = _tree_total(w, vocab)  # [b, n]
+    if q_ids is not None:
+        return _q_aware(greedy, rows, w, w_d, total, proposal, has, u, temperature, q_ids, q_probs)
     hit = (torch.arange(vocab, device=logits.device) == proposal[..., None]) & has[..., None]
     # a sample from p with d removed (from p itself where there is no proposal)
     sampled, mass = inverse_cdf(torch.where(hit, 0.0, w), u_sample, vocab)
@@ -243,3 +253,30 @@ def _leading_rows(random_u: torch.Tensor) -> torch.Tensor:
     n = 2048."""
     ones = random_u[0, :, 0] * 0 + 1  # [n]
     return (ones.cumsum(0) - 1).long()
+
+
+def _q_aware(greedy, rows, w, w_d, total, proposal, has, u, temperature, q_ids, q_probs):
+    """`sample_next_tokens` with the draft's q (see there). In weight units (p = w / total):
+    accept iff u1 · q(d) · total < w(d); the residual is max(w − total · q, 0) over the
+    vocabulary, q spread from its k candidates by k compares (no scatter: k is small)."""
+    b, n, V = w.shape
+    # q rows aligned with the verify rows 0 … n−1; rows past the draft's have no proposal
+    pad = torch.cat([q_probs, q_probs[:, :1] * 0], dim=1)  # [b, m + 1, k]: a zero row
+    ids = torch.cat([q_ids, q_ids[:, :1]], dim=1)
+    last = ids.shape[1] - 1
+    at = rows.clamp(max=last)  # rows ≥ m read the zero row
+    qp = pad.index_select(1, at).to(w.dtype)  # [b, n, k]
+    qi = ids.index_select(1, at)  # [b, n, k]
+    q_d = (qp * (qi == proposal[..., None])).sum(-1)  # [b, n]
+    vocab = torch.arange(V, device=w.device)
+    q_v = w * 0
+    for j in range(qi.shape[-1]):
+        q_v = q_v + torch.where(vocab == qi[..., j : j + 1], qp[..., j : j + 1], 0.0)
+    residual = torch.where(has[..., None], (w - total[..., None] * q_v).clamp(min=0.0), w)
+    left = _tree_total(residual, V)  # [b, n]
+    residual = torch.where((left > 0)[..., None], residual, w)  # empty: p itself
+    sampled, _ = inverse_cdf(residual, u[..., 1], V)
+    accept = has & (u[..., 0] * q_d * total < w_d)
+    chosen = torch.where(accept, proposal, sampled)  # [b, n]
+    chosen = torch.where(temperature[:, None] == 0, greedy.index_select(1, rows), chosen)
+    return greedy.scatter(1, rows + chosen * 0, chosen)  # [b, s]
