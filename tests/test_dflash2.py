@@ -247,3 +247,53 @@ def test_sampling_with_the_greedy_path_follows_the_target(tiny_pair, tmp_path):
     p1, p2 = exact_first_two(model, (1.0, 0, 1.0))
     assert gof_pvalue([gof(a[:, 0], p1)]) > 1e-3 / 2
     assert gof_pvalue([gof(a[:, 1], p2)]) > 1e-3 / 2
+
+
+@torch.no_grad()
+def test_sampled_selector_path_and_q_equal_reference(pair, monkeypatch):
+    """At T > 0 the selector draws each step by the inverse CDF of q = softmax(scores / T)
+    over its candidates: along our path the reference (made to follow it) computes the same q;
+    the draws follow q (chi-square over many uniforms); a T = 0 row keeps the greedy path."""
+    import dflash.model as ref_model
+
+    t, d = pair
+    c = ck.read_draft_config(d)
+    ours = DFlashDraft.from_checkpoint(c, ck.load_draft_state(c))
+    ref = DFlash2DraftModel.from_pretrained(d, dtype=torch.float32).eval()
+    head = ck.load_target_model(t).lm_head
+    gen = torch.Generator().manual_seed(4)
+    n, B, N = 13, 8, 3000
+    feats = torch.randn(1, n, 128, generator=gen)
+    ids = torch.randint(0, V, (1, B), generator=gen)
+    pos = torch.arange(n + B)[None]
+    h = ours(
+        ours.fuse(feats), pos[:, :n], ours.embed(ids, torch.randn(V, 64, generator=gen)), pos[:, n:]
+    )
+    h, anchor = h[:, 1:].expand(N, -1, -1), ids[:, 0].expand(N)
+    logits = ours.logits(h, head.weight)
+    temp = torch.full((N,), 0.7)
+    temp[0] = 0.0
+    u = torch.rand(N, B - 1, generator=gen)
+    path, cand, q = ours.candidate_selector(h, logits, anchor, temp, u)
+    assert path[0].tolist() == ours.candidate_selector(h[:1], logits[:1], anchor[:1])[0].tolist()
+    assert torch.allclose(q.sum(-1), torch.ones(())) and (path[:, :, None] == cand).any(-1).all()
+    k = cand.shape[-1]
+    for row in (1, 2, 3):  # the reference along our path: the same q rows
+        rc = torch.topk(logits[row : row + 1], k, dim=-1, sorted=False).indices[0]  # its order
+        picks = [rc[j].tolist().index(x) for j, x in enumerate(path[row].tolist())]
+        draws = iter(picks)
+        monkeypatch.setattr(
+            ref_model, "_sample_probs", lambda p, it=draws: torch.tensor([next(it)])
+        )
+        rpath, rcand, rq = ref.candidate_selector.select(
+            h[row : row + 1], logits[row : row + 1], anchor[:1], 0.7
+        )
+        assert rpath[0].tolist() == path[row].tolist() and torch.equal(rcand[0], rc)
+        for j in range(B - 1):  # q per candidate id, in either order
+            want = dict(zip(rc[j].tolist(), rq[0, j].tolist()))
+            got = dict(zip(cand[row, j].tolist(), q[row, j].tolist()))
+            assert want.keys() == got.keys()
+            assert all(abs(want[x] - got[x]) < 1e-5 for x in want), (j, want, got)
+    # the first step's draws follow its q (the same for every row but the greedy one)
+    first = (path[1:, 0, None] == cand[1:, 0]).int().argmax(-1).numpy()
+    assert gof_pvalue([gof(first, q[1, 0].numpy())]) > 1e-3

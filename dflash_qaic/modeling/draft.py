@@ -186,19 +186,38 @@ class CandidateSelector(nn.Module):
         self.predecessor_codebook = nn.Embedding(V, r)
         self.successor_codebook = nn.Embedding(V, r)
 
-    def forward(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor):
+    def forward(self, hidden, logits, anchor, temperature=None, random_u=None):
         """hidden [b, n, H] (normed draft rows 1 … B−1), logits [b, n, V], anchor [b] ->
-        the greedy path [b, n]."""
+        the greedy path [b, n]. With temperature [b] and random_u [b, n] (uniforms in [0, 1)):
+        rows of temperature > 0 draw each step from q = softmax(scores / T) (the inverse CDF
+        over the k candidates), the others take the argmax (q one-hot there); returns
+        (path [b, n], candidates [b, n, k], q [b, n, k])."""
         unary, cand = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1)  # [b, n, k]
         proj = self.hidden_projection(hidden)  # [b, n, r]
         succ = self.successor_codebook(cand)  # [b, n, k, r]
-        prev, path = anchor, []
+        sampling = temperature is not None
+        if sampling:
+            hot = temperature[:, None] > 0  # [b, 1]
+            t = torch.where(hot, temperature[:, None], 1.0)  # [b, 1]
+            k = cand.shape[-1]
+            ks = torch.arange(k, device=cand.device)
+        prev, path, qs = anchor, [], []
         for j in range(hidden.shape[1]):
             query = self.predecessor_codebook(prev) * proj[:, j]  # [b, r]
             scores = unary[:, j] + (succ[:, j] @ query[:, :, None])[..., 0]  # [b, k]
-            prev = cand[:, j].gather(-1, scores.argmax(-1, keepdim=True))[:, 0]  # [b]
+            index = scores.argmax(-1, keepdim=True)  # [b, 1]
+            if sampling:
+                q = (scores / t).softmax(-1)  # [b, k]
+                c = q.cumsum(-1)  # the first candidate whose cumulative q exceeds u · Σq
+                above = c > random_u[:, j : j + 1] * c[:, -1:]
+                drawn = torch.where(above[:, -1:], above.to(torch.int32).argmax(-1, True), k - 1)
+                index = torch.where(hot, drawn, index)
+                qs.append(torch.where(hot, q, (ks == index).to(q.dtype)))
+            prev = cand[:, j].gather(-1, index)[:, 0]  # [b]
             path.append(prev)
-        return torch.stack(path, dim=1)
+        if not sampling:
+            return torch.stack(path, dim=1)
+        return torch.stack(path, dim=1), cand, torch.stack(qs, dim=1)
 
 
 class DraftLayer(nn.Module):
