@@ -3,6 +3,11 @@
     python -m dflash_lab.tiny OUT [--family qwen3|llama] [--agree 3.0] ...
     dflash-make-tiny-pair OUT ...
     dflash-make-tiny-pair OUT --preset qwen3-4b        # Qwen3-4B shapes, bf16, 3 shards + index
+    dflash-make-tiny-pair OUT --layer-types sliding,full --sliding-window 64 [--is-causal false]
+        [--input-embedding-scale S] [--output-multiplier M] [--final-logit-softcapping C]
+
+    dflash-make-tiny-pair OUT --family qwen3_moe       # 8 experts, top-2, layer 1 dense
+    dflash-make-tiny-pair OUT --preset qwen3-30b-a3b   # Qwen3-30B-A3B layers (4 of them), bf16
 
 `OUT/target` is a Hugging Face directory (config.json + model.safetensors, or shards
 model-0000i-of-0000n.safetensors with model.safetensors.index.json), `OUT/draft` a DFlash draft
@@ -22,6 +27,7 @@ dimension 0 of every embedding row, which the residual stream carries to the hea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +49,9 @@ class TinySpec:
     intermediate_size: int = 128
     vocab_size: int = 256
     block_size: int = 8
-    target_layer_ids: list[int] | None = None  # None: leave absent (the default rule applies)
+    # None: the published default rule, left absent from the config, when it gives distinct
+    # layers; else (a target too shallow for it, as the default 4 layers) spread, written down
+    target_layer_ids: list[int] | None = None
     tie_word_embeddings: bool = True
     agree: float = 0.0
     seed: int = 0
@@ -52,6 +60,36 @@ class TinySpec:
     shards: int = 1  # > 1: the target in that many shards with model.safetensors.index.json
     mask_token_id: int | None = None  # None: vocab_size - 1
     max_position_embeddings: int = 4096
+    # newer draft forms (None: absent from the draft config, the b16 form)
+    layer_types: list[str] | None = None  # per draft layer: full_attention | sliding_attention
+    sliding_window: int | None = None
+    is_causal: bool | None = None
+    input_embedding_scale: float | None = None
+    output_multiplier: float | None = None
+    final_logit_softcapping: float | None = None
+    # family "qwen3_moe": experts of moe_intermediate_size, top-k routing, dense mlp_only_layers
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    norm_topk_prob: bool = True
+    mlp_only_layers: list[int] | None = None  # None: [1] (one dense layer)
+    decoder_sparse_step: int = 1
+    fused_experts: bool = False  # write mlp.experts.gate_up_proj / down_proj (streamed writer)
+    # family "qwen3_5" (hybrid: Gated DeltaNet + gated full attention, every
+    # full_attention_interval-th layer full). num_heads / num_kv_heads / head_dim are the
+    # draft's; the target's full attention takes attn_* (None: the same).
+    linear_key_heads: int = 2
+    linear_value_heads: int = 4
+    linear_head_dim: int = 16
+    conv_kernel: int = 4
+    full_attention_interval: int = 4
+    attn_heads: int | None = None
+    attn_kv_heads: int | None = None
+    attn_head_dim: int | None = None
+    multimodal: bool = False  # the published form: Qwen3_5ForConditionalGeneration, text_config
+    # family "qwen3_5_moe": the hybrid with every MLP a MoE block (num_experts, top-k,
+    # moe_intermediate_size above) plus a gated shared expert of this size
+    shared_expert_intermediate_size: int = 48
 
 
 # Published shapes (Qwen3-0.6B / Qwen3-4B and z-lab's 5-layer b16 drafts for them): bf16, the
@@ -72,6 +110,50 @@ PRESETS: dict[str, dict] = {
         num_heads=32,
         num_kv_heads=8,
         head_dim=128,
+        shards=3,
+    ),
+    # Qwen3.5-4B's text model in its published multimodal form (bf16, sharded, untied head),
+    # with a 5-layer b16-style draft of Qwen3-4B's attention shape (no vision tensors beyond a
+    # token few: the exporter ignores them)
+    "qwen3.5-4b": dict(
+        family="qwen3_5",
+        hidden_size=2560,
+        target_layers=32,
+        intermediate_size=9216,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        attn_heads=16,
+        attn_kv_heads=4,
+        attn_head_dim=256,
+        linear_key_heads=16,
+        linear_value_heads=32,
+        linear_head_dim=128,
+        vocab_size=248320,
+        mask_token_id=248077,
+        tie_word_embeddings=False,
+        multimodal=True,
+        shards=4,
+        max_position_embeddings=262144,
+        rope_theta=10000000.0,
+    ),
+    # Qwen3-30B-A3B's layers (Qwen3-Coder-30B-A3B has the same), 4 of its 48: untied head,
+    # 128 experts of 768, top-8, every layer sparse
+    "qwen3-30b-a3b": dict(
+        family="qwen3_moe",
+        hidden_size=2048,
+        target_layers=4,
+        draft_layers=2,
+        target_layer_ids=[1, 2],
+        intermediate_size=6144,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
         shards=3,
     ),
 }
@@ -100,7 +182,10 @@ def preset_spec(name: str, **overrides) -> TinySpec:
 
 
 def _target_config(s: TinySpec):
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
+    if s.family in ("qwen3_5", "qwen3_5_moe"):
+        return _hybrid_config(s)
 
     common = dict(
         vocab_size=s.vocab_size,
@@ -122,7 +207,136 @@ def _target_config(s: TinySpec):
         return Qwen3Config(**common)
     if s.family == "llama":
         return LlamaConfig(**common)
-    raise ValueError(f"unknown family {s.family!r}: use 'qwen3' or 'llama'")
+    if s.family == "qwen3_moe":
+        return Qwen3MoeConfig(
+            **common,
+            num_experts=s.num_experts,
+            num_experts_per_tok=s.num_experts_per_tok,
+            moe_intermediate_size=s.moe_intermediate_size,
+            norm_topk_prob=s.norm_topk_prob,
+            mlp_only_layers=[1] if s.mlp_only_layers is None else list(s.mlp_only_layers),
+            decoder_sparse_step=s.decoder_sparse_step,
+        )
+    raise ValueError(f"unknown family {s.family!r}: use 'qwen3', 'llama' or 'qwen3_moe'")
+
+
+def _hybrid_config(s: TinySpec):
+    """Qwen3_5TextConfig (text-only form) or Qwen3_5Config around it (the published form)."""
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeTextConfig,
+        Qwen3_5TextConfig,
+    )
+
+    moe = s.family == "qwen3_5_moe"
+    text = dict(
+        vocab_size=s.vocab_size,
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.target_layers,
+        num_attention_heads=s.attn_heads or s.num_heads,
+        num_key_value_heads=s.attn_kv_heads or s.num_kv_heads,
+        head_dim=s.attn_head_dim or s.head_dim,
+        linear_num_key_heads=s.linear_key_heads,
+        linear_num_value_heads=s.linear_value_heads,
+        linear_key_head_dim=s.linear_head_dim,
+        linear_value_head_dim=s.linear_head_dim,
+        linear_conv_kernel_dim=s.conv_kernel,
+        layer_types=[
+            "full_attention" if (i + 1) % s.full_attention_interval == 0 else "linear_attention"
+            for i in range(s.target_layers)
+        ],
+        max_position_embeddings=s.max_position_embeddings,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=s.tie_word_embeddings,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": s.rope_theta,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    if moe:
+        del text["intermediate_size"]
+        text |= dict(
+            num_experts=s.num_experts,
+            num_experts_per_tok=s.num_experts_per_tok,
+            moe_intermediate_size=s.moe_intermediate_size,
+            shared_expert_intermediate_size=s.shared_expert_intermediate_size,
+        )
+    if not s.multimodal:
+        return (Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig)(**text)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2)
+    vision |= dict(out_hidden_size=s.hidden_size)
+    cfg = (Qwen3_5MoeConfig if moe else Qwen3_5Config)(text_config=text, vision_config=vision)
+    cfg.tie_word_embeddings = s.tie_word_embeddings
+    return cfg
+
+
+# A token vision tower for the published form: the exporter must ignore model.visual.*
+_VISION_TENSORS = {"model.visual.patch_embed.proj.weight": (32, 3, 2, 16, 16)}
+_VISION_TENSORS |= {"model.visual.merger.linear_fc2.weight": (64, 128)}
+
+
+def _randomize_hybrid(target, s: TinySpec, gen: torch.Generator) -> None:
+    """HF's init but with readable scales: zero-centred norms near 0, the gated norm near 1,
+    Linear weights N(0, 1/in), conv N(0, 1/K); A_log and dt_bias keep HF's init."""
+    for name, p in target.named_parameters():
+        if name.endswith(("A_log", "dt_bias")):
+            continue
+        if name.endswith("linear_attn.norm.weight"):
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+        elif name.endswith("norm.weight"):
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+
+
+def _save_hybrid(target, s: TinySpec, tdir: Path, gen: torch.Generator) -> None:
+    """The text-only form through save_pretrained; the published form by hand: config.json of
+    Qwen3_5ForConditionalGeneration, text tensors under model.language_model.*, a token vision
+    tower, lm_head at the top, in s.dtype, sharded with an index when s.shards > 1."""
+    from safetensors.torch import save_file
+
+    from dflash_qaic.checkpoints import INDEX_NAME
+
+    if not s.multimodal:
+        total = sum(p.numel() for p in target.parameters()) * getattr(torch, s.dtype).itemsize
+        shard = f"{max(1, total // max(s.shards, 1) // 1000 + 1)}KB"
+        target.to(getattr(torch, s.dtype)).save_pretrained(tdir, max_shard_size=shard)
+        return
+    cfg = _hybrid_config(s)
+    moe = "Moe" if s.family == "qwen3_5_moe" else ""
+    cfg.architectures = [f"Qwen3_5{moe}ForConditionalGeneration"]
+    cfg.dtype = s.dtype
+    cfg.save_pretrained(tdir)
+    dtype = getattr(torch, s.dtype)
+    state = {}
+    for k, v in target.state_dict().items():
+        if s.tie_word_embeddings and k == "lm_head.weight":
+            continue
+        name = k if k.startswith("lm_head") else "model.language_model." + k[len("model.") :]
+        state[name] = v.detach().to(dtype).contiguous()
+    for k, shape in _VISION_TENSORS.items():
+        state[k] = torch.randn(shape, generator=gen).to(dtype)
+    names = list(state)
+    n = max(1, min(s.shards, len(names)))
+    groups = [names[i * len(names) // n : (i + 1) * len(names) // n] for i in range(n)]
+    if n == 1:
+        save_file(state, str(tdir / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, group in enumerate(groups, 1):
+        fname = f"model-{i:05d}-of-{n:05d}.safetensors"
+        save_file({k: state[k] for k in group}, str(tdir / fname), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(group, fname)
+    index = {"metadata": {"total_size": sum(v.nbytes for v in state.values())}}
+    (tdir / INDEX_NAME).write_text(json.dumps({**index, "weight_map": weight_map}, indent=2))
 
 
 def draft_config_dict(s: TinySpec) -> dict:
@@ -130,6 +344,15 @@ def draft_config_dict(s: TinySpec) -> dict:
     dflash = {"mask_token_id": mask, "block_size": s.block_size}
     if s.target_layer_ids is not None:
         dflash["target_layer_ids"] = list(s.target_layer_ids)
+    for key in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+        if getattr(s, key) is not None:
+            dflash[key] = getattr(s, key)
+    attention = {}
+    if s.layer_types is not None:  # use_sliding_window: else transformers drops the window
+        attention = {"layer_types": list(s.layer_types), "use_sliding_window": True}
+        attention["sliding_window"] = s.sliding_window
+    if s.is_causal is not None:
+        attention["is_causal"] = s.is_causal
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -149,6 +372,7 @@ def draft_config_dict(s: TinySpec) -> dict:
         "block_size": s.block_size,
         "dflash_config": dflash,
         "torch_dtype": s.dtype,
+        **attention,
     }
 
 
@@ -188,6 +412,31 @@ def random_draft_state(s: TinySpec, gen: torch.Generator) -> dict[str, torch.Ten
     return state
 
 
+def _layer_ids(s: TinySpec) -> TinySpec:
+    """The spec with target layers the exporter takes: distinct layers of the target."""
+    L, D = s.target_layers, s.draft_layers
+    flags = "--target-layers / --draft-layers (target_layers / draft_layers)"
+    if s.target_layer_ids is not None:
+        ids = list(s.target_layer_ids)
+        if len(set(ids)) != len(ids) or not all(0 <= i < L for i in ids):
+            raise ValueError(
+                f"target_layer_ids {ids} must be distinct layers of the {L}-layer target "
+                f"(0 … {L - 1}): fix them, or leave them out for the default rule"
+            )
+        return s
+    ids = default_target_layer_ids(L, D)
+    if len(set(ids)) == len(ids) and all(0 <= i < L for i in ids):
+        return s  # left absent: the reader applies the same rule
+    if D > L:
+        raise ValueError(
+            f"a {D}-layer draft reads {D} distinct target layers but the target has {L}: give "
+            f"{flags} with at least as many target layers as draft layers"
+        )
+    lo = 1 if D < L else 0  # as the published rule, from layer 1 when there is room
+    span = L - 1 - lo
+    return dataclasses.replace(s, target_layer_ids=[lo + i * span // (D - 1) for i in range(D)])
+
+
 def make_tiny_pair(
     out_dir: str | Path, family: str = "qwen3", *, preset: str | None = None, **kw
 ) -> tuple[Path, Path]:
@@ -196,12 +445,15 @@ def make_tiny_pair(
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    s = preset_spec(preset, **kw) if preset else TinySpec(family=family, **kw)
+    s = _layer_ids(preset_spec(preset, **kw) if preset else TinySpec(family=family, **kw))
     out = Path(out_dir)
     tdir, ddir = out / "target", out / "draft"
     tdir.mkdir(parents=True, exist_ok=True)
     ddir.mkdir(parents=True, exist_ok=True)
-    if preset or s.dtype != "float32" or s.shards > 1:
+    if s.family in ("qwen3_5", "qwen3_5_moe") and not preset:
+        _make_hybrid(s, tdir, ddir)
+        return tdir, ddir
+    if preset or s.dtype != "float32" or s.shards > 1 or s.fused_experts:
         from dflash_lab.tiny_writer import write_pair_streamed
 
         write_pair_streamed(s, tdir, ddir, _target_config(s))
@@ -232,26 +484,86 @@ def make_tiny_pair(
     return tdir, ddir
 
 
+def _make_hybrid(s: TinySpec, tdir: Path, ddir: Path) -> None:
+    """A tiny hybrid pair in memory (any dtype, either form, sharded or not)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(s.seed)
+    gen = torch.Generator().manual_seed(s.seed + 1)
+    cfg = _hybrid_config(s)
+    target = AutoModelForCausalLM.from_config(getattr(cfg, "text_config", cfg)).float().eval()
+    with torch.no_grad():
+        _randomize_hybrid(target, s, gen)
+        emb = target.get_input_embeddings().weight
+        emb.mul_(4.0)
+        if s.agree > 0:
+            emb[:, 0] = 4.0
+            head = target.get_output_embeddings().weight
+            head[0, 0] += s.agree * head.norm(dim=1).mean()
+    _save_hybrid(target, s, tdir, gen)
+    (ddir / "config.json").write_text(json.dumps(draft_config_dict(s), indent=2) + "\n")
+    state = {k: v.to(getattr(torch, s.dtype)) for k, v in random_draft_state(s, gen).items()}
+    save_file(state, str(ddir / "model.safetensors"))
+
+
+def _layer_types(text: str) -> list[str]:
+    names = {"sliding": "sliding_attention", "full": "full_attention"}
+    out = [names.get(t.strip(), t.strip()) for t in text.split(",")]
+    if set(out) - set(names.values()):
+        raise argparse.ArgumentTypeError(f"layer types are sliding or full, got {text!r}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="directory to write target/ and draft/ into")
     p.add_argument("--preset", choices=sorted(PRESETS), help="published shapes (bf16, sharded)")
-    p.add_argument("--family", choices=["qwen3", "llama"])
+    p.add_argument("--family", choices=["qwen3", "llama", "qwen3_moe", "qwen3_5", "qwen3_5_moe"])
+    p.add_argument(
+        "--multimodal",
+        action="store_true",
+        help="qwen3_5: the published Qwen3_5ForConditionalGeneration form (text_config)",
+    )
     for flag in ("hidden-size", "target-layers", "draft-layers", "num-heads", "num-kv-heads"):
         p.add_argument(f"--{flag}", type=int)
     for flag in ("head-dim", "intermediate-size", "vocab-size", "block-size", "mask-token-id"):
         p.add_argument(f"--{flag}", type=int)
+    for flag in ("num-experts", "num-experts-per-tok", "moe-intermediate-size"):
+        p.add_argument(f"--{flag}", type=int, help="qwen3_moe")
+    p.add_argument("--fused-experts", action="store_true", help="qwen3_moe: fused expert tensors")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--shards", type=int, help="split the target into N shards with an index")
     p.add_argument("--untied", action="store_true", help="untie the target's lm_head")
     p.add_argument("--agree", type=float, default=0.0, help="bias toward agreement (see docs)")
     p.add_argument("--seed", type=int, default=0)
+    d = p.add_argument_group("newer draft forms")
+    d.add_argument(
+        "--layer-types",
+        type=_layer_types,
+        help="per draft layer, comma-separated: sliding | full (e.g. sliding,sliding,full)",
+    )
+    d.add_argument("--sliding-window", type=int, help="keys a sliding layer's query sees")
+    d.add_argument("--is-causal", choices=["true", "false"], help="override causality per layer")
+    for flag in ("input-embedding-scale", "output-multiplier", "final-logit-softcapping"):
+        d.add_argument(f"--{flag}", type=float)
     a = p.parse_args(argv)
+    if a.is_causal is not None:
+        a.is_causal = a.is_causal == "true"
+    if a.layer_types is not None:
+        a.draft_layers = a.draft_layers or len(a.layer_types)
+        if a.sliding_window is None and "sliding_attention" in a.layer_types:
+            p.error("--layer-types with sliding layers needs --sliding-window")
     kw = {
         k: v
         for k, v in vars(a).items()
-        if v is not None and k not in ("out", "preset", "untied", "family")
+        if v is not None
+        and k not in ("out", "preset", "untied", "family", "fused_experts", "multimodal")
     }
+    if a.fused_experts:
+        kw["fused_experts"] = True
+    if a.multimodal:
+        kw["multimodal"] = True
     if a.untied:
         kw["tie_word_embeddings"] = False
     if a.preset is None:

@@ -25,7 +25,32 @@ DTYPES = {
 BLOCK_ELEMS = 16 << 20
 
 
-def _layer_tensors(prefix: str, s, qk_norm: bool = True) -> list[tuple[str, tuple, str]]:
+def _expert_tensors(s) -> list[tuple[str, tuple, str]]:
+    """A sparse layer's router and experts (per expert, or fused when s.fused_experts)."""
+    E, H, inter = s.num_experts, s.hidden_size, s.moe_intermediate_size
+    out = [("mlp.gate.weight", (E, H), "linear")]
+    if s.fused_experts:
+        return out + [
+            ("mlp.experts.gate_up_proj", (E, 2 * inter, H), "experts"),
+            ("mlp.experts.down_proj", (E, H, inter), "experts"),
+        ]
+    for e in range(E):
+        p = f"mlp.experts.{e}."
+        out += [(p + "gate_proj.weight", (inter, H), "linear")]
+        out += [(p + "up_proj.weight", (inter, H), "linear")]
+        out += [(p + "down_proj.weight", (H, inter), "linear")]
+    return out
+
+
+def _sparse(s, i: int) -> bool:
+    """Hugging Face's rule for a Qwen3-MoE layer having experts."""
+    dense = [1] if s.mlp_only_layers is None else s.mlp_only_layers
+    return i not in dense and (i + 1) % s.decoder_sparse_step == 0
+
+
+def _layer_tensors(
+    prefix: str, s, qk_norm: bool = True, sparse: bool = False
+) -> list[tuple[str, tuple, str]]:
     H, hd, inter = s.hidden_size, s.head_dim, s.intermediate_size
     q, kv = s.num_heads * hd, s.num_kv_heads * hd
     out = [
@@ -40,21 +65,80 @@ def _layer_tensors(prefix: str, s, qk_norm: bool = True) -> list[tuple[str, tupl
             ("self_attn.q_norm.weight", (hd,), "norm"),
             ("self_attn.k_norm.weight", (hd,), "norm"),
         ]
-    out += [
-        ("post_attention_layernorm.weight", (H,), "norm"),
-        ("mlp.gate_proj.weight", (inter, H), "linear"),
-        ("mlp.up_proj.weight", (inter, H), "linear"),
-        ("mlp.down_proj.weight", (H, inter), "linear"),
-    ]
+    out += [("post_attention_layernorm.weight", (H,), "norm")]
+    if sparse:
+        out += _expert_tensors(s)
+    else:
+        out += [
+            ("mlp.gate_proj.weight", (inter, H), "linear"),
+            ("mlp.up_proj.weight", (inter, H), "linear"),
+            ("mlp.down_proj.weight", (H, inter), "linear"),
+        ]
     return [(prefix + n, shape, kind) for n, shape, kind in out]
+
+
+def _hybrid_layout(s) -> list[tuple[str, tuple, str]]:
+    """A Qwen3.5 hybrid target (tiny.py's qwen3_5 family), in the published form when
+    s.multimodal (text tensors under model.language_model.*, a token vision tower)."""
+    from dflash_lab.tiny import _VISION_TENSORS
+
+    V, H, inter = s.vocab_size, s.hidden_size, s.intermediate_size
+    hd, nh, kvh = s.attn_head_dim or s.head_dim, s.attn_heads or s.num_heads, s.attn_kv_heads
+    kvh = kvh or s.num_kv_heads
+    kd, vd = s.linear_key_heads * s.linear_head_dim, s.linear_value_heads * s.linear_head_dim
+    conv, hv = 2 * kd + vd, s.linear_value_heads
+    p = "model.language_model." if s.multimodal else "model."
+    out = [(p + "embed_tokens.weight", (V, H), "embed")]
+    for i in range(s.target_layers):
+        q = f"{p}layers.{i}."
+        out.append((q + "input_layernorm.weight", (H,), "znorm"))
+        if (i + 1) % s.full_attention_interval:
+            la = q + "linear_attn."
+            out += [
+                (la + "in_proj_qkv.weight", (conv, H), "linear"),
+                (la + "in_proj_z.weight", (vd, H), "linear"),
+                (la + "in_proj_b.weight", (hv, H), "linear"),
+                (la + "in_proj_a.weight", (hv, H), "linear"),
+                (la + "conv1d.weight", (conv, 1, s.conv_kernel), "linear"),
+                (la + "A_log", (hv,), "alog"),
+                (la + "dt_bias", (hv,), "norm"),
+                (la + "norm.weight", (s.linear_head_dim,), "norm"),
+                (la + "out_proj.weight", (H, vd), "linear"),
+            ]
+        else:
+            sa = q + "self_attn."
+            out += [
+                (sa + "q_proj.weight", (2 * nh * hd, H), "linear"),
+                (sa + "k_proj.weight", (kvh * hd, H), "linear"),
+                (sa + "v_proj.weight", (kvh * hd, H), "linear"),
+                (sa + "o_proj.weight", (H, nh * hd), "linear"),
+                (sa + "q_norm.weight", (hd,), "znorm"),
+                (sa + "k_norm.weight", (hd,), "znorm"),
+            ]
+        out += [
+            (q + "post_attention_layernorm.weight", (H,), "znorm"),
+            (q + "mlp.gate_proj.weight", (inter, H), "linear"),
+            (q + "mlp.up_proj.weight", (inter, H), "linear"),
+            (q + "mlp.down_proj.weight", (H, inter), "linear"),
+        ]
+    out.append((p + "norm.weight", (H,), "znorm"))
+    if s.multimodal:
+        out += [(k, shape, "linear") for k, shape in _VISION_TENSORS.items()]
+    if not s.tie_word_embeddings:
+        out.append(("lm_head.weight", (V, H), "linear"))
+    return out
 
 
 def target_layout(s) -> list[tuple[str, tuple, str]]:
     """(name, shape, kind) of every tensor of the target checkpoint, in Hugging Face's order."""
+    if s.family == "qwen3_5":
+        return _hybrid_layout(s)
     V, H = s.vocab_size, s.hidden_size
     out = [("model.embed_tokens.weight", (V, H), "embed")]
     for i in range(s.target_layers):
-        out += _layer_tensors(f"model.layers.{i}.", s, qk_norm=s.family == "qwen3")
+        moe = s.family == "qwen3_moe"
+        qk = s.family in ("qwen3", "qwen3_moe")
+        out += _layer_tensors(f"model.layers.{i}.", s, qk_norm=qk, sparse=moe and _sparse(s, i))
     out.append(("model.norm.weight", (H,), "norm"))
     if not s.tie_word_embeddings:
         out.append(("lm_head.weight", (V, H), "linear"))
@@ -76,12 +160,20 @@ def draft_layout(s) -> list[tuple[str, tuple, str]]:
 
 
 def _blocks(shape: tuple, kind: str, gen: torch.Generator):
+    if kind == "experts":  # stacked [E, out, in] matrices: each an N(0, 1/in) Linear weight
+        for _ in range(shape[0]):
+            yield from _blocks(shape[1:], "linear", gen)
+        return
     rows, cols = (shape[0], math.prod(shape[1:])) if len(shape) > 1 else (1, shape[0])
     step = max(1, BLOCK_ELEMS // cols)
     for r0 in range(0, rows, step):
         x = torch.randn(min(step, rows - r0), cols, generator=gen)
         if kind == "norm":
             yield 1.0 + 0.1 * x
+        elif kind == "znorm":  # zero-centred norm weights: the scale is 1 + w
+            yield 0.1 * x
+        elif kind == "alog":  # log A with A in about [1, 16], as Hugging Face initialises it
+            yield (1.0 + 0.5 * x).clamp(0.0, 2.77)
         else:
             yield x * (cols**-0.5) * (4.0 if kind == "embed" else 1.0)
 
@@ -130,6 +222,8 @@ def write_pair_streamed(s, tdir: Path, ddir: Path, target_config) -> None:
     total = sum(math.prod(sh) * itemsize for _, sh, _ in t_layout + d_layout)
     bar = tqdm(total=total, desc="writing random pair", unit="B", unit_scale=True, leave=False)
     target_config.dtype = s.dtype
+    if getattr(s, "multimodal", False):
+        target_config.architectures = ["Qwen3_5ForConditionalGeneration"]
     target_config.save_pretrained(tdir)
     shards = _shard(t_layout, s.shards, itemsize) if s.shards > 1 else [t_layout]
     if len(shards) == 1:

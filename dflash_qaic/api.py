@@ -8,6 +8,8 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from dflash_qaic.extras import require
+
 if TYPE_CHECKING:  # pragma: no cover
     from dflash_qaic.manifest import Manifest
 
@@ -60,8 +62,10 @@ def export(
         override it, with QEfficient's names.
     progress: called with one-line progress messages (default: silent).
     Returns the typed manifest. Raises `ExportError`, `CheckpointError`, `ProfileError` or
-    `CompileError` (all with a message naming the problem and the fix).
+    `CompileError` (all with a message naming the problem and the fix); `MissingExtraError`
+    without the `export` extra (pip install 'dflash-qaic[export]').
     """
+    require("export", "dflash_qaic.export")
     from dflash_qaic.compile.profiles import CompileOverrides
     from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
     from dflash_qaic.export.cli import block_size as _block_size
@@ -109,6 +113,7 @@ def compile(  # noqa: A001 - QEfficient's name
     """Compile the programs of an artifacts directory to QPCs (e.g. one exported with
     `compile=False` elsewhere and copied to an AI100 host). Options as in `export`; the
     manifest is rewritten as a transaction. Returns the typed manifest."""
+    require("export", "dflash_qaic.compile")
     from dflash_qaic.compile.profiles import CompileOverrides
     from dflash_qaic.export.artifacts import compile_artifacts
 

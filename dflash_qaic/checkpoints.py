@@ -20,7 +20,20 @@ UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")
 SUPPORTED_TARGETS = {
     "qwen3": ("Qwen3ForCausalLM",),
     "llama": ("LlamaForCausalLM",),
+    # hybrids (Gated DeltaNet + gated full attention): the published multimodal form (text model
+    # under `text_config`, tensors under model.language_model.*) and the text-only form
+    "qwen3_5": ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM",),
+    # hybrid and MoE at once (every layer's MLP: routed experts + a gated shared expert)
+    "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
 }
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe")
+# model_type of the text-only hybrid (what Qwen3_5ForCausalLM.save_pretrained writes)
+_TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+# Tensors of a published multimodal checkpoint that the text model does not use (Hugging Face's
+# Qwen3_5ForCausalLM ignores them too): the vision tower and the multi-token-prediction head.
+_MULTIMODAL_IGNORED = ("model.visual.", "mtp.")
 DRAFT_ARCH = "DFlashDraftModel"
 # Per-layer tensors of a DFlash (b16) draft: 11 per layer, plus fc, hidden_norm and norm.
 DRAFT_LAYER_KEYS = (
@@ -105,7 +118,7 @@ def _positive(cfg: dict, key: str, path: Path, default: int | None = None) -> in
 @dataclass(frozen=True)
 class TargetConfig:
     path: Path
-    family: str  # "qwen3" | "llama"
+    family: str  # "qwen3" | "llama" | "qwen3_moe"
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -117,6 +130,93 @@ class TargetConfig:
     tie_word_embeddings: bool
     raw: dict = field(repr=False, compare=False)
     intermediate_size: int = 0
+    moe: MoeSpec | None = None  # a mixture-of-experts target (family "qwen3_moe")
+    # hybrids: where the text model's tensors live ("model." or, in the published multimodal
+    # form, "model.language_model."), its config (raw, or raw's text_config), and the Gated
+    # DeltaNet dims (`hybrid_dims`)
+    prefix: str = "model."
+    text: dict = field(default=None, repr=False, compare=False)
+    hybrid: dict | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The experts of a Qwen3-MoE target, from its config.json."""
+
+    num_experts: int
+    top_k: int  # num_experts_per_tok
+    intermediate_size: int  # moe_intermediate_size, of each expert
+    norm_topk_prob: bool
+    sparse: tuple[bool, ...]  # per layer: experts (True) or the dense MLP (mlp_only_layers)
+    shared_intermediate_size: int = 0  # Qwen3.5-MoE's shared expert (0: none)
+
+
+def read_moe_spec(cfg: dict, cpath: Path, n_layers: int, family: str = "qwen3_moe") -> MoeSpec:
+    """Hugging Face's rule: layer i has experts iff i is not in `mlp_only_layers` and
+    (i + 1) % `decoder_sparse_step` == 0 (and there are experts at all). Qwen3.5-MoE: every
+    layer, top-k always renormalised, plus a shared expert of
+    `shared_expert_intermediate_size`."""
+    # `num_experts` in the published configs; transformers 5.x writes `num_local_experts`
+    key = "num_local_experts" if "num_experts" not in cfg and "num_local_experts" in cfg else ""
+    key = key or "num_experts"
+    experts = _positive(cfg, key, cpath)
+    top_k = _positive(cfg, "num_experts_per_tok", cpath)
+    if top_k > experts:
+        raise CheckpointError(
+            f"{cpath}: `num_experts_per_tok` {top_k} exceeds `{key}` {experts} (fix config.json)"
+        )
+    step = _positive(cfg, "decoder_sparse_step", cpath, 1)
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+        raise CheckpointError(f"{cpath}: `mlp_only_layers` must be a list of layer ids")
+    inter = _positive(cfg, "moe_intermediate_size", cpath)
+    if family == "qwen3_5_moe":
+        shared = _positive(cfg, "shared_expert_intermediate_size", cpath)
+        return MoeSpec(experts, top_k, inter, True, (True,) * n_layers, shared)
+    return MoeSpec(
+        num_experts=experts,
+        top_k=top_k,
+        intermediate_size=inter,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        sparse=tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers)),
+    )
+
+
+def hybrid_dims(cfg: dict, cpath: Path) -> dict:
+    """The Gated DeltaNet fields of a hybrid text config, validated: layer_types (linear_attention
+    and full_attention, at least one of each; Hugging Face's default when absent: every
+    `full_attention_interval`-th layer full), the linear heads and dims, and the conv kernel."""
+    n = _positive(cfg, "num_hidden_layers", cpath)
+    types = cfg.get("layer_types")
+    if types is None:
+        every = _positive(cfg, "full_attention_interval", cpath, 4)
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    if (
+        not isinstance(types, list)
+        or len(types) != n
+        or not set(types) <= {"linear_attention", "full_attention"}
+        or "full_attention" not in types
+    ):
+        raise CheckpointError(
+            f"{cpath}: `layer_types` must list {n} entries of linear_attention / full_attention "
+            f"with at least one full_attention layer, got {types!r}"
+        )
+    dims = {
+        k: _positive(cfg, k, cpath, dflt)
+        for k, dflt in (
+            ("linear_num_key_heads", 16),
+            ("linear_num_value_heads", 32),
+            ("linear_key_head_dim", 128),
+            ("linear_value_head_dim", 128),
+            ("linear_conv_kernel_dim", 4),
+        )
+    }
+    if dims["linear_num_value_heads"] % dims["linear_num_key_heads"]:
+        raise CheckpointError(
+            f"{cpath}: `linear_num_value_heads` {dims['linear_num_value_heads']} must be a "
+            f"multiple of `linear_num_key_heads` {dims['linear_num_key_heads']}"
+        )
+    return {"layer_types": list(types), **dims}
 
 
 def read_target_config(directory: str | Path) -> TargetConfig:
@@ -124,7 +224,7 @@ def read_target_config(directory: str | Path) -> TargetConfig:
     cfg = _read_config(d, "target")
     cpath = d / "config.json"
     arch = (cfg.get("architectures") or [None])[0]
-    mtype = cfg.get("model_type")
+    mtype = _TEXT_MODEL_TYPES.get(cfg.get("model_type"), cfg.get("model_type"))
     family = next(
         (f for f, archs in SUPPORTED_TARGETS.items() if arch in archs or mtype == f), None
     )
@@ -134,22 +234,38 @@ def read_target_config(directory: str | Path) -> TargetConfig:
             f"supported; supported targets: {', '.join(a for v in SUPPORTED_TARGETS.values() for a in v)}"
         )
     _safetensors_files(d, "target")
-    heads = _positive(cfg, "num_attention_heads", cpath)
-    hidden = _positive(cfg, "hidden_size", cpath)
+    text, prefix, hybrid = cfg, "model.", None
+    if family in HYBRID_FAMILIES:
+        if "text_config" in cfg:  # the published multimodal form
+            text = cfg["text_config"]
+            if not isinstance(text, dict):
+                raise CheckpointError(f"{cpath}: `text_config` must be an object of config fields")
+            prefix = "model.language_model."
+        hybrid = hybrid_dims(text, cpath)
+    heads = _positive(text, "num_attention_heads", cpath)
+    hidden = _positive(text, "hidden_size", cpath)
+    tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    n_layers = _positive(text, "num_hidden_layers", cpath)
     return TargetConfig(
         path=d,
         family=family,
         hidden_size=hidden,
-        num_layers=_positive(cfg, "num_hidden_layers", cpath),
+        num_layers=n_layers,
         num_heads=heads,
-        num_kv_heads=_positive(cfg, "num_key_value_heads", cpath, heads),
-        head_dim=_positive(cfg, "head_dim", cpath, hidden // heads or 1),
-        vocab_size=_positive(cfg, "vocab_size", cpath),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(cfg),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        num_kv_heads=_positive(text, "num_key_value_heads", cpath, heads),
+        head_dim=_positive(text, "head_dim", cpath, hidden // heads or 1),
+        vocab_size=_positive(text, "vocab_size", cpath),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(text),
+        tie_word_embeddings=bool(tied),
         raw=cfg,
-        intermediate_size=_positive(cfg, "intermediate_size", cpath),
+        intermediate_size=_positive(
+            text, "intermediate_size", cpath, 0 if family == "qwen3_5_moe" else None
+        ),
+        prefix=prefix,
+        text=text,
+        hybrid=hybrid,
+        moe=read_moe_spec(text, cpath, n_layers, family) if family in MOE_FAMILIES else None,
     )
 
 
@@ -180,7 +296,19 @@ class DraftConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    # per layer "full_attention" | "sliding_attention" (empty: every layer full, the b16 form)
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None  # keys a sliding layer's query sees (itself included)
+    is_causal: bool | None = None  # None: causal in the block exactly in the sliding layers
     raw: dict = field(default=None, repr=False, compare=False)
+
+    def layer_attention(self, i: int) -> tuple[bool, int | None]:
+        """(causal inside the block, window) of draft layer i, as the reference decides them: a
+        sliding layer sees a key iff query_pos − key_pos < window (and, not causal, also
+        key_pos − query_pos < window); `is_causal`, when set, applies to every layer."""
+        sliding = bool(self.layer_types) and self.layer_types[i] == "sliding_attention"
+        causal = sliding if self.is_causal is None else self.is_causal
+        return causal, (self.sliding_window if sliding else None)
 
 
 def _dflash_value(cfg: dict, key: str, default=None):
@@ -198,15 +326,6 @@ def read_draft_config(directory: str | Path) -> DraftConfig:
             f"{cpath}: `architectures` is {cfg.get('architectures')}, expected [{DRAFT_ARCH!r}] "
             "(a DFlash draft checkpoint in the published z-lab format)"
         )
-    if (
-        bool(_dflash_value(cfg, "is_causal", False))
-        or cfg.get("layer_types")
-        and any(t != "full_attention" for t in cfg["layer_types"])
-    ):
-        raise CheckpointError(
-            f"{cpath}: `is_causal` / sliding-window `layer_types` drafts are not supported; "
-            "use a bidirectional (b16-style) DFlash draft"
-        )
     heads = _positive(cfg, "num_attention_heads", cpath)
     hidden = _positive(cfg, "hidden_size", cpath)
     n_layers = _positive(cfg, "num_hidden_layers", cpath)
@@ -222,6 +341,13 @@ def read_draft_config(directory: str | Path) -> DraftConfig:
         raise CheckpointError(
             f"{cpath}: field `block_size` is missing (top level or in `dflash_config`)"
         )
+    inner = (cfg.get("dflash_config") or {}).get("block_size")
+    if inner is not None and cfg.get("block_size") is not None and inner != cfg["block_size"]:
+        raise CheckpointError(
+            f"{cpath}: `block_size` is {cfg['block_size']} but `dflash_config.block_size` is "
+            f"{inner}; the draft was trained with one block size: keep one of them"
+        )
+    layer_types, window, causal = _draft_attention(cfg, cpath, n_layers)
     softcap = _dflash_value(cfg, "final_logit_softcapping")
     return DraftConfig(
         path=d,
@@ -241,8 +367,40 @@ def read_draft_config(directory: str | Path) -> DraftConfig:
         input_embedding_scale=float(_dflash_value(cfg, "input_embedding_scale", 1.0)),
         output_multiplier=float(_dflash_value(cfg, "output_multiplier", 1.0)),
         final_logit_softcapping=None if softcap in (None, 0) else float(softcap),
+        layer_types=layer_types,
+        sliding_window=window,
+        is_causal=causal,
         raw=cfg,
     )
+
+
+DRAFT_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _draft_attention(cfg: dict, cpath: Path, n_layers: int):
+    """`layer_types`, `sliding_window` and `is_causal` of a draft config (top level, where the
+    reference reads them), checked. A sliding layer's window is `sliding_window` as written:
+    Hugging Face's Qwen3Config drops it unless `use_sliding_window` is true, so the reference
+    run through transformers agrees only with configs that set it (docs/DESIGN.md, Sliding drafts)."""
+    types = cfg.get("layer_types") or ()
+    if types and (
+        not isinstance(types, list) or len(types) != n_layers or set(types) - set(DRAFT_LAYER_TYPES)
+    ):
+        raise CheckpointError(
+            f"{cpath}: `layer_types` must list one of {list(DRAFT_LAYER_TYPES)} per draft layer "
+            f"({n_layers}), got {types!r}"
+        )
+    types = tuple(types) if "sliding_attention" in types else ()
+    window = cfg.get("sliding_window") if types else None
+    if types and (not isinstance(window, int) or isinstance(window, bool) or window < 2):
+        raise CheckpointError(
+            f"{cpath}: `sliding_attention` layers need an integer `sliding_window` of at least 2 "
+            f"(the keys a query sees, itself included), got {window!r}"
+        )
+    causal = cfg.get("is_causal")
+    if causal is not None and not isinstance(causal, bool):
+        raise CheckpointError(f"{cpath}: `is_causal` must be true, false or absent, got {causal!r}")
+    return types, window, causal
 
 
 def expected_draft_shapes(c: DraftConfig) -> dict[str, list[int]]:
@@ -421,8 +579,38 @@ def checkpoint_tensors(directory: str | Path, what: str = "checkpoint") -> dict[
     return tensors
 
 
-def expected_target_shapes(t: TargetConfig) -> dict[str, list[int]]:
-    """Every tensor the target architecture needs, with its shape (Hugging Face names)."""
+def expert_shapes(t: TargetConfig, fused: bool) -> dict[str, list[int]]:
+    """A sparse layer's MLP tensors (names under `model.layers.{i}.`): the router and the
+    experts, per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`, the published form) or
+    fused (`mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj` [E, H, I], the form
+    transformers 5.x holds in memory)."""
+    m, H = t.moe, t.hidden_size
+    E, inter = m.num_experts, m.intermediate_size
+    out = {"mlp.gate.weight": [E, H]}
+    if m.shared_intermediate_size:
+        Is = m.shared_intermediate_size
+        out |= {f"mlp.shared_expert.{p}_proj.weight": [Is, H] for p in ("gate", "up")}
+        out |= {
+            "mlp.shared_expert.down_proj.weight": [H, Is],
+            "mlp.shared_expert_gate.weight": [1, H],
+        }
+    if fused:
+        out |= {"mlp.experts.gate_up_proj": [E, 2 * inter, H]}
+        return out | {"mlp.experts.down_proj": [E, H, inter]}
+    for e in range(E):
+        out |= {f"mlp.experts.{e}.{p}_proj.weight": [inter, H] for p in ("gate", "up")}
+        out[f"mlp.experts.{e}.down_proj.weight"] = [H, inter]
+    return out
+
+
+def experts_fused(names) -> bool:
+    """Whether a checkpoint stores its experts fused (see `expert_shapes`)."""
+    return any(n.endswith("mlp.experts.gate_up_proj") for n in names)
+
+
+def expected_target_shapes(t: TargetConfig, fused: bool = False) -> dict[str, list[int]]:
+    """Every tensor the target architecture needs, with its shape (Hugging Face names);
+    `fused`: a MoE target's experts in the fused form (see `expert_shapes`)."""
     H, hd, inter, V = t.hidden_size, t.head_dim, t.intermediate_size, t.vocab_size
     q, kv = t.num_heads * hd, t.num_kv_heads * hd
     per_layer = {
@@ -436,18 +624,60 @@ def expected_target_shapes(t: TargetConfig) -> dict[str, list[int]]:
         "input_layernorm.weight": [H],
         "post_attention_layernorm.weight": [H],
     }
-    if t.family == "qwen3":
+    if t.family in ("qwen3", "qwen3_moe"):
         per_layer |= {"self_attn.q_norm.weight": [hd], "self_attn.k_norm.weight": [hd]}
     if t.raw.get("attention_bias"):
         per_layer |= {f"self_attn.{p}_proj.bias": [n] for p, n in zip("qkvo", (q, kv, kv, H))}
     if t.raw.get("mlp_bias"):
         per_layer |= {"mlp.gate_proj.bias": [inter], "mlp.up_proj.bias": [inter]}
         per_layer |= {"mlp.down_proj.bias": [H]}
+    if t.hybrid is not None:
+        return _hybrid_shapes(t, per_layer, fused)
     shapes = {"model.embed_tokens.weight": [V, H], "model.norm.weight": [H]}
     if not t.tie_word_embeddings:
         shapes["lm_head.weight"] = [V, H]
+    sparse = {k: v for k, v in per_layer.items() if not k.startswith("mlp.")}
+    if t.moe is not None:
+        sparse |= expert_shapes(t, fused)
     for i in range(t.num_layers):
-        shapes.update({f"model.layers.{i}.{k}": s for k, s in per_layer.items()})
+        layer = sparse if t.moe is not None and t.moe.sparse[i] else per_layer
+        shapes.update({f"model.layers.{i}.{k}": s for k, s in layer.items()})
+    return shapes
+
+
+def _hybrid_shapes(t: TargetConfig, dense: dict, fused: bool = False) -> dict[str, list[int]]:
+    """A hybrid's tensors (Hugging Face names, under t.prefix): Gated DeltaNet layers
+    (`linear_attn.*`), gated full-attention layers (q_proj twice as wide: query and gate);
+    a MoE hybrid's MLPs are its experts (`expert_shapes`)."""
+    H, hd, V, h = t.hidden_size, t.head_dim, t.vocab_size, t.hybrid
+    if t.moe is not None:
+        dense = {k: v for k, v in dense.items() if not k.startswith("mlp.")}
+        dense |= expert_shapes(t, fused)
+    kd = h["linear_num_key_heads"] * h["linear_key_head_dim"]
+    hv, vd = h["linear_num_value_heads"], h["linear_num_value_heads"] * h["linear_value_head_dim"]
+    conv = 2 * kd + vd
+    common = {k: v for k, v in dense.items() if not k.startswith("self_attn.")}
+    full = {**dense, "self_attn.q_proj.weight": [2 * t.num_heads * hd, H]}
+    full |= {"self_attn.q_norm.weight": [hd], "self_attn.k_norm.weight": [hd]}
+    linear = {
+        **common,
+        "linear_attn.in_proj_qkv.weight": [conv, H],
+        "linear_attn.in_proj_z.weight": [vd, H],
+        "linear_attn.in_proj_b.weight": [hv, H],
+        "linear_attn.in_proj_a.weight": [hv, H],
+        "linear_attn.conv1d.weight": [conv, 1, h["linear_conv_kernel_dim"]],
+        "linear_attn.A_log": [hv],
+        "linear_attn.dt_bias": [hv],
+        "linear_attn.norm.weight": [h["linear_value_head_dim"]],
+        "linear_attn.out_proj.weight": [H, vd],
+    }
+    p = t.prefix
+    shapes = {p + "embed_tokens.weight": [V, H], p + "norm.weight": [H]}
+    if not t.tie_word_embeddings:
+        shapes["lm_head.weight"] = [V, H]
+    for i, kind in enumerate(h["layer_types"]):
+        layer = linear if kind == "linear_attention" else full
+        shapes.update({f"{p}layers.{i}.{k}": s for k, s in layer.items()})
     return shapes
 
 
@@ -476,18 +706,23 @@ def check_target_tensors(t: TargetConfig) -> dict[str, TensorInfo]:
     """Every tensor the target needs, with its shape; nothing unknown. Returns the tensors."""
     tensors = checkpoint_tensors(t.path, "target")
     ignored = {k for k in tensors if k.endswith(_IGNORED_SUFFIXES)}
+    if t.hybrid is not None:
+        ignored |= {k for k in tensors if k.startswith(_MULTIMODAL_IGNORED)}
     if t.tie_word_embeddings:
         ignored.add("lm_head.weight")  # tied: the head is the embedding (as Hugging Face does)
     shapes = {k: list(v.shape) for k, v in tensors.items()}
     hint = f"not a {t.family} checkpoint with {t.num_layers} layers as config.json declares"
-    _check_layout(t.path, shapes, expected_target_shapes(t), ignored, hint)
+    expected = expected_target_shapes(t, fused=t.moe is not None and experts_fused(tensors))
+    _check_layout(t.path, shapes, expected, ignored, hint)
     return tensors
 
 
 def validate_pair(t: TargetConfig, d: DraftConfig) -> None:
     """One clear error per problem between a target and its draft."""
     dcfg = d.path / "config.json"
-    for fld in ("hidden_size", "num_heads", "num_kv_heads", "head_dim"):
+    # a hybrid's draft has its own attention shape (it borrows only the embedding and the head)
+    same = ("hidden_size",) if t.hybrid is not None else ("num_heads", "num_kv_heads", "head_dim")
+    for fld in dict.fromkeys(("hidden_size", *same)):
         tv, dv = getattr(t, fld), getattr(d, fld)
         if tv != dv:
             raise CheckpointError(

@@ -30,11 +30,19 @@ last slot, `ctx_len - 1`, is the *padding slot*: rows whose position is -1 write
 real token is ever placed there (the runtime stops a sequence at `ctx_len - 1` positions), so
 the causal/visibility masks never let any query read it. That is how "a position of -1 never
 changes a slot that can later be read" holds on ONNX Runtime and on the device alike.
+
+Ring caches (draft sliding layers, `DraftIO.ring_slots`): a sliding layer of window W < ctx_len
+keeps W slots, a static axis: slots 0 … W−2 hold position mod (W − 1), the last one, W − 1, is the
+ring's padding slot. A call writes a context row there when its position is −1, when it is too
+old for the call's block to see (below start − (W − 1)) or at or past the block start; a query
+reads a ring slot only while the position it holds (derived from the block start) is within its
+window, so the padding slot, too-old and not-yet-written slots are never read (docs/DESIGN.md,
+Sliding drafts).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 BATCH = "batch_size"
 SEQ = "seq_len"
@@ -64,6 +72,10 @@ SAMPLING_INPUTS = (TEMPERATURE, TOP_K, TOP_P, RANDOM_U)
 NEXT_TOKENS = "next_tokens"
 HIDDEN_STATES = "hidden_states"
 LOGITS = "logits"
+# Hybrid targets (Gated DeltaNet layers): int64 [batch]: the positions of the call each row
+# committed to its recurrent state, decided in the graph by the host's rule (docs/DESIGN.md,
+# Hybrid targets): a prefill chunk's real rows; a verify or decode call's 1 + accepted proposals.
+NUM_COMMITTED = "num_committed"
 # Draft inputs / outputs.
 TARGET_HIDDEN = "target_hidden"
 POSITION_IDS_TARGET = "position_ids_target"
@@ -114,6 +126,41 @@ def retained(name: str) -> str:
     return name + RETAINED_SUFFIX
 
 
+def past_state(i: int) -> str:
+    """Gated DeltaNet layer i's recurrent state [rows, v_heads, k_head_dim, v_head_dim]."""
+    return f"past_state.{i}"
+
+
+def past_conv(i: int) -> str:
+    """Gated DeltaNet layer i's conv window [rows, conv_dim, kernel - 1]: its last inputs."""
+    return f"past_conv.{i}"
+
+
+def hybrid_specs(
+    n_layers: int,
+    linear_layers: tuple[int, ...],
+    n_kv_heads: int,
+    head_dim: int,
+    state_dims: tuple[int, ...],
+    continuous_batching: bool = False,
+) -> list[TensorSpec]:
+    """The retained buffers of a hybrid target, layer by layer: past_state.{i}, past_conv.{i} for
+    a Gated DeltaNet layer (state_dims = v_heads, k_head_dim, v_head_dim, conv_dim, kernel - 1),
+    past_key.{i}, past_value.{i} for a full-attention layer; rows as `kv_specs`."""
+    rows = FULL_BATCH if continuous_batching else BATCH
+    hv, dk, dv, conv, window = state_dims
+    kv = (rows, n_kv_heads, CTX, head_dim)
+    out = []
+    for i in range(n_layers):
+        if i in linear_layers:
+            out.append(TensorSpec(past_state(i), "float32", (rows, hv, dk, dv)))
+            out.append(TensorSpec(past_conv(i), "float32", (rows, conv, window)))
+        else:
+            out.append(TensorSpec(past_key(i), "float32", kv))
+            out.append(TensorSpec(past_value(i), "float32", kv))
+    return out
+
+
 def kv_specs(
     n_layers: int, n_kv_heads: int, head_dim: int, continuous_batching: bool = False
 ) -> list[TensorSpec]:
@@ -135,11 +182,18 @@ def window_specs(comp_ctx: bool) -> list[TensorSpec]:
     return [TensorSpec(COMP_CTX_LENGTHS, "int64", (CCL,))] if comp_ctx else []
 
 
+LONG_WINDOW = 2048  # past 16K of context, windows halve down to about this many slots
+
+
 def default_comp_ctx_lengths(ctx_len: int, prefill_seq_len: int, block_size: int) -> list[int]:
-    """Attention windows exported by default: ctx_len / 8, / 4, / 2 and ctx_len itself, those
-    that hold at least the shortest prefill chunk and a block."""
+    """Attention windows exported by default: ctx_len, / 2, / 4 and / 8 (up to 16K of context),
+    and past that halvings down to LONG_WINDOW (40K: 2560 … 40960), those that hold at least the
+    shortest prefill chunk and a block. Each window at most doubles the one below, so a call
+    reads at most twice the slots it needs above the smallest window: a long prompt's cost
+    follows its length, not ctx_len (docs/DESIGN.md, Sliding drafts)."""
     floor = prefill_lengths(prefill_seq_len, block_size)[0] + block_size
-    return sorted({ctx_len >> k for k in range(4) if (ctx_len >> k) >= floor} | {ctx_len})
+    smallest = max(floor, min(ctx_len >> 3, LONG_WINDOW))
+    return sorted({ctx_len >> k for k in range(16) if (ctx_len >> k) >= smallest} | {ctx_len})
 
 
 def windows_or_default(
@@ -191,9 +245,27 @@ class TargetIO:
     sampling: bool = True
     continuous_batching: bool = False
     comp_ctx: bool = False  # takes `comp_ctx_lengths` (every export since it existed does)
+    # Hybrid targets: the Gated DeltaNet layers (no KV cache: a state and a conv window, see
+    # `hybrid_specs`) and their state dims; the program also returns NUM_COMMITTED.
+    linear_layers: tuple[int, ...] = ()
+    state_dims: tuple[int, ...] = ()
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.linear_layers)
 
     @property
     def kv(self) -> list[TensorSpec]:
+        """Every retained buffer (KV caches, and a hybrid's states and conv windows)."""
+        if self.hybrid:
+            return hybrid_specs(
+                self.n_layers,
+                self.linear_layers,
+                self.n_kv_heads,
+                self.head_dim,
+                self.state_dims,
+                self.continuous_batching,
+            )
         return kv_specs(self.n_layers, self.n_kv_heads, self.head_dim, self.continuous_batching)
 
     @property
@@ -215,6 +287,8 @@ class TargetIO:
         ]
         if self.emit_logits:
             out.append(TensorSpec(LOGITS, "float32", (BATCH, SEQ, self.vocab_size)))
+        if self.hybrid:
+            out.append(TensorSpec(NUM_COMMITTED, "int64", (BATCH,)))
         out += [TensorSpec(retained(s.name), s.dtype, s.shape) for s in self.kv]
         return out
 
@@ -233,10 +307,18 @@ class DraftIO:
     continuous_batching: bool = False
     comp_ctx: bool = False  # takes `comp_ctx_lengths`
     confidence: bool = False  # returns `draft_confidence` (every export since it existed does)
+    # per layer: the ring's slots of a sliding layer, 0 for a ctx_len cache (empty: all ctx_len)
+    ring_slots: tuple[int, ...] = ()
 
     @property
     def kv(self) -> list[TensorSpec]:
-        return kv_specs(self.n_layers, self.n_kv_heads, self.head_dim, self.continuous_batching)
+        specs = kv_specs(self.n_layers, self.n_kv_heads, self.head_dim, self.continuous_batching)
+        if not self.ring_slots:
+            return specs
+        return [  # a ring layer's slot axis is static: its window
+            TensorSpec(s.name, s.dtype, (*s.shape[:2], self.ring_slots[i // 2] or CTX, s.shape[3]))
+            for i, s in enumerate(specs)
+        ]
 
     @property
     def inputs(self) -> list[TensorSpec]:
@@ -312,12 +394,6 @@ def check_prefill_lengths(lengths: list[int], prefill_seq_len: int, block_size: 
         )
 
 
-def prefill_lengths_of(specializations) -> list[int]:
-    """The prefill lengths a target program was exported with (its Prefill specializations'
-    seq_len), ascending; artifacts from before them have the chunk only."""
-    return sorted({s["symbols"][SEQ] for s in specializations if base_name(s["name"]) == PREFILL})
-
-
 def check_verify_lengths(lengths: list[int] | None, block_size: int) -> list[int]:
     """The verify lengths to export (None: `default_verify_lengths`), checked: ascending, each in
     2 … B, the last one B (a step can always verify the whole block)."""
@@ -338,151 +414,12 @@ def check_verify_lengths(lengths: list[int] | None, block_size: int) -> list[int
     return lengths
 
 
-def target_specializations(
-    batch_size: int,
-    prefill_seq_len: int,
-    block_size: int,
-    ctx_len: int,
-    sampling: bool = True,
-    full_batch_size: int | None = None,
-    comp_ctx_lengths: list[int] | None = None,
-    verify_lengths: list[int] | None = None,
-    greedy_prefill: bool = True,
-    prefill_rows: list[int] | None = None,
-) -> list[dict]:
-    """Named specializations of the target program: prefill chunk, verify block, single-token
-    decode; with sampling, `sample_len` bound in each and a second prefill chunk and verify
-    block that sample every row (the greedy Prefill and Verify run the sampler on one row only,
-    at temperature 0 the argmax).
-    Both verify blocks exist once per verify length n (`Verify` at B rows, `Verify[n]` below).
-    With `full_batch_size` N (continuous batching) prefill is at batch 1, the others at N.
-    Both prefill chunks exist once per prefill length n (`prefill_lengths`, or `prefill_rows`;
-    `Prefill` at the chunk, `Prefill[n]` below).
-    With `comp_ctx_lengths`, each of them once per attention window (`windowed`).
-    `greedy_prefill` False: the one Prefill that samples every row (artifacts from before 0.4)."""
-
-    def spec(name: str, seq: int, sample: int) -> dict:
-        sym = {
-            **_batch_symbols(batch_size, full_batch_size, base_name(name) in PREFILLS),
-            SEQ: seq,
-            CTX: ctx_len,
-        }
-        return {"name": name, "symbols": {**sym, SAMPLE: sample} if sampling else sym}
-
-    def sized(name: str, n: int, full: int, sample: int) -> dict:
-        return spec(name if n == full else f"{name}[{n}]", n, sample)
-
-    lengths = verify_lengths or [block_size]
-    chunks = prefill_rows or prefill_lengths(prefill_seq_len, block_size)
-    two = sampling and greedy_prefill
-    specs = []
-    for n in chunks:
-        specs.append(sized(PREFILL, n, prefill_seq_len, 1 if two else n))
-        if two:
-            specs.append(sized(PREFILL_SAMPLED, n, prefill_seq_len, n))
-    specs += [sized(VERIFY, n, block_size, 1) for n in lengths]
-    if sampling:
-        specs += [sized(VERIFY_SAMPLED, n, block_size, n) for n in lengths]
-    specs.append(spec(DECODE, 1, 1))
-    return windowed(specs, comp_ctx_lengths, ctx_len)
-
-
-def windowed(specs: list[dict], lengths: list[int] | None, ctx_len: int) -> list[dict]:
-    """Every specialization once per attention window, smallest first; the full-context one
-    keeps its plain name, the others are named `<name>@<window>`."""
-    if lengths is None:
-        return specs
-    return [
-        {
-            "name": s["name"] if n == ctx_len else f"{s['name']}@{n}",
-            "symbols": {**s["symbols"], CCL: n},
-        }
-        for n in lengths
-        for s in specs
-    ]
-
-
-def base_name(specialization_name: str) -> str:
-    """`Verify@256`, `Verify[4]@256` -> `Verify` (`DraftPrefill[64]` -> `DraftPrefill`,
-    `Prefill[64]` -> `Prefill`)."""
-    return specialization_name.split("@", 1)[0].split("[", 1)[0]
-
-
-def shorter_length(specialization_name: str) -> bool:
-    """`Verify[4]@256`, `Prefill[64]` -> True: a verify block shorter than B or a prefill chunk
-    shorter than the chunk (`target_specializations`)."""
-    return "[" in specialization_name.split("@", 1)[0]
-
-
-def verify_lengths_of(specializations) -> list[int]:
-    """The verify lengths a target program was exported with (its Verify specializations'
-    seq_len), ascending; artifacts from before verify lengths have the block size only."""
-    return sorted({s["symbols"][SEQ] for s in specializations if base_name(s["name"]) == VERIFY})
-
-
-def has_greedy_prefill(specializations) -> bool:
-    """Whether a target program has the greedy Prefill beside PrefillSampled (before 0.4 its one
-    Prefill sampled every row)."""
-    return any(base_name(s["name"]) == PREFILL_SAMPLED for s in specializations)
-
-
-def sample_rows(specializations: list[dict], seq: int, greedy: bool) -> int:
-    """`sample_len` of the target specialization for a call of `seq` rows: the smallest one
-    bound for that seq_len when greedy, else seq itself (specializations without the symbol,
-    from artifacts exported before it existed, sample every row)."""
-    bound = [
-        s["symbols"][SAMPLE]
-        for s in specializations
-        if s["symbols"].get(SEQ) == seq and SAMPLE in s["symbols"]
-    ]
-    return min(bound) if greedy and bound else seq
-
-
 def draft_prefill_rows(ctx_len: int, prefill_seq_len: int, block_size: int) -> int:
     """Context rows of the DraftPrefill specialization: up to DRAFT_PREFILL_CHUNKS prefill chunks
     (fewer when ctx_len is small), so a prompt of P tokens costs ⌈P / rows⌉ draft calls, each
     running the block once, instead of one per target chunk."""
     room = (ctx_len - block_size - 2) // prefill_seq_len
     return prefill_seq_len * max(1, min(DRAFT_PREFILL_CHUNKS, room))
-
-
-def draft_prefill_rows_of(specializations) -> list[int]:
-    """The context rows of a draft program's DraftPrefill specializations, ascending: the prefill
-    chunk and `draft_prefill_rows` (the chunk alone in artifacts from before 0.4)."""
-    return sorted(
-        {s["symbols"][SEQ] for s in specializations if base_name(s["name"]) == DRAFT_PREFILL}
-    )
-
-
-def draft_specializations(
-    batch_size: int,
-    prefill_seq_len: int,
-    block_size: int,
-    ctx_len: int,
-    full_batch_size: int | None = None,
-    comp_ctx_lengths: list[int] | None = None,
-    prefill_rows: list[int] | None = None,
-) -> list[dict]:
-    """Named specializations of the draft program: context chunk = block (DraftDecode) and, for
-    the prompt, `prefill_rows` (default: the prefill lengths, named `DraftPrefill[n]`, and
-    `draft_prefill_rows`, named `DraftPrefill`; the runtime takes the smallest that holds what it
-    hands over, so a short prompt never pays for the long one); with `full_batch_size` N the
-    decode block runs at batch N, the prefills at batch 1; with `comp_ctx_lengths`, each once per
-    attention window."""
-
-    def spec(name: str, seq: int) -> dict:
-        sym = _batch_symbols(batch_size, full_batch_size, name != DRAFT_DECODE)
-        return {"name": name, "symbols": {**sym, SEQ: seq, CTX: ctx_len}}
-
-    rows = prefill_rows or sorted(
-        {
-            *prefill_lengths(prefill_seq_len, block_size),
-            draft_prefill_rows(ctx_len, prefill_seq_len, block_size),
-        }
-    )
-    specs = [spec(DRAFT_DECODE, block_size)]
-    specs += [spec(DRAFT_PREFILL if n == rows[-1] else f"{DRAFT_PREFILL}[{n}]", n) for n in rows]
-    return windowed(specs, comp_ctx_lengths, ctx_len)
 
 
 def max_positions(ctx_len: int) -> int:
@@ -493,15 +430,17 @@ def max_positions(ctx_len: int) -> int:
 @dataclass(frozen=True)
 class ShapePlan:
     """The shapes both programs are specialized for: what the exporter compiled them for and
-    what the runtime may call (docs/DESIGN.md, I/O contract). It travels in the manifest; the
-    runtime reads these fields and never parses a specialization name.
+    what the runtime may call (docs/DESIGN.md, I/O contract). The manifest stores these fields
+    (`Manifest.plan`); the specializations of both programs are derived from them
+    (`target_specializations`, `draft_specializations`), and nothing parses a name back.
 
     prefill_lengths: the target's prompt-chunk row counts, ascending, the last one the chunk;
     verify_lengths: the verify blocks' row counts, ascending, the last one the block size;
     draft_prefill_rows: the draft's prompt-context row counts, ascending;
     windows: the attention windows (comp_ctx_lengths), ascending, the last one ctx_len;
     full_batch_size: continuous batching's cache rows (None: off);
-    sampling: the target takes the sampling inputs (greedy calls run the sampler on one row)."""
+    sampling: the target takes the sampling inputs (greedy calls run the sampler on one row);
+    batch_size: the rows of a call without continuous batching (1)."""
 
     block_size: int
     prefill_seq_len: int
@@ -512,6 +451,7 @@ class ShapePlan:
     windows: tuple[int, ...] | None = None
     full_batch_size: int | None = None
     sampling: bool = True
+    batch_size: int = 1
 
     def sample_len(self, seq: int, greedy: bool) -> int:
         """`sample_len` of the target specialization a call of `seq` rows takes: 1 when no row
@@ -521,3 +461,130 @@ class ShapePlan:
     @property
     def cache_rows(self) -> int:
         return self.full_batch_size or 1
+
+    def longest(self) -> ShapePlan:
+        """The plan cut to the longest shape of each kind at the full context (the chunk, the
+        whole block, the longest draft prefill, the ctx_len window): the specializations that
+        compute every value the shorter ones compute on fewer rows or slots (the fp16 check)."""
+        return replace(
+            self,
+            prefill_lengths=self.prefill_lengths[-1:],
+            verify_lengths=self.verify_lengths[-1:],
+            draft_prefill_rows=self.draft_prefill_rows[-1:],
+            windows=(self.ctx_len,) if self.windows else None,
+        )
+
+    def check(self) -> None:
+        """ValueError naming the field when the plan cannot be specialized (fix: re-export)."""
+        check_prefill_lengths(list(self.prefill_lengths), self.prefill_seq_len, self.block_size)
+        check_verify_lengths(list(self.verify_lengths), self.block_size)
+        rows = list(self.draft_prefill_rows)
+        if not rows or rows != sorted(set(rows)) or rows[0] < 1 or rows[-1] >= self.ctx_len:
+            raise ValueError(
+                f"draft prefill rows must ascend, each in 1 … ctx_len - 1, got {rows}: "
+                "re-export the artifacts"
+            )
+        w = list(self.windows) if self.windows is not None else None
+        if w is not None and (not w or w != sorted(set(w)) or w[0] < 1 or w[-1] != self.ctx_len):
+            raise ValueError(f"windows must ascend and end at ctx_len {self.ctx_len}, got {w}")
+
+
+def shape_plan(
+    block_size: int,
+    prefill_seq_len: int,
+    ctx_len: int,
+    *,
+    batch_size: int = 1,
+    full_batch_size: int | None = None,
+    windows: list[int] | None = None,
+    verify_lengths: list[int] | None = None,
+    sampling: bool = True,
+) -> ShapePlan:
+    """The plan an export makes from its options: the prefill lengths (`prefill_lengths`), the
+    verify lengths (None: `default_verify_lengths`), the draft's prefill rows (the prefill
+    lengths and `draft_prefill_rows`) and the windows as given (None: no `comp_ctx_lengths`
+    input; the exporter passes `windows_or_default`)."""
+    chunks = prefill_lengths(prefill_seq_len, block_size)
+    rows = sorted({*chunks, draft_prefill_rows(ctx_len, prefill_seq_len, block_size)})
+    return ShapePlan(
+        block_size=block_size,
+        prefill_seq_len=prefill_seq_len,
+        ctx_len=ctx_len,
+        prefill_lengths=tuple(chunks),
+        verify_lengths=tuple(check_verify_lengths(verify_lengths, block_size)),
+        draft_prefill_rows=tuple(rows),
+        windows=tuple(windows) if windows is not None else None,
+        full_batch_size=full_batch_size,
+        sampling=sampling,
+        batch_size=batch_size,
+    )
+
+
+def _spec(plan: ShapePlan, kind: str, name: str, seq: int, sample: int | None) -> dict:
+    """One specialization: its name, its kind (PREFILL, VERIFY, … : the name without the length
+    and window) and its symbols."""
+    prefill = kind in PREFILLS or kind == DRAFT_PREFILL
+    sym = {**_batch_symbols(plan.batch_size, plan.full_batch_size, prefill), SEQ: seq}
+    sym[CTX] = plan.ctx_len
+    if sample is not None:
+        sym[SAMPLE] = sample
+    return {"name": name, "kind": kind, "symbols": sym}
+
+
+def _sized(kind: str, n: int, full: int) -> str:
+    return kind if n == full else f"{kind}[{n}]"
+
+
+def target_specializations(plan: ShapePlan) -> list[dict]:
+    """Named specializations of the target program: prefill chunk, verify block, single-token
+    decode; with sampling, `sample_len` bound in each and a second prefill chunk and verify
+    block that sample every row (the greedy Prefill and Verify run the sampler on one row only,
+    at temperature 0 the argmax).
+    Both prefill chunks exist once per prefill length n (`Prefill` at the chunk, `Prefill[n]`
+    below), both verify blocks once per verify length n (`Verify` at B rows, `Verify[n]` below).
+    With `full_batch_size` N (continuous batching) prefill is at batch 1, the others at N.
+    With windows, each of them once per attention window (`windowed`).
+    Each is `{"name", "kind", "symbols"}`; the compiler's file takes the name and symbols."""
+    C, B = plan.prefill_seq_len, plan.block_size
+    greedy = 1 if plan.sampling else None
+    specs = []
+    for n in plan.prefill_lengths:
+        specs.append(_spec(plan, PREFILL, _sized(PREFILL, n, C), n, greedy))
+        if plan.sampling:
+            specs.append(_spec(plan, PREFILL_SAMPLED, _sized(PREFILL_SAMPLED, n, C), n, n))
+    specs += [_spec(plan, VERIFY, _sized(VERIFY, n, B), n, greedy) for n in plan.verify_lengths]
+    if plan.sampling:
+        specs += [
+            _spec(plan, VERIFY_SAMPLED, _sized(VERIFY_SAMPLED, n, B), n, n)
+            for n in plan.verify_lengths
+        ]
+    specs.append(_spec(plan, DECODE, DECODE, 1, greedy))
+    return windowed(specs, plan.windows, plan.ctx_len)
+
+
+def draft_specializations(plan: ShapePlan) -> list[dict]:
+    """Named specializations of the draft program: context chunk = block (DraftDecode) and, for
+    the prompt, one per draft prefill row count (the longest named `DraftPrefill`, the others
+    `DraftPrefill[n]`; the runtime takes the smallest that holds what it hands over, so a short
+    prompt never pays for the long one); with `full_batch_size` N the decode block runs at batch
+    N, the prefills at batch 1; with windows, each once per attention window."""
+    rows = plan.draft_prefill_rows
+    specs = [_spec(plan, DRAFT_DECODE, DRAFT_DECODE, plan.block_size, None)]
+    specs += [_spec(plan, DRAFT_PREFILL, _sized(DRAFT_PREFILL, n, rows[-1]), n, None) for n in rows]
+    return windowed(specs, plan.windows, plan.ctx_len)
+
+
+def windowed(specs: list[dict], lengths, ctx_len: int) -> list[dict]:
+    """Every specialization once per attention window, smallest first; the full-context one
+    keeps its plain name, the others are named `<name>@<window>`."""
+    if lengths is None:
+        return specs
+    return [
+        {
+            **s,
+            "name": s["name"] if n == ctx_len else f"{s['name']}@{n}",
+            "symbols": {**s["symbols"], CCL: n},
+        }
+        for n in lengths
+        for s in specs
+    ]

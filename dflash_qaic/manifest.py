@@ -25,7 +25,7 @@ from typing import Any
 from dflash_qaic import contract
 
 FORMAT = "dflash-qaic-artifacts"
-VERSION = 2
+VERSION = 3  # 3: the shape plan as typed fields (earlier versions are refused: re-export)
 NAME = "manifest.json"
 #: at load, files up to this size are hashed; larger ones (weights, QPCs) are size-checked only
 #: (docs/DESIGN.md, Artifacts: full hashes run at export, at reuse and with verify="full")
@@ -268,6 +268,16 @@ class QpcRecord:
 _TARGET_IO = ("n_layers", "n_kv_heads", "head_dim", "hidden_size", "vocab_size")
 
 
+def _int_tuple(c: _Check, name: str, lo: int, hi: int) -> tuple[int, ...]:
+    """An optional list of integers in [lo, hi] (absent: empty)."""
+    v = c.get(name, [])
+    if not isinstance(v, list | tuple) or any(
+        isinstance(n, bool) or not isinstance(n, int) or not lo <= n <= hi for n in v
+    ):
+        c.fail(c.key(name), f"must be a list of integers in [{lo}, {hi}], got {v!r}")
+    return tuple(v)
+
+
 @dataclass(frozen=True)
 class Program:
     """An exported program: its contract I/O object, files, specializations and QPCs."""
@@ -293,9 +303,12 @@ class Program:
 
     def to_json(self) -> dict:
         spec = lambda s: {"name": s.name, "dtype": s.dtype, "shape": list(s.shape)}  # noqa: E731
+        io = asdict(self.io)
+        rings = io.pop("ring_slots", ())  # a draft with ring caches only (b16: absent)
         return {
             **self.facts,
-            **asdict(self.io),
+            **io,
+            **({"ring_slots": list(rings)} if rings else {}),
             "onnx": self.onnx,
             "external_data": self.external_data,
             "onnx_bytes": self.onnx_bytes,
@@ -311,22 +324,20 @@ class Program:
     @classmethod
     def from_json(cls, c: _Check, kind: str) -> Program:
         dims = {k: c.int(k, 1, 1 << 24) for k in _TARGET_IO}
-        cb = c.bool("continuous_batching", False)
-        window = c.bool("comp_ctx", False)
+        cb = c.bool("continuous_batching")
+        window = c.bool("comp_ctx")
         if kind == "target":
-            # the listed inputs are what the runtime binds: they decide `sampling` when given
-            listed = c.get("inputs", None)
-            sampling = c.bool("sampling", True)
-            if isinstance(listed, list):
-                names = {i.get("name") for i in listed if isinstance(i, dict)}
-                sampling = all(n in names for n in contract.SAMPLING_INPUTS)
             io = contract.TargetIO(
                 **dims,
                 emit_logits=c.bool("emit_logits"),
-                sampling=sampling,
+                sampling=c.bool("sampling"),
                 continuous_batching=cb,
                 comp_ctx=window,
+                linear_layers=_int_tuple(c, "linear_layers", 0, dims["n_layers"] - 1),
+                state_dims=_int_tuple(c, "state_dims", 1, 1 << 24),
             )
+            if io.hybrid and len(io.state_dims) != 5:
+                c.fail(c.key("state_dims"), "must list 5 dims for a hybrid target")
         else:
             io = contract.DraftIO(
                 **dims,
@@ -334,7 +345,8 @@ class Program:
                 block_size=c.int("block_size", 2, 4096),
                 continuous_batching=cb,
                 comp_ctx=window,
-                confidence=c.bool("confidence", False),
+                confidence=c.bool("confidence"),
+                ring_slots=c.ints("ring_slots", 0, 1 << 22, default=[]),
             )
         for which, specs in (("inputs", io.inputs), ("outputs", io.outputs)):
             want = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]
@@ -346,7 +358,8 @@ class Program:
             | set(dims)
             | {"emit_logits", "sampling", "block_size", "continuous_batching", "comp_ctx"}
         )
-        known |= {"confidence", "inputs", "outputs", "qpc"}
+        known |= {"linear_layers", "state_dims"}
+        known |= {"confidence", "ring_slots", "inputs", "outputs", "qpc"}
         return cls(
             io=io,
             onnx=c.relpath("onnx"),
@@ -365,11 +378,11 @@ def _specs(c: _Check) -> list[dict]:
     out = []
     for s in c.list("specializations"):
         sc = c.sub(s, "specializations[]")
-        name = sc.str("name")
+        name, kind = sc.str("name"), sc.str("kind")
         sym = sc.obj("symbols")
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sym.values()):
             sc.fail(sc.key("symbols"), f"must map symbols to integers >= 1, got {sym!r}")
-        out.append({"name": name, "symbols": dict(sym)})
+        out.append({"name": name, "kind": kind, "symbols": dict(sym)})
     return out
 
 
@@ -387,6 +400,10 @@ class Manifest:
     hidden_size: int
     target: Program
     draft: Program
+    # the shape plan's lists (contract.ShapePlan; the other plan fields are the ones above)
+    prefill_lengths: tuple[int, ...]
+    verify_lengths: tuple[int, ...]
+    draft_prefill_rows: tuple[int, ...]
     full_batch_size: int | None = None  # continuous batching: cache rows of both programs
     comp_ctx_lengths: tuple[int, ...] | None = None  # attention windows (contract.py), ascending
     files: tuple[FileRecord, ...] = ()
@@ -401,19 +418,28 @@ class Manifest:
 
     @property
     def plan(self) -> contract.ShapePlan:
-        """The shape plan both programs were exported for (contract.ShapePlan)."""
-        t, d = self.target.specializations, self.draft.specializations
+        """The shape plan both programs were exported for (contract.ShapePlan), from the
+        manifest's typed fields."""
         return contract.ShapePlan(
             block_size=self.block_size,
             prefill_seq_len=self.prefill_seq_len,
             ctx_len=self.ctx_len,
-            prefill_lengths=tuple(contract.prefill_lengths_of(t)),
-            verify_lengths=tuple(contract.verify_lengths_of(t)),
-            draft_prefill_rows=tuple(contract.draft_prefill_rows_of(d)),
+            prefill_lengths=self.prefill_lengths,
+            verify_lengths=self.verify_lengths,
+            draft_prefill_rows=self.draft_prefill_rows,
             windows=self.comp_ctx_lengths,
             full_batch_size=self.full_batch_size,
             sampling=self.target.io.sampling,
+            batch_size=self.batch_size,
         )
+
+    @property
+    def specialization_count(self) -> dict[str, int]:
+        """Specializations per program (each one is compiled: fewer compile faster)."""
+        return {
+            "target": len(self.target.specializations),
+            "draft": len(self.draft.specializations),
+        }
 
     def program(self, name: str) -> Program:
         if name not in ("target", "draft"):
@@ -452,6 +478,7 @@ class Manifest:
             elif isinstance(v, tuple):
                 v = list(v)
             d[f.name] = v
+        d["specialization_count"] = self.specialization_count
         return d
 
     @classmethod
@@ -463,10 +490,14 @@ class Manifest:
             raise ArtifactsError(
                 f"{source} is not a dflash-qaic manifest (format {data.get('format')!r})"
             )
-        if c.get("version", None) != VERSION:
+        version = c.get("version", None)
+        if version != VERSION:
+            older = isinstance(version, int) and not isinstance(version, bool) and version < VERSION
             raise ArtifactsError(
-                f"{source} has manifest version {data.get('version')!r}, this dflash-qaic reads "
-                f"{VERSION}: re-export with `dflash-export` of this version"
+                f"{source} has manifest version {version!r}, "
+                + ("written by an earlier dflash-qaic; " if older else "")
+                + f"this dflash-qaic reads version {VERSION}: re-export the artifacts with this "
+                "version's `dflash-export` (the same command line writes the new form)"
             )
         vocab = c.int("vocab_size", 1, 1 << 24)
         m = cls(
@@ -482,6 +513,9 @@ class Manifest:
             hidden_size=c.int("hidden_size", 1, 1 << 20),
             target=Program.from_json(c.sub(c.obj("target"), "target"), "target"),
             draft=Program.from_json(c.sub(c.obj("draft"), "draft"), "draft"),
+            prefill_lengths=c.ints("prefill_lengths", 1, 1 << 20),
+            verify_lengths=c.ints("verify_lengths", 1, 4096),
+            draft_prefill_rows=c.ints("draft_prefill_rows", 1, 1 << 22),
             files=tuple(FileRecord.from_json(c.sub(f, "files[]")) for f in c.list("files")),
             eos_token_ids=c.ints("eos_token_ids", 0, INT64_MAX, default=[]),
             tokenizer=c.relpath("tokenizer", None, optional=True),
@@ -514,34 +548,25 @@ def _consistent(m: Manifest, c: _Check, complete: bool) -> None:
         c.fail("draft.block_size", f"is {m.draft.io.block_size}, block_size is {m.block_size}")
     if m.block_size > m.prefill_seq_len or m.ctx_len < m.prefill_seq_len + m.block_size + 2:
         c.fail("ctx_len", "is too small for prefill_seq_len and block_size")
-    args = (m.batch_size, m.prefill_seq_len, m.block_size, m.ctx_len)
     fbs, w = m.full_batch_size, (list(m.comp_ctx_lengths) if m.comp_ctx_lengths else None)
     for prog in (m.target, m.draft):
         if prog.io.continuous_batching != (fbs is not None):
             c.fail(f"{prog.kind}.continuous_batching", f"disagrees with full_batch_size {fbs}")
         if prog.io.comp_ctx != (w is not None):
             c.fail(f"{prog.kind}.comp_ctx", f"disagrees with comp_ctx_lengths {w}")
-    lengths = contract.verify_lengths_of(m.target.specializations)  # [B] before they existed
     try:
-        contract.check_verify_lengths(lengths, m.block_size)
+        m.plan.check()
     except ValueError as e:
-        c.fail("target.specializations", str(e))
-    two = contract.has_greedy_prefill(m.target.specializations)  # one sampling Prefill before 0.4
-    chunks = contract.prefill_lengths_of(m.target.specializations)  # [chunk] before 0.5
-    try:
-        contract.check_prefill_lengths(chunks, m.prefill_seq_len, m.block_size)
-    except ValueError as e:
-        c.fail("target.specializations", str(e))
-    draft_rows = contract.draft_prefill_rows_of(m.draft.specializations)  # [chunk] before 0.4
-    target = contract.target_specializations(
-        *args, m.target.io.sampling, fbs, w, lengths, two, chunks
-    )
+        c.fail("prefill_lengths/verify_lengths/draft_prefill_rows", str(e))
     for prog, want in (
-        (m.target, target),
-        (m.draft, contract.draft_specializations(*args, fbs, w, draft_rows)),
+        (m.target, contract.target_specializations(m.plan)),
+        (m.draft, contract.draft_specializations(m.plan)),
     ):
         if list(prog.specializations) != want:
-            c.fail(f"{prog.kind}.specializations", f"must be {want} for these dimensions")
+            c.fail(f"{prog.kind}.specializations", f"must be {want} for the shape plan")
+    count = c.get("specialization_count", m.specialization_count)
+    if count != m.specialization_count:
+        c.fail("specialization_count", f"is {count}, the programs have {m.specialization_count}")
     recorded = {f.path for f in m.files}
     missing = [p for p in m.named_files() if p not in recorded]
     if missing and complete:

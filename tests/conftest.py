@@ -59,3 +59,24 @@ def default_artifacts(tmp_path_factory):
     out = tmp_path_factory.mktemp("default-pair")
     assert main(["--out", str(out), "--no-compile", "--quiet"]) == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def cb_artifacts(tmp_path_factory):
+    """The built-in default pair exported once per session with --full-batch-size 4 (prefill
+    chunk 64, ctx 1024): the serving tests' continuous-batching artifacts."""
+    import dflash_qaic
+    from dflash_qaic.export.cli import load_recipe
+
+    r = load_recipe("default")
+    out = tmp_path_factory.mktemp("default-pair-cb")
+    dflash_qaic.export(
+        r["target"],
+        r["draft"],
+        out,
+        full_batch_size=4,
+        compile=False,
+        prefill_seq_len=64,
+        ctx_len=1024,
+    )
+    return out

@@ -90,7 +90,7 @@ def test_export_has_the_continuous_batching_form(built, cfg):
         assert all(s.shape[0] == contract.FULL_BATCH for s in prog.io.kv)
         prefill = contract.PREFILLS if prog.kind == "target" else (contract.DRAFT_PREFILL,)
         for s in prog.specializations:
-            want = 1 if contract.base_name(s["name"]) in prefill else N
+            want = 1 if s["kind"] in prefill else N
             assert s["symbols"][contract.BATCH] == want, s
         assert all(s["symbols"][contract.FULL_BATCH] == N for s in prog.specializations)
         graph = onnx.load(str(art / prog.onnx), load_external_data=False).graph
@@ -143,7 +143,7 @@ def _feeds(pipe, rows, seq, ids, pos, bidx):
         f[contract.TEMPERATURE] = np.zeros(rows, np.float32)
         f[contract.TOP_K] = np.zeros(rows, np.int64)
         f[contract.TOP_P] = np.ones(rows, np.float32)
-        sl = contract.sample_rows(list(m.target.specializations), seq, True)
+        sl = m.plan.sample_len(seq, True)
         f[contract.RANDOM_U] = np.zeros((rows, sl, contract.N_RANDOM), np.float32)
     return f
 
@@ -284,9 +284,11 @@ def test_standin_runs_the_same_engine(built):
     assert [r.acceptance_lengths for r in res] == [r.acceptance_lengths for r in ort_res]
     # short contexts run on the smallest attention window (specializations `<name>@<window>`)
     assert any("@" in n for n in pipe.target.session.used)
-    used = {contract.base_name(n) for n in pipe.target.session.used}
+    m = pipe.artifacts
+    kind = {s["name"]: s["kind"] for p in (m.target, m.draft) for s in p.specializations}
+    used = {kind[n] for n in pipe.target.session.used}
     assert {contract.PREFILL, contract.VERIFY} <= used
-    used = {contract.base_name(n) for n in pipe.draft.session.used}
+    used = {kind[n] for n in pipe.draft.session.used}
     assert {contract.DRAFT_PREFILL, contract.DRAFT_DECODE} <= used
 
 
@@ -370,7 +372,7 @@ def test_batched_sampling_follows_the_target_distribution(sampling_pipe):
 @pytest.mark.parametrize(
     "prompts,kw,match",
     [
-        ([], {}, "the prompt is empty"),
+        ([], {}, "the list of prompts is empty"),
         ([[1, 2], []], {}, "prompt 1 is empty"),
         ([[1, 2], "text"], {}, "mixes text and token ids"),
         ([1, [2, 3]], {}, "mixes token ids and nested lists"),

@@ -205,10 +205,10 @@ def test_block_size_missing(pair):
     _raises("`block_size` is missing", ck.read_pair, t, d)
 
 
-def test_causal_draft_refused(pair):
+def test_causal_draft_read(pair):
     t, d = pair
-    edit_config(d, is_causal=True)
-    _raises("not supported", ck.read_pair, t, d)
+    edit_config(d, is_causal=True)  # causal in the block, every layer (tests/test_sliding.py)
+    assert ck.read_pair(t, d).draft.layer_attention(0) == (True, None)
 
 
 def test_loads_weights(pair):

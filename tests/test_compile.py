@@ -30,9 +30,9 @@ DIO = contract.DraftIO(
     n_layers=1, n_kv_heads=2, head_dim=16, hidden_size=64, vocab_size=256, block_size=4
 )
 TSPECS = contract.target_specializations(
-    batch_size=1, prefill_seq_len=32, block_size=4, ctx_len=128, sampling=False
+    contract.shape_plan(4, 32, 128, verify_lengths=[4], sampling=False)
 )
-DSPECS = contract.draft_specializations(batch_size=1, prefill_seq_len=32, block_size=4, ctx_len=128)
+DSPECS = contract.draft_specializations(contract.shape_plan(4, 32, 128))
 PROFILES = [
     "ai100_fp16",
     "ai100_mxfp6_mxint8",
@@ -781,7 +781,13 @@ def test_cache_key_tracks_inputs(art, no_compiler, tmp_path):
         "mxfp6": _key(art, replace(base, mxfp6_matmul=True)),
         "format": _key(art, replace(base, specializations_format="flat")),
         "compiler": _key(art, replace(base, compiler="qaic-exec")),
-        "specs": _key(art, base, specs=contract.target_specializations(1, 32, 4, 256)),
+        "specs": _key(
+            art,
+            base,
+            specs=contract.target_specializations(
+                contract.shape_plan(4, 32, 256, verify_lengths=[4])
+            ),
+        ),
         "io": _key(art, base, io=replace(TIO, n_layers=3)),
     }
     assert len(set(keys.values()) | {k0}) == len(keys) + 1, keys
@@ -985,7 +991,8 @@ def test_continuous_batching_pair_compiles(tmp_path, fake_compiler):
 
 
 def test_full_batch_size_must_agree():
-    specs = contract.target_specializations(1, 32, 4, 128, sampling=False, full_batch_size=4)
+    plan = contract.shape_plan(4, 32, 128, sampling=False, full_batch_size=4)
+    specs = contract.target_specializations(plan)
     assert qpc.specializations_json(specs)["specializations"][1]["symbols"] == {
         "batch_size": "1",
         "full_batch_size": "4",

@@ -213,7 +213,9 @@ def test_unscaled_rmsnorm_is_caught(tmp_path, monkeypatch):
         block_size=BLOCK, fp16_check=False,
     )  # fmt: skip
     # the graph check fails it ...
-    specs = contract.target_specializations(1, CHUNK, BLOCK, CTX, comp_ctx_lengths=[CTX])
+    specs = contract.target_specializations(
+        contract.shape_plan(BLOCK, CHUNK, CTX, windows=[CTX], verify_lengths=[BLOCK])
+    )
     with pytest.raises(GraphCheckError, match="fp16 overflow.*Pow"):
         check_graph(path, io, specs, trigger_feeds(io, specs))
     # ... while ONNX Runtime's fp16 run (fp32 Pow / ReduceMean inside) sees nothing wrong
@@ -247,7 +249,9 @@ def test_graph_check_reports_skip_and_layers(tmp_path):
     # identical layers, identical graphs (layer 0 also holds the constants they share)
     assert len({per_layer[k] for k in "123"}) == 1 and per_layer["0"] >= per_layer["1"]
     assert sum(per_layer.values()) == check["n_nodes"]
-    specs = contract.target_specializations(1, CHUNK, BLOCK, CTX, comp_ctx_lengths=[CTX])
+    specs = contract.target_specializations(
+        contract.shape_plan(BLOCK, CHUNK, CTX, windows=[CTX], verify_lengths=[BLOCK])
+    )
     feeds = check_feeds(io, specs)
     skipped = check_graph(path, io, specs, feeds, faithful_max_bytes=0)
     assert not skipped["fp16_faithful"]["ran"]

@@ -172,6 +172,35 @@ def test_broken_tokenizer_checked_before_export(pair, tmp_path, capsys, monkeypa
     assert rc == 2 and "tokenizer files" in err and "do not load" in err
 
 
+def test_tokenizer_beyond_the_vocabulary_refused_before_export(pair, tmp_path, capsys):
+    """The built-in pair's tokenizer (258 tokens) beside a 256-token model: refused at export,
+    naming the sizes and the fix (before: exported, and failed only at generation)."""
+    t, d = copy_pair(pair, tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(Path(dflash_qaic.__file__).parent / "assets/pair/target" / f, t / f)
+    rc, _, err = run(capsys, "--target", t, "--draft", d, "--out", tmp_path / "o", *SMALL)
+    assert rc == 2 and "has 2 tokens beyond the model's vocabulary of 256" in err, err
+    assert "use the model's own tokenizer files" in err and not (tmp_path / "o").exists()
+
+
+def test_tiny_pair_defaults_export(tmp_path, capsys):
+    """dflash-make-tiny-pair with its defaults (4 target layers, 2 draft layers) writes a pair
+    that exports (before: the default rule's target_layer_ids [1, 1], refused), and shapes with
+    no distinct layers are refused naming the flags."""
+    from dflash_lab.tiny import main as tiny
+
+    tiny([str(tmp_path / "pair")])
+    cfg = json.loads((tmp_path / "pair/draft/config.json").read_text())
+    assert cfg["dflash_config"]["target_layer_ids"] == [1, 3]
+    pair = [tmp_path / "pair/target", tmp_path / "pair/draft"]
+    rc, _, err = run(
+        capsys, "--target", pair[0], "--draft", pair[1], "--out", tmp_path / "o", *SMALL
+    )
+    assert rc == 0, err
+    with pytest.raises(SystemExit, match="--target-layers / --draft-layers"):
+        tiny([str(tmp_path / "bad"), "--target-layers", "2", "--draft-layers", "3"])
+
+
 # ---------------------------------------------------------------------------------------------
 # directories the tool did not create
 
@@ -287,6 +316,7 @@ def test_concurrent_exports_on_one_out(pair, tmp_path):
     assert len(pipe.generate([1, 2, 3], 4).tokens) == 4
 
 
+@pytest.mark.slow  # the fast tier: a failed and a Ctrl-C'd export (test_export_cli)
 def test_kill_9_mid_export_keeps_previous(pair, good, tmp_path):
     before = snapshot(good)
     base = ["--target", pair[0], "--draft", pair[1], "--out", good, "--quiet", *BASE]
@@ -420,12 +450,33 @@ def rewrite(out: Path, fn) -> None:
         (lambda m: m.update(files=[]), "has no size and sha256"),
         (lambda m: m.update(eos_token_ids=[1, True]), "`eos_token_ids`"),
         (lambda m: m.update(version=1), "manifest version 1"),
+        (lambda m: m.update(verify_lengths=[2, 3]), "verify lengths must ascend"),
+        (lambda m: m.update(prefill_lengths=[]), "prefill lengths must ascend"),
+        (lambda m: m.update(draft_prefill_rows=[1 << 21]), "draft prefill rows"),
+        (lambda m: m.pop("verify_lengths"), "`verify_lengths` is missing"),
+        (lambda m: m.update(specialization_count={"target": 1, "draft": 1}), "specialization_co"),
         (lambda m: m.clear(), "not a dflash-qaic manifest"),
     ],
 )
 def test_malformed_manifest_values(good, edit, match):
     rewrite(good, edit)
     with pytest.raises(ArtifactsError, match=match):
+        dflash_qaic.load(good)
+
+
+def test_artifacts_of_an_earlier_manifest_version_are_refused(good):
+    """Version 2 (the shape plan only in specialization names) is refused with the fix, before
+    any program is opened: no branch reads the older form."""
+
+    def older(m):
+        for key in ("prefill_lengths", "verify_lengths", "draft_prefill_rows"):
+            m.pop(key)
+        m["version"] = 2
+
+    rewrite(good, older)
+    with pytest.raises(
+        ArtifactsError, match=r"manifest version 2, written by an earlier .*re-export"
+    ):
         dflash_qaic.load(good)
 
 
@@ -602,7 +653,8 @@ def test_compile_overrides_checked(pair, tmp_path, capsys):
     assert rc == 2 and "over its core budget" in err
 
 
-def test_tokenizer_is_recorded_and_tracked(pair, tmp_path, capsys):
+def test_tokenizer_is_recorded_and_tracked(tiny_pair, tmp_path, capsys):
+    pair = tiny_pair(family="qwen3", target_layer_ids=[1, 3], vocab_size=258)  # the tokenizer's
     t, d = copy_pair(pair, tmp_path)
     assets = Path(dflash_qaic.__file__).parent / "assets" / "pair" / "target"
     for name in ("tokenizer.json", "tokenizer_config.json"):

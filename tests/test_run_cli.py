@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerFast
 import dflash_qaic
 from dflash_qaic import assets
 from dflash_qaic.runtime.cli import _printer, main
-from dflash_qaic.runtime.streamer import TextStreamer, iter_text
+from dflash_qaic.runtime.streamer import IncrementalDetokenizer, iter_text
 from dflash_qaic.serve.engine import _Text
 
 TEXT = "naïve café costs 3 € — 😀 ok"
@@ -34,7 +34,7 @@ def chunked(ids, rng):
 
 
 def stream_all(tok, chunks, **kw) -> list[str]:
-    s = TextStreamer(tok, **kw)
+    s = IncrementalDetokenizer(tok, **kw)
     return [s.push(c) for c in chunks] + [s.flush()]
 
 
@@ -56,9 +56,9 @@ def test_streamer_invalid_bytes_and_special_tokens(pipe):
     # a lead byte followed by ASCII is invalid: it comes out as U+FFFD, as decode() says
     assert "".join(stream_all(tok, [[0xC3], [0x41]])) == tok.decode([0xC3, 0x41]) == "\ufffdA"
     # an incomplete character at the very end is released by flush()
-    s = TextStreamer(tok)
+    s = IncrementalDetokenizer(tok)
     assert (s.push([0x61, 0xE2, 0x82]), s.push([0x41]), s.flush()) == ("a", "\ufffdA", "")
-    s = TextStreamer(tok)
+    s = IncrementalDetokenizer(tok)
     assert (s.push([0x61, 0xE2, 0x82]), s.flush()) == ("a", tok.decode([0xE2, 0x82]))
     eos = pipe.eos[0]
     assert "".join(stream_all(tok, [[0x61], [eos]], skip_special_tokens=True)) == "a"
@@ -152,3 +152,134 @@ def test_run_bad_arguments_one_line(default_artifacts, capsys, extra, message):
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert err.count("\n") == 1 and err.startswith("dflash-run: error: ")
+
+
+def test_run_baseline_warms_both_modes_up_before_timing(default_artifacts, capsys, monkeypatch):
+    from dflash_qaic.runtime.pipeline import Pipeline
+
+    calls = []
+    for name in ("generate", "generate_baseline"):
+        real = getattr(Pipeline, name)
+
+        def spy(self, *a, _real=real, _name=name, **kw):
+            calls.append((_name, a[1] if len(a) > 1 else kw.get("max_new_tokens")))
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(Pipeline, name, spy)
+    args = [str(default_artifacts), "--prompt", "def f", "--max-new-tokens", "40", "--threads", "1"]
+    assert main(args + ["--baseline", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # a short run of each mode, then the timed runs
+    assert calls == [("generate", 32), ("generate_baseline", 32)] + [
+        ("generate", 40),
+        ("generate_baseline", 40),
+    ]
+    assert out["baseline"]["tokens"] == out["tokens"] and out["speedup"] > 0
+    calls.clear()
+    assert main(args) == 0  # no --baseline: no warm-up
+    assert calls == [("generate", 40)]
+
+
+# ---------------------------------------------------------------------- Hugging Face habits
+
+
+class Recorder:
+    """A streamer with HF's interface that records what generate passes."""
+
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        self.puts.append(value)
+
+    def end(self):
+        self.ended += 1
+
+
+def test_generate_takes_hf_streamers(pipe, capsys):
+    import numpy as np
+    from transformers import TextIteratorStreamer as HFIterator
+    from transformers import TextStreamer as HFStreamer
+
+    from dflash_qaic.runtime.streamer import TextIteratorStreamer, TextStreamer
+
+    prompt = assets.heldout_prompts()[3]
+    kw = dict(temperature=10.0, seed=3)  # multibyte characters split over steps
+    ref = pipe.generate(prompt, 60, [], **kw)
+    rec = Recorder()
+    res = pipe.generate(prompt, 60, [], streamer=rec, **kw)
+    assert res.tokens == ref.tokens and rec.ended == 1
+    first, *runs = rec.puts
+    ids = pipe.tokenizer(prompt)["input_ids"]
+    assert first.shape == (1, len(ids)) and first.tolist() == [ids]  # the prompt first, as HF
+    assert all(isinstance(r, np.ndarray) and r.ndim == 1 for r in runs)
+    assert [t for r in runs for t in r.tolist()] == ref.tokens
+    # ours and transformers' own print / yield the same text
+    for cls in (TextStreamer, HFStreamer):
+        pipe.generate(prompt, 60, [], streamer=cls(pipe.tokenizer, skip_prompt=True), **kw)
+        assert capsys.readouterr().out == ref.text + "\n", cls
+    for cls in (TextIteratorStreamer, HFIterator):
+        s = cls(pipe.tokenizer, skip_prompt=True, timeout=60)
+        pipe.generate(prompt, 60, [], streamer=s, **kw)
+        assert "".join(s) == ref.text, cls
+    s = TextStreamer(pipe.tokenizer)  # without skip_prompt the prompt is printed too
+    pipe.generate(prompt, 8, [], streamer=s, temperature=0)
+    assert capsys.readouterr().out.startswith(prompt)
+    with pytest.raises(AttributeError, match="IncrementalDetokenizer"):
+        s.push([1])
+
+
+def test_generate_streamer_errors_and_end_on_failure(pipe):
+    from dflash_qaic.runtime import GenerationError
+
+    with pytest.raises(GenerationError, match="put"):
+        pipe.generate("x", 4, streamer=print)
+    with pytest.raises(GenerationError, match="one prompt"):
+        pipe.generate(["x", "y"], 4, streamer=Recorder())
+    rec = Recorder()
+
+    def boom(_):
+        raise RuntimeError("consumer failed")
+
+    with pytest.raises(RuntimeError, match="consumer failed"):
+        pipe.generate("x", 40, [], streamer=rec, on_tokens=boom, temperature=0)
+    assert rec.ended == 1
+
+
+def test_do_sample_as_transformers(pipe):
+    from dflash_qaic.runtime import GenerationError
+
+    prompt = assets.heldout_prompts()[1]
+    greedy = pipe.generate(prompt, 24, [], temperature=0).tokens
+    assert pipe.generate(prompt, 24, []).tokens == greedy  # default: greedy
+    # do_sample=False: greedy whatever the temperature
+    assert pipe.generate(prompt, 24, [], do_sample=False, temperature=5.0, seed=1).tokens == greedy
+    # do_sample=True: temperature 1.0 unless given
+    sampled = pipe.generate(prompt, 24, [], do_sample=True, seed=1)
+    assert sampled.tokens == pipe.generate(prompt, 24, [], temperature=1.0, seed=1).tokens
+    hot = pipe.generate(prompt, 24, [], do_sample=True, temperature=10.0, seed=1)
+    assert hot.tokens == pipe.generate(prompt, 24, [], temperature=10.0, seed=1).tokens
+    assert hot.tokens != greedy
+    with pytest.raises(GenerationError, match="do_sample=True with temperature=0"):
+        pipe.generate(prompt, 4, do_sample=True, temperature=0)
+    with pytest.raises(GenerationError, match="do_sample must be"):
+        pipe.generate(prompt, 4, do_sample="yes")
+    # stream and lists of prompts take it too (one value, or one per prompt)
+    assert list(pipe.stream(prompt, 24, [], do_sample=False, temperature=3.0)) == greedy
+    res = pipe.generate([prompt, prompt], 24, [], do_sample=[False, True], temperature=10.0, seed=1)
+    assert res[0].tokens == greedy and res[1].tokens == hot.tokens
+
+
+def test_load_a_hub_id_says_to_export_first(tmp_path, monkeypatch):
+    from dflash_qaic.runtime import ArtifactsError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ArtifactsError) as e:
+        dflash_qaic.load("Qwen/Qwen3-4B")
+    msg = str(e.value)
+    assert "dflash-export --target Qwen/Qwen3-4B --draft " in msg
+    assert "--out artifacts/qwen3-4b" in msg and "load('artifacts/qwen3-4b')" in msg
+    (tmp_path / "artifacts").mkdir()  # under an existing directory it is a path, mistyped
+    with pytest.raises(ArtifactsError, match="does not exist") as e:
+        dflash_qaic.load("artifacts/typo")
+    assert "Hugging Face" not in str(e.value)

@@ -130,15 +130,16 @@ def test_strict_standin_runs_the_same_loop(built):
         assert standin.generate_baseline(ids, 12).tokens == a.tokens[:12]
     # greedy verify calls pick the specialization that samples one row, sampled ones the other
     used = standin.target.session.used
-    assert {contract.base_name(n) for n in used} == {"Prefill", "Verify", "Decode"}
+    kind = {s["name"]: s["kind"] for s in standin.artifacts.target.specializations}
+    assert {kind[n] for n in used} == {"Prefill", "Verify", "Decode"}
     used.clear()
     a = ort_pipe.generate(prompt(20, 5), 40, temperature=1.0, seed=2)
     b = standin.generate(prompt(20, 5), 40, temperature=1.0, seed=2)
     assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths
     # 20 prompt tokens in chunks of 16: the first chunk's tokens are thrown away, so only the
     # last chunk pays for sampling every row
-    assert [contract.base_name(n) for n in used[:2]] == ["Prefill", "PrefillSampled"]
-    assert {contract.base_name(n) for n in used} == {"Prefill", "PrefillSampled", "VerifySampled"}
+    assert [kind[n] for n in used[:2]] == ["Prefill", "PrefillSampled"]
+    assert {kind[n] for n in used} == {"Prefill", "PrefillSampled", "VerifySampled"}
 
 
 def test_prefill_lengths_plan(planned_chunks):
@@ -165,13 +166,24 @@ def test_prompt_chunks_take_the_planned_prefill_lengths(built):
     ort_pipe = dflash_qaic.load(art)
     standin = dflash_qaic.load(art, backend="qaic-standin")
     target_used, draft_used = standin.target.session.used, standin.draft.session.used
-    assert contract.prefill_lengths_of(standin.artifacts.target.specializations) == [8, 32]
-    assert contract.draft_prefill_rows_of(standin.artifacts.draft.specializations) == [8, 32, 128]
+    m = standin.artifacts
+    assert m.plan.prefill_lengths == (8, 32) and m.plan.draft_prefill_rows == (8, 32, 128)
     for p in (ort_pipe, standin):
         p.configure(verify_lengths=[p.B])
+    spec = {s["name"]: s for p in (m.target, m.draft) for s in p.specializations}
 
-    def names(used, base):
-        got = [n.split("@")[0] for n in used if contract.base_name(n) == base]
+    def names(used, base):  # the specialization names at the full context (no `@window`)
+        at_ctx = {
+            s["name"]: s
+            for s in spec.values()
+            if s["symbols"].get(contract.CCL, m.ctx_len) == m.ctx_len
+        }
+        by_shape = {(s["kind"], s["symbols"][contract.SEQ]): n for n, s in at_ctx.items()}
+        got = [
+            by_shape[base, spec[n]["symbols"][contract.SEQ]]
+            for n in used
+            if spec[n]["kind"] == base
+        ]
         used.clear()
         return got
 
@@ -190,89 +202,12 @@ def test_prompt_chunks_take_the_planned_prefill_lengths(built):
     a = ort_pipe.generate(ids, 20, temperature=1.0, seed=3)
     b = standin.generate(ids, 20, temperature=1.0, seed=3)
     assert a.tokens == b.tokens
-    prefills = [n.split("@")[0] for n in target_used if "Prefill" in n]
-    assert prefills == ["Prefill", "Prefill[8]", "PrefillSampled[8]"]
-
-
-def test_artifacts_with_one_prefill_length_still_run(built, tmp_path):
-    """Before 0.5 a target had its Prefill at the chunk only (and the draft no DraftPrefill[n]
-    below it). Such artifacts load and give the same tokens in whole chunks; prefill lengths a
-    manifest cannot have been written with are refused with the fix."""
-    import shutil
-
-    _, _, art, _ = built(*CONFIGS[3])
-    old = tmp_path / "old"
-    shutil.copytree(art, old)
-    path = old / "manifest.json"
-    m = json.loads(path.read_text())
-    short = lambda s: "[8]" in s["name"]  # noqa: E731
-    assert any(map(short, m["target"]["specializations"]))
-    for prog in ("target", "draft"):
-        m[prog]["specializations"] = [s for s in m[prog]["specializations"] if not short(s)]
-    path.write_text(json.dumps(m))
-    new_pipe, old_pipe = dflash_qaic.load(art), dflash_qaic.load(old)
-    for p in (new_pipe, old_pipe):
-        p.configure(verify_lengths=[p.B])
-    ids = prompt(45, 9)
-    old_res, new_res = old_pipe.generate(ids, 24), new_pipe.generate(ids, 24)
-    assert old_res.tokens == new_res.tokens
-    assert old_res.stats["prefill_calls"] == 2 < new_res.stats["prefill_calls"] == 3  # 32 + 32
-    kw = dict(temperature=1.0, seed=4)
-    assert old_pipe.generate(ids, 24, **kw).tokens == new_pipe.generate(ids, 24, **kw).tokens
-
-    for s in m["target"]["specializations"]:  # a Prefill of the block size: a Verify's shape
-        if s["name"].startswith("Prefill@") or s["name"] == "Prefill":
-            m["target"]["specializations"].append(
-                {
-                    "name": s["name"].replace("Prefill", "Prefill[4]"),
-                    "symbols": {**s["symbols"], "seq_len": 4},
-                }
-            )
-            break
-    path.write_text(json.dumps(m))
-    with pytest.raises(ArtifactsError, match="prefill lengths must ascend.*re-export"):
-        dflash_qaic.load(old)
-
-
-def test_artifacts_with_one_sampling_prefill_still_run(built, tmp_path):
-    """Before 0.4 the target had one Prefill that sampled every row, and the draft's prefill took
-    one chunk of context. Such artifacts still load and give the same tokens: the runtime reads
-    the rows to sample and the draft's prefill rows from the specializations."""
-    import shutil
-
-    _, _, art, _ = built(*CONFIGS[1])
-    old = tmp_path / "old"
-    shutil.copytree(art, old)
-    path = old / "manifest.json"
-    m = json.loads(path.read_text())
-    specs = m["target"]["specializations"]
-    assert any(contract.base_name(s["name"]) == contract.PREFILL_SAMPLED for s in specs)
-    old_specs = []
-    for s in specs:
-        name, sym = contract.base_name(s["name"]), s["symbols"]
-        if name == contract.PREFILL:
-            s = {**s, "symbols": {**sym, contract.SAMPLE: sym[contract.SEQ]}}
-        if name != contract.PREFILL_SAMPLED:
-            old_specs.append(s)
-    m["target"]["specializations"] = old_specs
-    chunk = m["prefill_seq_len"]
-    draft_specs = m["draft"]["specializations"]  # and one DraftPrefill, of one chunk
-    assert contract.draft_prefill_rows_of(draft_specs)[0] == chunk
-    m["draft"]["specializations"] = [s for s in draft_specs if "[" not in s["name"]]
-    for s in m["draft"]["specializations"]:
-        if contract.base_name(s["name"]) == contract.DRAFT_PREFILL:
-            s["symbols"][contract.SEQ] = chunk
-    path.write_text(json.dumps(m))
-    new_pipe, old_pipe = dflash_qaic.load(art), dflash_qaic.load(old)
-    assert not contract.has_greedy_prefill(old_pipe.artifacts.target.specializations)
-    for p in (new_pipe, old_pipe):
-        p.configure(verify_lengths=[p.B])
-    ids = prompt(37, 3)  # three chunks
-    old_res, new_res = old_pipe.generate(ids, 24), new_pipe.generate(ids, 24)
-    assert old_res.tokens == new_res.tokens
-    assert old_res.stats["draft_prefill_calls"] == 3 > new_res.stats["draft_prefill_calls"]
-    kw = dict(temperature=1.0, seed=4)
-    assert old_pipe.generate(ids, 24, **kw).tokens == new_pipe.generate(ids, 24, **kw).tokens
+    prefills = [
+        (spec[n]["kind"], spec[n]["symbols"][contract.SEQ])
+        for n in target_used
+        if spec[n]["kind"] in contract.PREFILLS
+    ]
+    assert prefills == [("Prefill", 32), ("Prefill", 8), ("PrefillSampled", 8)]
 
 
 def test_draft_prefill_takes_the_smallest_specialization_that_holds_it(built):
@@ -282,15 +217,16 @@ def test_draft_prefill_takes_the_smallest_specialization_that_holds_it(built):
     _, _, art, _ = built(*CONFIGS[1])
     standin = dflash_qaic.load(art, backend="qaic-standin")
     chunk, used = standin.chunk, standin.draft.session.used
-    rows = contract.draft_prefill_rows_of(standin.artifacts.draft.specializations)
-    assert rows == [chunk, 4 * chunk]
+    rows = standin.artifacts.plan.draft_prefill_rows
+    assert rows == (chunk, 4 * chunk)
+    spec = {s["name"]: s for s in standin.artifacts.draft.specializations}
 
-    def prefills():
-        names = [n.split("@")[0] for n in used if contract.base_name(n) == contract.DRAFT_PREFILL]
+    def prefills():  # the context rows of every DraftPrefill call
+        got = [spec[n]["symbols"][contract.SEQ] for n in used if spec[n]["kind"] == "DraftPrefill"]
         used.clear()
-        return names
+        return got
 
-    short, long = f"{contract.DRAFT_PREFILL}[{chunk}]", contract.DRAFT_PREFILL
+    short, long = chunk, 4 * chunk
     standin.generate(prompt(chunk - 3, 1), 4)
     assert prefills() == [short]
     standin.generate(prompt(2 * rows[-1] + 5, 2), 4)

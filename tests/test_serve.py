@@ -248,8 +248,13 @@ BAD = [
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
-    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, None),
-    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, None),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_k": -2}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [258]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": [65, 66.5]}, 400, "prompt.1"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 1}]}, 400, None),
@@ -267,7 +272,14 @@ def test_bad_requests_get_openai_errors_and_the_server_lives_on(http, client, pi
         assert err["code"] == status and len(err["message"]) > 10, err
         if param is not None:
             assert err["param"] == param, (body, err)
-    assert http.get("/v1/completions").status_code == 405
+    r = http.post("/v1/completions", content=b" " * ((1 << 20) + 1))  # the default limit
+    assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
+    r = http.get("/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "BadRequestError", r.text
+    err = http.post("/v1/completions", json={"prompt": [65, 66.5]}).json()["error"]
+    assert "should be a valid integer (got 66.5): token ids" in err["message"], err
+    err = http.post("/v1/completions", json={"prompt": "x", "top_p": 2}).json()["error"]
+    assert err["message"].startswith("top_p must be in (0, 1]"), err
     with pytest.raises(openai.BadRequestError, match="max_tokens must be ≥ 1"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=0)
     with pytest.raises(openai.NotFoundError):
@@ -425,6 +437,7 @@ def test_engine_backend_failure_fails_the_requests_in_flight_only(pipe):
     assert [t for o in ok for t in o.token_ids] == ref.tokens and ok[-1].finish_reason == "length"
 
 
+@pytest.mark.slow  # the fast tier drains a batched server (test_serve_batching)
 def test_sigterm_drains_in_flight_requests_and_exits_0(default_artifacts):
     with ServerProcess(default_artifacts, "--threads", "1") as server:
         started, result = threading.Event(), {}
@@ -453,7 +466,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(default_artifacts):
 
 @pytest.mark.slow
 def test_serve_bench(default_artifacts):
-    from dflash_qaic.bench.serve import render_markdown, run_serve_bench
+    from dflash_lab.serve_bench import render_markdown, run_serve_bench
 
     res = run_serve_bench(default_artifacts, 4, max_tokens=24, threads=1, progress=lambda m: None)
     assert res["ok"], res
@@ -479,6 +492,7 @@ def test_serve_cli_errors_are_one_line(default_artifacts, tmp_path, capsys):
         ([str(default_artifacts), "--port", "70000"], "--port must be in 0 … 65535"),
         ([str(default_artifacts), "--threads", "0"], "--threads must be in 1 …"),
         ([str(default_artifacts), "--max-queue", "0"], "--max-queue must be ≥ 1"),
+        ([str(default_artifacts), "--max-request-bytes", "0"], "--max-request-bytes must be ≥ 1"),
         ([str(default_artifacts), "--verify-lengths", "4,x"], "--verify-lengths must be integers"),
         (
             [str(default_artifacts), "--port", "0", "--verify-lengths", "4,8"],
@@ -506,3 +520,197 @@ def test_metrics_count_the_drafts_each_step_verified():
     text = prometheus_client.generate_latest(m.registry).decode()
     assert 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 40.0' in text  # 3+15+7+15
     assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 18.0' in text
+
+
+# ---------------------------------------------------------------------- a vLLM user's flags
+
+
+def _app(pipe, **kw):
+    from fastapi.testclient import TestClient
+
+    from dflash_qaic.serve.app import create_app
+
+    app = create_app(Engine(pipe), MODEL, pipe.tokenizer, TEMPLATE, **kw)
+    return TestClient(app, raise_server_exceptions=False)
+
+
+def test_api_key_guards_every_endpoint_but_health(pipe):
+    key = "sk-test-123"
+    body = dict(prompt=[65, 66], max_tokens=4, temperature=0)
+    with _app(pipe, api_key=key) as c:
+        assert c.get("/health").status_code == 200  # no key needed
+        for method, path in [("get", "/v1/models"), ("get", "/metrics"), ("post", "/v1/nothing")]:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+                r = getattr(c, method)(path, headers=headers)
+                assert r.status_code == 401, (path, headers, r.text)
+                err = r.json()["error"]
+                assert err["code"] == 401 and "API key" in err["message"], err
+                assert set(err) == {"message", "type", "param", "code"}
+        for headers in ({}, {"Authorization": f"Bearer {key}x"}):
+            assert c.post("/v1/completions", json=body, headers=headers).status_code == 401
+        ok = {"Authorization": f"Bearer {key}"}
+        assert c.get("/v1/models", headers=ok).json()["data"][0]["id"] == MODEL
+        r = c.post("/v1/completions", json=body, headers=ok)
+        assert r.status_code == 200, r.text
+        errors = [
+            ln
+            for ln in c.get("/metrics", headers=ok).text.splitlines()
+            if ln.startswith("dflash:request_errors_total{") and 'status="401"' in ln
+        ]
+        assert errors and errors[0].endswith(" 11.0"), errors  # 3 paths × 3 + 2 posts
+    with _app(pipe) as c:  # no key: open, as before
+        assert c.get("/v1/models").status_code == 200
+
+
+def test_max_model_len_caps_prompt_and_output(pipe):
+    with _app(pipe, max_model_len=64) as c:
+        assert c.get("/v1/models").json()["data"][0]["max_model_len"] == 64
+        ok = c.post("/v1/completions", json=dict(prompt=[65] * 40, max_tokens=24, temperature=0))
+        assert ok.status_code == 200 and ok.json()["usage"]["total_tokens"] == 64
+        r = c.post("/v1/completions", json=dict(prompt=[65] * 40, max_tokens=25))
+        assert (
+            r.status_code == 400 and "maximum context length is 64" in r.json()["error"]["message"]
+        )
+        r = c.post("/v1/completions", json=dict(prompt=[65] * 64, max_tokens=1))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        # no max_tokens on chat: the rest of the 64
+        msgs = [{"role": "user", "content": "def f(x):"}]
+        r = c.post("/v1/chat/completions", json=dict(messages=msgs, temperature=0, ignore_eos=True))
+        assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == 64
+
+
+def test_seed_makes_unseeded_sampling_reproducible(pipe):
+    bodies = [dict(prompt=p, max_tokens=24, temperature=1.0) for p in PROMPTS[:3]]
+
+    def texts(**kw):
+        with _app(pipe, **kw) as c:
+            return [c.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in bodies]
+
+    first = texts(seed=7)
+    assert texts(seed=7) == first  # the same requests in the same order: the same outputs
+    assert texts(seed=8) != first
+    assert len(set(first)) == 3  # each request drew its own seed
+
+
+def test_request_log_lines(pipe, caplog):
+    body = dict(prompt=[65, 66], max_tokens=3, temperature=0)
+    with caplog.at_level("INFO", logger="dflash_qaic.serve"):
+        with _app(pipe) as c:
+            c.post("/v1/completions", json=body)
+        assert any("Received request cmpl-" in r.message for r in caplog.records)
+        caplog.clear()
+        with _app(pipe, log_requests=False) as c:
+            c.post("/v1/completions", json=body)
+        assert not any("Received request" in r.message for r in caplog.records)
+
+
+def test_vllm_current_metric_names(pipe):
+    prompts = [PROMPTS[8], PROMPTS[9]]
+    with _app(pipe) as c:
+        usages, steps = [], []
+        for p in prompts:
+            body = dict(prompt=p, max_tokens=48, temperature=0, ignore_eos=True)
+            usages.append(c.post("/v1/completions", json=body).json()["usage"])
+            steps.append(len(pipe.generate(p, 48, [], temperature=0).acceptance_lengths))
+        m = {}
+        for fam in text_string_to_metric_families(c.get("/metrics").text):
+            for s in fam.samples:
+                m[s.name] = s.value
+    # tokens per engine step: every prompt token once (the step that finished its prefill) and
+    # every committed token once
+    total = sum(u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+    assert m["vllm:iteration_tokens_total_sum"] == total
+    assert m["vllm:iteration_tokens_total_count"] >= sum(steps)
+    # one inter-token latency per output after a request's first: a step each (the prefill's
+    # token and the first step may land in one engine step)
+    itl = m["vllm:inter_token_latency_seconds_count"]
+    assert sum(steps) - len(prompts) <= itl <= sum(steps)
+    assert 0 < m["vllm:inter_token_latency_seconds_sum"]
+    assert m["vllm:time_per_output_token_seconds_count"] == 2  # the old name stays, per request
+    assert m["vllm:kv_cache_usage_perc"] == 0.0  # idle: no sequence holds the cache
+
+
+def test_kv_cache_usage_while_a_request_runs(pipe):
+    ids = pipe.tokenizer(PROMPTS[0])["input_ids"]
+
+    async def main():
+        engine = Engine(_OneStepAtATime(pipe))
+        engine.start()
+        handle = engine.submit(ids, Params(max_tokens=200, stop_token_ids=()))
+        n = 0
+        async for out in handle:
+            n = out.completion_tokens
+            if n >= 20:
+                break
+        during = engine.metrics.kv_cache_usage._value.get()
+        handle.cancel()
+        async for _ in handle:
+            pass
+        engine.shutdown(timeout=30)
+        return n, during, engine.metrics.kv_cache_usage._value.get()
+
+    n, during, after = asyncio.run(main())
+    # positions held: the prompt and the tokens made so far (the gauge is set after each step:
+    # it may be a step behind the outputs read, or the worker a step ahead)
+    assert len(ids) + n - B <= during * pipe.ctx_len <= len(ids) + n + 2 * B
+    assert after == 0.0
+
+
+def test_max_num_seqs_caps_the_engine_slots():
+    import argparse
+    import types
+
+    from dflash_qaic.serve.cli import UsageError, _limits
+
+    pipe = types.SimpleNamespace(full_batch_size=4, max_running=None, ctx_len=1024, B=16)
+    pipe.configure = lambda max_running: setattr(pipe, "max_running", max_running)
+    _limits(argparse.Namespace(max_model_len=1023, max_num_seqs=2), pipe)
+    assert pipe.max_running == 2 and Engine(pipe).slots == 2
+    with pytest.raises(
+        UsageError, match=r"--max-num-seqs 5 is more than .*\(--full-batch-size 4 at export\)"
+    ):
+        _limits(argparse.Namespace(max_model_len=None, max_num_seqs=5), pipe)
+    with pytest.raises(UsageError, match="--max-model-len 1024 is more than .* ctx_len 1024"):
+        _limits(argparse.Namespace(max_model_len=1024, max_num_seqs=None), pipe)
+
+
+def test_vllm_flag_errors_are_one_line(default_artifacts, capsys, monkeypatch):
+    from dflash_qaic.serve.cli import main
+
+    art = str(default_artifacts)
+    cases = [
+        ([art, "--port", "0", "--max-model-len", "5000"], "re-export with a larger --ctx-len"),
+        ([art, "--port", "0", "--max-num-seqs", "4"], "exported without --full-batch-size"),
+        ([art, "--max-model-len", "1"], "--max-model-len must be ≥ 2"),
+        ([art, "--max-num-seqs", "0"], "--max-num-seqs must be ≥ 1"),
+        ([art, "--seed", "-1"], "--seed must be ≥ 0"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+        assert err.startswith("dflash-serve: error: ") and err.count("\n") == 1, err
+
+
+def test_server_with_vllm_flags(default_artifacts, monkeypatch):
+    """A real process: the key from VLLM_API_KEY, the flags accepted; beyond loopback without a
+    key, a warning."""
+    monkeypatch.setenv("VLLM_API_KEY", "sk-env")
+    args = ["--host", "0.0.0.0", "--threads", "1", "--max-model-len", "200", "--max-num-seqs", "1"]
+    args += ["--seed", "3", "--uvicorn-log-level", "warning", "--disable-log-requests"]
+    with ServerProcess(default_artifacts, *args, log_level="info") as s:
+        url = s.url.replace("0.0.0.0", "127.0.0.1")
+        bad = openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=url + "/v1", api_key="sk-env", max_retries=0)
+        assert good.models.list().data[0].model_extra["max_model_len"] == 200
+        r = good.completions.create(model=str(default_artifacts), prompt="x", max_tokens=4)
+        assert r.usage.completion_tokens == 4
+        assert s.stop() == 0
+        log = s.log()
+        assert "without an API key" not in log and "Received request" not in log, log
+    monkeypatch.delenv("VLLM_API_KEY")
+    with ServerProcess(default_artifacts, "--host", "0.0.0.0", "--threads", "1") as s:
+        assert s.stop() == 0
+        assert "serving on 0.0.0.0 without an API key" in s.log(), s.log()

@@ -24,24 +24,6 @@ PROMPTS = assets.heldout_prompts()
 
 
 @pytest.fixture(scope="module")
-def cb_artifacts(tmp_path_factory):
-    from dflash_qaic.export.cli import load_recipe
-
-    r = load_recipe("default")
-    out = tmp_path_factory.mktemp("default-pair-cb")
-    dflash_qaic.export(
-        r["target"],
-        r["draft"],
-        out,
-        full_batch_size=SLOTS,
-        compile=False,
-        prefill_seq_len=64,
-        ctx_len=1024,
-    )
-    return out
-
-
-@pytest.fixture(scope="module")
 def pipe(cb_artifacts):
     p = dflash_qaic.load(cb_artifacts, threads=1)
     assert p.full_batch_size == SLOTS

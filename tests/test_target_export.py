@@ -428,7 +428,9 @@ def test_graph_check_rejects_foreign_function_in_exported_graph(exported, tmp_pa
     node = next(n for n in model.graph.node if n.op_type == "Sigmoid")
     node.op_type, node.domain = "Swish", "com.acme"
     p = _save(tmp_path, model)
-    specs = contract.target_specializations(1, CHUNK, BLOCK, CTX)
+    specs = contract.target_specializations(
+        contract.shape_plan(BLOCK, CHUNK, CTX, verify_lengths=[BLOCK])
+    )
     with pytest.raises(GraphCheckError, match="com.acme::Swish"):
         check_graph(p, exported["io"], specs)
 
@@ -467,7 +469,11 @@ def test_export_onnx_external_data_and_atomicity(exported, tmp_path, monkeypatch
     n_layers, _ = FAMILIES[e["family"]]
     module = ExportTarget.from_hf(e["model"], e["fc"], *e["hn"], e["layer_ids"], ctx_len=CTX)
     io = contract.TargetIO(n_layers, 2, 16, H, VOCAB, comp_ctx=True)
-    sym = {"name": contract.PREFILL, "symbols": dict(batch_size=1, seq_len=CHUNK, ctx_len=CTX)}
+    sym = {
+        "name": contract.PREFILL,
+        "kind": contract.PREFILL,
+        "symbols": dict(batch_size=1, seq_len=CHUNK, ctx_len=CTX),
+    }
     sym["symbols"][contract.CCL] = CTX
     sym["symbols"][contract.SAMPLE] = CHUNK
     feed = check_feeds(io, [sym])[0]

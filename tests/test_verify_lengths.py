@@ -86,11 +86,11 @@ def prompt(n, seed):
 def test_export_has_every_verify_length_and_the_confidences(built):
     art, _ = built(emit_logits=True)
     m = dflash_qaic.load(art).artifacts
-    assert contract.verify_lengths_of(m.target.specializations) == [2, 4, 8]
+    assert m.plan.verify_lengths == (2, 4, 8)
     names = {s["name"] for s in m.target.specializations}
     assert {"Verify[2]", "Verify[4]", "Verify", "VerifySampled[2]", "VerifySampled"} <= names
     for s in m.target.specializations:
-        if contract.base_name(s["name"]) == contract.VERIFY_SAMPLED:
+        if s["kind"] == contract.VERIFY_SAMPLED:
             assert s["symbols"][contract.SAMPLE] == s["symbols"][contract.SEQ]
     assert m.target.facts["verify_lengths"] == [2, 4, 8]
     assert m.draft.io.confidence
@@ -113,7 +113,9 @@ def test_verify_lengths_option(built, tiny_pair, tmp_path):
     )
     opts = ExportOptions(prefill_seq_len=CHUNK, ctx_len=CTX, compile=False, verify_lengths=(8,))
     m = build_artifacts(t, d, tmp_path / "one", opts, progress=lambda m: None).manifest
-    assert contract.verify_lengths_of(m.target.specializations) == [8]
+    assert m.plan.verify_lengths == (8,)
+    verify = [s for s in m.target.specializations if s["kind"] == contract.VERIFY]
+    assert verify and all(s["symbols"][contract.SEQ] == 8 for s in verify)
     for bad in ((3, 5), (4, 4, 8), (1, 8), (8, 16)):
         opts = ExportOptions(prefill_seq_len=CHUNK, ctx_len=CTX, compile=False, verify_lengths=bad)
         with pytest.raises(ExportError, match="--verify-lengths: .*end at the block size 8"):

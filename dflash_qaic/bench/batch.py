@@ -1,44 +1,28 @@
 """`dflash-bench ARTIFACTS --concurrency 1,2,4,8`: continuous batching, DFlash against the target
-alone on the same program at each concurrency, and a report (issue 15).
+alone on the same program at each concurrency, and a report.
 
     dflash-export --out artifacts/default-cb8 --full-batch-size 8
     dflash-bench artifacts/default-cb8 --concurrency 1,2,4,8     # writes bench/latest-batch/
     dflash-bench artifacts/default-cb8 --concurrency 1,2 --max-new-tokens 16 --repeats 1
 
-Per round, at each concurrency c, the same requests (the largest concurrency's prompts, each
-`--requests-per-prompt` times) run with at most c in flight, a closed loop: a finished request's
-slot goes to the next at once, as c clients sending back to back (`pipe.generate(list)` with
-`pipe.configure(max_running=c)`, then `pipe.generate_baseline(list)`, the order alternating) in
-one process. Aggregate tokens/s = all new tokens ÷ the run's wall time; TTFT and TPOT per request (p50, p95); τ; ratios against
-c = 1 of the same mode and DFlash against the target alone at the same c, round by round. Every
-request's tokens are compared with the same prompt run alone (same mode, same seed); at the
-largest c the admission policies (`prefill_chunks_per_step` None and 1) are compared.
-
-Exits 1 when a request's tokens differ from its solo run, 2 on bad input.
+At each concurrency c the same requests (each prompt `--requests-per-prompt` times) run with at
+most c in flight, a closed loop as c clients sending back to back, in both modes, the order
+alternating; every request's tokens are compared with its prompt's solo run; at the largest c
+both admission policies (`prefill_chunks_per_step` None and 1). Exits 1 when a request's tokens
+differ from its solo run, 2 on bad input.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
-import sys
 import time
-from datetime import UTC, datetime
-from pathlib import Path
 
 from dflash_qaic import contract
 from dflash_qaic.bench import stats
 from dflash_qaic.bench.run import BenchError
 
 MODES = ("dflash", "baseline")  # generate / generate_baseline
-LABEL = {"dflash": "DFlash", "baseline": "target alone"}
 POLICIES = (None, 1)  # prefill_chunks_per_step: every waiting prompt / one chunk between steps
-GOAL_C = 8
-GOALS = (  # name, at least, what (issue 15: default pair, 8 concurrent, T = 0)
-    ("vs_one_request", 4.0, "× one request's"),
-    ("vs_target", 1.5, "× the target alone at 8"),
-)
 OPTIONS = [  # flag, type, default, help
     ("--concurrency", str, None, "comma-separated concurrencies, e.g. 1,2,4,8 (required)"),
     ("--max-new-tokens", int, 128, "tokens per request"),
@@ -56,40 +40,6 @@ OPTIONS = [  # flag, type, default, help
 ]  # fmt: skip
 
 
-def parser() -> argparse.ArgumentParser:
-    from dflash_qaic.bench.cli import common_parser
-
-    p = common_parser(__doc__, "artifacts exported with --full-batch-size", OPTIONS)
-    p.add_argument("--debug", action="store_true", help="tracebacks on errors")
-    return p
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def main(argv: list[str]) -> int:
-    from dflash_qaic.bench.cli import guarded
-
-    return guarded(_main, parser().parse_args(argv), argv)
-
-
-def parse_concurrency(text: str | None) -> list[int]:
-    """'1,2,4,8' -> [1, 2, 4, 8]: distinct integers ≥ 1, sorted."""
-    out: set[int] = set()
-    for part in filter(str.strip, (text or "").split(",")):
-        try:
-            c = int(part)
-        except ValueError:
-            raise BenchError(f"--concurrency: {part.strip()!r} is not an integer") from None
-        if c < 1 or c in out:
-            raise BenchError(f"--concurrency: {c} must be ≥ 1 and not repeated")
-        out.add(c)
-    if not out:
-        raise BenchError("--concurrency: give at least one, e.g. 1,2,4,8")
-    return sorted(out)
-
-
 def check_fits(full_batch_size: int | None, concurrency: list[int], artifacts) -> None:
     """The program must hold the largest concurrency at once (one cache row per request)."""
     rows, c = full_batch_size or 1, max(concurrency)
@@ -103,45 +53,31 @@ def check_fits(full_batch_size: int | None, concurrency: list[int], artifacts) -
 
 def _main(args, command: str) -> int:
     from dflash_qaic.bench import batch_report, run
-    from dflash_qaic.bench.cli import check_common, load_pipe
+    from dflash_qaic.bench.cli import _log, bench, check_common, parse_list
 
-    args.concurrency = parse_concurrency(args.concurrency)
+    args.concurrency = sorted(parse_list("--concurrency", args.concurrency, int))
     check_common(args, ("max_new_tokens", "repeats"))
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise BenchError("--temperature must be a finite number ≥ 0 (0 is greedy)")
-    t0, started = time.perf_counter(), datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    pipe, machine = load_pipe(args)
-    f = run.facts(pipe, args.artifacts)
-    check_fits(f["full_batch_size"], args.concurrency, args.artifacts)
-    if args.temperature > 0 and not pipe.can_sample:
-        raise BenchError("these artifacts have no sampler (--no-sampling): use --temperature 0")
-    cmax = max(args.concurrency)
-    prompts, source = run.select_prompts(f, pipe.tokenizer, args.max_new_tokens, args.prompts, cmax)
-    if len(prompts) < cmax:
-        raise BenchError(
-            f"--concurrency {cmax} needs {cmax} distinct prompts, {source} has {len(prompts)}: "
-            "give more with --prompts or lower --concurrency"
-        )
-    _log(f"{cmax} prompts from {source}")
-    measured = measure(pipe, prompts, args, _log)
-    res = {
-        "schema": batch_report.SCHEMA,
-        "command": command,
-        "started": started,
-        "seconds": time.perf_counter() - t0,
-        "artifacts": {**f, "backend": pipe.backend},
-        "config": {k: v for k, v in vars(args).items() if k not in ("artifacts", "debug")},
-        "machine": {**machine, "load_end": [round(x, 2) for x in os.getloadavg()]},
-        **summarise(measured, args.concurrency, args.temperature),
-    }
-    res["config"].update(prompts_source=source, prompts=[p.name for p in prompts])
-    paths = batch_report.write_outputs(res, Path(args.out))
-    print(batch_report.summary_screen(res))
-    _log(f"wrote {', '.join(map(str, paths.values()))} ({res['seconds']:.0f} s)")
-    if not res["equality"]["passed"]:
-        _log(f"dflash-bench: TOKENS DIFFER: {'; '.join(res['equality']['problems'][:3])}")
-        return 1
-    return 0
+
+    def body(pipe, f):
+        check_fits(f["full_batch_size"], args.concurrency, args.artifacts)
+        if args.temperature > 0 and not pipe.can_sample:
+            raise BenchError("these artifacts have no sampler (--no-sampling): use --temperature 0")
+        cmax = max(args.concurrency)
+        tok, n = pipe.tokenizer, args.max_new_tokens
+        prompts, source = run.select_prompts(f, tok, n, args.prompts, cmax)
+        if len(prompts) < cmax:
+            raise BenchError(
+                f"--concurrency {cmax} needs {cmax} distinct prompts, {source} has "
+                f"{len(prompts)}: give more with --prompts or lower --concurrency"
+            )
+        _log(f"{cmax} prompts from {source}")
+        measured = measure(pipe, prompts, args, _log)
+        notes = {"prompts_source": source, "prompts": [p.name for p in prompts]}
+        return summarise(measured, args.concurrency, args.temperature), notes
+
+    return bench(args, command, batch_report, body)
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -311,59 +247,30 @@ def points(runs: dict, concs: list[int], policy) -> list[dict]:
         ratios = {
             "dflash_vs_target": stats.round_ratios(rounds[c]["dflash"], rounds[c]["baseline"]),
             "vs_c1": vs_c1,
-            "bound": step_bound(by_c[c]),
-            "steps": steps_ratio(by_c[c]),
         }
+        ratios["bound"], ratios["steps"] = step_ratios(by_c[c])
         out.append({"concurrency": c, "modes": by_c[c], "ratios": ratios})
     return out
 
 
-def step_bound(modes: dict) -> float | None:
-    """DFlash ÷ target alone if only the steps counted: τ · T_decode / (T_verify + T_draft), with
-    the mean calls of these batches (stats.bound); None without the calls."""
+def step_ratios(modes: dict) -> tuple[float | None, float | None]:
+    """DFlash ÷ target alone if only the steps counted, (bound, steps); None without the calls.
+    bound: τ · T_decode / (T_verify + T_draft) with the mean calls of these batches (stats.bound),
+    as if every step were shared by all c requests. steps: the target alone's decode seconds per
+    batch over DFlash's verify + draft seconds per batch, with the batches' real occupancy
+    (prefill, the draft's prompt calls and host work left out)."""
     d, b = modes["dflash"]["budget"], modes["baseline"]["budget"]
     if "verify" not in d or "decode" not in b:
-        return None
-    draft = d["draft"]["call_s"] if "draft" in d else 0.0
-    return stats.bound(modes["dflash"]["tau"], b["decode"]["call_s"], d["verify"]["call_s"], draft)
-
-
-def steps_ratio(modes: dict) -> float | None:
-    """DFlash ÷ target alone as measured with each mode's step calls only: the target alone's
-    decode seconds per batch over DFlash's verify + draft seconds per batch (prefill, the draft's
-    prompt calls and host work left out; the batches' real occupancy kept, unlike the bound);
-    None without the calls."""
-    d, b = modes["dflash"]["budget"], modes["baseline"]["budget"]
-    if "verify" not in d or "decode" not in b:
-        return None
+        return None, None
     spent = lambda x, k: x[k]["calls_per_batch"] * x[k]["call_s"] if k in x else 0.0  # noqa: E731
-    return spent(b, "decode") / (spent(d, "verify") + spent(d, "draft"))
-
-
-def goals(pts: list[dict], temperature: float) -> dict:
-    """Issue 15's goals at 8 concurrent requests, T = 0: DFlash's aggregate ≥ 4× its own at
-    c = 1 and ≥ 1.5× the target alone at 8 (medians of the round-by-round ratios)."""
-    at = {p["concurrency"]: p for p in pts}
-    if temperature != 0 or GOAL_C not in at or 1 not in at:
-        why = "T > 0" if temperature != 0 else f"--concurrency lacks {1 if GOAL_C in at else 8}"
-        return {"concurrency": GOAL_C, "measured": False, "note": why, "items": []}
-    r = at[GOAL_C]["ratios"]
-    value = {"vs_one_request": r["vs_c1"]["dflash"], "vs_target": r["dflash_vs_target"]}
-    items = [
-        {
-            "name": n,
-            "at_least": want,
-            "what": what,
-            "value": value[n]["median"],
-            "met": value[n]["median"] >= want,
-        }
-        for n, want, what in GOALS
-    ]
-    return {"concurrency": GOAL_C, "measured": True, "note": None, "items": items}
+    draft = d["draft"]["call_s"] if "draft" in d else 0.0
+    tau = modes["dflash"]["tau"]
+    bound = stats.bound(tau, b["decode"]["call_s"], d["verify"]["call_s"], draft)
+    return bound, spent(b, "decode") / (spent(d, "verify") + spent(d, "draft"))
 
 
 def summarise(measured: dict, concs: list[int], temperature: float) -> dict:
-    """The results' measured part: points, the admission policies, equality and goals."""
+    """The results' measured part: points, the admission policies and equality."""
     runs, default, cmax = measured["runs"], measured["default"], max(concs)
     pts = points(runs, concs, default)
     policies = [
@@ -379,5 +286,4 @@ def summarise(measured: dict, concs: list[int], temperature: float) -> dict:
         "points": pts,
         "policy": {"concurrency": cmax, "default": default, "policies": policies},
         "equality": equality(measured["solo"], measured["checks"], temperature == 0),
-        "goals": goals(pts, temperature),
     }

@@ -3,11 +3,11 @@ batch_report.md.tmpl, the summary screen first) and report.png."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from string import Template
 
-from dflash_qaic.bench.report import _clean, chunks, load_note, machine_md, ms, sp, table, x_
+from dflash_qaic.bench import report
+from dflash_qaic.bench.report import chunks, load_note, machine_md, ms, sp, x_
 
 SCHEMA = "dflash-bench-batch/1"
 TEMPLATE = Path(__file__).with_name("batch_report.md.tmpl")
@@ -20,19 +20,9 @@ bound = lambda b: "—" if b is None else x_(b)  # noqa: E731
 policy_name = lambda p: "None (all waiting prompts)" if p is None else str(p)  # noqa: E731
 
 
-def goal_lines(res: dict) -> list[str]:
-    g = res["goals"]
-    head = (
-        f"goal (issue 15): {g['concurrency']} concurrent, T=0: aggregate ≥ 4× one request's "
-        f"and ≥ 1.5× the target alone at {g['concurrency']}"
-    )
-    if not g["measured"]:
-        return [head, f"  not measured here: {g['note']}"]
-    parts = [
-        f"{i['value']:.2f}{i['what']} (≥ {i['at_least']:g}×: {'met' if i['met'] else 'NOT MET'})"
-        for i in g["items"]
-    ]
-    return [head, f"  DFlash at {g['concurrency']}: " + " · ".join(parts)]
+def problems(res: dict) -> list[str]:
+    """Requests whose tokens differ from their solo run."""
+    return res["equality"]["problems"]
 
 
 def equality_text(e: dict) -> str:
@@ -64,8 +54,8 @@ ORDER = ("prefill", "draft_prefill", "verify", "draft", "decode", "host")
 
 
 def summary_screen(res: dict) -> str:
-    """One screen: the goal lines, equality, throughput per concurrency, latency, the admission
-    policies and call times at the smallest and largest concurrency."""
+    """One screen: equality, throughput per concurrency, latency, the admission policies and
+    where a batch's wall time goes at every concurrency."""
     a, c, m, pts = res["artifacts"], res["config"], res["machine"], res["points"]
     out = [
         f"dflash-bench --concurrency {a['path']} ({a['backend']}, block {a['block_size']}, "
@@ -73,7 +63,6 @@ def summary_screen(res: dict) -> str:
         f"T = {c['temperature']:g} · {c['repeats']} rounds × {c['max_new_tokens']} tokens per "
         f"request · {m.get('ort_threads', m['threads']) or 'default'} threads · load average {m['load_start'][0]:.2f} → "
         f"{m['load_end'][0]:.2f}",
-        *goal_lines(res),
         equality_text(res["equality"]),
         f"{'c':>3}  {'DFlash tokens/s':<24}{'target tokens/s':<24}{'DFlash÷target':<22}"
         f"{'(bound)':<9}{'(steps)':<9}{'vs c=1 DFlash, target':<24}τ",
@@ -105,72 +94,12 @@ def summary_screen(res: dict) -> str:
         out.append(f"  {name:<12} {_latency(d)} | {_latency(b)}")
     out.append("a batch's wall time: calls × ms per call, share")
     out += [
-        f"{p['concurrency']:>3}  {LABEL[m]}: {_budget(p['modes'][m])}"
-        for p in _ends(pts)
-        for m in MODES
+        f"{p['concurrency']:>3}  {LABEL[m]}: {_budget(p['modes'][m])}" for p in pts for m in MODES
     ]
     return "\n".join(out)
 
 
-def _ends(pts: list[dict]) -> list[dict]:
-    return pts if len(pts) < 2 else [pts[0], pts[-1]]
-
-
 # ---------------------------------------------------------------------------- markdown
-
-
-def throughput_md(res: dict) -> str:
-    rows = []
-    for p in res["points"]:
-        for mode in MODES:
-            x, r = p["modes"][mode], p["ratios"]
-            vs, b, st = (
-                (ratio(r["dflash_vs_target"]), bound(r["bound"]), bound(r.get("steps")))
-                if mode == "dflash"
-                else ("", "", "")
-            )
-            rows.append([p["concurrency"], LABEL[mode], tps(x["tokens_per_s"])])
-            rows[-1] += [ratio(r["vs_c1"][mode]), vs, b, st, f"{x['tau']:.2f}", x["new_tokens"]]
-    head = ["c", "", "aggregate tokens/s", "vs c = 1", "DFlash ÷ target alone", "bound"]
-    head += ["steps", "τ", "tokens"]
-    return table(head, rows)
-
-
-def _latency_row(x: dict) -> list[str]:
-    t, p = x["ttft_s"], x["tpot_s"]
-    return [ms(t["p50"]), ms(t["p95"]), ms(p["p50"]), ms(p["p95"]), str(x["requests"])]
-
-
-def latency_md(res: dict) -> str:
-    rows = [
-        [p["concurrency"], LABEL[m], *_latency_row(p["modes"][m])]
-        for p in res["points"]
-        for m in MODES
-    ]
-    head = ["c", "", "TTFT p50 ms", "TTFT p95 ms", "TPOT p50 ms", "TPOT p95 ms", "requests"]
-    return table(head, rows)
-
-
-def policy_md(res: dict) -> str:
-    rows = []
-    for x in res["policy"]["policies"]:
-        name = policy_name(x["prefill_chunks_per_step"]) + (" — default" if x["default"] else "")
-        for m in MODES:
-            y = x["modes"][m]
-            rows.append([name, LABEL[m], *_latency_row(y)[:4], tps(y["tokens_per_s"])])
-    head = ["prefill_chunks_per_step", "", "TTFT p50 ms", "TTFT p95 ms", "TPOT p50 ms"]
-    return table([*head, "TPOT p95 ms", "aggregate tokens/s"], rows)
-
-
-def budget_md(res: dict) -> str:
-    rows = []
-    for p in res["points"]:
-        for m in MODES:
-            for kind, v in _ordered(p["modes"][m]["budget"]):
-                calls = "" if kind == "host" else f"{v['calls_per_batch']:.1f}"
-                rows.append([p["concurrency"], LABEL[m], kind, calls, ms(v["call_s"])])
-                rows[-1].append(f"{v['share']:.0%}")
-    return table(["c", "", "", "calls per batch", "ms per call", "share of wall time"], rows)
 
 
 def equality_md(res: dict) -> str:
@@ -182,9 +111,9 @@ def equality_md(res: dict) -> str:
 
 def render_markdown(res: dict) -> str:
     a, c, m = res["artifacts"], res["config"], res["machine"]
-    sections = (throughput_md, latency_md, policy_md, budget_md, equality_md, machine_md)
     return Template(TEMPLATE.read_text(encoding="utf-8")).substitute(
-        **{f.__name__[:-3]: f(res) for f in sections},
+        equality=equality_md(res),
+        machine=machine_md(res),
         summary=summary_screen(res),
         load_note=load_note(m),
         command=res["command"],
@@ -199,7 +128,6 @@ def render_markdown(res: dict) -> str:
         warmup=c["warmup"],
         max_new_tokens=c["max_new_tokens"],
         temperature=f"{c['temperature']:g}",
-        policy_c=res["policy"]["concurrency"],
         default_policy=policy_name(res["policy"]["default"]),
     )
 
@@ -240,8 +168,4 @@ def render_png(res: dict, path) -> None:
 
 
 def write_outputs(res: dict, out: Path) -> dict[str, Path]:
-    paths = {"json": out / "results.json", "md": out / "report.md", "png": out / "report.png"}
-    paths["json"].write_text(json.dumps(_clean(res), indent=1) + "\n")
-    paths["md"].write_text(render_markdown(res), encoding="utf-8")
-    render_png(res, paths["png"])
-    return paths
+    return report.write_outputs(res, out, render_markdown, render_png)

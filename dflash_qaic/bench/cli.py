@@ -4,6 +4,7 @@
     dflash-bench artifacts/default --temperatures 0 --no-peers --repeats 1    # a quick look
     dflash-bench artifacts/default-cb8 --concurrency 1,2,4,8   # continuous batching (batch.py)
     dflash-bench --export …  /  dflash-bench --serve …   # the export and server benchmarks
+    dflash-bench --long-context artifacts/DIR --prompt-len 8000     # cost against position
 
 Prints the summary screen. Exits 1 when DFlash's tokens differ from the target's at T = 0 (the
 lossless check), 2 on bad input.
@@ -22,7 +23,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-MODES = {"--export": "dflash_lab.export_bench", "--serve": "dflash_qaic.bench.serve"}
+MODES = {"--export": "dflash_lab.export_bench", "--serve": "dflash_lab.serve_bench"}
+MODES["--long-context"] = "dflash_qaic.bench.longctx"  # prefill, memory, call cost by position
 PEER_ROUNDS = 2  # the PyTorch peers are slow on a CPU
 
 
@@ -56,6 +58,7 @@ def common_parser(doc: str, artifacts: str, options) -> argparse.ArgumentParser:
     p.add_argument("--backend", default="ort", choices=["ort", "qaic", "auto", "qaic-standin"])
     for flag, typ, default, text in options:
         p.add_argument(flag, type=typ, default=default, help=f"{text} (default %(default)s)")
+    p.add_argument("--debug", action="store_true", help="tracebacks on errors")
     return p
 
 
@@ -63,7 +66,6 @@ def parser() -> argparse.ArgumentParser:
     p = common_parser(__doc__, "artifacts directory written by dflash-export", OPTIONS)
     p.add_argument("--no-peers", action="store_true", help="skip the PyTorch peers")
     p.add_argument("--no-profile", action="store_true", help="skip the cost profile")
-    p.add_argument("--debug", action="store_true", help="tracebacks on errors")
     return p
 
 
@@ -76,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(a == "--concurrency" or a.startswith("--concurrency=") for a in argv):
         from dflash_qaic.bench import batch  # continuous batching: its own flags and report
 
-        return batch.main(argv)
+        p = common_parser(batch.__doc__, "artifacts exported with --full-batch-size", batch.OPTIONS)
+        return guarded(batch._main, p.parse_args(argv), argv)
     for flag, module in MODES.items():
         if flag in argv:
             return _delegate(flag, module, [a for a in argv if a != flag])
@@ -109,12 +112,6 @@ def _delegate(flag: str, module: str, argv: list[str]) -> int:
         return 2
     sys.argv[0] = f"dflash-bench {flag}"  # their usage lines name the command the user typed
     return int(mod.main(argv) or 0)
-
-
-def check_args(args) -> None:
-    """Every flag checked before any long work; --out created (or refused) up front."""
-    check_common(args, ("num_prompts", "max_new_tokens", "repeats"))
-    args.temperatures = parse_temperatures(args.temperatures)
 
 
 def check_common(args, counts: tuple[str, ...]) -> None:
@@ -150,45 +147,73 @@ def check_common(args, counts: tuple[str, ...]) -> None:
         raise BenchError(f"--out {out} is not writable: give another directory")
 
 
-def parse_temperatures(text: str) -> list[float]:
-    """'0,1' -> [0.0, 1.0]: distinct finite numbers ≥ 0, in the order given."""
+def parse_list(flag: str, text: str | None, kind=float) -> list:
+    """'0,1' -> [0.0, 1.0]: distinct finite numbers, ≥ 0 (integers: ≥ 1), in the order given."""
     from dflash_qaic.bench.run import BenchError
 
-    out: list[float] = []
-    for part in filter(str.strip, text.split(",")):
+    out: list = []
+    for part in filter(str.strip, (text or "").split(",")):
         try:
-            t = float(part)
+            v = kind(part)
         except ValueError:
-            raise BenchError(f"--temperatures: {part.strip()!r} is not a number") from None
-        if not math.isfinite(t) or t < 0 or t in out:
-            raise BenchError(f"--temperatures: {part.strip()} must be finite, ≥ 0 and not repeated")
-        out.append(t)
+            what = "an integer" if kind is int else "a number"
+            raise BenchError(f"{flag}: {part.strip()!r} is not {what}") from None
+        if not math.isfinite(v) or v < (kind is int) or v in out:
+            raise BenchError(f"{flag}: {v} must be finite, ≥ {kind is int:d}, not repeated")
+        out.append(v)
     if not out:
-        raise BenchError("--temperatures: give at least one, e.g. 0,1")
+        raise BenchError(f"{flag}: give at least one, e.g. 1,2")
     return out
 
 
-def load_pipe(args):
-    """The artifacts on the asked backend (ONNX Runtime threads: --threads, else the runtime's
-    default) and the machine's facts, both benchmarks alike."""
+def bench(args, command: str, out, body) -> int:
+    """The frame of both benchmarks: load, `body(pipe, facts) -> (results' measured parts,
+    config notes)`, write `out`'s report (batch_report or report), print its screen; exit 1 when
+    `out.problems` finds tokens that differ."""
     import dflash_qaic
     from dflash_qaic.bench import run
 
+    t0, started = time.perf_counter(), datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     machine = run.machine(args.threads)
     pipe = dflash_qaic.load(args.artifacts, backend=args.backend, threads=args.ort_threads)
-    machine["ort_threads"] = pipe.threads
-    threads = pipe.threads or "default"
-    _log(f"dflash-bench: loaded {args.artifacts} on {args.backend} ({threads} threads)")
-    return pipe, machine
+    machine["ort_threads"] = pipe.threads  # None: ONNX Runtime's default
+    _log(
+        f"dflash-bench: loaded {args.artifacts} on {args.backend} ({pipe.threads or 'default'} threads)"
+    )
+    f = run.facts(pipe, args.artifacts)
+    parts, notes = body(pipe, f)
+    config = {k: v for k, v in vars(args).items() if k not in ("artifacts", "debug")}
+    res = {
+        "schema": out.SCHEMA,
+        "command": command,
+        "started": started,
+        "seconds": time.perf_counter() - t0,
+        "artifacts": {**f, "backend": pipe.backend},
+        "config": {**config, **notes},
+        "machine": {**machine, "load_end": [round(x, 2) for x in os.getloadavg()]},
+        **parts,
+    }
+    paths = out.write_outputs(res, Path(args.out))
+    print(out.summary_screen(res))
+    _log(f"wrote {', '.join(map(str, paths.values()))} ({res['seconds']:.0f} s)")
+    if problems := out.problems(res):
+        _log(f"dflash-bench: TOKENS DIFFER: {'; '.join(problems[:3])}")
+        return 1
+    return 0
 
 
 def _main(args, command: str) -> int:
-    from dflash_qaic.bench import report, run
+    from dflash_qaic.bench import report
 
-    check_args(args)
-    t0, started = time.perf_counter(), datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    pipe, machine = load_pipe(args)
-    f = run.facts(pipe, args.artifacts)
+    check_common(args, ("num_prompts", "max_new_tokens", "repeats"))
+    args.temperatures = parse_list("--temperatures", args.temperatures)
+    return bench(args, command, report, lambda pipe, f: _decode(pipe, f, args))
+
+
+def _decode(pipe, f: dict, args) -> tuple[dict, dict]:
+    """Both modes at every temperature, the cost profile and the peers."""
+    from dflash_qaic.bench import run
+
     if not pipe.can_sample and all(t > 0 for t in args.temperatures):
         raise run.BenchError(
             "these artifacts have no sampler (--no-sampling): add 0 to --temperatures"
@@ -198,7 +223,6 @@ def _main(args, command: str) -> int:
     )
     _log(f"{len(prompts)} prompts from {source}")
     sections, ours = _measure(pipe, prompts, args, f["block_size"])
-    greedy = next((s for s in sections if s["temperature"] == 0), None)
     copy_Bps = run.copy_bandwidth()
     weights = {p: run.weight_bytes(f[p]["onnx"]) for p in ("target", "draft")}
     profile = {"skipped": "--no-profile"}
@@ -212,31 +236,9 @@ def _main(args, command: str) -> int:
         _log("peers (T = 0): the reference dflash_generate and Hugging Face generate")
         rounds = min(PEER_ROUNDS, args.repeats)
         peers = run_peers(f, prompts, args.max_new_tokens, rounds, args.threads, ours, _log)
-    res = {
-        "schema": report.SCHEMA,
-        "command": command,
-        "started": started,
-        "seconds": time.perf_counter() - t0,
-        "artifacts": {**f, "backend": pipe.backend},
-        "config": {k: v for k, v in vars(args).items() if k not in ("artifacts", "debug")},
-        "machine": {**machine, "load_end": [round(x, 2) for x in os.getloadavg()]},
-        "temperatures": sections,
-        "profile": profile,
-        "bandwidth": {
-            "copy_Bps": copy_Bps,
-            "weight_bytes": weights,
-            "llc_bytes": machine["llc_bytes"],
-        },
-        "peers": peers,
-    }
-    res["config"].update(prompts_source=source, num_prompts=len(prompts))
-    paths = report.write_outputs(res, Path(args.out))
-    print(report.summary_screen(res))
-    _log(f"wrote {', '.join(map(str, paths.values()))} ({res['seconds']:.0f} s)")
-    if greedy and not greedy["check"]["passed"]:
-        _log(f"dflash-bench: LOSSLESS CHECK FAILED: {'; '.join(greedy['problems'][:3])}")
-        return 1
-    return 0
+    bandwidth = {"copy_Bps": copy_Bps, "weight_bytes": weights}  # the LLC: in "machine"
+    parts = {"temperatures": sections, "profile": profile, "bandwidth": bandwidth, "peers": peers}
+    return parts, {"prompts_source": source, "num_prompts": len(prompts)}
 
 
 def _measure(pipe, prompts, args, B: int) -> tuple[list[dict], list | None]:

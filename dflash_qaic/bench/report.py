@@ -36,6 +36,11 @@ def table(head: list[str], rows: list[list]) -> str:
     return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
 
 
+def problems(res: dict) -> list[str]:
+    """Where DFlash's tokens differ from the target's at T = 0 (the lossless check)."""
+    return [p for s in measured(res) if s["temperature"] == 0 for p in s["problems"]]
+
+
 def check_text(s: dict) -> str:
     c = s["check"]
     if c["kind"] == "lossless":
@@ -158,7 +163,7 @@ def profile_md(res: dict) -> str:
 
 def bandwidth_md(res: dict) -> str:
     """Weight bytes a decode call reads ÷ its mean time, against a numpy copy's bandwidth."""
-    b, w = res["bandwidth"], res["bandwidth"]["weight_bytes"]
+    b, w, llc = res["bandwidth"], res["bandwidth"]["weight_bytes"], res["machine"]["llc_bytes"]
     out = (
         f"A numpy copy moves {b['copy_Bps'] / 1e9:.2f} GB/s (read + write). A decode call reads "
         f"{mb(w['target'])} of target weights, a draft call {mb(w['draft'])}"
@@ -166,9 +171,9 @@ def bandwidth_md(res: dict) -> str:
     for s in (s for s in measured(res) if s["temperature"] == 0):
         Bps = w["target"] / s["loop"]["decode_s"]
         out += f"; decode reads them at {Bps / 1e9:.2f} GB/s, {Bps / b['copy_Bps']:.1%} of a copy"
-    if b["llc_bytes"] and w["target"] + w["draft"] < b["llc_bytes"]:
+    if llc and w["target"] + w["draft"] < llc:
         out += (
-            f". Both programs' weights fit in the last-level cache ({mb(b['llc_bytes'])}): this "
+            f". Both programs' weights fit in the last-level cache ({mb(llc)}): this "
             "pair is bound by per-call and per-operator overhead, not by memory bandwidth"
         )
     return out + "."
@@ -266,13 +271,29 @@ def _speed_panel(ax, s: dict, k: int, B: int) -> None:
     ax.plot([s["tau"]], [s["speedup"]["median"]], "D", color=c, mec="k", ms=9, label=temp(s))
 
 
+def bar_segments(call: dict) -> list[tuple[str, float, float]]:
+    """(part, bottom, height) in ms of one call's stacked bar: the positive parts upward from 0,
+    then the negative ones (a part below the noise) downward, so the bar ends at the total."""
+    vals = [(k, (call[k] or 0.0) * 1e3) for k in PARTS]
+    out, top = [], 0.0
+    for k, v in [x for x in vals if x[1] > 0] + [x for x in vals if x[1] < 0]:
+        out.append((k, top, v))
+        top += v
+    return out
+
+
 def _profile_panel(ax, p: dict) -> None:
-    bottom = [0.0] * len(p["calls"])
-    for j, part in enumerate(PARTS):
-        vals = [max(c[part] or 0.0, 0.0) * 1e3 for c in p["calls"].values()]
-        ax.bar(list(p["calls"]), vals, bottom=bottom, color=f"C{j + 3}", label=part[:-2])
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set(ylabel="ms per call", title=f"Cost of one call at ctx_len {p['ctx_len']}")
+    seen = set()
+    for x, call in p["calls"].items():
+        for k, bottom, h in bar_segments(call):
+            label = None if k in seen else k[:-2]
+            seen.add(k)
+            color, hatch = f"C{PARTS.index(k) + 3}", "//" if h < 0 else None
+            ax.bar(x, h, bottom=bottom, color=color, hatch=hatch, label=label)
+        ax.plot(x, call["sampled_s"] * 1e3, "k_", ms=30, label=None if seen & {"_"} else "total")
+        seen.add("_")
+    ax.set(ylabel="ms per call (hatched: negative parts)")
+    ax.set_title(f"Cost of one call at ctx_len {p['ctx_len']}")
 
 
 def render_png(res: dict, path) -> None:
@@ -311,9 +332,10 @@ def _clean(obj):
     return [_clean(v) for v in obj] if isinstance(obj, list | tuple) else obj
 
 
-def write_outputs(res: dict, out: Path) -> dict[str, Path]:
+def write_outputs(res: dict, out: Path, markdown=None, png=None) -> dict[str, Path]:
+    """results.json, report.md and report.png (this report's renderers unless given others)."""
     paths = {"json": out / "results.json", "md": out / "report.md", "png": out / "report.png"}
     paths["json"].write_text(json.dumps(_clean(res), indent=1) + "\n")
-    paths["md"].write_text(render_markdown(res), encoding="utf-8")
-    render_png(res, paths["png"])
+    paths["md"].write_text((markdown or render_markdown)(res), encoding="utf-8")
+    (png or render_png)(res, paths["png"])
     return paths

@@ -21,12 +21,14 @@ from scipy import stats as sps
 
 
 def spread(xs: Iterable[float]) -> dict:
-    """Median with min, max, quartiles and count."""
+    """Median (also as p50) with min, max, quartiles, the 95th percentile (numpy's linear
+    interpolation) and count."""
     a = np.asarray(list(xs), np.float64)
     if a.size == 0:
         raise ValueError("no values")
-    q = np.percentile(a, [0, 25, 50, 75, 100]).tolist()
-    return {**dict(zip(("min", "p25", "median", "p75", "max"), q)), "n": int(a.size)}
+    q = np.percentile(a, [0, 25, 50, 75, 95, 100]).tolist()
+    out = dict(zip(("min", "p25", "median", "p75", "p95", "max"), q))
+    return {**out, "p50": out["median"], "n": int(a.size)}
 
 
 def tau(lengths: Sequence[int]) -> float:
@@ -221,19 +223,10 @@ def section(temperature: float, runs, problems: list[str], prompts, B: int, seed
 # ---------------------------------------------------------------- continuous batching (batch.py)
 
 
-def quantiles(xs: Iterable[float]) -> dict:
-    """Median and 95th percentile (numpy's linear interpolation) with the count."""
-    a = np.asarray(list(xs), np.float64)
-    if a.size == 0:
-        raise ValueError("no values")
-    p50, p95 = np.percentile(a, [50, 95]).tolist()
-    return {"p50": p50, "p95": p95, "n": int(a.size)}
-
-
 def batch_point(batches: Sequence[dict]) -> dict:
     """One (concurrency, mode) over its rounds. `batches`: per round {"wall_s": seconds of the
-    whole batch, "results": one record per request (.stats, .acceptance_lengths, .call_times),
-    optionally "budget": {kind: {"calls", "s"}} of the batch's program calls}.
+    whole batch, "results": one record per request (.stats, .acceptance_lengths), optionally
+    "budget": {kind: {"calls", "s"}} of the batch's program calls}.
     Aggregate tokens/s = all requests' new tokens ÷ the batch's wall time (prefill included),
     per round; TTFT and TPOT pool every request of every round; τ pools every step."""
     if not batches or not all(b["results"] for b in batches):
@@ -241,24 +234,15 @@ def batch_point(batches: Sequence[dict]) -> dict:
     rounds = [sum(r.stats["new_tokens"] for r in b["results"]) / b["wall_s"] for b in batches]
     recs = [r for b in batches for r in b["results"]]
     lengths = [n for r in recs for n in r.acceptance_lengths]
-    kinds = sorted({k for r in recs for k in r.call_times})
-    calls = {
-        k: {
-            "median_s": float(np.median([t for r in recs for t in r.call_times.get(k, ())])),
-            "per_request": float(np.mean([len(r.call_times.get(k, ())) for r in recs])),
-        }
-        for k in kinds
-    }
     return {
         "budget": wall_budget(batches),
         "rounds_tokens_per_s": rounds,
         "tokens_per_s": spread(rounds),
-        "ttft_s": quantiles(r.stats["ttft_s"] for r in recs),
-        "tpot_s": quantiles(r.stats["tpot_s"] for r in recs),
+        "ttft_s": spread(r.stats["ttft_s"] for r in recs),
+        "tpot_s": spread(r.stats["tpot_s"] for r in recs),
         "tau": tau(lengths),
         "requests": len(recs),
         "new_tokens": sum(r.stats["new_tokens"] for r in recs),
-        "calls": calls,
     }
 
 

@@ -192,7 +192,17 @@ def custom_io(io: contract.TargetIO | contract.DraftIO, kv_dtype: str) -> list[d
     missing = [contract.retained(n) for n in past if contract.retained(n) not in retained]
     if missing:
         raise ValueError(f"the I/O contract has no retained output for {missing}")
-    return [{"IOName": name, "Precision": kv_dtype} for name in past + retained]
+    return [{"IOName": name, "Precision": _precision(name, kv_dtype)} for name in past + retained]
+
+
+# A hybrid's recurrent state and conv window (contract.past_state / past_conv) are rewritten by
+# every call, not appended to: a block-quantised format (MXINT8) would re-round the whole state
+# each step and compound; they stay fp16 whatever the KV caches use.
+_STATE_PREFIXES = (contract.past_state(0)[:-1], contract.past_conv(0)[:-1])
+
+
+def _precision(name: str, kv_dtype: str) -> str:
+    return "float16" if kv_dtype == "mxint8" and name.startswith(_STATE_PREFIXES) else kv_dtype
 
 
 def custom_io_yaml(io: contract.TargetIO | contract.DraftIO, kv_dtype: str) -> str:

@@ -1,5 +1,5 @@
 import sys
 
-from dflash_qaic.export.cli import main
+from dflash_qaic.extras import export_main
 
-sys.exit(main())
+sys.exit(export_main())

@@ -207,7 +207,7 @@ def _eos_ids(target_dir: Path) -> list[int]:
 def _check_target_support(pair: ck.Pair) -> None:
     """What the modeling code refuses at export time, checked from the configs up front."""
     for what, raw, path in (
-        ("target", pair.target.raw, pair.target.path),
+        ("target", pair.target.text or pair.target.raw, pair.target.path),
         ("draft", pair.draft.raw or {}, pair.draft.path),
     ):
         act = raw.get("hidden_act", "silu")
@@ -219,7 +219,7 @@ def _check_target_support(pair: ck.Pair) -> None:
         for key in ("rope_parameters", "rope_scaling"):
             _check_rope(raw.get(key) or {}, path / "config.json")
     types = pair.target.raw.get("layer_types") or []
-    if any(t != "full_attention" for t in types):
+    if pair.target.hybrid is None and any(t != "full_attention" for t in types):
         raise ExportError(
             f"{pair.target.path / 'config.json'}: sliding-window layers are not supported "
             f"(layer_types {sorted(set(types))})"
@@ -239,19 +239,31 @@ def _check_rope(rope, where: Path) -> None:
         raise ExportError(f"{where}: unknown rope type {rtype!r}")
 
 
-def _check_tokenizer(target_dir: Path) -> None:
-    """The tokenizer files the artifacts will carry must load (the runtime loads them)."""
+def _check_tokenizer(target_dir: Path, vocab_size: int) -> None:
+    """The tokenizer files the artifacts will carry must load (the runtime loads them), and
+    every token id they can produce must be in the model's vocabulary."""
     if not any((target_dir / f).is_file() for f in TOKENIZER_FILES):
         return
     from transformers import AutoTokenizer
 
     try:
-        AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
     except Exception as e:  # transformers raises many kinds for a broken tokenizer
         raise ExportError(
             f"the tokenizer files in {target_dir} do not load ({type(e).__name__}: {e}): fix "
             f"or remove them ({', '.join(TOKENIZER_FILES)})"
         ) from e
+    # refused, not warned: a prompt holding such a token would fail at generation, and a
+    # tokenizer that outgrows its model is most often another model's
+    beyond = sorted((i, t) for t, i in tok.get_vocab().items() if i >= vocab_size)
+    if beyond:
+        (first, name), n = beyond[0], len(beyond)
+        raise ExportError(
+            f"the tokenizer in {target_dir} has {n} token{'s' if n > 1 else ''} beyond the "
+            f"model's vocabulary of {vocab_size} (vocab_size in config.json), from id {first} "
+            f"({name!r}): a prompt holding one would fail at generation; use the model's own "
+            f"tokenizer files, or resize its embeddings to cover them"
+        )
 
 
 def preflight(target_dir, draft_dir, o: ExportOptions):
@@ -273,7 +285,7 @@ def preflight(target_dir, draft_dir, o: ExportOptions):
             f"{pair.target.path}: eos_token_id {bad} is outside the vocabulary of "
             f"{pair.target.vocab_size}: fix generation_config.json"
         )
-    _check_tokenizer(pair.target.path)
+    _check_tokenizer(pair.target.path, pair.target.vocab_size)
     return pair, B, profile
 
 
@@ -492,6 +504,16 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, progress, steps) -> d
         dfacts = export_draft(pair.draft, None, embed, head, out / "draft" / "draft.onnx", **common)
     steps.append(("export draft", f"{dfacts['onnx_bytes'] / 1e6:.1f} MB", time.perf_counter() - t))
     tok = _copy_tokenizer(pair.target.path, out)
+    plan = contract.shape_plan(
+        B,
+        o.prefill_seq_len,
+        o.ctx_len,
+        batch_size=o.batch_size,
+        full_batch_size=o.full_batch_size,
+        windows=tfacts["comp_ctx_lengths"],
+        verify_lengths=o.verify_lengths and list(o.verify_lengths),
+        sampling=o.sampling,
+    )
     progress("hashing the checkpoint files for the manifest")
     return {
         "input_hash": key,
@@ -503,6 +525,9 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, progress, steps) -> d
         "batch_size": o.batch_size,
         "full_batch_size": o.full_batch_size,
         "comp_ctx_lengths": tfacts["comp_ctx_lengths"],
+        "prefill_lengths": list(plan.prefill_lengths),
+        "verify_lengths": list(plan.verify_lengths),
+        "draft_prefill_rows": list(plan.draft_prefill_rows),
         "vocab_size": pair.target.vocab_size,
         "hidden_size": pair.target.hidden_size,
         "eos_token_ids": _eos_ids(pair.target.path),

@@ -38,6 +38,20 @@ RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_RECIPE = "default"
 
 
+FEWER_SPECIALIZATIONS = """\
+specializations: every shape a program is compiled for (each one costs compile time and QPC
+size; `dflash-export` prints the count and the manifest records it as specialization_count).
+The default Qwen3-4B export (block 16, chunk 128, ctx 4096) has 44 target and 16 draft
+specializations: target (2 prefill lengths x 2 + 3 verify lengths x 2 + decode) and draft
+(decode + 3 prefill row counts), each at 4 attention windows. To export fewer:
+  --verify-lengths 16        one verify length (the block): 28 target specializations
+  --comp-ctx-lengths 4096    one attention window (ctx_len): 11 target, 4 draft
+  --prefill-seq-len 64       a chunk <= 4 x block has one prefill length: 36 target, 12 draft
+  --no-sampling              a greedy-only target (no *Sampled ones): 24 target
+Fewer specializations compile faster; the runtime then pays for longer calls (a whole block,
+the full context, whole chunks; docs/DESIGN.md, Specializations)."""
+
+
 def _expand(value: str, recipe_path: Path) -> Path:
     """`{assets}` = the package's assets, `{models}` = $DFLASH_MODELS or ~/models; relative
     paths resolve against the current directory."""
@@ -126,6 +140,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dflash-export",
         description="Export a target + DFlash draft pair to ONNX programs and AI100 QPCs.",
+        epilog=FEWER_SPECIALIZATIONS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--target", help="Hugging Face target directory (Qwen3 / Llama)")
     p.add_argument("--draft", help="DFlash draft directory (published z-lab format)")
@@ -264,6 +280,11 @@ def summary_table(res, out: Path) -> str:
     lines.append(
         f"artifacts: {out}  (block {m.block_size}, prefill chunk {m.prefill_seq_len}, "
         f"ctx {m.ctx_len}, layers {list(m.target_layer_ids)}, {res.seconds:.1f} s)"
+    )
+    n = m.specialization_count
+    lines.append(
+        f"specializations: target {n['target']}, draft {n['draft']} (fewer: see "
+        "`dflash-export --help`)"
     )
     return "\n".join(lines)
 

@@ -23,6 +23,7 @@ def draft_io(
     continuous_batching=False,
     comp_ctx=True,
     confidence=True,
+    ring_slots: tuple[int, ...] = (),
 ) -> contract.DraftIO:
     return contract.DraftIO(
         n_layers=c.num_layers,
@@ -35,6 +36,7 @@ def draft_io(
         continuous_batching=continuous_batching,
         comp_ctx=comp_ctx,
         confidence=confidence,
+        ring_slots=tuple(ring_slots),
     )
 
 
@@ -103,11 +105,18 @@ def export_draft(
         draft = DFlashDraft.from_checkpoint(draft_cfg, draft_state)
     cb = full_batch_size is not None
     module = ExportDraft(draft, embed_weight, head_weight, ctx_len, emit_logits, cb).eval()
-    io = draft_io(draft_cfg, embed_weight.shape[0], block_size, emit_logits, cb)
+    rings = module.cache_slots()  # sliding layers: a ring of their window's slots
+    io = draft_io(draft_cfg, embed_weight.shape[0], block_size, emit_logits, cb, ring_slots=rings)
     windows = contract.windows_or_default(comp_ctx_lengths, ctx_len, prefill_seq_len, block_size)
-    specializations = contract.draft_specializations(
-        batch_size, prefill_seq_len, block_size, ctx_len, full_batch_size, windows
+    plan = contract.shape_plan(
+        block_size,
+        prefill_seq_len,
+        ctx_len,
+        batch_size=batch_size,
+        full_batch_size=full_batch_size,
+        windows=windows,
     )
+    specializations = contract.draft_specializations(plan)
     mask_id = draft_cfg.mask_token_id
     sources = None
     if stream_from is not None:
@@ -118,6 +127,7 @@ def export_draft(
         specializations,
         lambda specs: check_feeds(io, specs, mask_id),
         out_path,
+        check_specs=contract.draft_specializations(plan.longest()),
         trace_rows=2 if stream_from is not None else max(prefill_seq_len, 2),  # see export_target
         external_data=external_data,
         sources=sources,

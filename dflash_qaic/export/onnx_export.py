@@ -244,6 +244,8 @@ def program_facts(path: Path, io, specializations: list[dict], report: dict) -> 
         "continuous_batching": io.continuous_batching,
         "comp_ctx": io.comp_ctx,
         **({"confidence": io.confidence} if isinstance(io, contract.DraftIO) else {}),
+        **(_hybrid_facts(io) if getattr(io, "hybrid", False) else {}),
+        **({"ring_slots": list(io.ring_slots)} if getattr(io, "ring_slots", ()) else {}),
         "n_layers": io.n_layers,
         "n_kv_heads": io.n_kv_heads,
         "head_dim": io.head_dim,
@@ -261,6 +263,7 @@ def export_and_check(
     feeds_for,
     out_path: str | os.PathLike,
     *,
+    check_specs: list[dict],
     trace_rows: int,
     external_data: bool | None,
     sources: dict | None,
@@ -268,7 +271,10 @@ def export_and_check(
 ) -> tuple[Path, dict]:
     """Trace `module` at `trace_rows` rows of the first specialization, write the program (its
     weights streamed from `sources` when given, see export/weights.py) and run the graph check.
-    feeds_for(specs) -> one input feed per specialization (the exporter's `check_feeds`).
+    feeds_for(specs) -> one input feed per specialization (the exporter's `check_feeds`);
+    check_specs: the specializations the fp16 run feeds (the plan's longest shapes,
+    `ShapePlan.longest`: a smaller window, a shorter verify or prefill computes the same
+    values on fewer slots or rows).
     The fp16 run is skipped above `weights.GRAPH_RUN_MAX_BYTES` of streamed weights, and the
     report says why. Returns (path, graph-check report)."""
     from dflash_qaic.export import weights
@@ -282,7 +288,8 @@ def export_and_check(
         trace[contract.FULL_BATCH] = max(sym[contract.FULL_BATCH], 2)
     if contract.CCL in sym:
         trace[contract.CCL] = sym[contract.CCL]
-    example = feeds_for([{"name": specializations[0]["name"], "symbols": trace}])[0]
+    first = specializations[0]
+    example = feeds_for([{"name": first["name"], "kind": first["kind"], "symbols": trace}])[0]
     example_inputs = tuple(torch.from_numpy(example[s.name]) for s in io.inputs)
     path = export_onnx(
         module,
@@ -294,17 +301,13 @@ def export_and_check(
         sources=sources,
     )
     skipped = weights.graph_run_skip_reason(weights.weights_bytes(sources)) if sources else None
-    # the fp16 runs use the full-context windows, whole verify blocks and prefill chunks: a
-    # smaller window, a shorter verify (`Verify[n]`) or chunk (`Prefill[n]`) computes the same
-    # values on fewer slots or rows
-    full = [
-        s
-        for s in specializations
-        if s["symbols"].get(contract.CCL) in (None, sym[contract.CTX])
-        and not contract.shorter_length(s["name"])
-    ]
-    feeds = feeds_for(full) if fp16_check and not skipped else None
+    feeds = feeds_for(check_specs) if fp16_check and not skipped else None
     report = check_graph(path, io, specializations, feeds)
     if fp16_check and skipped:
         report["skipped"] = skipped
     return path, report
+
+
+def _hybrid_facts(io) -> dict:
+    """A hybrid target's Gated DeltaNet layers and state dims (contract.TargetIO)."""
+    return {"linear_layers": list(io.linear_layers), "state_dims": list(io.state_dims)}

@@ -13,6 +13,7 @@ from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
 from dflash_qaic.export import weights
 from dflash_qaic.export.onnx_export import export_and_check, program_facts
+from dflash_qaic.modeling.hybrid import ExportHybridTarget
 from dflash_qaic.modeling.sampler import SAMPLING_CANDIDATES
 from dflash_qaic.modeling.target import ExportTarget
 
@@ -36,7 +37,7 @@ def check_feeds(io: contract.TargetIO, specializations: list[dict], seed: int = 
         rng = np.random.default_rng([seed, zlib.crc32(spec["name"].encode())])
         sym = spec["symbols"]
         b, s = sym[contract.BATCH], sym[contract.SEQ]
-        name = contract.base_name(spec["name"])
+        name = spec["kind"]
         start = 0 if name in contract.PREFILLS else min(s, sym[contract.CTX] - 1 - s)
         pos = np.tile(np.arange(start, start + s, dtype=np.int64), (b, 1))
         if s > 1:
@@ -94,7 +95,15 @@ def target_io(
     module: ExportTarget, hidden_size: int, emit_logits: bool, sampling: bool
 ) -> contract.TargetIO:
     """The contract of the program `module` exports to."""
-    attn = module.layers[0].self_attn
+    if isinstance(module, ExportHybridTarget):
+        attn = module.full_attention
+        net = module.layers[module.linear_layers[0]].linear_attn
+        hybrid = dict(
+            linear_layers=tuple(module.linear_layers),
+            state_dims=(net.hv, net.dk, net.dv, net.conv_dim, net.kernel - 1),
+        )
+    else:
+        attn, hybrid = module.layers[0].self_attn, {}
     return contract.TargetIO(
         n_layers=len(module.layers),
         n_kv_heads=attn.n_kv_heads,
@@ -105,7 +114,13 @@ def target_io(
         sampling=sampling,
         continuous_batching=module.continuous_batching,
         comp_ctx=module.comp_ctx,
+        **hybrid,
     )
+
+
+def is_hybrid(cfg) -> bool:
+    """A Qwen3.5-style hybrid target (Gated DeltaNet and full-attention layers)."""
+    return "linear_attention" in (getattr(cfg, "layer_types", None) or [])
 
 
 def export_target(
@@ -147,7 +162,16 @@ def export_target(
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=1)
     cfg = hf_model.config
-    module = ExportTarget.from_hf(
+    extra = {}
+    if is_hybrid(cfg):
+        if prefill_seq_len <= block_size:
+            raise ValueError(
+                f"a hybrid target needs prefill_seq_len > block_size (the program tells a prefill "
+                f"chunk from a verify call by its rows), got {prefill_seq_len} <= {block_size}"
+            )
+        extra = dict(block_size=block_size, max_rows=prefill_seq_len)
+    cls = ExportHybridTarget if extra else ExportTarget
+    module = cls.from_hf(
         hf_model,
         fc_weight,
         hidden_norm_weight,
@@ -158,12 +182,20 @@ def export_target(
         sampling=sampling,
         sampling_candidates=sampling_candidates,
         continuous_batching=full_batch_size is not None,
+        **extra,
     ).eval()
     io = target_io(module, cfg.hidden_size, emit_logits, sampling)
-    windows = contract.windows_or_default(comp_ctx_lengths, ctx_len, prefill_seq_len, block_size)
-    lengths = contract.check_verify_lengths(verify_lengths, block_size)
-    args = (batch_size, prefill_seq_len, block_size, ctx_len, sampling, full_batch_size, windows)
-    specializations = contract.target_specializations(*args, lengths)
+    plan = contract.shape_plan(
+        block_size,
+        prefill_seq_len,
+        ctx_len,
+        batch_size=batch_size,
+        full_batch_size=full_batch_size,
+        windows=contract.windows_or_default(comp_ctx_lengths, ctx_len, prefill_seq_len, block_size),
+        verify_lengths=verify_lengths,
+        sampling=sampling,
+    )
+    specializations = contract.target_specializations(plan)
 
     # Trace at the prefill shape, at least 2 rows (no size-1 dim specialised away); streaming:
     # at 2 rows (the same graph: every varying dim is symbolic; the tracer keeps intermediates).
@@ -176,13 +208,14 @@ def export_target(
         specializations,
         lambda specs: check_feeds(io, specs),
         out_path,
+        check_specs=contract.target_specializations(plan.longest()),
         trace_rows=2 if stream_from is not None else max(prefill_seq_len, 2),
         external_data=external_data,
         sources=sources,
         fp16_check=fp16_check,
     )
-    sizes = dict(block_size=block_size, prefill_seq_len=prefill_seq_len, comp_ctx_lengths=windows)
-    sizes |= {"verify_lengths": lengths}
+    sizes = dict(block_size=block_size, prefill_seq_len=prefill_seq_len)
+    sizes |= dict(comp_ctx_lengths=list(plan.windows), verify_lengths=list(plan.verify_lengths))
     facts = _module_facts(module, cfg, sampling, hidden_norm_eps)
     return {**program_facts(path, io, specializations, report), **sizes, **facts}
 

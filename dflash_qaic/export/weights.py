@@ -55,6 +55,57 @@ class Source:
     scale: float = 1.0
 
 
+@dataclass(frozen=True)
+class Stacked:
+    """One program weight made of checkpoint tensors laid end to end, in order: a MoE layer's
+    per-expert matrices stacked into the module's [E, 2I, H] / [E, H, I] (modeling/moe.py keeps
+    Hugging Face's layout, so no part is transposed)."""
+
+    parts: tuple[ck.TensorInfo, ...]
+    shape: tuple[int, ...]
+    transpose: bool = False
+    scale: float = 1.0
+
+    def __post_init__(self):
+        numel = sum(math.prod(p.shape) for p in self.parts)
+        if numel != math.prod(self.shape):
+            raise ValueError(
+                f"{len(self.parts)} tensors of {numel} values cannot fill {self.shape}"
+            )
+
+    @property
+    def info(self) -> ck.TensorInfo:
+        """A stand-in TensorInfo for the whole (its shape and name; bytes are read per part)."""
+        a, z = self.parts[0], self.parts[-1]
+        nbytes = sum(p.nbytes for p in self.parts)
+        return ck.TensorInfo(a.file, f"{a.name} … {z.name}", a.dtype, self.shape, a.offset, nbytes)
+
+
+def expert_source(tt: dict, name: str, shape: tuple[int, ...]) -> Source | Stacked:
+    """The checkpoint tensors of a MoE block's `…mlp.gate_up` [E, 2I, H] or `…mlp.down`
+    [E, H, I] (`name` with the `model.` prefix): the fused tensor when the checkpoint has one,
+    else expert e's gate_proj and up_proj (or down_proj) for e = 0 … E-1."""
+    prefix, kind = name.rsplit(".", 1)
+    fused = tt.get(f"{prefix}.experts.{kind}_proj")
+    if fused is not None:
+        return Source(fused)
+    projs = ("gate_proj", "up_proj") if kind == "gate_up" else ("down_proj",)
+    keys = [f"{prefix}.experts.{e}.{p}.weight" for e in range(shape[0]) for p in projs]
+    missing = [k for k in keys if k not in tt]
+    if missing:
+        raise KeyError(f"target program parameter `{name}` misses checkpoint tensor {missing[0]}")
+    return Stacked(tuple(tt[k] for k in keys), tuple(shape))
+
+
+def source_chunks(src: Source | Stacked, transpose: bool):
+    """`fp32_chunks` of a Source, or of each part of a Stacked one in order."""
+    if isinstance(src, Stacked):
+        for part in src.parts:
+            yield from fp32_chunks(Source(part, scale=src.scale), False)
+    else:
+        yield from fp32_chunks(src, transpose)
+
+
 # ---------------------------------------------------------------- placeholder modules
 
 
@@ -177,29 +228,31 @@ def _transposed_names(module: torch.nn.Module) -> set[str]:
 
 
 def _head_sources(pair: ck.Pair, tied: bool) -> dict[str, Source]:
-    tt = pair.target_tensors
-    head = tt["model.embed_tokens.weight"] if tied else tt["lm_head.weight"]
+    tt, p = pair.target_tensors, pair.target.prefix  # "model." (or a multimodal text model's)
+    head = tt[p + "embed_tokens.weight"] if tied else tt["lm_head.weight"]
     out = {"head_t": Source(head, transpose=True)}
     if not tied:
-        out["embed"] = Source(tt["model.embed_tokens.weight"])
+        out["embed"] = Source(tt[p + "embed_tokens.weight"])
     return out
 
 
 def target_sources(module: torch.nn.Module, pair: ck.Pair) -> dict[str, Source]:
     """Every parameter of an `ExportTarget` -> its checkpoint tensor and transform."""
-    tt, dt = pair.target_tensors, pair.draft_tensors
+    tt, dt, p = pair.target_tensors, pair.draft_tensors, pair.target.prefix
     fixed = {
-        "norm.weight": Source(tt["model.norm.weight"]),
+        "norm.weight": Source(tt[p + "norm.weight"]),
         "fc.weight": Source(dt["fc.weight"], scale=float(module.fc_scale)),
         "hidden_norm.weight": Source(dt["hidden_norm.weight"]),
         **_head_sources(pair, module.tied),
     }
     out = {}
-    for name, _ in module.named_parameters():
+    for name, param in module.named_parameters():
         if name in fixed:
             out[name] = fixed[name]
-        elif name.startswith("layers.") and "model." + name in tt:
-            out[name] = Source(tt["model." + name])
+        elif name.startswith("layers.") and p + name in tt:
+            out[name] = Source(tt[p + name])
+        elif name.startswith("layers.") and name.endswith((".mlp.gate_up", ".mlp.down")):
+            out[name] = expert_source(tt, p + name, tuple(param.shape))
         else:
             raise KeyError(f"target program parameter `{name}` has no checkpoint tensor")
     return _with_transposes(module, out)
@@ -409,7 +462,7 @@ def _prefetch(plan):
     def produce():
         try:
             for i, (_, src, transpose) in enumerate(plan):
-                for block in fp32_chunks(src, transpose):
+                for block in source_chunks(src, transpose):
                     if not put((i, block)):
                         return
             put(None)

@@ -7,12 +7,15 @@ checkpoint format.
         x      = input_layernorm(h)
         q      = rope(q_norm(q_proj(x)))                      # queries from the block only
         k, v   = [rope(k_norm(k_proj(ctx))) ; rope(k_norm(k_proj(x)))], [v_proj(ctx) ; v_proj(x)]
-        h      = h + o_proj(attention(q, k, v))               # no mask: every key visible
+        h      = h + o_proj(attention(q, k, v))               # b16: no mask, every key visible
         h      = h + mlp(post_attention_layernorm(h))
     logits = lm_head(norm(h)) · output_multiplier (softcapped); row j predicts position start + j.
 
-The layers are written so that context K/V can come from anywhere: computed from the whole
-context here (`DFlashDraft.forward`), or read from a static cache in the export module.
+Layers follow the config (`DraftConfig.layer_attention`): a sliding layer is causal inside the
+block (unless `is_causal` says otherwise) and sees a key only within `sliding_window` of the
+query; in the program its cache is a ring of `sliding_window` slots (docs/DESIGN.md, Sliding
+drafts). The layers are written so that context K/V can come from anywhere: computed from the
+whole context here (`DFlashDraft.forward`), or read from a static cache in the export module.
 """
 
 from __future__ import annotations
@@ -47,7 +50,14 @@ from dflash_qaic.modeling.layers import (
     embed_rows,
     vocab_tables,
 )
-from dflash_qaic.modeling.ops import cache_reads, cache_rows, cache_slots, update_cache
+from dflash_qaic.modeling.ops import (
+    cache_reads,
+    cache_rows,
+    cache_slots,
+    ring_held,
+    ring_slots,
+    update_cache,
+)
 
 __all__ = ["DFlashDraft", "DraftAttention", "DraftLayer", "ExportDraft", "apply_rope"]
 
@@ -71,9 +81,10 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).view(b, n, self.n_kv, self.hd).transpose(1, 2)
         return apply_rope(k, cos, sin, self.hd), v
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_mask=None):
+    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_mask=None, blk_mask=None):
         """x [b, B, H] (normed block); ctx_k/ctx_v [b, n_kv, n, hd] already roped;
-        ctx_mask: optional additive [b, 1, 1, n] (0 visible, large negative hidden)."""
+        ctx_mask: optional additive [b, 1, 1 or g·B, n] (0 visible, large negative hidden);
+        blk_mask: optional additive [g·B, B] over the block's own keys (`block_mask`)."""
         b, B, _ = x.shape
         nh, kvh, hd = self.n_heads, self.n_kv, self.hd
         q = self.q_norm(self.q_proj(x).view(b, B, nh, hd)).transpose(1, 2)
@@ -88,7 +99,10 @@ class DraftAttention(nn.Module):
         s_ctx = q @ ctx_k.transpose(-1, -2)  # [b, kvh, g*B, n]
         if ctx_mask is not None:
             s_ctx = s_ctx + ctx_mask  # block keys are always visible
-        scores = torch.cat([s_ctx, q @ blk_k.transpose(-1, -2)], dim=-1)  # [b, kvh, g*B, n + B]
+        s_blk = q @ blk_k.transpose(-1, -2)  # [b, kvh, g*B, B]
+        if blk_mask is not None:
+            s_blk = s_blk + blk_mask  # a causal / windowed layer
+        scores = torch.cat([s_ctx, s_blk], dim=-1)  # [b, kvh, g*B, n + B]
         if scores.dtype == torch.float32:  # a Python branch: an fp32 graph gets no Casts
             probs = scores.softmax(dim=-1)
         else:  # training below fp32: the softmax in fp32
@@ -99,16 +113,42 @@ class DraftAttention(nn.Module):
         return self.o_proj(out)
 
 
+def block_mask(B: int, g: int, causal: bool, window: int | None) -> torch.Tensor | None:
+    """Additive mask over the block's own keys, rows folded as the queries are ([g·B, B]: row
+    r is block row r % B): key j visible to row i iff (not causal or j ≤ i) and, with a window,
+    i − j < window (and, not causal, j − i < window). None when every key is visible (b16).
+    Built in Python: a constant of the graph."""
+
+    def visible(i: int, j: int) -> bool:
+        if causal:
+            return j <= i and (window is None or i - j < window)
+        return window is None or abs(i - j) < window
+
+    rows = [[0.0 if visible(i, j) else MASK_VALUE for j in range(B)] for i in range(B)]
+    if all(v == 0.0 for row in rows for v in row):
+        return None
+    return torch.tensor(rows * g)
+
+
+def window_mask(held: torch.Tensor, block_positions: torch.Tensor, window: int, g: int):
+    """Additive mask of context keys at positions `held` [b, n] (−1 or below: no key) for a
+    windowed layer's queries at `block_positions` [b, B] -> [b, 1, g·B, n]: key p visible to
+    query Q iff p ≥ 0 and Q − p < window (context keys precede the block: causal holds)."""
+    visible = (held[:, None, :] >= 0) & (block_positions[:, :, None] - held[:, None, :] < window)
+    return torch.where(visible, 0.0, MASK_VALUE)[:, None].repeat(1, 1, g, 1)
+
+
 class DraftLayer(nn.Module):
-    def __init__(self, c: DraftConfig):
+    def __init__(self, c: DraftConfig, i: int = 0):
         super().__init__()
         self.self_attn = DraftAttention(c)
         self.mlp = MLP(c.hidden_size, c.intermediate_size)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.causal, self.window = c.layer_attention(i)  # plain attributes: no state dict entry
 
-    def forward(self, h, cos, sin, ctx_k, ctx_v, ctx_mask=None):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx_k, ctx_v, ctx_mask)
+    def forward(self, h, cos, sin, ctx_k, ctx_v, ctx_mask=None, blk_mask=None):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -122,7 +162,7 @@ class DFlashDraft(nn.Module):
         H = c.hidden_size
         self.fc = nn.Linear(len(c.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, c.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DraftLayer(c, i) for i in range(c.num_layers))
         self.norm = RMSNorm(H, c.rms_norm_eps)
         self.rope = Rope.from_config(c.raw)
 
@@ -143,10 +183,14 @@ class DFlashDraft(nn.Module):
         """ctx [b, n, H] fused features; block_emb [b, B, H] -> normed block hidden [b, B, H]."""
         ccos, csin = self.rope(ctx_positions)
         cos, sin = self.rope(block_positions)
+        B, g = block_emb.shape[1], self.config.num_heads // self.config.num_kv_heads
         h = block_emb
         for layer in self.layers:
             ctx_k, ctx_v = layer.self_attn.kv(ctx, ccos, csin)  # no input_layernorm on ctx
-            h = layer(h, cos, sin, ctx_k, ctx_v)
+            w = layer.window
+            ctx_mask = None if w is None else window_mask(ctx_positions, block_positions, w, g)
+            blk_mask = block_mask(B, g, layer.causal, w)
+            h = layer(h, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask)
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
@@ -171,8 +215,12 @@ class ExportDraft(nn.Module):
     Inputs follow `contract.DraftIO`. Each call:
       1. writes K/V of the new context rows (`target_hidden`, already fused by the target
          program) into every layer's cache at `position_ids_target` (−1 → the padding slot);
+         a ring layer (a sliding layer whose window is below ctx_len) at position mod (W − 1)
+         in a ring of W = sliding_window slots (`ops.ring_slots`);
       2. runs the block `[anchor, MASK…]` at `position_ids` against every cached slot below the
-         block start plus the block's own K/V (bidirectional; the block K/V are not persisted);
+         block start (a ring layer: the slots holding positions within its window, `ring_held`)
+         plus the block's own K/V (bidirectional in b16 layers, else `block_mask`; the block K/V
+         are not persisted);
       3. returns argmax of the target's head over rows 1 … B−1, with `confidence` the softmax
          over the CONFIDENCE_TOPK largest logits at the argmax (contract.DRAFT_CONFIDENCE),
          and the updated caches.
@@ -200,6 +248,18 @@ class ExportDraft(nn.Module):
         self.tied, self.head_t, self.embed = vocab_tables(embed_weight, head_weight)
         self.ctx_len = ctx_len
         self.emit_logits = emit_logits
+        # a sliding layer's cache is a ring of its window's slots when that is below ctx_len
+        # (with a window ≥ ctx_len every key is in the window: a full cache, the same mask)
+        w = self.c.sliding_window
+        self.ring = w if w is not None and w < ctx_len else None
+        self.ring_layers = [w is not None and layer.window is not None for layer in self.layers]
+        self.ring_layers = [r and self.ring is not None for r in self.ring_layers]
+
+    def cache_slots(self) -> tuple[int, ...]:
+        """Per layer: the ring's slots, or 0 for a full-context cache (contract.DraftIO)."""
+        if not any(self.ring_layers):
+            return ()
+        return tuple(self.ring if r else 0 for r in self.ring_layers)
 
     def forward(self, *inputs: torch.Tensor):
         # the contract's inputs (DraftIO), bound by the names the exporter gives them
@@ -224,14 +284,26 @@ class ExportDraft(nn.Module):
         ctx_mask = torch.where(kv_index < start, 0.0, MASK_VALUE)[:, None, None, :]  # [b,1,1,L]
 
         reads = cache_reads(rows, window, self.c.num_kv_heads, self.ctx_len)  # once per call
+        g = self.c.num_heads // self.c.num_kv_heads
+        if self.ring is not None:  # ring layers: write by position mod W−1, read ≤ W−1 slots
+            M = self.ring - 1
+            r_slots = ring_slots(position_ids_target, start, M)  # [b, s]
+            r_index = window[:M] if window is not None else torch.arange(M)  # [Lr]
+            r_reads = cache_reads(rows, r_index, self.c.num_kv_heads, self.ring)
+            r_mask = window_mask(ring_held(start, r_index, M), position_ids, self.ring, g)
         h = embed_rows(input_ids, self.head_t, self.embed)
         h = h * self.c.input_embedding_scale  # [b, B, H]
         retained = []
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.kv(target_hidden, ccos, csin)  # [b, n_kv, s, hd]
-            cache_k, keys = update_cache(past[2 * i], rows, slots, k, reads)  # [b, n_kv, L, hd]
-            cache_v, values = update_cache(past[2 * i + 1], rows, slots, v, reads)
-            h = layer(h, cos, sin, keys, values, ctx_mask)
+            if self.ring_layers[i]:
+                (at, read), mask = (r_slots, r_reads), r_mask
+            else:
+                (at, read), mask = (slots, reads), ctx_mask
+            cache_k, keys = update_cache(past[2 * i], rows, at, k, read)  # [b, n_kv, L, hd]
+            cache_v, values = update_cache(past[2 * i + 1], rows, at, v, read)
+            blk_mask = block_mask(input_ids.shape[1], g, layer.causal, layer.window)
+            h = layer(h, cos, sin, keys, values, mask, blk_mask)
             retained += [cache_k, cache_v]
 
         logits = (self.norm(h[:, 1:]) @ self.head_t) * self.c.output_multiplier  # [b, B−1, V]

@@ -58,14 +58,29 @@ class RMSNorm(nn.Module):
     fp32 (training in bf16) are normalised in fp32 and cast back.
     """
 
-    def __init__(self, dim: int, eps: float, weight: torch.Tensor | None = None):
+    def __init__(
+        self, dim: int, eps: float, weight: torch.Tensor | None = None, zero_centred=False
+    ):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim)) if weight is None else frozen(weight)
         self.eps = float(eps)
+        # zero-centred (Qwen3.5): the row is scaled by 1 + weight, computed as y·w + y (an op
+        # on the weight alone would be folded into a new tensor by the exporter)
+        self.zero_centred = bool(zero_centred)
 
     @classmethod
-    def from_hf(cls, hf: nn.Module) -> RMSNorm:
-        return cls(hf.weight.shape[-1], hf.variance_epsilon, hf.weight)
+    def from_hf(cls, hf: nn.Module, zero_centred: bool = False) -> RMSNorm:
+        eps = getattr(hf, "variance_epsilon", None) or hf.eps
+        return cls(hf.weight.shape[-1], eps, hf.weight, zero_centred)
+
+    @staticmethod
+    def normalize(x: torch.Tensor, eps: float, eps_root: torch.Tensor | None = None):
+        """x / sqrt(mean(x^2) + eps) over the last axis, without a weight (see the class)."""
+        root = math.sqrt(eps) if eps_root is None else eps_root
+        peak = x.abs().amax(-1, keepdim=True)  # [..., 1]
+        s = peak.clamp(min=root) if eps_root is None else torch.maximum(peak, root)
+        xs, r = x / s, root / s  # |xs| <= 1, 0 < r <= 1
+        return xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + r * r)
 
     def forward(self, x: torch.Tensor, eps_root: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., n] -> [..., n]. eps_root [..., 1]: sqrt of the eps to use per row (default
@@ -74,12 +89,9 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         if dtype != torch.float32:  # a Python branch: an fp32 graph gets no Cast nodes
             x = x.float()
-        root = math.sqrt(self.eps) if eps_root is None else eps_root
-        peak = x.abs().amax(-1, keepdim=True)  # [..., 1]
-        s = peak.clamp(min=root) if eps_root is None else torch.maximum(peak, root)
-        xs, r = x / s, root / s  # |xs| <= 1, 0 < r <= 1
-        y = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + r * r)
-        return self.weight * (y if dtype == torch.float32 else y.to(dtype))
+        y = self.normalize(x, self.eps, eps_root)
+        y = y if dtype == torch.float32 else y.to(dtype)
+        return y * self.weight + y if self.zero_centred else self.weight * y
 
 
 def rotate_half(x: torch.Tensor, head_dim: int | None = None) -> torch.Tensor:

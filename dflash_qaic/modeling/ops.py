@@ -42,6 +42,26 @@ def cache_slots(position_ids: torch.Tensor, ctx_len: int | torch.Tensor) -> torc
     return torch.where(position_ids < 0, ctx_len - 1, position_ids)
 
 
+def ring_slots(position_ids: torch.Tensor, start: torch.Tensor, M: int) -> torch.Tensor:
+    """Slot each context row writes in a ring of M + 1 slots (a sliding layer of window M + 1):
+    position mod M for the positions a query of this call can see, start − M … start − 1 (start
+    [b, 1], the block's first position), else the ring's padding slot M. So a call of more than
+    M rows writes each ring slot once, with its last rows (ScatterND leaves the order of
+    duplicate indices unspecified), and −1 rows, rows too old for the block and rows at or past
+    it write only the padding slot, which no query reads (docs/DESIGN.md, Sliding drafts)."""
+    keep = (position_ids >= 0) & (position_ids >= start - M) & (position_ids < start)
+    return torch.where(keep, torch.remainder(position_ids, M), M)
+
+
+def ring_held(start: torch.Tensor, slots: torch.Tensor, M: int) -> torch.Tensor:
+    """The position ring slot s holds when the block starts at `start` [b, 1] -> [b, n]: the
+    latest position ≡ s (mod M) below start, (start − 1) − ((start − 1 − s) mod M); negative
+    when the sequence is too short to have written it (then it holds nothing of this
+    sequence). Exact when every position below start was written in order, as the runtime
+    does (docs/DESIGN.md, Sliding drafts)."""
+    return (start - 1) - torch.remainder(start - 1 - slots[None, :], M)
+
+
 def cache_rows(batch_index: torch.Tensor) -> torch.Tensor:
     """Cache row of each call row: batch_index [b, 1], or row 0 for an inactive row (-1)."""
     return torch.where(batch_index < 0, 0, batch_index)

@@ -49,7 +49,6 @@ from dflash_qaic.contract import (
 from dflash_qaic.contract import retained as retained_name
 from dflash_qaic.modeling.layers import (
     MASK_VALUE,
-    MLP,
     RMSNorm,
     Rope,
     RopeTable,
@@ -59,6 +58,7 @@ from dflash_qaic.modeling.layers import (
     frozen_linear,
     vocab_tables,
 )
+from dflash_qaic.modeling.moe import mlp_from_hf
 from dflash_qaic.modeling.ops import cache_reads, cache_rows, cache_slots, update_cache
 from dflash_qaic.modeling.sampler import SAMPLING_CANDIDATES, sample_next_tokens
 
@@ -104,21 +104,31 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin, hd)  # [b, nh, s, hd]
         k = apply_rope(k.transpose(1, 2), cos, sin, hd)  # [b, kvh, s, hd]
-
-        cache_k, keys = update_cache(cache_k, rows, slots, k, reads)  # keys [b, kvh, L, hd]
-        cache_v, values = update_cache(cache_v, rows, slots, v, reads)
-
-        # GQA without repeating the cache: query head h uses kv head h // g, so fold each kv
-        # head's g query heads into the row axis: [b, nh, s, hd] -> [b, kvh, g*s, hd].
-        g = nh // kvh
-        q = q.reshape(b, kvh, g * s, hd) * self.scale
-        # one broadcast Add over the kv-head axis (a per-layer Where over [b, kvh, g, s, L] was
-        # the graph's most expensive op on ONNX Runtime); a hidden score becomes score - 2048,
-        # whose exp is exactly 0 in fp16 and fp32 whenever the row sees any key
-        probs = (q @ keys.transpose(2, 3) + mask).softmax(dim=-1)  # [b, kvh, g*s, L]
-        out = (probs @ values).view(b, nh, s, hd)  # [b, nh, s, hd]
-        out = out.transpose(1, 2).reshape(b, s, nh * hd)
+        dims = (b, s, nh, kvh, hd)
+        out, cache_k, cache_v = attend(
+            q, k, v, dims, self.scale, slots, rows, reads, mask, cache_k, cache_v
+        )
         return self.o_proj(out), cache_k, cache_v
+
+
+def attend(q, k, v, dims, scale, slots, rows, reads, mask, cache_k, cache_v):
+    """Write k, v into the caches and attend: q [b, nh, s, hd]; k, v [b, kvh, s, hd]; dims
+    (b, s, nh, kvh, hd); the rest as `Attention.forward` takes them. Returns
+    (out [b, s, nh*hd], cache_k, cache_v). Shared by every attention layer of a target."""
+    b, s, nh, kvh, hd = dims
+    cache_k, keys = update_cache(cache_k, rows, slots, k, reads)  # keys [b, kvh, L, hd]
+    cache_v, values = update_cache(cache_v, rows, slots, v, reads)
+
+    # GQA without repeating the cache: query head h uses kv head h // g, so fold each kv
+    # head's g query heads into the row axis: [b, nh, s, hd] -> [b, kvh, g*s, hd].
+    g = nh // kvh
+    q = q.reshape(b, kvh, g * s, hd) * scale
+    # one broadcast Add over the kv-head axis (a per-layer Where over [b, kvh, g, s, L] was
+    # the graph's most expensive op on ONNX Runtime); a hidden score becomes score - 2048,
+    # whose exp is exactly 0 in fp16 and fp32 whenever the row sees any key
+    probs = (q @ keys.transpose(2, 3) + mask).softmax(dim=-1)  # [b, kvh, g*s, L]
+    out = (probs @ values).view(b, nh, s, hd)  # [b, nh, s, hd]
+    return out.transpose(1, 2).reshape(b, s, nh * hd), cache_k, cache_v
 
 
 class DecoderLayer(nn.Module):
@@ -127,7 +137,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm.from_hf(hf.input_layernorm)
         self.self_attn = Attention(hf.self_attn, n_heads, n_kv_heads)
         self.post_attention_layernorm = RMSNorm.from_hf(hf.post_attention_layernorm)
-        self.mlp = MLP.from_hf(hf.mlp)
+        self.mlp = mlp_from_hf(hf.mlp)  # dense, or sparse MoE (modeling/moe.py)
 
     def forward(self, x, cos, sin, slots, rows, reads, mask, cache_k, cache_v):
         a, cache_k, cache_v = self.self_attn(

@@ -8,6 +8,7 @@ res = pipe.generate(prompt_ids, max_new_tokens=64)
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from dflash_qaic.manifest import (
@@ -88,6 +89,30 @@ def _check_args(backend, threads, tokenizer, verify) -> None:
         raise BackendError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _hub_id_hint(given, d: Path) -> None:
+    """A Hugging Face model id given where an artifacts directory belongs: say how to make one.
+    ("org/name" with no `org` directory here; under an existing directory it is a path.)"""
+    if (
+        d.exists()
+        or d.parent.exists()
+        or not isinstance(given, str)
+        or not _HUB_ID.fullmatch(given)
+    ):
+        return
+    name = given.split("/")[1]
+    out = f"artifacts/{name.lower()}"
+    raise ArtifactsError(
+        f"there is no artifacts directory {given!r}, and it looks like a Hugging Face model id: "
+        "dflash_qaic.load runs the programs dflash-export writes. Export the model with its "
+        f"DFlash draft first, e.g. `dflash-export --target {given} --draft "
+        f"z-lab/{name}-DFlash-b16 --out {out}` (the draft: a DFlash draft trained for this "
+        f"target), then `dflash_qaic.load({out!r})`"
+    )
+
+
 def load(
     artifacts_dir: str | os.PathLike,
     backend: str = "ort",
@@ -113,6 +138,7 @@ def load(
     """
     _check_args(backend, threads, tokenizer, verify)
     d = Path(artifacts_dir)
+    _hub_id_hint(artifacts_dir, d)
     m = read_manifest(d, verify=verify)
     if backend == "auto":
         backend = "qaic" if m.compiled and qaic_available() else "ort"
@@ -143,7 +169,10 @@ def load(
 
     tok = None
     if tokenizer and m.tokenizer:
-        from transformers import AutoTokenizer
+        from dflash_qaic.runtime.tokenizer import TokenizerError, load_tokenizer
 
-        tok = AutoTokenizer.from_pretrained(inside(d, m.tokenizer), local_files_only=True)
+        try:
+            tok = load_tokenizer(inside(d, m.tokenizer))
+        except TokenizerError as e:
+            raise ArtifactsError(str(e)) from e
     return Pipeline(m, programs["target"], programs["draft"], tok, backend=backend, threads=threads)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -53,15 +54,22 @@ def inplace_cache_safe(onnx_path, kv_names: list[str]) -> bool:
     token, with the same OrtValues bound throughout). Both exported programs have this shape;
     a graph that does not gets double buffering instead.
     """
-    import onnx
-
-    graph = onnx.load(str(onnx_path), load_external_data=False).graph
     readers: dict[str, list] = {}
-    for node in graph.node:
+    nodes = graph_nodes(onnx_path)
+    for node in nodes:
         for i, name in enumerate(node.input):
             readers.setdefault(name, []).append((node, i))
+    producer = {out: node for node in nodes for out in node.output}
     for name in kv_names:
         uses = [(n, i) for n, i in readers.get(name, []) if n.op_type != "Shape"]
+        update = [(n, i) for n, i in uses if list(n.output) == [contract.retained(name)]]
+        if len(uses) == 2 and len(update) == 1:
+            # a recurrent state (hybrid targets): its rows are read by a Gather that the update
+            # depends on, so the read happens before the in-place write
+            read = next(n for n, _ in uses if n is not update[0][0])
+            if read.op_type != "Gather" or not _feeds(read, update[0][0], producer):
+                return False
+            uses = update
         if len(uses) != 1:
             return False
         node, i = uses[0]
@@ -70,6 +78,90 @@ def inplace_cache_safe(onnx_path, kv_names: list[str]) -> bool:
         if list(node.output) != [contract.retained(name)]:
             return False
     return True
+
+
+def _feeds(src, dst, producer: dict) -> bool:
+    """Whether node `src`'s output reaches node `dst` (walking dst's inputs back)."""
+    seen, todo = set(), list(dst.input)
+    while todo:
+        name = todo.pop()
+        node = producer.get(name)
+        if node is None or id(node) in seen:
+            continue
+        if node is src:
+            return True
+        seen.add(id(node))
+        todo.extend(node.input)
+    return False
+
+
+@dataclass
+class Node:
+    op_type: str
+    input: list[str]
+    output: list[str]
+
+
+def _fields(buf, lo: int, hi: int):
+    """(field number, wire type, value) of the protobuf message in buf[lo:hi]; a
+    length-delimited value is its (start, end) in buf, others are skipped (None)."""
+    pos = lo
+    while pos < hi:
+        key, pos = _varint(buf, pos)
+        field, wire = key >> 3, key & 7
+        if wire == 2:
+            n, pos = _varint(buf, pos)
+            yield field, wire, (pos, pos + n)
+            pos += n
+        elif wire == 0:
+            _, pos = _varint(buf, pos)
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire} at byte {pos}")
+        if pos > hi:
+            raise ValueError("truncated protobuf message")
+
+
+def _varint(buf, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, pos
+        shift += 7
+
+
+def graph_nodes(onnx_path) -> list[Node]:
+    """The nodes (op_type, inputs, outputs) of an ONNX file's main graph, read straight from
+    the protobuf wire format (ModelProto.graph = 7, GraphProto.node = 1; NodeProto input = 1,
+    output = 2, op_type = 4), so that running exported programs needs no `onnx` package.
+    Weights in the file are skipped over, not decoded; the file is memory-mapped."""
+    import mmap
+
+    with open(onnx_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        text = lambda span: bytes(buf[span[0] : span[1]]).decode("utf-8")
+        nodes = []
+        for field, wire, graph in _fields(buf, 0, len(buf)):
+            if field != 7 or wire != 2:
+                continue
+            for gfield, gwire, span in _fields(buf, *graph):
+                if gfield != 1 or gwire != 2:
+                    continue
+                node = Node("", [], [])
+                for nfield, nwire, v in _fields(buf, *span):
+                    if nwire != 2:
+                        continue
+                    if nfield == 1:
+                        node.input.append(text(v))
+                    elif nfield == 2:
+                        node.output.append(text(v))
+                    elif nfield == 4:
+                        node.op_type = text(v)
+                nodes.append(node)
+        return nodes
 
 
 class OrtProgram:

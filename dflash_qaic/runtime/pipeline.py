@@ -22,6 +22,7 @@ from dflash_qaic.manifest import Manifest
 from dflash_qaic.runtime.engine import Engine, EngineConfig
 from dflash_qaic.runtime.sequence import Request
 from dflash_qaic.runtime.stats import GenerationResult, StepCosts
+from dflash_qaic.runtime.streamer import prompt_array
 
 __all__ = ["EngineConfig", "GenerationError", "GenerationResult", "Pipeline", "Sampling"]
 
@@ -69,6 +70,39 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _temperature(temperature, do_sample):
+    """The temperature that `temperature` and Hugging Face's `do_sample` mean together."""
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise GenerationError(f"do_sample must be True, False or None (got {do_sample!r})")
+    if do_sample is False:
+        return 0.0  # greedy, as transformers: the temperature is ignored
+    if do_sample is None:
+        return 0.0 if temperature is None else temperature
+    if temperature is None:
+        return 1.0  # transformers' default temperature
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
+        if temperature == 0:
+            raise GenerationError(
+                "do_sample=True with temperature=0: sampling needs a temperature > 0; for "
+                "greedy decoding pass do_sample=False (or leave temperature at 0 without do_sample)"
+            )
+    return temperature
+
+
+def _check_streamer(streamer, prompt) -> None:
+    if streamer is None:
+        return
+    if not callable(getattr(streamer, "put", None)) or not callable(getattr(streamer, "end", None)):
+        raise GenerationError(
+            f"streamer must have put(ids) and end() (Hugging Face's streamer interface, e.g. "
+            f"dflash_qaic.runtime.streamer.TextStreamer); got {type(streamer).__name__}"
+        )
+    if is_batch(prompt):
+        raise GenerationError(
+            "a streamer takes one prompt (as in transformers): use on_tokens for a list of prompts"
+        )
 
 
 def _token_ids(value, what: str, vocab: int | None) -> list[int]:
@@ -188,6 +222,11 @@ class Pipeline:
                     "directory had no tokenizer files): pass token ids instead"
                 )
             prompt = self.tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, (list, tuple)) and not prompt and what == "the prompt":
+            raise GenerationError(
+                "the list of prompts is empty (an empty list is neither a prompt nor a batch): "
+                "give at least one prompt, as text or token ids"
+            )
         ids = _token_ids(prompt, what, self.vocab)
         if not ids:
             raise GenerationError(f"{what} is empty: give at least one token")
@@ -216,9 +255,12 @@ class Pipeline:
             return frozenset(self.eos)
         return frozenset(_token_ids(stop_token_ids, "stop_token_ids", None))
 
-    def sampling(self, temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Sampling:
+    def sampling(self, temperature=None, top_k=0, top_p=1.0, seed=None, do_sample=None) -> Sampling:
         """Validated settings this program can run; a sampling request without a seed gets
-        fresh entropy (the seed used is reported in stats)."""
+        fresh entropy (the seed used is reported in stats). do_sample as Hugging Face's: False
+        is greedy whatever the temperature, True samples at `temperature` (default 1.0), None
+        lets the temperature decide (default 0: greedy)."""
+        temperature = _temperature(temperature, do_sample)
         sp = Sampling.checked(temperature, top_k, top_p, seed)
         if not sp.greedy and not self.can_sample:
             raise GenerationError(
@@ -301,9 +343,12 @@ class Pipeline:
             res.text = self.tokenizer.decode(res.tokens)
         return res
 
-    def _generate(self, prompt, max_new_tokens, stop_token_ids, on_tokens, mode, sp: dict):
+    def _generate(
+        self, prompt, max_new_tokens, stop_token_ids, on_tokens, mode, sp: dict, streamer=None
+    ):
         if on_tokens is not None and not callable(on_tokens):
             raise GenerationError(f"on_tokens must be callable or None (got {on_tokens!r})")
+        _check_streamer(streamer, prompt)
         if is_batch(prompt):
             reqs = self._batch(prompt, max_new_tokens, stop_token_ids, mode, sp)
             for i, new in self._run(reqs, mode):
@@ -311,9 +356,17 @@ class Pipeline:
                     on_tokens(i, new)
             return [self._finish(r) for r in self._results]
         req = self.request(prompt, max_new_tokens, stop_token_ids, mode, **sp)
-        for _, new in self._run([req], mode, raises=True):
-            if on_tokens is not None:
-                on_tokens(new)
+        if streamer is not None:
+            streamer.put(prompt_array(req.ids))  # the prompt first, as transformers does
+        try:
+            for _, new in self._run([req], mode, raises=True):
+                if streamer is not None:
+                    streamer.put(np.asarray(new, dtype=np.int64))
+                if on_tokens is not None:
+                    on_tokens(new)
+        finally:
+            if streamer is not None:
+                streamer.end()  # also on failure: an iterating consumer is never left waiting
         return self._finish(self._results[0])
 
     # ------------------------------------------------------------------ public
@@ -325,10 +378,12 @@ class Pipeline:
         stop_token_ids: list[int] | None = None,
         on_tokens: Callable | None = None,
         *,
-        temperature: float | list[float] = 0.0,
+        temperature: float | None | list[float | None] = None,
         top_k: int | list[int] = 0,
         top_p: float | list[float] = 1.0,
         seed: int | None | list[int | None] = None,
+        do_sample: bool | None | list[bool | None] = None,
+        streamer=None,
     ) -> GenerationResult | list[GenerationResult]:
         """DFlash generation. Greedy by default: token for token the target's own greedy output.
 
@@ -342,14 +397,23 @@ class Pipeline:
             list of prompts: with the prompt's index and its tokens).
         temperature, top_k, top_p: sampling from the target's distribution after temperature,
             top-k (0 = off) and top-p (1 = off) filtering; lossless (the output is distributed
-            exactly as the target's own sampling); temperature 0 = greedy.
+            exactly as the target's own sampling); temperature 0 (the default) = greedy.
+        do_sample: Hugging Face's switch: False = greedy whatever the temperature; True =
+            sample at `temperature` (default 1.0, as transformers); None = the temperature says.
+        streamer: Hugging Face's streamer interface (anything with put(ids) and end(), e.g.
+            transformers' TextStreamer / TextIteratorStreamer or this package's,
+            runtime/streamer.py): put first receives the prompt's ids (shape (1, n), as
+            transformers passes them; skip_prompt=True skips them), then each run of committed
+            tokens (1-D); end() comes at the end, also when generation fails. One prompt only.
         seed: seeds the host's random numbers; the same seed gives the same tokens. None draws
             fresh entropy (the value used is in `stats["seed"]`).
         For a list of prompts, max_new_tokens and the sampling arguments take one value for all
         or a list with one per prompt.
         """
-        sp = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        return self._generate(prompt, max_new_tokens, stop_token_ids, on_tokens, "dflash", sp)
+        sp = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, do_sample=do_sample)
+        return self._generate(
+            prompt, max_new_tokens, stop_token_ids, on_tokens, "dflash", sp, streamer
+        )
 
     def stream(
         self,
@@ -357,16 +421,17 @@ class Pipeline:
         max_new_tokens: int = 64,
         stop_token_ids=None,
         *,
-        temperature: float = 0.0,
+        temperature: float | None = None,
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
+        do_sample: bool | None = None,
     ) -> Iterator[int]:
         """Yield generated tokens one by one as steps commit them (DFlash; arguments as generate,
         one prompt)."""
         if is_batch(prompt):
             raise GenerationError("stream takes one prompt: use generate for a list of prompts")
-        sp = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        sp = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, do_sample=do_sample)
         req = self.request(prompt, max_new_tokens, stop_token_ids, "dflash", **sp)
         for _, new in self._run([req], "dflash", raises=True):
             yield from new
@@ -378,15 +443,19 @@ class Pipeline:
         stop_token_ids: list[int] | None = None,
         on_tokens: Callable | None = None,
         *,
-        temperature: float | list[float] = 0.0,
+        temperature: float | None | list[float | None] = None,
         top_k: int | list[int] = 0,
         top_p: float | list[float] = 1.0,
         seed: int | None | list[int | None] = None,
+        do_sample: bool | None | list[bool | None] = None,
+        streamer=None,
     ) -> GenerationResult | list[GenerationResult]:
         """The target alone on the decode specialization of the same program; same statistics,
         the same arguments and the same batching as generate (each decode call samples from p)."""
-        sp = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        return self._generate(prompt, max_new_tokens, stop_token_ids, on_tokens, "baseline", sp)
+        sp = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, do_sample=do_sample)
+        return self._generate(
+            prompt, max_new_tokens, stop_token_ids, on_tokens, "baseline", sp, streamer
+        )
 
 
 def is_batch(prompt) -> bool:

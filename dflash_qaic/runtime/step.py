@@ -48,6 +48,23 @@ def call(kind: str, program, feeds: dict, seqs: list, costs=None, rows: int = 0)
         raise CallFailed(kind, seqs, e) from e
 
 
+def check_committed(kind: str, out: dict, rows: np.ndarray, committed, seqs: list) -> None:
+    """A hybrid target commits its recurrent state inside the call and says how many positions
+    (`num_committed`, docs/DESIGN.md, Hybrid targets): it must be what the host commits, or the
+    state no longer matches the tokens. Program and host apply one rule, so this never fires
+    unless one of them is broken; then the call's sequences fail, not a silent divergence."""
+    count = out.get(contract.NUM_COMMITTED)
+    if count is not None and not np.array_equal(count[rows], committed + 0 * count[rows]):
+        raise CallFailed(
+            kind,
+            seqs,
+            RuntimeError(
+                f"the target committed {count[rows].tolist()} positions of its recurrent state, "
+                f"the host {np.broadcast_to(committed, count[rows].shape).tolist()}"
+            ),
+        )
+
+
 class SlotState:
     """Per slot, what its next step reads: the anchor (the last committed token), its position,
     the draft's proposals for the positions after it and their confidences. A slot that does
@@ -81,6 +98,7 @@ class Prefill:
         self.dflash = dflash
         self.next_rows = plan.block_size if dflash else 1  # the first step's rows from the end
         self._arange_b = np.arange(plan.block_size, dtype=np.int64)
+        self._row0 = np.zeros(1, np.int64)
 
     def chunk(self, seq) -> None:
         b, ids, slot = self.bufs, seq.req.ids, seq.slot
@@ -99,6 +117,7 @@ class Prefill:
         b.sampling.set_row(0, seq.req.sampling)
         seq.fill_uniforms(b.sampling.u[s][0], lo + 1)
         out = call("prefill", self.target, b.window(c.feeds[s], lo + n), [seq])
+        check_committed("prefill", out, self._row0, n, [seq])
         first = int(out[contract.NEXT_TOKENS][0, n - 1]) if last else None
         if last:
             seq.t_first = time.perf_counter()  # the first token exists from here on
@@ -215,6 +234,8 @@ class DFlashStep(_Step):
         same = self._same[n]  # [N, n]
         np.equal(st.proposals[:, : n - 1], choice[:, : n - 1], out=same[:, : n - 1])
         acc = same.argmin(axis=1)  # [N]
+        if contract.NUM_COMMITTED in out:  # a hybrid target's own count must agree
+            check_committed("verify", out, rows, acc[rows] + 1, seqs)
         k = acc + 1  # committed tokens per row: the draft's context rows
         k *= st.alive
         d.ctx[:, :n] = out[contract.HIDDEN_STATES]
@@ -262,6 +283,7 @@ class DecodeStep(_Step):
         c.ids[:, 0] = st.anchor
         c.pos[:, 0] = st.start  # inactive rows: -1
         out = self._target("decode", 1, c, seqs)
+        check_committed("decode", out, rows, 1, seqs)
         token = out[contract.NEXT_TOKENS][:, 0]  # [N]
         st.anchor[:] = token
         st.start += st.alive

@@ -1,26 +1,37 @@
 """The HTTP routes of dflash-serve (FastAPI): vLLM's OpenAI-compatible endpoints.
 
-    GET  /health                 200 while the engine's worker lives, else 503
+    GET  /health                 200 while the engine's worker lives, else 503 (never needs a key)
     GET  /metrics                Prometheus text (serve/metrics.py)
     GET  /v1/models              the one served model
     POST /v1/completions         prompt (text or ids) -> text; stream=true for server-sent events
     POST /v1/chat/completions    messages -> the chat template -> text; streaming as above
 
 Every request is validated here, before it is queued: a bad one is a 400 (404 for an unknown
-model, as vLLM and OpenAI answer) with an OpenAI-style body, and never reaches the engine. A
+model, as vLLM and OpenAI answer; 413 for a body above --max-request-bytes, refused while it is
+read) with an OpenAI-style body, and never reaches the engine. A text prompt that cannot fit is
+refused from its length alone (serve/limits.py); tokenizing and chat templates run on a small
+thread pool, so no request's size holds up the event loop (other clients, /health). A
 streamed answer starts once the engine has produced its first token (so a late error is still a
 proper status code), then sends one chunk per verify step and `data: [DONE]`. A client that goes
 away, while queued or while generating, cancels its request: the worker moves on at the next step.
+With an API key (`--api-key`, or `VLLM_API_KEY`, as vLLM) every endpoint but /health answers 401
+unless the request carries `Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
+import random
+import secrets
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
@@ -29,6 +40,12 @@ from dflash_qaic import contract
 from dflash_qaic.runtime.pipeline import GenerationError, Sampling
 from dflash_qaic.serve import protocol as proto
 from dflash_qaic.serve.engine import Engine, EngineFull, Handle, Output, Params
+from dflash_qaic.serve.limits import (
+    default_max_request_bytes,
+    longest_token_chars,
+    read_body,
+    too_long,
+)
 from dflash_qaic.serve.metrics import CONTENT_TYPE
 from dflash_qaic.serve.protocol import APIError
 
@@ -41,17 +58,47 @@ NO_TEMPLATE = (
 
 
 class Frontend:
-    """Request validation against the served program's limits (event-loop side; it has its own
-    tokenizer instance, so it never shares one with the engine's worker thread)."""
+    """Request validation against the served program's limits. Tokenizing runs on a small
+    thread pool whose threads each have their own copy of the tokenizer (never one shared across
+    threads, nor with the engine's worker thread)."""
 
-    def __init__(self, engine: Engine, model_name: str, tokenizer, chat_template: str | None):
+    THREADS = 2
+
+    def __init__(
+        self,
+        engine: Engine,
+        model_name: str,
+        tokenizer,
+        chat_template: str | None,
+        max_model_len: int | None = None,
+        seed: int | None = None,
+        max_request_bytes: int | None = None,
+    ):
         pipe = engine.pipe
         self.engine, self.model_name, self.tokenizer = engine, model_name, tokenizer
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
         self.vocab, self.eos = pipe.vocab, tuple(pipe.eos)
+        #: prompt + output, at most (vLLM's max_model_len: the artifacts' positions, or less)
         self.max_model_len = contract.max_positions(pipe.ctx_len)
+        if max_model_len is not None:
+            self.max_model_len = min(self.max_model_len, max_model_len)
         self.max_prompt = pipe.ctx_len - 1 - pipe.B  # room for one verify block (Pipeline)
+        self.max_prompt = min(self.max_prompt, self.max_model_len - 1)  # and one output token
         self.can_sample, self.max_top_k = pipe.can_sample, pipe.max_top_k
+        #: --seed: seeds of sampling requests that bring none (vLLM's global seed)
+        self._seeds = random.Random(seed) if seed is not None else None
+        self.log_requests = True  # one info line per request (--disable-log-requests: off)
+        self.max_request_bytes = max_request_bytes or default_max_request_bytes(self.max_model_len)
+        #: no token is longer than this many characters (None: no bound; serve/limits.py)
+        self.chars_per_token = None if tokenizer is None else longest_token_chars(tokenizer)
+        self._local = threading.local()
+        self.pool = ThreadPoolExecutor(self.THREADS, "dflash-tokenize", self._own_tokenizer)
+
+    def _own_tokenizer(self) -> None:  # each pool thread, once
+        self._local.tokenizer = copy.deepcopy(self.tokenizer)
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     # ------------------------------------------------------------------ prompts
 
@@ -64,13 +111,25 @@ class Frontend:
             )
 
     def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """Token ids of a text that could fit (pool thread)."""
+        least = too_long(len(text), self.chars_per_token, self.max_prompt)
+        if least is not None:
+            raise APIError(
+                f"the prompt has {len(text)} characters, so at least {least} tokens (no token "
+                f"of this model's tokenizer is longer than {self.chars_per_token} characters), "
+                f"but this model takes at most {self.max_prompt} (max_model_len "
+                f"{self.max_model_len}, less room for the output): shorten the prompt",
+                param=param,
+            )
+        return _encode_text(self._local.tokenizer, text, add_special_tokens)
+
+    def _need_tokenizer(self, param: str) -> None:
         if self.tokenizer is None:
             raise APIError(
                 "these artifacts have no tokenizer: send the prompt as token ids", param=param
             )
-        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def prompt_ids(self, prompt) -> list[int]:
+    async def prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
                 raise APIError(
@@ -79,16 +138,24 @@ class Frontend:
                     param="prompt",
                 )
             prompt = prompt[0]
-        ids = self._encode(prompt, True, "prompt") if isinstance(prompt, str) else prompt
+        if isinstance(prompt, str):
+            self._need_tokenizer("prompt")
+            ids = await self._off_loop(self._encode, prompt, True, "prompt")
+        else:
+            ids = prompt
         return self._checked(ids, "prompt")
 
-    def chat_ids(self, req: proto.ChatCompletionRequest) -> list[int]:
+    async def chat_ids(self, req: proto.ChatCompletionRequest) -> list[int]:
         if self.tokenizer is None or not self.chat_template:
             raise APIError(NO_TEMPLATE, param="messages")
         if not req.messages:
             raise APIError("messages is empty: give at least one message", param="messages")
+        ids = await self._off_loop(self._chat_encode, req)
+        return self._checked(ids, "messages")
+
+    def _chat_encode(self, req: proto.ChatCompletionRequest) -> list[int]:  # pool thread
         try:
-            text = self.tokenizer.apply_chat_template(
+            text = self._local.tokenizer.apply_chat_template(
                 [m.for_template() for m in req.messages],
                 chat_template=self.chat_template,
                 tokenize=False,
@@ -98,21 +165,22 @@ class Frontend:
             raise APIError(
                 f"the chat template failed on these messages: {e}", param="messages"
             ) from None
-        return self._checked(self._encode(text, False, "messages"), "messages")
+        return self._encode(text, False, "messages")
 
     def _checked(self, ids: list[int], param: str) -> list[int]:
         if not ids:
             raise APIError("the prompt is empty: give at least one token", param=param)
+        if len(ids) > self.max_prompt:  # first: cheap, and bounds the scan below
+            raise APIError(
+                f"the prompt has {len(ids)} tokens but this model takes at most {self.max_prompt} "
+                f"(max_model_len {self.max_model_len}, less room for the output): shorten the "
+                "prompt",
+                param=param,
+            )
         bad = [t for t in ids if not 0 <= t < self.vocab]
         if bad:
             raise APIError(
                 f"prompt token ids {bad[:5]} are outside the vocabulary 0 … {self.vocab - 1}",
-                param=param,
-            )
-        if len(ids) > self.max_prompt:
-            raise APIError(
-                f"the prompt has {len(ids)} tokens but this model takes at most {self.max_prompt} "
-                f"(context {self.max_model_len}, less one speculative block): shorten the prompt",
                 param=param,
             )
         return ids
@@ -135,10 +203,10 @@ class Frontend:
         if temperature is None:  # OpenAI's default, or greedy when the program cannot sample
             temperature = 1.0 if self.can_sample else 0.0
         top_k = 0 if req.top_k == -1 else req.top_k  # vLLM's -1 = off
-        try:
-            sp = Sampling.checked(temperature, top_k, req.top_p, req.seed)
-        except GenerationError as e:
-            raise APIError(str(e)) from None
+        seed = req.seed
+        if seed is None and self._seeds is not None and temperature != 0:
+            seed = self._seeds.getrandbits(63)  # the server's --seed: reproducible in order
+        sp = _sampling(temperature=temperature, top_k=top_k, top_p=req.top_p, seed=seed)
         if not sp.greedy and not self.can_sample:
             raise APIError(
                 "this model's program cannot sample: use temperature 0", param="temperature"
@@ -149,6 +217,13 @@ class Frontend:
         if stop and self.tokenizer is None:
             raise APIError("stop strings need a tokenizer: use stop_token_ids", param="stop")
         ids = tuple(req.stop_token_ids or ())
+        bad = [t for t in ids if not 0 <= t < self.vocab]
+        if bad:
+            raise APIError(
+                f"stop_token_ids {bad[:5]} are outside the vocabulary 0 … {self.vocab - 1}: give "
+                "token ids of this model's tokenizer",
+                param="stop_token_ids",
+            )
         stop_ids = ids if req.ignore_eos else tuple(dict.fromkeys(ids + self.eos))
         return Params(
             max_tokens,
@@ -160,6 +235,30 @@ class Frontend:
             sp.seed,
             req.skip_special_tokens,
         )
+
+
+def _encode_text(tok, text: str, add_special_tokens: bool) -> list[int]:
+    """tok(text)["input_ids"], through the `tokenizers` backend's encode_batch where there is
+    one: unlike encode, it lets go of the GIL while it works, so the event loop runs meanwhile."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+    return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+def _sampling(**fields) -> Sampling:
+    """Sampling.checked, its error naming the field at fault as the `param`."""
+    try:
+        return Sampling.checked(**fields)
+    except GenerationError as e:
+        param = None
+        for name, value in fields.items():  # the one field that fails on its own
+            try:
+                Sampling.checked(**{name: value})
+            except GenerationError:
+                param = name
+                break
+        raise APIError(str(e), param=param) from None
 
 
 # ---------------------------------------------------------------------- answering
@@ -198,6 +297,19 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _cut(fe: Frontend, out: Output) -> bool:
+    """This final Output ended a request the shutdown cut (not its client)."""
+    return out.finish_reason == "abort" and fe.engine.stopping
+
+
+def _cut_error() -> APIError:
+    return APIError(
+        "the server is shutting down and cut this request before it finished (its "
+        "--shutdown-timeout ran out): send it again once the server is back, or to another one",
+        503,
+    )
+
+
 async def _events(fe: Frontend, first: Output, handle: Handle, rid, chat, req, metrics):
     """The server-sent events of one streamed answer, from its first Output on."""
     created, model, ids = int(time.time()), fe.model_name, req.return_token_ids
@@ -234,12 +346,30 @@ async def answer(fe: Frontend, request: Request, req, ids: list[int], params: Pa
             f"{e}: retry later, or start dflash-serve with a larger --max-queue", 503
         ) from None
     rid = proto.request_id("chatcmpl" if chat else "cmpl")
+    if fe.log_requests:
+        log.info(
+            "Received request %s: %d prompt tokens, max_tokens %d, temperature %g, top_p %g, "
+            "top_k %d, seed %s, stream %s",
+            rid,
+            len(ids),
+            params.max_tokens,
+            params.temperature,
+            params.top_p,
+            params.top_k,
+            params.seed,
+            req.stream,
+        )
     if req.stream:
         first = await _unless_gone(handle.__anext__(), request, handle)
         if first is None:
             return Response(status_code=499)  # nobody is listening
         if first.error is not None:
             raise _error_of(first)
+        if first.final and _cut(fe, first):  # cut while queued: nothing was sent yet
+            raise _cut_error()
+        created = int(time.time())
+        last = proto.chunk_body(rid, fe.model_name, created, chat, "", "abort")
+        request.state.sse_tail = (_sse(last) + "data: [DONE]\n\n").encode()  # for the backstop
         events = _events(fe, first, handle, rid, chat, req, fe.engine.metrics)
         return StreamingResponse(events, media_type="text/event-stream")
     outs = await _unless_gone(_collect(handle), request, handle)
@@ -248,6 +378,8 @@ async def answer(fe: Frontend, request: Request, req, ids: list[int], params: Pa
     last = outs[-1]
     if last.error is not None:
         raise _error_of(last)
+    if _cut(fe, last):
+        raise _cut_error()
     text = "".join(o.text for o in outs)
     toks = [t for o in outs for t in o.token_ids] if req.return_token_ids else None
     use = proto.usage(last.prompt_tokens, last.completion_tokens)
@@ -264,26 +396,123 @@ def _error_response(e: APIError, metrics) -> JSONResponse:
 
 
 class _CancelledAtShutdown:
-    """ASGI wrapper: a request task that uvicorn cancels when the graceful-shutdown timeout runs
-    out ends with one log line instead of a traceback (its generation stops at the next step)."""
+    """ASGI wrapper, the backstop of `Server`'s cut: a request task that uvicorn cancels when its
+    own graceful-shutdown timeout runs out still ends with a proper answer, and one log line
+    instead of a traceback (its generation stops at the next step). Before the response started:
+    a 503 JSON error; in a stream: the final chunk (finish_reason "abort") and `data: [DONE]`,
+    as the route left them in the request's state."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state = scope.setdefault("state", {})
+        sent = {"start": False, "end": False}
+
+        async def tracked(message):
+            if message["type"] == "http.response.start":
+                sent["start"] = True
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                sent["end"] = True
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, tracked)
         except asyncio.CancelledError:
-            if scope["type"] != "http":
-                raise
             log.warning("%s %s cancelled by the shutdown", scope["method"], scope["path"])
+            try:
+                await _answer_cut(send, sent, state.get("sse_tail"))
+            except Exception:  # the connection is gone: nobody to tell
+                pass
+
+
+async def _answer_cut(send, sent: dict, sse_tail: bytes | None) -> None:
+    if not sent["start"]:
+        err = _cut_error()
+        body = json.dumps(err.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": err.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+    elif not sent["end"] and sse_tail is not None:
+        await send({"type": "http.response.body", "body": sse_tail})
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server whose graceful shutdown cuts what still runs after `cut_after` seconds
+    (--shutdown-timeout): the engine ends every request (queued ones at once, running ones at
+    its next step) and each route answers it properly (a 503 JSON error, or a stream's final
+    chunk with finish_reason "abort" and `data: [DONE]`). uvicorn's own timeout, GRACE seconds
+    later, is only the backstop (`_CancelledAtShutdown`) for a step that would not end."""
+
+    GRACE = 10.0
+
+    def __init__(self, config: uvicorn.Config, engine: Engine, cut_after: float):
+        config.timeout_graceful_shutdown = cut_after + self.GRACE
+        super().__init__(config)
+        self.engine, self.cut_after = engine, cut_after
+
+    async def shutdown(self, sockets=None) -> None:
+        timer = asyncio.get_running_loop().call_later(self.cut_after, self._cut)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _cut(self) -> None:
+        log.warning("--shutdown-timeout %g s exceeded: cutting the requests left", self.cut_after)
+        self.engine.stop()
+
+
+class _ApiKey:
+    """ASGI wrapper: with a key, every HTTP request but GET /health needs
+    `Authorization: Bearer KEY` (vLLM's --api-key); others get a 401 with an OpenAI-style body."""
+
+    def __init__(self, app, key: str, metrics):
+        self.app, self.metrics = app, metrics
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if secrets.compare_digest(given, self.expected):
+            return await self.app(scope, receive, send)
+        self.metrics.error(401)
+        body = {
+            "error": {
+                "message": "Unauthorized: this server needs an API key (Authorization: Bearer KEY)",
+                "type": "AuthenticationError",
+                "param": None,
+                "code": 401,
+            }
+        }
+        response = JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
 
 
 def create_app(
-    engine: Engine, model_name: str, tokenizer=None, chat_template: str | None = None
+    engine: Engine,
+    model_name: str,
+    tokenizer=None,
+    chat_template: str | None = None,
+    *,
+    api_key: str | None = None,
+    max_model_len: int | None = None,
+    seed: int | None = None,
+    log_requests: bool = True,
+    max_request_bytes: int | None = None,
 ) -> FastAPI:
-    """The FastAPI app over a (not yet started) engine; the app's lifespan starts and stops it."""
-    fe = Frontend(engine, model_name, tokenizer, chat_template)
+    """The FastAPI app over a (not yet started) engine; the app's lifespan starts and stops it.
+    api_key: required on every endpoint but /health (None: no authentication); max_model_len:
+    caps prompt + output below the artifacts' positions; seed: seeds the sampling requests that
+    bring no seed; log_requests: one info line per request; max_request_bytes: the body limit
+    (None: serve/limits.py's default)."""
+    fe = Frontend(
+        engine, model_name, tokenizer, chat_template, max_model_len, seed, max_request_bytes
+    )
+    fe.log_requests = log_requests
     metrics = engine.metrics
 
     @asynccontextmanager
@@ -291,9 +520,12 @@ def create_app(
         engine.start()
         yield
         engine.shutdown()
+        fe.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="dflash-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(_CancelledAtShutdown)
+    if api_key:
+        app.add_middleware(_ApiKey, key=api_key, metrics=metrics)
     app.state.frontend = fe
 
     @app.exception_handler(APIError)
@@ -332,17 +564,18 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = proto.parse(proto.CompletionRequest, await request.body())
+        req = proto.parse(proto.CompletionRequest, await read_body(request, fe.max_request_bytes))
         fe.check_model(req.model)
-        ids = fe.prompt_ids(req.prompt)
+        ids = await fe.prompt_ids(req.prompt)
         params = fe.params(req, len(ids), 16 if req.max_tokens is None else req.max_tokens)
         return await answer(fe, request, req, ids, params, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = proto.parse(proto.ChatCompletionRequest, await request.body())
+        body = await read_body(request, fe.max_request_bytes)
+        req = proto.parse(proto.ChatCompletionRequest, body)
         fe.check_model(req.model)
-        ids = fe.chat_ids(req)
+        ids = await fe.chat_ids(req)
         max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
         params = fe.params(req, len(ids), max_tokens)
         return await answer(fe, request, req, ids, params, chat=True)

@@ -3,22 +3,35 @@
     dflash-serve artifacts/default
     dflash-serve ARTIFACTS [--host 127.0.0.1] [--port 8000] [--backend ort|qaic|auto|qaic-standin]
                  [--threads N] [--max-queue N] [--served-model-name NAME] [--chat-template FILE]
-                 [--shutdown-timeout S] [--log-level LEVEL]
+                 [--api-key KEY] [--max-model-len N] [--max-num-seqs N] [--seed N]
+                 [--shutdown-timeout S] [--max-request-bytes N] [--log-level LEVEL]
+                 [--uvicorn-log-level LEVEL] [--disable-log-requests]
 
-Binds 127.0.0.1 unless told otherwise (--host 0.0.0.0 exposes the server to the network; it has
-no authentication). --port 0 takes a free port; the line "dflash-serve: serving ... on URL" on
-stdout says which. One worker thread drives the continuous-batching engine: artifacts exported
-with `dflash-export --full-batch-size N` generate up to N requests at once (a newcomer joins at
-the next step), others one at a time; up to --max-queue more requests wait for a slot (a full
-queue answers 503). On SIGTERM or Ctrl-C the server stops accepting
-connections, lets the requests in flight finish for up to --shutdown-timeout seconds, cancels
-what is left at its next step, and exits 0.
+vLLM's flags mean what they mean there: --api-key (or $VLLM_API_KEY) makes every endpoint but
+/health answer 401 without `Authorization: Bearer KEY`; --max-model-len caps prompt + output
+(at most the positions the artifacts were exported for, ctx_len - 1); --max-num-seqs caps the
+sequences generating at once (at most the artifacts' cache rows, --full-batch-size at export);
+--seed seeds the sampling requests that bring no seed of their own (the same requests in the
+same order give the same outputs; default: fresh entropy); --uvicorn-log-level sets uvicorn's
+logging (default: --log-level's); --disable-log-requests drops the one info line per request.
+
+Binds 127.0.0.1 unless told otherwise (--host 0.0.0.0 exposes the server to the network: give it
+an --api-key; without one a warning is logged). --port 0 takes a free port; the line
+"dflash-serve: serving ... on URL" on stdout says which. One worker thread drives the
+continuous-batching engine: artifacts exported with `dflash-export --full-batch-size N` generate
+up to N requests at once (a newcomer joins at the next step), others one at a time; up to
+--max-queue more requests wait for a slot (beyond, 503). A request body above
+--max-request-bytes is refused (413) as it is read. On SIGTERM or Ctrl-C the server stops
+accepting connections, lets the requests in flight finish for up to --shutdown-timeout seconds,
+then cuts what is left at its next step (a 503 JSON error, or a stream's last chunk with
+finish_reason "abort" and [DONE]), and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import ipaddress
 import logging
 import os
 import signal
@@ -65,7 +78,50 @@ def parser() -> argparse.ArgumentParser:
         help="seconds in-flight requests may take to finish after SIGTERM (default 30)",
     )
     p.add_argument(
-        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        help="largest request body accepted, in bytes (default: 64 per token of context, at "
+        "least 1 MiB); larger ones get 413",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on every endpoint but /health "
+        "(default: $VLLM_API_KEY; neither: no authentication)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the most tokens of a request, prompt + output (default and most: the artifacts' "
+        "ctx_len - 1)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="the most sequences generating at once (default and most: the artifacts' cache "
+        "rows, --full-batch-size at export, 1 without it)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the seeds given to sampling requests without one (default: fresh entropy)",
+    )
+    levels = ["critical", "error", "warning", "info", "debug"]
+    p.add_argument("--log-level", default="info", choices=levels, help="dflash-serve's logging")
+    p.add_argument(
+        "--uvicorn-log-level",
+        default=None,
+        choices=[*levels, "trace"],
+        help="uvicorn's logging (default: --log-level)",
+    )
+    p.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="no info line per request (as vLLM's flag)",
     )
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     return p
@@ -92,6 +148,19 @@ def _check(args) -> str | None:
                 f"--verify-lengths must be integers separated by commas, e.g. 4,8,16 "
                 f"(got {args.verify_lengths!r})"
             ) from None
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        raise UsageError(f"--max-request-bytes must be ≥ 1 (got {args.max_request_bytes})")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise UsageError(
+            f"--max-model-len must be ≥ 2: one prompt token and one output token "
+            f"(got {args.max_model_len})"
+        )
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        raise UsageError(f"--max-num-seqs must be ≥ 1 (got {args.max_num_seqs})")
+    if args.seed is not None and args.seed < 0:
+        raise UsageError(f"--seed must be ≥ 0 (got {args.seed})")
+    if args.api_key is None:
+        args.api_key = os.environ.get("VLLM_API_KEY") or None
     if not args.shutdown_timeout >= 0:
         raise UsageError(f"--shutdown-timeout must be ≥ 0 (got {args.shutdown_timeout})")
     if args.chat_template is None:
@@ -122,7 +191,7 @@ def _serve(args, template: str | None, sock: socket.socket) -> None:
     import uvicorn
 
     import dflash_qaic
-    from dflash_qaic.serve.app import create_app
+    from dflash_qaic.serve.app import Server, create_app
     from dflash_qaic.serve.engine import Engine
     from dflash_qaic.serve.metrics import Metrics
 
@@ -133,30 +202,70 @@ def _serve(args, template: str | None, sock: socket.socket) -> None:
             pipe.configure(verify_lengths=args.verify_lengths)  # checked against the artifacts
         except ValueError as e:
             raise UsageError(f"--verify-lengths: {e}") from None
+    _limits(args, pipe)
     name = args.served_model_name or args.artifacts
     engine = Engine(pipe, max_queue=args.max_queue, metrics=Metrics(name, pipe.B))
     # the HTTP side encodes prompts with its own tokenizer: never one shared across threads
     tok = copy.deepcopy(pipe.tokenizer) if pipe.tokenizer is not None else None
-    app = create_app(engine, name, tok, template)
-    config = uvicorn.Config(
-        app,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout,
-        lifespan="on",
+    app = create_app(
+        engine,
+        name,
+        tok,
+        template,
+        api_key=args.api_key,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        log_requests=not args.disable_log_requests,
+        max_request_bytes=args.max_request_bytes,
     )
-    server = uvicorn.Server(config)
+    config = uvicorn.Config(app, log_level=args.uvicorn_log_level or args.log_level, lifespan="on")
+    server = Server(config, engine, args.shutdown_timeout)  # cuts at --shutdown-timeout
     ours = logging.getLogger("dflash_qaic.serve")  # log as uvicorn does (it configured its own)
     ours.handlers, ours.propagate = logging.getLogger("uvicorn").handlers, False
     ours.setLevel(args.log_level.upper())
     host, port = sock.getsockname()[:2]
+    if not args.api_key and not ipaddress.ip_address(host.split("%")[0]).is_loopback:
+        ours.warning(
+            "serving on %s without an API key: anyone who can reach this address can use the "
+            "server; give it --api-key KEY (or set VLLM_API_KEY), or bind 127.0.0.1",
+            host,
+        )
+    slots = pipe.full_batch_size if pipe.max_running is None else pipe.max_running
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    slots = f"{pipe.full_batch_size} request{'s' if pipe.full_batch_size > 1 else ''} at once"
+    slots = f"{slots} request{'s' if slots > 1 else ''} at once"
     print(f"dflash-serve: serving {name} on {url} (backend {pipe.backend}, {slots})", flush=True)
     # uvicorn handles SIGINT/SIGTERM while it runs, then re-raises the signal to the handler that
     # was installed before it; a no-op there lets a graceful shutdown exit 0
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])
+
+
+def _limits(args, pipe) -> None:
+    """--max-model-len and --max-num-seqs against what the artifacts hold."""
+    from dflash_qaic import contract
+
+    positions = contract.max_positions(pipe.ctx_len)
+    if args.max_model_len is not None and args.max_model_len > positions:
+        raise UsageError(
+            f"--max-model-len {args.max_model_len} is more than these artifacts hold: they were "
+            f"exported with ctx_len {pipe.ctx_len}, {positions} positions for prompt + output; "
+            f"use --max-model-len ≤ {positions}, or re-export with a larger --ctx-len"
+        )
+    if args.max_num_seqs is not None:
+        if args.max_num_seqs > pipe.full_batch_size:
+            how = (
+                f"cache rows for {pipe.full_batch_size} sequences (--full-batch-size "
+                f"{pipe.full_batch_size} at export)"
+                if pipe.full_batch_size > 1
+                else "one cache row (exported without --full-batch-size)"
+            )
+            raise UsageError(
+                f"--max-num-seqs {args.max_num_seqs} is more than these artifacts run at once: "
+                f"they have {how}; use --max-num-seqs ≤ {pipe.full_batch_size}, or re-export "
+                f"with dflash-export --full-batch-size {args.max_num_seqs}"
+            )
+        pipe.configure(max_running=args.max_num_seqs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 
 from dflash_qaic.runtime.pipeline import GenerationError
-from dflash_qaic.runtime.streamer import TextStreamer
+from dflash_qaic.runtime.streamer import IncrementalDetokenizer
 from dflash_qaic.serve.metrics import Metrics
 
 log = logging.getLogger("dflash_qaic.serve")
@@ -79,7 +79,9 @@ class Handle:
 
     _ids = itertools.count()
 
-    def __init__(self, prompt_ids: list[int], params: Params, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self, prompt_ids: list[int], params: Params, loop: asyncio.AbstractEventLoop, on_final=None
+    ):
         self.id = next(self._ids)
         self.prompt_ids, self.params = prompt_ids, params
         self.t_arrival = time.perf_counter()
@@ -87,6 +89,7 @@ class Handle:
         self._loop = loop
         self._queue: asyncio.Queue[Output] = asyncio.Queue()
         self._done = False
+        self._on_final = on_final  # called once, with the final Output (the engine's count)
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -96,6 +99,9 @@ class Handle:
         return self._cancelled.is_set()
 
     def _put(self, out: Output) -> None:  # worker thread
+        if out.final and self._on_final is not None:
+            self._on_final, on_final = None, self._on_final
+            on_final()
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
@@ -119,7 +125,9 @@ class _Text:
     def __init__(self, tokenizer, stop: tuple[str, ...], skip_special_tokens: bool):
         self.streamer = None
         if tokenizer is not None:
-            self.streamer = TextStreamer(tokenizer, skip_special_tokens=skip_special_tokens)
+            self.streamer = IncrementalDetokenizer(
+                tokenizer, skip_special_tokens=skip_special_tokens
+            )
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
@@ -157,6 +165,7 @@ class _Run:
         self.handle, self.seq = handle, seq
         self.text = _Text(tokenizer, p.stop, p.skip_special_tokens)
         self.t_added = time.perf_counter()
+        self.t_output: float | None = None  # when the last output went out (inter-token latency)
         self.tokens = 0  # tokens sent to the client
         self.cut = False  # ended by a stop string: the text is cut, nothing held back counts
 
@@ -166,13 +175,22 @@ _REASONS = {"stop_token": "stop", "max_new_tokens": "length", "ctx_len": "length
 
 class Engine:
     """Requests served by a worker thread that owns one continuous-batching engine of `pipe`:
-    up to `pipe.full_batch_size` at once, up to `max_queue` more waiting in a FIFO."""
+    up to `pipe.full_batch_size` at once (`pipe.max_running`, vLLM's --max-num-seqs, lowers
+    that), up to `max_queue` more waiting in a FIFO.
+
+    Admission counts the requests in the engine (queued or in a slot, until their final Output),
+    not the FIFO's length: a burst is accepted up to slots + max_queue even before the worker
+    has moved the first ones into their slots."""
 
     def __init__(self, pipe, *, max_queue: int = 256, metrics: Metrics | None = None):
         self.pipe = pipe
-        self.slots = pipe.full_batch_size
+        self.slots = min(pipe.max_running or pipe.full_batch_size, pipe.full_batch_size)
+        self._context = pipe.full_batch_size * pipe.ctx_len  # KV positions of all the slots
+        self.max_queue = max_queue
         self.metrics = metrics or Metrics("dflash", pipe.B)
-        self._queue: queue.Queue[Handle | None] = queue.Queue(maxsize=max_queue)
+        self._queue: queue.Queue[Handle | None] = queue.Queue()  # bounded by the count below
+        self._count_lock = threading.Lock()
+        self._in_engine = 0  # requests accepted and not yet given their final Output
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._work, name="dflash-engine", daemon=True)
         self._live: list[_Run] = []  # requests in the runtime engine (worker thread only)
@@ -186,21 +204,32 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()
 
+    @property
+    def stopping(self) -> bool:
+        """stop() was called: what is still in the engine is being cut."""
+        return self._stopping.is_set()
+
     def submit(self, prompt_ids: list[int], params: Params) -> Handle:
-        """Queue a request (call from the event loop). Raises EngineFull when the queue is full."""
-        handle = Handle(prompt_ids, params, asyncio.get_running_loop())
+        """Queue a request (call from the event loop). Raises EngineFull when slots + max_queue
+        requests are already in the engine."""
         if self._stopping.is_set():
             raise EngineFull("the server is shutting down")
+        with self._count_lock:
+            if self._in_engine >= self.slots + self.max_queue:
+                raise EngineFull(f"the request queue is full ({self.max_queue} waiting)")
+            self._in_engine += 1
+        handle = Handle(prompt_ids, params, asyncio.get_running_loop(), self._left)
         self.metrics.waiting.inc()  # before the worker can take it (and decrement)
-        try:
-            self._queue.put_nowait(handle)
-        except queue.Full:
-            self.metrics.waiting.dec()
-            raise EngineFull(f"the request queue is full ({self._queue.maxsize} waiting)") from None
+        self._queue.put_nowait(handle)
         return handle
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Cancel the running and queued requests and stop the worker."""
+    def _left(self) -> None:  # a request got its final Output (any thread)
+        with self._count_lock:
+            self._in_engine -= 1
+
+    def stop(self) -> None:
+        """Cut everything without waiting: queued requests end now, running ones at the worker's
+        next step (each with finish_reason "abort"); new submissions are refused."""
         self._stopping.set()
         while True:
             try:
@@ -210,10 +239,11 @@ class Engine:
             if h is not None:
                 self.metrics.waiting.dec()
                 self._finish_unstarted(h)
-        try:
-            self._queue.put_nowait(None)  # wake the worker if it waits
-        except queue.Full:
-            pass
+        self._queue.put_nowait(None)  # wake the worker if it waits
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Cancel the running and queued requests and stop the worker (waits up to `timeout`)."""
+        self.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -232,17 +262,23 @@ class Engine:
                 log.exception("generation failed")  # its requests, in step()): all in flight do
                 for run in list(self._live):
                     self._fail(run, e)
+                self._kv_usage()
                 core = self.pipe.engine("dflash")
                 continue
             runs = {id(r.seq): r for r in self._live}
+            now, tokens = time.perf_counter(), 0
             for seq in touched:
-                self._emit(core, runs[id(seq)])
+                tokens += self._emit(core, runs[id(seq)], now)
+            if touched:
+                self.metrics.iteration(tokens)
             for run in [r for r in self._live if r.handle.cancelled]:
                 core.abort(run.seq)  # client gone: its slot is free for the next step
                 self._finish(run)
+            self._kv_usage()
         for run in list(self._live):  # the server stops: what is left ends now
             core.abort(run.seq)
             self._finish(run)
+        self._kv_usage()
 
     def _admit(self, core) -> bool:
         """Move submissions into free slots: wait for one while nothing is in flight, else take
@@ -277,11 +313,20 @@ class Engine:
             self.metrics.running_now(len(self._live))
         return True
 
-    def _emit(self, core, run: _Run) -> None:
+    def _emit(self, core, run: _Run, now: float) -> int:
         """Send the new runs of a sequence the step touched; end it at a stop string or when it
-        finished."""
+        finished. Returns the tokens the step processed for it (its prompt's too when this step
+        finished its prefill)."""
         h = run.handle
-        for ids in run.seq.take():
+        runs = run.seq.take()
+        tokens = sum(len(ids) for ids in runs)
+        if runs:
+            if run.t_output is None:
+                tokens += len(h.prompt_ids)  # its first output: the prefill finished here
+            else:
+                self.metrics.output_interval(now - run.t_output)
+            run.t_output = now
+        for ids in runs:
             if run.cut:
                 break
             run.tokens += len(ids)
@@ -293,6 +338,11 @@ class Engine:
             self._fail(run, run.seq.error)
         elif run.seq.finished:
             self._finish(run)
+        return tokens
+
+    def _kv_usage(self) -> None:
+        held = sum(len(r.handle.prompt_ids) + r.tokens for r in self._live)
+        self.metrics.kv_cache_usage.set(held / self._context)
 
     def _finish(self, run: _Run) -> None:
         """The final Output of a finished sequence, after its metrics."""

@@ -17,6 +17,15 @@ with an error), `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, the 
 the server started: > 1 only when requests really ran together), and the histograms
 `vllm:time_to_first_token_seconds`, `vllm:time_per_output_token_seconds` (per request: decode time
 over tokens after the first), `vllm:e2e_request_latency_seconds`, `vllm:request_queue_time_seconds`.
+
+vLLM's current names beside those: `vllm:inter_token_latency_seconds` (as vLLM measures it: the
+time between two successive outputs of a request, one observation per step; a DFlash step
+commits 1 … B tokens at once, so this is the step latency a client sees, while the older
+`time_per_output_token` above is a request's decode time per token), `vllm:kv_cache_usage_perc`
+(a gauge in [0, 1]: the positions the sequences in the slots hold, prompt + output, over slots ×
+ctx_len, updated every step), and the histogram `vllm:iteration_tokens_total` (tokens per engine
+step: the tokens the step committed plus the prompt tokens of the sequences whose prefill it
+finished).
 Every series carries `model_name`. The registry is the server's own (not the process-global one).
 """
 
@@ -27,6 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0)
 _LATENCY += (2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITERATION = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _TPOT = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 
 
@@ -76,6 +86,17 @@ class Metrics:
         self._tpot = histogram("vllm:time_per_output_token_seconds", "Time per output token", _TPOT)
         self._e2e = histogram("vllm:e2e_request_latency_seconds", "Request latency", _LATENCY)
         self._queue = histogram("vllm:request_queue_time_seconds", "Time queued", _LATENCY)
+        self._itl = histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between successive outputs of a request (one per step)",
+            _TPOT,
+        )
+        self.kv_cache_usage = gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage: 1 means every slot's context is full"
+        )
+        self._iteration_tokens = histogram(
+            "vllm:iteration_tokens_total", "Tokens per engine step", _ITERATION
+        )
 
     def running_now(self, n: int) -> None:
         """`n` sequences are in the engine's slots."""
@@ -103,6 +124,14 @@ class Metrics:
         if tokens > 1:
             self._tpot.observe(decode_s / (tokens - 1))
         self._e2e.observe(e2e_s)
+
+    def output_interval(self, seconds: float) -> None:
+        """A request's output came `seconds` after its previous one."""
+        self._itl.observe(seconds)
+
+    def iteration(self, tokens: int) -> None:
+        """One engine step that committed and prefilled `tokens` tokens in all."""
+        self._iteration_tokens.observe(tokens)
 
     def error(self, status: int) -> None:
         self._errors.labels(self._model, str(status)).inc()

@@ -8,6 +8,7 @@ cannot honour (`n` > 1, `logprobs`, `echo`, penalties, ...) are refused with a 4
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, ClassVar, Literal
@@ -25,7 +26,9 @@ class APIError(Exception):
         self.message, self.status, self.param = message, status, param
 
     def body(self) -> dict:
-        err_type = self.TYPES.get(self.status, "InternalServerError")
+        # any other client error (405, 413, ...) is an invalid request, as OpenAI types it
+        other = "BadRequestError" if self.status < 500 else "InternalServerError"
+        err_type = self.TYPES.get(self.status, other)
         return {
             "error": {
                 "message": self.message,
@@ -133,14 +136,18 @@ def parse(model: type[_Request], body: bytes) -> Any:
     try:
         req = model.model_validate_json(body)
     except ValidationError as e:
-        err = e.errors()[0]
+        err = _closest(e.errors())
         if err["type"] == "json_invalid":
             raise APIError(f"the request body is not valid JSON: {err['msg']}") from None
         loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
         where = f"field {loc!r}" if loc else "the request body"
-        raise APIError(
-            f"{where}: {err['msg']} (got {err.get('input')!r})"[:500], param=loc or None
-        ) from None
+        hint = ""
+        if err["type"] == "int_type" and isinstance(err.get("input"), float):
+            hint = ": token ids and counts are JSON integers (1, not 1.0 or 1.5)"
+        elif loc.split(".")[0] == "prompt":
+            hint = ": a prompt is a string or a list of integer token ids"
+        got = json.dumps(err.get("input"), ensure_ascii=False, default=repr)[:200]
+        raise APIError(f"{where}: {err['msg']} (got {got}){hint}", param=loc or None) from None
     name = req.unsupported()
     if name is not None:
         raise APIError(
@@ -148,6 +155,30 @@ def parse(model: type[_Request], body: bytes) -> Any:
             param=name,
         )
     return req
+
+
+def _closest(errors: list[dict]) -> dict:
+    """The error to report. For a value matching none of a union's types (pydantic reports one
+    error per type, the first against `str`), the type the value came closest to: the one that
+    failed deepest, then furthest along the list, then with the fewest errors; e.g. for
+    "prompt": [1.5, 2] the list of token ids' "prompt.0 should be a valid integer", not "prompt
+    should be a valid string"."""
+    first = errors[0]
+    at = next((i for i, p in enumerate(first["loc"]) if _is_union_tag(p)), None)
+    if at is None:
+        return first
+    prefix = tuple(first["loc"][:at])
+    members: dict[str, list[dict]] = {}
+    for e in errors:
+        loc = tuple(e["loc"])
+        if loc[:at] == prefix and len(loc) > at and _is_union_tag(loc[at]):
+            members.setdefault(loc[at], []).append(e)
+
+    def progress(errs):
+        rest = errs[0]["loc"][at + 1 :]
+        return (len(rest), [p for p in rest if isinstance(p, int)], -len(errs))
+
+    return max(members.values(), key=progress)[0]  # ties: the first type declared
 
 
 def _is_union_tag(p) -> bool:

@@ -1,28 +1,18 @@
-"""The serving benchmark: N concurrent streaming clients against a real `dflash-serve` process.
+"""`dflash-bench --serve ARTIFACTS [--clients 16] [--max-tokens 64]` (also `python -m
+dflash_lab.serve_bench`): N concurrent streaming greedy clients against a real `dflash-serve`
+process (`dflash_qaic/serve/process.py`).
 
-    python -m dflash_qaic.bench.serve artifacts/default [--clients 16] [--max-tokens 64]
-                                      [--backend ort] [--threads N] [--json FILE]
-
-Each client streams one greedy completion of a held-out prompt (client i takes prompt i, cycling)
-over HTTP (httpx, server-sent events). The benchmark first computes every prompt's
-single-request greedy output in-process with `Pipeline.generate`, then starts the server
-(`serve/process.py`), sends one warm-up request, and releases all clients at once. It reports:
-all completed, every output equal to its single-request greedy output, server errors (from
-/metrics and from HTTP status codes), the full batch size the server ran with (the artifacts'
-`--full-batch-size`, 1 without it) and the most requests it had in its slots at once, time to
-first token p50 / p95 as the clients see it (queueing included: with F slots, client k > F waits
-for a slot), time per output token, aggregate tokens/s (all tokens over the wall time from the
-first request sent to the last token received) next to the same requests run one after another
-in-process (prefill included: the most a one-at-a-time server can reach), the acceptance the
-server measured, and the load average. `ok` is true when all complete, all equal and no error occurred.
-
-`run_serve_bench(...) -> dict` and `render_markdown(result) -> str` are what `dflash-bench
---serve` calls.
+Each prompt's single-request greedy output is computed in-process first (and the same requests
+one after another give the in-process tokens/s a one-at-a-time server could reach); then one
+warm-up request, and all clients at once, client i streaming held-out prompt i (cycling) over
+HTTP. Reported: completed, equal to the single-request output, server errors (/metrics and HTTP),
+the most requests in the server's slots at once, TTFT p50 / p95 as the clients see it (queueing
+included), TPOT p50, aggregate tokens/s (first request sent to last token), the server's τ and
+the load average. `ok`: all complete, all equal, no error.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -184,18 +174,6 @@ def run_serve_bench(
     return res
 
 
-def batching(full_batch_size: int) -> str:
-    if full_batch_size == 1:
-        return (
-            "the artifacts have one slot (exported without --full-batch-size), so the server "
-            "runs the requests one at a time and TTFT grows with the queue."
-        )
-    return (
-        f"the server's continuous-batching engine runs up to {full_batch_size} requests at once "
-        f"(--full-batch-size {full_batch_size}); the others wait for a free slot."
-    )
-
-
 def render_markdown(res: dict) -> str:
     def ms(x):
         return "–" if x is None else f"{x * 1e3:.1f} ms"
@@ -222,32 +200,32 @@ def render_markdown(res: dict) -> str:
         f"| load average before / after | {' '.join(f'{x:.2f}' for x in res['loadavg_before'])}"
         f" / {' '.join(f'{x:.2f}' for x in res['loadavg_after'])} |",
         "",
-        f"{res['max_tokens']} new tokens per request, greedy; {batching(res['full_batch_size'])}",
+        f"{res['max_tokens']} new tokens per request, greedy; the server runs up to "
+        f"{res['full_batch_size']} requests at once (--full-batch-size; 1 without it), the "
+        "others wait for a free slot.",
     ]
     if not res["ok"]:
         lines += ["", f"**FAILED**: {res['errors']}"]
     return "\n".join(lines) + "\n"
 
 
+OPTIONS = [  # flag, type, default, help
+    ("--clients", int, 16, "concurrent streaming clients"),
+    ("--max-tokens", int, 64, "tokens per request"),
+    ("--threads", int, None, "the server's ONNX Runtime threads; None: its default"),
+    ("--json", str, None, "also write the result to this file"),
+]
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash_qaic.bench.serve", description=__doc__)
-    p.add_argument("artifacts")
-    p.add_argument("--clients", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--backend", default="ort", choices=["ort", "qaic", "auto", "qaic-standin"])
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--json", default=None, help="also write the result to this file")
-    args = p.parse_args(argv)
+    from dflash_qaic.bench.cli import common_parser
+
+    args = common_parser(__doc__, "artifacts directory", OPTIONS).parse_args(argv)
     if args.clients < 1 or args.max_tokens < 1:
-        print("error: --clients and --max-tokens must be ≥ 1", file=sys.stderr)
+        print("dflash-bench: error: --clients and --max-tokens must be ≥ 1", file=sys.stderr)
         return 2
-    res = run_serve_bench(
-        args.artifacts,
-        args.clients,
-        max_tokens=args.max_tokens,
-        backend=args.backend,
-        threads=args.threads,
-    )
+    kw = dict(max_tokens=args.max_tokens, backend=args.backend, threads=args.threads)
+    res = run_serve_bench(args.artifacts, args.clients, **kw)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     print(render_markdown(res))

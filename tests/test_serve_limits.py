@@ -1,0 +1,344 @@
+"""dflash-serve under pressure: request size (the body limit, prompts refused from their length
+before tokenizing, tokenizing off the event loop), --max-queue under a burst, and the shutdown
+timeout cutting requests with proper answers. Real server processes on 127.0.0.1 over the
+default pair exported with --full-batch-size 4; timing bounds only where timing is the property
+(/health while a huge request is handled), generous ones everywhere else."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import math
+import random
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+import dflash_qaic
+from dflash_qaic import assets
+from dflash_qaic.serve.app import _CancelledAtShutdown, create_app
+from dflash_qaic.serve.engine import Engine
+from dflash_qaic.serve.limits import longest_token_chars
+from dflash_qaic.serve.process import ServerProcess
+from tests.test_serve import TEMPLATE, scrape, sse
+
+SLOTS = 4
+LIMIT = 12_000_000  # --max-request-bytes of the server below: an 8 MB prompt is read whole
+PROMPTS = assets.heldout_prompts()
+HUGE = "def f(x): return x + 1\n" * (8_000_000 // 24)  # 8 MB of text
+
+
+@pytest.fixture(scope="module")
+def server(cb_artifacts, tmp_path_factory):
+    tpl = tmp_path_factory.mktemp("template") / "chat.jinja"
+    tpl.write_text(TEMPLATE)
+    args = ["--threads", "1", "--max-queue", "2", "--max-request-bytes", str(LIMIT)]
+    with ServerProcess(cb_artifacts, *args, "--chat-template", str(tpl)) as s:
+        yield s
+        assert s.stop() == 0, s.log()
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120, trust_env=False) as c:
+        yield c
+
+
+class HealthProbe:
+    """Times GET /health back to back on its own connection, in a thread."""
+
+    def __init__(self, url: str):
+        self.url, self.times, self.codes = url, [], []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self):
+        with httpx.Client(base_url=self.url, timeout=30, trust_env=False) as c:
+            while not self._stop.is_set():
+                t0 = time.perf_counter()
+                self.codes.append(c.get("/health").status_code)
+                self.times.append(time.perf_counter() - t0)
+                time.sleep(0.02)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(60)
+
+
+def test_huge_prompts_are_refused_quickly_and_health_answers_meanwhile(server, http):
+    """8 MB prompts (text, a chat message, token ids) get a 400 naming the limit, without
+    tokenizing 8 MB, and /health answers within a second all along (before: 8 MB of text was
+    tokenized on the event loop, ~12 s with /health blocked as long)."""
+    bodies = [
+        ("/v1/completions", {"prompt": HUGE, "max_tokens": 4}, "prompt", "characters"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": HUGE}], "max_tokens": 4},
+            "messages",
+            "characters",
+        ),
+        ("/v1/completions", {"prompt": [65] * 500_000, "max_tokens": 4}, "prompt", "tokens"),
+    ]
+    encoded = [(path, json.dumps(b).encode(), param, word) for path, b, param, word in bodies]
+    assert [len(b) > 2_000_000 for _, b, _, _ in encoded] == [True] * 3
+    with HealthProbe(server.url) as probe:
+        time.sleep(0.3)
+        for path, body, param, word in encoded:
+            t0 = time.perf_counter()
+            r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+            took = time.perf_counter() - t0
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == param, err
+            assert word in err["message"] and "at most 1007" in err["message"], err
+            assert took < 10, (path, took)  # generous: the property is /health's
+        time.sleep(0.3)
+    assert len(probe.times) >= 10 and set(probe.codes) == {200}, probe.codes
+    assert max(probe.times) < 1.0, sorted(probe.times)[-5:]
+    # the server is intact
+    r = http.post("/v1/completions", json={"prompt": "def f", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def _raw(server, head: bytes, chunks=()) -> tuple[int, dict]:
+    """Send a request by hand (headers, then body parts) and read the answer."""
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall(head)
+        try:
+            for c in chunks:
+                s.sendall(c)
+        except OSError:  # the server answered and closed while we were still sending
+            pass
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _length(data):
+            part = s.recv(65536)
+            if not part:
+                break
+            data += part
+    status = int(data.split(b" ", 2)[1])
+    return status, json.loads(data.split(b"\r\n\r\n", 1)[1][: _length(data)])
+
+
+def _length(data: bytes) -> int:
+    for line in data.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":", 1)[1])
+    return 1 << 30
+
+
+def test_body_limit_413(server, http):
+    """A body above --max-request-bytes is a 413 naming the flag: declared too large (refused
+    before a byte of it is read), sent chunked (refused once the bytes read pass the limit),
+    or plain; the server goes on serving."""
+    path = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    status, body = _raw(server, path + b"Content-Length: 1000000000000\r\n\r\n")
+    assert status == 413, body
+    err = body["error"]
+    assert "--max-request-bytes" in err["message"] and str(LIMIT) in err["message"], err
+    assert (err["code"], err["type"]) == (413, "BadRequestError")
+    piece = b" " * 1_000_000
+    chunk = b"%x\r\n" % len(piece) + piece + b"\r\n"
+    status, body = _raw(server, path + b"Transfer-Encoding: chunked\r\n\r\n", [chunk] * 40)
+    assert status == 413 and "--max-request-bytes" in body["error"]["message"], body
+    r = http.post("/v1/completions", content=b" " * (LIMIT + 1))
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    r = http.post("/v1/completions", content=b" " * (LIMIT - 100) + b'{"prompt": [65]}')
+    assert r.status_code == 200, r.text  # just under the limit: read and served
+    assert http.get("/health").status_code == 200
+
+
+def test_max_queue_counts_waiting_requests_only(server, http):
+    """4 slots and --max-queue 2: of a burst of 16 long requests, 6 are accepted (4 running,
+    2 waiting) and 10 get 503 (before: 4 and 12, the queue filled before the worker moved
+    requests into their slots)."""
+    body = dict(prompt=PROMPTS[0], max_tokens=700, ignore_eos=True, temperature=0)
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=server.url, timeout=300, trust_env=False) as c:
+            tasks = [asyncio.ensure_future(c.post("/v1/completions", json=body)) for _ in range(16)]
+            refused = []
+            deadline = time.monotonic() + 120
+            while len(refused) < 10 and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+                refused = [t for t in tasks if t.done()]
+            accepted = [t for t in tasks if not t.done()]
+            while time.monotonic() < deadline:  # the worker fills its slots step by step
+                gauges = scrape(http)
+                if gauges[("vllm:num_requests_running", frozenset())] == SLOTS:
+                    break
+                await asyncio.sleep(0.1)
+            for t in accepted:
+                t.cancel()  # the clients go away: their requests leave the engine
+            await asyncio.gather(*accepted, return_exceptions=True)
+            return [t.result() for t in refused], len(accepted), gauges
+
+    refused, n_accepted, gauges = asyncio.run(burst())
+    assert n_accepted == 6 and len(refused) == 10, [r.status_code for r in refused]
+    for r in refused:
+        err = r.json()["error"]
+        assert r.status_code == 503 and "--max-queue" in err["message"], err
+        assert err["type"] == "ServiceUnavailableError"
+    assert gauges[("vllm:num_requests_running", frozenset())] == SLOTS
+    assert gauges[("vllm:num_requests_waiting", frozenset())] == 2
+    deadline = time.monotonic() + 120  # the cancelled ones leave at the worker's next steps
+    while scrape(http)[("vllm:num_requests_running", frozenset())] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    r = http.post("/v1/completions", json={"prompt": "def f", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200
+
+
+def test_sigterm_past_the_shutdown_timeout_cuts_with_proper_answers(cb_artifacts):
+    """SIGTERM with --shutdown-timeout 1 while a long non-streamed and a long streamed request
+    run: the first gets a 503 JSON error, the second a last chunk with finish_reason "abort"
+    and data: [DONE] (before: uvicorn's plain-text 500 and a stream ending without either)."""
+    long = dict(prompt=PROMPTS[3], max_tokens=700, ignore_eos=True, temperature=0)
+    with ServerProcess(cb_artifacts, "--threads", "1", "--shutdown-timeout", "1") as server:
+        results, streaming = {}, threading.Event()
+
+        def plain():
+            with httpx.Client(timeout=300, trust_env=False) as c:
+                results["plain"] = c.post(server.url + "/v1/completions", json=long)
+
+        def streamed():
+            body = dict(long, stream=True, stream_options={"include_usage": True})
+            with httpx.Client(timeout=300, trust_env=False) as c:
+                with c.stream("POST", server.url + "/v1/completions", json=body) as r:
+                    lines = []
+                    for line in r.iter_lines():
+                        lines.append(line)
+                        streaming.set()
+                    results["stream"] = (r.status_code, lines)
+
+        threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+        for t in threads:
+            t.start()
+        assert streaming.wait(120)
+        with httpx.Client(base_url=server.url, timeout=60, trust_env=False) as c:
+            deadline = time.monotonic() + 120
+            while scrape(c)[("vllm:num_requests_running", frozenset())] < 2:
+                assert time.monotonic() < deadline, "the two requests never ran together"
+                time.sleep(0.1)
+        t0 = time.monotonic()
+        code = server.stop()
+        for t in threads:
+            t.join(120)
+        assert code == 0, server.log()
+        assert time.monotonic() - t0 < 60
+    r = results["plain"]
+    assert r.status_code == 503 and r.headers["content-type"] == "application/json", r.text
+    err = r.json()["error"]
+    assert "--shutdown-timeout" in err["message"] and err["code"] == 503, err
+    status, lines = results["stream"]
+    events = sse(lines)  # ends with data: [DONE]
+    assert status == 200 and events[-1]["choices"] == []  # the usage chunk, as asked
+    assert events[-2]["choices"][0]["finish_reason"] == "abort", events[-3:]
+    assert 0 < events[-1]["usage"]["completion_tokens"] < 700
+
+
+def test_cancelled_by_uvicorn_still_answers():
+    """The backstop when uvicorn's own timeout cancels a request task: a JSON 503 before the
+    response started; in a stream, the final abort chunk and [DONE] the route left."""
+
+    async def run(inner):
+        sent = []
+
+        async def send(m):
+            sent.append(m)
+
+        async def receive():
+            await asyncio.sleep(3600)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "state": {}}
+        task = asyncio.ensure_future(_CancelledAtShutdown(inner)(scope, receive, send))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return sent
+
+    async def waiting(scope, receive, send):
+        await asyncio.sleep(3600)
+
+    async def streaming(scope, receive, send):
+        scope["state"]["sse_tail"] = b'data: {"x": "abort"}\n\ndata: [DONE]\n\n'
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        await asyncio.sleep(3600)
+
+    sent = asyncio.run(run(waiting))
+    assert sent[0]["status"] == 503 and (b"content-type", b"application/json") in sent[0]["headers"]
+    err = json.loads(sent[1]["body"])["error"]
+    assert err["code"] == 503 and "--shutdown-timeout" in err["message"]
+    sent = asyncio.run(run(streaming))
+    assert sent[-1] == {
+        "type": "http.response.body",
+        "body": b'data: {"x": "abort"}\n\ndata: [DONE]\n\n',
+    }
+
+
+# ---------------------------------------------------------------------- in process
+
+
+@pytest.fixture(scope="module")
+def pipe(cb_artifacts):
+    return dflash_qaic.load(cb_artifacts, threads=1)
+
+
+def test_tokenizing_runs_off_the_event_loop(pipe):
+    """A text prompt that takes seconds to tokenize (one the length bound cannot refuse: the
+    bound is switched off here) holds up neither /health nor another client's request."""
+    engine = Engine(pipe, max_queue=4)
+    app = create_app(engine, "m", copy.deepcopy(pipe.tokenizer))
+    app.state.frontend.chars_per_token = None  # as a tokenizer that gives no bound
+    text = "def f(x): return x + 1\n" * (600_000 // 24)
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
+            slow = asyncio.ensure_future(
+                c.post("/v1/completions", json={"prompt": text, "max_tokens": 2})
+            )
+            await asyncio.sleep(0.2)
+            times = []
+            while not slow.done():
+                t0 = time.perf_counter()
+                assert (await c.get("/health")).status_code == 200
+                times.append(time.perf_counter() - t0)
+                ids = await c.post("/v1/completions", json={"prompt": [65, 66], "max_tokens": 1})
+                assert ids.status_code == 200, ids.text
+                await asyncio.sleep(0.05)
+            return times, await slow
+
+    engine.start()
+    try:
+        times, r = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert r.status_code == 400 and "tokens but this model takes at most" in r.text, r.text
+    assert len(times) >= 3 and max(times) < 1.0, times
+
+
+def test_prompt_length_bound(pipe):
+    """L = the longest token's length: every text of n characters has ≥ ⌈n / L⌉ tokens; a
+    tokenizer part that can delete text (here a Strip normalizer) gives no bound."""
+    from tokenizers import normalizers
+
+    tok = pipe.tokenizer
+    L = longest_token_chars(tok)
+    vocab = tok.backend_tokenizer.get_vocab(with_added_tokens=True)
+    assert L == max(len(t) for t in vocab) and L > 1
+    rng = random.Random(0)
+    words = [t for t in vocab if t.isascii()] + PROMPTS
+    for _ in range(200):
+        text = "".join(rng.choice(words) for _ in range(rng.randint(1, 40)))
+        assert len(tok(text)["input_ids"]) >= math.ceil(len(text) / L), text
+    strip = copy.deepcopy(tok)
+    strip.backend_tokenizer.normalizer = normalizers.Strip()
+    assert longest_token_chars(strip) is None
