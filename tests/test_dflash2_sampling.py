@@ -106,3 +106,43 @@ def test_greedy_rows_and_rows_without_proposal():
     p1 = torch.softmax(logits[1], 0).numpy()
     assert gof_pvalue([gof(out[1::2, 1].numpy(), p1)]) > 1e-3
     assert np.unique(out[1::2, 1].numpy()).size > 3
+
+
+class _Verify(torch.nn.Module):
+    def forward(self, logits, ids, pos, temperature, top_k, top_p, u, q_ids, q_probs):
+        return sample_next_tokens(
+            logits, ids, pos, temperature, top_k, top_p, u, V, q_ids=q_ids, q_probs=q_probs
+        )
+
+
+def test_q_aware_sampler_exports_without_control_flow(tmp_path):
+    """Traced to ONNX as the target program traces it (opset 17, no Loop/Scan/If), ONNX Runtime
+    returns the tokens torch returns, for 3-row verify calls with 2 q rows."""
+    import onnx
+    import onnxruntime as ort
+
+    gen = torch.Generator().manual_seed(9)
+    n, s = 64, 3
+    logits = torch.randn(n, s, V, generator=gen) * 1.5
+    ids = torch.randint(0, V, (n, s), generator=gen)
+    pos = torch.arange(s).expand(n, s).clone()
+    pos[::5, -1] = -1  # some rows padded: no proposal for the row before
+    t = torch.rand(n, generator=gen) + 0.3
+    t[::4] = 0.0
+    top_k, top_p = torch.zeros(n, dtype=torch.long), torch.ones(n)
+    u = torch.rand(n, s, 2, generator=gen)
+    q_ids = torch.stack([torch.randperm(V, generator=gen)[:K] for _ in range(n * 2)]).view(n, 2, K)
+    q_ids[:, :, 0] = ids[:, 1:]  # each proposal is among its candidates
+    q_probs = torch.softmax(torch.randn(n, 2, K, generator=gen), -1)
+    args = (logits, ids, pos, t, top_k, top_p, u, q_ids, q_probs)
+    names = ["logits", "ids", "pos", "t", "top_k", "top_p", "u", "q_ids", "q_probs"]
+    path = tmp_path / "verify.onnx"
+    torch.onnx.export(
+        _Verify(), args, str(path), input_names=names, output_names=["next_tokens"],
+        opset_version=17, dynamo=False,
+    )  # fmt: skip
+    ops = {node.op_type for node in onnx.load(str(path)).graph.node}
+    assert not ops & {"Loop", "Scan", "If"}, ops
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = sess.run(None, {k: v.numpy() for k, v in zip(names, args)})[0]
+    np.testing.assert_array_equal(got, _Verify()(*args).numpy())
