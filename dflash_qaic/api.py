@@ -1,12 +1,14 @@
-"""The Python export and compile API (QEfficient-like), reached as `dflash_qaic.export(...)`
-and `dflash_qaic.compile(...)`: the packages `dflash_qaic.export` and `dflash_qaic.compile` are
-callable and call these functions (see their `__init__`)."""
+"""The Python export and compile API (QEfficient-like): `dflash_qaic.export(...)` and
+`dflash_qaic.compile(...)`, plain functions whose keyword arguments are the options declared in
+dflash_qaic/export/options.py (the same table as `dflash-export`'s flags and the recipe keys).
+Progress goes to the `dflash_qaic` logger (`logging.basicConfig(level=logging.INFO)` shows it).
+"""
 
 from __future__ import annotations
 
+import inspect
 import os
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dflash_qaic.extras import require
 
@@ -15,116 +17,70 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def export(
-    target: str | os.PathLike,
-    draft: str | os.PathLike,
-    out: str | os.PathLike,
-    *,
-    block_size: int | None = None,
-    num_speculative_tokens: int | None = None,
-    prefill_seq_len: int = 128,
-    ctx_len: int = 4096,
-    batch_size: int = 1,
-    full_batch_size: int | None = None,
-    comp_ctx_lengths: list[int] | None = None,
-    verify_lengths: list[int] | None = None,
-    emit_logits: bool = False,
-    sampling: bool = True,
-    fp16_check: bool = True,
-    compile: bool = True,
-    qpc_config: str | os.PathLike = "ai100_fp16",
-    num_cores: int | None = None,
-    num_devices: int | None = None,
-    mxfp6_matmul: bool | None = None,
-    mxint8_kv_cache: bool | None = None,
-    mos: int | None = None,
-    aic_enable_depth_first: bool | None = None,
-    compile_timeout: float | None = None,
-    progress: Callable[[str], None] | None = None,
+    target: str | os.PathLike, draft: str | os.PathLike, out: str | os.PathLike, **options: Any
 ) -> Manifest:
     """Export a target + DFlash draft pair to an artifacts directory (`dflash-export` in Python).
 
     target, draft: local checkpoint directories (Hugging Face target; z-lab DFlash draft).
     out: the artifacts directory; written as a transaction (a previous good directory survives
         any failure), refused when it holds files the exporter did not write.
-    block_size / num_speculative_tokens: B, or N = B − 1 as QEfficient and vLLM say it
-        (default: the draft's block size); both given must agree.
-    prefill_seq_len, ctx_len, batch_size: the prefill chunk C (and C/4 beside it when that
-        exceeds B: a prompt's rest takes the fewest rows), KV slots and batch (1).
-    full_batch_size: continuous batching with N cache rows, N sequences at once (None: off).
-    comp_ctx_lengths: the attention windows, ascending, ending at ctx_len (None: ctx_len / 8,
-        / 4, / 2 and ctx_len); each call reads the smallest one holding its positions.
-    verify_lengths: the verify calls' row counts, ascending, ending at the block size (None:
-        B/4, B/2, B); each step verifies the head of the block worth verifying (README).
-    emit_logits: also output full logits; sampling: False = a greedy-only target program;
-    fp16_check: run the fp16 graph check; compile: False = ONNX only.
-    qpc_config: a compile profile name or YAML path; num_cores (the target's), num_devices,
-        mxfp6_matmul, mxint8_kv_cache, mos, aic_enable_depth_first, compile_timeout (seconds)
-        override it, with QEfficient's names.
-    progress: called with one-line progress messages (default: silent).
+    options: keyword arguments named as the flags (`ctx_len=4096` is `--ctx-len 4096`,
+        `compile=False` is `--no-compile`), listed below with their defaults; a wrong name is a
+        TypeError, a wrong value an ExportError naming it.
     Returns the typed manifest. Raises `ExportError`, `CheckpointError`, `ProfileError` or
     `CompileError` (all with a message naming the problem and the fix); `MissingExtraError`
     without the `export` extra (pip install 'dflash-qaic[export]').
     """
     require("export", "dflash_qaic.export")
-    from dflash_qaic.compile.profiles import CompileOverrides
-    from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
-    from dflash_qaic.export.cli import block_size as _block_size
+    from dflash_qaic.export.artifacts import build_artifacts
+    from dflash_qaic.export.options import ExportOptions
 
-    options = ExportOptions(
-        block_size=_block_size(block_size, num_speculative_tokens),
-        prefill_seq_len=prefill_seq_len,
-        ctx_len=ctx_len,
-        batch_size=batch_size,
-        full_batch_size=full_batch_size,
-        comp_ctx_lengths=comp_ctx_lengths,
-        verify_lengths=verify_lengths,
-        emit_logits=emit_logits,
-        sampling=sampling,
-        qpc_config=qpc_config,
-        compile=compile,
-        fp16_check=fp16_check,
-        compile_overrides=CompileOverrides(
-            num_cores=num_cores,
-            mxfp6_matmul=mxfp6_matmul,
-            mxint8_kv_cache=mxint8_kv_cache,
-            num_devices=num_devices,
-            mos=mos,
-            aic_enable_depth_first=aic_enable_depth_first,
-            timeout_s=compile_timeout,
-        ),
-    )
-    res = build_artifacts(target, draft, out, options, progress=progress or (lambda _m: None))
-    return res.manifest
+    opts = ExportOptions.from_kwargs(options)
+    return build_artifacts(target, draft, out, opts).manifest
 
 
-def compile(  # noqa: A001 - QEfficient's name
-    artifacts_dir: str | os.PathLike,
-    *,
-    qpc_config: str | os.PathLike | None = None,
-    num_cores: int | None = None,
-    num_devices: int | None = None,
-    mxfp6_matmul: bool | None = None,
-    mxint8_kv_cache: bool | None = None,
-    mos: int | None = None,
-    aic_enable_depth_first: bool | None = None,
-    compile_timeout: float | None = None,
-    progress: Callable[[str], None] | None = None,
-) -> Manifest:
+def compile(artifacts_dir: str | os.PathLike, **options: Any) -> Manifest:  # noqa: A001
     """Compile the programs of an artifacts directory to QPCs (e.g. one exported with
-    `compile=False` elsewhere and copied to an AI100 host). Options as in `export`; the
-    manifest is rewritten as a transaction. Returns the typed manifest."""
+    `compile=False` elsewhere and copied to an AI100 host). Options: `qpc_config` and the
+    compile options of `export` (listed below); the manifest is rewritten as a transaction.
+    Logs where it looked for the compiler. Returns the typed manifest; `MissingExtraError`
+    without the `export` extra."""
     require("export", "dflash_qaic.compile")
-    from dflash_qaic.compile.profiles import CompileOverrides
     from dflash_qaic.export.artifacts import compile_artifacts
+    from dflash_qaic.export.options import compile_kwargs
 
-    overrides = CompileOverrides(
-        num_cores=num_cores,
-        mxfp6_matmul=mxfp6_matmul,
-        mxint8_kv_cache=mxint8_kv_cache,
-        num_devices=num_devices,
-        mos=mos,
-        aic_enable_depth_first=aic_enable_depth_first,
-        timeout_s=compile_timeout,
+    qpc_config, overrides = compile_kwargs(options)
+    return compile_artifacts(artifacts_dir, qpc_config, overrides).manifest
+
+
+def _document() -> None:
+    """Give both functions the options' signature and a line per option (from the table)."""
+    from dflash_qaic.export import options as table
+
+    def params(names, defaults=None):
+        return [
+            inspect.Parameter(
+                n,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=(defaults or {}).get(n, table.default(n)),
+            )
+            for n in names
+        ]
+
+    def lines(names) -> str:
+        out = []
+        for n in names:
+            meta = table._meta(n)
+            out.append(f"    {n} ({meta.kind}, default {table.default(n)!r}): {meta.help}")
+        return "\n".join(out)
+
+    P = inspect.Parameter
+    head = [P(n, P.POSITIONAL_OR_KEYWORD) for n in ("target", "draft", "out")]
+    names = table.names()
+    export.__signature__ = inspect.Signature(head + params(names))
+    export.__doc__ += "\n    Options:\n" + lines(names) + "\n"
+    cnames = ["qpc_config", *table.names(("compile",))]
+    compile.__signature__ = inspect.Signature(
+        [P("artifacts_dir", P.POSITIONAL_OR_KEYWORD)] + params(cnames, {"qpc_config": None})
     )
-    say = progress or (lambda _m: None)
-    return compile_artifacts(artifacts_dir, qpc_config, overrides, progress=say).manifest
+    compile.__doc__ += "\n    Options:\n" + lines(cnames) + "\n"

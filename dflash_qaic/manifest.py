@@ -3,8 +3,10 @@
 The exporter writes it last; a directory without a complete, valid manifest is not an artifact.
 `Manifest.from_json` validates every value (a malformed one is an `ArtifactsError` naming the
 field, never a traceback), and `read_manifest` also checks that every path stays inside the
-artifacts directory and that every file it names has its recorded size (and, for small files or
-with `verify="full"`, its recorded sha256). Paths are relative, so the directory can be moved.
+artifacts directory and that every file it names has its recorded size and sha256 (`verify`:
+"fast" takes the sha256 of a file verified before from the cache of verified files, see
+`dflash_qaic.files`; "full" hashes every file again). Paths are relative, so the directory can
+be moved.
 
 Program facts carry the contract's own I/O object (`contract.TargetIO` / `contract.DraftIO`);
 the JSON form also lists the expanded inputs and outputs for readers of the raw file, and
@@ -13,93 +15,50 @@ the JSON form also lists the expanded inputs and outputs for readers of the raw 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import tempfile
-from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from dflash_qaic import contract
+from dflash_qaic.compile.qpc import QpcRecord
+from dflash_qaic.files import (
+    ArtifactsError,
+    VerifiedFiles,
+    check_sha256,
+    inside,
+    plain,
+    sha256_file,
+    write_json_atomic,
+)
 
 FORMAT = "dflash-qaic-artifacts"
 VERSION = 3  # 3: the shape plan as typed fields (earlier versions are refused: re-export)
 NAME = "manifest.json"
-#: at load, files up to this size are hashed; larger ones (weights, QPCs) are size-checked only
-#: (docs/DESIGN.md, Artifacts: full hashes run at export, at reuse and with verify="full")
-HASH_AT_LOAD_BYTES = 64 << 20
+#: "fast": every size, and every sha256 (from the cache of verified files when the file is
+#: unchanged since it was last hashed); "full": every sha256 hashed now; "none": existence only
 VERIFY_MODES = ("fast", "full", "none")
 INT64_MAX = 2**63 - 1
 
 
-class ArtifactsError(ValueError):
-    """An artifacts directory is missing, incomplete, damaged or from another version."""
+def add_verify_argument(parser) -> None:
+    """`--verify fast|full` of the commands that load artifacts (dflash-run, -serve, -bench)."""
+    parser.add_argument(
+        "--verify",
+        choices=("fast", "full"),
+        default="fast",
+        help="check of the artifact files before the first token: fast (default) checks every "
+        "file's size and sha256, taking the sha256 of a file unchanged since it was last "
+        "verified (same inode, size, mtime and ctime) from a cache, so only new or changed "
+        "files are hashed; full hashes every file now (docs/DESIGN.md, Artifacts)",
+    )
 
 
-# ---------------------------------------------------------------------------------------------
-# files
+HASH_THREADS = 4  # files hashed at once (hashlib drops the GIL; one file is one thread)
 
-
-def umask() -> int:
-    """The process umask (read without changing it for longer than a call)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def fix_mode(path: str | os.PathLike, directory: bool = False) -> None:
-    """Give a file made by `tempfile` (0600 / 0700) the mode a plain `open` would have given."""
-    os.chmod(path, (0o777 if directory else 0o666) & ~umask())
-
-
-def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    """Write JSON to a temp file beside `path` (umask permissions), fsync, then rename over it."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=False, allow_nan=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        fix_mode(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _plain(rel: str) -> bool:
-    p = PurePosixPath(rel)
-    return bool(rel) and not p.is_absolute() and ".." not in p.parts and "\\" not in rel
-
-
-def inside(root: str | os.PathLike, rel: str, what: str = "path") -> Path:
-    """`root/rel`, refusing anything that leaves `root` (absolute, `..`, symlinks out)."""
-    root = Path(root)
-    if not isinstance(rel, str) or not _plain(rel):
-        raise ArtifactsError(
-            f"{root / NAME}: {what} {rel!r} is not a plain relative path inside the artifacts "
-            "directory; refusing it (re-run dflash-export to write a clean manifest)"
-        )
-    full = root / rel
-    real_root = root.resolve()
-    if not full.resolve().is_relative_to(real_root):
-        raise ArtifactsError(
-            f"{root / NAME}: {what} {rel!r} resolves to {full.resolve()}, outside {real_root} "
-            "(a symlink out of the artifacts directory); refusing it"
-        )
-    return full
+__all__ = ["ArtifactsError", "Manifest", "Program", "FileRecord", "QpcRecord", "inside"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +112,7 @@ class _Check:
     def relpath(self, name: str, default: Any = ..., optional: bool = False) -> Any:
         """A plain relative path (no `..`, not absolute): it must name something inside."""
         v = self.str(name, default, optional)
-        if v is not None and not _plain(v):
+        if v is not None and not plain(v):
             self.fail(
                 self.key(name),
                 f"{v!r} is not a plain relative path inside the artifacts directory; refusing it",
@@ -219,50 +178,25 @@ class FileRecord:
         return cls(c.relpath("path"), c.int("size"), digest)
 
 
-@dataclass(frozen=True)
-class QpcRecord:
-    """One compiled (or to-be-compiled) QPC of a program (see `compile.qpc.QpcBuild`)."""
-
-    part: str
-    specializations: tuple[str, ...]
-    key: str
-    dir: str
-    qpc: str
-    command: str
-    num_cores: int
-    device_ids: tuple[int, ...]
-    tensor_slicing: int | None
-    status: str  # "built" | "cached" | "skipped"
-
-    @property
-    def ready(self) -> bool:
-        return self.status != "skipped"
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        d["specializations"], d["device_ids"] = list(self.specializations), list(self.device_ids)
-        return d
-
-    @classmethod
-    def from_json(cls, c: _Check) -> QpcRecord:
-        names = c.list("specializations")
-        if not all(isinstance(n, str) for n in names):
-            c.fail(c.key("specializations"), f"must be a list of names, got {names!r}")
-        status = c.str("status")
-        if status not in ("built", "cached", "skipped"):
-            c.fail(c.key("status"), f"must be built, cached or skipped, got {status!r}")
-        return cls(
-            part=c.str("part"),
-            specializations=tuple(names),
-            key=c.str("key"),
-            dir=c.relpath("dir"),
-            qpc=c.relpath("qpc"),
-            command=c.str("command"),
-            num_cores=c.int("num_cores", 1, 1024),
-            device_ids=c.ints("device_ids", 0, 1 << 16),
-            tensor_slicing=c.int("tensor_slicing", 1, 1024, default=None),
-            status=status,
-        )
+def _qpc_record(c: _Check) -> QpcRecord:
+    names = c.list("specializations")
+    if not all(isinstance(n, str) for n in names):
+        c.fail(c.key("specializations"), f"must be a list of names, got {names!r}")
+    status = c.str("status")
+    if status not in ("built", "cached", "skipped"):
+        c.fail(c.key("status"), f"must be built, cached or skipped, got {status!r}")
+    return QpcRecord(
+        part=c.str("part"),
+        specializations=tuple(names),
+        key=c.str("key"),
+        dir=c.relpath("dir"),
+        qpc=c.relpath("qpc"),
+        command=c.str("command"),
+        num_cores=c.int("num_cores", 1, 1024),
+        device_ids=c.ints("device_ids", 0, 1 << 16),
+        tensor_slicing=c.int("tensor_slicing", 1, 1024, default=None),
+        status=status,
+    )
 
 
 _TARGET_IO = ("n_layers", "n_kv_heads", "head_dim", "hidden_size", "vocab_size")
@@ -322,6 +256,16 @@ class Program:
         }
 
     @classmethod
+    def from_facts(cls, kind: str, facts: dict, root: Path) -> Program:
+        """The program an exporter describes (`export.onnx_export.program_facts`), its paths
+        made relative to the artifacts directory `root`."""
+        facts = dict(facts)
+        facts["onnx"] = str(Path(facts.pop("path")).relative_to(root))
+        data = facts.pop("external_data")
+        facts["external_data"] = str(Path(data).relative_to(root)) if data else None
+        return cls.from_json(_Check(f"the exported {kind} program", facts), kind)
+
+    @classmethod
     def from_json(cls, c: _Check, kind: str) -> Program:
         dims = {k: c.int(k, 1, 1 << 24) for k in _TARGET_IO}
         cb = c.bool("continuous_batching")
@@ -352,7 +296,7 @@ class Program:
             want = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]
             if c.get(which, want) != want:
                 c.fail(c.key(which), "do not match the I/O contract of this dflash-qaic version")
-        qpcs = tuple(QpcRecord.from_json(c.sub(q, "qpc[]")) for q in c.list("qpc", []))
+        qpcs = tuple(_qpc_record(c.sub(q, "qpc[]")) for q in c.list("qpc", []))
         known = (
             {f.name for f in fields(cls)}
             | set(dims)
@@ -611,15 +555,13 @@ def _no_constant(name: str):
     raise ValueError(f"non-finite number {name}")
 
 
-def read_manifest(
-    artifacts_dir: str | os.PathLike,
-    verify: str = "fast",
-    progress: Callable[[str], None] | None = None,
-) -> Manifest:
+def read_manifest(artifacts_dir: str | os.PathLike, verify: str = "fast") -> Manifest:
     """Read, validate and verify the manifest of an artifacts directory.
 
-    verify: "fast" (default) checks the size of every recorded file and the sha256 of files up
-        to HASH_AT_LOAD_BYTES; "full" hashes every file; "none" checks only that the files exist.
+    verify: "fast" (default) checks every recorded file's size and sha256, taking the sha256
+        of a file unchanged since it was last verified from the cache of verified files (the
+        first load of a new directory hashes what its exporter did not); "full" hashes every
+        file now; "none" checks only that the files exist.
     """
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
@@ -632,29 +574,40 @@ def read_manifest(
         ]
     for what, rel in paths:
         inside(d, rel, what)
-    for rec in m.files:
-        verify_file(d, rec, verify, progress)
+    verify_files(d, m.files, verify)
     return m
 
 
-def verify_file(root: Path, rec: FileRecord, mode: str, progress=None) -> None:
-    f = inside(root, rec.path, "file")
+def verify_files(root: Path, records, mode: str) -> None:
+    """Every recorded file exists with its size (all of them first: a truncation fails at
+    once), then its sha256 (mode "fast": cached when unchanged; "full": hashed), several files
+    at a time. ArtifactsError naming the first damaged file."""
     fix = f"re-run `dflash-export --out {root}` (it rebuilds damaged programs)"
-    if not f.is_file():
-        raise ArtifactsError(f"{root} is damaged: {rec.path} is missing; {fix}")
+    for rec in records:
+        f = inside(root, rec.path, "file")
+        if not f.is_file():
+            raise ArtifactsError(f"{root} is damaged: {rec.path} is missing; {fix}")
+        if mode == "none":
+            continue
+        size = f.stat().st_size
+        if size != rec.size:
+            raise ArtifactsError(
+                f"{root} is damaged: {rec.path} has {size} bytes, the manifest recorded "
+                f"{rec.size} (truncated or replaced); {fix}"
+            )
     if mode == "none":
         return
-    size = f.stat().st_size
-    if size != rec.size:
-        raise ArtifactsError(
-            f"{root} is damaged: {rec.path} has {size} bytes, the manifest recorded {rec.size} "
-            f"(truncated or replaced); {fix}"
+    cache = VerifiedFiles()
+    big_first = sorted(records, key=lambda r: -r.size)
+    with ThreadPoolExecutor(min(HASH_THREADS, os.cpu_count() or 1)) as pool:
+        ok = pool.map(
+            lambda r: check_sha256(root / r.path, r.sha256, cache, mode == "fast"), big_first
         )
-    if mode == "full" or size <= HASH_AT_LOAD_BYTES:
-        if progress and size > HASH_AT_LOAD_BYTES:
-            progress(f"verifying {rec.path} ({size / 1e9:.1f} GB)")
-        if sha256_file(f) != rec.sha256:
-            raise ArtifactsError(
-                f"{root} is damaged: {rec.path} does not match its recorded sha256 "
-                f"(changed after export); {fix}"
-            )
+        bad = [r.path for r, good in zip(big_first, ok) if not good]
+    cache.save()
+    if bad:
+        raise ArtifactsError(
+            f"{root} is damaged: {', '.join(sorted(bad))} "
+            f"{'does not match its' if len(bad) == 1 else 'do not match their'} recorded sha256 "
+            f"(the bytes changed after export); {fix}"
+        )

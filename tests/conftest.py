@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 
 import pytest
 
 from dflash_lab.tiny import make_tiny_pair
+
+# the cache of verified artifact files (dflash_qaic/files.py): one per test run, not the user's
+os.environ.setdefault("DFLASH_QAIC_CACHE_DIR", tempfile.mkdtemp(prefix="dflash-qaic-cache-"))
 
 
 def _key(kw: dict) -> str:

@@ -56,7 +56,7 @@ def built(tiny_pair, tmp_path_factory):
                 full_batch_size=full_batch_size,
                 sampling=sampling,
             )
-            build_artifacts(t, d, out, opts, progress=lambda m: None)
+            build_artifacts(t, d, out, opts)
             cache[key] = (t, d, out, ck.load_target_model(t))
         return cache[key]
 
@@ -249,7 +249,7 @@ def test_stops_and_context_end_inside_a_batch(tiny_pair, tmp_path):
         family="qwen3", block_size=8, agree=1.25, tie_word_embeddings=False, target_layer_ids=[1, 3]
     )
     opts = ExportOptions(prefill_seq_len=8, ctx_len=40, compile=False, full_batch_size=2)
-    build_artifacts(t, d, tmp_path, opts, progress=lambda m: None)
+    build_artifacts(t, d, tmp_path, opts)
     pipe = dflash_qaic.load(tmp_path)
     model = ck.load_target_model(t)
     long = prompt(10, 3)
@@ -318,9 +318,7 @@ def test_standin_batches_prompts_over_two_prefill_lengths(built, planned_chunks)
 
 def test_artifacts_without_batching_run_a_list_one_by_one(built, tiny_pair, tmp_path):
     t, d, _, model = built(*CONFIGS[0])
-    build_artifacts(
-        t, d, tmp_path, ExportOptions(prefill_seq_len=8, ctx_len=160, compile=False), lambda m: None
-    )
+    build_artifacts(t, d, tmp_path, ExportOptions(prefill_seq_len=8, ctx_len=160, compile=False))
     pipe = dflash_qaic.load(tmp_path)
     assert pipe.full_batch_size == 1
     prompts = [prompt(6, 7), prompt(11, 8)]
@@ -406,7 +404,7 @@ def test_small_single_sequence_programs_run_on_one_thread(built, tmp_path):
     assert dflash_qaic.load(art).threads is None  # batched calls: ONNX Runtime's default
     assert dflash_qaic.load(art, threads=2).threads == 2
     opts = ExportOptions(prefill_seq_len=8, ctx_len=160, compile=False)
-    build_artifacts(t, d, tmp_path, opts, progress=lambda m: None)
+    build_artifacts(t, d, tmp_path, opts)
     assert dflash_qaic.load(tmp_path).threads == 1  # tiny ops: a second thread costs more
 
 

@@ -235,7 +235,7 @@ def tiny_artifacts(tiny_pair, tmp_path_factory):
     t, d = tiny_pair(family="qwen3", agree=1.25, block_size=8, target_layer_ids=[1, 3])
     out = tmp_path_factory.mktemp("bench-art")
     opts = ExportOptions(prefill_seq_len=16, ctx_len=256, compile=False, fp16_check=False)
-    build_artifacts(t, d, out, opts, progress=lambda _m: None)
+    build_artifacts(t, d, out, opts)
     return out
 
 

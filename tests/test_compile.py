@@ -517,12 +517,13 @@ def test_no_compiler_writes_inputs(name, art, no_compiler):
         assert [q.part for q in res.qpcs] == expected_parts
         for q in res.qpcs:
             spec_text, io_text = FILES[name][(program, q.part)]
+            qdir = art / q.dir  # paths relative to the artifacts directory
             assert q.status == "skipped"
-            assert q.dir.parent == art / program and q.dir.name == f"qpc-{q.key}"
+            assert qdir.parent == art / program and qdir.name == f"qpc-{q.key}"
             assert len(q.key) == 16 and int(q.key, 16) >= 0
-            assert (q.dir / "specializations.json").read_text() == spec_text
-            assert (q.dir / "custom_io.yaml").read_text() == io_text
-            assert (q.dir / "compile.cmd").read_text() == q.command_line + "\n"
+            assert (qdir / "specializations.json").read_text() == spec_text
+            assert (qdir / "custom_io.yaml").read_text() == io_text
+            assert (qdir / "compile.cmd").read_text() == q.command + "\n"
             # the command is the pinned one, with paths relative to the artifacts directory
             # (so the directory can be copied to an AI100 host) and the SDK's compiler
             pinned = COMMANDS[(name, program, q.part)]
@@ -530,13 +531,13 @@ def test_no_compiler_writes_inputs(name, art, no_compiler):
             pinned = pinned.replace(f"/art/{program}/{program}.onnx", f"{program}/{program}.onnx")
             # (the fixture points the SDK directory at an empty one, so no real compiler is found)
             pinned = pinned.replace(SDK, str(qpc.SDK_EXEC_DIR / "qaic-compile"))
-            assert q.command_line == pinned
+            assert q.command == pinned
             has_mdp = q.tensor_slicing is not None and q.tensor_slicing > 1
-            assert (q.dir / "mdp.json").exists() == has_mdp
+            assert (qdir / "mdp.json").exists() == has_mdp
             if has_mdp:
-                assert (q.dir / "mdp.json").read_text() == MDP_4x12
-            assert not q.qpc_path.exists()
-        assert res.commands == [q.command_line for q in res.qpcs]
+                assert (qdir / "mdp.json").read_text() == MDP_4x12
+            assert not (art / q.qpc).exists()
+        assert res.commands == [q.command for q in res.qpcs]
         assert "On an AI100 host, in the artifacts directory, run:" in res.summary()
         # the result lists every specialization exactly once
         served = [s for q in res.qpcs for s in q.specializations]
@@ -592,12 +593,12 @@ def test_disaggregated_profile_is_refused(tmp_path, target, keys, fix):
 def test_one_qpc_per_program_for_manifest(art, no_compiler):
     res = compile_target(art, load_profile("ai100_split"))
     (only,) = res.qpcs
-    assert res.qpc is only and res.qpc_path == only.qpc_path and res.key == only.key
+    assert res.qpc is only and res.qpc_path == art / only.qpc and res.key == only.key
     assert only.device_ids == (0,) and only.num_cores == 16
-    data = res.to_dict(relative_to=art)
+    data = [q.to_json() for q in res.qpcs]
     json.dumps(data)
     # the manifest's QpcRecord format is unchanged: `part` stays, and is "all"
-    (record,) = data["qpcs"]
+    (record,) = data
     assert record["part"] == "all"
     assert record["specializations"] == ["Prefill[8]", "Prefill", "Verify", "Decode"]
     assert record["qpc"] == f"target/qpc-{only.key}/qpc"
@@ -618,10 +619,11 @@ def test_older_sdk_flat_profile(art, no_compiler):
 # compile_program with a (fake) compiler
 
 
-def test_invocation_and_cache(art, fake_compiler):
+def test_invocation_and_cache(art, fake_compiler, caplog):
     profile = load_profile("ai100_fp16")
-    messages: list[str] = []
-    res = compile_target(art, profile, progress=messages.append)
+    caplog.set_level("INFO", logger="dflash_qaic")
+    res = compile_target(art, profile)
+    messages = [r.getMessage() for r in caplog.records]
     assert [q.status for q in res.qpcs] == ["built"] and not res.cached and not res.skipped
     assert res.compiler == fake_compiler.script and res.ready
     (argv,) = fake_compiler()

@@ -56,6 +56,9 @@ def test_export_without_compiler_then_reuse(pair, tmp_path, capsys, no_compiler)
     m = json.loads((out / "manifest.json").read_text())
     assert (out / m["target"]["onnx"]).is_file() and (out / m["draft"]["onnx"]).is_file()
     assert m["block_size"] == 8 and m["ctx_len"] == 64 and m["target_layer_ids"] == [1, 3]
+    n = m["specialization_count"]
+    assert n == {"target": len(m["target"]["specializations"]), "draft": 2 * 3}
+    assert f"specializations: target {n['target']}, draft {n['draft']}" in stdout
     line = [s for s in stdout.splitlines() if s.startswith("compilation skipped")]
     assert line and "$QAIC_COMPILER (not set)" in line[0]
     assert "-network-specialization-config=" in stdout and "-retained-state" in stdout
@@ -112,7 +115,7 @@ def test_interrupted_export_keeps_the_previous_artifact(pair, tmp_path, monkeypa
     out = tmp_path / "art"
     assert main(["--target", str(t), "--draft", str(d), "--out", str(out), *SMALL]) == 0
     before = snapshot(out)
-    import dflash_qaic.export.draft as draft_mod
+    from dflash_qaic.export import draft as draft_mod
 
     def boom(*a, **k):
         raise KeyboardInterrupt

@@ -317,7 +317,7 @@ def test_greedy_loop_under_fp16_faithful_programs(tiny_pair, tmp_path, family):
     t, d, model = massive_pair(tiny_pair, tmp_path, family, prompts, 3500.0)
     out = tmp_path / "art"
     m = build_artifacts(
-        t, d, out, ExportOptions(prefill_seq_len=8, ctx_len=64, compile=False), lambda s: None
+        t, d, out, ExportOptions(prefill_seq_len=8, ctx_len=64, compile=False)
     ).manifest
     for prog in ("target", "draft"):
         faithful = m[prog]["check"]["fp16_faithful"]

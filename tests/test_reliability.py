@@ -100,7 +100,7 @@ def edit_json(path: Path, **changes) -> None:
 
 def test_failure_mid_export_keeps_previous(pair, good, capsys, monkeypatch):
     before = snapshot(good)
-    import dflash_qaic.export.draft as draft_mod
+    from dflash_qaic.export import draft as draft_mod
 
     def disk_full(*a, **k):
         raise OSError(28, "No space left on device", str(good / "draft" / "draft.onnx"))
@@ -247,7 +247,7 @@ def test_read_only_out_is_refused(pair, good, capsys):
 
 SLOW_DRAFT = """\
 import os, sys, time
-import dflash_qaic.export.draft as d
+from dflash_qaic.export import draft as d
 orig = d.export_draft
 def slow(*a, **k):
     open(os.environ["MARK"], "w").close()

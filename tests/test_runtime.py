@@ -42,7 +42,6 @@ def built(tiny_pair, tmp_path_factory):
                 d,
                 out,
                 ExportOptions(prefill_seq_len=chunk, ctx_len=ctx, compile=False),
-                progress=lambda m: None,
             )
             cache[key] = (t, d, out, ck.load_target_model(t))
         return cache[key]
@@ -297,7 +296,6 @@ def test_context_limit_stops_cleanly(tiny_pair, tmp_path):
         d,
         tmp_path,
         ExportOptions(prefill_seq_len=8, ctx_len=40, compile=False),
-        progress=lambda m: None,
     )
     pipe = dflash_qaic.load(tmp_path)
     model = ck.load_target_model(t)

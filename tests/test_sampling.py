@@ -80,7 +80,6 @@ def art(tiny_pair, tmp_path_factory):
         d,
         out,
         ExportOptions(prefill_seq_len=CHUNK, ctx_len=CTX, compile=False),
-        progress=lambda m: None,
     )
     return out, ck.load_target_model(t)
 

@@ -170,18 +170,15 @@ def test_non_finite_weight_refused_naming_file_and_tensor(pair, tmp_path, prog):
     _poke(info, float("nan"), ck.SAFETENSORS_DTYPES[info.dtype])
     opts = ExportOptions(ctx_len=48, prefill_seq_len=12, compile=False, fp16_check=False)
     with pytest.raises(ck.CheckpointError, match=rf"{info.file.name}: tensor `{info.name}`.*NaN"):
-        build_artifacts(t, d, tmp_path / "out", opts, progress=lambda _m: None)
+        build_artifacts(t, d, tmp_path / "out", opts)
 
 
 def test_build_artifacts_streams_and_reuses(pair, tmp_path):
     opts = ExportOptions(ctx_len=48, prefill_seq_len=12, compile=False, fp16_check=True)
-    steps = []
-    res = build_artifacts(pair.target.path, pair.draft.path, tmp_path, opts, progress=steps.append)
+    res = build_artifacts(pair.target.path, pair.draft.path, tmp_path, opts)
     m = res.manifest
     assert m["target"]["check"]["fp16_runs"] == 5  # tiny programs: the fp16 run is not skipped
-    again = build_artifacts(
-        pair.target.path, pair.draft.path, tmp_path, opts, progress=steps.append
-    )
+    again = build_artifacts(pair.target.path, pair.draft.path, tmp_path, opts)
     assert again.steps[0][:2] == ("export", "reused")
     assert again.manifest["input_hash"] == m["input_hash"]
 
@@ -213,7 +210,7 @@ def test_export_bench_on_a_small_preset(tmp_path, monkeypatch):
     small = dict(hidden_size=64, target_layers=6, intermediate_size=128, num_heads=4)
     small |= dict(num_kv_heads=2, head_dim=16, vocab_size=512, mask_token_id=511, draft_layers=2)
     monkeypatch.setitem(tiny.PRESETS, "small", small)
-    res = run_export_bench(["small"], tmp_path, ctx_len=160, verify_tokens=3, progress=print)
+    res = run_export_bench(["small"], tmp_path, ctx_len=160, verify_tokens=3)
     row = res["rows"][0]
     assert row["bytes_written"] > 4 * 512 * 64 and row["peak_rss_bytes"] > 0
     assert row["greedy_equal"] and len(row["hf_tokens"]) == 3

@@ -64,7 +64,7 @@ def built(tiny_pair, tmp_path_factory):
                 full_batch_size=full_batch_size,
                 emit_logits=emit_logits,
             )
-            build_artifacts(t, d, out, opts, progress=lambda m: None)
+            build_artifacts(t, d, out, opts)
             cache[key] = (out, ck.load_target_model(t))
         return cache[key]
 
@@ -112,14 +112,14 @@ def test_verify_lengths_option(built, tiny_pair, tmp_path):
         family="qwen3", block_size=B, agree=1.25, tie_word_embeddings=False, target_layer_ids=[1, 3]
     )
     opts = ExportOptions(prefill_seq_len=CHUNK, ctx_len=CTX, compile=False, verify_lengths=(8,))
-    m = build_artifacts(t, d, tmp_path / "one", opts, progress=lambda m: None).manifest
+    m = build_artifacts(t, d, tmp_path / "one", opts).manifest
     assert m.plan.verify_lengths == (8,)
     verify = [s for s in m.target.specializations if s["kind"] == contract.VERIFY]
     assert verify and all(s["symbols"][contract.SEQ] == 8 for s in verify)
     for bad in ((3, 5), (4, 4, 8), (1, 8), (8, 16)):
         opts = ExportOptions(prefill_seq_len=CHUNK, ctx_len=CTX, compile=False, verify_lengths=bad)
         with pytest.raises(ExportError, match="--verify-lengths: .*end at the block size 8"):
-            build_artifacts(t, d, tmp_path / "bad", opts, progress=lambda m: None)
+            build_artifacts(t, d, tmp_path / "bad", opts)
         assert not (tmp_path / "bad").exists()
     with pytest.raises(ExportError, match="--verify-lengths must be integers"):
         ExportOptions(verify_lengths=("4", 8))

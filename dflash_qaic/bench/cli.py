@@ -48,6 +48,8 @@ OPTIONS = [  # flag, type, default, help
 def common_parser(doc: str, artifacts: str, options) -> argparse.ArgumentParser:
     """A dflash-bench parser: the module's docstring as help, the artifacts argument, the
     backend, and `options` (flag, type, default, help)."""
+    from dflash_qaic.manifest import add_verify_argument
+
     p = argparse.ArgumentParser(
         prog="dflash-bench",
         description=doc.split("\n\n")[0],
@@ -56,6 +58,7 @@ def common_parser(doc: str, artifacts: str, options) -> argparse.ArgumentParser:
     )
     p.add_argument("artifacts", help=artifacts)
     p.add_argument("--backend", default="ort", choices=["ort", "qaic", "auto", "qaic-standin"])
+    add_verify_argument(p)
     for flag, typ, default, text in options:
         p.add_argument(flag, type=typ, default=default, help=f"{text} (default %(default)s)")
     p.add_argument("--debug", action="store_true", help="tracebacks on errors")
@@ -175,7 +178,12 @@ def bench(args, command: str, out, body) -> int:
 
     t0, started = time.perf_counter(), datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     machine = run.machine(args.threads)
-    pipe = dflash_qaic.load(args.artifacts, backend=args.backend, threads=args.ort_threads)
+    from dflash_qaic.logs import show
+
+    show(stream="stderr")
+    pipe = dflash_qaic.load(
+        args.artifacts, backend=args.backend, threads=args.ort_threads, verify=args.verify
+    )
     machine["ort_threads"] = pipe.threads  # None: ONNX Runtime's default
     _log(
         f"dflash-bench: loaded {args.artifacts} on {args.backend} ({pipe.threads or 'default'} threads)"

@@ -233,7 +233,7 @@ def _short_pipe(f: dict, ctx_len: int, chunk: int, out: str, threads: int):
         **keep, prefill_seq_len=chunk, ctx_len=ctx_len, compile=False, fp16_check=False
     )
     out = Path(out, "short")  # a directory of the exporter's own making
-    build_artifacts(*f["sources"].values(), out, opts, progress=lambda m: None)
+    build_artifacts(*f["sources"].values(), out, opts)
     return dflash_qaic.load(out, "ort", threads=threads, tokenizer=False)
 
 

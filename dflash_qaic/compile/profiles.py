@@ -54,8 +54,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 HW_VERSIONS = ("ai100",)
 KV_DTYPES = ("float16", "bfloat16", "mxint8")
 SPECIALIZATION_FORMATS = ("named", "flat")
@@ -196,23 +194,29 @@ class CompileProfile:
 # loading
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping (YAML would keep the last)."""
+def _unique_key_loader():
+    """A yaml SafeLoader that refuses a key given twice in one mapping (YAML would keep the
+    last). yaml is imported here: reading a manifest needs none of it."""
+    import yaml
 
+    class UniqueKeyLoader(yaml.SafeLoader):
+        pass
 
-def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False):
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark
-            )
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
+    def construct_mapping(loader, node, deep: bool = False):
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return loader.construct_mapping(node, deep=deep)
 
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+    UniqueKeyLoader.add_constructor(
+        yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping
+    )
+    return yaml, UniqueKeyLoader
 
 
 def available_profiles() -> list[str]:
@@ -241,8 +245,9 @@ def load_profile(name_or_path: str | os.PathLike[str] = DEFAULT_PROFILE) -> Comp
     """Load and validate a compile profile from a YAML file or a shipped profile's name."""
     path = find_profile(name_or_path)
     source = str(path)
+    yaml, loader = _unique_key_loader()
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=loader)
     except yaml.YAMLError as exc:
         raise ProfileError(f"{source}: not valid YAML: {exc}") from exc
     except OSError as exc:
@@ -306,8 +311,9 @@ def profile_from_dict(
 
 @dataclass(frozen=True)
 class CompileOverrides:
-    """Compile options given on the command line or to `dflash_qaic.export`, with QEfficient's
-    names; each one that is not None replaces the profile's value.
+    """Compile options given on the command line or to `dflash_qaic.export` / `compile`, with
+    QEfficient's names; each one that is not None replaces the profile's value (declared and
+    checked once, in dflash_qaic/export/options.py).
 
     num_cores: the target's cores per device (the draft keeps its profile's);
     mxfp6_matmul; mxint8_kv_cache: True -> kv_dtype mxint8, False -> float16;
@@ -322,21 +328,6 @@ class CompileOverrides:
     mos: int | None = None
     aic_enable_depth_first: bool | None = None
     timeout_s: float | None = None
-
-    def __post_init__(self):
-        v = _Validator("compile option")
-        for name, lo, hi in (
-            ("num_cores", 1, MAX_CORES_PER_DEVICE),
-            ("num_devices", 1, MAX_DEVICES),
-            ("mos", 1, MAX_CORES_PER_DEVICE),
-        ):
-            if getattr(self, name) is not None:
-                v.integer(getattr(self, name), name, minimum=lo, maximum=hi)
-        for name in ("mxfp6_matmul", "mxint8_kv_cache", "aic_enable_depth_first"):
-            if getattr(self, name) is not None:
-                v.boolean(getattr(self, name), name)
-        if self.timeout_s is not None:
-            v.seconds(self.timeout_s, "timeout_s")
 
     @property
     def given(self) -> dict[str, Any]:

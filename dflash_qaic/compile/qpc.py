@@ -53,13 +53,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shlex
 import shutil
 import signal
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,7 @@ from dflash_qaic.compile.profiles import (
     CompileProfile,
     ProgramProfile,
 )
-from dflash_qaic.manifest import sha256_file
+from dflash_qaic.files import sha256_file
 
 try:  # POSIX only; AI100 hosts are Linux
     import fcntl
@@ -103,7 +104,7 @@ _DIR_PLACEHOLDER = "{qpc_dir}"
 #: the part name of a program's QPC (it serves every specialization)
 PART_ALL = "all"
 
-Progress = Callable[[str], None]
+log = logging.getLogger(__name__)
 
 
 class CompileError(RuntimeError):
@@ -348,28 +349,24 @@ def find_compiler(kind: str = "qaic-compile") -> Path | None:
 
 
 @dataclass(frozen=True)
-class QpcBuild:
-    """One QPC of a program: where it is, what it serves, how it is (or would be) built."""
+class QpcRecord:
+    """One QPC of a program, as the manifest records it: what it serves, where it is (paths
+    relative to the artifacts directory), how it is (or would be) built."""
 
-    program: str  # "target" | "draft"
     part: str  # "all" (the manifest's field; see the module docstring)
     specializations: tuple[str, ...]  # names, in specializations.json order
     key: str  # 16 hex digits
-    dir: Path  # <program_dir>/qpc-<key>
-    command: tuple[str, ...]  # the argv in compile.cmd
+    dir: str  # <program>/qpc-<key>
+    qpc: str  # <program>/qpc-<key>/qpc, the directory the runtime loads
+    command: str  # compile.cmd's command line (shell-quoted)
     num_cores: int
     device_ids: tuple[int, ...]
     tensor_slicing: int | None
     status: str  # "built" | "cached" | "skipped"
 
     @property
-    def qpc_path(self) -> Path:
-        """The directory the runtime loads (`qpc-<key>/qpc`)."""
-        return self.dir / QPC_SUBDIR
-
-    @property
     def ready(self) -> bool:
-        return plausible_qpc(self.qpc_path)
+        return self.status != "skipped"
 
     @property
     def cached(self) -> bool:
@@ -379,40 +376,25 @@ class QpcBuild:
     def skipped(self) -> bool:
         return self.status == "skipped"
 
-    @property
-    def command_line(self) -> str:
-        return shlex.join(self.command)
-
-    def to_dict(self, relative_to: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-        def rel(p: Path) -> str:
-            return os.path.relpath(p, relative_to) if relative_to is not None else str(p)
-
-        return {
-            "part": self.part,
-            "specializations": list(self.specializations),
-            "key": self.key,
-            "dir": rel(self.dir),
-            "qpc": rel(self.qpc_path),
-            "command": self.command_line,
-            "num_cores": self.num_cores,
-            "device_ids": list(self.device_ids),
-            "tensor_slicing": self.tensor_slicing,
-            "status": self.status,
-        }
+    def to_json(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["specializations"], d["device_ids"] = list(self.specializations), list(self.device_ids)
+        return d
 
 
 @dataclass(frozen=True)
 class CompileResult:
-    """What `compile_program` did for one program: its QPC (`qpcs` holds exactly one, the form
-    the manifest records)."""
+    """What `compile_program` did for one program: its QPC record (`qpcs` holds exactly one,
+    the form the manifest records) and where the paths are relative to (`root`)."""
 
     program: str
-    qpcs: tuple[QpcBuild, ...]
+    root: Path
+    qpcs: tuple[QpcRecord, ...]
     compiler: Path | None
     looked_in: tuple[str, ...] = field(default_factory=tuple)
 
     @property
-    def qpc(self) -> QpcBuild:
+    def qpc(self) -> QpcRecord:
         """The program's one QPC."""
         return self.qpcs[0]
 
@@ -428,12 +410,12 @@ class CompileResult:
 
     @property
     def ready(self) -> bool:
-        return all(q.ready for q in self.qpcs)
+        return all(plausible_qpc(self.root / q.qpc) for q in self.qpcs)
 
     @property
     def commands(self) -> list[str]:
         """The shell command lines that build the QPCs (to run on an AI100 host when skipped)."""
-        return [q.command_line for q in self.qpcs]
+        return [q.command for q in self.qpcs]
 
     @property
     def key(self) -> str:
@@ -442,16 +424,16 @@ class CompileResult:
     @property
     def qpc_dir(self) -> Path:
         """`qpc-<key>`."""
-        return self.qpc.dir
+        return self.root / self.qpc.dir
 
     @property
     def qpc_path(self) -> Path:
         """`qpc-<key>/qpc`, the directory the runtime loads."""
-        return self.qpc.qpc_path
+        return self.root / self.qpc.qpc
 
     @property
     def command(self) -> list[str]:
-        return list(self.qpc.command)
+        return shlex.split(self.qpc.command)
 
     def summary(self) -> str:
         """One readable paragraph: where the QPCs are, or what to run to build them."""
@@ -462,15 +444,7 @@ class CompileResult:
             ]
             lines += [f"  {c}" for c in self.commands]
             return "\n".join(lines)
-        return "\n".join(f"{self.program} [{q.part}]: {q.status} {q.qpc_path}" for q in self.qpcs)
-
-    def to_dict(self, relative_to: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-        """Plain data for the manifest; paths relative to `relative_to` when given."""
-        return {
-            "program": self.program,
-            "compiler": str(self.compiler) if self.compiler is not None else None,
-            "qpcs": [q.to_dict(relative_to) for q in self.qpcs],
-        }
+        return "\n".join(f"{self.program} [{q.part}]: {q.status} {q.qpc}" for q in self.qpcs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -680,7 +654,7 @@ def _rel(path: Path, root: Path) -> str:
     return os.path.relpath(path, root) if path.is_relative_to(root) else str(path)
 
 
-def _build(job: _Job, profile: CompileProfile, timeout: float, say: Progress) -> str:
+def _build(job: _Job, profile: CompileProfile, timeout: float) -> str:
     """Build one QPC under the lock; returns "built" or "cached"."""
     qpc_dir, argv = job.qpc_dir, job.argv
     final = qpc_dir / QPC_SUBDIR
@@ -688,7 +662,12 @@ def _build(job: _Job, profile: CompileProfile, timeout: float, say: Progress) ->
         if plausible_qpc(final):
             return "cached"
         if final.exists() or final.is_symlink():
-            say(f"{job.program}: discarding a half-finished {final} (no plausible {QPC_MARKER})")
+            log.info(
+                "%s: discarding a half-finished %s (no plausible %s)",
+                job.program,
+                final,
+                QPC_MARKER,
+            )
             _remove(final)
         for stale in qpc_dir.glob(_STAGING_PREFIX + "*"):
             _remove(stale)
@@ -704,7 +683,7 @@ def _build(job: _Job, profile: CompileProfile, timeout: float, say: Progress) ->
                 binary_dir=_rel(out_dir, job.root),
             )
             names = "+".join(s["name"] for s in job.specs)
-            say(f"{job.program}: compiling {names} → {_rel(final, job.root)}")
+            log.info("%s: compiling %s → %s", job.program, names, _rel(final, job.root))
             rc = _run_compiler(run_argv, argv, job.root, qpc_dir, timeout)
             if rc != 0 or not plausible_qpc(out_dir):
                 what = (
@@ -748,7 +727,6 @@ def compile_program(
     profile: CompileProfile,
     program: str,
     *,
-    progress: Progress | None = None,
     timeout: float | None = None,
     root: str | os.PathLike[str] | None = None,
 ) -> CompileResult:
@@ -758,12 +736,11 @@ def compile_program(
     `draft_specializations`). Reuses a finished QPC (`status="cached"`), rebuilds a
     half-finished one, and without a compiler writes the inputs and returns `skipped=True`.
     Raises `CompileError` when the compiler fails (its stderr tail and the command included).
-    `progress` receives one-line messages; `timeout` bounds each compiler run in seconds
+    Logs each step (the `dflash_qaic.compile.qpc` logger); `timeout` bounds each compiler run in seconds
     (default: the profile's `compile_timeout_s`). `root` is the artifacts directory the paths
     of compile.cmd are relative to (default: `program_dir`'s parent).
     """
     onnx = _check_program(program, io, onnx_path)
-    say: Progress = progress or (lambda _msg: None)
     pdir = Path(program_dir).absolute()
     pdir.mkdir(parents=True, exist_ok=True)
     base = Path(root).absolute() if root is not None else pdir.parent
@@ -789,23 +766,28 @@ def compile_program(
 
     if plausible_qpc(qpc_dir / QPC_SUBDIR):
         status = "cached"
-        say(f"{program}: using cached {_rel(qpc_dir / QPC_SUBDIR, base)}")
+        log.info("%s: using cached %s", program, _rel(qpc_dir / QPC_SUBDIR, base))
     elif found is None:
         status = "skipped"
-        say(f"{program}: no AI100 compiler; wrote {_rel(qpc_dir / COMMAND_FILE, base)}")
+        log.info(
+            "%s: no AI100 compiler (looked in %s); wrote %s",
+            program,
+            ", ".join(looked_in),
+            _rel(qpc_dir / COMMAND_FILE, base),
+        )
     else:
         job = _Job(program, list(specs), pp, qpc_dir, argv, onnx, compiler, base)
-        status = _build(job, profile, limit, say)
-    build = QpcBuild(
-        program=program,
+        status = _build(job, profile, limit)
+    record = QpcRecord(
         part=PART_ALL,
         specializations=tuple(str(s["name"]) for s in specs),
         key=key,
-        dir=qpc_dir,
-        command=tuple(argv),
+        dir=_rel(qpc_dir, base),
+        qpc=_rel(qpc_dir / QPC_SUBDIR, base),
+        command=shlex.join(argv),
         num_cores=pp.num_cores,
         device_ids=pp.device_ids,
         tensor_slicing=pp.tensor_slicing,
         status=status,
     )
-    return CompileResult(program=program, qpcs=(build,), compiler=found, looked_in=tuple(looked_in))
+    return CompileResult(program, base, (record,), found, tuple(looked_in))

@@ -21,105 +21,36 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from dflash_qaic import __version__, contract
+from dflash_qaic import __version__, contract, files
 from dflash_qaic import checkpoints as ck
 from dflash_qaic.compile.profiles import CompileOverrides
+from dflash_qaic.export.options import ExportError, ExportOptions
 from dflash_qaic.export.transaction import Transaction, TransactionError, link_tree
-from dflash_qaic.manifest import FORMAT as _FORMAT
+from dflash_qaic.logs import listening
 from dflash_qaic.manifest import NAME as MANIFEST
-from dflash_qaic.manifest import VERSION as _VERSION
 from dflash_qaic.manifest import (
     ArtifactsError,
     FileRecord,
     Manifest,
-    QpcRecord,
+    Program,
     read_manifest,
-    verify_file,
+    verify_files,
     write_manifest,
 )
 
+log = logging.getLogger(__name__)
+
 TOKENIZER_FILES = ck.TOKENIZER_FILES
 GENERATION_CONFIG = "generation_config.json"
-MAX_CTX_LEN = 1 << 18  # 262144 slots: beyond any supported model's context
-MAX_BLOCK_SIZE = 1024
-MAX_BATCH_SIZE = 1024
 
-
-class ExportError(ValueError):
-    """Bad export options or inputs: says what is wrong and how to fix it."""
-
-
-@dataclass(frozen=True)
-class ExportOptions:
-    block_size: int | None = None  # None: the draft's own block size
-    prefill_seq_len: int = 128
-    ctx_len: int = 4096
-    batch_size: int = 1
-    full_batch_size: int | None = None  # continuous batching with this many cache rows
-    comp_ctx_lengths: tuple[int, ...] | None = None  # attention windows; None: the default ones
-    verify_lengths: tuple[int, ...] | None = None  # verify calls' rows; None: the default ones
-    emit_logits: bool = False
-    sampling: bool = True  # False: a greedy-only target program (no sampler in the graph)
-    qpc_config: str = "ai100_fp16"
-    compile: bool = True
-    fp16_check: bool = True
-    compile_overrides: CompileOverrides = field(default_factory=CompileOverrides)
-
-    def __post_init__(self):
-        ints = (
-            ("block_size", 2, MAX_BLOCK_SIZE, True),
-            ("prefill_seq_len", 1, MAX_CTX_LEN, False),
-            ("ctx_len", 4, MAX_CTX_LEN, False),
-            ("batch_size", 1, MAX_BATCH_SIZE, False),
-            ("full_batch_size", 1, MAX_BATCH_SIZE, True),
-        )
-        for name, lo, hi, optional in ints:
-            v = getattr(self, name)
-            if optional and v is None:
-                continue
-            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-                flag = "--" + name.replace("_", "-")
-                raise ExportError(f"{flag} must be an integer in [{lo}, {hi}], got {v!r}")
-        w = self.comp_ctx_lengths
-        if w is not None:
-            ok = isinstance(w, (list, tuple)) and all(
-                isinstance(n, int) and not isinstance(n, bool) and 1 <= n for n in w
-            )
-            if not ok or not w or list(w) != sorted(set(w)) or w[-1] != self.ctx_len:
-                raise ExportError(
-                    f"--comp-ctx-lengths must be distinct ascending integers ending at --ctx-len "
-                    f"{self.ctx_len}, got {w!r}: e.g. {self.ctx_len // 4},{self.ctx_len // 2},"
-                    f"{self.ctx_len}"
-                )
-            object.__setattr__(self, "comp_ctx_lengths", tuple(w))
-        v = self.verify_lengths
-        if v is not None:
-            if not isinstance(v, (list, tuple)) or not all(
-                isinstance(n, int) and not isinstance(n, bool) for n in v
-            ):
-                raise ExportError(f"--verify-lengths must be integers, got {v!r}: e.g. 4,8,16")
-            object.__setattr__(self, "verify_lengths", tuple(v))
-        for name in ("emit_logits", "sampling", "compile", "fp16_check"):
-            if not isinstance(getattr(self, name), bool):
-                raise ExportError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if not isinstance(self.qpc_config, (str, os.PathLike)):
-            raise ExportError(f"qpc_config must be a profile name or path, got {self.qpc_config!r}")
-        if not isinstance(self.compile_overrides, CompileOverrides):
-            raise ExportError("compile_overrides must be a CompileOverrides")
-
-    def program_options(self, block_size: int) -> dict:
-        """The options that change the exported programs (part of the reuse key)."""
-        d = asdict(self)
-        for k in ("compile", "qpc_config", "compile_overrides"):
-            d.pop(k)
-        return {**d, "block_size": block_size}
+__all__ = ["ExportError", "ExportOptions", "ExportResult", "build_artifacts", "compile_artifacts"]
 
 
 @dataclass
@@ -300,42 +231,41 @@ def _copy_tokenizer(target_dir: Path, out: Path) -> str | None:
     return "tokenizer"
 
 
-def _rel(facts: dict, out: Path) -> dict:
-    """Facts of an exported program with paths relative to the artifacts directory."""
-    facts = dict(facts)
-    facts["onnx"] = str(Path(facts.pop("path")).relative_to(out))
-    data = facts.pop("external_data")
-    facts["external_data"] = str(Path(data).relative_to(out)) if data else None
-    return facts
-
-
 def build_artifacts(
     target_dir: str | Path,
     draft_dir: str | Path,
     out_dir: str | Path,
-    options: ExportOptions = ExportOptions(),
-    progress: Callable[[str], None] = print,
+    options: ExportOptions | None = None,
+    *,
+    progress=None,
 ) -> ExportResult:
-    """Export (or reuse), compile (or skip), and write the manifest, as one transaction."""
+    """Export (or reuse), compile (or skip), and write the manifest, as one transaction
+    (options: None = the defaults). Progress goes to the `dflash_qaic` loggers (and, when
+    given, to `progress`, called with each message)."""
+    with listening(progress):
+        return _build(target_dir, draft_dir, out_dir, options or ExportOptions())
+
+
+def _build(target_dir, draft_dir, out_dir, options: ExportOptions) -> ExportResult:
     t_all = time.perf_counter()
     pair, B, profile = preflight(target_dir, draft_dir, options)
     steps: list[tuple[str, str, float]] = []
     with _transaction(out_dir) as tx:
         out, staging = tx.out, tx.staging
         key = input_hash(pair, options, B)
-        old = _reusable(out, key, progress)
+        old = _reusable(out, key)
         if old is not None:
-            progress(f"reusing the exported programs in {out} (inputs unchanged, hash {key})")
+            log.info("reusing the exported programs in %s (inputs unchanged, hash %s)", out, key)
             steps.append(("export", "reused", 0.0))
             for prog in ("target", "draft"):
                 link_tree(out / prog, staging / prog)
-            data = old.to_json()
-            data["tokenizer"] = _copy_tokenizer(pair.target.path, staging)
+            m = old.replace(tokenizer=_copy_tokenizer(pair.target.path, staging))
         else:
-            data = _export(pair, staging, options, B, key, progress, steps)
-        data["options"] = json.loads(json.dumps(asdict(options), default=str))
-        m = _stage(data, staging, out if old is not None else None, old, profile, progress, steps)
+            m = _export(pair, staging, options, B, key, steps)
+        m = m.replace(options=options.to_json())
+        m = _stage(m, staging, out if old is not None else None, old, profile, steps)
         tx.commit()
+    _remember(tx.out, m)
     return ExportResult(m, tx.out, steps, time.perf_counter() - t_all)
 
 
@@ -343,29 +273,43 @@ def compile_artifacts(
     out_dir: str | Path,
     qpc_config: str | os.PathLike | None = None,
     overrides: CompileOverrides | None = None,
-    progress: Callable[[str], None] = print,
+    *,
+    progress=None,
 ) -> ExportResult:
     """Compile (or re-compile with another profile) an existing artifacts directory, e.g. one
-    exported with --no-compile and copied to an AI100 host. A transaction like an export."""
+    exported with --no-compile and copied to an AI100 host. A transaction like an export.
+    Messages as `build_artifacts`'."""
+    with listening(progress):
+        return _compile_dir(out_dir, qpc_config, overrides)
+
+
+def _compile_dir(out_dir, qpc_config, overrides) -> ExportResult:
     from dflash_qaic.compile.profiles import DEFAULT_PROFILE, load_profile
     from dflash_qaic.compile.qpc import compiler_search
 
     t_all = time.perf_counter()
     name = qpc_config or DEFAULT_PROFILE
     profile = (overrides or CompileOverrides()).apply(load_profile(name))
-    compiler_search(profile.compiler)
+    path, _ = compiler_search(profile.compiler)
+    if path is not None:
+        log.info("compiler: %s", path)
     steps: list[tuple[str, str, float]] = []
     with _transaction(out_dir) as tx:
         out, staging = tx.out, tx.staging
         old = read_manifest(out, verify="none")
-        progress(f"verifying the files of {out}")
-        for rec in old.files:
-            verify_file(out, rec, "full", progress)
+        log.info("verifying the files of %s", out)
+        verify_files(out, old.files, "full")
         link_tree(out, staging, skip=(MANIFEST,))
-        data = old.to_json()
-        m = _stage(data, staging, out, old, profile, progress, steps)
+        m = _stage(old, staging, out, old, profile, steps)
         tx.commit()
+    _remember(tx.out, m)
     return ExportResult(m, tx.out, steps, time.perf_counter() - t_all)
+
+
+def _remember(out: Path, m: Manifest) -> None:
+    """Record the files just hashed (or verified) as verified (`files.VerifiedFiles`): the first
+    load after an export does not hash them again."""
+    files.remember((out / r.path, r.sha256) for r in m.files)
 
 
 class _transaction(Transaction):
@@ -399,36 +343,38 @@ def _os_error(e: OSError, out: Path) -> ExportError:
     )
 
 
-def _reusable(out: Path, key: str, progress) -> Manifest | None:
+def _reusable(out: Path, key: str) -> Manifest | None:
     """The old manifest when its programs can be reused: same key, files intact — the load-time
-    check (every size, the sha256 of every file up to HASH_AT_LOAD_BYTES), so deciding to reuse
-    multi-GB programs costs well under a second (docs/DESIGN.md, Artifacts)."""
+    check (every size and sha256, from the cache of verified files when unchanged), so deciding
+    to reuse multi-GB programs costs well under a second (docs/DESIGN.md, Artifacts)."""
     if not (out / MANIFEST).is_file():
         return None
     try:
         old = read_manifest(out, verify="none")
     except ArtifactsError as e:
-        progress(f"not reusing {out}: {e}")
+        log.info("not reusing %s: %s", out, e)
         return None
     if old.input_hash != key:
         return None
     try:
-        for rec in old.files:
-            verify_file(out, rec, "fast", progress)
+        verify_files(out, old.files, "fast")
     except ArtifactsError as e:
-        progress(f"not reusing {out}: {e}")
+        log.info("not reusing %s: %s", out, e)
         return None
     return old
 
 
-def _stage(data: dict, staging: Path, old_root, old, profile, progress, steps) -> Manifest:
+def _stage(m: Manifest, staging: Path, old_root, old, profile, steps) -> Manifest:
     """Compile in the staging directory, record every file, write the manifest there."""
-    for prog in ("target", "draft"):
-        data[prog] = {**data[prog], "qpc": [], "compiler": None}
-    data.update(compile_skipped=None, files=[], qpc_config=None)
-    m = Manifest.from_json({"format": _FORMAT, "version": _VERSION, **data}, "export", False)
+    m = m.replace(
+        target=replace(m.target, qpcs=(), compiler=None),
+        draft=replace(m.draft, qpcs=(), compiler=None),
+        compile_skipped=None,
+        files=(),
+        qpc_config=None,
+    )
     if profile is not None:
-        m = _compile(m, staging, profile, progress, steps)
+        m = _compile(m, staging, profile, steps)
     else:
         steps.append(("compile", "disabled (--no-compile)", 0.0))
     known = {r.path: r for r in old.files} if old is not None else {}
@@ -454,7 +400,7 @@ def _records(m: Manifest, root: Path, known: dict, old_root: Path | None) -> lis
     return out
 
 
-def _export(pair, out, o: ExportOptions, B: int, key: str, progress, steps) -> dict:
+def _export(pair, out, o: ExportOptions, B: int, key: str, steps) -> Manifest:
     """The streaming export (export/weights.py): placeholder modules are traced, and the
     weights go from the safetensors files to the programs one tensor at a time."""
     import torch
@@ -464,25 +410,38 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, progress, steps) -> d
     from dflash_qaic.export.target import export_target
 
     t = time.perf_counter()
-    progress(f"reading {pair.target.path} and {pair.draft.path} (structure only)")
+    log.info("reading %s and %s (structure only)", pair.target.path, pair.draft.path)
     target = weights.placeholder_target(pair.target)
     fc = weights.load_fp32(pair.draft_tensors["fc.weight"])
     hidden_norm = weights.load_fp32(pair.draft_tensors["hidden_norm.weight"])
     embed, head = weights.placeholder_head(pair.target)
     steps.append(("load checkpoints", "structure + fc", time.perf_counter() - t))
+    windows = contract.windows_or_default(o.comp_ctx_lengths, o.ctx_len, o.prefill_seq_len, B)
+    plan = contract.shape_plan(
+        B,
+        o.prefill_seq_len,
+        o.ctx_len,
+        batch_size=o.batch_size,
+        full_batch_size=o.full_batch_size,
+        windows=windows,
+        verify_lengths=o.verify_lengths and list(o.verify_lengths),
+        sampling=o.sampling,
+    )
     common = dict(
         ctx_len=o.ctx_len,
         prefill_seq_len=o.prefill_seq_len,
         block_size=B,
         batch_size=o.batch_size,
         full_batch_size=o.full_batch_size,
-        comp_ctx_lengths=o.comp_ctx_lengths and list(o.comp_ctx_lengths),
+        comp_ctx_lengths=list(windows),
         emit_logits=o.emit_logits,
         fp16_check=o.fp16_check,
         stream_from=pair,
     )
     t = time.perf_counter()
-    progress(f"exporting the target program (ctx {o.ctx_len}, chunk {o.prefill_seq_len}, B {B})")
+    log.info(
+        "exporting the target program (ctx %d, chunk %d, B %d)", o.ctx_len, o.prefill_seq_len, B
+    )
     with torch.no_grad():
         tfacts = export_target(
             target,
@@ -492,49 +451,39 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, progress, steps) -> d
             pair.draft.target_layer_ids,
             out / "target" / "target.onnx",
             sampling=o.sampling,
-            verify_lengths=o.verify_lengths and list(o.verify_lengths),  # None: the default
+            verify_lengths=list(plan.verify_lengths),
             **common,
         )
     del target
     steps.append(("export target", f"{tfacts['onnx_bytes'] / 1e6:.1f} MB", time.perf_counter() - t))
 
     t = time.perf_counter()
-    progress("exporting the draft program")
+    log.info("exporting the draft program")
     with torch.no_grad():
         dfacts = export_draft(pair.draft, None, embed, head, out / "draft" / "draft.onnx", **common)
     steps.append(("export draft", f"{dfacts['onnx_bytes'] / 1e6:.1f} MB", time.perf_counter() - t))
     tok = _copy_tokenizer(pair.target.path, out)
-    plan = contract.shape_plan(
-        B,
-        o.prefill_seq_len,
-        o.ctx_len,
-        batch_size=o.batch_size,
-        full_batch_size=o.full_batch_size,
-        windows=tfacts["comp_ctx_lengths"],
-        verify_lengths=o.verify_lengths and list(o.verify_lengths),
-        sampling=o.sampling,
-    )
-    progress("hashing the checkpoint files for the manifest")
-    return {
-        "input_hash": key,
-        "block_size": B,
-        "mask_token_id": pair.draft.mask_token_id,
-        "target_layer_ids": list(pair.draft.target_layer_ids),
-        "prefill_seq_len": o.prefill_seq_len,
-        "ctx_len": o.ctx_len,
-        "batch_size": o.batch_size,
-        "full_batch_size": o.full_batch_size,
-        "comp_ctx_lengths": tfacts["comp_ctx_lengths"],
-        "prefill_lengths": list(plan.prefill_lengths),
-        "verify_lengths": list(plan.verify_lengths),
-        "draft_prefill_rows": list(plan.draft_prefill_rows),
-        "vocab_size": pair.target.vocab_size,
-        "hidden_size": pair.target.hidden_size,
-        "eos_token_ids": _eos_ids(pair.target.path),
-        "tokenizer": tok,
-        "target": _rel(tfacts, out),
-        "draft": _rel(dfacts, out),
-        "sources": {
+    log.info("hashing the checkpoint files for the manifest")
+    return Manifest(
+        block_size=B,
+        mask_token_id=pair.draft.mask_token_id,
+        target_layer_ids=tuple(pair.draft.target_layer_ids),
+        prefill_seq_len=plan.prefill_seq_len,
+        ctx_len=plan.ctx_len,
+        batch_size=plan.batch_size,
+        vocab_size=pair.target.vocab_size,
+        hidden_size=pair.target.hidden_size,
+        target=Program.from_facts("target", tfacts, out),
+        draft=Program.from_facts("draft", dfacts, out),
+        prefill_lengths=plan.prefill_lengths,
+        verify_lengths=plan.verify_lengths,
+        draft_prefill_rows=plan.draft_prefill_rows,
+        full_batch_size=plan.full_batch_size,
+        comp_ctx_lengths=plan.windows,
+        eos_token_ids=tuple(_eos_ids(pair.target.path)),
+        tokenizer=tok,
+        input_hash=key,
+        sources={
             "target": {
                 "path": str(pair.target.path.resolve()),
                 "family": pair.target.family,
@@ -545,8 +494,8 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, progress, steps) -> d
                 "sha256": ck.file_digest(pair.draft.path),
             },
         },
-        "versions": _versions(),
-    }
+        versions=_versions(),
+    )
 
 
 def _versions() -> dict:
@@ -564,7 +513,7 @@ def _versions() -> dict:
     }
 
 
-def _compile(m: Manifest, root: Path, profile, progress, steps) -> Manifest:
+def _compile(m: Manifest, root: Path, profile, steps) -> Manifest:
     """Compile both programs inside `root`; the manifest with their QPC records."""
     from dflash_qaic.compile.qpc import compile_program
 
@@ -578,22 +527,22 @@ def _compile(m: Manifest, root: Path, profile, progress, steps) -> Manifest:
             list(prog.specializations),
             profile,
             prog.kind,
-            progress=progress,
             root=root,
         )
-        qpcs = []
-        for q in res.to_dict(relative_to=root)["qpcs"]:
-            q.update(specializations=tuple(q["specializations"]), device_ids=tuple(q["device_ids"]))
-            qpcs.append(QpcRecord(**q))
         compiler = str(res.compiler) if res.compiler else None
-        programs[prog.kind] = prog.__class__(
-            **{**prog.__dict__, "qpcs": tuple(qpcs), "compiler": compiler}
-        )
+        programs[prog.kind] = replace(prog, qpcs=res.qpcs, compiler=compiler)
         status = "skipped" if res.skipped else ("cached" if res.cached else "compiled")
         steps.append((f"compile {prog.kind}", status, time.perf_counter() - t))
         if res.skipped:
             skipped = skipped or {"looked_in": list(res.looked_in), "commands": []}
             skipped["commands"] += res.commands
+    if skipped:  # a warning: shown even when logging is not configured
+        log.warning(
+            "no AI100 compiler found (looked in %s); the ONNX programs are complete for ONNX "
+            "Runtime. On an AI100 host, in the artifacts directory, run: %s",
+            ", ".join(skipped["looked_in"]),
+            " ; ".join(skipped["commands"]),
+        )
     return m.replace(
         target=programs["target"],
         draft=programs["draft"],

@@ -130,8 +130,9 @@ def load(
     threads: ONNX Runtime intra-op threads, 1 … 4 × cores (None: 1 for single-sequence
         programs up to 64 MiB, else ONNX Runtime's default, one per core).
     tokenizer: load the tokenizer the artifacts carry (text prompts, `res.text`); False skips it.
-    verify: "fast" checks every file's size and the sha256 of files up to 64 MiB; "full"
-        hashes every file (slow for multi-GB programs); "none" checks only that they exist.
+    verify: "fast" checks every file's size and sha256, taking the sha256 of a file unchanged
+        since it was last verified from the cache of verified files (dflash_qaic/files.py);
+        "full" hashes every file now; "none" checks only that they exist.
 
     Raises ArtifactsError for a missing, incomplete, damaged or untrusted directory (every
     manifest path must stay inside it), BackendError for a backend that cannot run here.

@@ -16,6 +16,8 @@ from dflash_qaic.runtime.streamer import IncrementalDetokenizer
 
 
 def parser() -> argparse.ArgumentParser:
+    from dflash_qaic.manifest import add_verify_argument
+
     p = argparse.ArgumentParser(prog="dflash-run", description=__doc__.split("\n\n")[0])
     p.add_argument("artifacts", help="artifacts directory written by dflash-export")
     g = p.add_mutually_exclusive_group(required=True)
@@ -24,6 +26,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--backend", default="ort", choices=["ort", "qaic", "auto", "qaic-standin"])
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    add_verify_argument(p)
     p.add_argument(
         "--stop-token-ids",
         default=None,
@@ -139,9 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         import dflash_qaic
+        from dflash_qaic.logs import show
         from dflash_qaic.runtime import ArtifactsError, BackendError, GenerationError
 
-        pipe = dflash_qaic.load(args.artifacts, backend=args.backend, threads=args.threads)
+        show(stream="stderr")
+        pipe = dflash_qaic.load(
+            args.artifacts, backend=args.backend, threads=args.threads, verify=args.verify
+        )
         stream, flush = None, None
         if args.stream and not args.json:
             stream, flush = _printer(pipe.tokenizer)

@@ -41,6 +41,8 @@ from pathlib import Path
 
 
 def parser() -> argparse.ArgumentParser:
+    from dflash_qaic.manifest import add_verify_argument
+
     p = argparse.ArgumentParser(
         prog="dflash-serve",
         description=__doc__.split("\n\n")[0],
@@ -52,6 +54,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one)")
     p.add_argument("--backend", default="ort", choices=["ort", "qaic", "auto", "qaic-standin"])
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    add_verify_argument(p)
     p.add_argument(
         "--verify-lengths",
         default=None,
@@ -196,7 +199,12 @@ def _serve(args, template: str | None, sock: socket.socket) -> None:
     from dflash_qaic.serve.metrics import Metrics
 
     prometheus_client.disable_created_metrics()  # as vLLM: no *_created series
-    pipe = dflash_qaic.load(args.artifacts, backend=args.backend, threads=args.threads)
+    from dflash_qaic.logs import show
+
+    show(stream="stderr")
+    pipe = dflash_qaic.load(
+        args.artifacts, backend=args.backend, threads=args.threads, verify=args.verify
+    )
     if args.verify_lengths is not None:
         try:
             pipe.configure(verify_lengths=args.verify_lengths)  # checked against the artifacts
