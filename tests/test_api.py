@@ -86,6 +86,9 @@ def test_no_stage_imports_one_after_it():
     for path in PKG.glob("compile/*.py"):
         for m in _imports(path):
             assert not m.startswith(("dflash_qaic.manifest", "dflash_qaic.export")), (path, m)
+    for name in ("onnx_export", "target", "draft", "weights", "graph_check", "fp16_check"):
+        for m in _imports(PKG / "export" / f"{name}.py"):  # the export proper: no later stage
+            assert not m.startswith(("dflash_qaic.compile", "dflash_qaic.manifest")), (name, m)
     for path in [PKG / "files.py", PKG / "contract.py"]:
         assert _imports(path) <= {"dflash_qaic"}, path
 

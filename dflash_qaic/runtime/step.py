@@ -3,10 +3,16 @@ slot, speculative (`DFlashStep`: verify, accept, draft) or the target alone (`De
 docs/DESIGN.md, Algorithm and Runtime.
 
 What a step reads of each slot lives in `SlotState`, arrays with a row per slot (cache row),
-so a step fills its inputs and accepts with array operations over the rows; Python work per
-step is per sequence (committing its tokens), never per slot × sequence. A step is given the
-slots that take part (`rows`, ascending) and their sequences in the same order; every other
-row is an *inactive row* (batch_index -1 and every position -1, contract.py).
+so a step fills its inputs and accepts with array operations over every row at once; Python
+work per step is per sequence (committing its tokens), never per slot × sequence. A slot that
+does not step is an *inactive row* (batch_index -1 and every position -1, contract.py) by
+construction: `join` and `leave` set its row when a sequence starts or stops stepping, so a
+step never masks rows. A step is given the slots that step (`rows`, ascending) and their
+sequences in the same order.
+
+Seams for other target forms: a target that returns more per call (a hybrid's committed count,
+`check_committed`) is checked where the call returns; a new per-row input is a buffer in
+runtime/buffers.py filled here beside ids and positions.
 
 Verify length: each step verifies the first n rows of the block, n from the target's verify
 lengths, picked by `StepCosts.best_length` from the draft's confidences (and, greedy, the
