@@ -84,6 +84,11 @@ DRAFT_TOKENS = "draft_tokens"
 # CONFIDENCE_TOPK largest logits (an upper bound of the full softmax's; every term and the sum
 # stay ≤ CONFIDENCE_TOPK, so fp16 holds it). The runtime picks the verify length from it.
 DRAFT_CONFIDENCE = "draft_confidence"
+# A DFlash-2 draft exported for sampling (docs/DESIGN.md, DFlash-2 drafts): it takes TEMPERATURE
+# and one uniform per proposal, and returns its candidates and its distribution q over them
+DRAFT_RANDOM_U = "draft_random_u"  # float [batch, B − 1]
+DRAFT_Q_IDS = "draft_q_ids"  # int64 [batch, B − 1, k]
+DRAFT_Q_PROBS = "draft_q_probs"  # float [batch, B − 1, k]
 CONFIDENCE_TOPK = 16
 
 RETAINED_SUFFIX = "_RetainedState"
@@ -309,6 +314,8 @@ class DraftIO:
     confidence: bool = False  # returns `draft_confidence` (every export since it existed does)
     # per layer: the ring's slots of a sliding layer, 0 for a ctx_len cache (empty: all ctx_len)
     ring_slots: tuple[int, ...] = ()
+    # a DFlash-2 draft exported for sampling: its selector's top-k (0: greedy proposals only)
+    q_top_k: int = 0
 
     @property
     def kv(self) -> list[TensorSpec]:
@@ -330,7 +337,28 @@ class DraftIO:
             TensorSpec(POSITION_IDS, "int64", (BATCH, b)),
             *batch_index_specs(self.continuous_batching),
             *window_specs(self.comp_ctx),
+            *self.q_inputs,
             *self.kv,
+        ]
+
+    @property
+    def q_inputs(self) -> list[TensorSpec]:
+        if not self.q_top_k:
+            return []
+        return [
+            TensorSpec(TEMPERATURE, "float32", (BATCH,)),
+            TensorSpec(DRAFT_RANDOM_U, "float32", (BATCH, self.block_size - 1)),
+        ]
+
+    @property
+    def q_outputs(self) -> list[TensorSpec]:
+        """A DFlash-2 draft's q (also the target's inputs of the same names)."""
+        if not self.q_top_k:
+            return []
+        shape = (BATCH, self.block_size - 1, self.q_top_k)
+        return [
+            TensorSpec(DRAFT_Q_IDS, "int64", shape),
+            TensorSpec(DRAFT_Q_PROBS, "float32", shape),
         ]
 
     @property
@@ -338,6 +366,7 @@ class DraftIO:
         out = [TensorSpec(DRAFT_TOKENS, "int64", (BATCH, self.block_size - 1))]
         if self.confidence:
             out.append(TensorSpec(DRAFT_CONFIDENCE, "float32", (BATCH, self.block_size - 1)))
+        out += self.q_outputs
         if self.emit_logits:
             out.append(TensorSpec(LOGITS, "float32", (BATCH, self.block_size - 1, self.vocab_size)))
         out += [TensorSpec(retained(s.name), s.dtype, s.shape) for s in self.kv]

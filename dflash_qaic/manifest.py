@@ -239,10 +239,12 @@ class Program:
         spec = lambda s: {"name": s.name, "dtype": s.dtype, "shape": list(s.shape)}  # noqa: E731
         io = asdict(self.io)
         rings = io.pop("ring_slots", ())  # a draft with ring caches only (b16: absent)
+        q_top_k = io.pop("q_top_k", 0)  # a DFlash-2 draft exported for sampling only
         return {
             **self.facts,
             **io,
             **({"ring_slots": list(rings)} if rings else {}),
+            **({"q_top_k": q_top_k} if q_top_k else {}),
             "onnx": self.onnx,
             "external_data": self.external_data,
             "onnx_bytes": self.onnx_bytes,
@@ -291,6 +293,7 @@ class Program:
                 comp_ctx=window,
                 confidence=c.bool("confidence"),
                 ring_slots=c.ints("ring_slots", 0, 1 << 22, default=[]),
+                q_top_k=c.int("q_top_k", 0, 1 << 24, default=0),
             )
         for which, specs in (("inputs", io.inputs), ("outputs", io.outputs)):
             want = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]
@@ -303,7 +306,7 @@ class Program:
             | {"emit_logits", "sampling", "block_size", "continuous_batching", "comp_ctx"}
         )
         known |= {"linear_layers", "state_dims"}
-        known |= {"confidence", "ring_slots", "inputs", "outputs", "qpc"}
+        known |= {"confidence", "ring_slots", "q_top_k", "inputs", "outputs", "qpc"}
         return cls(
             io=io,
             onnx=c.relpath("onnx"),

@@ -297,3 +297,69 @@ def test_sampled_selector_path_and_q_equal_reference(pair, monkeypatch):
     # the first step's draws follow its q (the same for every row but the greedy one)
     first = (path[1:, 0, None] == cand[1:, 0]).int().argmax(-1).numpy()
     assert gof_pvalue([gof(first, q[1, 0].numpy())]) > 1e-3
+
+
+@torch.no_grad()
+def test_sampled_draft_program_returns_the_selector_q(pair, tmp_path):
+    """The draft program exported for sampling (fp16-faithful check included) takes temperature
+    and a uniform per proposal and returns the path, candidates and q the selector computes
+    from the draft's forward; T = 0 rows return the greedy path."""
+    import onnxruntime as ort
+
+    from dflash_qaic import contract
+    from dflash_qaic.export.draft import export_draft
+
+    t, d = pair
+    c = ck.read_draft_config(d)
+    state = ck.load_draft_state(c)
+    draft = DFlashDraft.from_checkpoint(c, state)
+    model = ck.load_target_model(t)
+    emb_w, head_w = model.get_input_embeddings().weight, model.lm_head.weight
+    B, ctx_len, b, s = 8, 64, 4, 16
+    facts = export_draft(
+        c, state, emb_w, head_w, tmp_path / "draft.onnx", ctx_len=ctx_len, prefill_seq_len=s,
+        block_size=B, sampling=True,
+    )  # fmt: skip
+    names = [o["name"] for o in facts["outputs"]]
+    assert names[:4] == [contract.DRAFT_TOKENS, contract.DRAFT_CONFIDENCE, contract.DRAFT_Q_IDS,
+                         contract.DRAFT_Q_PROBS]  # fmt: skip
+    sess = ort.InferenceSession(str(tmp_path / "draft.onnx"), providers=["CPUExecutionProvider"])
+    gen = torch.Generator().manual_seed(8)
+    n = 11  # context rows 0 … n−1, the block at n
+    ctx = torch.randn(b, n, 64, generator=gen)
+    blk = torch.full((b, B), c.mask_token_id)
+    blk[:, 0] = torch.randint(0, V, (b,), generator=gen)
+    temp = torch.tensor([0.0, 0.7, 1.0, 1.3])
+    u = torch.rand(b, B - 1, generator=gen)
+    feeds = {
+        contract.TARGET_HIDDEN: torch.cat([ctx, torch.zeros(b, s - n, 64)], 1).numpy(),
+        contract.POSITION_IDS_TARGET: np.where(np.arange(s) < n, np.arange(s), -1)[None]
+        .repeat(b, 0)
+        .astype(np.int64),
+        contract.INPUT_IDS: blk.numpy(),
+        contract.POSITION_IDS: np.arange(n, n + B)[None].repeat(b, 0).astype(np.int64),
+        contract.COMP_CTX_LENGTHS: np.arange(ctx_len, dtype=np.int64),
+        contract.TEMPERATURE: temp.numpy(),
+        contract.DRAFT_RANDOM_U: u.numpy(),
+    }
+    for i in sess.get_inputs():
+        if i.name.startswith("past_"):
+            feeds[i.name] = np.zeros(
+                [b if x == "batch_size" else ctx_len if isinstance(x, str) else x for x in i.shape],
+                np.float32,
+            )
+    out = dict(zip(names, sess.run(names, feeds)))
+    h = draft(
+        ctx,
+        torch.arange(n)[None].expand(b, n),
+        draft.embed(blk, emb_w),
+        torch.arange(n, n + B)[None].expand(b, B),
+    )
+    logits = draft.logits(h[:, 1:], head_w)
+    path, cand, q = draft.candidate_selector(h[:, 1:], logits, blk[:, 0], temp, u)
+    np.testing.assert_array_equal(out[contract.DRAFT_TOKENS], path.numpy())
+    np.testing.assert_array_equal(out[contract.DRAFT_Q_IDS], cand.numpy())
+    np.testing.assert_allclose(out[contract.DRAFT_Q_PROBS], q.numpy(), atol=1e-5)
+    greedy = draft.candidate_selector(h[:1, 1:], logits[:1], blk[:1, 0])
+    assert out[contract.DRAFT_TOKENS][0].tolist() == greedy[0].tolist()
+    assert (out[contract.DRAFT_TOKENS][1:] != logits[1:].argmax(-1).numpy()).any()

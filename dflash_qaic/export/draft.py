@@ -24,6 +24,7 @@ def draft_io(
     comp_ctx=True,
     confidence=True,
     ring_slots: tuple[int, ...] = (),
+    q_top_k: int = 0,
 ) -> contract.DraftIO:
     return contract.DraftIO(
         n_layers=c.num_layers,
@@ -37,6 +38,7 @@ def draft_io(
         comp_ctx=comp_ctx,
         confidence=confidence,
         ring_slots=tuple(ring_slots),
+        q_top_k=q_top_k,
     )
 
 
@@ -63,6 +65,11 @@ def check_feeds(io: contract.DraftIO, specializations: list[dict], mask_id: int,
             **batch_index_feed(io, sym, pos),
             **window_feed(io, sym),
         }
+        if io.q_top_k:  # a sampled DFlash-2 draft: half the rows greedy, half at T = 0.8
+            feed[contract.TEMPERATURE] = np.where(np.arange(b) % 2 == 1, 0.8, 0.0).astype(
+                np.float32
+            )
+            feed[contract.DRAFT_RANDOM_U] = rng.random((b, B - 1)).astype(np.float32)
         if contract.BATCH_INDEX in feed:  # an inactive row's context positions are -1 too
             pos_t[feed[contract.BATCH_INDEX][:, 0] < 0] = contract.PAD_POSITION
         for kv in io.kv:
@@ -88,6 +95,7 @@ def export_draft(
     external_data: bool | None = None,
     fp16_check: bool = True,
     stream_from: Pair | None = None,
+    sampling: bool = False,
 ) -> dict:
     """Export the draft program to `out_path` and check it; returns facts for the manifest.
 
@@ -97,6 +105,8 @@ def export_draft(
     from this pair's checkpoints tensor by tensor.
     full_batch_size: continuous batching with this many cache rows (contract.py).
     comp_ctx_lengths: the attention windows (contract.COMP_CTX_LENGTHS); None: the default ones.
+    sampling: a DFlash-2 draft takes temperature and uniforms and returns its q (contract.DraftIO,
+    q_top_k); other drafts are unaffected.
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=2)
     if stream_from is not None:
@@ -106,7 +116,10 @@ def export_draft(
     cb = full_batch_size is not None
     module = ExportDraft(draft, embed_weight, head_weight, ctx_len, emit_logits, cb).eval()
     rings = module.cache_slots()  # sliding layers: a ring of their window's slots
-    io = draft_io(draft_cfg, embed_weight.shape[0], block_size, emit_logits, cb, ring_slots=rings)
+    # a DFlash-2 draft exported for sampling proposes a sampled path and returns its q
+    V = embed_weight.shape[0]
+    q_top_k = min(draft_cfg.selector_top_k, V) if draft_cfg.dflash2 and sampling else 0
+    io = draft_io(draft_cfg, V, block_size, emit_logits, cb, ring_slots=rings, q_top_k=q_top_k)
     windows = contract.windows_or_default(comp_ctx_lengths, ctx_len, prefill_seq_len, block_size)
     plan = contract.shape_plan(
         block_size,

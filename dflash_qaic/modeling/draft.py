@@ -30,12 +30,16 @@ from dflash_qaic.contract import (
     COMP_CTX_LENGTHS,
     CONFIDENCE_TOPK,
     DRAFT_CONFIDENCE,
+    DRAFT_Q_IDS,
+    DRAFT_Q_PROBS,
+    DRAFT_RANDOM_U,
     DRAFT_TOKENS,
     INPUT_IDS,
     LOGITS,
     POSITION_IDS,
     POSITION_IDS_TARGET,
     TARGET_HIDDEN,
+    TEMPERATURE,
     past_key,
     past_value,
 )
@@ -424,8 +428,13 @@ class ExportDraft(nn.Module):
         if self.c.final_logit_softcapping:
             cap = self.c.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
+        q = {}
         if self.candidate_selector is None:
             draft_tokens = logits.argmax(-1)  # [b, B−1]
+        elif TEMPERATURE in x:  # DFlash-2 exported for sampling: a sampled path and its q
+            draft_tokens, q[DRAFT_Q_IDS], q[DRAFT_Q_PROBS] = self.candidate_selector(
+                hidden, logits, input_ids[:, 0], x[TEMPERATURE], x[DRAFT_RANDOM_U]
+            )
         else:  # DFlash-2: the selector's greedy path from the anchor
             draft_tokens = self.candidate_selector(hidden, logits, input_ids[:, 0])
         conf = None
@@ -433,6 +442,6 @@ class ExportDraft(nn.Module):
             k = min(CONFIDENCE_TOPK, logits.shape[-1])
             top = logits.topk(k, dim=-1).values  # [b, B−1, k]
             conf = 1.0 / torch.exp(top - top[..., :1]).sum(-1)  # [b, B−1]
-        out = {DRAFT_TOKENS: draft_tokens, DRAFT_CONFIDENCE: conf, LOGITS: logits}
+        out = {DRAFT_TOKENS: draft_tokens, DRAFT_CONFIDENCE: conf, LOGITS: logits, **q}
         out.update((retained_name(n), t) for n, t in zip(kv, retained, strict=True))
         return tuple(out[n] for n in self.output_names)  # the contract's outputs, by name
