@@ -227,6 +227,12 @@ def sampling_specs() -> list[TensorSpec]:
     ]
 
 
+def q_specs(rows: int, k: int) -> list[TensorSpec]:
+    """A DFlash-2 draft's q over its k candidates per proposal (DraftIO out, TargetIO in)."""
+    shape = (BATCH, rows, k)
+    return [TensorSpec(DRAFT_Q_IDS, "int64", shape), TensorSpec(DRAFT_Q_PROBS, "float32", shape)]
+
+
 @dataclass(frozen=True)
 class TargetIO:
     """I/O of the target program (prefill, verify and decode in one graph).
@@ -254,6 +260,9 @@ class TargetIO:
     # `hybrid_specs`) and their state dims; the program also returns NUM_COMMITTED.
     linear_layers: tuple[int, ...] = ()
     state_dims: tuple[int, ...] = ()
+    # (B − 1, k) for a DFlash-2 draft exported for sampling: the draft's q (DRAFT_Q_IDS,
+    # DRAFT_Q_PROBS [batch, B − 1, k]) is an input and verification is q-aware; () as before
+    draft_q: tuple[int, ...] = ()
 
     @property
     def hybrid(self) -> bool:
@@ -281,6 +290,7 @@ class TargetIO:
             *batch_index_specs(self.continuous_batching),
             *window_specs(self.comp_ctx),
             *(sampling_specs() if self.sampling else ()),
+            *(q_specs(*self.draft_q) if self.sampling and self.draft_q else ()),
             *self.kv,
         ]
 
@@ -353,13 +363,7 @@ class DraftIO:
     @property
     def q_outputs(self) -> list[TensorSpec]:
         """A DFlash-2 draft's q (also the target's inputs of the same names)."""
-        if not self.q_top_k:
-            return []
-        shape = (BATCH, self.block_size - 1, self.q_top_k)
-        return [
-            TensorSpec(DRAFT_Q_IDS, "int64", shape),
-            TensorSpec(DRAFT_Q_PROBS, "float32", shape),
-        ]
+        return q_specs(self.block_size - 1, self.q_top_k) if self.q_top_k else []
 
     @property
     def outputs(self) -> list[TensorSpec]:

@@ -232,9 +232,10 @@ def test_batched_equals_solo(built):
         assert res.tokens == solo.tokens and res.acceptance_lengths == solo.acceptance_lengths
 
 
-def test_sampling_with_the_greedy_path_follows_the_target(tiny_pair, tmp_path):
-    """The selector's greedy path is a deterministic proposal: the one-hot verifier stays
-    lossless (chi-square on the first two tokens, as tests/test_sampling.py)."""
+def test_q_aware_sampling_follows_the_target(tiny_pair, tmp_path):
+    """Exported for sampling, the draft samples its path and returns q, the target verifies
+    q-aware: the first two tokens follow the target's exact distribution (chi-square, as
+    tests/test_sampling.py), steps accept proposals, and a batch equals its solo runs."""
     t, d = tiny_pair(**{**FORM, "block_size": 4, "vocab_size": SAMPLING_V, "agree": 1.5})
     opts = ExportOptions(prefill_seq_len=8, ctx_len=32, compile=False, full_batch_size=4)
     build_artifacts(t, d, tmp_path, opts, progress=lambda m: None)
@@ -247,6 +248,14 @@ def test_sampling_with_the_greedy_path_follows_the_target(tiny_pair, tmp_path):
     p1, p2 = exact_first_two(model, (1.0, 0, 1.0))
     assert gof_pvalue([gof(a[:, 0], p1)]) > 1e-3 / 2
     assert gof_pvalue([gof(a[:, 1], p2)]) > 1e-3 / 2
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    assert m["target"]["draft_q"] == [3, 4] and m["draft"]["q_top_k"] == 4
+    prompts = [SAMPLING_PROMPT, SAMPLING_PROMPT[:3], SAMPLING_PROMPT * 3]
+    batched = pipe.generate(prompts, 24, temperature=1.0, seed=[1, 2, 3])
+    assert sum(a > 1 for r in batched for a in r.acceptance_lengths) >= 3
+    for i, (ids, r) in enumerate(zip(prompts, batched)):
+        solo = pipe.generate(ids, 24, temperature=1.0, seed=i + 1)
+        assert r.tokens == solo.tokens and r.acceptance_lengths == solo.acceptance_lengths
 
 
 @torch.no_grad()

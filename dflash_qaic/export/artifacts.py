@@ -438,6 +438,10 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, steps) -> Manifest:
         fp16_check=o.fp16_check,
         stream_from=pair,
     )
+    # a DFlash-2 draft, sampling, a dense target: the draft samples its path and returns its q,
+    # the target verifies q-aware (docs/DESIGN.md, DFlash-2 drafts)
+    q_aware = pair.draft.dflash2 and o.sampling and pair.target.hybrid is None
+    draft_q = (B - 1, min(pair.draft.selector_top_k, pair.target.vocab_size)) if q_aware else ()
     t = time.perf_counter()
     log.info(
         "exporting the target program (ctx %d, chunk %d, B %d)", o.ctx_len, o.prefill_seq_len, B
@@ -452,6 +456,7 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, steps) -> Manifest:
             out / "target" / "target.onnx",
             sampling=o.sampling,
             verify_lengths=list(plan.verify_lengths),
+            draft_q=draft_q,
             **common,
         )
     del target
@@ -460,7 +465,9 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, steps) -> Manifest:
     t = time.perf_counter()
     log.info("exporting the draft program")
     with torch.no_grad():
-        dfacts = export_draft(pair.draft, None, embed, head, out / "draft" / "draft.onnx", **common)
+        dfacts = export_draft(
+            pair.draft, None, embed, head, out / "draft" / "draft.onnx", sampling=q_aware, **common
+        )
     steps.append(("export draft", f"{dfacts['onnx_bytes'] / 1e6:.1f} MB", time.perf_counter() - t))
     tok = _copy_tokenizer(pair.target.path, out)
     log.info("hashing the checkpoint files for the manifest")

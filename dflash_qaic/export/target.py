@@ -55,6 +55,12 @@ def check_feeds(io: contract.TargetIO, specializations: list[dict], seed: int = 
             feed[contract.TOP_P] = np.full((b,), p, np.float32)
             shape = (b, sym.get(contract.SAMPLE, s), contract.N_RANDOM)
             feed[contract.RANDOM_U] = rng.random(shape, dtype=np.float32)
+        if io.sampling and io.draft_q:  # a DFlash-2 draft's q: k distinct ids, probabilities
+            rows, k = io.draft_q
+            ids = rng.permuted(np.tile(np.arange(io.vocab_size), (b * rows, 1)), axis=1)[:, :k]
+            feed[contract.DRAFT_Q_IDS] = ids.reshape(b, rows, k).astype(np.int64)
+            q = rng.random((b, rows, k)).astype(np.float32)
+            feed[contract.DRAFT_Q_PROBS] = q / q.sum(-1, keepdims=True)
         for kv in io.kv:
             feed[kv.name] = np.zeros(kv.bind(**sym), dtype=np.float32)
         feeds.append(feed)
@@ -92,7 +98,7 @@ def check_sizes(ctx_len: int, prefill_seq_len: int, block_size: int, min_block: 
 
 
 def target_io(
-    module: ExportTarget, hidden_size: int, emit_logits: bool, sampling: bool
+    module: ExportTarget, hidden_size: int, emit_logits: bool, sampling: bool, draft_q=()
 ) -> contract.TargetIO:
     """The contract of the program `module` exports to."""
     if isinstance(module, ExportHybridTarget):
@@ -115,6 +121,7 @@ def target_io(
         continuous_batching=module.continuous_batching,
         comp_ctx=module.comp_ctx,
         **hybrid,
+        draft_q=tuple(draft_q),
     )
 
 
@@ -144,6 +151,7 @@ def export_target(
     external_data: bool | None = None,
     fp16_check: bool = True,
     stream_from: ck.Pair | None = None,
+    draft_q: tuple[int, ...] = (),
 ) -> dict:
     """Export the target program to `out_path` and check it; returns facts for the manifest.
 
@@ -159,6 +167,8 @@ def export_target(
     full_batch_size: continuous batching with this many cache rows (None: off); comp_ctx_lengths:
     the attention windows (None: the default ones); verify_lengths: the verify blocks' row
     counts (None: the default ones); see contract.py.
+    draft_q: (B − 1, k) with sampling and a DFlash-2 draft that returns its q: q-aware
+    verification (contract.TargetIO.draft_q; not for a hybrid target).
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=1)
     cfg = hf_model.config
@@ -184,7 +194,9 @@ def export_target(
         continuous_batching=full_batch_size is not None,
         **extra,
     ).eval()
-    io = target_io(module, cfg.hidden_size, emit_logits, sampling)
+    if draft_q and extra:
+        raise ValueError("q-aware verification (draft_q) is not built for hybrid targets")
+    io = target_io(module, cfg.hidden_size, emit_logits, sampling, draft_q if sampling else ())
     plan = contract.shape_plan(
         block_size,
         prefill_seq_len,

@@ -37,6 +37,8 @@ from dflash_qaic.checkpoints import SUPPORTED_TARGETS, UNSUPPORTED_ROPE_TYPES, f
 from dflash_qaic.contract import (
     BATCH_INDEX,
     COMP_CTX_LENGTHS,
+    DRAFT_Q_IDS,
+    DRAFT_Q_PROBS,
     HIDDEN_STATES,
     INPUT_IDS,
     LOGITS,
@@ -251,6 +253,7 @@ class ExportTarget(nn.Module):
         rows = cache_rows(x[BATCH_INDEX]) if self.continuous_batching else None  # -1 -> row 0
         window = x[COMP_CTX_LENGTHS] if self.comp_ctx else None  # [L]
         sampling = [x[n] for n in SAMPLING_INPUTS] if self.sampling else []
+        q = {"q_ids": x[DRAFT_Q_IDS], "q_probs": x[DRAFT_Q_PROBS]} if DRAFT_Q_IDS in x else {}
         kv = [n for i in range(len(self.layers)) for n in (past_key(i), past_value(i))]
         past = [x[n] for n in kv]
         ctx_len = self.ctx_len
@@ -284,7 +287,7 @@ class ExportTarget(nn.Module):
         if self.sampling:
             vocab = self.vocab_size
             next_tokens = sample_next_tokens(
-                logits, input_ids, position_ids, *sampling, vocab, self.sampling_candidates
+                logits, input_ids, position_ids, *sampling, vocab, self.sampling_candidates, **q
             )
         else:
             next_tokens = logits.argmax(dim=-1)  # [b, s] int64

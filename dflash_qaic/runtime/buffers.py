@@ -93,6 +93,15 @@ class _Shared:
         self.bidx = np.zeros((rows, 1), np.int64)  # batch_index: the cache row of each row
         self.slot_ids = np.arange(rows, dtype=np.int64)
         self.sampling = SamplingRows.alloc(rows, sample_lens)
+        # a DFlash-2 draft exported for sampling: its uniform per proposal in, its q out and
+        # into the target (docs/DESIGN.md, DFlash-2 drafts); the rows' temperatures are shared
+        B = plan.block_size
+        self.draft_u = np.zeros((rows, B - 1), np.float32) if draft_io.q_top_k else None
+        dq = target_io.draft_q if target_io.sampling else ()
+        self.q = {}
+        if dq:
+            self.q[contract.DRAFT_Q_IDS] = np.zeros((rows, *dq), np.int64)
+            self.q[contract.DRAFT_Q_PROBS] = np.zeros((rows, *dq), np.float32)
         # attention windows (contract.COMP_CTX_LENGTHS): a call reads the smallest one holding
         # every slot it needs, so its cost follows the context, not ctx_len
         self.windows = list(plan.windows or ())
@@ -112,6 +121,7 @@ class _Shared:
             arrays = {contract.INPUT_IDS: ids, contract.POSITION_IDS: pos, **self._common()}
             if self.plan.sampling:
                 arrays.update(self.sampling.arrays(s))
+                arrays.update(self.q)
             feeds[s] = bind(self.target_io, arrays)
         return TargetCall(ids, pos, feeds)
 
@@ -123,6 +133,9 @@ class _Shared:
             contract.POSITION_IDS: blk_pos,
             **self._common(),
         }
+        if self.draft_u is not None:
+            arrays[contract.TEMPERATURE] = self.sampling.temperature
+            arrays[contract.DRAFT_RANDOM_U] = self.draft_u
         return DraftCall(ctx, ctx_pos, blk_ids, blk_pos, bind(self.draft_io, arrays))
 
     def window(self, feeds: dict, needed: int) -> dict:

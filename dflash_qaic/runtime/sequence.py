@@ -38,12 +38,15 @@ class Sequence:
         # sampling: the uniforms of the token at position len(ids) + i are row i, drawn once
         # from the seed (a step may look B − 1 past the budget; the rows it discards are never
         # used again); None when greedy
-        self.uniforms = None
+        self.uniforms = self.draft_uniforms = None
         sp = req.sampling
         if not sp.greedy:
             rows = req.max_new_tokens + block_size + 1
             rng = np.random.default_rng(sp.seed)
             self.uniforms = rng.random((rows, contract.N_RANDOM), dtype=np.float32)
+            # a DFlash-2 draft's uniform per proposal, by position as above (after the
+            # target's: those stay what they were)
+            self.draft_uniforms = rng.random(rows, dtype=np.float32)
         self.reason: str | None = None
         self.error: BaseException | None = None  # reason "error": what failed
         self.log = CallLog()
@@ -81,6 +84,16 @@ class Sequence:
             self.lengths.append(len(produced))
         if self.reason is None and len(self.tokens) >= req.max_new_tokens:
             self.reason = "max_new_tokens"
+
+    def fill_draft_uniforms(self, u: np.ndarray, first: int) -> None:
+        """Row j of `u` ([B − 1]) <- the draft's uniform for the proposal at position first + j."""
+        u.fill(0.0)
+        if self.draft_uniforms is None:
+            return
+        t0 = first - len(self.req.ids)
+        lo, hi = max(0, -t0), min(len(u), len(self.draft_uniforms) - t0)
+        if lo < hi:
+            u[lo:hi] = self.draft_uniforms[t0 + lo : t0 + hi]
 
     def fill_uniforms(self, u: np.ndarray, first: int) -> None:
         """Call row j of `u` ([n, 2]) <- this request's uniforms of the token at position

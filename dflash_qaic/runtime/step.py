@@ -85,6 +85,21 @@ class SlotState:
         self.offsets = np.zeros((slots, block_size), np.int64)  # 0 … B−1 on a live row
         self.proposals = np.zeros((slots, block_size - 1), np.int64)
         self.confidence = np.ones((slots, block_size - 1), np.float32)  # the draft's
+        # a DFlash-2 draft's q of the proposals (candidates, probabilities), when it returns it
+        self.q_ids: np.ndarray | None = None
+        self.q_probs: np.ndarray | None = None
+
+    def keep_q(self, out: dict, rows) -> None:
+        """Store the q a draft call returned for `rows` (allocated at the first one)."""
+        ids = out.get(contract.DRAFT_Q_IDS)
+        if ids is None:
+            return
+        if self.q_ids is None:
+            n = len(self.alive)
+            self.q_ids = np.zeros((n, *ids.shape[1:]), np.int64)
+            self.q_probs = np.zeros((n, *ids.shape[1:]), np.float32)
+        self.q_ids[rows] = ids
+        self.q_probs[rows] = out[contract.DRAFT_Q_PROBS]
 
 
 def out_of_room(start: int, rows: int, ctx_len: int) -> bool:
@@ -157,9 +172,12 @@ class Prefill:
         b.blk_ids[0, 0] = b.mask_id if first is None else first  # bidx: set by chunk()
         np.add(self._arange_b, end, out=b.blk_pos[0])
         d = b.draft_prefill(slot, rows)
+        if b.draft_u is not None:  # the proposals for positions end + 1 … end + B − 1
+            seq.fill_draft_uniforms(b.draft_u[0], end + 1)
         out = call("draft_prefill", self.draft, b.window(d.feeds, end), [seq])
         seq.pending = 0
         if first is not None:
+            self.state.keep_q(out, slice(slot, slot + 1))
             self.state.proposals[slot] = out[contract.DRAFT_TOKENS][0]
             conf = out.get(contract.DRAFT_CONFIDENCE)
             if conf is not None:
@@ -233,6 +251,9 @@ class DFlashStep(_Step):
         c.ids[:, 0] = st.anchor
         c.ids[:, 1:] = st.proposals[:, : n - 1]
         np.add(st.start[:, None], st.offsets[:, :n], out=c.pos)  # inactive rows: all -1
+        if b.q and st.q_ids is not None:  # the draft's q of these proposals: q-aware verify
+            np.copyto(b.q[contract.DRAFT_Q_IDS], st.q_ids)
+            np.copyto(b.q[contract.DRAFT_Q_PROBS], st.q_probs)
         out = self._target("verify", n, c, seqs, self.costs)
         choice = out[contract.NEXT_TOKENS]  # [N, n]
         # acceptance, every row at once: acc = the leading proposals equal to the target's
@@ -274,7 +295,11 @@ class DFlashStep(_Step):
         """The draft call (context filled by verify): the next proposals of every live row."""
         st, d = self.state, self.bufs.draft
         feeds = self.bufs.window(d.feeds, self.furthest)  # the cached slots: below each block
+        if self.bufs.draft_u is not None:  # each row's proposals: positions start + 1 …
+            for seq in seqs:
+                seq.fill_draft_uniforms(self.bufs.draft_u[seq.slot], int(st.start[seq.slot]) + 1)
         out = call("draft", self.draft, feeds, seqs, self.costs)
+        st.keep_q(out, slice(None))
         st.proposals[:] = out[contract.DRAFT_TOKENS]
         conf = out.get(contract.DRAFT_CONFIDENCE)
         if conf is not None:
