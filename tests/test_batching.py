@@ -229,6 +229,35 @@ def test_requests_joining_mid_flight_equal_their_solo_run(built, policy):
     assert {s.result.stats["slot"] for s in seqs} == set(range(N))
 
 
+def test_engine_config_is_one_frozen_checked_value(built):
+    from dataclasses import FrozenInstanceError
+
+    from dflash_qaic.runtime.engine import EngineConfig
+
+    for bad, match in (
+        (dict(mode="fast"), "mode must be one of"),
+        (dict(max_running=0), "max_running must be an integer ≥ 1 or None"),
+        (dict(prefill_chunks_per_step=1.5), "prefill_chunks_per_step must be an integer"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(**bad)
+    cfg = EngineConfig(verify_lengths=[4])
+    assert cfg.verify_lengths == (4,)
+    with pytest.raises(FrozenInstanceError):
+        cfg.max_running = 2
+    _, _, art, _ = built(*CONFIGS[0])
+    pipe = dflash_qaic.load(art)
+    old = pipe.configure(max_running=2, prefill_chunks_per_step=1)
+    assert old == EngineConfig() and pipe.config.max_running == 2
+    engine = pipe.engine("baseline")  # a copy of the config, with the mode
+    assert engine.config == EngineConfig("baseline", 2, 1) and engine.max_running == 2
+    pipe.configure(old)
+    assert engine.config.max_running == 2  # an engine keeps the config it was made with
+    with pytest.raises(ValueError, match="pick some of them"):
+        pipe.configure(verify_lengths=[3])
+    assert pipe.config == old  # a refused change leaves the config as it was
+
+
 def test_max_running_holds_the_concurrency(built):
     _, _, art, _ = built(*CONFIGS[0])
     pipe = dflash_qaic.load(art)

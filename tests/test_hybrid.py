@@ -376,3 +376,29 @@ def read_manifest_io(facts: dict) -> contract.TargetIO:
         linear_layers=tuple(facts["linear_layers"]),
         state_dims=tuple(facts["state_dims"]),
     )
+
+
+def test_inactive_and_padding_rows_leave_the_state(pair, built):
+    """A full-batch verify call whose rows are all inactive (batch_index and positions -1)
+    writes back every state and conv window byte for byte; a prefill chunk's padding rows do
+    not enter its row's state (its count is its real rows)."""
+    import onnxruntime as ort
+
+    from dflash_qaic.export.target import check_feeds
+
+    art = built(*pair, full_batch_size=3)
+    m = read_manifest(art)
+    io = m.target.io
+    sess = ort.InferenceSession(str(art / m.target.onnx), providers=["CPUExecutionProvider"])
+    spec = next(s for s in m.target.specializations if s["name"] == contract.VERIFY)
+    feed = check_feeds(io, [spec])[0]
+    rng = np.random.default_rng(0)
+    for s in io.kv:
+        feed[s.name] = rng.standard_normal(feed[s.name].shape).astype(np.float32)
+    feed[contract.BATCH_INDEX][:] = contract.INACTIVE_ROW
+    feed[contract.POSITION_IDS][:] = contract.PAD_POSITION
+    out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feed)))
+    assert out[contract.NUM_COMMITTED].tolist() == [0, 0, 0]
+    for s in io.kv:
+        if s.name.startswith(("past_state", "past_conv")):
+            assert np.array_equal(out[contract.retained(s.name)], feed[s.name]), s.name

@@ -144,6 +144,10 @@ def _write_streamed(raw: Path, final: Path, data_name, inputs, outputs, external
 
 
 def _trace(module, example_inputs, inputs, outputs, raw: Path, opset: int, streamed: bool):
+    # the module binds its arguments and orders its results by these names (modeling/), so
+    # the graph's names and the tensors they carry come from one list
+    module.input_names = [s.name for s in inputs]
+    module.output_names = [s.name for s in outputs]
     with torch.no_grad(), _quiet(), _layer_progress(module, raw.name):
         torch.onnx.export(
             module.eval(),

@@ -25,7 +25,21 @@ from torch import nn
 from torch.nn import functional as F
 
 from dflash_qaic.checkpoints import DraftConfig
-from dflash_qaic.contract import CONFIDENCE_TOPK
+from dflash_qaic.contract import (
+    BATCH_INDEX,
+    COMP_CTX_LENGTHS,
+    CONFIDENCE_TOPK,
+    DRAFT_CONFIDENCE,
+    DRAFT_TOKENS,
+    INPUT_IDS,
+    LOGITS,
+    POSITION_IDS,
+    POSITION_IDS_TARGET,
+    TARGET_HIDDEN,
+    past_key,
+    past_value,
+)
+from dflash_qaic.contract import retained as retained_name
 from dflash_qaic.modeling.layers import (
     MASK_VALUE,
     MLP,
@@ -247,14 +261,19 @@ class ExportDraft(nn.Module):
             return ()
         return tuple(self.ring if r else 0 for r in self.ring_layers)
 
-    def forward(self, target_hidden, position_ids_target, input_ids, position_ids, *rest):
-        # rest = ([batch_index [b, 1]], [comp_ctx_lengths [L]], *past): batch_index with
-        # continuous batching (caches [N, n_kv, ctx, hd]), comp_ctx_lengths = 0 … L-1, the
-        # cached slots attention reads
-        rest = list(rest)
-        rows = cache_rows(rest.pop(0)) if self.continuous_batching else None  # -1 -> row 0
-        window = rest.pop(0) if self.comp_ctx else None
-        past = rest
+    def forward(self, *inputs: torch.Tensor):
+        # the contract's inputs (DraftIO), bound by the names the exporter gives them
+        # (export/onnx_export.py sets input_names and output_names):
+        # target_hidden [b, s, H], position_ids_target [b, s], input_ids, position_ids [b, B];
+        # batch_index [b, 1] with continuous batching (caches [N, n_kv, ctx, hd]);
+        # comp_ctx_lengths = 0 … L-1, the cached slots attention reads; past_key.i, past_value.i
+        x = dict(zip(self.input_names, inputs, strict=True))
+        target_hidden, position_ids_target = x[TARGET_HIDDEN], x[POSITION_IDS_TARGET]
+        input_ids, position_ids = x[INPUT_IDS], x[POSITION_IDS]
+        rows = cache_rows(x[BATCH_INDEX]) if self.continuous_batching else None  # -1 -> row 0
+        window = x[COMP_CTX_LENGTHS] if self.comp_ctx else None
+        kv = [n for i in range(len(self.layers)) for n in (past_key(i), past_value(i))]
+        past = [x[n] for n in kv]
         slots = cache_slots(position_ids_target, self.ctx_len)  # [b, s]
         ccos, csin = self.rope(position_ids_target)  # [b, s, hd]
         cos, sin = self.rope(position_ids)  # [b, B, hd]
@@ -292,9 +311,11 @@ class ExportDraft(nn.Module):
             cap = self.c.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         draft_tokens = logits.argmax(-1)  # [b, B−1]
-        conf = []
+        conf = None
         if self.confidence:  # 1 / Σ exp(top_i − top_0) over the k largest: terms ≤ 1, fp16-safe
             k = min(CONFIDENCE_TOPK, logits.shape[-1])
             top = logits.topk(k, dim=-1).values  # [b, B−1, k]
-            conf = [1.0 / torch.exp(top - top[..., :1]).sum(-1)]  # [b, B−1]
-        return (draft_tokens, *conf, *([logits] if self.emit_logits else []), *retained)
+            conf = 1.0 / torch.exp(top - top[..., :1]).sum(-1)  # [b, B−1]
+        out = {DRAFT_TOKENS: draft_tokens, DRAFT_CONFIDENCE: conf, LOGITS: logits}
+        out.update((retained_name(n), t) for n, t in zip(kv, retained, strict=True))
+        return tuple(out[n] for n in self.output_names)  # the contract's outputs, by name

@@ -74,7 +74,9 @@ class SparseMoeBlock(nn.Module):
         """x [T, H] -> (top_p [T, k], top_i [T, k]): Hugging Face's router, fp16-safe."""
         logits = self.gate(x)  # [T, E]
         probs = (logits - logits.amax(-1, keepdim=True)).softmax(-1)  # in [0, 1], exp(<= 0)
-        top_p, top_i = probs.topk(self.top_k, dim=-1)  # ties: the lower expert index
+        # a tie at the k-th place: the lower expert index in the graph (ONNX TopK); eager
+        # torch.topk may take either (docs/DESIGN.md, Mixture of experts)
+        top_p, top_i = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_p = top_p / top_p.sum(-1, keepdim=True)  # the sum is >= 1/E: no underflow
         return top_p, top_i

@@ -34,7 +34,19 @@ import torch
 from torch import nn
 
 from dflash_qaic.checkpoints import SUPPORTED_TARGETS, UNSUPPORTED_ROPE_TYPES, fp16_fc_scale
-from dflash_qaic.contract import SAMPLING_INPUTS
+from dflash_qaic.contract import (
+    BATCH_INDEX,
+    COMP_CTX_LENGTHS,
+    HIDDEN_STATES,
+    INPUT_IDS,
+    LOGITS,
+    NEXT_TOKENS,
+    POSITION_IDS,
+    SAMPLING_INPUTS,
+    past_key,
+    past_value,
+)
+from dflash_qaic.contract import retained as retained_name
 from dflash_qaic.modeling.layers import (
     MASK_VALUE,
     RMSNorm,
@@ -137,11 +149,11 @@ class DecoderLayer(nn.Module):
 
 
 class ExportTarget(nn.Module):
-    """forward(input_ids, position_ids, [batch_index], [comp_ctx_lengths], [temperature, top_k,
-    top_p, random_u], *past) -> (next_tokens, hidden_states, [logits], *retained past), past as
-    past_key.0, past_value.0, ... The sampling inputs are there when `sampling` (the default),
-    batch_index with `continuous_batching`, comp_ctx_lengths with `comp_ctx` (the default; see
-    contract.TargetIO).
+    """forward(*inputs) -> outputs, both as contract.TargetIO lists them and bound by name:
+    input_ids, position_ids, [batch_index], [comp_ctx_lengths], [temperature, top_k, top_p,
+    random_u], past_key.0, past_value.0, … -> next_tokens, hidden_states, [logits], the retained
+    caches. The sampling inputs are there when `sampling` (the default), batch_index with
+    `continuous_batching`, comp_ctx_lengths with `comp_ctx` (the default).
     """
 
     def __init__(
@@ -227,16 +239,20 @@ class ExportTarget(nn.Module):
         )
         return target
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *rest: torch.Tensor):
+    def forward(self, *inputs: torch.Tensor):
+        # the contract's inputs (TargetIO), bound by the names the exporter gives them
+        # (export/onnx_export.py sets input_names and output_names):
         # input_ids, position_ids [b, s] int64 (position -1 = padding); with continuous
         # batching, batch_index [b, 1]; comp_ctx_lengths [L] = 0 … L-1, the slots attention
         # reads; with sampling, temperature, top_k, top_p [b] and random_u [b, sample_len, 2];
-        # then past[2i], past[2i+1] = key / value cache of layer i [b or N, kvh, ctx, hd]
-        rest = list(rest)
-        rows = cache_rows(rest.pop(0)) if self.continuous_batching else None  # -1 -> row 0
-        window = rest.pop(0) if self.comp_ctx else None  # [L]
-        n_sampling = len(SAMPLING_INPUTS) if self.sampling else 0
-        sampling, past = rest[:n_sampling], rest[n_sampling:]
+        # past[2i], past[2i+1] = key / value cache of layer i [b or N, kvh, ctx, hd]
+        x = dict(zip(self.input_names, inputs, strict=True))
+        input_ids, position_ids = x[INPUT_IDS], x[POSITION_IDS]
+        rows = cache_rows(x[BATCH_INDEX]) if self.continuous_batching else None  # -1 -> row 0
+        window = x[COMP_CTX_LENGTHS] if self.comp_ctx else None  # [L]
+        sampling = [x[n] for n in SAMPLING_INPUTS] if self.sampling else []
+        kv = [n for i in range(len(self.layers)) for n in (past_key(i), past_value(i))]
+        past = [x[n] for n in kv]
         ctx_len = self.ctx_len
         slots = cache_slots(position_ids, ctx_len)  # [b, s]; -1 -> padding slot ctx_len - 1
         cos, sin = self.rope(position_ids)  # [b, s, hd]
@@ -273,8 +289,9 @@ class ExportTarget(nn.Module):
         else:
             next_tokens = logits.argmax(dim=-1)  # [b, s] int64
         hidden = self.fuse(torch.cat([taps[j] for j in self.target_layer_ids], dim=-1))
-        extra = (logits,) if self.emit_logits else ()
-        return (next_tokens, hidden, *extra, *retained)
+        out = {NEXT_TOKENS: next_tokens, HIDDEN_STATES: hidden, LOGITS: logits}
+        out.update((retained_name(n), t) for n, t in zip(kv, retained, strict=True))
+        return tuple(out[n] for n in self.output_names)  # the contract's outputs, by name
 
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
         """hidden_norm(fc(feats)), safe in fp16: feats [b, s, k*H] -> [b, s, H].

@@ -91,10 +91,12 @@ class _Shared:
     def __init__(self, plan: contract.ShapePlan, rows: int, sample_lens, target_io, draft_io):
         self.plan, self.target_io, self.draft_io = plan, target_io, draft_io
         self.bidx = np.zeros((rows, 1), np.int64)  # batch_index: the cache row of each row
+        self.slot_ids = np.arange(rows, dtype=np.int64)
         self.sampling = SamplingRows.alloc(rows, sample_lens)
         # attention windows (contract.COMP_CTX_LENGTHS): a call reads the smallest one holding
         # every slot it needs, so its cost follows the context, not ctx_len
-        self.window_ids = {n: np.arange(n, dtype=np.int64) for n in plan.windows or ()}
+        self.windows = list(plan.windows or ())
+        self.window_ids = {n: np.arange(n, dtype=np.int64) for n in self.windows}
 
     def _common(self) -> dict[str, np.ndarray]:
         out = {}
@@ -125,8 +127,8 @@ class _Shared:
 
     def window(self, feeds: dict, needed: int) -> dict:
         """`feeds` reading the smallest attention window that holds slots 0 … needed-1."""
-        if self.plan.windows:
-            n = contract.window_for(list(self.plan.windows), needed)
+        if self.window_ids:
+            n = contract.window_for(self.windows, needed)
             feeds[contract.COMP_CTX_LENGTHS] = self.window_ids[n]
         return feeds
 

@@ -147,9 +147,11 @@ class Engine:
             self.spec = DecodeStep(plan, target, draft, bufs, state)
         self.slots: list[Sequence | None] = [None] * N  # slot -> its sequence
         self.free = list(range(N))  # a heap: the lowest free slot first
-        self.stepping = np.zeros(N, bool)  # slots whose sequence is past its prompt
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.prefilling: list[Sequence] = []  # in slots, prompt not done, in admission order
+        # the slots that step and their sequences, in slot order (remade when one joins/leaves)
+        self.rows, self.stepping = np.zeros(0, np.int64), []
+        self._changed = False
 
     # ------------------------------------------------------------------ public
 
@@ -179,11 +181,13 @@ class Engine:
         past its prompt. Returns the sequences with new tokens or a new end."""
         self._admit()
         touched = self._prefill()  # prompts that ended at their first token, or failed
-        rows = np.flatnonzero(self.stepping)
-        seqs = [self.slots[r] for r in rows]
+        if self._changed:
+            self.rows = np.flatnonzero(self.spec.state.alive)
+            self.stepping, self._changed = [self.slots[r] for r in self.rows], False
+        seqs = self.stepping
         if seqs:
             try:
-                self.spec.run(rows, seqs)
+                self.spec.run(self.rows, seqs)
             except CallFailed as e:  # that call's sequences fail, the others go on
                 self._fail(e.seqs, e.cause)
             except Exception as e:
@@ -219,7 +223,8 @@ class Engine:
                 budget = None if budget is None else budget - 1
             if seq.finished or seq.t_dec is not None:
                 if seq.decoding:
-                    self.stepping[seq.slot] = True
+                    self.spec.join(seq.slot)
+                    self._changed = True
                 else:
                     ended.append(seq)
             else:
@@ -238,7 +243,8 @@ class Engine:
         slot = seq.slot
         if slot is not None and self.slots[slot] is seq:
             self.slots[slot] = None
-            self.stepping[slot] = False
+            self.spec.leave(slot)
+            self._changed = True
             self.sampling.set_row(slot, None)
             heapq.heappush(self.free, slot)
         seq.result = result(seq, self.config.mode)

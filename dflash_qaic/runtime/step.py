@@ -3,10 +3,16 @@ slot, speculative (`DFlashStep`: verify, accept, draft) or the target alone (`De
 docs/DESIGN.md, Algorithm and Runtime.
 
 What a step reads of each slot lives in `SlotState`, arrays with a row per slot (cache row),
-so a step fills its inputs and accepts with array operations over the rows; Python work per
-step is per sequence (committing its tokens), never per slot × sequence. A step is given the
-slots that take part (`rows`, ascending) and their sequences in the same order; every other
-row is an *inactive row* (batch_index -1 and every position -1, contract.py).
+so a step fills its inputs and accepts with array operations over every row at once; Python
+work per step is per sequence (committing its tokens), never per slot × sequence. A slot that
+does not step is an *inactive row* (batch_index -1 and every position -1, contract.py) by
+construction: `join` and `leave` set its row when a sequence starts or stops stepping, so a
+step never masks rows. A step is given the slots that step (`rows`, ascending) and their
+sequences in the same order.
+
+Seams for other target forms: a target that returns more per call (a hybrid's committed count,
+`check_committed`) is checked where the call returns; a new per-row input is a buffer in
+runtime/buffers.py filled here beside ids and positions.
 
 Verify length: each step verifies the first n rows of the block, n from the target's verify
 lengths, picked by `StepCosts.best_length` from the draft's confidences (and, greedy, the
@@ -67,11 +73,16 @@ def check_committed(kind: str, out: dict, rows: np.ndarray, committed, seqs: lis
 
 class SlotState:
     """Per slot, what its next step reads: the anchor (the last committed token), its position,
-    the draft's proposals for the positions after it and their confidences."""
+    the draft's proposals for the positions after it and their confidences. A slot that does
+    not step (`alive` False) has start -1 and offsets 0, so the positions a call computes for
+    every row at once, start + offsets, are all -1 on its row: an inactive row by construction,
+    set when a sequence joins or leaves the steps, never per step."""
 
     def __init__(self, slots: int, block_size: int):
+        self.alive = np.zeros(slots, bool)
         self.anchor = np.zeros(slots, np.int64)
-        self.start = np.zeros(slots, np.int64)
+        self.start = np.full(slots, contract.PAD_POSITION, np.int64)
+        self.offsets = np.zeros((slots, block_size), np.int64)  # 0 … B−1 on a live row
         self.proposals = np.zeros((slots, block_size - 1), np.int64)
         self.confidence = np.ones((slots, block_size - 1), np.float32)  # the draft's
 
@@ -156,23 +167,29 @@ class Prefill:
 
 
 class _Step:
-    """What the DFlash and decode steps share: the slot state, the buffers over every slot and
-    the inactive rows."""
+    """What the DFlash and decode steps share: the slot state, the buffers over every slot, and
+    a slot joining or leaving the steps (its row turns live or inactive in every call)."""
 
     def __init__(self, plan, target, draft, bufs: StepBuffers, state: SlotState):
         self.plan, self.target, self.draft, self.bufs, self.state = plan, target, draft, bufs, state
-        self.slot_ids = np.arange(plan.cache_rows, dtype=np.int64)
         self._arange_b = np.arange(plan.block_size, dtype=np.int64)
-        self.active = np.zeros(plan.cache_rows, bool)  # rows of the current call
+        self.max_start = contract.max_positions(plan.ctx_len) - plan.block_size
+        bufs.bidx.fill(contract.INACTIVE_ROW)
 
-    def _rows(self, rows: np.ndarray) -> np.ndarray:
-        """Mark `rows` active; batch_index: its own cache row for each, -1 for the others."""
-        self.active.fill(False)
-        self.active[rows] = True
-        np.copyto(self.bufs.bidx[:, 0], np.where(self.active, self.slot_ids, contract.INACTIVE_ROW))
-        return ~self.active
+    def join(self, slot: int) -> None:
+        """The slot's sequence steps from now on (its anchor and start set by its prefill)."""
+        self.state.alive[slot] = True
+        self.state.offsets[slot] = self._arange_b
+        self.bufs.bidx[slot, 0] = slot
 
-    def _target(self, kind, n: int, c, rows, seqs, costs=None) -> dict:
+    def leave(self, slot: int) -> None:
+        st = self.state
+        st.alive[slot] = False
+        st.offsets[slot] = 0
+        st.start[slot] = contract.PAD_POSITION
+        self.bufs.bidx[slot, 0] = contract.INACTIVE_ROW
+
+    def _target(self, kind, n: int, c, seqs, costs=None) -> dict:
         """The target call `c` ([N, n] ids and positions filled) with each sampled row's
         uniforms; reads every slot up to the furthest row's last position."""
         sampled = [s for s in seqs if s.uniforms is not None]
@@ -180,7 +197,7 @@ class _Step:
         u = self.bufs.sampling.u[s]
         for seq in sampled:
             seq.fill_uniforms(u[seq.slot], int(self.state.start[seq.slot]) + 1)
-        needed = int(self.state.start[rows].max()) + n
+        needed = int(self.state.start.max()) + n
         return call(kind, self.target, self.bufs.window(c.feeds[s], needed), seqs, costs, n)
 
 
@@ -190,69 +207,78 @@ class DFlashStep(_Step):
     Row r verifies [anchor_r, proposals_r[:n−1]] at start_r … start_r+n−1; acc_r = leading
     proposals equal to the target's choice; it commits them and the target's token after them;
     the draft then takes the features of its acc_r + 1 committed rows as context and proposes
-    the block [new anchor, MASK…]."""
+    the block [new anchor, MASK…]. Every array operation covers all rows at once (inactive
+    rows compute harmless values that nothing reads); Python work is per sequence."""
 
     def __init__(self, plan, target, draft, bufs, state, lengths, costs: StepCosts):
         super().__init__(plan, target, draft, bufs, state)
         self.lengths, self.costs = list(lengths), costs
+        self._same = {n: np.zeros((plan.cache_rows, n), bool) for n in self.lengths}
+        self.furthest = 0  # the largest start after the last verify
 
     def run(self, rows: np.ndarray, seqs: list) -> None:
         going = self.verify(rows, seqs)
-        if going.any():
-            self.propose(rows[going], [s for s, g in zip(seqs, going) if g])
+        if going:
+            self.propose(going)
 
-    def verify(self, rows: np.ndarray, seqs: list) -> np.ndarray:
-        """The verify call and the commits; returns which of `rows` go on (bool, per row)."""
-        st, b = self.state, self.bufs
-        sampled = any(s.uniforms is not None for s in seqs)
-        n = self.costs.best_length(self.lengths, st.confidence[rows], sampled)
+    def verify(self, rows: np.ndarray, seqs: list) -> list:
+        """The verify call and the commits; returns the sequences that go on, whose committed
+        rows are now the draft's context."""
+        st, b, d, B = self.state, self.bufs, self.bufs.draft, self.plan.block_size
+        n = B
+        if len(self.lengths) > 1:
+            sampled = any(s.uniforms is not None for s in seqs)
+            n = self.costs.best_length(self.lengths, st.confidence[rows], sampled)
         c = b.verify[n]  # ids, pos: [N, n]
-        idle = self._rows(rows)
         c.ids[:, 0] = st.anchor
         c.ids[:, 1:] = st.proposals[:, : n - 1]
-        np.add(st.start[:, None], self._arange_b[:n], out=c.pos)
-        c.ids[idle] = 0
-        c.pos[idle] = contract.PAD_POSITION
-        out = self._target("verify", n, c, rows, seqs, self.costs)
-        choice = out[contract.NEXT_TOKENS][rows]  # [k, n]
-        # acceptance: the leading proposals equal to the target's choice, per row
-        acc = np.cumprod(st.proposals[rows, : n - 1] == choice[:, : n - 1], axis=1).sum(axis=1)
-        check_committed("verify", out, rows, acc + 1, seqs)
-        start = st.start[rows]  # [k]: the anchors' positions
-        st.start[rows] = start + acc + 1
-        st.anchor[rows] = choice[np.arange(len(rows)), acc]
-        room = ~(
-            (st.start[rows] + self.plan.block_size) > contract.max_positions(self.plan.ctx_len)
-        )
-        committed = choice.tolist()
-        for i, seq in enumerate(seqs):  # per sequence: its tokens (the accepted ones, then one)
+        np.add(st.start[:, None], st.offsets[:, :n], out=c.pos)  # inactive rows: all -1
+        out = self._target("verify", n, c, seqs, self.costs)
+        choice = out[contract.NEXT_TOKENS]  # [N, n]
+        # acceptance, every row at once: acc = the leading proposals equal to the target's
+        # choice (the first False of `same`, whose last column is always False)
+        same = self._same[n]  # [N, n]
+        np.equal(st.proposals[:, : n - 1], choice[:, : n - 1], out=same[:, : n - 1])
+        acc = same.argmin(axis=1)  # [N]
+        if contract.NUM_COMMITTED in out:  # a hybrid target's own count must agree
+            check_committed("verify", out, rows, acc[rows] + 1, seqs)
+        k = acc + 1  # committed tokens per row: the draft's context rows
+        k *= st.alive
+        d.ctx[:, :n] = out[contract.HIDDEN_STATES]
+        np.add(st.start[:, None], self._arange_b, out=d.ctx_pos)  # from the anchor's position
+        np.copyto(d.ctx_pos, contract.PAD_POSITION, where=self._arange_b >= k[:, None])
+        st.start += k
+        st.anchor[:] = choice[b.slot_ids, acc]
+        tokens, accepted = choice.tolist(), acc.tolist()
+        self.furthest = int(st.start.max())
+        full = self.furthest > self.max_start  # some row has no room for another block
+        going = []
+        for seq in seqs:  # per sequence: its tokens (the accepted ones, then the target's)
+            r = seq.slot
             seq.verified.append(n)
-            seq.commit(committed[i][: acc[i] + 1], step=True)
-            if seq.reason is None and not room[i]:
-                seq.reason = "ctx_len"
-        going = np.array([s.reason is None for s in seqs])
-        # draft context: the committed rows' features at their positions, the rest padding
-        d, g, k = b.draft, rows[going], acc[going] + 1
-        d.ctx[g, :n] = out[contract.HIDDEN_STATES][g]
-        d.ctx_pos[g] = np.where(
-            self._arange_b < k[:, None], start[going][:, None] + self._arange_b, -1
-        )
-        d.blk_ids[g, 0] = st.anchor[g]
+            seq.commit(tokens[r][: accepted[r] + 1], step=True)
+            if seq.reason is None and full and st.start[r] > self.max_start:
+                seq.reason = "ctx_len"  # positions ≥ ctx_len − 1 have no slot (contract.py)
+            if seq.reason is None:
+                going.append(seq)
+            else:  # an inactive row in the draft call
+                self.leave(r)
+                d.ctx_pos[r] = contract.PAD_POSITION
+        if len(going) < len(seqs):
+            self.furthest = int(st.start.max())
+        d.blk_ids[:, 0] = st.anchor
+        np.add(st.start[:, None], st.offsets, out=d.blk_pos)  # inactive rows: all -1
         return going
 
-    def propose(self, rows: np.ndarray, seqs: list) -> None:
-        """The draft call over `rows` (context filled by verify): their next proposals."""
+    def propose(self, seqs: list) -> None:
+        """The draft call (context filled by verify): the next proposals of every live row."""
         st, d = self.state, self.bufs.draft
-        idle = self._rows(rows)
-        np.add(st.start[:, None], self._arange_b, out=d.blk_pos)
-        d.ctx_pos[idle] = contract.PAD_POSITION  # an inactive row writes only a padding slot
-        d.blk_pos[idle] = contract.PAD_POSITION
-        feeds = self.bufs.window(d.feeds, int(st.start[rows].max()))
+        feeds = self.bufs.window(d.feeds, self.furthest)  # the cached slots: below each block
         out = call("draft", self.draft, feeds, seqs, self.costs)
-        st.proposals[rows] = out[contract.DRAFT_TOKENS][rows]
+        st.proposals[:] = out[contract.DRAFT_TOKENS]
         conf = out.get(contract.DRAFT_CONFIDENCE)
         if conf is not None:
-            st.confidence[rows] = conf[rows]
+            st.confidence[:] = conf
 
 
 class DecodeStep(_Step):
@@ -260,18 +286,20 @@ class DecodeStep(_Step):
 
     def run(self, rows: np.ndarray, seqs: list) -> None:
         st, c = self.state, self.bufs.decode  # ids, pos: [N, 1]
-        idle = self._rows(rows)
         c.ids[:, 0] = st.anchor
-        c.pos[:, 0] = st.start
-        c.ids[idle] = 0
-        c.pos[idle] = contract.PAD_POSITION
-        out = self._target("decode", 1, c, rows, seqs)
-        token = out[contract.NEXT_TOKENS][rows, 0]  # [k]
+        c.pos[:, 0] = st.start  # inactive rows: -1
+        out = self._target("decode", 1, c, seqs)
         check_committed("decode", out, rows, 1, seqs)
-        st.start[rows] += 1
-        st.anchor[rows] = token
-        room = ~((st.start[rows] + 1) > contract.max_positions(self.plan.ctx_len))
-        for seq, t, ok in zip(seqs, token.tolist(), room):
-            seq.commit([t], step=True)
-            if seq.reason is None and not ok:
+        token = out[contract.NEXT_TOKENS][:, 0]  # [N]
+        st.anchor[:] = token
+        st.start += st.alive
+        tokens = token.tolist()
+        full = int(st.start.max()) + 1 > contract.max_positions(self.plan.ctx_len)
+        for seq in seqs:
+            seq.commit([tokens[seq.slot]], step=True)
+            if (
+                seq.reason is None
+                and full
+                and out_of_room(st.start[seq.slot], 1, self.plan.ctx_len)
+            ):
                 seq.reason = "ctx_len"
