@@ -28,13 +28,14 @@ class _CurrentStream(logging.StreamHandler):
 
 
 def show(level: int = logging.INFO, prefix: str = "· ", stream: str = "stdout") -> None:
-    """Print the library's messages from `level` up as `<prefix><message>` (installed once per
-    process; a second call only changes the level)."""
+    """Print the library's messages from `level` up as `<prefix><message>` on `stream`
+    ("stdout" | "stderr"); installed once per process, a second call changes its settings."""
     logger = logging.getLogger(ROOT)
     handler = next((h for h in logger.handlers if isinstance(h, _CurrentStream)), None)
     if handler is None:
         handler = _CurrentStream(stream)
         logger.addHandler(handler)
+    handler.which = stream
     handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
     handler.setLevel(level)
     logger.setLevel(min(level, logging.INFO))
