@@ -125,6 +125,10 @@ def _module(model, max_rows=CHUNK, ctx=64):
         sampling=False,
     ).eval()
     t.comp_ctx = False
+    from dflash_qaic.export.target import target_io
+
+    io = target_io(t, 1, emit_logits=True, sampling=False)  # inputs bound by name, as exported
+    t.input_names = [contract.INPUT_IDS, contract.POSITION_IDS] + [s.name for s in io.kv]
     return t
 
 

@@ -49,7 +49,17 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dflash_qaic.contract import SAMPLING_INPUTS
+from dflash_qaic.contract import (
+    BATCH_INDEX,
+    COMP_CTX_LENGTHS,
+    INPUT_IDS,
+    POSITION_IDS,
+    SAMPLING_INPUTS,
+    past_conv,
+    past_key,
+    past_state,
+    past_value,
+)
 from dflash_qaic.modeling.layers import (
     MASK_VALUE,
     RMSNorm,
@@ -414,15 +424,23 @@ class ExportHybridTarget(ExportTarget):
             max_rows=max_rows,
         )
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *rest: torch.Tensor):
-        # inputs as ExportTarget.forward; past[2i], past[2i+1] = layer i's key/value caches
+    def forward(self, *inputs: torch.Tensor):
+        # the contract's inputs (TargetIO), bound by the names the exporter gives them, as
+        # ExportTarget.forward; past[2i], past[2i+1] = layer i's key/value caches
         # [b or N, kvh, ctx, hd], or its state [b or N, hv, dk, dv] and conv window [b or N, C, K-1]
-        rest = list(rest)
-        batch_index = rest.pop(0) if self.continuous_batching else None
+        x = dict(zip(self.input_names, inputs, strict=True))
+        input_ids, position_ids = x[INPUT_IDS], x[POSITION_IDS]
+        batch_index = x[BATCH_INDEX] if self.continuous_batching else None
         rows = cache_rows(batch_index) if batch_index is not None else None  # -1 -> row 0
-        window = rest.pop(0) if self.comp_ctx else None  # [L]
-        n_sampling = len(SAMPLING_INPUTS) if self.sampling else 0
-        sampling, past = rest[:n_sampling], rest[n_sampling:]
+        window = x[COMP_CTX_LENGTHS] if self.comp_ctx else None  # [L]
+        sampling = [x[n] for n in SAMPLING_INPUTS] if self.sampling else []
+        past = [
+            x[n]
+            for i, layer in enumerate(self.layers)
+            for n in (
+                (past_state(i), past_conv(i)) if layer.linear else (past_key(i), past_value(i))
+            )
+        ]
         ctx_len = self.ctx_len
         ones = position_ids * 0 + 1  # [b, s]
         idx = ones[0].cumsum(0) - 1  # [s]: 0 … s-1
