@@ -372,3 +372,29 @@ def test_sampled_draft_program_returns_the_selector_q(pair, tmp_path):
     greedy = draft.candidate_selector(h[:1, 1:], logits[:1], blk[:1, 0])
     assert out[contract.DRAFT_TOKENS][0].tolist() == greedy[0].tolist()
     assert (out[contract.DRAFT_TOKENS][1:] != logits[1:].argmax(-1).numpy()).any()
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_sampled_acceptance_distributed_as_reference(built):
+    """At T = 1 the first step's acceptance length (the same context for every run) is
+    distributed as the reference `dflash_generate`'s with the DFlash-2 draft (chi-square
+    contingency of the two histograms)."""
+    from scipy import stats
+
+    t, d, art, model = built
+    ref = DFlash2DraftModel.from_pretrained(d, dtype=torch.float32).eval()
+    pipe = dflash_qaic.load(art)
+    pipe.configure(verify_lengths=[pipe.B])
+    ids, n = prompt(9, 501), 600
+    res = pipe.generate([ids] * n, 9, temperature=1.0, seed=list(range(n)), stop_token_ids=[])
+    ours = [r.acceptance_lengths[0] for r in res]
+    theirs = []
+    for i in range(n):
+        torch.manual_seed(10**6 + i)
+        out = dflash_generate(ref, model, torch.tensor([ids]), 9, None, 1.0, return_stats=True)
+        theirs.append(out.acceptance_lengths[0])
+    a, b = np.bincount(ours, minlength=9)[1:], np.bincount(theirs, minlength=9)[1:]
+    keep = (a + b) > 0
+    assert keep.sum() >= 3, (a, b)  # multi-token first steps happen
+    assert stats.chi2_contingency(np.stack([a[keep], b[keep]])).pvalue > 1e-3, (a, b)
