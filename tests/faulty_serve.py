@@ -1,13 +1,17 @@
 """dflash-serve with an injected fault, for tests/test_faults.py: the target program raises on
-a batch-1 (prefill) call whose ids begin with the token ids in $FAULT_PROMPT (comma-separated).
+a batch-1 (prefill) call whose ids begin with the token ids in $FAULT_PROMPT (comma-separated);
+or, with $SLOW_CALL_S, every target call takes that many seconds longer (a slow device: the
+shutdown tests need requests that cannot finish within the timeout, however fast this host is).
 
     FAULT_PROMPT=5,9,13 python tests/faulty_serve.py ARTIFACTS --port 0 ...
+    SLOW_CALL_S=0.05 python tests/faulty_serve.py ARTIFACTS --port 0 ...
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 from dflash_qaic import contract
 
@@ -41,16 +45,29 @@ def prefill_of(prompt: list[int]):
     return bad
 
 
+class Slow(Faulty):
+    """A program whose every call takes `seconds` longer."""
+
+    def __init__(self, program, seconds: float):
+        super().__init__(program, lambda feeds: False)
+        self._seconds = seconds
+
+    def run(self, feeds):
+        time.sleep(self._seconds)
+        return self._program.run(feeds)
+
+
 def main() -> int:
     import dflash_qaic
     from dflash_qaic.serve.cli import main as serve
 
-    poison = [int(t) for t in os.environ["FAULT_PROMPT"].split(",")]
     load = dflash_qaic.load
+    slow = float(os.environ.get("SLOW_CALL_S", 0))
+    poison = [int(t) for t in os.environ.get("FAULT_PROMPT", "").split(",") if t]
 
     def faulty_load(*args, **kw):
         pipe = load(*args, **kw)
-        pipe.target = Faulty(pipe.target, prefill_of(poison))
+        pipe.target = Slow(pipe.target, slow) if slow else Faulty(pipe.target, prefill_of(poison))
         return pipe
 
     dflash_qaic.load = faulty_load

@@ -14,6 +14,7 @@ import random
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -195,12 +196,16 @@ def test_max_queue_counts_waiting_requests_only(server, http):
     assert r.status_code == 200
 
 
-def test_sigterm_past_the_shutdown_timeout_cuts_with_proper_answers(cb_artifacts):
+def test_sigterm_past_the_shutdown_timeout_cuts_with_proper_answers(cb_artifacts, monkeypatch):
     """SIGTERM with --shutdown-timeout 1 while a long non-streamed and a long streamed request
     run: the first gets a 503 JSON error, the second a last chunk with finish_reason "abort"
     and data: [DONE] (before: uvicorn's plain-text 500 and a stream ending without either)."""
     long = dict(prompt=PROMPTS[3], max_tokens=700, ignore_eos=True, temperature=0)
-    with ServerProcess(cb_artifacts, "--threads", "1", "--shutdown-timeout", "1") as server:
+    # every target call 50 ms longer: the requests cannot finish within the timeout on any host
+    monkeypatch.setenv("SLOW_CALL_S", "0.05")
+    server = ServerProcess(cb_artifacts, "--threads", "1", "--shutdown-timeout", "1")
+    server.argv[1:3] = [str(Path(__file__).with_name("faulty_serve.py"))]
+    with server:
         results, streaming = {}, threading.Event()
 
         def plain():
