@@ -21,9 +21,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps dflash==0.1.0
 	touch $(STAMP)
 
-# pytest exits 5 when it collects no tests: that is a failure here, not a pass.
+# pytest exits 5 when it collects no tests: that is a failure here, not a pass. The fast tier
+# runs in two worker processes (pytest-xdist), one per core of the CI machine.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow
