@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 import types
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
 
 
 class _Package(types.ModuleType):
