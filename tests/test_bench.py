@@ -262,7 +262,7 @@ def test_cli_end_to_end(tiny_artifacts, tmp_path, capsys):
     assert all(s["same_tokens"] == 2 for s in peers.values())
     assert res["peers"]["torch_threads"] == 1 == res["machine"]["threads"]
     screen = capsys.readouterr().out
-    assert screen.startswith("dflash-bench") and "speedup" in screen
+    assert screen.startswith("dflash-bench") and "speedup" in screen, screen[:600]
     md = (out / "report.md").read_text()
     assert md.startswith("# dflash-bench report") and "![" in md
     assert (out / "report.png").stat().st_size > 0

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import logging
 import os
 import re
 import shlex
@@ -157,6 +158,9 @@ def _parse_only(entry: str, argv: list[str], monkeypatch) -> str | None:
         sys.exit(2)
 
     with monkeypatch.context() as m:
+        log = logging.getLogger("dflash_qaic")  # a CLI shows the library's log: not for later tests
+        m.setattr(log, "handlers", list(log.handlers))
+        m.setattr(log, "level", log.level)
         m.setattr(argparse.ArgumentParser, "parse_args", parse_args)
         m.setattr(argparse.ArgumentParser, "error", error)
         m.setattr(sys, "argv", [entry, *argv])

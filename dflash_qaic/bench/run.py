@@ -7,6 +7,7 @@ Only the public runtime API is used (`dflash_qaic.load`, `generate`, `generate_b
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import platform
@@ -233,7 +234,12 @@ def _short_pipe(f: dict, ctx_len: int, chunk: int, out: str, threads: int):
         **keep, prefill_seq_len=chunk, ctx_len=ctx_len, compile=False, fp16_check=False
     )
     out = Path(out, "short")  # a directory of the exporter's own making
-    build_artifacts(*f["sources"].values(), out, opts)
+    quiet = logging.getLogger("dflash_qaic.export")  # its progress is not the benchmark's
+    level, quiet.level = quiet.level, logging.WARNING
+    try:
+        build_artifacts(*f["sources"].values(), out, opts)
+    finally:
+        quiet.setLevel(level)
     return dflash_qaic.load(out, "ort", threads=threads, tokenizer=False)
 
 
