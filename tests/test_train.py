@@ -304,3 +304,93 @@ def test_mixed_recipe_trains_on_sampled_sequences(tiny, tmp_path):
     assert not torch.equal(greedy, s["tokens"])  # not the greedy continuation
     with pytest.raises(SystemExit, match="sampled-frac"):
         D.main(["--target", str(tdir), "--out", str(tmp_path / "x"), "--sampled-frac", "2"])
+
+
+# ---------------------------------------------------------------------------------------------
+# DFlash-2: the trainer learns the convs and the candidate selector
+
+
+def test_block_probs_are_the_distributions_of_the_block_rows():
+    """Row j of a block at anchor p is scored against the target's distribution after position
+    p + j − 1, the one that predicts the label at p + j."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 11, (3, 40), generator=gen)
+    probs = torch.zeros(3, 40, 11)
+    probs[:, :-1] = torch.nn.functional.one_hot(tokens[:, 1:], 11).float()  # after t: token t+1
+    seqs = [{"tokens": t, "prompt_len": 5} for t in tokens]
+    batch = D.sample_batch(seqs, 4, 3, 8, gen)
+    rows = D.block_probs(probs[batch["idx"]], batch["anchors"], 8)  # [S, A, 7, V]
+    labels = batch["labels"][:, :, 1:]
+    valid = labels >= 0
+    assert valid.any()
+    assert torch.equal(rows.argmax(-1)[valid], labels[valid])
+
+
+def test_dflash2_from_a_dflash_draft_starts_where_it_was(tiny_pair):
+    """`--init-from`: a DFlash-2 draft started from a DFlash draft computes exactly the DFlash
+    draft's block hidden states (its convs start as the identity); a mismatched source is
+    refused."""
+    tdir, ddir = tiny_pair(target_layer_ids=[1, 3], draft_layers=2, block_size=8)
+    src = ck.read_draft_config(ddir)
+    dense = DFlashDraft.from_checkpoint(src, ck.load_draft_state(src))
+    cfg = json.loads((ddir / "config.json").read_text())
+    cfg["architectures"] = ["DFlash2DraftModel"]
+    fields = dict(conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=4)
+    cfg["dflash_config"] = {**cfg.get("dflash_config", {}), **fields}
+    c2 = ck.DraftConfig(**{**vars(src), **fields})
+    draft = D.init_draft(c2, seed=1)
+    D.init_from(draft, ddir)
+    assert c2.dflash2 and draft.candidate_selector is not None
+    gen = torch.Generator().manual_seed(0)
+    H = src.hidden_size
+    ctx = torch.randn(2, 9, H, generator=gen)
+    emb = torch.randn(2, 8, H, generator=gen)
+    cpos, bpos = torch.arange(9)[None].repeat(2, 1), (9 + torch.arange(8))[None].repeat(2, 1)
+    with torch.no_grad():
+        want = dense.forward(ctx, cpos, emb, bpos)
+        got = draft.forward(ctx, cpos, emb, bpos)
+        for layer in draft.layers:  # and the convs are real: a dynamic part changes the output
+            layer.mlp_conv.kernel_projection.weight.normal_(0, 0.1, generator=gen)
+        moved = draft.forward(ctx, cpos, emb, bpos)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (moved - want).abs().max() > 1e-3
+    small = ck.DraftConfig(**{**vars(c2), "intermediate_size": c2.intermediate_size // 2})
+    with pytest.raises(SystemExit, match="do not fit"):
+        D.init_from(D.init_draft(small, seed=1), ddir)
+
+
+def test_dflash2_trainer_writes_the_published_form_and_learns(tiny, tmp_path):
+    """`--form dflash2`: the draft is written as published (DFlash2DraftModel, its fields in
+    dflash_config, codebooks without `.weight`), validates, loads in the reference, and the
+    training moved the convs' dynamic parts and the selector; its loss falls and its T = 1
+    estimate is reported."""
+    from dflash.model import DFlash2DraftModel
+    from safetensors import safe_open
+
+    root, tdir = tiny
+    out = tmp_path / "d2"
+    extra = ["--form", "dflash2", "--conv-kernel-size", "3", "--conv-group-size", "16"]
+    extra += ["--selector-rank", "8", "--selector-top-k", "4", "--draft-layers", "2"]
+    summary = D.train(_draft_args(root, tdir, out, "--steps", "36", *extra))
+    pair = ck.read_pair(tdir, out)
+    assert (
+        pair.draft.dflash2 and pair.draft.selector_top_k == 4 and pair.draft.conv_kernel_size == 3
+    )
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"]
+    assert cfg["dflash_config"]["selector_rank"] == 8
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "candidate_selector.predecessor_codebook" in keys
+    assert "candidate_selector.predecessor_codebook.weight" not in keys
+    ref = DFlash2DraftModel.from_pretrained(str(out), dtype=torch.float32)
+    state = load_file(str(out / "model.safetensors"))
+    assert torch.equal(
+        ref.candidate_selector.successor_codebook.weight.half(),
+        state["candidate_selector.successor_codebook"].half(),
+    )
+    assert state["layers.0.attention_conv.kernel_projection.weight"].abs().max() > 0  # learnt
+    losses = [x[0] for x in summary["history"]]
+    assert sum(losses[-4:]) < 0.7 * sum(losses[:4]), losses
+    assert all(len(x) == 3 and 1.0 <= x[2] <= 8.0 for x in summary["history"])
+    assert "final_tau_t1_train" in summary

@@ -73,6 +73,13 @@ RESUME_KEYS = (
     "gamma",
     "threads",
     "data_key",
+    "form",
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+    "selector_weight",
+    "init_from",
 )
 
 
@@ -174,10 +181,13 @@ def make_sequences(model, doc_ids: list[torch.Tensor], a, gen: torch.Generator) 
 
 
 @torch.no_grad()
-def target_features(model, tokens: torch.Tensor, layer_ids) -> torch.Tensor:
-    """[b, L] -> concat of hidden_states[j + 1] for j in layer_ids: [b, L, k·H]."""
-    hs = model(input_ids=tokens, output_hidden_states=True).hidden_states
-    return torch.cat([hs[j + 1] for j in layer_ids], dim=-1).float()
+def target_features(model, tokens: torch.Tensor, layer_ids, probs: bool = False):
+    """[b, L] -> concat of hidden_states[j + 1] for j in layer_ids: [b, L, k·H]; with `probs`
+    also the target's next-token distribution at every position, softmax(logits) [b, L, V]."""
+    out = model(input_ids=tokens, output_hidden_states=True)
+    hs = out.hidden_states
+    features = torch.cat([hs[j + 1] for j in layer_ids], dim=-1).float()
+    return (features, out.logits.float().softmax(-1)) if probs else features
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,11 +203,14 @@ def draft_config_dict(
     mask_token_id: int,
     intermediate_size: int,
     dtype: str,
+    dflash2: dict | None = None,
 ) -> dict:
-    """config.json of a DFlash draft for target `t`, in the published (z-lab) layout."""
+    """config.json of a DFlash draft for target `t`, in the published (z-lab) layout; with
+    `dflash2` (conv_kernel_size, conv_group_size, selector_rank, selector_top_k) a
+    `DFlash2DraftModel`, its four fields in `dflash_config` as published."""
     raw = t.raw
     cfg = {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": ["DFlash2DraftModel" if dflash2 else "DFlashDraftModel"],
         "model_type": "qwen3",
         "hidden_size": t.hidden_size,
         "intermediate_size": intermediate_size,
@@ -219,6 +232,7 @@ def draft_config_dict(
             "mask_token_id": mask_token_id,
             "target_layer_ids": list(target_layer_ids),
             "block_size": block_size,
+            **(dflash2 or {}),
         },
         "torch_dtype": dtype,
     }
@@ -230,16 +244,43 @@ def draft_config_dict(
 
 
 def init_draft(c: ck.DraftConfig, seed: int, std: float = 0.02) -> DFlashDraft:
-    """A fresh draft: normal(0, std) matrices, unit norms (Hugging Face's Qwen3 init)."""
+    """A fresh draft: normal(0, std) matrices, unit norms (Hugging Face's Qwen3 init). DFlash-2:
+    every conv starts as the identity (base kernel 1 at offset 0, no dynamic part), so a fresh
+    DFlash-2 draft computes what a DFlash draft with the same layers computes; the codebooks
+    start at normal(0, 1/√r), so the selector's pair scores start small but not zero."""
     draft = DFlashDraft(c)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in draft.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith("base_kernel"):  # [2, K, H]: the identity conv
+                p.zero_()[:, 0] = 1.0
+            elif name.endswith("kernel_projection.weight"):
+                p.zero_()
+            elif name.endswith("codebook.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * c.selector_rank**-0.5)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
     return draft
+
+
+def init_from(draft: DFlashDraft, source: Path) -> None:
+    """Start `draft` from a trained draft of the same dimensions (a DFlash-2 draft from a DFlash
+    one): every tensor of `source` must exist in `draft` with the same shape; the rest (the
+    convs, the selector) keep `init_draft`'s values."""
+    c = ck.read_draft_config(source)
+    state = ck.load_draft_state(c)
+    own = draft.state_dict()
+    bad = {k: tuple(v.shape) for k, v in state.items() if k not in own or own[k].shape != v.shape}
+    if bad:
+        raise SystemExit(
+            f"--init-from {source}: tensors {sorted(bad)} do not fit the draft being trained "
+            "(same hidden size, layers, heads and intermediate size are needed)"
+        )
+    with torch.no_grad():
+        for k, v in state.items():
+            own[k].copy_(v.float())
 
 
 def multi_block_forward(
@@ -300,9 +341,18 @@ def block_loss(
     head_w: torch.Tensor,
     mask_token_id: int,
     weights: torch.Tensor,
+    target_probs: torch.Tensor | None = None,
+    selector_weight: float = 1.0,
 ) -> tuple[torch.Tensor, dict]:
     """Weighted cross-entropy of block rows 1 … B−1, plus the training acceptance estimate
-    (1 + the number of leading rows whose argmax is right, averaged over blocks)."""
+    (1 + the number of leading rows whose argmax is right, averaged over blocks).
+
+    DFlash-2 adds the selector's loss: row j's scores over the vocabulary, unary logit +
+    ⟨pred(token j−1) · proj(h_j), succ(c)⟩ with the true predecessor (teacher forcing, as the
+    verifier keeps a proposal only after accepting its predecessor), against the target's own
+    distribution at that position (`target_probs` [S, A, B−1, V]: soft labels, so q learns p and
+    q-aware sampling accepts Σ min(p, q)). Its estimates: `tau` of the selector's greedy path and
+    `tau_t1`, 1 + Σ_k Π_{j≤k} Σ_c min(p_j, q_j) (T = 1, teacher-forced)."""
     labels = batch["labels"]  # [S, A, B]
     S, A, B = labels.shape
     block_ids = torch.full_like(labels, mask_token_id)
@@ -312,14 +362,30 @@ def block_loss(
     logits = draft.logits(h, head_w).float()  # [S, A, B−1, V]
     target = labels[:, :, 1:]
     valid = target >= 0
-    ce = F.cross_entropy(logits.flatten(0, 2), target.flatten().clamp(min=0), reduction="none")
     w = weights.view(1, 1, -1) * valid
-    loss = (ce.view(S, A, B - 1) * w).sum() / w.sum()
+
+    def weighted(ce: torch.Tensor) -> torch.Tensor:  # ce [S·A·(B−1)]
+        return (ce.view(S, A, B - 1) * w).sum() / w.sum()
+
+    ce = F.cross_entropy(logits.flatten(0, 2), target.flatten().clamp(min=0), reduction="none")
+    loss, chosen, stats = weighted(ce), logits, {}
+    sel = draft.candidate_selector
+    if sel is not None:
+        prev = labels[:, :, :-1].clamp(min=0)  # [S, A, B−1]: row j's true predecessor
+        query = sel.predecessor_codebook(prev) * sel.hidden_projection(h)  # [S, A, B−1, r]
+        scores = logits + query @ sel.successor_codebook.weight.T  # [S, A, B−1, V]
+        logq = scores.log_softmax(-1)
+        p = target_probs.float()
+        loss = loss + selector_weight * weighted(-(p * logq).sum(-1).flatten())
+        chosen = scores
+        with torch.no_grad():
+            overlap = torch.minimum(p, logq.exp()).sum(-1) * valid  # [S, A, B−1]
+            stats["tau_t1"] = (1 + overlap.cumprod(-1).sum(-1)).mean().item()
     with torch.no_grad():
-        right = (logits.argmax(-1) == target) & valid
+        right = (chosen.argmax(-1) == target) & valid
         tau = 1 + right.long().cumprod(-1).sum(-1).float().mean()
         acc = right.sum() / valid.sum()
-    return loss, {"tau": tau.item(), "acc": acc.item()}
+    return loss, {"tau": tau.item(), "acc": acc.item(), **stats}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,13 +410,16 @@ def _data_key(a, target_digest: str, corpus_digest: str) -> str:
 class FeatureSource:
     """Target features of training sequences: all computed once and kept in memory when they fit
     in `budget_gb`, else computed per batch (the target is causal, so right-padding a batch
-    leaves every real position's features unchanged)."""
+    leaves every real position's features unchanged). With `probs` (DFlash-2's selector) also
+    the target's next-token distributions, kept as float16."""
 
-    def __init__(self, model, seqs, layer_ids, budget_gb: float, group: int):
-        self.model, self.seqs, self.layer_ids = model, seqs, list(layer_ids)
+    def __init__(self, model, seqs, layer_ids, budget_gb: float, group: int, probs: bool = False):
+        self.model, self.seqs, self.layer_ids, self.probs = model, seqs, list(layer_ids), probs
         k_h = len(self.layer_ids) * model.config.hidden_size
-        need = sum(s["tokens"].numel() for s in seqs) * k_h * 4 / 1e9
+        per_token = k_h * 4 + (model.config.vocab_size * 2 if probs else 0)
+        need = sum(s["tokens"].numel() for s in seqs) * per_token / 1e9
         self.cache: list[torch.Tensor] | None = None
+        self.prob_cache: list[torch.Tensor] = []
         if need <= budget_gb:
             from tqdm import tqdm
 
@@ -366,20 +435,37 @@ class FeatureSource:
                 ):
                     j += 1
                 toks = torch.stack([s["tokens"] for s in seqs[i:j]])
-                self.cache.extend(target_features(model, toks, self.layer_ids).unbind(0))
+                got = target_features(model, toks, self.layer_ids, probs)
+                if probs:
+                    got, p = got
+                    self.prob_cache.extend(p.half().unbind(0))
+                self.cache.extend(got.unbind(0))
                 bar.update(j - i)
                 i = j
             bar.close()
 
-    def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def __call__(self, batch: dict[str, torch.Tensor]):
+        """Features [S, L, k·H] of the batch's sequences (with `probs`: and [S, L, V])."""
         if self.cache is None:
-            return target_features(self.model, batch["tokens"], self.layer_ids)
+            return target_features(self.model, batch["tokens"], self.layer_ids, self.probs)
         S, L = batch["tokens"].shape
         out = torch.zeros(S, L, self.cache[0].shape[-1])
+        probs = torch.zeros(S, L, self.prob_cache[0].shape[-1]) if self.probs else None
         for r, i in enumerate(batch["idx"].tolist()):
             f = self.cache[i]
             out[r, : f.shape[0]] = f
-        return out
+            if probs is not None:
+                probs[r, : f.shape[0]] = self.prob_cache[i]
+        return (out, probs) if self.probs else out
+
+
+def block_probs(probs: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """probs [S, L, V] (the target's distribution of the token after each position), anchors
+    [S, A] -> the distributions of block rows 1 … B−1, [S, A, B−1, V]: row j's token follows
+    position anchor + j − 1."""
+    S, L, V = probs.shape
+    pos = (anchors[:, :, None] + torch.arange(block_size - 1)).clamp(max=L - 1)  # [S, A, B−1]
+    return probs.gather(1, pos.view(S, -1, 1).expand(-1, -1, V)).view(*pos.shape, V)
 
 
 def train(a: argparse.Namespace, stop_after: int | None = None) -> dict:
@@ -404,9 +490,14 @@ def _train(a: argparse.Namespace, stop_after: int | None) -> dict:
     tokenizer = load_tokenizer(tdir)
     cfg, c = _draft_config(a, t, tokenizer, state_dir)
     seqs, t_gen = _training_sequences(a, tdir, t, target, tokenizer, state_dir / "sequences.pt")
-    features = FeatureSource(target, seqs, a.target_layer_ids, a.feature_cache_gb, a.gen_batch)
+    dflash2 = a.form == "dflash2"
+    features = FeatureSource(
+        target, seqs, a.target_layer_ids, a.feature_cache_gb, a.gen_batch, probs=dflash2
+    )
 
     draft = init_draft(c, a.seed)
+    if a.init_from:
+        init_from(draft, Path(a.init_from))
     draft.train()
     opt = adamw(draft, a.lr, a.weight_decay)
     settings = {k: getattr(a, k) for k in RESUME_KEYS}
@@ -430,13 +521,20 @@ def _train(a: argparse.Namespace, stop_after: int | None) -> dict:
         state = {"step": step, "draft": draft.state_dict(), "optimizer": opt.state_dict()}
         _save_checkpoint(ckpt_path, state, history, elapsed + time.time() - t0, settings)
 
-    def step_loss(step: int) -> tuple[torch.Tensor, float]:  # the batch of `step`: loss, τ
+    def step_loss(step: int) -> tuple[torch.Tensor, dict]:  # the batch of `step`
         batch = sample_batch(
             seqs, a.anchors, a.batch_size, a.block_size, step_generator(a.seed, step)
         )
-        ctx = draft.fuse(features(batch))  # [S, L, H]
-        loss, stats = block_loss(draft, ctx, batch, embed_w, head_w, c.mask_token_id, weights)
-        return loss, stats["tau"]
+        got = features(batch)
+        probs = None
+        if dflash2:
+            got, probs = got
+            probs = block_probs(probs, batch["anchors"], a.block_size)  # [S, A, B−1, V]
+        ctx = draft.fuse(got)  # [S, L, H]
+        loss, stats = block_loss(
+            draft, ctx, batch, embed_w, head_w, c.mask_token_id, weights, probs, a.selector_weight
+        )
+        return loss, stats
 
     end = a.steps if stop_after is None else min(a.steps, stop_after)
     _run_steps(a, start, end, draft, opt, step_loss, history, log, checkpoint)
@@ -477,6 +575,7 @@ def _draft_config(a: argparse.Namespace, t: ck.TargetConfig, tokenizer, state_di
         mask_token_id=a.mask_token_id,
         intermediate_size=a.intermediate_size,
         dtype=a.dtype,
+        dflash2={k: getattr(a, k) for k in ck.DRAFT2_FIELDS} if a.form == "dflash2" else None,
     )
     atomic_write_text(state_dir / "config.json", json.dumps(cfg, indent=2) + "\n")
     c = ck.read_draft_config(state_dir)
@@ -541,21 +640,31 @@ def _run_steps(
         lr = lr_at(step, a.steps, a.lr, a.warmup)
         for g in opt.param_groups:
             g["lr"] = lr
-        loss, tau = step_loss(step)
+        loss, stats = step_loss(step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         opt.step()
-        history.append((loss.item(), tau))
-        recent = history[-20:]
-        mean_loss = sum(x[0] for x in recent) / len(recent)
-        mean_tau = sum(x[1] for x in recent) / len(recent)
-        bar.set_postfix(loss=f"{mean_loss:.3f}", tau=f"{mean_tau:.2f}", lr=f"{lr:.1e}")
+        # (loss, τ) and, for DFlash-2, the teacher-forced T = 1 estimate
+        history.append(
+            (loss.item(), stats["tau"], *([stats["tau_t1"]] if "tau_t1" in stats else []))
+        )
+        means = _means(history[-20:])
+        shown = dict(loss=f"{means[0]:.3f}", tau=f"{means[1]:.2f}", lr=f"{lr:.1e}")
+        extra = {"tau_t1_train": round(means[2], 3)} if len(means) > 2 else {}
+        bar.set_postfix(shown | {k: f"{v:.2f}" for k, v in extra.items()})
         if (step + 1) % 20 == 0:
-            log.write(step=step + 1, loss=round(mean_loss, 4), tau_train=round(mean_tau, 3), lr=lr)
+            log.write(
+                step=step + 1, loss=round(means[0], 4), tau_train=round(means[1], 3), lr=lr, **extra
+            )
         if (step + 1) % a.save_every == 0 and step + 1 < end:
             checkpoint(step + 1)
     bar.close()
+
+
+def _means(rows: list) -> list[float]:
+    """Column means of history rows (loss, τ[, τ at T = 1])."""
+    return [sum(col) / len(col) for col in zip(*rows)]
 
 
 def _summary(
@@ -569,13 +678,14 @@ def _summary(
     settings: dict,
 ) -> dict:
     """The run summary: final loss and training τ (means of the last 50 steps), timings."""
-    tail = history[-50:]
+    means = _means(history[-50:])
     return {
         "steps": a.steps,
         "params": n_params,
         "sequences": n_seqs,
-        "final_loss": round(sum(x[0] for x in tail) / len(tail), 4),
-        "final_tau_train": round(sum(x[1] for x in tail) / len(tail), 3),
+        "final_loss": round(means[0], 4),
+        "final_tau_train": round(means[1], 3),
+        **({"final_tau_t1_train": round(means[2], 3)} if len(means) > 2 else {}),
         "train_wall_time_s": round(elapsed, 1),
         "run_wall_time_s": round(time.time() - t_start, 1),
         "generation_s": round(t_gen, 1),
@@ -589,14 +699,22 @@ def _eval_tau(a: argparse.Namespace, tdir: Path, out: Path) -> dict:
     """τ of the saved draft on `a.eval_prompts` (mean, pooled, per prompt)."""
     from dflash_lab.train.tau import measure_tau, read_prompts
 
-    res = measure_tau(tdir, out, read_prompts(a.eval_prompts), max_new_tokens=a.eval_max_new_tokens)
-    return {k: res[k] for k in ("mean_tau", "pooled_tau", "per_prompt_tau")}
+    prompts, keys = read_prompts(a.eval_prompts), ("mean_tau", "pooled_tau", "per_prompt_tau")
+    res = measure_tau(tdir, out, prompts, max_new_tokens=a.eval_max_new_tokens)
+    got = {k: res[k] for k in keys}
+    if a.form == "dflash2":  # its sampled path is verified q-aware: τ at T = 1 too
+        res = measure_tau(tdir, out, prompts, a.eval_max_new_tokens, temperature=1.0, seed=a.seed)
+        got["t1"] = {k: res[k] for k in keys}
+    return got
 
 
 def save_draft(draft: DFlashDraft, cfg: dict, out: Path, dtype: torch.dtype) -> None:
-    """config.json + model.safetensors (the 3 + 11·L tensors), each written atomically."""
+    """config.json + model.safetensors (the 3 + 11·L tensors; DFlash-2: + 4·L + 3), each written
+    atomically."""
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(dtype) for k, v in draft.state_dict().items()}
+    # the selector's codebooks are published without `.weight` (checkpoints.SELECTOR_KEYS)
+    name = lambda k: k.removesuffix(".weight") if "codebook" in k else k  # noqa: E731
+    state = {name(k): v.detach().to(dtype) for k, v in draft.state_dict().items()}
     save_safetensors_atomic(state, out / "model.safetensors")
     atomic_write_text(out / "config.json", json.dumps(cfg, indent=2) + "\n")
 
@@ -616,6 +734,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=None)
     p.add_argument("--mask-token-id", type=int, default=None, help="default: tokenizer's mask")
     p.add_argument("--intermediate-size", type=int, default=None, help="default: target's")
+    p.add_argument(
+        "--form",
+        choices=["dflash", "dflash2"],
+        default="dflash",
+        help="dflash2: a DFlash2DraftModel (a dynamic causal conv around attention and MLP in "
+        "every layer, and a candidate selector trained on the target's own distributions)",
+    )
+    p.add_argument("--conv-kernel-size", type=int, default=4, help="dflash2: conv kernel K")
+    p.add_argument("--conv-group-size", type=int, default=32, help="dflash2: channels per group")
+    p.add_argument("--selector-rank", type=int, default=32, help="dflash2: codebook rank r")
+    p.add_argument("--selector-top-k", type=int, default=16, help="dflash2: candidates per row")
+    p.add_argument("--selector-weight", type=float, default=1.0, help="dflash2: selector loss")
+    p.add_argument(
+        "--init-from",
+        default=None,
+        help="start from this trained draft's tensors (same dimensions; e.g. a DFlash-2 draft "
+        "from the DFlash one: its convs start as the identity, the selector fresh)",
+    )
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step")

@@ -5,7 +5,8 @@
 
 DFlash with `dflash.model.dflash_generate` (the oracle; greedy by default, sampling at
 `--temperature` > 0 with torch seeded by seed + prompt index): the draft loaded with
-`DFlashDraftModel.from_pretrained(dir, dtype=torch.float32)`, the target with
+`DFlashDraftModel.from_pretrained(dir, dtype=torch.float32)` (`DFlash2DraftModel` for a DFlash-2
+draft, whose sampled path the reference verifies q-aware), the target with
 `checkpoints.load_target_model`. Per prompt, τ is the mean over steps of the tokens committed
 (accepted + 1, bonus counted); the headline `mean_tau` is the mean of the per-prompt means (as the
 reference benchmark reports it); `pooled_tau` pools all steps. Prompts default to the committed
@@ -49,15 +50,16 @@ def measure_tau(
 ) -> dict:
     """τ per prompt and overall. `check_greedy` also runs Hugging Face greedy `generate` and
     records whether DFlash produced exactly its tokens."""
-    from dflash.model import DFlashDraftModel, dflash_generate
+    from dflash.model import DFlash2DraftModel, DFlashDraftModel, dflash_generate
     from transformers import AutoTokenizer
 
     from dflash_qaic import checkpoints as ck
 
     _cpu_clock()
-    ck.read_pair(target_dir, draft_dir)
+    pair = ck.read_pair(target_dir, draft_dir)
     target = target if target is not None else ck.load_target_model(target_dir)
-    draft = DFlashDraftModel.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
+    cls = DFlash2DraftModel if pair.draft.dflash2 else DFlashDraftModel
+    draft = cls.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
     per_prompt, steps, greedy_equal, outputs = [], [], [], []
     for i, text in enumerate(prompts):
