@@ -15,6 +15,12 @@ target layers `target_layer_ids`; id j is Hugging Face's `hidden_states[j + 1]`)
 < p; block row j (1 … B−1) is trained to predict the token at p + j with cross-entropy weighted by
 exp(−(j − 1)/γ). The draft's embedding and head are the target's, frozen and not saved.
 
+`--form dflash2` trains a DFlash-2 draft (`DFlash2DraftModel`): the convs around attention and
+MLP start as the identity, and the candidate selector's scores (with the true predecessor) are
+trained against the target's own next-token distribution, so its q approaches p and a q-aware
+verifier accepts more at T > 0 (docs/DESIGN.md, DFlash-2 drafts). `--init-from DIR` starts from a
+trained draft of the same dimensions.
+
 Many anchors of one sequence train in one forward: the block rows of all anchors are laid side by
 side, and an attention mask lets each block see its own context prefix and its own rows only
 (`multi_block_forward`, which computes exactly what `DFlashDraft.forward` computes per block).
