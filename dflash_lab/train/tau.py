@@ -28,6 +28,28 @@ def read_prompts(path: str | Path) -> list[str]:
     return [json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line]
 
 
+def _short_block_conv() -> None:
+    """dflash 0.1.0's DFlash-2 conv fails on a block shorter than its kernel (the last block of a
+    generation: `F.pad` of an empty slice makes `offset` rows, not the block's). Causal outputs
+    do not depend on later rows, so such a block is zero-padded at its end to the kernel's length
+    and the output cut back: exactly what the conv means, and unchanged for full blocks."""
+    import dflash.model as ref
+
+    conv = ref._grouped_dynamic_convolve
+    if getattr(conv, "pads_short_blocks", False):
+        return
+
+    def padded(hidden, dynamic, base, group_size):
+        L, K = hidden.shape[1], base.shape[0]
+        if L >= K:
+            return conv(hidden, dynamic, base, group_size)
+        grow = lambda t: torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, K - L))  # noqa: E731
+        return conv(grow(hidden), grow(dynamic), base, group_size)[:, :L]
+
+    padded.pads_short_blocks = True
+    ref._grouped_dynamic_convolve = padded
+
+
 def _cpu_clock() -> None:
     """dflash 0.1.0 times its stats with torch.cuda.synchronize; on CPU use the wall clock."""
     import dflash.model as ref
@@ -56,6 +78,7 @@ def measure_tau(
     from dflash_qaic import checkpoints as ck
 
     _cpu_clock()
+    _short_block_conv()
     pair = ck.read_pair(target_dir, draft_dir)
     target = target if target is not None else ck.load_target_model(target_dir)
     cls = DFlash2DraftModel if pair.draft.dflash2 else DFlashDraftModel
