@@ -145,6 +145,35 @@ def test_placeholders_cost_no_memory_and_stay_distinct():
     assert float(a[1:].abs().sum()) == 0.0  # reads as zeros
 
 
+def test_small_placeholders_deep_in_a_large_model_stay_distinct():
+    """Two small neighbours 1.5 G values into an arena (a multi-GB model's late layers: a
+    Qwen3.5 layer's A_log and dt_bias, 32 values each) and placeholders of separate arenas
+    (the target, its Linear weights, the draft's head) all differ, or the exporter merges them
+    into one weight. Offset-derived marks (offset · 1e-12) rounded such neighbours to one
+    fp32 value."""
+    arena = weights._ZeroArena((3 << 29) + 64 * 32)  # 6 GB of address space, untouched
+    arena.take((3 << 29,))
+    small = [arena.take((32,)) for _ in range(64)]
+    small += [weights._ZeroArena(32).take((32,)) for _ in range(4)]
+    marks = {float(t[0]) for t in small}
+    assert len(marks) == len(small)
+
+
+def test_merged_weights_are_refused():
+    """A weight with a source that is no graph input of its own (merged by the exporter) stops
+    the export instead of writing a program that reads another weight in its place."""
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])
+    w = onnx.helper.make_tensor_value_info("a.weight", onnx.TensorProto.FLOAT, [2])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Add", ["x", "a.weight"], ["y"])], "g", [x, w], [y]
+    )
+    info = ck.TensorInfo("f", "t", "F32", (2,), 0, 8)
+    sources = {"a.weight": weights.Source(info), "b.weight": weights.Source(info)}
+    with pytest.raises(RuntimeError, match=r"b\.weight.*merged"):
+        weights._plan(graph, sources)
+
+
 def _copy_pair(pair: ck.Pair, tmp_path):
     t, d = tmp_path / "target", tmp_path / "draft"
     shutil.copytree(pair.target.path, t)

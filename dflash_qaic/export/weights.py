@@ -109,6 +109,10 @@ def source_chunks(src: Source | Stacked, transpose: bool):
 # ---------------------------------------------------------------- placeholder modules
 
 
+# Every placeholder's first element: 1, 2, 3, … across all arenas, exact in fp32 (below 2^24).
+_MARKS = itertools.count(1)
+
+
 class _ZeroArena:
     """fp32 tensors backed by one private anonymous mapping that is never written: reads map
     the shared zero page, so a multi-GB placeholder model costs (almost) no RSS."""
@@ -119,13 +123,19 @@ class _ZeroArena:
         self._next = 0
 
     def take(self, shape) -> torch.Tensor:
-        """A placeholder of `shape`: zeros but for a distinct first element, so the exporter's
-        pass that merges equal initializers leaves each weight its own graph input (one page
-        per tensor becomes resident)."""
+        """A placeholder of `shape`: zeros but for a first element no other placeholder has, so
+        the exporter's pass that merges equal initializers leaves each weight its own graph
+        input (one page per tensor becomes resident). The mark is a small integer, exact in
+        fp32: a mark derived from the offset (offset · 1e-12) rounded two small neighbours of a
+        multi-GB model to one value, and the exporter merged them (a Qwen3.5 layer's dt_bias
+        became its A_log)."""
         n = math.prod(shape)
         t = self._all[self._next : self._next + n]
         self._next += -(-n // 16) * 16  # 64-byte aligned starts
-        t[0] = self._next * 1e-12
+        mark = next(_MARKS)
+        if mark >= 1 << 24:
+            raise RuntimeError("more than 2^24 placeholder weights: their marks are not exact")
+        t[0] = float(mark)
         return t.view(*shape)
 
 
@@ -359,6 +369,13 @@ def _plan(graph: onnx.GraphProto, sources: dict[str, Source]):
     for node in graph.node:
         for x in node.input:
             users[x].append(node)
+    merged = sorted(set(sources) - {i.name for i in graph.input})
+    if merged:  # the exporter took two placeholders for one weight: the program would be wrong
+        raise RuntimeError(
+            f"streaming export: weights {merged[:5]} are not graph inputs of their own (the "
+            "exporter merged them with an equal placeholder); this is a bug in "
+            "export/weights.py, please report it"
+        )
     plan, dropped, rename = [], set(), {}
     for inp in graph.input:
         if inp.name not in sources:
