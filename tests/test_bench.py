@@ -79,6 +79,12 @@ def test_cost_split_by_hand():
     assert c["draft"]["sampler_s"] is None  # the draft has no sampler
     no_short = stats.cost_split(long, None, None, (1024, 256), {})
     assert no_short["decode"]["cache_s"] is None and no_short["decode"]["fixed_s"] == 0.010
+    assert all("state_s" not in x for x in (*c.values(), *no_short.values()))  # dense: no state
+    # a hybrid target: its state's 1 ms comes out of the fixed part, the draft has none
+    h = stats.cost_split(long, short, sampled, (1024, 256), {"decode": 0.002}, {"decode": 0.001})
+    assert h["decode"]["state_s"] == 0.001 and h["draft"]["state_s"] is None
+    assert h["decode"]["fixed_s"] == pytest.approx(d["fixed_s"] - 0.001)
+    assert h["draft"]["fixed_s"] == pytest.approx(c["draft"]["fixed_s"] + 0.001)  # no weights
 
 
 def test_token_distribution_check_against_scipy():
@@ -302,6 +308,9 @@ def test_cli_end_to_end(tiny_artifacts, tmp_path, capsys):
     calls = res["profile"]["calls"]  # ctx_len 256 against the pair exported again at 64
     assert res["profile"]["short_ctx_len"] == 64 and set(calls) == {"decode", "verify", "draft"}
     assert calls["decode"]["cache_s"] is not None and calls["decode"]["sampler_s"] is not None
+    # a dense target: no state part anywhere (the hybrid one: tests/test_bench_hybrid.py)
+    assert res["artifacts"]["target"]["state_bytes"] == 0
+    assert all("state_s" not in c for c in calls.values())
     peers = res["peers"]["systems"]  # the reference and HF greedy give our tokens
     assert all(s["same_tokens"] == 2 for s in peers.values())
     assert res["peers"]["torch_threads"] == 1 == res["machine"]["threads"]
@@ -309,6 +318,7 @@ def test_cli_end_to_end(tiny_artifacts, tmp_path, capsys):
     assert screen.startswith("dflash-bench") and "speedup" in screen, screen[:600]
     md = (out / "report.md").read_text()
     assert md.startswith("# dflash-bench report") and "![" in md
+    assert "| weights | cache | sampler | fixed |" in md and "state" not in md
     assert (out / "report.png").stat().st_size > 0
 
 

@@ -255,7 +255,8 @@ def _decode(pipe, f: dict, args, other: dict | None = None) -> tuple[dict, dict]
     profile = {"skipped": "--no-profile"}
     if not args.no_profile:
         w_s = {k: weights["draft" if k == "draft" else "target"] / copy_Bps for k in run.KINDS}
-        profile = run.cost_profile(pipe, f, prompts[0].ids, pipe.threads, w_s, log=_log)
+        s_s = run.state_seconds(f, copy_Bps)  # None: a dense target
+        profile = run.cost_profile(pipe, f, prompts[0].ids, pipe.threads, w_s, s_s, log=_log)
     peers = {"skipped": "--no-peers" if args.no_peers else "T = 0 was not measured"}
     if ours and not args.no_peers:
         from dflash_qaic.bench.peers import run_peers

@@ -11,6 +11,8 @@ from string import Template
 SCHEMA = "dflash-bench/2"
 TEMPLATE = Path(__file__).with_name("report.md.tmpl")
 PARTS = ("weights_s", "cache_s", "sampler_s", "fixed_s")
+STATE = "state_s"  # a hybrid target's recurrent state: after the cache part, where present
+COLORS = {**{k: f"C{i + 3}" for i, k in enumerate(PARTS)}, STATE: f"C{len(PARTS) + 3}"}
 PEER_LABELS = {
     "reference_dflash": "reference `dflash_generate` (PyTorch eager), DFlash",
     "reference_target": "reference `dflash_generate`, block_size=1 (its target-only loop)",
@@ -24,6 +26,13 @@ x_ = lambda v: f"{v:.2f}×"  # noqa: E731
 mb = lambda n: f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.2f} kB"  # noqa: E731
 temp = lambda s: f"T = {s['temperature']:g}"  # noqa: E731
 measured = lambda res: [s for s in res["temperatures"] if s["status"] == "measured"]  # noqa: E731
+
+
+def parts(calls: dict) -> tuple[str, ...]:
+    """The profile's parts: PARTS, with the state part after the cache when a call has one."""
+    if not any(STATE in c for c in calls.values()):
+        return PARTS
+    return (*PARTS[:2], STATE, *PARTS[2:])
 
 
 def sp(x: dict, f=lambda v: f"{v:.2f}") -> str:
@@ -137,10 +146,12 @@ def summary_screen(res: dict) -> str:
     p = res["profile"]
     if "calls" not in p:
         return "\n".join([*out, f"cost profile: {p['skipped']}"])
-    out.append(f"one call at ctx_len {p['ctx_len']}, ms: total = weights + cache + sampler + fixed")
+    keys = parts(p["calls"])
+    names = " + ".join(k[:-2] for k in keys)
+    out.append(f"one call at ctx_len {p['ctx_len']}, ms: total = {names}")
     for kind, c in p["calls"].items():
-        parts = " + ".join(ms(c[k]) for k in PARTS)
-        out.append(f"  {kind:<7}{ms(c['sampled_s']):>7} = {parts}")
+        terms = " + ".join(ms(c[k]) for k in keys)
+        out.append(f"  {kind:<7}{ms(c['sampled_s']):>7} = {terms}")
     return "\n".join(out)
 
 
@@ -217,13 +228,21 @@ def profile_md(res: dict) -> str:
     p = res["profile"]
     if "calls" not in p:
         return f"Not measured: {p['skipped']}."
-    rows = []
+    rows, keys = [], parts(p["calls"])
     for kind, c in p["calls"].items():
         t = c["sampled_s"]
-        parts = ["—" if c[k] is None else f"{ms(c[k])} ({c[k] / t:.0%})" for k in PARTS]
-        rows.append([kind, ms(c["greedy_s"]), ms(t), *parts])
+        cells = ["—" if c[k] is None else f"{ms(c[k])} ({c[k] / t:.0%})" for k in keys]
+        rows.append([kind, ms(c["greedy_s"]), ms(t), *cells])
     note = f"\n\n{p['note']}." if p.get("note") else ""
-    head = ["call", "T = 0 ms", "T = 1 ms", "weights", "cache", "sampler", "fixed"]
+    head = ["call", "T = 0 ms", "T = 1 ms", *(k[:-2] for k in keys)]
+    if STATE in keys:
+        n = res["artifacts"]["target"]["state_bytes"]
+        note += (
+            f"\n\nA hybrid target: state = its Gated DeltaNet layers' recurrent state and conv "
+            f"windows ({mb(n)} a sequence), which every target call reads and writes whole "
+            f"whatever its position: 2 × {mb(n)} ÷ the copy bandwidth below. It is the same at "
+            "both ctx_lens, so the cache part is the full-attention layers' KV cache alone."
+        )
     return table(head, rows) + note
 
 
@@ -242,6 +261,8 @@ def bandwidth_md(res: dict) -> str:
             f". Both programs' weights fit in the last-level cache ({mb(llc)}): this "
             "pair is bound by per-call and per-operator overhead, not by memory bandwidth"
         )
+    if n := res["artifacts"]["target"].get("state_bytes"):  # a hybrid target
+        out += f". Every target call also reads and writes {mb(n)} of recurrent state"
     return out + "."
 
 
@@ -341,7 +362,7 @@ def _speed_panel(ax, s: dict, k: int, B: int) -> None:
 def bar_segments(call: dict) -> list[tuple[str, float, float]]:
     """(part, bottom, height) in ms of one call's stacked bar: the positive parts upward from 0,
     then the negative ones (a part below the noise) downward, so the bar ends at the total."""
-    vals = [(k, (call[k] or 0.0) * 1e3) for k in PARTS]
+    vals = [(k, (call[k] or 0.0) * 1e3) for k in parts({"": call})]
     out, top = [], 0.0
     for k, v in [x for x in vals if x[1] > 0] + [x for x in vals if x[1] < 0]:
         out.append((k, top, v))
@@ -355,7 +376,7 @@ def _profile_panel(ax, p: dict) -> None:
         for k, bottom, h in bar_segments(call):
             label = None if k in seen else k[:-2]
             seen.add(k)
-            color, hatch = f"C{PARTS.index(k) + 3}", "//" if h < 0 else None
+            color, hatch = COLORS[k], "//" if h < 0 else None
             ax.bar(x, h, bottom=bottom, color=color, hatch=hatch, label=label)
         ax.plot(x, call["sampled_s"] * 1e3, "k_", ms=30, label=None if seen & {"_"} else "total")
         seen.add("_")

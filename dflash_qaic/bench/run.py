@@ -38,7 +38,7 @@ def facts(pipe, artifacts) -> dict:
     through its JSON form)."""
     m = pipe.manifest.to_json() if hasattr(pipe.manifest, "to_json") else pipe.manifest
     src, d = m.get("sources") or {}, Path(artifacts)
-    return {
+    out = {
         **{k: m[k] for k in ("block_size", "ctx_len", "prefill_seq_len", "hidden_size")},
         **{k: m[k] for k in ("vocab_size", "mask_token_id")},
         "path": str(d),
@@ -53,6 +53,24 @@ def facts(pipe, artifacts) -> dict:
         "sources": {k: (src.get(k) or {}).get("path") for k in ("target", "draft")},
         "draft_form": draft_form(m, (src.get("draft") or {}).get("path")),
     }
+    out["target"]["state_bytes"] = state_bytes(m["target"])  # 0: a dense target
+    return out
+
+
+def state_bytes(target: dict) -> int:
+    """Bytes of one sequence's recurrent state: a hybrid target's `past_state.{i}` and
+    `past_conv.{i}` inputs (the manifest's target I/O, JSON form) bound to one row. Every target
+    call reads them whole and writes them back whole, whatever its length and position."""
+    names = {
+        f(i) for i in range(target["n_layers"]) for f in (contract.past_state, contract.past_conv)
+    }
+    one_row = {contract.BATCH: 1, contract.FULL_BATCH: 1}
+    return sum(
+        math.prod(contract.TensorSpec(s["name"], s["dtype"], tuple(s["shape"])).bind(**one_row))
+        * np.dtype(s["dtype"]).itemsize
+        for s in target["inputs"]
+        if s["name"] in names
+    )
 
 
 def draft_form(m: dict, source: str | None) -> str | None:
@@ -285,10 +303,20 @@ def _short_pipe(f: dict, ctx_len: int, chunk: int, out: str, threads: int):
     return dflash_qaic.load(out, "ort", threads=threads, tokenizer=False)
 
 
-def cost_profile(pipe, f: dict, ids, threads, weights_s: dict, rounds=3, tokens=48, log=print):
-    """Each call's median cost at the artifacts' ctx_len split into weights, cache, sampler and
-    fixed overhead (`stats.cost_split`). The cache part compares with the same pair exported at a
-    short ctx_len: it needs the source checkpoints and ONNX Runtime."""
+def state_seconds(f: dict, copy_Bps: float) -> dict | None:
+    """Seconds per call kind to read and write one sequence's recurrent state at the copy
+    bandwidth (which counts read + write bytes): target calls only; None for a dense target."""
+    n = f["target"].get("state_bytes", 0)
+    return {k: 2 * n / copy_Bps for k in KINDS if k != "draft"} if n else None
+
+
+def cost_profile(
+    pipe, f: dict, ids, threads, weights_s: dict, state_s=None, rounds=3, tokens=48, log=print
+):
+    """Each call's median cost at the artifacts' ctx_len split into weights, cache, state (a
+    hybrid target's, `state_seconds`), sampler and fixed overhead (`stats.cost_split`). The
+    cache part compares with the same pair exported at a short ctx_len: it needs the source
+    checkpoints and ONNX Runtime."""
     L, B = f["ctx_len"], f["block_size"]
     C = contract.prefill_lengths(f["prefill_seq_len"], B)[0]  # the prompt is one shortest chunk
     S, ids, note = 2 * C + 4 * B, ids[: C - B], None
@@ -317,5 +345,5 @@ def cost_profile(pipe, f: dict, ids, threads, weights_s: dict, rounds=3, tokens=
         k: {c: float(np.median(sum((x[c] for x in v), []))) for c in KINDS} if v else None
         for k, v in acc.items()
     }
-    split = stats.cost_split(med["long"], med["short"], med["sampled"], (L, S), weights_s)
+    split = stats.cost_split(med["long"], med["short"], med["sampled"], (L, S), weights_s, state_s)
     return {"ctx_len": L, "short_ctx_len": med["short"] and S, "note": note, "calls": split}

@@ -91,11 +91,16 @@ def loop_costs(baseline: list, dflash: list) -> dict:
     return out
 
 
-def cost_split(long: dict, short: dict | None, sampled: dict | None, ctx: tuple, weights: dict):
+def cost_split(
+    long: dict, short: dict | None, sampled: dict | None, ctx: tuple, weights: dict, state=None
+):
     """Split each call's cost at the long context into weights (bytes ÷ bandwidth), cache
-    (the part linear in ctx_len, from a short and a long ctx_len), sampler (T > 0 minus T = 0 of
-    the same specialization) and fixed overhead (the rest). `long`, `short`, `sampled`:
-    seconds per call kind; `ctx` = (long ctx_len, short ctx_len); `weights`: seconds per kind."""
+    (the part linear in ctx_len, from a short and a long ctx_len), state (a hybrid target's
+    recurrent state and conv windows, read and written whole by every target call: bytes ÷
+    bandwidth; the same at both ctx_lens, so the cache part holds only the KV caches), sampler
+    (T > 0 minus T = 0 of the same specialization) and fixed overhead (the rest). `long`,
+    `short`, `sampled`: seconds per call kind; `ctx` = (long ctx_len, short ctx_len);
+    `weights`, `state`: seconds per kind (state None: a dense target, no state part)."""
     L, S = ctx
     out = {}
     for kind, t in long.items():
@@ -103,7 +108,9 @@ def cost_split(long: dict, short: dict | None, sampled: dict | None, ctx: tuple,
         sampler = sampled[kind] - t if sampled and kind in sampled and kind != "draft" else None
         w = weights.get(kind, 0.0)
         out[kind] = dict(greedy_s=t, sampled_s=t + (sampler or 0.0), weights_s=w, cache_s=cache)
-        out[kind].update(sampler_s=sampler, fixed_s=t - w - (cache or 0.0))
+        st = {} if state is None else {"state_s": state.get(kind)}  # None: no state (the draft)
+        fixed = t - w - (cache or 0.0) - (st.get("state_s") or 0.0)
+        out[kind].update(**st, sampler_s=sampler, fixed_s=fixed)
     return out
 
 
