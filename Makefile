@@ -5,6 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 OUT    ?= artifacts/default
+D2_OUT ?= artifacts/default-dflash2
 CB_OUT ?= artifacts/default-cb8
 
 .PHONY: setup test test-slow lint format demo bench bench-batch clean
@@ -40,11 +41,13 @@ format: setup
 demo: setup
 	$(PY) -m dflash_qaic.demo --out $(OUT)
 
-# The benchmark runs on the default pair's artifacts (exported here if missing; reused if not)
-# and writes bench/latest/ (untracked): report.md, report.png, results.json.
+# The benchmark runs on the default pair's artifacts and, with --compare, on the same target with
+# its DFlash-2 draft (both exported here if missing; reused if not), and writes bench/latest/
+# (untracked): report.md, report.png, results.json.
 bench: setup
 	$(VENV)/bin/dflash-export --out $(OUT) --quiet
-	$(VENV)/bin/dflash-bench $(OUT) --out bench/latest
+	$(VENV)/bin/dflash-export --recipe default-dflash2 --out $(D2_OUT) --quiet
+	$(VENV)/bin/dflash-bench $(OUT) --compare $(D2_OUT) --out bench/latest
 
 # Continuous batching: the default pair exported with 8 cache rows (reused if present), DFlash
 # against the target alone at 1, 2, 4 and 8 concurrent requests; writes bench/latest-batch/.

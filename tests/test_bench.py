@@ -231,6 +231,50 @@ def test_report_sections_render(tmp_path):
     assert paths["png"].stat().st_size > 0 and not list(tmp_path.glob(".*"))
 
 
+def test_report_drafts_side_by_side(tmp_path):
+    """--compare: both drafts' τ, speedup and check at every temperature in the screen, the
+    report and results.json; the compared draft's differing tokens fail the run too."""
+    res = _results()
+    other = {**res["artifacts"], "path": "art/d2", "block_size": 8, "draft_form": "DFlash-2"}
+    res["artifacts"] |= {"draft_form": "DFlash", "sources": {"draft": "d1"}}
+    other["sources"] = {"draft": "d2"}
+    secs = [_section(0.0), {"temperature": 1.0, "status": "skipped", "note": "no sampler"}]
+    res["compare"] = {"artifacts": other, "temperatures": secs, "profile": {}, "peers": {}}
+    res["drafts"] = [
+        report.draft_summary(res["artifacts"], res["temperatures"]),
+        report.draft_summary(other, secs),
+    ]
+    d1, d2 = res["drafts"]
+    assert (d1["form"], d2["form"], d2["path"], d2["draft"]) == (
+        "DFlash",
+        "DFlash-2",
+        "art/d2",
+        "d2",
+    )
+    assert [s["tau"] for s in d1["temperatures"]] == [4, 4] and "tau" not in d2["temperatures"][1]
+    screen = report.summary_screen(res)
+    lines = screen.splitlines()
+    at = next(i for i, x in enumerate(lines) if x.startswith("drafts side by side"))
+    assert "T = 0" in lines[at] and "T = 1" in lines[at]
+    assert (
+        lines[at + 1].startswith("DFlash (x)")
+        and "τ 4.00 · 2.67× · tokens identical" in lines[at + 1]
+    )
+    assert "histograms p =" in lines[at + 1]
+    assert lines[at + 2].startswith("DFlash-2 (art/d2)") and "skipped: no sampler" in lines[at + 2]
+    md = report.render_markdown(res)
+    assert md.index("## Speed") < md.index("## Drafts side by side") < md.index("## Acceptance")
+    head = "| draft | block | T = 0 τ | T = 0 speedup | T = 0 check | T = 1 τ | T = 1 speedup |"
+    assert head in md and "| DFlash-2 (art/d2) | 8 | 4.00 | 2.67× [2.67×–2.67×] |" in md
+    assert "no cost profile or peers for the compared draft" in md
+    assert "## Drafts side by side" not in report.render_markdown(_results())
+    assert report.problems(res) == []
+    secs[0]["problems"] = ["a, round 0: DFlash tokens differ from index 3"]
+    assert report.problems(res) == ["art/d2: a, round 0: DFlash tokens differ from index 3"]
+    paths = report.write_outputs(res, tmp_path)
+    assert json.loads(paths["json"].read_text())["drafts"][1]["temperatures"][0]["tau"] == 4
+
+
 # ---------------------------------------------------------------------------- end to end
 
 
@@ -276,6 +320,114 @@ def test_cli_end_to_end(tiny_artifacts, tmp_path, capsys):
     assert md.startswith("# dflash-bench report") and "![" in md
     assert "| weights | cache | sampler | fixed |" in md and "state" not in md
     assert (out / "report.png").stat().st_size > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_artifacts_dflash2(tiny_pair, tmp_path_factory):
+    """The target of `tiny_artifacts` (the same spec and seed: the same checkpoint digest) with
+    a DFlash-2 draft."""
+    from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
+
+    kw = dict(family="qwen3", agree=1.25, block_size=8, target_layer_ids=[1, 3])
+    t, d = tiny_pair(**kw, draft_form="dflash2")
+    out = tmp_path_factory.mktemp("bench-art-dflash2")
+    opts = ExportOptions(prefill_seq_len=16, ctx_len=256, compile=False, fp16_check=False)
+    build_artifacts(t, d, out, opts)
+    return out
+
+
+def test_cli_compare_two_drafts(tiny_artifacts, tiny_artifacts_dflash2, tmp_path, capsys):
+    out = tmp_path / "bench"
+    args = [str(tiny_artifacts), "--compare", str(tiny_artifacts_dflash2), "--out", str(out)]
+    args += ["--num-prompts", "2", "--repeats", "1", "--max-new-tokens", "12", "--threads", "1"]
+    assert main([*args, "--no-peers", "--no-profile"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert [s["temperature"] for s in res["temperatures"]] == [0.0, 1.0]  # ours, as without
+    assert res["artifacts"]["draft_form"] == "DFlash" and res["config"]["compare"]
+    c = res["compare"]
+    assert c["artifacts"]["draft_form"] == "DFlash-2" and c["artifacts"]["path"] == str(
+        tiny_artifacts_dflash2
+    )
+    assert "skipped" in c["profile"] and "skipped" in c["peers"]
+    for s in c["temperatures"]:  # measured like ours: same prompts, rounds, tokens
+        assert s["status"] == "measured" and sum(s["histogram"]) == s["steps"] > 0
+        assert [p["name"] for p in s["prompts"]] == [
+            p["name"] for p in res["temperatures"][0]["prompts"]
+        ]
+    assert [d["form"] for d in res["drafts"]] == ["DFlash", "DFlash-2"]
+    for d, secs in zip(res["drafts"], (res["temperatures"], c["temperatures"])):
+        assert [s["temperature"] for s in d["temperatures"]] == [0.0, 1.0]
+        for s, full in zip(d["temperatures"], secs):
+            assert s["tau"] == full["tau"] >= 1 and s["speedup"] == full["speedup"]
+            assert s["speedup"]["median"] > 0
+        assert (
+            d["temperatures"][0]["check"]["passed"]
+            and d["temperatures"][1]["check"]["kind"] == "histograms"
+        )
+    screen = capsys.readouterr().out
+    assert "drafts side by side" in screen and f"DFlash-2 ({tiny_artifacts_dflash2})" in screen
+    md = (out / "report.md").read_text()
+    assert "## Drafts side by side" in md and "| T = 1 τ | T = 1 speedup | T = 1 check |" in md
+    assert (
+        f"| DFlash ({tiny_artifacts}) | 8 |" in md
+        and f"| DFlash-2 ({tiny_artifacts_dflash2}) | 8 |" in md
+    )
+
+
+def test_cli_compare_refuses_another_target(tiny_artifacts, tmp_path, capsys):
+    m = json.loads((tiny_artifacts / "manifest.json").read_text())
+    other, bare = tmp_path / "other", tmp_path / "bare"
+    for d, src in ((other, {"target": {**m["sources"]["target"], "sha256": "0" * 64}}), (bare, {})):
+        d.mkdir()
+        (d / "manifest.json").write_text(json.dumps({**m, "sources": src}))
+    base = [str(tiny_artifacts), "--no-peers", "--no-profile", "--out", str(tmp_path / "o")]
+    cases = {
+        "was exported from another target": other,
+        "records no target checkpoint digest": bare,
+        "is the benchmarked directory": tiny_artifacts,
+        "does not exist": tmp_path / "missing",
+    }
+    for expect, d in cases.items():
+        assert main([*base, "--compare", str(d)]) == 2, expect
+        err = capsys.readouterr().err
+        assert "dflash-bench: error:" in err and expect in err and "Traceback" not in err, err
+        assert not (tmp_path / "o" / "results.json").exists()  # refused before measuring
+
+
+def test_peers_run_the_reference_dflash2_draft(tiny_pair, tiny_artifacts_dflash2, tmp_path):
+    """The peers load a DFlash-2 draft as the reference's DFlash2DraftModel (its convs and
+    selector), whose greedy dflash_generate gives our tokens."""
+    from dflash.model import DFlash2DraftModel, DFlashDraftModel
+
+    from dflash_qaic.bench.peers import reference_draft_class
+
+    kw = dict(family="qwen3", agree=1.25, block_size=8, target_layer_ids=[1, 3])
+    assert reference_draft_class(tiny_pair(**kw)[1]) is DFlashDraftModel
+    assert reference_draft_class(tiny_pair(**kw, draft_form="dflash2")[1]) is DFlash2DraftModel
+    out = tmp_path / "bench"
+    args = [str(tiny_artifacts_dflash2), "--out", str(out), "--temperatures", "0", "--no-profile"]
+    assert (
+        main(
+            [
+                *args,
+                "--num-prompts",
+                "2",
+                "--repeats",
+                "1",
+                "--max-new-tokens",
+                "12",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
+    res = json.loads((out / "results.json").read_text())
+    assert res["artifacts"]["draft_form"] == "DFlash-2" and "compare" not in res
+    assert all(s["same_tokens"] == 2 for s in res["peers"]["systems"].values())
+    assert res["peers"]["reference_tau"] >= 1
+    assert res["peers"]["reference_draft"] == "DFlash2DraftModel"
+    assert "(draft: `DFlash2DraftModel`)" in (out / "report.md").read_text()
 
 
 def test_cli_bad_input(tiny_artifacts, tmp_path, capsys):

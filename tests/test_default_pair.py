@@ -23,6 +23,16 @@ def artifacts(tmp_path_factory):
     return out
 
 
+def test_default_pair_draft_choices():
+    target, draft = assets.default_pair()
+    assert (target, draft) == (assets.ROOT / "pair" / "target", assets.ROOT / "pair" / "draft")
+    assert assets.default_pair("dflash") == (target, draft)
+    assert assets.default_pair(draft="dflash2") == (target, assets.ROOT / "pair" / "draft-dflash2")
+    for bad in ("b16", "DFlash2", ""):
+        with pytest.raises(ValueError, match=r"draft must be one of 'dflash', 'dflash2', got"):
+            assets.default_pair(bad)
+
+
 def test_default_export_is_complete_and_reused(artifacts, capsys):
     m = json.loads((artifacts / "manifest.json").read_text())
     assert m["block_size"] == 16 and m["tokenizer"] == "tokenizer"

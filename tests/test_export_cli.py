@@ -208,6 +208,35 @@ def test_shipped_recipes_parse():
         assert set(data) <= RECIPE_KEYS and data["block_size"] == 16
 
 
+def test_default_dflash2_recipe():
+    """`--recipe default-dflash2`: the built-in target with its DFlash-2 draft, every other
+    setting as the default recipe's."""
+    import yaml
+
+    from dflash_qaic import assets
+    from dflash_qaic.export.cli import RECIPE_DIR, _expand, load_recipe
+
+    default, d2 = (
+        yaml.safe_load((RECIPE_DIR / f"{n}.yaml").read_text())
+        for n in ("default", "default-dflash2")
+    )
+    assert (
+        d2["draft"] == "{assets}/pair/draft-dflash2" and default["draft"] == "{assets}/pair/draft"
+    )
+    same = set(default) - {"name", "description", "draft"}
+    assert {k: d2[k] for k in same} == {k: default[k] for k in same} and set(d2) == set(default)
+    path = RECIPE_DIR / "default-dflash2.yaml"
+    assert (_expand(d2["target"], path), _expand(d2["draft"], path)) == assets.default_pair(
+        "dflash2"
+    )
+    if assets.default_pair("dflash2")[1].is_dir():  # the committed draft
+        r = load_recipe("default-dflash2")
+        assert (r["target"], r["draft"]) == assets.default_pair("dflash2")
+    else:  # before it is committed: refused, naming the directory
+        with pytest.raises(SystemExit, match=r"draft-dflash2, which does not exist"):
+            load_recipe("default-dflash2")
+
+
 def test_greedy_only_export(pair, tmp_path, no_compiler):
     t, d = pair
     out = tmp_path / "g"

@@ -2,6 +2,7 @@
 
     dflash-bench artifacts/default                # writes bench/latest/{report.md,.png,results.json}
     dflash-bench artifacts/default --temperatures 0 --no-peers --repeats 1    # a quick look
+    dflash-bench artifacts/default --compare artifacts/default-dflash2   # two drafts, one target
     dflash-bench artifacts/default-cb8 --concurrency 1,2,4,8   # continuous batching (batch.py)
     dflash-bench --export …  /  dflash-bench --serve …   # the export and server benchmarks
     dflash-bench --long-context artifacts/DIR --prompt-len 8000     # cost against position
@@ -69,6 +70,13 @@ def parser() -> argparse.ArgumentParser:
     p = common_parser(__doc__, "artifacts directory written by dflash-export", OPTIONS)
     p.add_argument("--no-peers", action="store_true", help="skip the PyTorch peers")
     p.add_argument("--no-profile", action="store_true", help="skip the cost profile")
+    p.add_argument(
+        "--compare",
+        metavar="OTHER_ARTIFACTS",
+        help="artifacts of another draft of the same target: measured after ARTIFACTS in the "
+        "same run, the same way (prompts, temperatures, rounds, seeds), τ and speedup side by "
+        "side in the report (no cost profile or peers for it)",
+    )
     return p
 
 
@@ -211,16 +219,19 @@ def bench(args, command: str, out, body) -> int:
 
 
 def _main(args, command: str) -> int:
-    from dflash_qaic.bench import report
+    from dflash_qaic.bench import report, run
 
     check_common(args, ("num_prompts", "max_new_tokens", "repeats"))
     args.temperatures = parse_list("--temperatures", args.temperatures)
-    return bench(args, command, report, lambda pipe, f: _decode(pipe, f, args))
+    other = run.same_target(args.artifacts, args.compare) if args.compare else None
+    return bench(args, command, report, lambda pipe, f: _decode(pipe, f, args, other))
 
 
-def _decode(pipe, f: dict, args) -> tuple[dict, dict]:
-    """Both modes at every temperature, the cost profile and the peers."""
-    from dflash_qaic.bench import run
+def _decode(pipe, f: dict, args, other: dict | None = None) -> tuple[dict, dict]:
+    """Both modes at every temperature, the cost profile and the peers; then, with --compare
+    (`other`: its manifest), the other draft's artifacts on the same prompts."""
+    from dflash_qaic import contract
+    from dflash_qaic.bench import report, run
 
     if not pipe.can_sample and all(t > 0 for t in args.temperatures):
         raise run.BenchError(
@@ -229,6 +240,14 @@ def _decode(pipe, f: dict, args) -> tuple[dict, dict]:
     prompts, source = run.select_prompts(
         f, pipe.tokenizer, args.max_new_tokens, args.prompts, args.num_prompts
     )
+    if other is not None:  # the same prompts must fit both: cut to the tighter room
+        room = contract.max_positions(other["ctx_len"]) - args.max_new_tokens - other["block_size"]
+        if room < 1:
+            raise run.BenchError(
+                f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the "
+                f"compared artifacts' ctx_len {other['ctx_len']}"
+            )
+        prompts = [run.Prompt(p.name, p.ids[-room:]) for p in prompts]
     _log(f"{len(prompts)} prompts from {source}")
     sections, ours = _measure(pipe, prompts, args, f["block_size"])
     copy_Bps = run.copy_bandwidth()
@@ -247,7 +266,33 @@ def _decode(pipe, f: dict, args) -> tuple[dict, dict]:
         peers = run_peers(f, prompts, args.max_new_tokens, rounds, args.threads, ours, _log)
     bandwidth = {"copy_Bps": copy_Bps, "weight_bytes": weights}  # the LLC: in "machine"
     parts = {"temperatures": sections, "profile": profile, "bandwidth": bandwidth, "peers": peers}
+    if other is not None:
+        c = parts["compare"] = _compare(prompts, args)
+        parts["drafts"] = [
+            report.draft_summary(*x) for x in ((f, sections), (c["artifacts"], c["temperatures"]))
+        ]
     return parts, {"prompts_source": source, "num_prompts": len(prompts)}
+
+
+def _compare(prompts, args) -> dict:
+    """The --compare artifacts loaded after ours and measured the same way: same prompts,
+    temperatures, rounds and seeds, each DFlash run against the target alone of its round."""
+    import dflash_qaic
+    from dflash_qaic.bench import run
+
+    pipe = dflash_qaic.load(
+        args.compare, backend=args.backend, threads=args.ort_threads, verify=args.verify
+    )
+    _log(f"dflash-bench: loaded {args.compare} (--compare) on {args.backend}")
+    f = run.facts(pipe, args.compare)
+    sections, _ = _measure(pipe, prompts, args, f["block_size"])
+    skipped = {"skipped": "measured for the benchmarked artifacts only"}
+    return {
+        "artifacts": {**f, "backend": pipe.backend},
+        "temperatures": sections,
+        "profile": skipped,
+        "peers": skipped,
+    }
 
 
 def _measure(pipe, prompts, args, B: int) -> tuple[list[dict], list | None]:

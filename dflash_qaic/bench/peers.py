@@ -1,6 +1,6 @@
 """The PyTorch peers on the same pair and CPU, at T = 0: the reference `dflash_generate` (with
-the artifacts' block size, and with block_size=1: its own target-only loop) and Hugging Face
-greedy `generate` of the target. Same prompts, token budget and thread count as ours."""
+the artifacts' block size, and with block_size=1: its own target-only loop; its
+`DFlash2DraftModel` for a DFlash-2 draft) and Hugging Face greedy `generate` of the target. Same prompts, token budget and thread count as ours."""
 
 from __future__ import annotations
 
@@ -33,6 +33,16 @@ def skip_reason(f: dict) -> str | None:
     return None
 
 
+def reference_draft_class(path):
+    """The reference's model class of a draft checkpoint: `DFlash2DraftModel` for a DFlash-2
+    draft (its convs and selector), else `DFlashDraftModel`."""
+    from dflash import model as ref
+
+    from dflash_qaic.checkpoints import read_draft_config
+
+    return ref.DFlash2DraftModel if read_draft_config(path).dflash2 else ref.DFlashDraftModel
+
+
 def _systems(f: dict, max_new: int):
     """{name: run(ids tensor) -> (tokens, ttft_s, tpot_s, acceptance lengths or None)}."""
     import torch
@@ -45,7 +55,8 @@ def _systems(f: dict, max_new: int):
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     target = load_target_model(f["sources"]["target"])
-    draft = ref.DFlashDraftModel.from_pretrained(f["sources"]["draft"], dtype=torch.float32)
+    cls = reference_draft_class(f["sources"]["draft"])
+    draft = cls.from_pretrained(f["sources"]["draft"], dtype=torch.float32)
     pad = f["eos"][0] if f["eos"] else 0
 
     def reference(block):
@@ -98,6 +109,7 @@ def run_peers(f: dict, prompts, max_new: int, rounds: int, threads: int, ours, l
                 rec[n][i].append(systems[n](ids))
         log(f"  peers round {r + 1}/{rounds}")
     out = {"torch_threads": torch.get_num_threads(), "systems": {}, "prompts": len(prompts)}
+    out["reference_draft"] = reference_draft_class(f["sources"]["draft"]).__name__
     for n in NAMES:
         tpot = [np.mean([runs[r][2] for runs in rec[n]]) for r in range(rounds)]
         out["systems"][n] = {

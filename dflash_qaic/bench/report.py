@@ -46,8 +46,43 @@ def table(head: list[str], rows: list[list]) -> str:
 
 
 def problems(res: dict) -> list[str]:
-    """Where DFlash's tokens differ from the target's at T = 0 (the lossless check)."""
-    return [p for s in measured(res) if s["temperature"] == 0 for p in s["problems"]]
+    """Where DFlash's tokens differ from the target's at T = 0 (the lossless check), the
+    --compare draft's too."""
+    out = [p for s in measured(res) if s["temperature"] == 0 for p in s["problems"]]
+    if c := res.get("compare"):
+        path = c["artifacts"]["path"]
+        out += [f"{path}: {p}" for s in measured(c) if s["temperature"] == 0 for p in s["problems"]]
+    return out
+
+
+def draft_summary(a: dict, sections: list[dict]) -> dict:
+    """One draft's row of the side-by-side comparison (results' "drafts"): its form, artifacts,
+    block and source, and per temperature τ, speedup and check (or why it was skipped)."""
+    keep = ("tau", "speedup", "check", "problems")
+    per = [
+        {"temperature": s["temperature"], "status": s["status"]}
+        | ({k: s[k] for k in keep} if s["status"] == "measured" else {"note": s.get("note")})
+        for s in sections
+    ]
+    return {
+        "form": a.get("draft_form"),
+        "path": a["path"],
+        "block_size": a["block_size"],
+        "draft": a["sources"]["draft"],
+        "temperatures": per,
+    }
+
+
+def draft_label(d: dict) -> str:
+    """A draft by its form and artifacts directory, e.g. "DFlash-2 (artifacts/default-dflash2)"."""
+    return f"{d['form'] or 'draft'} ({d['path']})"
+
+
+def _side(s: dict) -> tuple[str, str, str]:
+    """(τ, speedup, check) of one draft at one temperature."""
+    if s["status"] != "measured":
+        return "—", "—", f"skipped: {s['note']}"
+    return f"{s['tau']:.2f}", sp(s["speedup"], x_), check_text(s)
 
 
 def check_text(s: dict) -> str:
@@ -83,6 +118,13 @@ def summary_screen(res: dict) -> str:
         "check": check_text,
     }
     out += [f"{k:<24}" + "".join(f"{f(s):<26}" for s in secs) for k, f in rows.items()]
+    if drafts := res.get("drafts"):  # --compare: per draft and temperature τ, speedup, check
+        grid = [["drafts side by side", *(temp(s) for s in drafts[0]["temperatures"])]]
+        for d in drafts:
+            cells = [_side(s) for s in d["temperatures"]]
+            grid.append([draft_label(d), *(f"τ {t} · {x.split()[0]} · {c}" for t, x, c in cells)])
+        widths = [max(len(r[i]) for r in grid) + 2 for i in range(len(grid[0]))]
+        out += ["".join(f"{c:<{w}}" for c, w in zip(r, widths)).rstrip() for r in grid]
     for L in (s["loop"] for s in secs if s["temperature"] == 0):
         out.append(
             f"a DFlash step (T = 0): verify {ms(L['verify_s'])}"
@@ -141,6 +183,30 @@ def acceptance_md(res: dict) -> str:
     head = ["", "prompt", "tokens", "τ", "steps", "target TPOT ms", "DFlash TPOT ms", "speedup"]
     hist = table(["share of steps, k =", *map(str, range(1, B + 1))], rows)
     return f"{hist}\n\nPer prompt:\n\n{table(head, per)}"
+
+
+def drafts_md(res: dict) -> str:
+    """The --compare section: both drafts' τ, speedup and check side by side, then the compared
+    draft's speed table ("" without --compare)."""
+    if "drafts" not in res:
+        return ""
+    drafts, c = res["drafts"], res["compare"]
+    head = ["draft", "block"]
+    for s in drafts[0]["temperatures"]:
+        head += [f"{temp(s)} τ", f"{temp(s)} speedup", f"{temp(s)} check"]
+    rows = [
+        [draft_label(d), d["block_size"], *(x for s in d["temperatures"] for x in _side(s))]
+        for d in drafts
+    ]
+    other = {**res, "artifacts": c["artifacts"], "temperatures": c["temperatures"]}
+    return (
+        f"## Drafts side by side\n\n{table(head, rows)}\n\nThe same target, prompts, "
+        "temperatures, rounds and seeds; the compared artifacts ran after the benchmarked ones "
+        "in this process, and every DFlash run is against the target alone of its own round "
+        "(a speedup is a ratio within one draft's runs). The sections after this one are of "
+        f"`{res['artifacts']['path']}` only (no cost profile or peers for the compared draft). "
+        f"`{c['artifacts']['path']}`, speed:\n\n{speed_md(other)}\n"
+    )
 
 
 def bound_md(res: dict) -> str:
@@ -212,7 +278,8 @@ def peers_md(res: dict) -> str:
     head = ["system", "TTFT ms", "TPOT ms", "tokens/s", "same tokens as ours"]
     return (
         f"{table(head, rows)}\n\nThe reference gains {x_(pe['reference_speedup'])} over its own "
-        f"target-only loop at τ {pe['reference_tau']:.2f}. PyTorch threads: "
+        f"target-only loop at τ {pe['reference_tau']:.2f} (draft: "
+        f"`{pe.get('reference_draft', 'DFlashDraftModel')}`). PyTorch threads: "
         f"{pe['torch_threads']}. Medians over the timed rounds."
     )
 
@@ -248,7 +315,7 @@ def machine_md(res: dict) -> str:
 def render_markdown(res: dict) -> str:
     """The template filled in: the run's settings, then one section function per section."""
     a, c, m = res["artifacts"], res["config"], res["machine"]
-    sections = (speed_md, acceptance_md, bound_md, profile_md, bandwidth_md, peers_md)
+    sections = (speed_md, drafts_md, acceptance_md, bound_md, profile_md, bandwidth_md, peers_md)
     return Template(TEMPLATE.read_text(encoding="utf-8")).substitute(
         **c,
         **{f.__name__[:-3]: f(res) for f in (*sections, distribution_md, machine_md)},

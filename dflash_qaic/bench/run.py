@@ -51,6 +51,7 @@ def facts(pipe, artifacts) -> dict:
             for p in ("target", "draft")
         },
         "sources": {k: (src.get(k) or {}).get("path") for k in ("target", "draft")},
+        "draft_form": draft_form(m, (src.get("draft") or {}).get("path")),
     }
     out["target"]["state_bytes"] = state_bytes(m["target"])  # 0: a dense target
     return out
@@ -70,6 +71,47 @@ def state_bytes(target: dict) -> int:
         for s in target["inputs"]
         if s["name"] in names
     )
+
+
+def draft_form(m: dict, source: str | None) -> str | None:
+    """ "DFlash-2" or "DFlash": from the source draft's config when it is still there, else from
+    the manifest (a DFlash-2 draft exported for sampling returns q); None when unknown."""
+    from dflash_qaic import checkpoints as ck
+
+    if source:
+        try:
+            return "DFlash-2" if ck.read_draft_config(source).dflash2 else "DFlash"
+        except (OSError, ck.CheckpointError):
+            pass
+    return "DFlash-2" if m["draft"].get("q_top_k") else None
+
+
+def same_target(artifacts, other) -> dict:
+    """The manifest of `other`, after checking it was exported from the same target checkpoint
+    as `artifacts` (the sha256 of its config and weights; the target programs themselves differ
+    when a draft returns q). BenchError otherwise."""
+    from dflash_qaic.manifest import load_json
+
+    if Path(other).resolve() == Path(artifacts).resolve():
+        raise BenchError(f"--compare {other} is the benchmarked directory: give another draft's")
+    a, b = load_json(artifacts), load_json(other)
+    digest = {}
+    for d, m in ((artifacts, a), (other, b)):
+        digest[d] = ((m.get("sources") or {}).get("target") or {}).get("sha256")
+        if not digest[d]:
+            raise BenchError(
+                f"{d}/manifest.json records no target checkpoint digest: re-export it with "
+                "this version of dflash-export to compare drafts"
+            )
+    if digest[artifacts] != digest[other]:
+        where = lambda m: ((m.get("sources") or {}).get("target") or {}).get("path")  # noqa: E731
+        raise BenchError(
+            f"--compare {other} was exported from another target ({where(b)}, sha256 "
+            f"{digest[other][:12]}…) than {artifacts} ({where(a)}, sha256 "
+            f"{digest[artifacts][:12]}…): drafts compare only against the same target; export "
+            "the other draft with the same --target"
+        )
+    return b
 
 
 def read_prompt_file(path, tokenizer, vocab: int) -> list[Prompt]:
