@@ -223,6 +223,31 @@ def test_committed_pair_reference_is_greedy_and_accepts():
     assert res["mean_tau"] > 3.0, res
 
 
+def test_committed_dflash2_draft_is_exact_and_accepts_more_when_sampling():
+    """The committed DFlash-2 draft (`default_pair("dflash2")`): validates as published, its
+    convs and selector were trained (not the identity, not the fresh init), the reference
+    `dflash_generate` with it equals HF greedy, and at T = 1 (the reference verifies its sampled
+    path q-aware) it commits more per step than the DFlash draft on the same prompts and seeds."""
+    from safetensors.torch import load_file
+
+    from dflash_lab.train.tau import measure_tau
+
+    tdir, ddir = assets.default_pair("dflash2")
+    pair = ck.read_pair(tdir, ddir)
+    assert pair.draft.dflash2 and pair.draft.block_size == 16
+    assert pair.draft.mask_token_id == ck.read_pair(*assets.default_pair()).draft.mask_token_id
+    state = load_file(str(ddir / "model.safetensors"))
+    assert state["layers.1.mlp_conv.kernel_projection.weight"].abs().max() > 0
+    base = state["layers.0.attention_conv.base_kernel"].float()  # [2, K, H]: moved off identity
+    assert (base[:, 1:].abs().max() > 0) and (base[:, 0] - 1).abs().max() > 0
+    prompts = assets.heldout_prompts()[:4]
+    res = measure_tau(tdir, ddir, prompts, 64, check_greedy=True)
+    assert all(res["greedy_equal"]) and res["mean_tau"] > 3.0, res
+    two = measure_tau(tdir, ddir, prompts, 64, temperature=1.0)
+    one = measure_tau(tdir, assets.default_pair()[1], prompts, 64, temperature=1.0)
+    assert two["pooled_tau"] > one["pooled_tau"], (two, one)
+
+
 @pytest.mark.slow
 def test_committed_pair_tau_at_block_16():
     from dflash_lab.train.tau import measure_tau
