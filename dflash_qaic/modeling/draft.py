@@ -153,16 +153,16 @@ def window_mask(held: torch.Tensor, block_positions: torch.Tensor, window: int, 
 def causal_conv(x: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
     """DFlash-2's causal conv over the block's positions, one kernel per position and channel:
     out[t, c] = Σ_o kernel[t, o, c] · x[t − o, c]   (x before the block is 0)
-    x [b, B, H]; kernel [b, B, K, H]. Unrolled over the K offsets: each is a shift of the block
-    by o rows."""
-    B, K = int(x.shape[1]), kernel.shape[2]
-    out = kernel[:, :, 0] * x
-    for o in range(1, min(K, B)):  # an offset ≥ B reaches before the block: all zeros
-        # x shifted down by o rows: a constant [B, B] 0/1 matrix, built in Python (a Pad or
-        # Slice sized from the traced shape would leave the graph's shapes unresolved)
-        shift = torch.tensor([[float(j == i - o) for j in range(B)] for i in range(B)])
-        out = out + kernel[:, :, o] * (shift.to(x.dtype) @ x)
-    return out
+    x [b, B, H]; kernel [b, B, K, H]. All K shifts of the block in one MatMul with a constant
+    [K·B, B] 0/1 matrix (shift o: row t reads row t − o), then one product and one sum: a few
+    graph nodes, whatever K is (a Pad or Slice sized from the traced shape would leave the
+    graph's shapes unresolved)."""
+    B, H, K = int(x.shape[1]), int(x.shape[2]), int(kernel.shape[2])  # static: no Shape ops
+    shifts = torch.tensor(
+        [[float(j == t - o) for j in range(B)] for o in range(K) for t in range(B)]
+    )  # [K·B, B]; an offset ≥ B is all zeros (it reaches before the block)
+    xs = (shifts.to(x.dtype) @ x).view(-1, K, B, H).transpose(1, 2)  # [b, B, K, H]
+    return (kernel * xs).sum(2)
 
 
 class DynamicCausalConv(nn.Module):
@@ -178,12 +178,11 @@ class DynamicCausalConv(nn.Module):
         self.kernel_projection = nn.Linear(H, 2 * K * (H // G), bias=False)
 
     def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        b, B, _ = x.shape
-        H = self.H
-        dyn = self.kernel_projection(x).view(b, B, 2, self.K, H // self.G, 1)
+        B, H = int(x.shape[1]), self.H  # plain ints: no Shape ops in the graph
+        dyn = self.kernel_projection(x).view(-1, B, 2, self.K, H // self.G, 1)
         # the weight enters by an Add with the input's part (a Slice of it alone would be
         # constant-folded by the exporter into a tensor with no checkpoint source)
-        kernel = (dyn * x.new_ones(self.G)).view(b, B, 2, self.K, H)  # each group's G channels
+        kernel = (dyn * x.new_ones(self.G)).view(-1, B, 2, self.K, H)  # each group's G channels
         kernel = kernel + self.base_kernel  # [b, B, 2, K, H]
         return causal_conv(x, kernel[:, :, 0]), kernel[:, :, 1]
 
@@ -209,33 +208,52 @@ class CandidateSelector(nn.Module):
         the greedy path [b, n]. With temperature [b] and random_u [b, n] (uniforms in [0, 1)):
         rows of temperature > 0 draw each step from q = softmax(scores / T) (the inverse CDF
         over the k candidates), the others take the argmax (q one-hot there); returns
-        (path [b, n], candidates [b, n, k], q [b, n, k])."""
-        unary, cand = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1)  # [b, n, k]
+        (path [b, n], candidates [b, n, k], q [b, n, k]).
+
+        The walk is sequential only through the chosen index: every row's scores for every
+        predecessor among the previous row's candidates are one batched product, so is the
+        choice each predecessor leads to (argmax, or the draw with that row's uniform); the walk
+        itself is one Gather per row (few graph nodes: each costs a fixed time on a device)."""
+        k = min(self.top_k, int(logits.shape[-1]))  # a plain int: static dims in the graph
+        n = int(hidden.shape[1])
+        unary, cand = logits.topk(k, dim=-1)  # [b, n, k]
         proj = self.hidden_projection(hidden)  # [b, n, r]
         succ = self.successor_codebook(cand)  # [b, n, k, r]
+        # the predecessor codes: the anchor's for row 0, row j−1's candidates' for row j
+        copies = torch.ones(k, 1, dtype=proj.dtype, device=proj.device)  # [k, 1]
+        pred = torch.cat(
+            [
+                self.predecessor_codebook(anchor)[:, None, None, :] * copies,
+                self.predecessor_codebook(cand[:, :-1]),
+            ],
+            dim=1,
+        )  # [b, n, k, r] (row 0: k copies of the anchor's)
+        query = pred * proj[:, :, None, :]  # [b, n, k, r]
+        scores = unary[:, :, None, :] + query @ succ.transpose(-1, -2)  # [b, n, k(prev), k]
+        choice = scores.argmax(-1)  # [b, n, k]: the greedy candidate after each predecessor
         sampling = temperature is not None
         if sampling:
-            hot = temperature[:, None] > 0  # [b, 1]
-            t = torch.where(hot, temperature[:, None], 1.0)  # [b, 1]
-            k = cand.shape[-1]
-            ks = torch.arange(k, device=cand.device)
-        prev, path, qs = anchor, [], []
-        for j in range(hidden.shape[1]):
-            query = self.predecessor_codebook(prev) * proj[:, j]  # [b, r]
-            scores = unary[:, j] + (succ[:, j] @ query[:, :, None])[..., 0]  # [b, k]
-            index = scores.argmax(-1, keepdim=True)  # [b, 1]
-            if sampling:
-                q = (scores / t).softmax(-1)  # [b, k]
-                c = q.cumsum(-1)  # the first candidate whose cumulative q exceeds u · Σq
-                above = c > random_u[:, j : j + 1] * c[:, -1:]
-                drawn = torch.where(above[:, -1:], above.to(torch.int32).argmax(-1, True), k - 1)
-                index = torch.where(hot, drawn, index)
-                qs.append(torch.where(hot, q, (ks == index).to(q.dtype)))
-            prev = cand[:, j].gather(-1, index)[:, 0]  # [b]
-            path.append(prev)
+            hot = temperature[:, None, None] > 0  # [b, 1, 1]
+            t = torch.where(hot, temperature[:, None, None], 1.0)[..., None]  # [b, 1, 1, 1]
+            q_all = (scores / t).softmax(-1)  # [b, n, k, k]
+            c = q_all.cumsum(-1)  # the first candidate whose cumulative q exceeds u · Σq
+            above = c > random_u[:, :, None, None] * c[..., -1:]
+            drawn = torch.where(above[..., -1], above.to(torch.int32).argmax(-1), k - 1)
+            choice = torch.where(hot, drawn, choice)  # [b, n, k]
+        at = torch.zeros_like(anchor)[:, None]  # row 0: every "predecessor" is the anchor
+        index = []
+        for j in range(n):  # the walk: one Gather per row
+            at = choice[:, j].gather(-1, at)  # [b, 1]
+            index.append(at)
+        index = torch.cat(index, dim=1)  # [b, n]
+        path = cand.gather(-1, index[..., None])[..., 0]  # [b, n]
         if not sampling:
-            return torch.stack(path, dim=1)
-        return torch.stack(path, dim=1), cand, torch.stack(qs, dim=1)
+            return path
+        ks = torch.arange(k, device=cand.device)
+        one_hot = (ks == index[..., None]).to(q_all.dtype)  # [b, n, k]: the chosen candidates
+        prev = torch.cat([(ks == 0).to(q_all.dtype).expand_as(one_hot[:, :1]), one_hot[:, :-1]], 1)
+        q = (prev[:, :, None, :] @ q_all)[:, :, 0]  # [b, n, k]: each row's q after its choice
+        return path, cand, torch.where(hot[..., 0][..., None], q, one_hot)
 
 
 class DraftLayer(nn.Module):
