@@ -398,3 +398,20 @@ def test_sampled_acceptance_distributed_as_reference(built):
     keep = (a + b) > 0
     assert keep.sum() >= 3, (a, b)  # multi-token first steps happen
     assert stats.chi2_contingency(np.stack([a[keep], b[keep]])).pvalue > 1e-3, (a, b)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 15, 16])
+def test_walk_composes_the_choices_in_order(n):
+    """`walk` (prefix compositions by doubling) equals the sequential walk: index_0 =
+    choice[0][0], index_j = choice[j][index_{j−1}]."""
+    from dflash_qaic.modeling.draft import walk
+
+    gen = torch.Generator().manual_seed(n)
+    choice = torch.randint(0, 5, (3, n, 5), generator=gen)
+    want = torch.zeros(3, n, dtype=torch.long)
+    for b in range(3):
+        at = 0
+        for j in range(n):
+            at = int(choice[b, j, at])
+            want[b, j] = at
+    assert torch.equal(walk(choice), want)

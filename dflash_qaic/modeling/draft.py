@@ -159,9 +159,9 @@ def causal_conv(x: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
     graph's shapes unresolved)."""
     B, H, K = int(x.shape[1]), int(x.shape[2]), int(kernel.shape[2])  # static: no Shape ops
     shifts = torch.tensor(
-        [[float(j == t - o) for j in range(B)] for o in range(K) for t in range(B)]
-    )  # [K·B, B]; an offset ≥ B is all zeros (it reaches before the block)
-    xs = (shifts.to(x.dtype) @ x).view(-1, K, B, H).transpose(1, 2)  # [b, B, K, H]
+        [[float(j == t - o) for j in range(B)] for t in range(B) for o in range(K)]
+    )  # [B·K, B], row t·K + o reads row t − o; an offset ≥ B is all zeros (before the block)
+    xs = (shifts.to(x.dtype) @ x).view(-1, B, K, H)  # [b, B, K, H]
     return (kernel * xs).sum(2)
 
 
@@ -190,6 +190,22 @@ class DynamicCausalConv(nn.Module):
         return causal_conv(y, kernel)
 
 
+def walk(choice: torch.Tensor) -> torch.Tensor:
+    """choice [b, n, k]: row j's candidate after predecessor a is choice[:, j, a] (row 0 reads
+    a = 0, the anchor) -> the path's candidate index of every row, [b, n]:
+    index_j = f_j(f_{j−1}(… f_0(0))), f_j = choice[:, j]. Computed as prefix compositions by
+    doubling: after step s, row j holds f_j ∘ … ∘ f_{max(0, j−2^(s+1)+1)}; ⌈log2 n⌉ steps of one
+    Gather each (composition is a Gather: (g ∘ h)(a) = g[h[a]]), no per-row slices."""
+    n, k = int(choice.shape[1]), int(choice.shape[2])
+    identity = torch.arange(k, device=choice.device).expand_as(choice)  # [b, n, k]
+    prefix, step = choice, 1
+    while step < n:
+        earlier = torch.cat([identity[:, :step], prefix[:, : n - step]], dim=1)  # row j − step
+        prefix = prefix.gather(-1, earlier)  # row j: (its maps) ∘ (row j − step's maps)
+        step *= 2
+    return prefix[:, :, 0]  # every map applied to the anchor's index 0
+
+
 class CandidateSelector(nn.Module):
     """DFlash-2's selector: walks the block left to right over each row's top-k logits,
     scoring candidate c after predecessor p as unary(c) + ⟨pred(p) · proj(h), succ(c)⟩ and
@@ -213,9 +229,9 @@ class CandidateSelector(nn.Module):
         The walk is sequential only through the chosen index: every row's scores for every
         predecessor among the previous row's candidates are one batched product, so is the
         choice each predecessor leads to (argmax, or the draw with that row's uniform); the walk
-        itself is one Gather per row (few graph nodes: each costs a fixed time on a device)."""
+        itself composes those choices (`walk`): few graph nodes, each of which costs a fixed
+        time on a device."""
         k = min(self.top_k, int(logits.shape[-1]))  # a plain int: static dims in the graph
-        n = int(hidden.shape[1])
         unary, cand = logits.topk(k, dim=-1)  # [b, n, k]
         proj = self.hidden_projection(hidden)  # [b, n, r]
         succ = self.successor_codebook(cand)  # [b, n, k, r]
@@ -240,12 +256,7 @@ class CandidateSelector(nn.Module):
             above = c > random_u[:, :, None, None] * c[..., -1:]
             drawn = torch.where(above[..., -1], above.to(torch.int32).argmax(-1), k - 1)
             choice = torch.where(hot, drawn, choice)  # [b, n, k]
-        at = torch.zeros_like(anchor)[:, None]  # row 0: every "predecessor" is the anchor
-        index = []
-        for j in range(n):  # the walk: one Gather per row
-            at = choice[:, j].gather(-1, at)  # [b, 1]
-            index.append(at)
-        index = torch.cat(index, dim=1)  # [b, n]
+        index = walk(choice)  # [b, n]
         path = cand.gather(-1, index[..., None])[..., 0]  # [b, n]
         if not sampling:
             return path
