@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 import types
 
-__version__ = "0.6.0"
+__version__ = "0.6.1"
 
 
 class _Package(types.ModuleType):
