@@ -573,6 +573,7 @@ def read_manifest(artifacts_dir: str | os.PathLike, verify: str = "fast") -> Man
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
     d = Path(artifacts_dir)
     m = Manifest.from_json(load_json(d), str(d / NAME))
+    refuse_merged_weights(m, d)
     paths = [("tokenizer", m.tokenizer)] if m.tokenizer else []
     for p in (m.target, m.draft):
         paths += [(f"{p.kind}.qpc", q.qpc) for q in p.qpcs] + [
@@ -582,6 +583,29 @@ def read_manifest(artifacts_dir: str | os.PathLike, verify: str = "fast") -> Man
         inside(d, rel, what)
     verify_files(d, m.files, verify)
     return m
+
+
+# Before 0.6.1 the streaming export could merge two small neighbouring weights of a multi-GB
+# model into one (docs/DESIGN.md, Hybrid targets: "What the 32 layers found").
+MERGED_WEIGHTS_FIXED_IN = (0, 6, 1)
+MERGED_WEIGHTS_MIN_BYTES = 1 << 30
+
+
+def refuse_merged_weights(m: Manifest, root: Path) -> None:
+    """ArtifactsError for artifacts whose multi-GB programs an exporter before 0.6.1 wrote: they
+    may read one weight in place of another (a Qwen3 layer's q_norm for its k_norm)."""
+    made = str(m.versions.get("dflash_qaic", ""))
+    try:
+        version = tuple(int(x) for x in made.split(".")[:3])
+    except ValueError:
+        return  # a development build: nothing to compare
+    big = [r.path for r in m.files if r.size >= MERGED_WEIGHTS_MIN_BYTES]
+    if version < MERGED_WEIGHTS_FIXED_IN and big:
+        raise ArtifactsError(
+            f"{root} was exported by dflash-qaic {made}, whose streaming export could merge two "
+            f"small weights of a multi-GB program into one ({big[0]}): its programs may compute "
+            f"wrong tokens; re-export with this version: dflash-export --out {root} …"
+        )
 
 
 def verify_files(root: Path, records, mode: str) -> None:

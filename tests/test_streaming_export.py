@@ -212,6 +212,31 @@ def test_build_artifacts_streams_and_reuses(pair, tmp_path):
     assert again.manifest["input_hash"] == m["input_hash"]
 
 
+def test_multi_gb_artifacts_of_an_exporter_that_merged_weights_are_refused(pair, tmp_path):
+    """Artifacts whose multi-GB programs dflash-qaic ≤ 0.6.0 wrote (its streaming export could
+    merge two small weights) are refused with "re-export"; small ones of that version, and
+    multi-GB ones of a fixed version, load."""
+    from dflash_qaic.files import ArtifactsError
+    from dflash_qaic.manifest import read_manifest
+
+    opts = ExportOptions(ctx_len=48, prefill_seq_len=12, compile=False, fp16_check=False)
+    build_artifacts(pair.target.path, pair.draft.path, tmp_path, opts)
+    path = tmp_path / "manifest.json"
+    original = json.loads(path.read_text())
+
+    def load(version: str, big: bool):
+        m = json.loads(json.dumps(original))
+        m["versions"]["dflash_qaic"] = version
+        if big:  # as if the target's weights file held 2 GiB
+            m["files"][0]["size"] = 2 << 30
+        path.write_text(json.dumps(m))
+        return read_manifest(tmp_path, verify="none")
+
+    with pytest.raises(ArtifactsError, match="re-export"):
+        load("0.6.0", big=True)
+    assert load("0.6.0", big=False) and load("0.6.1", big=True)
+
+
 def test_graph_run_skipped_above_the_budget(monkeypatch):
     monkeypatch.setattr(weights, "GRAPH_RUN_MAX_BYTES", 1000)
     assert weights.graph_run_skip_reason(1000) is None
