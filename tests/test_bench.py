@@ -704,3 +704,24 @@ def test_batch_cli_refuses_more_than_the_slots(default_cb2, tmp_path, capsys):
     assert "'x' is not an integer" in capsys.readouterr().err
     bad_t = [str(default_cb2), "--concurrency", "1", "--temperature", "nan", "--out", str(tmp_path)]
     assert main(bad_t) == 2 and "--temperature must be" in capsys.readouterr().err
+
+
+def test_the_built_in_target_is_known_by_its_digest_from_any_checkout(tmp_path):
+    """Artifacts exported from a copy of the built-in target (another checkout or install) still
+    get its held-out prompts: the target is recognised by its checkpoint digest, not only its
+    path; another target is not."""
+    import shutil
+
+    from dflash_qaic import assets
+    from dflash_qaic import checkpoints as ck
+    from dflash_qaic.bench.run import is_default_target
+
+    copy = tmp_path / "target"
+    shutil.copytree(assets.default_pair()[0], copy)
+    own = {"sources": {"target": str(assets.default_pair()[0])}, "target_sha256": None}
+    moved = {"sources": {"target": str(copy)}, "target_sha256": ck.file_digest(copy)}
+    assert is_default_target(own) and is_default_target(moved)
+    (copy / "config.json").write_text((copy / "config.json").read_text() + " ")
+    other = {"sources": {"target": str(copy)}, "target_sha256": ck.file_digest(copy)}
+    assert not is_default_target(other)
+    assert not is_default_target({"sources": {"target": None}, "target_sha256": None})

@@ -51,6 +51,7 @@ def facts(pipe, artifacts) -> dict:
             for p in ("target", "draft")
         },
         "sources": {k: (src.get(k) or {}).get("path") for k in ("target", "draft")},
+        "target_sha256": (src.get("target") or {}).get("sha256"),
         "draft_form": draft_form(m, (src.get("draft") or {}).get("path")),
     }
     out["target"]["state_bytes"] = state_bytes(m["target"])  # 0: a dense target
@@ -114,6 +115,18 @@ def same_target(artifacts, other) -> dict:
     return b
 
 
+def is_default_target(f: dict) -> bool:
+    """Were these artifacts exported from the built-in pair's target? By its path, or by its
+    checkpoint digest (the same pair in another checkout or install of the package)."""
+    from dflash_qaic import assets
+    from dflash_qaic import checkpoints as ck
+
+    own = assets.default_pair()[0]
+    if f["sources"]["target"] and Path(f["sources"]["target"]).resolve() == own:
+        return True
+    return bool(f.get("target_sha256")) and f["target_sha256"] == ck.file_digest(own)
+
+
 def read_prompt_file(path, tokenizer, vocab: int) -> list[Prompt]:
     """`.jsonl`: objects with "prompt" (text) or "prompt_ids", optional "name"/"source";
     other files: one text prompt per non-empty line."""
@@ -163,10 +176,7 @@ def select_prompts(f: dict, tokenizer, max_new: int, path: str | None, n: int):
         raise BenchError(
             f"--max-new-tokens {max_new} leaves no room for a prompt in ctx_len {f['ctx_len']}"
         )
-    default = (
-        f["sources"]["target"]
-        and Path(f["sources"]["target"]).resolve() == assets.default_pair()[0]
-    )
+    default = is_default_target(f)
     if path is not None:
         prompts, source = read_prompt_file(path, tokenizer, f["vocab_size"]), path
     elif default and tokenizer is not None:
