@@ -154,7 +154,7 @@ def causal_conv(x: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
     """DFlash-2's causal conv over the block's positions, one kernel per position and channel:
     out[t, c] = Σ_o kernel[t, o, c] · x[t − o, c]   (x before the block is 0)
     x [b, B, H]; kernel [b, B, K, H]. All K shifts of the block in one MatMul with a constant
-    [K·B, B] 0/1 matrix (shift o: row t reads row t − o), then one product and one sum: a few
+    [B·K, B] 0/1 matrix (row t·K + o reads row t − o), then one product and one sum: a few
     graph nodes, whatever K is (a Pad or Slice sized from the traced shape would leave the
     graph's shapes unresolved)."""
     B, H, K = int(x.shape[1]), int(x.shape[2]), int(kernel.shape[2])  # static: no Shape ops
@@ -209,7 +209,8 @@ def walk(choice: torch.Tensor) -> torch.Tensor:
 class CandidateSelector(nn.Module):
     """DFlash-2's selector: walks the block left to right over each row's top-k logits,
     scoring candidate c after predecessor p as unary(c) + ⟨pred(p) · proj(h), succ(c)⟩ and
-    keeping the best (greedy). Unrolled over the block's rows: no control flow in a graph."""
+    keeping the best (greedy), or drawing from softmax(scores / T) (sampling). No control flow
+    in a graph: the rows' choices are computed for every predecessor at once, then composed."""
 
     def __init__(self, c: DraftConfig):
         super().__init__()
