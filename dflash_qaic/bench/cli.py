@@ -230,7 +230,6 @@ def _main(args, command: str) -> int:
 def _decode(pipe, f: dict, args, other: dict | None = None) -> tuple[dict, dict]:
     """Both modes at every temperature, the cost profile and the peers; then, with --compare
     (`other`: its manifest), the other draft's artifacts on the same prompts."""
-    from dflash_qaic import contract
     from dflash_qaic.bench import report, run
 
     if not pipe.can_sample and all(t > 0 for t in args.temperatures):
@@ -241,12 +240,7 @@ def _decode(pipe, f: dict, args, other: dict | None = None) -> tuple[dict, dict]
         f, pipe.tokenizer, args.max_new_tokens, args.prompts, args.num_prompts
     )
     if other is not None:  # the same prompts must fit both: cut to the tighter room
-        room = contract.max_positions(other["ctx_len"]) - args.max_new_tokens - other["block_size"]
-        if room < 1:
-            raise run.BenchError(
-                f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the "
-                f"compared artifacts' ctx_len {other['ctx_len']}"
-            )
+        room = run.prompt_room(other["ctx_len"], other["block_size"], args.max_new_tokens)
         prompts = [run.Prompt(p.name, p.ids[-room:]) for p in prompts]
     _log(f"{len(prompts)} prompts from {source}")
     sections, ours = _measure(pipe, prompts, args, f["block_size"])

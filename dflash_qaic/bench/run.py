@@ -96,19 +96,19 @@ def same_target(artifacts, other) -> dict:
     if Path(other).resolve() == Path(artifacts).resolve():
         raise BenchError(f"--compare {other} is the benchmarked directory: give another draft's")
     a, b = load_json(artifacts), load_json(other)
+    target = lambda m: (m.get("sources") or {}).get("target") or {}  # noqa: E731
     digest = {}
     for d, m in ((artifacts, a), (other, b)):
-        digest[d] = ((m.get("sources") or {}).get("target") or {}).get("sha256")
+        digest[d] = target(m).get("sha256")
         if not digest[d]:
             raise BenchError(
                 f"{d}/manifest.json records no target checkpoint digest: re-export it with "
                 "this version of dflash-export to compare drafts"
             )
     if digest[artifacts] != digest[other]:
-        where = lambda m: ((m.get("sources") or {}).get("target") or {}).get("path")  # noqa: E731
         raise BenchError(
-            f"--compare {other} was exported from another target ({where(b)}, sha256 "
-            f"{digest[other][:12]}…) than {artifacts} ({where(a)}, sha256 "
+            f"--compare {other} was exported from another target ({target(b).get('path')}, "
+            f"sha256 {digest[other][:12]}…) than {artifacts} ({target(a).get('path')}, sha256 "
             f"{digest[artifacts][:12]}…): drafts compare only against the same target; export "
             "the other draft with the same --target"
         )
@@ -167,15 +167,21 @@ def read_prompt_file(path, tokenizer, vocab: int) -> list[Prompt]:
     return out
 
 
-def select_prompts(f: dict, tokenizer, max_new: int, path: str | None, n: int):
-    """(prompts, where they come from), each cut to leave room for max_new tokens + a block."""
-    from dflash_qaic import assets, contract
-
-    limit = contract.max_positions(f["ctx_len"]) - max_new - f["block_size"]
+def prompt_room(ctx_len: int, block_size: int, max_new: int) -> int:
+    """The longest prompt that leaves room for max_new tokens + a block; BenchError if none."""
+    limit = contract.max_positions(ctx_len) - max_new - block_size
     if limit < 1:
         raise BenchError(
-            f"--max-new-tokens {max_new} leaves no room for a prompt in ctx_len {f['ctx_len']}"
+            f"--max-new-tokens {max_new} leaves no room for a prompt in ctx_len {ctx_len}"
         )
+    return limit
+
+
+def select_prompts(f: dict, tokenizer, max_new: int, path: str | None, n: int):
+    """(prompts, where they come from), each cut to leave room for max_new tokens + a block."""
+    from dflash_qaic import assets
+
+    limit = prompt_room(f["ctx_len"], f["block_size"], max_new)
     default = is_default_target(f)
     if path is not None:
         prompts, source = read_prompt_file(path, tokenizer, f["vocab_size"]), path
