@@ -5,6 +5,8 @@ reference step for step, and real acceptance (τ ≥ 4 at block 16)."""
 from __future__ import annotations
 
 import json
+import os
+import re
 
 import pytest
 import torch
@@ -77,3 +79,14 @@ def test_demo_runs_on_the_exported_pair(artifacts, capsys):
     assert "reusing the exported programs" in out
     assert "output identical to the target alone: yes" in out
     assert "speedup over the target alone = " in out and "2 prompt(s) × 1 rounds" in out
+    # every thread count worth trying is tried, and the speedup is the fastest one's
+    cpus = len(os.sched_getaffinity(0))
+    if cpus > 1:
+        line = next(x for x in out.splitlines() if x.startswith("fastest here:"))
+        per = {int(t): float(ms) for t, ms in re.findall(r"(\d+) thread\(s\) ([\d.]+) ms", line)}
+        assert set(per) == {1, cpus}, line
+        best = min(per, key=per.get)
+        assert (
+            line.startswith(f"fastest here: {best} ONNX")
+            and f"{best} ONNX Runtime thread(s))" in out
+        )
