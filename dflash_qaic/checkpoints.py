@@ -100,7 +100,162 @@ def _safetensors_files(directory: Path, what: str) -> list[Path]:
 def _rope_theta(cfg: dict, default: float = 10000.0) -> float:
     """transformers 5.x writes `rope_parameters`; older checkpoints a top-level `rope_theta`."""
     rp = cfg.get("rope_parameters") or {}
-    return float(rp.get("rope_theta", cfg.get("rope_theta", default)))
+    return float(rp.get("rope_theta") or cfg.get("rope_theta") or default)
+
+
+# ---------------------------------------------------------------- config field types
+#
+# Every config.json field we read (or hand to transformers to build a module), with the JSON
+# type it must have: checked by name before any value is used, so a wrong type is refused with
+# the file, the field, the value found and the type expected, never coerced (1.5 -> 1) nor left
+# to fail inside int() or transformers (docs/DESIGN.md, Streaming export and checkpoint
+# validation). A field that is absent or null is left to its reader's default or "missing"
+# error. Booleans are not integers. A nested table checks an object's fields.
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return (isinstance(v, int | float) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+@dataclass(frozen=True)
+class FieldType:
+    """What a field must be (`expected`, as the message says it) and the test of a value; for a
+    list type, `item` tests each element (the message names the first that fails)."""
+
+    expected: str
+    ok: object  # value -> bool
+    item: object = None  # element -> bool, for lists
+
+
+POSITIVE_INT = FieldType("a positive integer", lambda v: _is_int(v) and v >= 1)
+TOKEN_ID = FieldType("an integer ≥ 0 (a token id)", lambda v: _is_int(v) and v >= 0)
+NUMBER = FieldType("a finite number", _is_number)
+POSITIVE_NUMBER = FieldType("a positive number", lambda v: _is_number(v) and v > 0)
+BOOLEAN = FieldType("true or false", lambda v: isinstance(v, bool))
+STRING = FieldType("a string", lambda v: isinstance(v, str))
+STRINGS = FieldType("a list of strings", lambda v: isinstance(v, list), lambda i: isinstance(i, str))
+LAYER_IDS = FieldType(
+    "a list of integers ≥ 0 (layer ids)", lambda v: isinstance(v, list), lambda i: _is_int(i) and i >= 0
+)
+TOKEN_IDS = FieldType(
+    "an integer ≥ 0 or a list of them (token ids)",
+    lambda v: isinstance(v, list) or TOKEN_ID.ok(v),
+    lambda i: _is_int(i) and i >= 0,
+)
+
+_ROPE_FIELDS = {
+    "rope_type": STRING,
+    "type": STRING,  # the older spelling of rope_type
+    "rope_theta": POSITIVE_NUMBER,
+    "factor": POSITIVE_NUMBER,
+    "partial_rotary_factor": POSITIVE_NUMBER,
+}
+# Fields of a Qwen3 / Llama-style decoder config: a target's (or its `text_config`) and a draft's.
+_DECODER_FIELDS = {
+    "architectures": STRINGS,
+    "model_type": STRING,
+    "hidden_size": POSITIVE_INT,
+    "num_hidden_layers": POSITIVE_INT,
+    "num_attention_heads": POSITIVE_INT,
+    "num_key_value_heads": POSITIVE_INT,
+    "head_dim": POSITIVE_INT,
+    "intermediate_size": POSITIVE_INT,
+    "vocab_size": POSITIVE_INT,
+    "max_position_embeddings": POSITIVE_INT,
+    "rms_norm_eps": POSITIVE_NUMBER,
+    "rope_theta": POSITIVE_NUMBER,
+    "partial_rotary_factor": POSITIVE_NUMBER,
+    "rope_parameters": _ROPE_FIELDS,
+    "rope_scaling": _ROPE_FIELDS,
+    "hidden_act": STRING,
+    "tie_word_embeddings": BOOLEAN,
+    "attention_bias": BOOLEAN,
+    "mlp_bias": BOOLEAN,
+    "layer_types": STRINGS,
+    "sliding_window": POSITIVE_INT,
+    "use_sliding_window": BOOLEAN,
+    "eos_token_id": TOKEN_IDS,
+}
+# + the experts (Qwen3-MoE, Qwen3.5-MoE) and the Gated DeltaNet layers (Qwen3.5 hybrids)
+_TEXT_FIELDS = _DECODER_FIELDS | {
+    "num_experts": POSITIVE_INT,
+    "num_local_experts": POSITIVE_INT,
+    "num_experts_per_tok": POSITIVE_INT,
+    "decoder_sparse_step": POSITIVE_INT,
+    "moe_intermediate_size": POSITIVE_INT,
+    "shared_expert_intermediate_size": POSITIVE_INT,
+    "mlp_only_layers": LAYER_IDS,
+    "norm_topk_prob": BOOLEAN,
+    "full_attention_interval": POSITIVE_INT,
+    "linear_num_key_heads": POSITIVE_INT,
+    "linear_num_value_heads": POSITIVE_INT,
+    "linear_key_head_dim": POSITIVE_INT,
+    "linear_value_head_dim": POSITIVE_INT,
+    "linear_conv_kernel_dim": POSITIVE_INT,
+}
+TARGET_FIELDS = _TEXT_FIELDS | {"text_config": _TEXT_FIELDS}
+# DFlash fields: in `dflash_config` in newer drafts, at top level in older ones (both checked)
+_DFLASH_FIELDS = {
+    "target_layer_ids": LAYER_IDS,
+    "mask_token_id": TOKEN_ID,
+    "block_size": POSITIVE_INT,
+    "input_embedding_scale": NUMBER,
+    "output_multiplier": NUMBER,
+    "final_logit_softcapping": NUMBER,
+    **{k: POSITIVE_INT for k in ("conv_kernel_size", "conv_group_size")},
+    **{k: POSITIVE_INT for k in ("selector_rank", "selector_top_k")},
+}
+DRAFT_FIELDS = (
+    _DECODER_FIELDS
+    | {"num_target_layers": POSITIVE_INT, "is_causal": BOOLEAN}
+    | _DFLASH_FIELDS
+    | {"dflash_config": _DFLASH_FIELDS}
+)
+_JSON_NAMES = {bool: "a boolean", int: "an integer", float: "a number with a fraction"}
+_JSON_NAMES |= {str: "a string", list: "a list", dict: "an object"}
+
+
+def _json_kind(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, float) and not math.isfinite(v):
+        return "not a finite number"
+    return _JSON_NAMES.get(type(v), type(v).__name__)
+
+
+def check_field_types(cfg: dict, table: dict, path: Path, prefix: str = "") -> None:
+    """Every field of `table` that `cfg` holds (not null) has its type, in table order; a
+    nested table checks an object's fields, named `outer.inner`."""
+    for key, kind in table.items():
+        v = cfg.get(key)
+        if v is None:
+            continue
+        name = prefix + key
+        if isinstance(kind, dict):
+            if not isinstance(v, dict):
+                raise _field_error(path, name, v, _json_kind(v), "an object of fields")
+            check_field_types(v, kind, path, name + ".")
+            continue
+        if not kind.ok(v):
+            raise _field_error(path, name, v, _json_kind(v), kind.expected)
+        if isinstance(v, list) and kind.item is not None:
+            at = next((n for n, i in enumerate(v) if not kind.item(i)), None)
+            if at is not None:
+                found = f"element {at}, {json.dumps(v[at])}, is {_json_kind(v[at])}"
+                raise _field_error(path, name, v, found, kind.expected)
+
+
+def _field_error(path: Path, name: str, value, found: str, expected: str) -> CheckpointError:
+    shown = json.dumps(value)
+    if len(shown) > 120:
+        shown = shown[:117] + "…"
+    return CheckpointError(
+        f"{path}: field `{name}` is {shown} ({found}); it must be {expected} (fix config.json)"
+    )
 
 
 def _require(cfg: dict, key: str, path: Path) -> object:
@@ -116,12 +271,9 @@ def _positive(cfg: dict, key: str, path: Path, default: int | None = None) -> in
         return default
     if key not in cfg:
         raise CheckpointError(f"{path}: field `{key}` is missing")
-    if isinstance(v, bool) or not isinstance(v, int | float) or v != int(v) or v < 1:
-        raise CheckpointError(
-            f"{path}: field `{key}` is {json.dumps(v)}; it must be a positive integer "
-            "(fix config.json)"
-        )
-    return int(v)
+    if not POSITIVE_INT.ok(v):
+        raise _field_error(path, key, v, _json_kind(v), POSITIVE_INT.expected)
+    return v
 
 
 @dataclass(frozen=True)
@@ -232,6 +384,7 @@ def read_target_config(directory: str | Path) -> TargetConfig:
     d = Path(directory)
     cfg = _read_config(d, "target")
     cpath = d / "config.json"
+    check_field_types(cfg, {"architectures": STRINGS, "model_type": STRING}, cpath)
     arch = (cfg.get("architectures") or [None])[0]
     mtype = _TEXT_MODEL_TYPES.get(cfg.get("model_type"), cfg.get("model_type"))
     family = next(
@@ -242,6 +395,7 @@ def read_target_config(directory: str | Path) -> TargetConfig:
             f"{cpath}: `architectures` {cfg.get('architectures')} / `model_type` {mtype!r} is not "
             f"supported; supported targets: {', '.join(a for v in SUPPORTED_TARGETS.values() for a in v)}"
         )
+    check_field_types(cfg, TARGET_FIELDS, cpath)
     _safetensors_files(d, "target")
     text, prefix, hybrid = cfg, "model.", None
     if family in HYBRID_FAMILIES:
@@ -264,7 +418,7 @@ def read_target_config(directory: str | Path) -> TargetConfig:
         num_kv_heads=_positive(text, "num_key_value_heads", cpath, heads),
         head_dim=_positive(text, "head_dim", cpath, hidden // heads or 1),
         vocab_size=_positive(text, "vocab_size", cpath),
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(text.get("rms_norm_eps") or 1e-6),
         rope_theta=_rope_theta(text),
         tie_word_embeddings=bool(tied),
         raw=cfg,
@@ -339,12 +493,14 @@ def read_draft_config(directory: str | Path) -> DraftConfig:
     d = Path(directory)
     cfg = _read_config(d, "draft")
     cpath = d / "config.json"
+    check_field_types(cfg, {"architectures": STRINGS}, cpath)
     arch = (cfg.get("architectures") or [None])[0]
     if arch not in (DRAFT_ARCH, DRAFT2_ARCH):
         raise CheckpointError(
             f"{cpath}: `architectures` is {cfg.get('architectures')}, expected [{DRAFT_ARCH!r}] "
             f"or [{DRAFT2_ARCH!r}] (a DFlash draft checkpoint in the published z-lab format)"
         )
+    check_field_types(cfg, DRAFT_FIELDS, cpath)
     heads = _positive(cfg, "num_attention_heads", cpath)
     hidden = _positive(cfg, "hidden_size", cpath)
     n_layers = _positive(cfg, "num_hidden_layers", cpath)
@@ -378,11 +534,11 @@ def read_draft_config(directory: str | Path) -> DraftConfig:
         head_dim=_positive(cfg, "head_dim", cpath, hidden // heads or 1),
         intermediate_size=_positive(cfg, "intermediate_size", cpath),
         vocab_size=cfg.get("vocab_size"),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
         rope_theta=_rope_theta(cfg),
-        block_size=int(block),
-        target_layer_ids=tuple(int(i) for i in layer_ids),
-        mask_token_id=int(mask_id),
+        block_size=block,
+        target_layer_ids=tuple(layer_ids),
+        mask_token_id=mask_id,
         num_target_layers=n_target,
         input_embedding_scale=float(_dflash_value(cfg, "input_embedding_scale", 1.0)),
         output_multiplier=float(_dflash_value(cfg, "output_multiplier", 1.0)),
@@ -589,6 +745,10 @@ def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
                 f"tensor `{name}` ends at byte {base + end} but the file has {size} (data is shorter than declared)",
             )
         out[name] = TensorInfo(path, name, dtype, shape, base + begin, end - begin)
+    spans = sorted(out.values(), key=lambda i: (i.offset, i.nbytes))
+    for a, b in zip(spans, spans[1:]):
+        if b.offset < a.offset + a.nbytes:
+            raise _corrupt(path, f"tensors `{a.name}` and `{b.name}` overlap")
     return out
 
 
@@ -847,15 +1007,57 @@ class Pair:
 
 def read_pair(target_dir: str | Path, draft_dir: str | Path) -> Pair:
     """Read and validate both configs and both tensor layouts (headers only; loads no weights).
-    A directory argument may also be a Hugging Face model id (see `dflash_qaic.hub`)."""
+    A directory argument may also be a Hugging Face model id (see `dflash_qaic.hub`).
+
+    The checks run in the order that reports a root cause first: each config (field types, then
+    values), the pair (a draft made for another target), what the modules support, then the
+    tensor layouts against the configs; weight values come last (`check_weight_values`)."""
     from dflash_qaic.hub import resolve_checkpoint
 
     t = read_target_config(resolve_checkpoint(target_dir, "target"))
     d = read_draft_config(resolve_checkpoint(draft_dir, "draft"))
-    dt = check_draft_tensors(d)
     validate_pair(t, d)
+    check_supported(t, d)
+    dt = check_draft_tensors(d)
     tt = check_target_tensors(t)
     return Pair(t, d, tt, dt)
+
+
+def check_supported(t: TargetConfig, d: DraftConfig) -> None:
+    """What the modeling code refuses, checked from the configs: silu MLPs, rope types whose
+    tables do not depend on the sequence length, and no sliding-window layers in a dense target
+    (a hybrid's layer_types are its linear / full attention layers)."""
+    for what, raw, path in (
+        ("target", t.text or t.raw, t.path / "config.json"),
+        ("draft", d.raw or {}, d.path / "config.json"),
+    ):
+        act = raw.get("hidden_act") or "silu"
+        if act != "silu":
+            raise CheckpointError(
+                f"{path}: hidden_act {act!r} is not supported (the {what} modules implement "
+                "silu only)"
+            )
+        for key in ("rope_parameters", "rope_scaling"):
+            _check_rope(raw.get(key) or {}, path)
+    types = t.raw.get("layer_types") or []
+    if t.hybrid is None and any(k != "full_attention" for k in types):
+        raise CheckpointError(
+            f"{t.path / 'config.json'}: sliding-window layers are not supported "
+            f"(layer_types {sorted(set(types))})"
+        )
+
+
+def _check_rope(rope: dict, where: Path) -> None:
+    rtype = rope.get("rope_type") or rope.get("type") or "default"
+    if rtype in UNSUPPORTED_ROPE_TYPES:
+        raise CheckpointError(
+            f"{where}: rope type {rtype!r} is not supported (it depends on the sequence "
+            "length); supported: default and the static scalings (linear, llama3, yarn, …)"
+        )
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rtype != "default" and rtype not in ROPE_INIT_FUNCTIONS:
+        raise CheckpointError(f"{where}: unknown rope type {rtype!r}")
 
 
 def load_target_model(t: TargetConfig | str | Path) -> torch.nn.Module:
@@ -931,8 +1133,140 @@ def fingerprint(directory: str | Path) -> str:
     return h.hexdigest()
 
 
-def fp16_fc_scale(fc_weight: torch.Tensor) -> float:
-    """QEfficient #995: divide fc by max(sqrt(in) · max_row_norm / 128, 1) so its output fits fp16."""
+def fp16_fc_scale(fc_weight: torch.Tensor, where: TensorInfo | None = None) -> float:
+    """QEfficient #995: divide fc by max(sqrt(in) · max_row_norm / 128, 1) so its output fits fp16.
+
+    The scaled fc is what the card sees, at most 128 / sqrt(in) per element, so fc's raw weights
+    may lie beyond fp16's range (docs/DESIGN.md, fp16). Only the scale must be a finite fp32
+    number: a row norm whose squares overflow fp32 is taken in fp64; an fc that is not finite,
+    or whose scale is beyond fp32's range, is refused (`where`: its checkpoint tensor)."""
     in_features = fc_weight.shape[1]
     row_norm = fc_weight.float().norm(dim=1).max().item()
-    return max(math.sqrt(in_features) * row_norm / 128.0, 1.0)
+    if math.isinf(row_norm):  # its squares overflowed fp32: the same norm in fp64
+        row_norm = fc_weight.double().norm(dim=1).max().item()
+    scale = max(math.sqrt(in_features) * row_norm / 128.0, 1.0)
+    if not scale <= FP32_MAX:  # inf, NaN or too large for the fp32 division
+        peak = fc_weight.abs().max().item()
+        name = f"{where.file}: tensor `{where.name}`" if where else "the draft's `fc.weight`"
+        if not math.isfinite(peak) or not math.isfinite(row_norm):
+            raise _non_finite(name)
+        raise CheckpointError(
+            f"{name} holds values up to |x| = {peak:g}: the export divides fc by "
+            f"max(sqrt(in) · max_row_norm / 128, 1) so the card's fc fits fp16, and that scale, "
+            f"{scale:.3g}, is beyond fp32's range ({FP32_MAX:.4g}); the checkpoint is damaged, "
+            "use a good copy"
+        )
+    return scale
+
+
+# ---------------------------------------------------------------- weight values
+#
+# The card computes in fp16 (docs/DESIGN.md, fp16): a weight beyond fp16's largest finite value
+# becomes inf there and the programs compute inf / NaN. `check_weight_values` reads every byte of
+# both checkpoints once, before any tracing: the sha256 the manifest records (`file_digest`,
+# which read them anyway) and, in the same pass, each used tensor's largest |value|.
+
+FP16_MAX = 65504.0  # fp16's largest finite value
+FP32_MAX = float(torch.finfo(torch.float32).max)
+_SCAN_CHUNK = 16 << 20  # bytes read, hashed and checked at a time
+
+
+def _non_finite(name: str) -> CheckpointError:
+    return CheckpointError(
+        f"{name} holds inf or NaN values; the checkpoint is damaged (a model with non-finite "
+        "weights produces garbage); use a good copy"
+    )
+
+
+def beyond_fp16(info: TensorInfo, peak: float) -> CheckpointError:
+    """The error for tensor `info` whose largest |value| `peak` does not fit fp16."""
+    if not math.isfinite(peak):
+        return _non_finite(f"{info.file}: tensor `{info.name}`")
+    return CheckpointError(
+        f"{info.file}: tensor `{info.name}` holds values up to |x| = {peak:g}, beyond 65,504, "
+        "fp16's largest finite value: the AI100 computes in fp16, so this weight would be inf "
+        "there and the programs would compute inf/NaN. The checkpoint is damaged or was not made "
+        "for fp16 inference: use a good copy, or rescale the model so every weight fits fp16"
+    )
+
+
+def used_tensors(pair: Pair) -> dict[str, list[tuple[TensorInfo, float]]]:
+    """Per checkpoint ("target", "draft"): every tensor a program uses with the largest |value|
+    it may hold. The draft's fc is scaled into fp16's range by the export (`fp16_fc_scale`), so
+    only its finiteness is checked here. Tensors no program uses (a tied lm_head, a vision
+    tower, rotary inv_freq) are not checked."""
+    t = pair.target
+    fused = t.moe is not None and experts_fused(pair.target_tensors)
+    names = expected_target_shapes(t, fused)
+    target = [(i, FP16_MAX) for n, i in pair.target_tensors.items() if n in names]
+    draft = [
+        (i, math.inf if n == "fc.weight" else FP16_MAX) for n, i in pair.draft_tensors.items()
+    ]
+    return {"target": target, "draft": draft}
+
+
+def check_weight_values(pair: Pair) -> dict[str, str]:
+    """Every used weight of both checkpoints finite and within fp16's range (`used_tensors`),
+    refused by tensor, file and largest |value| otherwise; the draft is read first (small).
+    Returns the `file_digest` of each directory, from the same read."""
+    used = used_tensors(pair)
+    digests = {}
+    for what, directory in (("draft", pair.draft.path), ("target", pair.target.path)):
+        digests[what] = _scan_directory(Path(directory), used[what])
+    return {"target": digests["target"], "draft": digests["draft"]}
+
+
+def _scan_directory(d: Path, checked: list[tuple[TensorInfo, float]]) -> str:
+    """`file_digest(d)`, checking each tensor of `checked` against its limit on the way."""
+    import hashlib
+
+    h = hashlib.sha256()
+    buf = memoryview(bytearray(_SCAN_CHUNK))
+    by_file: dict[Path, list] = {}
+    for info, limit in checked:
+        by_file.setdefault(info.file, []).append((info, limit))
+    for f in sorted([d / "config.json", *d.glob("*.safetensors")]):
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            pos = 0
+            for info, limit in sorted(by_file.get(f, ()), key=lambda e: e[0].offset):
+                _hash_span(fh, h, buf, info.offset - pos)  # header, gaps, unused tensors
+                peak = _scan_tensor(fh, h, buf, info)
+                if not (math.isfinite(peak) and peak <= limit):
+                    raise beyond_fp16(info, peak)
+                pos = info.offset + info.nbytes
+            _hash_span(fh, h, buf, None)
+    return h.hexdigest()
+
+
+def _hash_span(fh, h, buf: memoryview, n: int | None) -> None:
+    """Hash the next `n` bytes of `fh` (None: to its end)."""
+    while n is None or n > 0:
+        got = fh.readinto(buf[: len(buf) if n is None else min(n, len(buf))])
+        if not got:
+            return
+        h.update(buf[:got])
+        if n is not None:
+            n -= got
+
+
+def _scan_tensor(fh, h, buf: memoryview, info: TensorInfo) -> float:
+    """Hash tensor `info`'s bytes (`fh` is at its start) and return its largest |value|
+    (inf or NaN when it holds a non-finite value)."""
+    dtype = SAFETENSORS_DTYPES[info.dtype]
+    step = len(buf) - len(buf) % dtype.itemsize
+    peak, left = 0.0, info.nbytes
+    while left:
+        got = fh.readinto(buf[: min(step, left)])
+        if not got or got % dtype.itemsize:
+            raise CheckpointError(
+                f"{info.file}: tensor `{info.name}` is cut short; the file changed or is "
+                "truncated; download it again"
+            )
+        h.update(buf[:got])
+        lo, hi = (v.item() for v in torch.aminmax(torch.frombuffer(buf[:got], dtype=dtype)))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            return math.nan if math.isnan(lo) or math.isnan(hi) else math.inf
+        peak = max(peak, -lo, hi)
+        left -= got
+    return peak

@@ -135,41 +135,6 @@ def _eos_ids(target_dir: Path) -> list[int]:
     return []
 
 
-def _check_target_support(pair: ck.Pair) -> None:
-    """What the modeling code refuses at export time, checked from the configs up front."""
-    for what, raw, path in (
-        ("target", pair.target.text or pair.target.raw, pair.target.path),
-        ("draft", pair.draft.raw or {}, pair.draft.path),
-    ):
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ExportError(
-                f"{path / 'config.json'}: hidden_act {act!r} is not supported (the {what} "
-                "modules implement silu only)"
-            )
-        for key in ("rope_parameters", "rope_scaling"):
-            _check_rope(raw.get(key) or {}, path / "config.json")
-    types = pair.target.raw.get("layer_types") or []
-    if pair.target.hybrid is None and any(t != "full_attention" for t in types):
-        raise ExportError(
-            f"{pair.target.path / 'config.json'}: sliding-window layers are not supported "
-            f"(layer_types {sorted(set(types))})"
-        )
-
-
-def _check_rope(rope, where: Path) -> None:
-    rtype = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
-    if not isinstance(rtype, str) or rtype in ck.UNSUPPORTED_ROPE_TYPES:
-        raise ExportError(
-            f"{where}: rope type {rtype!r} is not supported (it depends on the sequence "
-            "length); supported: default and the static scalings (linear, llama3, yarn, …)"
-        )
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    if rtype != "default" and rtype not in ROPE_INIT_FUNCTIONS:
-        raise ExportError(f"{where}: unknown rope type {rtype!r}")
-
-
 def _check_tokenizer(target_dir: Path, vocab_size: int) -> None:
     """The tokenizer files the artifacts will carry must load (the runtime loads them), and
     every token id they can produce must be in the model's vocabulary."""
@@ -208,7 +173,6 @@ def preflight(target_dir, draft_dir, o: ExportOptions):
 
         profile = o.compile_overrides.apply(load_profile(o.qpc_config))
         compiler_search(profile.compiler)  # a bad $QAIC_COMPILER fails now, not after export
-    _check_target_support(pair)
     eos = _eos_ids(pair.target.path)
     bad = [e for e in eos if e >= pair.target.vocab_size]
     if bad:
@@ -410,9 +374,17 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, steps) -> Manifest:
     from dflash_qaic.export.target import export_target
 
     t = time.perf_counter()
+    # before any tracing: every weight finite and within fp16's range, read once (that read
+    # gives the manifest's sha256 of each checkpoint too); fc's fp16 scale finite
+    log.info("checking the weights of %s and %s", pair.target.path, pair.draft.path)
+    digests = ck.check_weight_values(pair)
+    fc_info = pair.draft_tensors["fc.weight"]
+    fc = weights.load_fp32(fc_info)
+    ck.fp16_fc_scale(fc, fc_info)
+    steps.append(("check weights", "finite, within fp16", time.perf_counter() - t))
+    t = time.perf_counter()
     log.info("reading %s and %s (structure only)", pair.target.path, pair.draft.path)
     target = weights.placeholder_target(pair.target)
-    fc = weights.load_fp32(pair.draft_tensors["fc.weight"])
     hidden_norm = weights.load_fp32(pair.draft_tensors["hidden_norm.weight"])
     embed, head = weights.placeholder_head(pair.target)
     steps.append(("load checkpoints", "structure + fc", time.perf_counter() - t))
@@ -470,7 +442,6 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, steps) -> Manifest:
         )
     steps.append(("export draft", f"{dfacts['onnx_bytes'] / 1e6:.1f} MB", time.perf_counter() - t))
     tok = _copy_tokenizer(pair.target.path, out)
-    log.info("hashing the checkpoint files for the manifest")
     return Manifest(
         block_size=B,
         mask_token_id=pair.draft.mask_token_id,
@@ -494,11 +465,11 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, steps) -> Manifest:
             "target": {
                 "path": str(pair.target.path.resolve()),
                 "family": pair.target.family,
-                "sha256": ck.file_digest(pair.target.path),
+                "sha256": digests["target"],
             },
             "draft": {
                 "path": str(pair.draft.path.resolve()),
-                "sha256": ck.file_digest(pair.draft.path),
+                "sha256": digests["draft"],
             },
         },
         versions=_versions(),

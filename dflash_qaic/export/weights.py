@@ -12,8 +12,8 @@ third. Here instead (docs/DESIGN.md, Artifacts):
    named by their state-dict names.
 3. `write_initializers` turns each weight input into an initializer whose bytes go to the
    external-data file straight from the safetensors files, a slice at a time (bf16/fp16 widened
-   to fp32 on the way, checked finite), applying what the module applies to that tensor: the
-   head stored transposed ([H, V]), the draft `fc` divided by its fp16 scale, and the transpose
+   to fp32 on the way, checked finite and within fp16's range), applying what the module
+   applies to that tensor: the head stored transposed ([H, V]), the draft `fc` divided by its fp16 scale, and the transpose
    the exporter puts on each Linear weight (folded into the written bytes, as constant folding
    does in the in-memory export).
 
@@ -48,11 +48,13 @@ CHUNK_BYTES = 64 << 20  # fp32 bytes converted and written at a time
 
 @dataclass(frozen=True)
 class Source:
-    """One program weight: checkpoint tensor `info`, divided by `scale`, transposed if asked."""
+    """One program weight: checkpoint tensor `info`, divided by `scale`, transposed if asked;
+    `fp16`: the value a program holds, checked within fp16's range (else only finite)."""
 
     info: ck.TensorInfo
     transpose: bool = False
     scale: float = 1.0
+    fp16: bool = True
 
 
 @dataclass(frozen=True)
@@ -311,12 +313,16 @@ def _read(info: ck.TensorInfo, start: int, nbytes: int) -> torch.Tensor:
 
 
 def _check_finite(x: torch.Tensor, src: Source) -> None:
-    """inf / NaN anywhere shows in the min or max (NaN propagates): one cheap pass."""
-    if x.numel() and not all(bool(torch.isfinite(v)) for v in torch.aminmax(x)):
-        raise ck.CheckpointError(
-            f"{src.info.file}: tensor `{src.info.name}` holds inf or NaN values; the checkpoint "
-            "is damaged (a model with non-finite weights produces garbage); use a good copy"
-        )
+    """A guard for a file changed since `checkpoints.check_weight_values` read it: inf / NaN
+    anywhere shows in the min or max (NaN propagates), and the value the program holds (divided
+    by the source's scale) must fit fp16. One cheap pass."""
+    if not x.numel():
+        return
+    lo, hi = (v.item() for v in torch.aminmax(x))
+    peak = max(-lo, hi)
+    limit = ck.FP16_MAX if src.fp16 else math.inf
+    if not (math.isfinite(lo) and math.isfinite(hi)) or peak / src.scale > limit:
+        raise ck.beyond_fp16(src.info, peak if math.isfinite(lo + hi) else math.nan)
 
 
 def _fp32(x: torch.Tensor, src: Source) -> torch.Tensor:
@@ -523,4 +529,4 @@ def graph_run_skip_reason(nbytes: int) -> str | None:
 def load_fp32(info: ck.TensorInfo) -> torch.Tensor:
     """One checkpoint tensor in fp32 (checked finite): for the few small tensors the export
     modules need real values of (the draft's fc, for its fp16 scale, and hidden_norm)."""
-    return torch.cat(list(fp32_chunks(Source(info), False))).view(info.shape)
+    return torch.cat(list(fp32_chunks(Source(info, fp16=False), False))).view(info.shape)
