@@ -78,7 +78,7 @@ def test_fields_at_top_level(pair, tmp_path):
     "edit,match",
     [
         ({"conv_kernel_size": None}, "positive integer `conv_kernel_size`"),
-        ({"selector_rank": 0}, "positive integer `selector_rank`"),
+        ({"selector_rank": 0}, "`dflash_config.selector_rank` is 0 .*a positive integer"),
         ({"conv_group_size": 5}, "does not divide `hidden_size` 64"),
         ({"selector_top_k": 25}, "`selector_top_k` \\(25\\) at most that"),
     ],

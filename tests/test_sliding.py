@@ -87,7 +87,7 @@ def _edit(d, **kw):
         ({"layer_types": ["linear_attention", FULL]}, "`layer_types` must list"),
         ({"sliding_window": None}, "need an integer `sliding_window`"),
         ({"sliding_window": 1}, "of at least 2"),
-        ({"is_causal": "yes"}, "`is_causal` must be true, false or absent"),
+        ({"is_causal": "yes"}, '`is_causal` is "yes" \\(a string\\); it must be true or false'),
     ],
 )
 def test_bad_draft_attention_configs_are_refused(pair, tmp_path, edit, match):
