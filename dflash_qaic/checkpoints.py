@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,8 +128,8 @@ class FieldType:
     list type, `item` tests each element (the message names the first that fails)."""
 
     expected: str
-    ok: object  # value -> bool
-    item: object = None  # element -> bool, for lists
+    ok: Callable[[object], bool]
+    item: Callable[[object], bool] | None = None  # for lists: each element
 
 
 POSITIVE_INT = FieldType("a positive integer", lambda v: _is_int(v) and v >= 1)
@@ -137,9 +138,13 @@ NUMBER = FieldType("a finite number", _is_number)
 POSITIVE_NUMBER = FieldType("a positive number", lambda v: _is_number(v) and v > 0)
 BOOLEAN = FieldType("true or false", lambda v: isinstance(v, bool))
 STRING = FieldType("a string", lambda v: isinstance(v, str))
-STRINGS = FieldType("a list of strings", lambda v: isinstance(v, list), lambda i: isinstance(i, str))
+STRINGS = FieldType(
+    "a list of strings", lambda v: isinstance(v, list), lambda i: isinstance(i, str)
+)
 LAYER_IDS = FieldType(
-    "a list of integers ≥ 0 (layer ids)", lambda v: isinstance(v, list), lambda i: _is_int(i) and i >= 0
+    "a list of integers ≥ 0 (layer ids)",
+    lambda v: isinstance(v, list),
+    lambda i: _is_int(i) and i >= 0,
 )
 TOKEN_IDS = FieldType(
     "an integer ≥ 0 or a list of them (token ids)",
@@ -206,8 +211,8 @@ _DFLASH_FIELDS = {
     "input_embedding_scale": NUMBER,
     "output_multiplier": NUMBER,
     "final_logit_softcapping": NUMBER,
-    **{k: POSITIVE_INT for k in ("conv_kernel_size", "conv_group_size")},
-    **{k: POSITIVE_INT for k in ("selector_rank", "selector_top_k")},
+    **dict.fromkeys(("conv_kernel_size", "conv_group_size"), POSITIVE_INT),  # DFlash-2
+    **dict.fromkeys(("selector_rank", "selector_top_k"), POSITIVE_INT),
 }
 DRAFT_FIELDS = (
     _DECODER_FIELDS
@@ -215,7 +220,7 @@ DRAFT_FIELDS = (
     | _DFLASH_FIELDS
     | {"dflash_config": _DFLASH_FIELDS}
 )
-_JSON_NAMES = {bool: "a boolean", int: "an integer", float: "a number with a fraction"}
+_JSON_NAMES = {bool: "a boolean", int: "an integer", float: "a float"}
 _JSON_NAMES |= {str: "a string", list: "a list", dict: "an object"}
 
 
@@ -1199,9 +1204,7 @@ def used_tensors(pair: Pair) -> dict[str, list[tuple[TensorInfo, float]]]:
     fused = t.moe is not None and experts_fused(pair.target_tensors)
     names = expected_target_shapes(t, fused)
     target = [(i, FP16_MAX) for n, i in pair.target_tensors.items() if n in names]
-    draft = [
-        (i, math.inf if n == "fc.weight" else FP16_MAX) for n, i in pair.draft_tensors.items()
-    ]
+    draft = [(i, math.inf if n == "fc.weight" else FP16_MAX) for n, i in pair.draft_tensors.items()]
     return {"target": target, "draft": draft}
 
 
