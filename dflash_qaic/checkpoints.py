@@ -1221,55 +1221,103 @@ def check_weight_values(pair: Pair) -> dict[str, str]:
 
 def _scan_directory(d: Path, checked: list[tuple[TensorInfo, float]]) -> str:
     """`file_digest(d)`, checking each tensor of `checked` against its limit on the way."""
-    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
 
-    h = hashlib.sha256()
-    buf = memoryview(bytearray(_SCAN_CHUNK))
     by_file: dict[Path, list] = {}
     for info, limit in checked:
         by_file.setdefault(info.file, []).append((info, limit))
-    for f in sorted([d / "config.json", *d.glob("*.safetensors")]):
-        h.update(f.name.encode())
-        with open(f, "rb") as fh:
-            pos = 0
-            for info, limit in sorted(by_file.get(f, ()), key=lambda e: e[0].offset):
-                _hash_span(fh, h, buf, info.offset - pos)  # header, gaps, unused tensors
-                peak = _scan_tensor(fh, h, buf, info)
-                if not (math.isfinite(peak) and peak <= limit):
-                    raise beyond_fp16(info, peak)
-                pos = info.offset + info.nbytes
-            _hash_span(fh, h, buf, None)
-    return h.hexdigest()
+    with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-sha256") as pool:
+        scan = _Scan(pool)
+        for f in sorted([d / "config.json", *d.glob("*.safetensors")]):
+            scan.hash(f.name.encode())
+            with open(f, "rb") as fh:
+                pos = 0
+                for info, limit in sorted(by_file.get(f, ()), key=lambda e: e[0].offset):
+                    scan.skip(fh, info.offset - pos)  # header, gaps, unused tensors
+                    peak = scan.tensor(fh, info)
+                    if not (math.isfinite(peak) and peak <= limit):
+                        raise beyond_fp16(info, peak)
+                    pos = info.offset + info.nbytes
+                scan.skip(fh, None)
+        return scan.hexdigest()
 
 
-def _hash_span(fh, h, buf: memoryview, n: int | None) -> None:
-    """Hash the next `n` bytes of `fh` (None: to its end)."""
-    while n is None or n > 0:
-        got = fh.readinto(buf[: len(buf) if n is None else min(n, len(buf))])
-        if not got:
-            return
-        h.update(buf[:got])
-        if n is not None:
-            n -= got
+def _bits_value(bits: int, unsigned: str, floating: str) -> float:
+    import numpy as np
+
+    return float(np.array([bits], unsigned).view(floating)[0])
 
 
-def _scan_tensor(fh, h, buf: memoryview, info: TensorInfo) -> float:
-    """Hash tensor `info`'s bytes (`fh` is at its start) and return its largest |value|
-    (inf or NaN when it holds a non-finite value)."""
-    dtype = SAFETENSORS_DTYPES[info.dtype]
-    step = len(buf) - len(buf) % dtype.itemsize
-    peak, left = 0.0, info.nbytes
-    while left:
-        got = fh.readinto(buf[: min(step, left)])
-        if not got or got % dtype.itemsize:
-            raise CheckpointError(
-                f"{info.file}: tensor `{info.name}` is cut short; the file changed or is "
-                "truncated; download it again"
-            )
-        h.update(buf[:got])
-        lo, hi = (v.item() for v in torch.aminmax(torch.frombuffer(buf[:got], dtype=dtype)))
-        if not (math.isfinite(lo) and math.isfinite(hi)):
-            return math.nan if math.isnan(lo) or math.isnan(hi) else math.inf
-        peak = max(peak, -lo, hi)
-        left -= got
-    return peak
+# dtype -> (unsigned and signed integer view, sign bit, bits of inf, largest |value| of bits):
+# one single-threaded integer max per view and block, whatever the float format
+_PEAK_BITS = {
+    "F32": ("<u4", "<i4", 1 << 31, 0x7F800000, lambda b: _bits_value(b, "<u4", "<f4")),
+    "F16": ("<u2", "<i2", 1 << 15, 0x7C00, lambda b: _bits_value(b, "<u2", "<f2")),
+    "BF16": ("<u2", "<i2", 1 << 15, 0x7F80, lambda b: _bits_value(b << 16, "<u4", "<f4")),
+}
+
+
+class _Scan:
+    """Reads a file block by block into two alternating buffers; each block is hashed by a
+    worker thread (hashlib and numpy release the GIL) while the caller checks it, so the check
+    costs little beyond the hash the manifest needs anyway."""
+
+    def __init__(self, pool):
+        import hashlib
+
+        self._h, self._pool, self._pending = hashlib.sha256(), pool, None
+        self._bufs, self._k = [memoryview(bytearray(_SCAN_CHUNK)) for _ in range(2)], 0
+
+    def hash(self, data) -> None:
+        """Hash `data` after every block before it (a buffer in use is never refilled: the
+        block two reads back is hashed before the next read)."""
+        if self._pending is not None:
+            self._pending.result()
+        self._pending = self._pool.submit(self._h.update, data)
+
+    def read(self, fh, n: int) -> memoryview:
+        """Up to `n` bytes of `fh` (hashed in the background)."""
+        buf = self._bufs[self._k]
+        self._k ^= 1
+        view = buf[: fh.readinto(buf[: min(n, len(buf))])]
+        self.hash(view)
+        return view
+
+    def skip(self, fh, n: int | None) -> None:
+        """Hash the next `n` bytes of `fh` (None: to its end)."""
+        while n is None or n > 0:
+            got = len(self.read(fh, _SCAN_CHUNK if n is None else n))
+            if not got:
+                return
+            if n is not None:
+                n -= got
+
+    def tensor(self, fh, info: TensorInfo) -> float:
+        """Hash tensor `info`'s bytes (`fh` is at its start) and return its largest |value|
+        (inf or NaN when it holds a non-finite value)."""
+        import numpy as np
+
+        unsigned, signed, sign, inf, decode = _PEAK_BITS[info.dtype]
+        size = np.dtype(unsigned).itemsize
+        peak, left = 0, info.nbytes
+        while left:
+            block = self.read(fh, min(_SCAN_CHUNK - _SCAN_CHUNK % size, left))
+            if not block or len(block) % size:
+                raise CheckpointError(
+                    f"{info.file}: tensor `{info.name}` is cut short; the file changed or is "
+                    "truncated; download it again"
+                )
+            u = np.frombuffer(block, unsigned)
+            # |x| orders as the bits without the sign: the largest negative magnitude is the
+            # unsigned max (if any sign is set), the largest positive one the signed max
+            top, pos = int(u.max()), int(u.view(signed).max())
+            peak = max(peak, top - sign if top >= sign else 0, pos)
+            left -= len(block)
+        if peak > inf:
+            return math.nan
+        return math.inf if peak == inf else decode(peak)
+
+    def hexdigest(self) -> str:
+        if self._pending is not None:
+            self._pending.result()
+        return self._h.hexdigest()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -211,3 +212,30 @@ def test_fc_scale_beyond_fp32_refused_by_name():
     msg = refused(ck.fp16_fc_scale, torch.full((2, 4096), 3e38), info)
     assert "/ckpt/model.safetensors: tensor `fc.weight`" in msg and "3e+38" in msg, msg
     assert ck.fp16_fc_scale(torch.full((2, 4096), 1e30)) == pytest.approx(64 * 64e30 / 128)
+
+
+PEAKS = [
+    ([1.5, -3.25, 2.0], 3.25),
+    ([-1.0, -2.0], 2.0),
+    ([-0.0, 0.0], 0.0),
+    ([-6e4, 5.0], 6e4),
+    ([7.0, -math.inf], math.inf),
+    ([math.nan, 1.0], math.nan),
+    ([-math.nan, 1.0], math.nan),
+]
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+@pytest.mark.parametrize("values, peak", PEAKS, ids=[str(v) for v, _ in PEAKS])
+def test_largest_magnitude_read_from_the_bits(tmp_path, dtype, values, peak):
+    """The scan takes |x|'s maximum from the bits (integer maxima, sign cleared): it equals
+    torch's abs().max() in every dtype, signs, zeros, inf and NaN (of either sign) included."""
+    x = torch.tensor(values, dtype=ck.SAFETENSORS_DTYPES[dtype])
+    f = tmp_path / "model.safetensors"
+    save_file({"w": x}, str(f))
+    (info,) = ck.read_safetensors_header(f).values()
+    with open(f, "rb") as fh, ThreadPoolExecutor(1) as pool:
+        fh.seek(info.offset)
+        got = ck._Scan(pool).tensor(fh, info)
+    want = x.float().abs().max().item()
+    assert (math.isnan(got) and math.isnan(want)) or got == want == pytest.approx(peak, rel=1e-2)
