@@ -401,7 +401,6 @@ def read_target_config(directory: str | Path) -> TargetConfig:
             f"supported; supported targets: {', '.join(a for v in SUPPORTED_TARGETS.values() for a in v)}"
         )
     check_field_types(cfg, TARGET_FIELDS, cpath)
-    _safetensors_files(d, "target")
     text, prefix, hybrid = cfg, "model.", None
     if family in HYBRID_FAMILIES:
         if "text_config" in cfg:  # the published multimodal form
@@ -414,7 +413,7 @@ def read_target_config(directory: str | Path) -> TargetConfig:
     hidden = _positive(text, "hidden_size", cpath)
     tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     n_layers = _positive(text, "num_hidden_layers", cpath)
-    return TargetConfig(
+    t = TargetConfig(
         path=d,
         family=family,
         hidden_size=hidden,
@@ -435,6 +434,8 @@ def read_target_config(directory: str | Path) -> TargetConfig:
         hybrid=hybrid,
         moe=read_moe_spec(text, cpath, n_layers, family) if family in MOE_FAMILIES else None,
     )
+    _safetensors_files(d, "target")  # after the config: a config problem is reported first
+    return t
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

@@ -144,6 +144,14 @@ def test_unsupported_target_config_reported_before_tensor_shapes(pair):
     assert "hidden_act 'gelu' is not supported" in msg, msg
 
 
+def test_target_config_reported_before_its_missing_weights(pair):
+    t, _ = pair
+    set_field(t, "vocab_size", 0)
+    (t / "model.safetensors").unlink()
+    msg = refused(ck.read_pair, *pair)
+    assert "`vocab_size` is 0" in msg, msg
+
+
 # ---------------------------------------------------------------- weights within fp16's range
 
 
