@@ -312,7 +312,7 @@ def _read(info: ck.TensorInfo, start: int, nbytes: int) -> torch.Tensor:
     )
 
 
-def _check_finite(x: torch.Tensor, src: Source) -> None:
+def _check_block(x: torch.Tensor, src: Source) -> None:
     """A guard for a file changed since `checkpoints.check_weight_values` read it: inf / NaN
     anywhere shows in the min or max (NaN propagates), and the value the program holds (divided
     by the source's scale) must fit fp16. One cheap pass."""
@@ -345,7 +345,7 @@ def fp32_chunks(src: Source, transpose: bool):
         step = max(1, CHUNK_BYTES // max(4 * (row // isz), 1))
         for r0 in range(0, rows, step):
             x = _read(info, r0 * row, min(step, rows - r0) * row)
-            _check_finite(x, src)
+            _check_block(x, src)
             yield _fp32(x, src)
         return
     R, C = shape
@@ -354,7 +354,7 @@ def fp32_chunks(src: Source, transpose: bool):
     step = max(1, CHUNK_BYTES // (2 * row))
     for r0 in range(0, R, step):
         x = _read(info, r0 * row, min(step, R - r0) * row).view(-1, C)
-        _check_finite(x, src)
+        _check_block(x, src)
         t[:, r0 : r0 + x.shape[0]] = x.t()
     step = max(1, CHUNK_BYTES // (4 * R))
     for c0 in range(0, C, step):
