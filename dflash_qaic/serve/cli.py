@@ -194,12 +194,14 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _serve(args, template: str | None, sock: socket.socket) -> None:
+def build_app(args, template: str | None):
+    """The app, engine and pipeline dflash-serve serves for these parsed and checked flags
+    (`parser().parse_args`, then `_check`); also what the Ray Serve deployment serves
+    (serve/ray_serve.py)."""
     import prometheus_client
-    import uvicorn
 
     import dflash_qaic
-    from dflash_qaic.serve.app import Server, create_app
+    from dflash_qaic.serve.app import create_app
     from dflash_qaic.serve.engine import Engine
     from dflash_qaic.serve.metrics import Metrics
 
@@ -237,6 +239,16 @@ def _serve(args, template: str | None, sock: socket.socket) -> None:
         log_requests=not args.disable_log_requests,
         max_request_bytes=args.max_request_bytes,
     )
+    return app, engine, pipe
+
+
+def _serve(args, template: str | None, sock: socket.socket) -> None:
+    import uvicorn
+
+    from dflash_qaic.serve.app import Server
+
+    app, engine, pipe = build_app(args, template)
+    name = args.served_model_name or args.artifacts
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level or args.log_level, lifespan="on")
     server = Server(config, engine, args.shutdown_timeout)  # cuts at --shutdown-timeout
     ours = logging.getLogger("dflash_qaic.serve")  # log as uvicorn does (it configured its own)
