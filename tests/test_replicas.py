@@ -156,3 +156,19 @@ def test_a_killed_replica_costs_only_its_streams_and_rejoins_when_restarted(flee
     with ThreadPoolExecutor(4) as ex:
         assert list(ex.map(lambda i: complete(fleet.url, PROMPTS[i], 8), range(4))) == short
     assert succeeded(fleet.replicas[0].url) > 0  # the restarted replica takes requests again
+
+
+def test_router_bench_pairs_each_routed_request_with_its_neighbour():
+    from dflash_qaic.bench.router import summary
+
+    # two clients; client 0 starts direct, client 1 through the router (as measure() sends)
+    seqs = [
+        [("direct", 0.010, 0.001), ("router", 0.013, 0.002), ("direct", 0.050, 0.001)],
+        [("router", 0.021, 0.003), ("direct", 0.020, 0.001), ("router", 0.090, 0.002)],
+    ]
+    s = summary(seqs)
+    assert s["ttft"]["n"] == 3
+    assert s["ttft"]["direct_ms"] == pytest.approx(20.0)  # median of 10, 50, 20
+    assert s["ttft"]["router_ms"] == pytest.approx(21.0)  # median of 13, 21, 90
+    assert s["ttft"]["cost_ms"] == pytest.approx(2.0)  # median of the pairs' 3 and 1
+    assert s["models"]["cost_ms"] == pytest.approx(1.5)  # median of 1 and 2
