@@ -172,3 +172,20 @@ def test_router_bench_pairs_each_routed_request_with_its_neighbour():
     assert s["ttft"]["router_ms"] == pytest.approx(21.0)  # median of 13, 21, 90
     assert s["ttft"]["cost_ms"] == pytest.approx(2.0)  # median of the pairs' 3 and 1
     assert s["models"]["cost_ms"] == pytest.approx(1.5)  # median of 1 and 2
+
+
+def test_launcher_device_groups(cb_artifacts, capsys):
+    from dflash_qaic.serve.replicas import ReplicasError, device_groups, main
+
+    # the profile of these artifacts uses one device: replica i on device i
+    assert device_groups(cb_artifacts, 3, None) == [[0], [1], [2]]
+    assert device_groups(cb_artifacts, None, [[4], [6]]) == [[4], [6]]
+    with pytest.raises(ReplicasError, match="device 1 is in the groups of replicas 0 and 1"):
+        device_groups(cb_artifacts, None, [[0, 1], [1, 2]])
+    with pytest.raises(ReplicasError, match="--replicas 3 but 2 --device-ids"):
+        device_groups(cb_artifacts, 3, [[0], [1]])
+    with pytest.raises(ReplicasError, match="give --replicas N"):
+        device_groups(cb_artifacts, None, None)
+    argv = [str(cb_artifacts), "--replicas", "2", "--serve-args=--port 9"]
+    assert main(argv) == 2  # refused before anything starts
+    assert "--serve-args may not set --port" in capsys.readouterr().err

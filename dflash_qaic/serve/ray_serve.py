@@ -70,6 +70,9 @@ def deployment(
     replicas of dflash-serve over `artifacts`, each asking for `qaic: len(group)` and serving
     on `device_groups[local rank on its node]`. For many nodes with the same SoCs, give
     num_replicas = nodes × len(device_groups)."""
+    from dflash_qaic.extras import require
+
+    require("ray", "the Ray Serve deployment")
     from ray import serve
 
     k = _check_groups(device_groups)

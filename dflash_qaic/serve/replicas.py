@@ -76,13 +76,10 @@ def _get(url: str, timeout: float = 5.0) -> bytes | None:
 
 
 def router_command() -> list[str]:
-    """How to run vllm-router with this interpreter (a clear error when it is not installed)."""
-    import importlib.util
+    """How to run vllm-router with this interpreter (MissingExtraError when not installed)."""
+    from dflash_qaic.extras import require
 
-    if importlib.util.find_spec("vllm_router") is None:
-        raise ReplicasError(
-            "vllm-router is not installed: pip install 'dflash-qaic[replicas]' (or vllm-router)"
-        )
+    require("replicas", "dflash-serve-replicas")
     return [sys.executable, "-m", "vllm_router.launch_router"]
 
 
@@ -377,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             timeout=args.startup_timeout,
         )
         router_command()
-    except (ReplicasError, OSError, ValueError) as e:
+    except (ReplicasError, OSError, ValueError, ImportError) as e:
         print(f"dflash-serve-replicas: error: {e}", file=sys.stderr)
         return 2
     stopping = threading.Event()
