@@ -8,10 +8,11 @@ dflash-serve-replicas starts them (serve/replicas.py). With c clients (each coun
 each sends its share of the streamed completions, alternating replica and router, so both
 paths see the same load; TTFT is the time from sending a request to its first token's chunk, at
 the client. Also the round trip of `GET /v1/models` (no engine work: the proxy alone). Prints
-the medians (ms) of each path and the router's cost: the median of paired differences, each
-routed request against the direct one beside it from the same client; --json writes every
-sample. The router's cost per request does not depend on how many replicas it fronts (it picks
-one per request).
+the medians (ms) of each path, the router's cost (the median of paired differences: each routed
+request against the direct one beside it from the same client) and the router process's CPU
+time per routed call (a completion or a /v1/models, its idle CPU rate measured first and taken
+off), which a busy machine does not inflate; --json writes every sample. The router's cost per
+request does not depend on how many replicas it fronts (it picks one per request).
 """
 
 from __future__ import annotations
@@ -72,6 +73,12 @@ def measure(direct: str, routed: str, model: str, requests: int, c: int, max_tok
     return out
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def summary(samples: list[list[tuple[str, float, float]]]) -> dict:
     """Medians (ms) per path, and the median of the paired differences router − direct (each
     router request against the direct one next to it from the same client: load drifts
@@ -109,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", default="1,4", help="comma-separated client counts")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens per request")
     p.add_argument("--warmup", type=int, default=8, help="requests per path first, discarded")
+    p.add_argument(
+        "--idle", type=float, default=10.0, help="seconds the router's idle CPU is measured"
+    )
     p.add_argument("--serve-args", default="--threads 1", help="dflash-serve flags, one string")
     p.add_argument("--json", default=None, help="also write every sample to this file")
     a = p.parse_args(argv)
@@ -127,26 +137,43 @@ def main(argv: list[str] | None = None) -> int:
         direct, routed = reps.replicas[0].url, reps.url
         if a.warmup:
             measure(direct, routed, model, 2 * a.warmup, 1, a.max_tokens)
+        pid = reps.router.proc.pid
+        cpu, t = cpu_seconds(pid), time.perf_counter()
+        time.sleep(a.idle)  # the router's own background work (health checks, monitors)
+        idle_rate = (cpu_seconds(pid) - cpu) / (time.perf_counter() - t)
         for c in levels:
+            cpu, t = cpu_seconds(pid), time.perf_counter()
             samples = measure(direct, routed, model, a.requests, c, a.max_tokens)
+            cpu = cpu_seconds(pid) - cpu - idle_rate * (time.perf_counter() - t)
             raw[c] = samples
-            rows.append((c, summary(samples)))
+            s = summary(samples)
+            s["router_cpu_ms"] = 1e3 * cpu / (2 * s["ttft"]["n"])  # per routed call
+            rows.append((c, s))
     load_after = os.getloadavg()
     print(f"vllm-router cost per request, {a.artifacts} ({a.max_tokens} tokens, medians in ms)")
     print(f"load average {load[0]:.2f} before, {load_after[0]:.2f} after")
+    print(f"router idle CPU {1e3 * idle_rate:.2f} ms/s (taken off the CPU per call)")
     print("| clients | n per path | TTFT direct | TTFT router | router cost (paired) "
-          "| /v1/models direct | /v1/models router | cost (paired) |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| /v1/models direct | /v1/models router | cost (paired) | router CPU per call |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for c, s in rows:
         t, m = s["ttft"], s["models"]
         print(
             f"| {c} | {t['n']} | {t['direct_ms']:.2f} | {t['router_ms']:.2f} | "
             f"{t['cost_ms']:+.2f} | {m['direct_ms']:.2f} | {m['router_ms']:.2f} | "
-            f"{m['cost_ms']:+.2f} |"
+            f"{m['cost_ms']:+.2f} | {s['router_cpu_ms']:.3f} |"
         )
     if a.json:
         Path(a.json).write_text(
-            json.dumps({"load": [load, load_after], "rows": rows, "samples": raw}, indent=1)
+            json.dumps(
+                {
+                    "load": [load, load_after],
+                    "idle_cpu_s_per_s": idle_rate,
+                    "rows": rows,
+                    "samples": raw,
+                },
+                indent=1,
+            )
         )
     return 0
 

@@ -19,6 +19,9 @@ A replica that exits is started again on its port and devices (the router's heal
 it back when it answers). SIGTERM or Ctrl-C stops the router, then the replicas (each drains
 its requests for its --shutdown-timeout), each by its process id, and exits 0. Logs: one file
 per replica and one for the router in --log-dir (default: a new temporary directory).
+An API key (VLLM_API_KEY in the environment, or --api-key in --serve-args) is every replica's;
+the router passes clients' `Authorization` on. vllm-router's own endpoints (/workers,
+/add_worker, /remove_worker) need no key: keep --host on loopback or firewall the port.
 docs/DESIGN.md, Replicas; README, Serving.
 """
 
@@ -114,6 +117,21 @@ def device_groups(artifacts, replicas: int | None, groups: list[list[int]] | Non
     return [list(g) for g in groups]
 
 
+def _url(host: str, port: int) -> str:
+    """The URL a local client reaches host:port at (an unspecified address: via loopback)."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
 class Router:
     """vllm-router as a child process on host:port over `workers` (urls)."""
 
@@ -122,7 +140,7 @@ class Router:
         self.argv += ["--worker-urls", *workers, "--policy", policy]
         self.argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
         self.argv += [*ROUTER_DEFAULTS, *extra]
-        self.url = f"http://{host}:{port}"
+        self.url = _url(host, port)
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         self.n = len(workers)
         self.log_path = log_path
@@ -216,7 +234,7 @@ class Replicas:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return _url(self.host, self.port)
 
     def _replica(self, i: int, port: int = 0):
         from dflash_qaic.serve.process import ServerProcess
@@ -377,6 +395,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ReplicasError, OSError, ValueError, ImportError) as e:
         print(f"dflash-serve-replicas: error: {e}", file=sys.stderr)
         return 2
+    if not _loopback(args.host):
+        log.warning(
+            "the router listens on %s: anyone who can reach it can use the replicas (give them "
+            "an API key: VLLM_API_KEY in the environment, or --api-key in --serve-args; the "
+            "router passes Authorization on), and vllm-router's own worker endpoints "
+            "(/add_worker, /remove_worker) need no key: bind 127.0.0.1 behind your own proxy, "
+            "or firewall the port",
+            args.host,
+        )
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
