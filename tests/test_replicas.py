@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -116,24 +117,51 @@ def _stream(url: str, prompt, n: int, rec: dict, started: threading.Event) -> No
         started.set()
 
 
+def _received(reps) -> int:
+    """Requests the replicas have logged receiving (all runs of each replica's log)."""
+    return sum(r.log().count("Received request cmpl-") for r in reps.replicas)
+
+
 def test_a_killed_replica_costs_only_its_streams_and_rejoins_when_restarted(fleet, pipe, solo):
-    """4 long streams (2 on each replica, round robin); replica 0 killed once all have begun:
-    its streams end with the connection cut, the others finish equal to their solo runs; new
-    requests are all answered, by replica 1; replica 0 started again is routed to again."""
+    """4 long streams, then 2 long non-streamed requests, each sent once the one before has
+    reached its replica (round robin: 3 on each); replica 0 killed then. Its streams end with
+    the connection cut; its non-streamed request is retried by the router on replica 1; all the
+    rest finish equal to their solo runs; new requests are all answered, by replica 1; replica 0
+    started again is routed to again."""
     n = 200
     victim, other = fleet.replicas
-    before = succeeded(other.url)
+    before, victim_before = succeeded(other.url), victim.log().count("Received request cmpl-")
     recs = [{} for _ in range(4)]
-    started = [threading.Event() for _ in recs]
-    threads = [
-        threading.Thread(target=_stream, args=(fleet.url, PROMPTS[i], n, recs[i], started[i]))
-        for i in range(4)
-    ]
-    for t in threads:
-        t.start()
-    for e in started:
-        assert e.wait(TIMEOUT)
-    assert all("id" in r for r in recs), recs
+    threads = []
+    for i, rec in enumerate(recs):
+        started = threading.Event()
+        threads.append(
+            threading.Thread(target=_stream, args=(fleet.url, PROMPTS[i], n, rec, started))
+        )
+        threads[-1].start()
+        assert started.wait(TIMEOUT) and "id" in rec, rec
+    answers: dict[int, tuple] = {}
+
+    def long(j: int) -> None:
+        body = dict(model=MODEL, prompt=PROMPTS[j], max_tokens=n, ignore_eos=True, temperature=0)
+        with httpx.Client(timeout=TIMEOUT, trust_env=False) as c:
+            r = c.post(fleet.url + "/v1/completions", json={**body, "return_token_ids": True})
+        answers[j] = (
+            r.status_code,
+            r.json()["choices"][0]["token_ids"] if r.is_success else r.text,
+        )
+
+    for j in (0, 1):  # prompts of streams: their solo runs serve both
+        count = _received(fleet)
+        threads.append(threading.Thread(target=long, args=(j,)))
+        threads[-1].start()
+        for _ in range(10 * TIMEOUT):  # bounded: until this request has reached its replica
+            if _received(fleet) > count:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"request {j} reached no replica")
+    assert victim.log().count("Received request cmpl-") - victim_before == 3  # 2 streams + 1
     victim.proc.send_signal(signal.SIGKILL)  # by its pid
     victim.proc.wait(30)
     on_victim = [i for i, r in enumerate(recs) if f"Received request {r['id']}:" in victim.log()]
@@ -146,11 +174,14 @@ def test_a_killed_replica_costs_only_its_streams_and_rejoins_when_restarted(flee
     for t in threads:
         t.join(TIMEOUT)
         assert not t.is_alive()
+    ref = {i: pipe.generate(PROMPTS[i], n, [], temperature=0).tokens for i in {0, 1, *on_other}}
     for i in on_victim:
         assert "error" in recs[i] and "ids" not in recs[i], recs[i]
     for i in on_other:
-        assert recs[i]["ids"] == pipe.generate(PROMPTS[i], n, [], temperature=0).tokens
-    assert succeeded(other.url) - before == 4 + 2  # the new requests and its own streams
+        assert recs[i]["ids"] == ref[i]
+    assert answers == {j: (200, ref[j]) for j in (0, 1)}  # the one on replica 0 was retried
+    # replica 1: the new requests, its own 2 streams, both non-streamed ones (one retried)
+    assert succeeded(other.url) - before == 4 + 2 + 2
 
     fleet.restart(0)  # same port and devices; returns once the router counts it healthy
     with ThreadPoolExecutor(4) as ex:
