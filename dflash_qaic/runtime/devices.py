@@ -25,6 +25,7 @@ on a laptop and on a card.
 from __future__ import annotations
 
 import logging
+import numbers
 import re
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -71,7 +72,7 @@ def _ids(value, what: str) -> tuple[int, ...]:
         raise BackendError(
             f"{what} must be a list of device ids, e.g. [4] or [4, 5] (got {value!r})"
         )
-    bad = [d for d in value if isinstance(d, bool) or not isinstance(d, int)]
+    bad = [d for d in value if isinstance(d, bool) or not isinstance(d, numbers.Integral)]
     if bad:
         raise BackendError(f"{what}: device ids are integers (got {bad[0]!r} in {list(value)})")
     if not value:
