@@ -2,7 +2,8 @@
 
 The core install (numpy, onnxruntime, tokenizers, jinja2) loads, runs and serves exported
 artifacts; exporting and compiling need the `export` extra, `dflash-serve` the `serve` extra,
-`dflash-bench` the `bench` extra (pyproject.toml lists them).
+`dflash-bench` the `bench` extra, `dflash-serve-replicas` the `replicas` extra (vllm-router), the
+Ray Serve deployment the `ray` extra (pyproject.toml lists them).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ EXTRAS = {
     "export": ("torch", "transformers", "safetensors", "onnx", "onnxscript", "yaml", "tqdm"),
     "serve": ("fastapi", "uvicorn", "prometheus_client"),
     "bench": ("matplotlib", "scipy"),
+    "replicas": ("fastapi", "uvicorn", "prometheus_client", "vllm_router"),
+    "ray": ("fastapi", "uvicorn", "prometheus_client", "ray"),
 }
 
 

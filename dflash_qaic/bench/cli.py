@@ -6,6 +6,7 @@
     dflash-bench artifacts/default-cb8 --concurrency 1,2,4,8   # continuous batching (batch.py)
     dflash-bench --export …  /  dflash-bench --serve …   # the export and server benchmarks
     dflash-bench --long-context artifacts/DIR --prompt-len 8000     # cost against position
+    dflash-bench --router artifacts/default-cb8    # vllm-router's cost per request (TTFT)
 
 Prints the summary screen. Exits 1 when DFlash's tokens differ from the target's at T = 0 (the
 lossless check), 2 on bad input.
@@ -26,6 +27,7 @@ from pathlib import Path
 
 MODES = {"--export": "dflash_lab.export_bench", "--serve": "dflash_lab.serve_bench"}
 MODES["--long-context"] = "dflash_qaic.bench.longctx"  # prefill, memory, call cost by position
+MODES["--router"] = "dflash_qaic.bench.router"  # vllm-router's cost per request (TTFT)
 PEER_ROUNDS = 2  # the PyTorch peers are slow on a CPU
 
 

@@ -19,6 +19,7 @@ from dflash_qaic.manifest import (
     inside,
     read_manifest,
 )
+from dflash_qaic.runtime import devices
 from dflash_qaic.runtime.backends import (
     BackendError,
     OrtProgram,
@@ -27,6 +28,7 @@ from dflash_qaic.runtime.backends import (
     qaic_available,
     qaic_session_factory,
 )
+from dflash_qaic.runtime.devices import profile_placement
 from dflash_qaic.runtime.pipeline import GenerationError, GenerationResult, Pipeline
 
 BACKENDS = ("ort", "qaic", "auto", "qaic-standin")
@@ -120,6 +122,7 @@ def load(
     threads: int | None = None,
     tokenizer: bool = True,
     verify: str = "fast",
+    device_ids=None,
 ) -> Pipeline:
     """Load an artifacts directory written by `dflash-export`.
 
@@ -133,6 +136,12 @@ def load(
     verify: "fast" checks every file's size and sha256, taking the sha256 of a file unchanged
         since it was last verified from the cache of verified files (dflash_qaic/files.py);
         "full" hashes every file now; "none" checks only that they exist.
+    device_ids: where this replica's programs run (None: where the compile profile put them).
+        A list, e.g. [4] or [4, 5], is the replica's device group: the profile's devices, in
+        increasing order, renamed to these; {"target": [...], "draft": [...]} names each
+        program's own (the two may share a device only where the profile has them share one).
+        Distinct ints ≥ 0; on "qaic" they must exist on the host. ONNX Runtime records them
+        (`pipe.device_ids`) for reports. See dflash_qaic/runtime/devices.py.
 
     Raises ArtifactsError for a missing, incomplete, damaged or untrusted directory (every
     manifest path must stay inside it), BackendError for a backend that cannot run here.
@@ -143,6 +152,12 @@ def load(
     m = read_manifest(d, verify=verify)
     if backend == "auto":
         backend = "qaic" if m.compiled and qaic_available() else "ort"
+    placement = None if device_ids is None else devices.place(device_ids, profile_placement(m))
+    if backend == "qaic":
+        if placement is None:
+            placement = profile_placement(m)
+        else:
+            devices.check_present(placement, devices.host_devices())
 
     small = m.target.onnx_bytes + m.draft.onnx_bytes <= SMALL_PROGRAMS_BYTES
     if threads is None and small and m.full_batch_size is None:
@@ -164,8 +179,7 @@ def load(
         else:
             factory = qaic_session_factory()
             qpc = _qpc_path(d, prog, name)
-            devices = list(prog.qpcs[0].device_ids)
-            session = factory(str(qpc), device_ids=devices)
+            session = factory(str(qpc), device_ids=list(getattr(placement, name)))
             programs[name] = QaicProgram(session, inputs, outputs, specs)
 
     tok = None
@@ -176,4 +190,12 @@ def load(
             tok = load_tokenizer(inside(d, m.tokenizer))
         except TokenizerError as e:
             raise ArtifactsError(str(e)) from e
-    return Pipeline(m, programs["target"], programs["draft"], tok, backend=backend, threads=threads)
+    return Pipeline(
+        m,
+        programs["target"],
+        programs["draft"],
+        tok,
+        backend=backend,
+        threads=threads,
+        device_ids=placement,
+    )

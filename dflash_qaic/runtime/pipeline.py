@@ -148,10 +148,13 @@ class Pipeline:
         *,
         config: EngineConfig | None = None,
         threads: int | None = None,
+        device_ids=None,
     ):
         """manifest: a `dflash_qaic.manifest.Manifest`, or its JSON form (validated here).
         config: how its engines run (EngineConfig; `configure` changes it); threads: the
-        programs' ONNX Runtime threads, for reports (None: ONNX Runtime's default)."""
+        programs' ONNX Runtime threads, for reports (None: ONNX Runtime's default);
+        device_ids: where the programs run (`runtime.devices.Placement`: target and draft
+        device ids), for reports (None: not placed, ONNX Runtime without device_ids)."""
         if not isinstance(manifest, Manifest):
             manifest = Manifest.from_json(manifest, "manifest", complete=False)
         self.artifacts = manifest  # the typed manifest
@@ -160,6 +163,7 @@ class Pipeline:
         self.tokenizer = tokenizer
         self.backend = backend
         self.threads = threads
+        self.device_ids = device_ids
         m = manifest
         self.plan = m.plan  # the shapes both programs were exported for (contract.ShapePlan)
         self.B = m.block_size

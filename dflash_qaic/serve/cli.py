@@ -2,9 +2,9 @@
 
     dflash-serve artifacts/default
     dflash-serve ARTIFACTS [--host 127.0.0.1] [--port 8000] [--backend ort|qaic|auto|qaic-standin]
-                 [--threads N] [--max-queue N] [--served-model-name NAME] [--chat-template FILE]
-                 [--api-key KEY] [--max-model-len N] [--max-num-seqs N] [--seed N]
-                 [--shutdown-timeout S] [--max-request-bytes N] [--log-level LEVEL]
+                 [--threads N] [--device-ids 4,5] [--max-queue N] [--served-model-name NAME]
+                 [--chat-template FILE] [--api-key KEY] [--max-model-len N] [--max-num-seqs N]
+                 [--seed N] [--shutdown-timeout S] [--max-request-bytes N] [--log-level LEVEL]
                  [--uvicorn-log-level LEVEL] [--disable-log-requests]
 
 vLLM's flags mean what they mean there: --api-key (or $VLLM_API_KEY) makes every endpoint but
@@ -14,6 +14,9 @@ sequences generating at once (at most the artifacts' cache rows, --full-batch-si
 --seed seeds the sampling requests that bring no seed of their own (the same requests in the
 same order give the same outputs; default: fresh entropy); --uvicorn-log-level sets uvicorn's
 logging (default: --log-level's); --disable-log-requests drops the one info line per request.
+--device-ids places this replica's programs on chosen AI100 devices (ONNX Runtime records them in
+/metrics, dflash:device_info); dflash-serve-replicas runs one server per device group behind
+vllm-router.
 
 Binds 127.0.0.1 unless told otherwise (--host 0.0.0.0 exposes the server to the network: give it
 an --api-key; without one a warning is logged). --port 0 takes a free port; the line
@@ -42,6 +45,7 @@ from pathlib import Path
 
 def parser() -> argparse.ArgumentParser:
     from dflash_qaic.manifest import add_verify_argument
+    from dflash_qaic.runtime.devices import add_device_ids_argument
 
     p = argparse.ArgumentParser(
         prog="dflash-serve",
@@ -54,6 +58,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one)")
     p.add_argument("--backend", default="ort", choices=["ort", "qaic", "auto", "qaic-standin"])
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    add_device_ids_argument(p)
     add_verify_argument(p)
     p.add_argument(
         "--verify-lengths",
@@ -189,12 +194,14 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _serve(args, template: str | None, sock: socket.socket) -> None:
+def build_app(args, template: str | None):
+    """The app, engine and pipeline dflash-serve serves for these parsed and checked flags
+    (`parser().parse_args`, then `_check`); also what the Ray Serve deployment serves
+    (serve/ray_serve.py)."""
     import prometheus_client
-    import uvicorn
 
     import dflash_qaic
-    from dflash_qaic.serve.app import Server, create_app
+    from dflash_qaic.serve.app import create_app
     from dflash_qaic.serve.engine import Engine
     from dflash_qaic.serve.metrics import Metrics
 
@@ -203,7 +210,11 @@ def _serve(args, template: str | None, sock: socket.socket) -> None:
 
     show(stream="stderr")
     pipe = dflash_qaic.load(
-        args.artifacts, backend=args.backend, threads=args.threads, verify=args.verify
+        args.artifacts,
+        backend=args.backend,
+        threads=args.threads,
+        verify=args.verify,
+        device_ids=args.device_ids,
     )
     if args.verify_lengths is not None:
         try:
@@ -212,7 +223,9 @@ def _serve(args, template: str | None, sock: socket.socket) -> None:
             raise UsageError(f"--verify-lengths: {e}") from None
     _limits(args, pipe)
     name = args.served_model_name or args.artifacts
-    engine = Engine(pipe, max_queue=args.max_queue, metrics=Metrics(name, pipe.B))
+    metrics = Metrics(name, pipe.B)
+    metrics.device_info(pipe.backend, pipe.device_ids)
+    engine = Engine(pipe, max_queue=args.max_queue, metrics=metrics)
     # the HTTP side encodes prompts with its own tokenizer: never one shared across threads
     tok = copy.deepcopy(pipe.tokenizer) if pipe.tokenizer is not None else None
     app = create_app(
@@ -226,6 +239,16 @@ def _serve(args, template: str | None, sock: socket.socket) -> None:
         log_requests=not args.disable_log_requests,
         max_request_bytes=args.max_request_bytes,
     )
+    return app, engine, pipe
+
+
+def _serve(args, template: str | None, sock: socket.socket) -> None:
+    import uvicorn
+
+    from dflash_qaic.serve.app import Server
+
+    app, engine, pipe = build_app(args, template)
+    name = args.served_model_name or args.artifacts
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level or args.log_level, lifespan="on")
     server = Server(config, engine, args.shutdown_timeout)  # cuts at --shutdown-timeout
     ours = logging.getLogger("dflash_qaic.serve")  # log as uvicorn does (it configured its own)
@@ -241,7 +264,10 @@ def _serve(args, template: str | None, sock: socket.socket) -> None:
     slots = pipe.full_batch_size if pipe.max_running is None else pipe.max_running
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     slots = f"{slots} request{'s' if slots > 1 else ''} at once"
-    print(f"dflash-serve: serving {name} on {url} (backend {pipe.backend}, {slots})", flush=True)
+    where = pipe.backend
+    if pipe.device_ids is not None:
+        where += f", devices {','.join(map(str, pipe.device_ids.devices))}"
+    print(f"dflash-serve: serving {name} on {url} (backend {where}, {slots})", flush=True)
     # uvicorn handles SIGINT/SIGTERM while it runs, then re-raises the signal to the handler that
     # was installed before it; a no-op there lets a graceful shutdown exit 0
     for sig in (signal.SIGINT, signal.SIGTERM):

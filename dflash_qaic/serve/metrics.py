@@ -26,6 +26,9 @@ commits 1 … B tokens at once, so this is the step latency a client sees, while
 ctx_len, updated every step), and the histogram `vllm:iteration_tokens_total` (tokens per engine
 step: the tokens the step committed plus the prompt tokens of the sequences whose prefill it
 finished).
+`dflash:device_info{backend, target_device_ids, draft_device_ids}` (value 1) says where this
+replica's programs run (`--device-ids`; empty on ONNX Runtime without them), so replicas behind a
+router are told apart (docs/DESIGN.md, Replicas).
 Every series carries `model_name`. The registry is the server's own (not the process-global one).
 """
 
@@ -132,6 +135,14 @@ class Metrics:
     def iteration(self, tokens: int) -> None:
         """One engine step that committed and prefilled `tokens` tokens in all."""
         self._iteration_tokens.observe(tokens)
+
+    def device_info(self, backend: str, placement) -> None:
+        """Where the programs run: `placement` (runtime.devices.Placement, or None: unplaced)."""
+        ids = lambda d: ",".join(map(str, d))  # noqa: E731
+        labels = ["model_name", "backend", "target_device_ids", "draft_device_ids"]
+        info = Gauge("dflash:device_info", "Where the programs run", labels, registry=self.registry)
+        where = ("", "") if placement is None else (ids(placement.target), ids(placement.draft))
+        info.labels(self._model, backend, *where).set(1)
 
     def error(self, status: int) -> None:
         self._errors.labels(self._model, str(status)).inc()

@@ -24,17 +24,36 @@ import dflash_qaic
 
 
 class ServerProcess:
-    def __init__(self, artifacts, *args: str, log_level: str = "warning", timeout: float = 180.0):
+    def __init__(
+        self,
+        artifacts,
+        *args: str,
+        log_level: str = "warning",
+        timeout: float = 180.0,
+        log_path: str | os.PathLike | None = None,
+    ):
+        """args: more dflash-serve flags (a later --port overrides --port 0); log_path: where
+        the output goes (appended to; default: a temporary file removed on leaving)."""
         self.argv = [sys.executable, "-m", "dflash_qaic.serve", str(artifacts), "--port", "0"]
         self.argv += ["--log-level", log_level, *args]
         self.timeout = timeout
         self.url: str | None = None
         self.proc: subprocess.Popen | None = None
-        self._log = tempfile.NamedTemporaryFile("w+b", prefix="dflash-serve-", suffix=".log")
+        if log_path is None:
+            self._log = tempfile.NamedTemporaryFile("w+b", prefix="dflash-serve-", suffix=".log")
+        else:
+            self._log = open(log_path, "ab")  # closed by close()
         self.log_path = Path(self._log.name)
+        self._log_start = self._log.tell()
 
     def log(self) -> str:
-        return self.log_path.read_bytes().decode("utf-8", "replace")
+        """This run's output (a log file given as log_path may hold earlier runs' before it)."""
+        return self.log_path.read_bytes()[self._log_start :].decode("utf-8", "replace")
+
+    def close(self) -> None:
+        """Stop the server and close (a temporary: remove) its log."""
+        self.stop()
+        self._log.close()
 
     def start(self) -> ServerProcess:
         env = dict(os.environ)
@@ -86,5 +105,4 @@ class ServerProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:
-        self.stop()
-        self._log.close()
+        self.close()

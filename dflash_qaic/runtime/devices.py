@@ -1,0 +1,221 @@
+"""Where one replica's programs run: `dflash_qaic.load(..., device_ids=...)`, `--device-ids`.
+
+A compile profile's `device_ids` (recorded per QPC in the manifest) are where the export placed
+the target and the draft: `[0]` and `[0]` for the shipped single-SoC profiles, `[0, 1, 2, 3]`
+and `[0]` for a target sliced over four. They do not enter the binary, so one set of QPCs runs
+on any devices with the same shape of placement (docs/DESIGN.md, Replicas). `device_ids` moves
+it:
+
+- a list of ints, the replica's device group: the profile's devices, in increasing order, are
+  renamed to the given ones in order. `[4]` puts a target and draft that share device 0 on 4;
+  `[4, 5]` puts a profile's target on [0] and draft on [1] on 4 and 5; a target sliced over
+  [0, 1, 2, 3] with its draft on [0] on `[4, 5, 6, 7]` runs on 4 … 7 with its draft on 4. The
+  list must name as many devices as the profile uses.
+- `{"target": [...], "draft": [...]}`: each program's own devices, as many as its profile entry
+  lists. The two may share a device only when the profile already has them share one (the
+  profile checked that their cores fit on one device together; a split profile did not).
+
+Ids are distinct non-negative ints. On the `qaic` backend they must exist: the devices on the
+host are read from `qaic-util -q` when the AI100 tools are installed. ONNX Runtime has no
+devices: the `ort` backends take any valid ids, record them (`Pipeline.device_ids`) and report
+them (dflash-serve's `/metrics`, `dflash:device_info`), so replicas are told apart the same way
+on a laptop and on a card.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import re
+import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+from dflash_qaic.runtime.backends import BackendError
+
+log = logging.getLogger(__name__)
+
+PROGRAMS = ("target", "draft")
+#: the AI100 Platform SDK's device query tool (`qaic-util -q` lists each device as "QID n")
+QAIC_UTIL = Path("/opt/qti-aic/tools/qaic-util")
+_QID = re.compile(r"^\s*QID\s+(\d+)\b", re.M)
+
+
+class Placement(NamedTuple):
+    """The devices of a replica's target and draft programs."""
+
+    target: tuple[int, ...]
+    draft: tuple[int, ...]
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """Every device the replica uses, in increasing order."""
+        return tuple(sorted(set(self.target) | set(self.draft)))
+
+    def to_json(self) -> dict:
+        return {"target": list(self.target), "draft": list(self.draft)}
+
+
+def profile_placement(manifest) -> Placement:
+    """Where the compile profile put the two programs (a program with no QPC record: [0])."""
+    ids = []
+    for name in PROGRAMS:
+        qpcs = manifest.program(name).qpcs
+        ids.append(tuple(qpcs[0].device_ids) if qpcs else (0,))
+    return Placement(*ids)
+
+
+def _ids(value, what: str) -> tuple[int, ...]:
+    """A non-empty list of distinct integers ≥ 0, or a BackendError naming `what`."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise BackendError(
+            f"{what} must be a list of device ids, e.g. [4] or [4, 5] (got {value!r})"
+        )
+    bad = [d for d in value if isinstance(d, bool) or not isinstance(d, numbers.Integral)]
+    if bad:
+        raise BackendError(f"{what}: device ids are integers (got {bad[0]!r} in {list(value)})")
+    if not value:
+        raise BackendError(f"{what} is empty: name at least one device, e.g. [0]")
+    negative = [d for d in value if d < 0]
+    if negative:
+        raise BackendError(
+            f"{what}: device ids are ≥ 0 (got {negative[0]} in {list(value)}); "
+            "`qaic-util -q` lists a host's devices as QID 0, 1, …"
+        )
+    if len(set(value)) != len(value):
+        twice = sorted({d for d in value if list(value).count(d) > 1})
+        raise BackendError(
+            f"{what} names device {twice[0]} twice ({list(value)}): each device of a replica once"
+        )
+    return tuple(int(d) for d in value)
+
+
+def _shape(profile: Placement) -> str:
+    return f"the target on {list(profile.target)}, the draft on {list(profile.draft)}"
+
+
+def place(device_ids, profile: Placement) -> Placement:
+    """The placement `device_ids` (see the module's docstring) gives programs the profile put
+    at `profile`; a BackendError naming the problem and the fix when it cannot."""
+    if isinstance(device_ids, Mapping):
+        return _place_each(device_ids, profile)
+    ids = _ids(device_ids, "device_ids")
+    used = profile.devices
+    if len(ids) != len(used):
+        nt, nd = len(profile.target), len(profile.draft)
+        hint = (
+            f"; to give the target and the draft devices of their own, pass device_ids="
+            f'{{"target": {list(ids[:nt])}, "draft": {list(ids[nt:])}}}'
+            if len(ids) == nt + nd and set(profile.target) & set(profile.draft)
+            else ""
+        )
+        raise BackendError(
+            f"device_ids {list(ids)} names {len(ids)} device{'s' * (len(ids) != 1)}, but these "
+            f"artifacts' compile profile places the programs on {len(used)} "
+            f"({_shape(profile)}): give {len(used)} device id{'s' * (len(used) != 1)}, one "
+            f"for each of {list(used)} in order{hint}"
+        )
+    rename = dict(zip(used, ids))
+    return Placement(
+        tuple(rename[d] for d in profile.target), tuple(rename[d] for d in profile.draft)
+    )
+
+
+def _place_each(device_ids: Mapping, profile: Placement) -> Placement:
+    keys = set(device_ids)
+    if keys != set(PROGRAMS):
+        raise BackendError(
+            f"device_ids as a mapping names the devices of each program: its keys are 'target' "
+            f"and 'draft' (got {sorted(map(str, keys))})"
+        )
+    out = {}
+    for name in PROGRAMS:
+        ids = _ids(device_ids[name], f"device_ids[{name!r}]")
+        want = len(getattr(profile, name))
+        if len(ids) != want:
+            raise BackendError(
+                f"device_ids[{name!r}] names {len(ids)} device{'s' * (len(ids) != 1)}, but the "
+                f"{name} program was compiled for {want} ({_shape(profile)}): give {want}; "
+                "the number of devices is fixed at compile time (tensor_slicing in the profile)"
+            )
+        out[name] = ids
+    shared = sorted(set(out["target"]) & set(out["draft"]))
+    if shared and not set(profile.target) & set(profile.draft):
+        raise BackendError(
+            f"device_ids puts the target and the draft both on device {shared[0]}, but their "
+            f"compile profile placed them on separate devices ({_shape(profile)}), so their "
+            "cores together may not fit one device: give the draft a device the target does "
+            "not use, or re-export with a profile that places both on one device"
+        )
+    return Placement(out["target"], out["draft"])
+
+
+def host_devices(tool: Path = QAIC_UTIL) -> tuple[int, ...] | None:
+    """The AI100 devices on this host (the QIDs `qaic-util -q` lists), or None when the tool is
+    not installed or does not answer (then nothing is checked here: opening a session on a
+    missing device fails in the runtime instead)."""
+    try:
+        res = subprocess.run(
+            [str(tool), "-q"], capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.debug("cannot list the AI100 devices with %s: %s", tool, e)
+        return None
+    return parse_qids(res.stdout)
+
+
+def parse_qids(text: str) -> tuple[int, ...] | None:
+    """The device ids in `qaic-util -q`'s output ("QID 0", "QID 1", …); None if it lists none."""
+    qids = sorted({int(q) for q in _QID.findall(text)})
+    return tuple(qids) or None
+
+
+def check_present(placement: Placement, present: Sequence[int] | None) -> None:
+    """Every device of `placement` is among the host's `present` ones (None: unknown, pass)."""
+    if present is None:
+        return
+    missing = [d for d in placement.devices if d not in set(present)]
+    if missing:
+        raise BackendError(
+            f"device {missing[0]} does not exist on this host: `qaic-util -q` lists devices "
+            f"{list(present)}; pick device_ids among them"
+        )
+
+
+def parse_device_ids(text: str) -> list[int]:
+    """`--device-ids 4,5` → [4, 5]; the values are checked by `place` at load."""
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--device-ids takes integers separated by commas, e.g. 4 or 4,5 (got {text!r})"
+        ) from None
+
+
+def add_device_ids_argument(parser, *, repeat: bool = False) -> None:
+    """`--device-ids` of the commands that load artifacts. repeat=True (dflash-serve-replicas):
+    the flag is given once per replica, each time one replica's device group."""
+    import argparse
+
+    def parse(text: str) -> list[int]:
+        try:
+            return parse_device_ids(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    help_ = (
+        "the AI100 devices of the replica, e.g. 4 or 4,5: the compile profile's devices, in "
+        "increasing order, renamed to these (as many as the profile uses; default: the "
+        "profile's own). ONNX Runtime records and reports them (docs/DESIGN.md, Replicas)"
+    )
+    if repeat:
+        parser.add_argument(
+            "--device-ids",
+            type=parse,
+            action="append",
+            default=None,
+            help="one replica's devices, given once per replica: " + help_.split(": ", 1)[1],
+        )
+    else:
+        parser.add_argument("--device-ids", type=parse, default=None, help=help_)
