@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 from dflash_qaic import contract
 from dflash_qaic.bench import stats
@@ -37,6 +38,10 @@ OPTIONS = [  # flag, type, default, help
     ("--top-k", int, 0, "top-k at T > 0 (0: off)"),
     ("--top-p", float, 1.0, "top-p at T > 0 (1: off)"),
     ("--seed", int, 0, "base seed of the sampled runs (one seed per prompt and mode)"),
+    ("--peers", str, None, "vllm: upstream vLLM's own DFlash on the artifacts' source "
+     "checkpoints, in .venv-vllm/, after ours in the same run (T = 0; bench/upstream.py)"),
+    ("--vllm-python", str, None, "the Python of vLLM's environment; None: "
+     "$DFLASH_QAIC_VLLM_PYTHON, else .venv-vllm/bin/python"),
 ]  # fmt: skip
 
 
@@ -59,6 +64,13 @@ def _main(args, command: str) -> int:
     check_common(args, ("max_new_tokens", "repeats"))
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise BenchError("--temperature must be a finite number ≥ 0 (0 is greedy)")
+    from dflash_qaic.bench import upstream
+
+    args.peers = upstream.parse_peers(args.peers)
+    if args.peers and args.temperature != 0:
+        raise BenchError("--peers vllm runs at --temperature 0 (where tokens must be identical)")
+    if args.peers:
+        upstream.find_python(args.vllm_python)  # no environment: fail before measuring
 
     def body(pipe, f):
         check_fits(f["full_batch_size"], args.concurrency, args.artifacts)
@@ -73,9 +85,15 @@ def _main(args, command: str) -> int:
                 f"{len(prompts)}: give more with --prompts or lower --concurrency"
             )
         _log(f"{cmax} prompts from {source}")
+        if args.peers:
+            upstream.sources(f)  # the checkpoints vLLM runs: fail before measuring
         measured = measure(pipe, prompts, args, _log)
         notes = {"prompts_source": source, "prompts": [p.name for p in prompts]}
-        return summarise(measured, args.concurrency, args.temperature), notes
+        parts = summarise(measured, args.concurrency, args.temperature)
+        if args.peers:
+            ours = measured["solo"]["dflash"]
+            parts["peers"] = upstream.run(f, prompts[:cmax], args, ours, Path(args.out), _log)
+        return parts, notes
 
     return bench(args, command, batch_report, body)
 
