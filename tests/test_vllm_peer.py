@@ -206,6 +206,22 @@ def test_the_reports_row_section_and_bars(tmp_path):
     plt.close(fig)
 
 
+def test_one_request_over_more_prompts(default_artifacts, tmp_path):
+    """--num-prompts: at concurrency 1 on single-sequence artifacts, the requests of several
+    prompts one after another (the one-request side of --peers vllm)."""
+    out = tmp_path / "one"
+    argv = [str(default_artifacts), "--concurrency", "1", "--num-prompts", "3", "--out", str(out)]
+    argv += ["--max-new-tokens", "8", "--repeats", "1", "--warmup", "0", "--threads", "1"]
+    assert main([*argv, "--requests-per-prompt", "1"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert (
+        len(res["config"]["prompts"]) == 3 and res["points"][0]["modes"]["dflash"]["requests"] == 3
+    )
+    # 3 requests × 2 modes × 2 admission policies, and the 3 solo runs DFlash against the target
+    assert res["equality"]["passed"] and res["equality"]["total"] == 3 * 2 * 2 + 3
+    assert main([*argv, "--num-prompts", "0"]) == 2
+
+
 # ---------------------------------------------------------------------------- slow tier
 
 
