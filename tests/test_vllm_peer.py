@@ -106,8 +106,8 @@ class _Engine:
 def test_the_drivers_closed_loop_and_counters():
     engine = _Engine({0: 3, 1: 2, 2: 4}, n=9)
     llm = SimpleNamespace(llm_engine=engine)
-    wall, tokens, steps = vllm_peer.closed_loop(llm, [[1], [2], [3]], [0, 1, 2], 2, None)
-    assert engine.max_live == 2 and wall > 0
+    wall, tokens, steps, tpot = vllm_peer.closed_loop(llm, [[1], [2], [3]], [0, 1, 2], 2, None)
+    assert engine.max_live == 2 and wall > 0 and len(tpot) == 3 and min(tpot) > 0
     assert tokens[1] == [100 + j for j in range(9)]
     assert steps == {0: [1, 3, 3, 2], 1: [1, 2, 2, 2, 2], 2: [1, 4, 4]}
 
@@ -142,7 +142,8 @@ RAW = {
     "runs": {
         "8": [
             {"wall_s": 2.0, "tokens": 400, "drafts": 40, "draft_tokens": 600, "accepted": 80,
-             "accepted_per_pos": [30, 20], "same_as_solo": 4, "requests": 4},
+             "accepted_per_pos": [30, 20], "same_as_solo": 4, "requests": 4,
+             "tpot_s": [0.004, 0.005, 0.006]},
             {"wall_s": 1.0, "tokens": 400, "drafts": 40, "draft_tokens": 600, "accepted": 80,
              "accepted_per_pos": [30, 20], "same_as_solo": 4, "requests": 4},
         ],
@@ -189,7 +190,7 @@ def test_the_reports_row_section_and_bars(tmp_path):
     assert "tokens identical to ours for 2/2 prompts" in lines[0] and "DIFFER" in lines[0]
     assert "ours ÷ vLLM 10.00×" in lines[1] and "(τ 3.00)" in lines[1]
     md = upstream.section_md(res)
-    assert "| 8 | 900.0 | 300.0 [200.0–400.0] | 3.00× | 8.40 | 3.00 |" in md
+    assert "| 8 | 900.0 | 300.0 [200.0–400.0] | 3.00× | 8.40 | 3.00 | — | 5.00 |" in md
     assert "vLLM c=1: 1 requests differ" in md and "0.80, 0.60" in md
     assert upstream.section_md({"peers": {"skipped": "no"}}).startswith("\n## Upstream vLLM")
     assert upstream.section_md({}) == "" and upstream.summary_lines({}) == []

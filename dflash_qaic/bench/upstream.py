@@ -21,6 +21,8 @@ from pathlib import Path
 
 from dflash_qaic.bench.run import BenchError
 
+ms = lambda s: "—" if s is None else f"{s * 1e3:.2f}"  # noqa: E731
+
 PEERS = ("vllm",)
 PYTHON_ENV = "DFLASH_QAIC_VLLM_PYTHON"
 DRIVER = Path(__file__).with_name("vllm_peer.py")
@@ -145,6 +147,9 @@ def summarise(raw: dict, ours_solo: list[list[int]], index: list[int]) -> dict:
                 "concurrency": int(c),
                 "tokens_per_s": stats.spread(tps),
                 "rounds_tokens_per_s": tps,
+                "tpot_s": stats.spread(x for r in rounds for x in r.get("tpot_s", []))
+                if any(r.get("tpot_s") for r in rounds)
+                else None,
                 "tau": 1 + accepted / drafts if drafts else None,
                 "drafts": drafts,
                 "draft_tokens": sum(r["draft_tokens"] for r in rounds),
@@ -226,6 +231,8 @@ def ratio_rows(res: dict) -> list[dict]:
                 "ratio": mine / theirs if theirs else None,
                 "ours_tau": d["tau"],
                 "vllm_tau": p["tau"],
+                "ours_tpot": d["tpot_s"]["p50"] if d.get("tpot_s") else None,
+                "vllm_tpot": p["tpot_s"]["p50"] if p.get("tpot_s") else None,
                 "vllm_spread": p["tokens_per_s"],
             }
         )
@@ -257,13 +264,15 @@ def section_md(res: dict) -> str:
         return f"\n## Upstream vLLM\n\nNot run: {pe['skipped']}.\n" if "skipped" in pe else ""
     v = pe["vllm"]
     head = ["c", "ours DFlash tokens/s", "vLLM DFlash tokens/s", "ours ÷ vLLM", "τ ours", "τ vLLM"]
+    head += ["TPOT p50 ms ours", "TPOT p50 ms vLLM"]
     rows = []
     for r in ratio_rows(res):
         s = r["vllm_spread"]
         tau = "—" if r["vllm_tau"] is None else f"{r['vllm_tau']:.2f}"
         rows.append(
             [r["concurrency"], f"{r['ours']:.1f}", f"{s['median']:.1f} [{s['min']:.1f}–"
-             f"{s['max']:.1f}]", f"{r['ratio']:.2f}×", f"{r['ours_tau']:.2f}", tau]
+             f"{s['max']:.1f}]", f"{r['ratio']:.2f}×", f"{r['ours_tau']:.2f}", tau,
+             ms(r["ours_tpot"]), ms(r["vllm_tpot"])]
         )  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows]

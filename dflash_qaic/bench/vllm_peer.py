@@ -11,7 +11,8 @@ dflash-qaic is installed beside vLLM. IN.json: {"target", "draft", "num_speculat
 "prompts": [[ids]], "max_new_tokens", "concurrency": [c], "requests_per_prompt", "rounds",
 "warmup", "max_num_seqs"}. OUT.json: {"vllm": version, "load_s", "solo": {"tokens": [[ids] per
 prompt], "steps": [[tokens committed per engine step] per prompt]}, "runs": {"c": [one dict per
-timed round: wall_s, tokens, drafts, draft_tokens, accepted, accepted_per_pos]}}.
+timed round: wall_s, tokens, tpot_s (per request), drafts, draft_tokens, accepted,
+accepted_per_pos, same_as_solo, requests]}}.
 
 At each concurrency c the same requests (each prompt `requests_per_prompt` times) run through one
 `LLM`'s engine with at most c in flight, a closed loop as our batch benchmark runs them; greedy,
@@ -54,12 +55,13 @@ def delta(after: dict, before: dict) -> dict:
     return out
 
 
-def closed_loop(llm, prompts, index, c: int, params) -> tuple[float, dict, dict]:
+def closed_loop(llm, prompts, index, c: int, params) -> tuple[float, dict, dict, list]:
     """Requests prompts[i] for i in index, at most c in flight (a finished request's slot is
     taken by the next at once). Returns (wall seconds, {request: tokens}, {request: tokens
-    committed per engine step})."""
+    committed per engine step}, TPOT of each request: seconds after its first token ÷ the
+    tokens after it, as ours)."""
     engine = llm.llm_engine
-    todo, tokens, steps, seen = list(enumerate(index)), {}, {}, {}
+    todo, tokens, steps, seen, first, tpot = list(enumerate(index)), {}, {}, {}, {}, []
     in_flight = 0
     t = time.perf_counter()
     while todo or in_flight:
@@ -74,10 +76,14 @@ def closed_loop(llm, prompts, index, c: int, params) -> tuple[float, dict, dict]
             if grown > 0:
                 steps.setdefault(r, []).append(grown)
                 seen[r] = len(ids)
+                first.setdefault(r, (time.perf_counter(), len(ids)))
             if out.finished:
                 tokens[r] = ids
                 in_flight -= 1
-    return time.perf_counter() - t, tokens, steps
+                t1, n1 = first[r]
+                if len(ids) > n1:
+                    tpot.append((time.perf_counter() - t1) / (len(ids) - n1))
+    return time.perf_counter() - t, tokens, steps, tpot
 
 
 def main(argv: list[str]) -> int:
@@ -107,14 +113,14 @@ def main(argv: list[str]) -> int:
     )
     prompts = cfg["prompts"]
     # each prompt alone: the tokens to compare with ours, and its tokens per engine step
-    _, solo, solo_steps = closed_loop(llm, prompts, list(range(len(prompts))), 1, params)
+    _, solo, solo_steps, _ = closed_loop(llm, prompts, list(range(len(prompts))), 1, params)
     index = [j % len(prompts) for j in range(cfg["requests_per_prompt"] * len(prompts))]
     runs: dict[str, list] = {}
     for r in range(cfg["warmup"] + cfg["rounds"]):
         for c in cfg["concurrency"]:
             before = counters(llm)
-            wall, got, _ = closed_loop(llm, prompts, index, c, params)
-            rec = {"wall_s": wall, "tokens": sum(len(v) for v in got.values())}
+            wall, got, _, tpot = closed_loop(llm, prompts, index, c, params)
+            rec = {"wall_s": wall, "tokens": sum(len(v) for v in got.values()), "tpot_s": tpot}
             rec.update(delta(counters(llm), before))
             rec["same_as_solo"] = sum(got[k] == solo[i] for k, i in enumerate(index))
             rec["requests"] = len(index)
