@@ -38,4 +38,14 @@ from dflash_qaic.runtime import load  # noqa: E402
 
 _document()
 
-__all__ = ["__version__", "compile", "export", "load"]
+__all__ = ["AutoDFlashModel", "__version__", "compile", "export", "load"]
+
+
+def __getattr__(name: str):
+    """`dflash_qaic.AutoDFlashModel` (QEfficient's habits, dflash_qaic/qeff.py), imported on
+    first use so that importing the package stays light."""
+    if name == "AutoDFlashModel":
+        from dflash_qaic.qeff import AutoDFlashModel
+
+        return AutoDFlashModel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

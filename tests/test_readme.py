@@ -113,7 +113,7 @@ def scripts() -> dict[str, str]:
 
 def needs_slow(b: Block) -> bool:
     """Python blocks the fast tier leaves to the walk: the server's clients and exports."""
-    return b.client or "dflash_qaic.export(" in b.text
+    return b.client or "dflash_qaic.export(" in b.text or "AutoDFlashModel" in b.text
 
 
 # ---------------------------------------------------------------------------- fast tier

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 from dflash_qaic import contract
 from dflash_qaic.bench import stats
@@ -28,6 +29,8 @@ OPTIONS = [  # flag, type, default, help
     ("--max-new-tokens", int, 128, "tokens per request"),
     ("--repeats", int, 3, "timed rounds"),
     ("--requests-per-prompt", int, 2, "each prompt's requests per run (closed loop, c in flight)"),
+    ("--num-prompts", int, None, "distinct prompts (None: the largest concurrency); more than "
+     "that many run the requests of more prompts through the same c slots"),
     ("--warmup", int, 1, "discarded rounds first"),
     ("--out", str, "bench/latest-batch", "output directory"),
     ("--prompts", str, None, "prompts file as for the decode benchmark; None: the default "
@@ -37,6 +40,10 @@ OPTIONS = [  # flag, type, default, help
     ("--top-k", int, 0, "top-k at T > 0 (0: off)"),
     ("--top-p", float, 1.0, "top-p at T > 0 (1: off)"),
     ("--seed", int, 0, "base seed of the sampled runs (one seed per prompt and mode)"),
+    ("--peers", str, None, "vllm: upstream vLLM's own DFlash on the artifacts' source "
+     "checkpoints, in .venv-vllm/, after ours in the same run (T = 0; bench/upstream.py)"),
+    ("--vllm-python", str, None, "the Python of vLLM's environment; None: "
+     "$DFLASH_QAIC_VLLM_PYTHON, else .venv-vllm/bin/python"),
 ]  # fmt: skip
 
 
@@ -59,6 +66,15 @@ def _main(args, command: str) -> int:
     check_common(args, ("max_new_tokens", "repeats"))
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise BenchError("--temperature must be a finite number ≥ 0 (0 is greedy)")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise BenchError("--num-prompts must be ≥ 1")
+    from dflash_qaic.bench import upstream
+
+    args.peers = upstream.parse_peers(args.peers)
+    if args.peers and args.temperature != 0:
+        raise BenchError("--peers vllm runs at --temperature 0 (where tokens must be identical)")
+    if args.peers:
+        upstream.find_python(args.vllm_python)  # no environment: fail before measuring
 
     def body(pipe, f):
         check_fits(f["full_batch_size"], args.concurrency, args.artifacts)
@@ -66,16 +82,23 @@ def _main(args, command: str) -> int:
             raise BenchError("these artifacts have no sampler (--no-sampling): use --temperature 0")
         cmax = max(args.concurrency)
         tok, n = pipe.tokenizer, args.max_new_tokens
-        prompts, source = run.select_prompts(f, tok, n, args.prompts, cmax)
+        want = max(cmax, args.num_prompts or cmax)
+        prompts, source = run.select_prompts(f, tok, n, args.prompts, want)
         if len(prompts) < cmax:
             raise BenchError(
                 f"--concurrency {cmax} needs {cmax} distinct prompts, {source} has "
                 f"{len(prompts)}: give more with --prompts or lower --concurrency"
             )
-        _log(f"{cmax} prompts from {source}")
+        _log(f"{len(prompts)} prompts from {source}")
+        if args.peers:
+            upstream.sources(f)  # the checkpoints vLLM runs: fail before measuring
         measured = measure(pipe, prompts, args, _log)
         notes = {"prompts_source": source, "prompts": [p.name for p in prompts]}
-        return summarise(measured, args.concurrency, args.temperature), notes
+        parts = summarise(measured, args.concurrency, args.temperature)
+        if args.peers:
+            ours = measured["solo"]["dflash"]
+            parts["peers"] = upstream.run(f, prompts, args, ours, Path(args.out), _log)
+        return parts, notes
 
     return bench(args, command, batch_report, body)
 
@@ -183,8 +206,8 @@ def measure(pipe, prompts, args, log) -> dict:
     concs, cmax = args.concurrency, max(args.concurrency)
     default = pipe.config.prefill_chunks_per_step
     others = [p for p in POLICIES if p != default]
-    runner = _Runner(pipe, prompts[:cmax], args)
-    log(f"solo runs: {cmax} prompts × {len(MODES)} modes (the reference tokens)")
+    runner = _Runner(pipe, prompts, args)
+    log(f"solo runs: {len(prompts)} prompts × {len(MODES)} modes (the reference tokens)")
     runner.run_solo()
     runs: dict[tuple, list[dict]] = {}
     plan = [(c, default) for c in concs] + [(cmax, p) for p in others]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from string import Template
 
-from dflash_qaic.bench import report
+from dflash_qaic.bench import report, upstream
 from dflash_qaic.bench.report import chunks, load_note, machine_md, ms, sp, x_
 
 SCHEMA = "dflash-bench-batch/1"
@@ -92,6 +92,7 @@ def summary_screen(res: dict) -> str:
         name = str(x["prefill_chunks_per_step"]) + (" (default)" if x["default"] else "")
         d, b = x["modes"]["dflash"], x["modes"]["baseline"]
         out.append(f"  {name:<12} {_latency(d)} | {_latency(b)}")
+    out += upstream.summary_lines(res)  # --peers vllm
     out.append("a batch's wall time: calls × ms per call, share")
     out += [
         f"{p['concurrency']:>3}  {LABEL[m]}: {_budget(p['modes'][m])}" for p in pts for m in MODES
@@ -113,6 +114,7 @@ def render_markdown(res: dict) -> str:
     a, c, m = res["artifacts"], res["config"], res["machine"]
     return Template(TEMPLATE.read_text(encoding="utf-8")).substitute(
         equality=equality_md(res),
+        upstream=upstream.section_md(res),
         machine=machine_md(res),
         summary=summary_screen(res),
         load_note=load_note(m),
@@ -143,7 +145,11 @@ def render_png(res: dict, path) -> None:
 
     pts = res["points"]
     cs = [p["concurrency"] for p in pts]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
+    vs = upstream.ratio_rows(res)  # --peers vllm: a third panel of bars
+    fig, axes = plt.subplots(1, 3 if vs else 2, figsize=(18 if vs else 12, 4.6))
+    ax1, ax2 = axes[:2]
+    if vs:
+        upstream.bar_panel(axes[2], res)
     for k, m in enumerate(MODES):
         x = [p["modes"][m]["tokens_per_s"] for p in pts]
         med = [v["median"] for v in x]

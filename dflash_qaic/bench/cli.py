@@ -4,6 +4,7 @@
     dflash-bench artifacts/default --temperatures 0 --no-peers --repeats 1    # a quick look
     dflash-bench artifacts/default --compare artifacts/default-dflash2   # two drafts, one target
     dflash-bench artifacts/default-cb8 --concurrency 1,2,4,8   # continuous batching (batch.py)
+    dflash-bench artifacts/default-cb8 --concurrency 1,8 --peers vllm  # upstream vLLM beside us
     dflash-bench --export …  /  dflash-bench --serve …   # the export and server benchmarks
     dflash-bench --long-context artifacts/DIR --prompt-len 8000     # cost against position
     dflash-bench --router artifacts/default-cb8    # vllm-router's cost per request (TTFT)
@@ -72,6 +73,11 @@ def parser() -> argparse.ArgumentParser:
     p = common_parser(__doc__, "artifacts directory written by dflash-export", OPTIONS)
     p.add_argument("--no-peers", action="store_true", help="skip the PyTorch peers")
     p.add_argument("--no-profile", action="store_true", help="skip the cost profile")
+    p.add_argument(
+        "--peers",
+        help="vllm: upstream vLLM's DFlash beside ours, a benchmark of one request and of "
+        "concurrent ones: give it with --concurrency (e.g. --concurrency 1,8 --peers vllm)",
+    )
     p.add_argument(
         "--compare",
         metavar="OTHER_ARTIFACTS",
@@ -223,6 +229,12 @@ def bench(args, command: str, out, body) -> int:
 def _main(args, command: str) -> int:
     from dflash_qaic.bench import report, run
 
+    if args.peers is not None:
+        raise run.BenchError(
+            f"--peers {args.peers} runs in the continuous-batching benchmark: add --concurrency "
+            "(e.g. `--concurrency 1,8 --peers vllm` on artifacts exported with "
+            "--full-batch-size 8)"
+        )
     check_common(args, ("num_prompts", "max_new_tokens", "repeats"))
     args.temperatures = parse_list("--temperatures", args.temperatures)
     other = run.same_target(args.artifacts, args.compare) if args.compare else None
