@@ -71,12 +71,17 @@ class EngineConfig:
     prefill_chunks_per_step: the admission policy (module docstring; None: no limit).
     verify_lengths: the verify lengths a step may pick from (None: every one the target was
         exported with); (block size,) verifies the whole block every step.
+    first_token_alone: a sequence whose prefill ends in a step gives that step its first token
+        only and steps from the next step() on (False: it joins that step's verify at once).
+        vLLM's scheduler expects this (a step either prefills a request or decodes it; the
+        plugin's worker, dflash_qaic/vllm/, sets it).
     """
 
     mode: str = "dflash"
     max_running: int | None = None
     prefill_chunks_per_step: int | None = None
     verify_lengths: tuple[int, ...] | None = None
+    first_token_alone: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -149,6 +154,7 @@ class Engine:
         self.free = list(range(N))  # a heap: the lowest free slot first
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.prefilling: list[Sequence] = []  # in slots, prompt not done, in admission order
+        self.joining: list[Sequence] = []  # prompt done, stepping from the next step (config)
         # the slots that step and their sequences, in slot order (remade when one joins/leaves)
         self.rows, self.stepping = np.zeros(0, np.int64), []
         self._changed = False
@@ -179,6 +185,7 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Admit and prefill (within the policy's budget), then one step over every sequence
         past its prompt. Returns the sequences with new tokens or a new end."""
+        self._join()
         self._admit()
         touched = self._prefill()  # prompts that ended at their first token, or failed
         if self._changed:
@@ -222,7 +229,10 @@ class Engine:
                     self._fail([seq], e.cause if isinstance(e, CallFailed) else e)
                 budget = None if budget is None else budget - 1
             if seq.finished or seq.t_dec is not None:
-                if seq.decoding:
+                if seq.decoding and self.config.first_token_alone:
+                    self.joining.append(seq)
+                    ended.append(seq)  # its first token is this step's
+                elif seq.decoding:
                     self.spec.join(seq.slot)
                     self._changed = True
                 else:
@@ -231,6 +241,14 @@ class Engine:
                 still.append(seq)
         self.prefilling = still
         return ended
+
+    def _join(self) -> None:
+        """The sequences that got their first token alone in the last step join the steps."""
+        for seq in self.joining:
+            if seq.decoding:  # not aborted in the meantime
+                self.spec.join(seq.slot)
+                self._changed = True
+        self.joining.clear()
 
     def _fail(self, seqs: list[Sequence], e: BaseException) -> None:
         log.warning("%d request(s) failed: %s: %s", len(seqs), type(e).__name__, e, exc_info=e)
