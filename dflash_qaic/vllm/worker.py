@@ -175,10 +175,9 @@ class DFlashWorker(WorkerBase):
             sampled.append(tokens[: len(spec.get(rid, ())) + 1])
             if seq.finished:  # our stop agrees with vLLM's: it ends this request now too
                 self.seqs.pop(rid)
-        state = self.engine.spec.state
         going = [rid for rid in req_ids if rid in self.seqs]
-        slots = [self.seqs[rid].slot for rid in going]
-        self._drafts = DraftTokenIds(going, state.proposals[slots].tolist())
+        drafts = [self.engine.proposals(self.seqs[rid]).tolist() for rid in going]
+        self._drafts = DraftTokenIds(going, drafts)
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
