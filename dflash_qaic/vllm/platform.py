@@ -33,8 +33,10 @@ from vllm.platforms.interface import PlatformEnum
 
 log = logging.getLogger("dflash_qaic.vllm")
 
-#: the key of our block in vLLM's --additional-config
+#: the key of our block in vLLM's --additional-config, and the keys it takes (dflash-serve's
+#: options of the same names: --backend, --threads, --verify-lengths)
 KEY = "dflash_qaic"
+KEYS = ("artifacts", "backend", "device_ids", "threads", "verify_lengths")
 BACKENDS = ("ort", "qaic", "auto", "qaic-standin")
 #: our worker: vLLM's worker class, and the proposer its speculative config names
 WORKER = "dflash_qaic.vllm.worker.DFlashWorker"
@@ -55,6 +57,7 @@ class Settings:
     backend: str = "ort"
     device_ids: tuple[int, ...] | None = None
     threads: int | None = None
+    verify_lengths: tuple[int, ...] | None = None
 
     @classmethod
     def of(cls, vllm_config) -> Settings:
@@ -64,6 +67,7 @@ class Settings:
             backend=block.get("backend", "ort"),
             device_ids=tuple(block["device_ids"]) if block.get("device_ids") else None,
             threads=block.get("threads"),
+            verify_lengths=tuple(block["verify_lengths"]) if block.get("verify_lengths") else None,
         )
 
 
@@ -86,11 +90,11 @@ def _block(vllm_config) -> dict:
             f"--additional-config {KEY!r} must be an object, e.g. "
             f'\'{{"{KEY}": {{"artifacts": "artifacts/default"}}}}\', got {block!r}'
         )
-    unknown = set(block) - {"artifacts", "backend", "device_ids", "threads"}
+    unknown = set(block) - set(KEYS)
     if unknown:
         raise PluginConfigError(
             f"--additional-config {KEY}: unknown key(s) {sorted(unknown)}; the keys are "
-            "artifacts, backend, device_ids, threads"
+            f"{', '.join(KEYS)}"
         )
     return block
 
@@ -223,6 +227,21 @@ class DFlashQaicPlatform(CpuPlatform):
                 f"--additional-config {KEY}.device_ids must be a list of device ids ≥ 0, "
                 f"e.g. [0, 1]; got {devices!r}"
             )
+
+        threads = block.get("threads")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)):
+            raise PluginConfigError(
+                f"--additional-config {KEY}.threads must be an integer, got {threads!r}"
+            )
+        if block.get("verify_lengths") is not None:
+            from dflash_qaic.runtime.engine import EngineConfig
+
+            try:
+                EngineConfig(verify_lengths=block["verify_lengths"]).step_lengths(
+                    m.plan, m.draft.io.confidence
+                )
+            except (TypeError, ValueError) as e:
+                raise PluginConfigError(f"--additional-config {KEY}.{e}") from e
 
         # one request per cache row
         sched = vllm_config.scheduler_config

@@ -1,0 +1,219 @@
+"""The vLLM platform plugin (dflash_qaic/vllm/): a real `vllm serve` from `.venv-vllm` (make
+setup-vllm) over the continuous-batching artifacts of the built-in pair, driven by the `openai`
+client, against `pipe.generate` in this process (and Hugging Face greedy once).
+
+The server runs with whole-block verifies (verify_lengths [16], as the reference pipe), so the
+acceptance of every step is determined and vLLM's spec-decode counters can be compared with
+our acceptance lengths exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+
+import httpx
+import numpy as np
+import pytest
+from openai import AsyncOpenAI, BadRequestError, OpenAI
+
+import dflash_qaic
+from dflash_qaic import assets
+from dflash_qaic.bench.vllm_host import VllmServer, vllm_bin
+
+B = 16
+BLOCK = {"dflash_qaic": {"verify_lengths": [B], "threads": 1}}
+PROMPTS = assets.heldout_prompts()
+
+
+@pytest.fixture(scope="module")
+def pipe(cb_artifacts):
+    p = dflash_qaic.load(cb_artifacts, threads=1)
+    p.configure(verify_lengths=[B])
+    return p
+
+
+@pytest.fixture(scope="module")
+def server(cb_artifacts):
+    """One `DFLASH_QAIC_VLLM=1 vllm serve` for the module (fails without .venv-vllm)."""
+    args = ("--max-num-seqs", "4", "--additional-config", json.dumps(BLOCK))
+    with VllmServer(cb_artifacts, *args, timeout=420) as s:
+        s.model = str(cb_artifacts)
+        yield s
+
+
+def client(server) -> OpenAI:
+    return OpenAI(
+        base_url=server.url + "/v1", api_key="x", http_client=httpx.Client(trust_env=False)
+    )
+
+
+async def _one(ac, server, prompt, max_tokens, stream, **kw) -> list[int]:
+    extra = {"return_token_ids": True, **kw.pop("extra_body", {})}
+    args = dict(model=server.model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+    args.update(kw)
+    if not stream:
+        out = await ac.completions.create(**args, extra_body=extra)
+        return out.choices[0].token_ids
+    ids = []
+    async for chunk in await ac.completions.create(**args, stream=True, extra_body=extra):
+        ids += chunk.choices[0].token_ids or []
+    return ids
+
+
+def run(server, jobs) -> list[list[int]]:
+    """jobs: (prompt, max_tokens, stream, kwargs); all at once."""
+
+    async def go():
+        http = httpx.AsyncClient(trust_env=False, timeout=300)
+        ac = AsyncOpenAI(base_url=server.url + "/v1", api_key="x", http_client=http)
+        try:
+            return await asyncio.gather(*(_one(ac, server, p, n, s, **kw) for p, n, s, kw in jobs))
+        finally:
+            await http.aclose()
+
+    return asyncio.run(go())
+
+
+def metrics(server) -> dict:
+    """vllm:spec_decode_* samples: name, or name[position] for the per-position counter."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics", trust_env=False).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.startswith("vllm:spec_decode") and not s.name.endswith("_created"):
+                pos = s.labels.get("position")
+                out[s.name + (f"[{pos}]" if pos is not None else "")] = s.value
+    return out
+
+
+def test_vllm_environment_exists():
+    """make test sets up .venv-vllm; without it the plugin's tests fail, never skip."""
+    assert vllm_bin().is_file()
+
+
+def test_greedy_alone_equals_pipe_streamed_and_not(server, pipe):
+    for i, stream in ((0, False), (1, True)):
+        ref = pipe.generate(PROMPTS[i], 64, stop_token_ids=[])
+        [got] = run(server, [(PROMPTS[i], 64, stream, {"extra_body": {"ignore_eos": True}})])
+        assert got == ref.tokens, (i, stream)
+    out = client(server).completions.create(
+        model=server.model, prompt=PROMPTS[2], max_tokens=40, temperature=0
+    )
+    ref = pipe.generate(PROMPTS[2], 40)  # EOS stops both (vLLM's own stop check)
+    assert out.choices[0].text == ref.text
+    assert out.usage.completion_tokens == len(ref.tokens)
+
+
+def test_eight_concurrent_streamed_and_not_equal_pipe(server, pipe):
+    """8 requests at once on 4 cache rows: vLLM queues the rest, each equals its own run."""
+    lengths = [48, 64, 30, 57, 64, 41, 50, 64]
+    jobs = [
+        (PROMPTS[3 + i], n, i % 2 == 0, {"extra_body": {"ignore_eos": True}})
+        for i, n in enumerate(lengths)
+    ]
+    got = run(server, jobs)
+    refs = pipe.generate([p for p, *_ in jobs], lengths, stop_token_ids=[])
+    for i, (g, r) in enumerate(zip(got, refs)):
+        assert g == r.tokens, i
+
+
+def test_greedy_equals_hugging_face(server):
+    """Token ids in, token ids out, against the target's own greedy generate."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash_qaic.export.cli import load_recipe
+
+    model = AutoModelForCausalLM.from_pretrained(load_recipe("default")["target"])
+    ids = [int(t) for t in np.random.default_rng(0).integers(1, 250, 37)]
+    want = model.generate(
+        torch.tensor([ids]), max_new_tokens=60, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[0, len(ids) :].tolist()
+    [got] = run(server, [(ids, 60, False, {"extra_body": {"ignore_eos": True}})])
+    assert got == want
+
+
+def test_spec_decode_metrics_count_what_our_steps_did(server, pipe):
+    """vllm:spec_decode_* (vLLM's scheduler counts them from what the worker returns) equal our
+    acceptance lengths: a draft per step, B − 1 draft tokens each, accepted = committed − 1."""
+    before = metrics(server)
+    prompts = PROMPTS[11:13]
+    got = run(server, [(p, 96, False, {"extra_body": {"ignore_eos": True}}) for p in prompts])
+    after = metrics(server)
+    refs = pipe.generate(prompts, 96, stop_token_ids=[])
+    assert got == [r.tokens for r in refs]
+    lengths = [n for r in refs for n in r.acceptance_lengths]
+
+    def d(name):
+        return after[name] - before.get(name, 0.0)
+
+    assert d("vllm:spec_decode_num_drafts_total") == len(lengths)
+    assert d("vllm:spec_decode_num_draft_tokens_total") == (B - 1) * len(lengths)
+    assert d("vllm:spec_decode_num_accepted_tokens_total") == sum(lengths) - len(lengths)
+    for pos in range(B - 1):
+        key = f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{pos}]"
+        assert d(key) == sum(n - 1 > pos for n in lengths), pos
+    tau = (d("vllm:spec_decode_num_accepted_tokens_total") + len(lengths)) / len(lengths)
+    assert tau == pytest.approx(float(np.mean(lengths)))
+    assert tau > 2  # the trained pair accepts: the counters saw real multi-token steps
+
+
+def test_seeded_sampling_equals_pipe(server, pipe):
+    """T > 0: the programs' sampler with the request's seed, as pipe.generate draws it."""
+    kw = {"temperature": 1.0, "top_p": 0.9, "seed": 7, "extra_body": {"ignore_eos": True}}
+    [got] = run(server, [(PROMPTS[5], 48, False, dict(kw))])
+    ref = pipe.generate(PROMPTS[5], 48, stop_token_ids=[], temperature=1.0, top_p=0.9, seed=7)
+    assert got == ref.tokens
+
+
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        ({"logprobs": 2}, "logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"n": 2}, "n"),
+        ({"extra_body": {"min_p": 0.1}}, "min_p"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
+        ({"extra_body": {"min_tokens": 4}}, "min_tokens"),
+        ({"extra_body": {"use_beam_search": True, "n": 2}}, None),
+    ],
+    ids=lambda x: str(x) if isinstance(x, str) else None,
+)
+def test_unsupported_sampling_params_are_400(server, kw, param):
+    extra = kw.pop("extra_body", {})
+    with pytest.raises(BadRequestError) as e:
+        client(server).completions.create(
+            model=server.model, prompt="x = 1", max_tokens=4, extra_body=extra, **kw
+        )
+    msg = str(e.value)  # ours, or vLLM's own for what it refuses with speculative decoding
+    assert "not supported" in msg or "beam" in msg.lower(), msg
+    if param is not None:
+        assert param in msg, msg
+
+
+def test_plugin_is_active_only_with_the_environment_variable(monkeypatch):
+    from dflash_qaic import vllm as plugin
+
+    monkeypatch.delenv(plugin.ENV, raising=False)
+    assert plugin.register() is None
+    monkeypatch.setenv(plugin.ENV, "1")
+    assert plugin.register() == "dflash_qaic.vllm.platform.DFlashQaicPlatform"
+    # vLLM's own platform choice, with and without the variable (it asks the plugins each time)
+    code = (
+        "import os\n"
+        "from vllm.platforms import resolve_current_platform_cls_qualname as choose\n"
+        "os.environ.pop('DFLASH_QAIC_VLLM', None); print(choose())\n"
+        "os.environ['DFLASH_QAIC_VLLM'] = '1'; print(choose())\n"
+    )
+    python = vllm_bin().parent / "python"
+    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == [
+        "vllm.platforms.cpu.CpuPlatform",
+        "dflash_qaic.vllm.platform.DFlashQaicPlatform",
+    ]
