@@ -15,8 +15,10 @@ Seams for other target forms: a target that returns more per call (a hybrid's co
 runtime/buffers.py filled here beside ids and positions.
 
 Verify length: each step verifies the first n rows of the block, n from the target's verify
-lengths, picked by `StepCosts.best_length` from the draft's confidences (and, greedy, the
-measured call costs). Any n is lossless: a step commits the accepted proposals and one target
+lengths: greedy, the call's n picked by `StepCosts.best_length` from the draft's confidences
+and the measured call costs; sampled, each row's own n from its own confidences alone
+(`StepCosts.row_lengths`; its rows past it are padding), so a seeded row's tokens never depend
+on its neighbours. Any n is lossless: a step commits the accepted proposals and one target
 token whatever n is.
 
 Sampling is decided inside the target program; the host writes each sampled row's uniforms,
@@ -149,8 +151,8 @@ class Prefill:
             seq.t_dec = time.perf_counter()
             self.state.anchor[slot], self.state.start[slot] = first, P
             seq.commit([first], step=False)
-            if seq.reason is None and out_of_room(P, self.next_rows, self.plan.ctx_len):
-                seq.reason = "ctx_len"
+            if seq.reason is None and out_of_room(P, 1, self.plan.ctx_len):
+                seq.reason = "ctx_len"  # no slot left even for its anchor
 
     def _draft_context(self, seq, hidden: np.ndarray, lo: int, n: int, first) -> None:
         """Queue a chunk's features (positions lo … lo+n-1) for the draft; one DraftPrefill call
@@ -191,7 +193,8 @@ class _Step:
     def __init__(self, plan, target, draft, bufs: StepBuffers, state: SlotState):
         self.plan, self.target, self.draft, self.bufs, self.state = plan, target, draft, bufs, state
         self._arange_b = np.arange(plan.block_size, dtype=np.int64)
-        self.max_start = contract.max_positions(plan.ctx_len) - plan.block_size
+        #: positions a sequence may hold: 0 … max_pos − 1 (the padding slot is the last one)
+        self.max_pos = contract.max_positions(plan.ctx_len)
         bufs.bidx.fill(contract.INACTIVE_ROW)
 
     def join(self, slot: int) -> None:
@@ -215,7 +218,7 @@ class _Step:
         u = self.bufs.sampling.u[s]
         for seq in sampled:
             seq.fill_uniforms(u[seq.slot], int(self.state.start[seq.slot]) + 1)
-        needed = int(self.state.start.max()) + n
+        needed = min(int(self.state.start.max()) + n, self.max_pos)  # rows past it are padding
         return call(kind, self.target, self.bufs.window(c.feeds[s], needed), seqs, costs, n)
 
 
@@ -226,12 +229,17 @@ class DFlashStep(_Step):
     proposals equal to the target's choice; it commits them and the target's token after them;
     the draft then takes the features of its acc_r + 1 committed rows as context and proposes
     the block [new anchor, MASK…]. Every array operation covers all rows at once (inactive
-    rows compute harmless values that nothing reads); Python work is per sequence."""
+    rows compute harmless values that nothing reads); Python work is per sequence.
+
+    At the end of the context a row verifies what is left: its positions past the last slot
+    are padding (-1), so it accepts at most the proposals before them and commits up to the
+    last position the context holds (docs/DESIGN.md, Runtime: the end of the context)."""
 
     def __init__(self, plan, target, draft, bufs, state, lengths, costs: StepCosts):
         super().__init__(plan, target, draft, bufs, state)
         self.lengths, self.costs = list(lengths), costs
         self._same = {n: np.zeros((plan.cache_rows, n), bool) for n in self.lengths}
+        self._lens = np.zeros(plan.cache_rows, np.int64)  # each row's verify length this step
         self.furthest = 0  # the largest start after the last verify
 
     def run(self, rows: np.ndarray, seqs: list) -> None:
@@ -243,14 +251,24 @@ class DFlashStep(_Step):
         """The verify call and the commits; returns the sequences that go on, whose committed
         rows are now the draft's context."""
         st, b, d, B = self.state, self.bufs, self.bufs.draft, self.plan.block_size
-        n = B
+        n, own = B, None
         if len(self.lengths) > 1:
-            sampled = any(s.uniforms is not None for s in seqs)
-            n = self.costs.best_length(self.lengths, st.confidence[rows], sampled)
+            sampled = [s.slot for s in seqs if s.uniforms is not None]
+            if sampled:  # each sampled row its own length, the call the longest of them
+                own = self.costs.row_lengths(self.lengths, st.confidence[sampled])
+                n = int(own.max())
+            else:
+                n = self.costs.best_length(self.lengths, st.confidence[rows])
         c = b.verify[n]  # ids, pos: [N, n]
         c.ids[:, 0] = st.anchor
         c.ids[:, 1:] = st.proposals[:, : n - 1]
         np.add(st.start[:, None], st.offsets[:, :n], out=c.pos)  # inactive rows: all -1
+        np.copyto(c.pos, contract.PAD_POSITION, where=c.pos >= self.max_pos)  # past the end
+        lens = self._lens
+        lens.fill(n)
+        if own is not None:  # a sampled row's rows past its own length are padding
+            lens[sampled] = own
+            np.copyto(c.pos, contract.PAD_POSITION, where=self._arange_b[:n] >= lens[:, None])
         if b.q and st.q_ids is not None:  # the draft's q of these proposals: q-aware verify
             np.copyto(b.q[contract.DRAFT_Q_IDS], st.q_ids)
             np.copyto(b.q[contract.DRAFT_Q_PROBS], st.q_probs)
@@ -260,6 +278,7 @@ class DFlashStep(_Step):
         # choice (the first False of `same`, whose last column is always False)
         same = self._same[n]  # [N, n]
         np.equal(st.proposals[:, : n - 1], choice[:, : n - 1], out=same[:, : n - 1])
+        same[:, : n - 1] &= c.pos[:, 1:] >= 0  # a proposal at a padding position is not taken
         acc = same.argmin(axis=1)  # [N]
         if contract.NUM_COMMITTED in out:  # a hybrid target's own count must agree
             check_committed("verify", out, rows, acc[rows] + 1, seqs)
@@ -272,13 +291,13 @@ class DFlashStep(_Step):
         st.anchor[:] = choice[b.slot_ids, acc]
         tokens, accepted = choice.tolist(), acc.tolist()
         self.furthest = int(st.start.max())
-        full = self.furthest > self.max_start  # some row has no room for another block
+        full = self.furthest >= self.max_pos  # some row has no slot left for its anchor
         going = []
         for seq in seqs:  # per sequence: its tokens (the accepted ones, then the target's)
             r = seq.slot
-            seq.verified.append(n)
+            seq.verified.append(int(lens[r]))
             seq.commit(tokens[r][: accepted[r] + 1], step=True)
-            if seq.reason is None and full and st.start[r] > self.max_start:
+            if seq.reason is None and full and st.start[r] >= self.max_pos:
                 seq.reason = "ctx_len"  # positions ≥ ctx_len − 1 have no slot (contract.py)
             if seq.reason is None:
                 going.append(seq)
@@ -289,6 +308,9 @@ class DFlashStep(_Step):
             self.furthest = int(st.start.max())
         d.blk_ids[:, 0] = st.anchor
         np.add(st.start[:, None], st.offsets, out=d.blk_pos)  # inactive rows: all -1
+        # near the end, block rows past the last slot propose what no verify will take: they
+        # sit at the last position (the draft's tables and windows end there)
+        np.minimum(d.blk_pos, self.max_pos - 1, out=d.blk_pos)
         return going
 
     def propose(self, seqs: list) -> None:
