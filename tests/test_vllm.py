@@ -162,6 +162,26 @@ def test_spec_decode_metrics_count_what_our_steps_did(server, pipe):
     assert tau > 2  # the trained pair accepts: the counters saw real multi-token steps
 
 
+def test_the_end_of_the_context(server, pipe):
+    """max_model_len is ctx_len − 1: near it vLLM schedules fewer drafts and ends the request
+    at exactly that many tokens ("length"), with the tokens of our own run; a prompt without
+    room for one verify block is a 400."""
+    ctx = pipe.ctx_len
+    ids = [int(t) for t in np.random.default_rng(1).integers(1, 250, ctx - 130)]
+    out = client(server).completions.create(
+        model=server.model, prompt=ids, max_tokens=500, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    c = out.choices[0]
+    assert c.finish_reason == "length"
+    assert len(ids) + len(c.token_ids) == ctx - 1
+    assert c.token_ids == pipe.generate(ids, ctx - 1 - len(ids), stop_token_ids=[]).tokens
+    with pytest.raises(BadRequestError, match="room for one verify block"):
+        client(server).completions.create(
+            model=server.model, prompt=[5] * (ctx - B), max_tokens=1, temperature=0
+        )
+
+
 def test_seeded_sampling_equals_pipe(server, pipe):
     """T > 0: the programs' sampler with the request's seed, as pipe.generate draws it."""
     kw = {"temperature": 1.0, "top_p": 0.9, "seed": 7, "extra_body": {"ignore_eos": True}}
@@ -304,7 +324,7 @@ def test_llm_class_and_the_upstream_spelling(cb_artifacts, pipe, tmp_path):
     prompts = PROMPTS[20:23]
     script = tmp_path / "llm.py"
     script.write_text(LLM_SCRIPT)
-    arg = json.dumps([str(cb_artifacts), r["target"], r["draft"], str(other), prompts])
+    arg = json.dumps([str(cb_artifacts), str(r["target"]), str(r["draft"]), str(other), prompts])
     python = vllm_bin().parent / "python"
     out = subprocess.run(
         [str(python), str(script), arg], capture_output=True, text=True, timeout=900

@@ -13,8 +13,9 @@ them against what the user typed, and fixes vLLM's settings so its scheduler dri
   counts what was accepted (`vllm:spec_decode_*`). The proposer is our worker itself, so the
   config names the `custom_class` method (no draft model for vLLM to load);
 - synchronous scheduling, one engine-core process running our worker in-process;
-- max_model_len = min(its own, ctx_len − block size): vLLM ends a request before our engine
-  would run out of cache positions, and refuses a prompt longer than ctx_len − 1 − B, as we do.
+- max_model_len = min(its own, ctx_len − 1): vLLM ends a request (`length`) at that many
+  tokens, before our engine runs out of cache positions (it holds ctx_len); a prompt longer than
+  ctx_len − 1 − B (room for one verify block) is refused in `validate_request`, as we refuse it.
 
 `validate_request` refuses (HTTP 400) what the programs cannot do, in one sentence.
 """
@@ -78,6 +79,7 @@ class Limits:
     can_sample: bool
     max_top_k: int
     vocab: int
+    max_prompt: int  # tokens: room for one verify block after the prompt
 
 
 def _block(vllm_config) -> dict:
@@ -260,17 +262,14 @@ class DFlashQaicPlatform(CpuPlatform):
                 rows,
             )
             sched.max_num_seqs = rows
-        limit = ctx_len - B  # vLLM ends a request at this many tokens, before our engine must
+        limit = ctx_len - 1  # vLLM ends a request at this many tokens, before our engine must
         if model_config.max_model_len > limit:
             if _argv_value("--max-model-len") is not None:
                 log.warning(
-                    "--max-model-len %d lowered to %d: the artifacts' ctx_len %d leaves room "
-                    "for %d tokens with one verify block of %d",
+                    "--max-model-len %d lowered to %d: the artifacts' programs hold ctx_len %d",
                     model_config.max_model_len,
                     limit,
                     ctx_len,
-                    limit,
-                    B,
                 )
             model_config.max_model_len = limit
         M = model_config.max_model_len
@@ -318,6 +317,7 @@ class DFlashQaicPlatform(CpuPlatform):
             can_sample=m.target.io.sampling,
             max_top_k=m.target.sampling_candidates or m.vocab_size,
             vocab=m.vocab_size,
+            max_prompt=ctx_len - 1 - B,
         )
         log.info(
             "dflash-qaic: %s on %s, %d cache row(s), block %d, max_model_len %d",
@@ -342,6 +342,16 @@ class DFlashQaicPlatform(CpuPlatform):
 
         if isinstance(processed_inputs, dict) and processed_inputs.get("type") == "embeds":
             refuse("prompt_embeds", "prompt_embeds")
+        ids = (
+            processed_inputs.get("prompt_token_ids") if isinstance(processed_inputs, dict) else None
+        )
+        if ids is not None and cls.limits is not None and len(ids) > cls.limits.max_prompt:
+            raise VLLMValidationError(
+                f"the prompt has {len(ids)} tokens, but these programs take at most "
+                f"{cls.limits.max_prompt} (ctx_len − 1 − the block size: room for one verify "
+                "block); shorten the prompt or re-export with a larger --ctx-len",
+                parameter="prompt",
+            )
         from vllm.sampling_params import SamplingParams
 
         if not isinstance(params, SamplingParams):
