@@ -161,9 +161,11 @@ def _argv_value(flag: str) -> str | None:
 
 
 class DFlashQaicPlatform(CpuPlatform):
-    """CPU as far as torch is concerned (the host), our worker as the model runner."""
+    """A CPU host as far as torch and vLLM's own code are concerned (`is_cpu()`: no accelerator
+    for torch to empty or pin; the programs run on ONNX Runtime or the AI100 runtime, outside
+    torch), our worker as the model runner."""
 
-    _enum = PlatformEnum.OOT
+    _enum = PlatformEnum.CPU
     device_name: str = "cpu"
     device_type: str = "cpu"
     limits: Limits | None = None  # set by check_and_update_config, read by validate_request
