@@ -90,6 +90,22 @@ def metrics(server) -> dict:
     return out
 
 
+def test_engine_first_token_alone(pipe):
+    """The engine seam the worker uses: a prompt that ends gives that step its first token only
+    and steps from the next step, beside the others, each as its own run."""
+    eng = pipe.engine("dflash", first_token_alone=True)
+    a = eng.add(pipe.request(PROMPTS[0], 40, []))
+    eng.step()
+    assert len(a.tokens) == 1 and a.take() == [a.tokens]
+    b = eng.add(pipe.request(PROMPTS[1], 40, []))
+    eng.step()  # a verifies its first block while b prefills
+    assert len(b.tokens) == 1 and len(a.tokens) > 1
+    while eng.busy:
+        eng.step()
+    refs = pipe.generate(PROMPTS[:2], 40, stop_token_ids=[])
+    assert [a.result.tokens, b.result.tokens] == [r.tokens for r in refs]
+
+
 def test_vllm_environment_exists():
     """make test sets up .venv-vllm; without it the plugin's tests fail, never skip."""
     assert vllm_bin().is_file()
@@ -106,6 +122,15 @@ def test_greedy_alone_equals_pipe_streamed_and_not(server, pipe):
     ref = pipe.generate(PROMPTS[2], 40)  # EOS stops both (vLLM's own stop check)
     assert out.choices[0].text == ref.text
     assert out.usage.completion_tokens == len(ref.tokens)
+    # a stop string: vLLM's detokenizer ends the request, the worker frees its row
+    ref = pipe.generate(PROMPTS[3], 64, stop_token_ids=[])
+    assert "\n" in ref.text
+    out = client(server).completions.create(
+        model=server.model, prompt=PROMPTS[3], max_tokens=64, temperature=0, stop=["\n"],
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert out.choices[0].text == ref.text.split("\n")[0]
+    assert out.choices[0].finish_reason == "stop"
 
 
 def test_eight_concurrent_streamed_and_not_equal_pipe(server, pipe):

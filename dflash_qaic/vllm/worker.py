@@ -156,14 +156,14 @@ class DFlashWorker(WorkerBase):
         for new in so.scheduled_new_reqs:
             self._add(new)
         scheduled = so.num_scheduled_tokens
+        if not scheduled:  # nothing to run (e.g. vLLM paused its scheduling): no row advances
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={})
         skipped = [rid for rid in self.seqs if rid not in scheduled]
         if skipped:  # a step advances every row in flight: vLLM must schedule all of them
             raise RuntimeError(
                 f"vLLM's scheduler left requests {skipped} out of a step; the dflash-qaic "
                 "plugin steps every request in flight (max_num_batched_tokens too small?)"
             )
-        if not scheduled:
-            return ModelRunnerOutput(req_ids=[], req_id_to_index={})
         self.engine.step()
         req_ids = list(scheduled)
         sampled, spec = [], so.scheduled_spec_decode_tokens
