@@ -2,7 +2,7 @@
 (docs/BENCHMARKS.md, vLLM as the host):
 
     python -m dflash_qaic.bench.vllm_host ARTIFACTS [--vllm .venv-vllm/bin/vllm]
-        [--concurrency 1,4] [--rounds 3] [--max-tokens 128] [--json OUT]
+        [--concurrency 1,4] [--rounds 3] [--max-tokens 128] [--threads N] [--json OUT]
 
 Both servers run at once (`dflash-serve`, and `vllm serve` with DFLASH_QAIC_VLLM=1 and
 `--max-num-seqs` = the artifacts' cache rows), each bound to 127.0.0.1 and stopped by its pid.
@@ -161,6 +161,7 @@ def measure(
     rounds: int = 3,
     max_tokens: int = 128,
     num_prompts: int = 8,
+    threads: int | None = None,
     progress=lambda msg: print(msg, file=sys.stderr),
 ) -> dict:
     """tokens/s of dflash-serve and of vllm serve (the plugin) on `artifacts` (module doc)."""
@@ -174,9 +175,14 @@ def measure(
     pool = assets.heldout_prompts()
     load_before = os.getloadavg()
     res: dict = {"artifacts": str(artifacts), "max_tokens": max_tokens, "rounds": rounds}
+    res["threads"] = threads  # ONNX Runtime threads of both servers (None: its default)
+    ours_args = ["--threads", str(threads)] if threads else []
+    block = {"dflash_qaic": {"threads": threads}} if threads else {}
+    theirs_args = ["--max-num-seqs", str(rows)]
+    theirs_args += ["--additional-config", json.dumps(block)] if block else []
     with (
-        ServerProcess(artifacts) as ours,
-        VllmServer(artifacts, "--max-num-seqs", str(rows), vllm=vllm) as theirs,
+        ServerProcess(artifacts, *ours_args) as ours,
+        VllmServer(artifacts, *theirs_args, vllm=vllm) as theirs,
     ):
         servers = {"dflash-serve": (ours.url, str(artifacts)), "vllm": (theirs.url, None)}
         for name in servers:
@@ -217,6 +223,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads of both")
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args(argv)
     res = measure(
@@ -226,6 +233,7 @@ def main(argv=None) -> int:
         rounds=a.rounds,
         max_tokens=a.max_tokens,
         num_prompts=a.num_prompts,
+        threads=a.threads,
     )
     for k, v in res.items():
         if k.startswith("c"):
