@@ -363,3 +363,16 @@ def test_llm_class_and_the_upstream_spelling(cb_artifacts, pipe, tmp_path):
     assert json.loads(lines["UPSTREAM"]) == want
     refused = json.loads(lines["REFUSED"])
     assert "were not exported from the draft" in refused, refused
+
+
+@pytest.mark.slow
+def test_more_sequences_than_cache_rows_are_refused(cb_artifacts):
+    """--max-num-seqs above the artifacts' cache rows: vllm serve exits with the fix."""
+    import os
+
+    env = {**os.environ, "DFLASH_QAIC_VLLM": "1"}
+    argv = [str(vllm_bin()), "serve", str(cb_artifacts), "--max-num-seqs", "8"]
+    argv += ["--host", "127.0.0.1", "--port", "0"]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0
+    assert "at most 4 sequences run at once; use --max-num-seqs 4" in out.stdout + out.stderr
