@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,8 +191,8 @@ class DFlashQaicPlatform(CpuPlatform):
         if not _is_artifacts(artifacts):
             raise PluginConfigError(
                 f"{artifacts} is not a dflash-export artifacts directory (no manifest.json), and "
-                f"{os.environ.get('DFLASH_QAIC_VLLM') and 'DFLASH_QAIC_VLLM=1'} makes vLLM run "
-                "exported programs only: serve an artifacts directory (vllm serve ARTIFACTS), "
+                "DFLASH_QAIC_VLLM=1 makes vLLM run exported programs only: serve an artifacts "
+                "directory (vllm serve ARTIFACTS), "
                 f'name it in --additional-config \'{{"{KEY}": {{"artifacts": DIR}}}}\', or '
                 "unset DFLASH_QAIC_VLLM to run vLLM's own platform"
             )
