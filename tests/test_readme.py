@@ -235,7 +235,16 @@ def _free_port() -> int:
 
 
 def _copy_repo(dst: Path) -> Path:
-    skip = {".git", ".venv", "artifacts", "bench", "pairs", ".pytest_cache", ".ruff_cache"}
+    skip = {
+        ".git",
+        ".venv",
+        ".venv-vllm",
+        "artifacts",
+        "bench",
+        "pairs",
+        ".pytest_cache",
+        ".ruff_cache",
+    }
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
     for p in ROOT.iterdir():
         if p.name in skip or p.name.endswith(".egg-info"):

@@ -195,6 +195,19 @@ def _copy_tokenizer(target_dir: Path, out: Path) -> str | None:
     return "tokenizer"
 
 
+#: the target's config.json, copied to OUT/config.json (and OUT/tokenizer/): what vLLM reads to
+#: know the target when it serves the artifacts (`vllm serve OUT`, docs/DESIGN.md, vLLM platform plugin)
+MODEL_CONFIG = "config.json"
+
+
+def _copy_model_config(target_dir: Path, out: Path) -> None:
+    """OUT/config.json, and one beside the tokenizer files (vLLM reads a tokenizer directory's
+    config.json too)."""
+    shutil.copyfile(target_dir / MODEL_CONFIG, out / MODEL_CONFIG)
+    if (out / "tokenizer").is_dir():
+        shutil.copyfile(target_dir / MODEL_CONFIG, out / "tokenizer" / MODEL_CONFIG)
+
+
 def build_artifacts(
     target_dir: str | Path,
     draft_dir: str | Path,
@@ -224,6 +237,7 @@ def _build(target_dir, draft_dir, out_dir, options: ExportOptions) -> ExportResu
             for prog in ("target", "draft"):
                 link_tree(out / prog, staging / prog)
             m = old.replace(tokenizer=_copy_tokenizer(pair.target.path, staging))
+            _copy_model_config(pair.target.path, staging)
         else:
             m = _export(pair, staging, options, B, key, steps)
         m = m.replace(options=options.to_json())
@@ -353,6 +367,8 @@ def _records(m: Manifest, root: Path, known: dict, old_root: Path | None) -> lis
     paths = m.named_files()
     if m.tokenizer:
         paths += sorted(f"{m.tokenizer}/{f.name}" for f in (root / m.tokenizer).iterdir())
+    if (root / MODEL_CONFIG).is_file():
+        paths.append(MODEL_CONFIG)
     out = []
     for rel in paths:
         rec = known.get(rel)
@@ -442,6 +458,7 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, steps) -> Manifest:
         )
     steps.append(("export draft", f"{dfacts['onnx_bytes'] / 1e6:.1f} MB", time.perf_counter() - t))
     tok = _copy_tokenizer(pair.target.path, out)
+    _copy_model_config(pair.target.path, out)
     return Manifest(
         block_size=B,
         mask_token_id=pair.draft.mask_token_id,

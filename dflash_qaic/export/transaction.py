@@ -82,6 +82,9 @@ def check_ours(out: Path) -> None:
             "choose a new or empty --out"
         )
     allowed = set(LAYOUT[:3]) | ({"tokenizer"} if manifest.get("tokenizer") else set())
+    # top-level files the manifest records (config.json, the target's, for vLLM)
+    records = manifest.get("files") if isinstance(manifest.get("files"), list) else []
+    allowed |= {r.get("path") for r in records if isinstance(r, dict)} & {"config.json"}
     links = [e for e in entries if (out / e).is_symlink()]
     foreign = [e for e in entries if e not in allowed and e not in links]
     if foreign or links:

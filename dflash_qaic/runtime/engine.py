@@ -71,12 +71,17 @@ class EngineConfig:
     prefill_chunks_per_step: the admission policy (module docstring; None: no limit).
     verify_lengths: the verify lengths a step may pick from (None: every one the target was
         exported with); (block size,) verifies the whole block every step.
+    first_token_alone: a sequence whose prefill ends in a step gives that step its first token
+        only and steps from the next step() on (False: it joins that step's verify at once).
+        vLLM's scheduler expects this (a step either prefills a request or decodes it; the
+        plugin's worker, dflash_qaic/vllm/, sets it).
     """
 
     mode: str = "dflash"
     max_running: int | None = None
     prefill_chunks_per_step: int | None = None
     verify_lengths: tuple[int, ...] | None = None
+    first_token_alone: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -149,6 +154,8 @@ class Engine:
         self.free = list(range(N))  # a heap: the lowest free slot first
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.prefilling: list[Sequence] = []  # in slots, prompt not done, in admission order
+        # prompt done, stepping from the next step (first_token_alone), with its held state
+        self.joining: list[tuple[Sequence, tuple]] = []
         # the slots that step and their sequences, in slot order (remade when one joins/leaves)
         self.rows, self.stepping = np.zeros(0, np.int64), []
         self._changed = False
@@ -179,6 +186,7 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Admit and prefill (within the policy's budget), then one step over every sequence
         past its prompt. Returns the sequences with new tokens or a new end."""
+        self._join()
         self._admit()
         touched = self._prefill()  # prompts that ended at their first token, or failed
         if self._changed:
@@ -222,7 +230,10 @@ class Engine:
                     self._fail([seq], e.cause if isinstance(e, CallFailed) else e)
                 budget = None if budget is None else budget - 1
             if seq.finished or seq.t_dec is not None:
-                if seq.decoding:
+                if seq.decoding and self.config.first_token_alone:
+                    self.joining.append((seq, self._hold(seq.slot)))
+                    ended.append(seq)  # its first token is this step's
+                elif seq.decoding:
                     self.spec.join(seq.slot)
                     self._changed = True
                 else:
@@ -231,6 +242,46 @@ class Engine:
                 still.append(seq)
         self.prefilling = still
         return ended
+
+    def _hold(self, slot: int) -> tuple:
+        """What the prefill left in the slot's step state (anchor, start, the first block's
+        proposals and confidences, the draft's q), kept aside while the slot waits to join:
+        a step writes every row's anchor and proposals, and the waiting slot must stay an
+        inactive row (start -1) in the step's calls until it joins."""
+        st = self.spec.state
+        q = None if st.q_ids is None else (st.q_ids[slot].copy(), st.q_probs[slot].copy())
+        held = (
+            int(st.anchor[slot]),
+            int(st.start[slot]),
+            st.proposals[slot].copy(),
+            st.confidence[slot].copy(),
+            q,
+        )
+        st.start[slot] = contract.PAD_POSITION
+        return held
+
+    def _join(self) -> None:
+        """The sequences that got their first token alone in the last step join the steps,
+        with the state their prefill left (`_hold`)."""
+        st = self.spec.state
+        for seq, (anchor, start, proposals, confidence, q) in self.joining:
+            if seq.decoding:  # not aborted in the meantime
+                slot = seq.slot
+                st.anchor[slot], st.start[slot] = anchor, start
+                st.proposals[slot], st.confidence[slot] = proposals, confidence
+                if q is not None:
+                    st.q_ids[slot], st.q_probs[slot] = q
+                self.spec.join(slot)
+                self._changed = True
+        self.joining.clear()
+
+    def proposals(self, seq: Sequence) -> np.ndarray:
+        """The draft's proposals for the positions after `seq`'s last token (the block its next
+        step verifies), also while it waits to join (first_token_alone)."""
+        for waiting, held in self.joining:
+            if waiting is seq:
+                return held[2]
+        return self.spec.state.proposals[seq.slot]
 
     def _fail(self, seqs: list[Sequence], e: BaseException) -> None:
         log.warning("%d request(s) failed: %s: %s", len(seqs), type(e).__name__, e, exc_info=e)

@@ -1,0 +1,420 @@
+"""The vLLM platform that runs our exported programs (docs/DESIGN.md, vLLM platform plugin).
+
+vLLM calls `check_and_update_config` while it builds its config (in the process that parses the
+arguments: the API server, or the `LLM` caller). Here the platform finds the artifacts, checks
+them against what the user typed, and fixes vLLM's settings so its scheduler drives our step:
+
+- one cache row of the artifacts is one vLLM block: block_size = max_model_len, blocks = rows
+  + 1 (block 0 is vLLM's null block), max_num_seqs at most the rows; prefix caching off;
+- no chunked prefill and a token budget that holds every row's prompt: a request's prompt is
+  scheduled whole, and our engine prefills it in its own chunks;
+- vLLM's speculative decoding on, `num_speculative_tokens` = block size − 1: the scheduler
+  schedules each request's drafts (taken from our draft call), our verify accepts, and vLLM
+  counts what was accepted (`vllm:spec_decode_*`). The proposer is our worker itself, so the
+  config names the `custom_class` method (no draft model for vLLM to load);
+- synchronous scheduling, one engine-core process running our worker in-process;
+- max_model_len = min(its own, ctx_len − 1): vLLM ends a request (`length`) at that many
+  tokens, before our engine runs out of cache positions (it holds ctx_len); a prompt longer than
+  ctx_len − 1 − B (room for one verify block) is refused in `validate_request`, as we refuse it.
+
+`validate_request` refuses (HTTP 400) what the programs cannot do, in one sentence.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm.platforms.cpu import CpuPlatform
+from vllm.platforms.interface import PlatformEnum
+
+log = logging.getLogger("dflash_qaic.vllm")
+
+#: the key of our block in vLLM's --additional-config, and the keys it takes (dflash-serve's
+#: options of the same names: --backend, --threads, --verify-lengths)
+KEY = "dflash_qaic"
+KEYS = ("artifacts", "backend", "device_ids", "threads", "verify_lengths")
+BACKENDS = ("ort", "qaic", "auto", "qaic-standin")
+#: our worker: vLLM's worker class, and the proposer its speculative config names
+WORKER = "dflash_qaic.vllm.worker.DFlashWorker"
+#: vLLM's "greedy" threshold (temperatures below it sample greedily)
+GREEDY_EPS = 1e-5
+
+
+class PluginConfigError(ValueError):
+    """What the user typed does not fit the artifacts: says what and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The plugin's settings, resolved from vLLM's config (stored back in additional_config,
+    so the engine-core process reads the same)."""
+
+    artifacts: str
+    backend: str = "ort"
+    device_ids: tuple[int, ...] | None = None
+    threads: int | None = None
+    verify_lengths: tuple[int, ...] | None = None
+
+    @classmethod
+    def of(cls, vllm_config) -> Settings:
+        block = dict((vllm_config.additional_config or {}).get(KEY) or {})
+        return cls(
+            artifacts=block["artifacts"],
+            backend=block.get("backend", "ort"),
+            device_ids=tuple(block["device_ids"]) if block.get("device_ids") else None,
+            threads=block.get("threads"),
+            verify_lengths=tuple(block["verify_lengths"]) if block.get("verify_lengths") else None,
+        )
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request may ask of these artifacts (read from the manifest once)."""
+
+    can_sample: bool
+    max_top_k: int
+    vocab: int
+    max_prompt: int  # tokens: room for one verify block after the prompt
+
+
+def _block(vllm_config) -> dict:
+    extra = vllm_config.additional_config
+    if not isinstance(extra, dict):
+        return {}
+    block = extra.get(KEY) or {}
+    if not isinstance(block, dict):
+        raise PluginConfigError(
+            f"--additional-config {KEY!r} must be an object, e.g. "
+            f'\'{{"{KEY}": {{"artifacts": "artifacts/default"}}}}\', got {block!r}'
+        )
+    unknown = set(block) - set(KEYS)
+    if unknown:
+        raise PluginConfigError(
+            f"--additional-config {KEY}: unknown key(s) {sorted(unknown)}; the keys are "
+            f"{', '.join(KEYS)}"
+        )
+    return block
+
+
+def _is_artifacts(path) -> bool:
+    return isinstance(path, str) and (Path(path) / "manifest.json").is_file()
+
+
+def _check_pair(model_config, spec, m, artifacts: str) -> None:
+    """The upstream spelling: TARGET and DRAFT must be the checkpoints the artifacts were
+    exported from (the manifest's sha256 of each one's config.json and safetensors)."""
+    from dflash_qaic.checkpoints import file_digest
+
+    B = m.block_size
+    if spec is None:
+        raise PluginConfigError(
+            f"--additional-config {KEY}.artifacts {artifacts} runs the target {model_config.model} "
+            "with its DFlash draft: also give --speculative-config "
+            f'\'{{"method": "dflash", "model": DRAFT, "num_speculative_tokens": {B - 1}}}\' '
+            f"(or serve the artifacts directly: vllm serve {artifacts})"
+        )
+    if spec.method != "dflash":
+        raise PluginConfigError(
+            f"--speculative-config method {spec.method!r}: the artifacts {artifacts} hold a "
+            'DFlash pair; use "method": "dflash"'
+        )
+    if spec.num_speculative_tokens != B - 1:
+        raise PluginConfigError(
+            f"--speculative-config num_speculative_tokens {spec.num_speculative_tokens}: the "
+            f"artifacts {artifacts} were exported with block size {B}, so it must be {B - 1}"
+        )
+    sources = m.sources or {}
+    draft_dir = spec.draft_model_config.model if spec.draft_model_config else spec.model
+    for role, given in (("target", model_config.model), ("draft", draft_dir)):
+        want = (sources.get(role) or {}).get("sha256")
+        if not want:
+            raise PluginConfigError(
+                f"{artifacts}/manifest.json records no {role} checkpoint digest: re-export the "
+                "artifacts with this version of dflash-export"
+            )
+        if not Path(given).is_dir():
+            raise PluginConfigError(
+                f"the {role} {given!r} is not a local directory: give the checkpoint directory "
+                f"the artifacts were exported from ({(sources.get(role) or {}).get('path')})"
+            )
+        if file_digest(given) != want:
+            raise PluginConfigError(
+                f"the artifacts {artifacts} were not exported from the {role} {given} (its "
+                f"config.json and weights differ from {(sources.get(role) or {}).get('path')}): "
+                f"export this pair with dflash-export, or give the {role} they came from"
+            )
+
+
+def _argv_value(flag: str) -> str | None:
+    """The value of `flag` on vLLM's command line (None: not given there)."""
+    names = {flag, flag.replace("-", "_")}
+    for i, a in enumerate(sys.argv):
+        name, eq, value = a.partition("=")
+        if name in names:
+            return value if eq else (sys.argv[i + 1] if i + 1 < len(sys.argv) else "")
+    return None
+
+
+class DFlashQaicPlatform(CpuPlatform):
+    """A CPU host as far as torch and vLLM's own code are concerned (`is_cpu()`: no accelerator
+    for torch to empty or pin; the programs run on ONNX Runtime or the AI100 runtime, outside
+    torch), our worker as the model runner."""
+
+    _enum = PlatformEnum.CPU
+    device_name: str = "cpu"
+    device_type: str = "cpu"
+    limits: Limits | None = None  # set by check_and_update_config, read by validate_request
+
+    @classmethod
+    def update_block_size_for_backend(cls, vllm_config) -> None:
+        """block_size is the cache row (set in check_and_update_config): no attention backend
+        of vLLM's runs here to prefer another."""
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        model_config = vllm_config.model_config
+        if model_config is None:
+            return
+        block = _block(vllm_config)
+        spec = vllm_config.speculative_config
+        # vLLM re-runs this in the engine-core process on the config made here: ours already
+        ours = spec is not None and spec.method == "custom_class" and spec.model == WORKER
+        artifacts = block.get("artifacts")
+        upstream = artifacts is not None and not ours
+        if artifacts is None:
+            artifacts = model_config.model
+        artifacts = str(artifacts)
+        if not _is_artifacts(artifacts):
+            raise PluginConfigError(
+                f"{artifacts} is not a dflash-export artifacts directory (no manifest.json), and "
+                "DFLASH_QAIC_VLLM=1 makes vLLM run exported programs only: serve an artifacts "
+                "directory (vllm serve ARTIFACTS), "
+                f'name it in --additional-config \'{{"{KEY}": {{"artifacts": DIR}}}}\', or '
+                "unset DFLASH_QAIC_VLLM to run vLLM's own platform"
+            )
+        artifacts = str(Path(artifacts).resolve())
+        from dflash_qaic.manifest import read_manifest
+
+        m = read_manifest(artifacts, verify="none")  # the worker's load verifies the files
+        B, ctx_len, rows = m.block_size, m.ctx_len, m.full_batch_size or 1
+
+        if upstream:
+            _check_pair(model_config, spec, m, artifacts)
+        elif spec is not None and not ours:
+            raise PluginConfigError(
+                f"--speculative-config: {artifacts} carries its own DFlash draft; drop "
+                "--speculative-config (or give the target and draft with --additional-config "
+                f'\'{{"{KEY}": {{"artifacts": DIR}}}}\')'
+            )
+        else:  # the tokenizer the export copied beside the manifest
+            tok = m.tokenizer
+            if tok and Path(model_config.tokenizer).resolve() == Path(artifacts):
+                model_config.tokenizer = str(Path(artifacts) / tok)
+
+        backend = block.get("backend", "ort")
+        if backend not in BACKENDS:
+            raise PluginConfigError(
+                f"--additional-config {KEY}.backend {backend!r}: use one of {', '.join(BACKENDS)}"
+            )
+        devices = block.get("device_ids")
+        if devices is not None and (
+            not isinstance(devices, list)
+            or not devices
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices)
+        ):
+            raise PluginConfigError(
+                f"--additional-config {KEY}.device_ids must be a list of device ids ≥ 0, "
+                f"e.g. [0, 1]; got {devices!r}"
+            )
+
+        threads = block.get("threads")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)):
+            raise PluginConfigError(
+                f"--additional-config {KEY}.threads must be an integer, got {threads!r}"
+            )
+        if block.get("verify_lengths") is not None:
+            from dflash_qaic.runtime.engine import EngineConfig
+
+            try:
+                EngineConfig(verify_lengths=block["verify_lengths"]).step_lengths(
+                    m.plan, m.draft.io.confidence
+                )
+            except (TypeError, ValueError) as e:
+                raise PluginConfigError(f"--additional-config {KEY}.{e}") from e
+
+        # one request per cache row
+        sched = vllm_config.scheduler_config
+        if sched.max_num_seqs > rows:
+            if _argv_value("--max-num-seqs") is not None:
+                raise PluginConfigError(
+                    f"--max-num-seqs {sched.max_num_seqs}: the artifacts {artifacts} hold {rows} "
+                    f"cache row{'s' * (rows > 1)}, so at most {rows} sequences run at once; use "
+                    f"--max-num-seqs {rows} or export with --full-batch-size "
+                    f"{sched.max_num_seqs}"
+                )
+            log.info(
+                "max_num_seqs %d -> %d: the artifacts hold %d cache rows",
+                sched.max_num_seqs,
+                rows,
+                rows,
+            )
+            sched.max_num_seqs = rows
+        limit = ctx_len - 1  # vLLM ends a request at this many tokens, before our engine must
+        if model_config.max_model_len > limit:
+            if _argv_value("--max-model-len") is not None:
+                log.warning(
+                    "--max-model-len %d lowered to %d: the artifacts' programs hold ctx_len %d",
+                    model_config.max_model_len,
+                    limit,
+                    ctx_len,
+                )
+            model_config.max_model_len = limit
+        M = model_config.max_model_len
+        if hasattr(sched, "max_model_len"):
+            sched.max_model_len = M
+        model_config.enforce_eager = True
+
+        cache = vllm_config.cache_config
+        cache.block_size = M
+        cache.user_specified_block_size = True
+        cache.enable_prefix_caching = False
+        cache.num_gpu_blocks_override = sched.max_num_seqs + 1  # + vLLM's null block
+
+        sched.enable_chunked_prefill = False
+        sched.async_scheduling = False
+        sched.max_num_batched_tokens = sched.max_num_seqs * M
+        if getattr(sched, "max_num_scheduled_tokens", None) is not None:
+            sched.max_num_scheduled_tokens = sched.max_num_batched_tokens
+        sched.long_prefill_token_threshold = 0
+
+        from vllm.config import CompilationMode, SpeculativeConfig
+
+        vllm_config.speculative_config = SpeculativeConfig(
+            method="custom_class",
+            model=WORKER,
+            num_speculative_tokens=B - 1,
+            target_model_config=model_config,
+            target_parallel_config=vllm_config.parallel_config,
+        )
+        comp = vllm_config.compilation_config
+        comp.mode = CompilationMode.NONE
+        comp.cudagraph_capture_sizes = []
+
+        par = vllm_config.parallel_config
+        par.distributed_executor_backend = "uni"  # our worker in the engine-core process
+        par.worker_cls = WORKER
+
+        vllm_config.additional_config = dict(vllm_config.additional_config or {})
+        vllm_config.additional_config[KEY] = {
+            **block,
+            "artifacts": artifacts,
+            "backend": backend,
+        }
+        cls.limits = Limits(
+            can_sample=m.target.io.sampling,
+            max_top_k=m.target.sampling_candidates or m.vocab_size,
+            vocab=m.vocab_size,
+            max_prompt=ctx_len - 1 - B,
+        )
+        log.info(
+            "dflash-qaic: %s on %s, %d cache row(s), block %d, max_model_len %d",
+            artifacts,
+            backend,
+            rows,
+            B,
+            M,
+        )
+
+    @classmethod
+    def validate_request(cls, processed_inputs, params) -> None:
+        """One sentence for what the programs cannot do (vLLM answers it with a 400)."""
+        from vllm.exceptions import VLLMValidationError
+
+        def refuse(param: str, what: str) -> None:
+            raise VLLMValidationError(
+                f"{what} is not supported by dflash-qaic's programs (they choose each token on "
+                "the device, from temperature, top_k, top_p and seed only)",
+                parameter=param,
+            )
+
+        if isinstance(processed_inputs, dict) and processed_inputs.get("type") == "embeds":
+            refuse("prompt_embeds", "prompt_embeds")
+        ids = (
+            processed_inputs.get("prompt_token_ids") if isinstance(processed_inputs, dict) else None
+        )
+        if ids is not None and cls.limits is not None and len(ids) > cls.limits.max_prompt:
+            raise VLLMValidationError(
+                f"the prompt has {len(ids)} tokens, but these programs take at most "
+                f"{cls.limits.max_prompt} (ctx_len − 1 − the block size: room for one verify "
+                "block); shorten the prompt or re-export with a larger --ctx-len",
+                parameter="prompt",
+            )
+        from vllm.sampling_params import SamplingParams
+
+        if not isinstance(params, SamplingParams):
+            refuse("pooling", "pooling (embeddings, scores)")
+        p = params
+        if p.n != 1:
+            refuse("n", f"n={p.n}")
+        if p.logprobs is not None or p.prompt_logprobs is not None:
+            refuse("logprobs", "logprobs (and beam search, which needs them)")
+        for name, off in (
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+            ("repetition_penalty", 1.0),
+            ("min_p", 0.0),
+            ("min_tokens", 0),
+        ):
+            if getattr(p, name) != off:
+                refuse(name, f"{name}={getattr(p, name)}")
+        for name in ("logit_bias", "allowed_token_ids", "bad_words", "structured_outputs"):
+            if getattr(p, name, None):
+                refuse(name, name)
+        for name in ("logprob_token_ids", "prompt_logprob_token_ids", "thinking_token_budget"):
+            if getattr(p, name, None) is not None:
+                refuse(name, name)
+        if getattr(p, "logits_processors", None):
+            refuse("logits_processors", "logits_processors")
+        sampling_check(p, cls.limits)
+
+
+def sampling_check(p, limits: Limits | None):
+    """Our sampler's settings of vLLM's SamplingParams, checked as `Pipeline.sampling` checks
+    them (a VLLMValidationError naming the parameter otherwise). Returns a dict for
+    `Pipeline.request`."""
+    from vllm.exceptions import VLLMValidationError
+
+    from dflash_qaic.runtime.pipeline import GenerationError, Sampling
+
+    temperature = 0.0 if p.temperature < GREEDY_EPS else float(p.temperature)
+    top_k = 0 if p.top_k is None or p.top_k <= 0 else int(p.top_k)  # vLLM: 0 and -1 are off
+    kw = dict(temperature=temperature, top_k=top_k, top_p=float(p.top_p), seed=p.seed)
+    try:
+        sp = Sampling.checked(**kw)
+    except GenerationError as e:
+        raise VLLMValidationError(str(e)) from e
+    if limits is not None and not sp.greedy:
+        if not limits.can_sample:
+            raise VLLMValidationError(
+                "these artifacts' target program has no sampler (exported without sampling): "
+                "use temperature 0, or re-export with dflash-export",
+                parameter="temperature",
+            )
+        if sp.top_k > limits.max_top_k and limits.max_top_k < limits.vocab:
+            raise VLLMValidationError(
+                f"top_k {sp.top_k} is above the {limits.max_top_k} candidates these programs "
+                f"sample from: use top_k ≤ {limits.max_top_k}, or 0 (off)",
+                parameter="top_k",
+            )
+    return kw
+
+
+def accepts_device_ids() -> bool:
+    """Whether this version's `dflash_qaic.load` takes device_ids."""
+    import dflash_qaic
+
+    return "device_ids" in inspect.signature(dflash_qaic.load).parameters

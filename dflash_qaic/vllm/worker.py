@@ -1,0 +1,194 @@
+"""The vLLM worker that runs our engine's step (docs/DESIGN.md, vLLM platform plugin).
+
+It implements vLLM's worker interface (`WorkerBase`) directly: vLLM's engine core calls
+`execute_model(scheduler_output)` once per step and `take_draft_token_ids()` after it. The
+worker owns one continuous-batching engine of `dflash_qaic.load(ARTIFACTS)` (runtime/engine.py,
+with `first_token_alone`) and maps each scheduler output onto one `engine.step()`:
+
+    finished_req_ids                 engine.abort: the row is free for the next request
+    scheduled_new_reqs               engine.add: the step prefills the prompt in our chunks
+                                     and returns its first token
+    the requests already decoding    the step's verify of [last token, drafts] and the
+                                     draft call: each returns its accepted drafts and the
+                                     target's token (1 … B tokens, `sampled_token_ids`)
+    take_draft_token_ids             the draft call's proposals: vLLM schedules them as the
+                                     next step's `scheduled_spec_decode_tokens`
+
+So vLLM's scheduler sees exactly what our programs did, and counts it (`vllm:spec_decode_*`:
+drafts = B − 1 per step, accepted = what our verify accepted). The tokens are chosen on the
+device by our programs; vLLM's own stop checks (EOS, stop_token_ids, max_tokens, stop strings)
+end requests, and the engine is given the same stop set, so it frees the row at once.
+
+vLLM may cut the scheduled drafts near max_model_len; then it receives at most the scheduled
+drafts + 1 tokens, which reach max_model_len, so it ends the request there.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+from dflash_qaic.vllm.platform import Settings, accepts_device_ids, sampling_check
+
+log = logging.getLogger("dflash_qaic.vllm")
+
+
+class DFlashWorker(WorkerBase):
+    """vLLM's worker interface over our engine (module docstring)."""
+
+    def init_device(self) -> None:
+        self.device = torch.device("cpu")  # the host; the programs run on their backend
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        import dflash_qaic
+
+        s = Settings.of(self.vllm_config)
+        kw = {"backend": s.backend, "threads": s.threads}
+        if s.device_ids is not None:
+            if accepts_device_ids():
+                kw["device_ids"] = list(s.device_ids)
+            else:
+                log.warning(
+                    "device_ids %s: this dflash_qaic.load takes no device ids; the programs "
+                    "run on the devices their manifest names",
+                    list(s.device_ids),
+                )
+        self.pipe = dflash_qaic.load(s.artifacts, **kw)
+        if s.verify_lengths is not None:
+            self.pipe.configure(verify_lengths=list(s.verify_lengths))
+        self.max_model_len = self.model_config.max_model_len
+        self.engine = self.pipe.engine(
+            "dflash", first_token_alone=True, max_running=self.scheduler_config.max_num_seqs
+        )
+        self.B = self.pipe.B
+        self.seqs: dict = {}  # vLLM request id -> our Sequence
+        self._drafts = DraftTokenIds([], [])
+
+    # ------------------------------------------------------------------ KV cache: one row = block
+
+    def _spec(self) -> FullAttentionSpec:
+        # vLLM only counts blocks: our caches are the programs' retained state
+        return FullAttentionSpec(
+            block_size=self.max_model_len, num_kv_heads=1, head_size=1, dtype=torch.int8
+        )
+
+    def get_kv_cache_spec(self) -> dict:
+        return {"dflash_qaic": self._spec()}
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+
+        return [layout.name for layout in get_supported_kv_cache_layouts([])]
+
+    def determine_available_memory(self) -> int:
+        return self._spec().page_size_bytes * (self.scheduler_config.max_num_seqs + 1)
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        usable = kv_cache_config.num_blocks - 1  # block 0 is vLLM's null block
+        if usable < self.scheduler_config.max_num_seqs:
+            raise RuntimeError(
+                f"vLLM made {usable} blocks for {self.scheduler_config.max_num_seqs} sequences"
+            )
+
+    def update_max_model_len(self, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        return CompilationTimes(language_model=0.0, encoder=0.0)
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def get_model(self):
+        return None
+
+    def get_cache_block_size_bytes(self) -> int:
+        return self._spec().page_size_bytes
+
+    def execute_dummy_batch(self) -> None:
+        pass
+
+    def add_lora(self, lora_request) -> bool:
+        raise ValueError("LoRA adapters are not supported by dflash-qaic's programs")
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return False
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return False
+
+    def list_loras(self) -> set[int]:
+        return set()
+
+    def shutdown(self) -> None:
+        for seq in list(self.seqs.values()):
+            self.engine.abort(seq)
+        self.seqs.clear()
+
+    # ------------------------------------------------------------------ the step
+
+    def _add(self, new) -> None:
+        p = new.sampling_params
+        stop = set(p.stop_token_ids or ())
+        if p.eos_token_id is not None:  # None when ignore_eos (vLLM's check_stop)
+            stop.add(p.eos_token_id)
+        ids = new.prompt_token_ids
+        max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len - len(ids)
+        req = self.pipe.request(ids, max_tokens, sorted(stop), **sampling_check(p, None))
+        self.seqs[new.req_id] = self.engine.add(req)
+
+    def execute_model(self, scheduler_output) -> ModelRunnerOutput:
+        so = scheduler_output
+        for rid in so.finished_req_ids:
+            seq = self.seqs.pop(rid, None)
+            if seq is not None:
+                self.engine.abort(seq)
+        cached = so.scheduled_cached_reqs
+        if cached.resumed_req_ids:
+            raise RuntimeError(
+                f"vLLM resumed preempted requests {sorted(cached.resumed_req_ids)}: with one "
+                "block per cache row it never preempts; this is a dflash-qaic plugin bug"
+            )
+        for new in so.scheduled_new_reqs:
+            self._add(new)
+        scheduled = so.num_scheduled_tokens
+        if not scheduled:  # nothing to run (e.g. vLLM paused its scheduling): no row advances
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={})
+        skipped = [rid for rid in self.seqs if rid not in scheduled]
+        if skipped:  # a step advances every row in flight: vLLM must schedule all of them
+            raise RuntimeError(
+                f"vLLM's scheduler left requests {skipped} out of a step; the dflash-qaic "
+                "plugin steps every request in flight (max_num_batched_tokens too small?)"
+            )
+        self.engine.step()
+        req_ids = list(scheduled)
+        sampled, spec = [], so.scheduled_spec_decode_tokens
+        for rid in req_ids:
+            seq = self.seqs[rid]
+            if seq.error is not None:  # ModelRunnerOutput has no per-request error
+                raise RuntimeError(f"request {rid}: a program call failed: {seq.error}")
+            tokens = [t for run in seq.take() for t in run]
+            if not tokens and not seq.finished:
+                raise RuntimeError(f"request {rid} was scheduled and produced no token")
+            sampled.append(tokens[: len(spec.get(rid, ())) + 1])
+            if seq.finished:  # our stop agrees with vLLM's: it ends this request now too
+                self.seqs.pop(rid)
+        going = [rid for rid in req_ids if rid in self.seqs]
+        drafts = [self.engine.proposals(self.seqs[rid]).tolist() for rid in going]
+        self._drafts = DraftTokenIds(going, drafts)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+
+    def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
+        raise RuntimeError("execute_model returns its output: sample_tokens is never needed")
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        drafts, self._drafts = self._drafts, DraftTokenIds([], [])
+        return drafts if drafts.req_ids else None
