@@ -71,12 +71,16 @@ class EngineConfig:
     prefill_chunks_per_step: the admission policy (module docstring; None: no limit).
     verify_lengths: the verify lengths a step may pick from (None: every one the target was
         exported with); (block size,) verifies the whole block every step.
+    fill_forced_tokens: structured output fills the tokens its grammar forces (runtime/grammar.py).
     """
 
     mode: str = "dflash"
     max_running: int | None = None
     prefill_chunks_per_step: int | None = None
     verify_lengths: tuple[int, ...] | None = None
+    # structured output: where the grammar allows one token, it replaces the draft's proposal
+    # (False: the proposals as drafted, to measure what filling gains)
+    fill_forced_tokens: bool = True
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -145,6 +149,7 @@ class Engine:
             self.spec = DFlashStep(plan, target, draft, bufs, state, lengths, costs)
         else:
             self.spec = DecodeStep(plan, target, draft, bufs, state)
+        self.spec.masks.fill = config.fill_forced_tokens
         self.slots: list[Sequence | None] = [None] * N  # slot -> its sequence
         self.free = list(range(N))  # a heap: the lowest free slot first
         self.waiting: collections.deque[Sequence] = collections.deque()
