@@ -14,6 +14,7 @@ EXTRAS = {
     "export": ("torch", "transformers", "safetensors", "onnx", "onnxscript", "yaml", "tqdm"),
     "serve": ("fastapi", "uvicorn", "prometheus_client"),
     "bench": ("matplotlib", "scipy"),
+    "structured": ("xgrammar",),
 }
 
 

@@ -28,6 +28,7 @@ loop on it, and fixed separators make a schema's keys and punctuation forced tok
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -184,7 +185,9 @@ class Grammars:
             return c.compile_grammar(spec["grammar"])
         except Exception as e:  # xgrammar raises RuntimeError / ValueError with its reason
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            reason = reason.split("] ", 1)[-1]  # drop xgrammar's "[time] file:line: " prefix
+            reason = re.sub(
+                r"^(\[[^]]*\] )?\S+:\d+: ", "", reason
+            )  # xgrammar's "[time] file:line: "
             raise GrammarError(f"the {kind} constraint cannot be compiled: {reason}") from None
 
 
