@@ -8,6 +8,7 @@ the speedup over the target alone (both runs in this process, on the same target
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -40,7 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2, help="timed rounds over the prompts")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (lossless check)")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="ONNX Runtime threads (default: 1 and every usable CPU are both tried, and the "
+        "faster for DFlash is reported)",
+    )
     a = p.parse_args(argv)
 
     import dflash_qaic
@@ -53,7 +60,6 @@ def main(argv: list[str] | None = None) -> int:
     if rc:
         return rc
     print("\n== 2/3 generate with DFlash on ONNX Runtime")
-    pipe = dflash_qaic.load(a.out, backend="ort", threads=a.threads)
     if a.prompt is not None:
         prompts = [a.prompt]
     else:
@@ -61,7 +67,20 @@ def main(argv: list[str] | None = None) -> int:
 
         prompts = heldout_prompts()[: max(1, a.prompts)]
     kw = dict(max_new_tokens=a.max_new_tokens, stop_token_ids=[], temperature=a.temperature)
-    runs, bases = _timed(pipe, prompts, a.repeats, kw)
+    # Machines differ in which thread count runs these small programs fastest: try each, keep
+    # the configuration where DFlash is fastest, and report the speedup measured in it (both
+    # runs in that configuration, as dflash-bench measures).
+    cpus = len(os.sched_getaffinity(0))
+    candidates = [a.threads] if a.threads else sorted({1, cpus})
+    tried = []
+    for threads in candidates:
+        pipe = dflash_qaic.load(a.out, backend="ort", threads=threads)
+        runs, bases = _timed(pipe, prompts, a.repeats, kw)
+        tried.append((_per_token(runs), threads, pipe, runs, bases))
+    _, threads, pipe, runs, bases = min(tried, key=lambda t: t[0])
+    if len(tried) > 1:
+        each = ", ".join(f"{t} thread(s) {1e3 * s:.2f} ms/token" for s, t, *_ in tried)
+        print(f"fastest here: {threads} ONNX Runtime thread(s) (DFlash {each})")
     res = runs[0]
     print(f"--- prompt ---\n{prompts[0]}\n--- DFlash output ---\n{res.text}\n---")
     print(f"[dflash] {format_stats(res.stats)}")
@@ -77,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mean acceptance length τ = {sum(steps) / len(steps):.2f} (block {pipe.B})")
     print(
         f"speedup over the target alone = {speedup:.2f}× (decode time per output token, "
-        f"{len(prompts)} prompt(s) × {max(1, a.repeats)} rounds each, same program, same process)"
+        f"{len(prompts)} prompt(s) × {max(1, a.repeats)} rounds each, same program, same process, "
+        f"{threads} ONNX Runtime thread(s))"
     )
     print(f"demo took {time.perf_counter() - t0:.0f} s")
     return 0 if same or a.temperature > 0 else 1

@@ -5,6 +5,8 @@ reference step for step, and real acceptance (τ ≥ 4 at block 16)."""
 from __future__ import annotations
 
 import json
+import os
+import re
 
 import pytest
 import torch
@@ -77,3 +79,29 @@ def test_demo_runs_on_the_exported_pair(artifacts, capsys):
     assert "reusing the exported programs" in out
     assert "output identical to the target alone: yes" in out
     assert "speedup over the target alone = " in out and "2 prompt(s) × 1 rounds" in out
+    # every thread count worth trying is tried, and the speedup is the fastest one's
+    cpus = len(os.sched_getaffinity(0))
+    if cpus > 1:
+        line = next(x for x in out.splitlines() if x.startswith("fastest here:"))
+        per = {int(t): float(ms) for t, ms in re.findall(r"(\d+) thread\(s\) ([\d.]+) ms", line)}
+        assert set(per) == {1, cpus}, line
+        best = min(per, key=per.get)
+        assert (
+            line.startswith(f"fastest here: {best} ONNX")
+            and f"{best} ONNX Runtime thread(s))" in out
+        )
+
+
+def test_requests_at_the_end_of_the_context_get_every_token(artifacts):
+    """The red team's cases on the built-in pair (ctx 1024, B 16): prompt + max_tokens up to
+    ctx_len − 1, which the server and generate accept, give every token asked for, equal to the
+    target alone (before: 1007 + 16 gave 2 tokens, 1000 + 23 gave 9, finish "length")."""
+    pipe = dflash_qaic.load(artifacts)
+    text = "\n".join(assets.heldout_prompts() * 8)
+    ids = pipe.tokenizer(text)["input_ids"]
+    for n_prompt, new in ((1007, 16), (1000, 23), (990, 33)):
+        p = ids[:n_prompt]
+        got = pipe.generate(p, max_new_tokens=new, stop_token_ids=[])
+        base = pipe.generate_baseline(p, max_new_tokens=new, stop_token_ids=[])
+        assert len(got.tokens) == new and got.stop_reason == "max_new_tokens", (n_prompt, new)
+        assert got.tokens == base.tokens

@@ -406,3 +406,21 @@ def test_inactive_and_padding_rows_leave_the_state(pair, built):
     for s in io.kv:
         if s.name.startswith(("past_state", "past_conv")):
             assert np.array_equal(out[contract.retained(s.name)], feed[s.name]), s.name
+
+
+def test_requests_fill_the_context_to_its_last_position(pair, built):
+    """prompt + max_new_tokens up to ctx_len: every token asked for, as the target alone and HF
+    greedy give them (before: the step retired a sequence once a whole block would pass the
+    end, up to B − 1 tokens early). The last steps verify what is left of the block; the state
+    commits only the real rows (committed count = the host's)."""
+    pipe = dflash_qaic.load(built(*pair))
+    model = ck.load_target_model(pair[0])
+    ids = prompt(CTX - 2 * CHUNK, 11)
+    room = CTX - len(ids)  # the last token takes no slot: positions 0 … CTX − 1 are tokens
+    whole = hf_greedy(model, ids, room)
+    for new in (room - B - 1, room - 2, room - 1, room):
+        got = pipe.generate(ids, max_new_tokens=new, stop_token_ids=[])
+        assert got.tokens == whole[:new], new
+        assert got.stop_reason == "max_new_tokens" or len(ids) + new == CTX, new
+    over = pipe.generate(ids, max_new_tokens=room + 5, stop_token_ids=[])
+    assert over.stop_reason == "ctx_len" and over.tokens == whole

@@ -103,6 +103,7 @@ def test_disconnected_stream_frees_its_slot_while_others_go_on(server, http, pip
     them to finish), and the 3 still equal their solo runs."""
     before = scrape(http)
     n = 400
+    ref = pipe.generate([65, 66], 8, temperature=0)  # a short one: a few steps once admitted
     recs, threads = [{} for _ in range(3)], []
     for i, rec in enumerate(recs):
         body = dict(prompt=PROMPTS[i], max_tokens=n, ignore_eos=True, temperature=0, stream=True)
@@ -122,7 +123,6 @@ def test_disconnected_stream_frees_its_slot_while_others_go_on(server, http, pip
             if seen == 2:
                 break  # leaving the block closes the connection mid-stream
         assert seen == 2
-    ref = pipe.generate([65, 66], 8, temperature=0)  # a short one: a few steps once admitted
     r = http.post("/v1/completions", json=dict(prompt=[65, 66], max_tokens=8, temperature=0))
     t_answered = time.monotonic()
     assert r.json()["choices"][0]["text"] == decode(pipe, ref.tokens)

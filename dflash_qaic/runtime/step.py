@@ -155,8 +155,8 @@ class Prefill:
             seq.t_dec = time.perf_counter()
             self.state.anchor[slot], self.state.start[slot] = first, P
             seq.commit([first], step=False)
-            if seq.reason is None and out_of_room(P, self.next_rows, self.plan.ctx_len):
-                seq.reason = "ctx_len"
+            if seq.reason is None and out_of_room(P, 1, self.plan.ctx_len):
+                seq.reason = "ctx_len"  # no slot left even for its anchor
 
     def _draft_context(self, seq, hidden: np.ndarray, lo: int, n: int, first) -> None:
         """Queue a chunk's features (positions lo … lo+n-1) for the draft; one DraftPrefill call
@@ -197,7 +197,8 @@ class _Step:
     def __init__(self, plan, target, draft, bufs: StepBuffers, state: SlotState):
         self.plan, self.target, self.draft, self.bufs, self.state = plan, target, draft, bufs, state
         self._arange_b = np.arange(plan.block_size, dtype=np.int64)
-        self.max_start = contract.max_positions(plan.ctx_len) - plan.block_size
+        #: positions a sequence may hold: 0 … max_pos − 1 (the padding slot is the last one)
+        self.max_pos = contract.max_positions(plan.ctx_len)
         bufs.bidx.fill(contract.INACTIVE_ROW)
         # structured output: the constrained rows' token masks (runtime/grammar.py)
         self.masks = StepMasks(state, [*bufs.verify.values(), bufs.decode], plan.block_size)
@@ -223,7 +224,7 @@ class _Step:
         u = self.bufs.sampling.u[s]
         for seq in sampled:
             seq.fill_uniforms(u[seq.slot], int(self.state.start[seq.slot]) + 1)
-        needed = int(self.state.start.max()) + n
+        needed = min(int(self.state.start.max()) + n, self.max_pos)  # rows past it are padding
         return call(kind, self.target, self.bufs.window(c.feeds[s], needed), seqs, costs, n)
 
 
@@ -234,7 +235,11 @@ class DFlashStep(_Step):
     proposals equal to the target's choice; it commits them and the target's token after them;
     the draft then takes the features of its acc_r + 1 committed rows as context and proposes
     the block [new anchor, MASK…]. Every array operation covers all rows at once (inactive
-    rows compute harmless values that nothing reads); Python work is per sequence."""
+    rows compute harmless values that nothing reads); Python work is per sequence.
+
+    At the end of the context a row verifies what is left: its positions past the last slot
+    are padding (-1), so it accepts at most the proposals before them and commits up to the
+    last position the context holds (docs/DESIGN.md, Runtime: the end of the context)."""
 
     def __init__(self, plan, target, draft, bufs, state, lengths, costs: StepCosts):
         super().__init__(plan, target, draft, bufs, state)
@@ -260,6 +265,7 @@ class DFlashStep(_Step):
         c.ids[:, 0] = st.anchor
         c.ids[:, 1:] = st.proposals[:, : n - 1]
         np.add(st.start[:, None], st.offsets[:, :n], out=c.pos)  # inactive rows: all -1
+        np.copyto(c.pos, contract.PAD_POSITION, where=c.pos >= self.max_pos)  # past the end
         if cons:
             self.masks.verify(cons, c, n)
         if b.q and st.q_ids is not None:  # the draft's q of these proposals: q-aware verify
@@ -271,6 +277,7 @@ class DFlashStep(_Step):
         # choice (the first False of `same`, whose last column is always False)
         same = self._same[n]  # [N, n]
         np.equal(st.proposals[:, : n - 1], choice[:, : n - 1], out=same[:, : n - 1])
+        same[:, : n - 1] &= c.pos[:, 1:] >= 0  # a proposal at a padding position is not taken
         acc = same.argmin(axis=1)  # [N]
         if contract.NUM_COMMITTED in out:  # a hybrid target's own count must agree
             check_committed("verify", out, rows, acc[rows] + 1, seqs)
@@ -283,13 +290,13 @@ class DFlashStep(_Step):
         st.anchor[:] = choice[b.slot_ids, acc]
         tokens, accepted = choice.tolist(), acc.tolist()
         self.furthest = int(st.start.max())
-        full = self.furthest > self.max_start  # some row has no room for another block
+        full = self.furthest >= self.max_pos  # some row has no slot left for its anchor
         going = []
         for seq in seqs:  # per sequence: its tokens (the accepted ones, then the target's)
             r = seq.slot
             seq.verified.append(n)
             seq.commit(tokens[r][: accepted[r] + 1], step=True)
-            if seq.reason is None and full and st.start[r] > self.max_start:
+            if seq.reason is None and full and st.start[r] >= self.max_pos:
                 seq.reason = "ctx_len"  # positions ≥ ctx_len − 1 have no slot (contract.py)
             if seq.reason is None:
                 going.append(seq)
@@ -300,6 +307,9 @@ class DFlashStep(_Step):
             self.furthest = int(st.start.max())
         d.blk_ids[:, 0] = st.anchor
         np.add(st.start[:, None], st.offsets, out=d.blk_pos)  # inactive rows: all -1
+        # near the end, block rows past the last slot propose what no verify will take: they
+        # sit at the last position (the draft's tables and windows end there)
+        np.minimum(d.blk_pos, self.max_pos - 1, out=d.blk_pos)
         return going
 
     def propose(self, seqs: list) -> None:
