@@ -341,3 +341,27 @@ def test_auto_tool_choice_needs_the_flags(pipe):
         # tools without a choice: plain text, as vLLM without the flag
         r = c.post("/v1/chat/completions", json=dict(messages=msgs, tools=TOOLS, max_tokens=3))
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.slow
+def test_sampled_constrained_dflash_is_distributed_as_the_target_alone(pipe):
+    """T = 1 under a small grammar: the outputs of DFlash and of the target alone (independent
+    seeds) come from one distribution (chi-square test of homogeneity). The second character
+    is decided in a verify row, its proposal kept, replaced or cut by the grammar."""
+    from scipy.stats import chi2_contingency
+
+    spec = {"type": "choice", "choice": ["ab", "ac", "ad", "ba", "bb", "bd", "ca", "cd"]}
+    n, prompt = 400, "x = "
+    runs = {}
+    for mode, fn, base in (("dflash", pipe.generate, 0), ("target", pipe.generate_baseline, 10**6)):
+        res = fn(
+            [prompt] * n, 8, temperature=1.0, seed=list(range(base, base + n)), response_format=spec
+        )
+        runs[mode] = [pipe.tokenizer.decode(r.tokens, skip_special_tokens=True) for r in res]
+        assert set(runs[mode]) <= set(spec["choice"]), runs[mode]
+    keys = sorted(set(runs["dflash"]) | set(runs["target"]))
+    table = np.array([[runs[m].count(k) for k in keys] for m in ("dflash", "target")])
+    common = table[:, table.sum(0) >= 10]  # categories too rare for the test are left out
+    assert common.shape[1] >= 3, table
+    p = chi2_contingency(common).pvalue
+    assert p > 1e-3, (keys, table, p)
