@@ -22,7 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from dflash_qaic.runtime.grammar import KINDS
 
 
@@ -127,9 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dflash-bench: error: {e}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    runs, problems = run(
-        pipe, prompts, spec, a.max_new_tokens, a.repeats, a.warmup, a.temperature
-    )
+    runs, problems = run(pipe, prompts, spec, a.max_new_tokens, a.repeats, a.warmup, a.temperature)
     s = summary(runs)
     load = os.getloadavg()
     result = {
