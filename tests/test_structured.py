@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 
 import dflash_qaic
 from dflash_qaic import contract
+from dflash_qaic.manifest import read_manifest
 from dflash_qaic.modeling.sampler import token_allowed
 from dflash_qaic.runtime.pipeline import GenerationError
 from dflash_qaic.serve.app import create_app
@@ -365,3 +366,25 @@ def test_sampled_constrained_dflash_is_distributed_as_the_target_alone(pipe):
     assert common.shape[1] >= 3, table
     p = chi2_contingency(common).pvalue
     assert p > 1e-3, (keys, table, p)
+
+
+def test_the_option_adds_one_input_and_no_specialization(default_artifacts, cb_artifacts):
+    """Without --structured-output the target has no bitmask input (its program is byte for
+    byte the one before the option existed, docs/DESIGN.md); with it, one int32 input
+    [batch, seq_len, ⌈V/32⌉] and the same specializations."""
+    import onnx
+
+    def inputs(d):
+        m = onnx.load(str(d / "target" / "target.onnx"), load_external_data=False)
+        return {i.name: i for i in m.graph.input}
+
+    assert contract.TOKEN_BITMASK not in inputs(default_artifacts)
+    x = inputs(cb_artifacts)[contract.TOKEN_BITMASK]
+    assert x.type.tensor_type.elem_type == onnx.TensorProto.INT32
+    dims = [d.dim_param or d.dim_value for d in x.type.tensor_type.shape.dim]
+    assert dims == [contract.BATCH, contract.SEQ, contract.bitmask_words(258)]
+    m = read_manifest(cb_artifacts)
+    assert (
+        m.target.io.token_bitmask and not read_manifest(default_artifacts).target.io.token_bitmask
+    )
+    assert list(m.target.specializations) == contract.target_specializations(m.plan)

@@ -209,13 +209,6 @@ class Grammar:
         return Constraint(self.matcher(), self.grammars.words)
 
 
-def _single(row: np.ndarray) -> int:
-    """The one allowed token of a mask row with exactly one bit set, else -1 (the row as one
-    Python integer, little-endian like the bitmask: cheaper than numpy for a row's few words)."""
-    x = int.from_bytes(row.tobytes(), "little")
-    return x.bit_length() - 1 if x and not x & (x - 1) else -1
-
-
 class Constraint:
     """One sequence's grammar state: the matcher after its committed tokens, and counts of what
     it did (forced and cut proposals, host seconds)."""
@@ -251,19 +244,24 @@ class Constraint:
         row before them chooses an allowed token, which differs from the rejected one)."""
         t = time.thread_time()
         m, n = self.m, len(proposals)
+        fill_row, accept, ended = m.fill_next_token_bitmask, m.accept_token, m.is_terminated
         accepted = 0
-        for i in range(n + 1):
-            self._fill(masks, i)
-            if i == n:
+        for i, d in enumerate(proposals.tolist() + [None]):
+            if ended():  # the grammar took its stop token: nothing can follow
+                masks[i:] = -1
+                self.cut += n - i
+                confidence[i:] = 0.0
                 break
-            d = int(proposals[i])
-            if fill:
-                one = _single(masks[i])
-                if one >= 0 and one != d:
+            fill_row(masks, i)
+            if d is None:
+                break
+            row = int.from_bytes(masks[i].tobytes(), "little")  # bit t = token t allowed
+            if fill and row and not row & (row - 1):  # exactly one token: it is forced
+                one = row.bit_length() - 1
+                if one != d:
                     proposals[i] = d = one
                     self.forced += 1
-            word = int(masks[i, d >> 5])
-            if not (word >> (d & 31)) & 1 or m.is_terminated() or not m.accept_token(d):
+            if not (row >> d) & 1 or not accept(d):
                 confidence[i:] = 0.0
                 masks[i + 1 :] = -1
                 self.cut += n - i
