@@ -372,6 +372,21 @@ def test_sampled_draft_program_returns_the_selector_q(pair, tmp_path):
     greedy = draft.candidate_selector(h[:1, 1:], logits[:1], blk[:1, 0])
     assert out[contract.DRAFT_TOKENS][0].tolist() == greedy[0].tolist()
     assert (out[contract.DRAFT_TOKENS][1:] != logits[1:].argmax(-1).numpy()).any()
+    # fp16 as the card computes it, at temperatures where softmax(scores / T) overflows unless
+    # the max goes first (before: every q NaN at T = 1e-4): q finite, a distribution, and the
+    # path the greedy one (the score gaps here are far above T)
+    import onnx
+
+    from dflash_qaic.export.fp16_check import FaithfulSession
+
+    fs = FaithfulSession(onnx.load(str(tmp_path / "draft.onnx")), "draft")
+    every = draft.candidate_selector(h[:, 1:], logits, blk[:, 0])
+    for tiny in (1e-4, 1e-7):
+        got = fs.run({**feeds, contract.TEMPERATURE: np.full(b, tiny, np.float32)})
+        q = got[contract.DRAFT_Q_PROBS].astype(np.float32)
+        assert np.isfinite(q).all(), tiny
+        np.testing.assert_allclose(q.sum(-1), 1.0, atol=2e-3)
+        assert got[contract.DRAFT_TOKENS].tolist() == every.tolist(), tiny
 
 
 @pytest.mark.slow

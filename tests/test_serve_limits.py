@@ -11,9 +11,11 @@ import copy
 import json
 import math
 import random
+import signal
 import socket
 import threading
 import time
+import types
 from pathlib import Path
 
 import httpx
@@ -216,6 +218,72 @@ def test_sigterm_past_the_shutdown_timeout_cuts_with_proper_answers(cb_artifacts
     assert 0 < events[-1]["usage"]["completion_tokens"] < 700
 
 
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
+def test_a_second_signal_cuts_at_once_and_exits_0(cb_artifacts, monkeypatch, second):
+    """SIGTERM, then a second signal while the shutdown waits for two long requests: the server
+    cuts them at once, each answered (503 naming the second signal / the stream's abort chunk),
+    joins its engine and exits 0 (before: SIGABRT, "terminate called without an active
+    exception", its worker thread left inside ONNX Runtime at the interpreter's exit; and the
+    503s blamed the --shutdown-timeout, which had not run out)."""
+    long = dict(prompt=PROMPTS[3], max_tokens=700, ignore_eos=True, temperature=0)
+    monkeypatch.setenv("SLOW_CALL_S", "0.05")  # requests that cannot end before the signals
+    server = ServerProcess(cb_artifacts, "--threads", "1", "--shutdown-timeout", "600")
+    server.argv[1:3] = [str(Path(__file__).with_name("faulty_serve.py"))]
+    with server:
+        results, streaming = {}, threading.Event()
+
+        def plain():
+            with httpx.Client(timeout=300, trust_env=False) as c:
+                results["plain"] = c.post(server.url + "/v1/completions", json=long)
+
+        def streamed():
+            with httpx.Client(timeout=300, trust_env=False) as c:
+                with c.stream(
+                    "POST", server.url + "/v1/completions", json=dict(long, stream=True)
+                ) as r:
+                    lines = []
+                    for line in r.iter_lines():
+                        lines.append(line)
+                        streaming.set()
+                    results["stream"] = lines
+
+        threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+        for t in threads:
+            t.start()
+        assert streaming.wait(120)
+        with httpx.Client(base_url=server.url, timeout=60, trust_env=False) as c:
+            deadline = time.monotonic() + 120
+            while scrape(c)[("vllm:num_requests_running", frozenset())] < 2:
+                assert time.monotonic() < deadline, "the two requests never ran together"
+                time.sleep(0.1)
+        server.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60  # the shutdown has begun: no new connections
+        while _accepts(server):
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.05)
+        code = server.stop(second)
+        for t in threads:
+            t.join(120)
+        log = server.log()
+    assert code == 0, log
+    assert "terminate called" not in log and "Traceback" not in log, log
+    r = results["plain"]
+    assert r.status_code == 503, r.text
+    msg = r.json()["error"]["message"]
+    assert "second signal" in msg and "--shutdown-timeout" not in msg, msg
+    events = sse(results["stream"])
+    assert events[-1]["choices"][0]["finish_reason"] == "abort", events[-2:]
+
+
+def _accepts(server) -> bool:
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
 def test_cancelled_by_uvicorn_still_answers():
     """The backstop when uvicorn's own timeout cancels a request task: a JSON 503 before the
     response started; in a stream, the final abort chunk and [DONE] the route left."""
@@ -230,7 +298,8 @@ def test_cancelled_by_uvicorn_still_answers():
             await asyncio.sleep(3600)
 
         scope = {"type": "http", "method": "POST", "path": "/v1/completions", "state": {}}
-        task = asyncio.ensure_future(_CancelledAtShutdown(inner)(scope, receive, send))
+        engine = types.SimpleNamespace(stop_reason="its --shutdown-timeout of 1 s ran out")
+        task = asyncio.ensure_future(_CancelledAtShutdown(inner, engine)(scope, receive, send))
         await asyncio.sleep(0.05)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -225,17 +225,20 @@ def test_greedy_choice_follows_the_costs():
     assert c.verify_s[8] == pytest.approx(1.2)
 
 
-def test_sampled_choice_uses_the_confidences_only():
+def test_sampled_choice_uses_each_rows_confidences_only():
     lengths = [2, 4, 8]
     timed, untimed = StepCosts(warmup_calls=0), StepCosts()
     timed.observe("verify", 1.0, 8)
     timed.observe("draft", 0.5)
     for c in (timed, untimed):
-        assert c.best_length(lengths, [conf(0.01)], sampled=True) == 2
-        assert c.best_length(lengths, [conf(0.99)], sampled=True) == 8
-        # expected tokens beyond 4 rows: 0.5^4 + … + 0.5^7 = 0.117 ≥ 0.1 -> 8; beyond 8: 0
-        assert c.best_length(lengths, [conf(0.5)], sampled=True) == 8
-        assert c.best_length(lengths, [conf(0.4)], sampled=True) == 4  # 0.04 < 0.1
+        rows = np.stack([conf(0.01), conf(0.99), conf(0.5), conf(0.4)])
+        # 0.5: expected tokens beyond 4 rows 0.5^4 + … + 0.5^7 = 0.117 ≥ 0.1 -> 8; beyond 8: 0
+        # 0.4: 0.04 < 0.1 -> 4
+        assert c.row_lengths(lengths, rows).tolist() == [2, 8, 8, 4]
+        # a row's length is its own, whatever shares the call
+        for i in range(4):
+            assert c.row_lengths(lengths, rows[i : i + 1]).tolist() == [[2, 8, 8, 4][i]]
+    assert timed.row_lengths([8], rows).tolist() == [8] * 4
 
 
 def test_a_seed_reproduces_its_tokens_whatever_the_timings(built):

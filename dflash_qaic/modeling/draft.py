@@ -206,6 +206,12 @@ def walk(choice: torch.Tensor) -> torch.Tensor:
     return prefix[:, :, 0]  # every map applied to the anchor's index 0
 
 
+#: the selector's smallest temperature: fp16's smallest normal, 2^-14 (below it, T would round to
+#: 0 on the card); q at T ≤ this is the argmax up to score gaps of ~1e-3, and the target's
+#: q-aware verify reads the q returned, so sampling stays lossless
+MIN_TEMPERATURE = 2.0**-14
+
+
 class CandidateSelector(nn.Module):
     """DFlash-2's selector: walks the block left to right over each row's top-k logits,
     scoring candidate c after predecessor p as unary(c) + ⟨pred(p) · proj(h), succ(c)⟩ and
@@ -252,7 +258,12 @@ class CandidateSelector(nn.Module):
         if sampling:
             hot = temperature[:, None, None] > 0  # [b, 1, 1]
             t = torch.where(hot, temperature[:, None, None], 1.0)[..., None]  # [b, 1, 1, 1]
-            q_all = (scores / t).softmax(-1)  # [b, n, k, k]
+            # fp16-stable at any temperature: the max is subtracted before the division (each
+            # entry ≤ 0, so a small T sends the others towards −inf, never past +65504), and T
+            # is at least fp16's smallest normal (a smaller T would divide by fp16's 0)
+            t = t.clamp(min=MIN_TEMPERATURE)
+            z = (scores - scores.amax(-1, keepdim=True)) / t  # [b, n, k, k], ≤ 0
+            q_all = z.softmax(-1)  # [b, n, k, k]
             c = q_all.cumsum(-1)  # the first candidate whose cumulative q exceeds u · Σq
             above = c > random_u[:, :, None, None] * c[..., -1:]
             drawn = torch.where(above[..., -1], above.to(torch.int32).argmax(-1), k - 1)

@@ -86,13 +86,25 @@ class StepCosts:
         else:
             self.draft_s = new
 
-    def best_length(
-        self, lengths: list[int], confidences: list[np.ndarray] | np.ndarray, sampled: bool = False
-    ) -> int:
-        """The verify length for rows with these confidences ([rows, B−1]). Greedy: the most
-        expected committed tokens per second (the longest until a call of it and a draft call
-        have been timed). With a sampled row: the shortest that loses less than LOSS expected
-        tokens per row, from the confidences alone, so that a seed reproduces its tokens."""
+    def row_lengths(self, lengths: list[int], confidences: np.ndarray) -> np.ndarray:
+        """Each sampled row's own verify length ([rows] int64) from its own confidences
+        ([rows, B−1]) alone: the shortest that loses less than LOSS expected tokens. A sampled
+        row's tokens depend on its verify length (a row past it draws the bonus), so the length
+        is a function of the row alone and a seeded request gives the same tokens batched as
+        solo, whatever its neighbours (docs/DESIGN.md, Verify length)."""
+        c = np.asarray(confidences, np.float64)  # [rows, B−1]
+        # G[:, j]: expected proposals accepted among the first j + 1, Σ_{i≤j} Π_{l≤i} c_l
+        G = np.cumsum(np.cumprod(c, axis=1), axis=1)
+        out = np.full(len(c), lengths[-1], np.int64)
+        for n in reversed(lengths[:-1]):  # loss at n rows: G[-1] − G[n − 2] (all of G at n 1)
+            lost = G[:, -1] - (G[:, n - 2] if n > 1 else 0.0)
+            np.copyto(out, n, where=lost < self.LOSS)
+        return out
+
+    def best_length(self, lengths: list[int], confidences: list[np.ndarray] | np.ndarray) -> int:
+        """The verify length of a greedy call for rows with these confidences ([rows, B−1]):
+        the most expected committed tokens per second (the longest until a call of it and a
+        draft call have been timed)."""
         B = lengths[-1]
         if len(lengths) == 1:
             return B
@@ -101,8 +113,6 @@ class StepCosts:
         # gain[n−1]: expected committed tokens at n rows, 1 + Σ_{j<n} Π_{i≤j} c_i per row
         gain = np.full(B, float(rows))
         gain[1:] += np.cumsum(np.cumprod(c, axis=1), axis=1).sum(axis=0, dtype=np.float64)
-        if sampled:
-            return next(n for n in lengths if gain[-1] - gain[n - 1] < self.LOSS * rows)
         if B not in self.verify_s or self.draft_s is None:
             return B
         best, best_rate, ref = B, -1.0, B  # ref: the shortest timed length so far

@@ -15,8 +15,10 @@ Seams for other target forms: a target that returns more per call (a hybrid's co
 runtime/buffers.py filled here beside ids and positions.
 
 Verify length: each step verifies the first n rows of the block, n from the target's verify
-lengths, picked by `StepCosts.best_length` from the draft's confidences (and, greedy, the
-measured call costs). Any n is lossless: a step commits the accepted proposals and one target
+lengths: greedy, the call's n picked by `StepCosts.best_length` from the draft's confidences
+and the measured call costs; sampled, each row's own n from its own confidences alone
+(`StepCosts.row_lengths`; its rows past it are padding), so a seeded row's tokens never depend
+on its neighbours. Any n is lossless: a step commits the accepted proposals and one target
 token whatever n is.
 
 Sampling is decided inside the target program; the host writes each sampled row's uniforms,
@@ -245,6 +247,7 @@ class DFlashStep(_Step):
         super().__init__(plan, target, draft, bufs, state)
         self.lengths, self.costs = list(lengths), costs
         self._same = {n: np.zeros((plan.cache_rows, n), bool) for n in self.lengths}
+        self._lens = np.zeros(plan.cache_rows, np.int64)  # each row's verify length this step
         self.furthest = 0  # the largest start after the last verify
 
     def run(self, rows: np.ndarray, seqs: list) -> None:
@@ -256,16 +259,25 @@ class DFlashStep(_Step):
         """The verify call and the commits; returns the sequences that go on, whose committed
         rows are now the draft's context."""
         st, b, d, B = self.state, self.bufs, self.bufs.draft, self.plan.block_size
-        n = B
+        n, own = B, None
         cons = self.masks.propose(seqs) if self.masks.on else ()  # fills and cuts proposals
         if len(self.lengths) > 1:
-            sampled = any(s.uniforms is not None for s in seqs)
-            n = self.costs.best_length(self.lengths, st.confidence[rows], sampled)
+            sampled = [s.slot for s in seqs if s.uniforms is not None]
+            if sampled:  # each sampled row its own length, the call the longest of them
+                own = self.costs.row_lengths(self.lengths, st.confidence[sampled])
+                n = int(own.max())
+            else:
+                n = self.costs.best_length(self.lengths, st.confidence[rows])
         c = b.verify[n]  # ids, pos: [N, n]
         c.ids[:, 0] = st.anchor
         c.ids[:, 1:] = st.proposals[:, : n - 1]
         np.add(st.start[:, None], st.offsets[:, :n], out=c.pos)  # inactive rows: all -1
         np.copyto(c.pos, contract.PAD_POSITION, where=c.pos >= self.max_pos)  # past the end
+        lens = self._lens
+        lens.fill(n)
+        if own is not None:  # a sampled row's rows past its own length are padding
+            lens[sampled] = own
+            np.copyto(c.pos, contract.PAD_POSITION, where=self._arange_b[:n] >= lens[:, None])
         if cons:
             self.masks.verify(cons, c, n)
         if b.q and st.q_ids is not None:  # the draft's q of these proposals: q-aware verify
@@ -294,7 +306,7 @@ class DFlashStep(_Step):
         going = []
         for seq in seqs:  # per sequence: its tokens (the accepted ones, then the target's)
             r = seq.slot
-            seq.verified.append(n)
+            seq.verified.append(int(lens[r]))
             seq.commit(tokens[r][: accepted[r] + 1], step=True)
             if seq.reason is None and full and st.start[r] >= self.max_pos:
                 seq.reason = "ctx_len"  # positions ≥ ctx_len − 1 have no slot (contract.py)

@@ -24,8 +24,10 @@ import asyncio
 import copy
 import json
 import logging
+import os
 import random
 import secrets
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -330,10 +332,11 @@ def _cut(fe: Frontend, out: Output) -> bool:
     return out.finish_reason == "abort" and fe.engine.stopping
 
 
-def _cut_error() -> APIError:
+def _cut_error(engine: Engine | None = None) -> APIError:
+    why = (engine.stop_reason if engine is not None else None) or "the server was stopped"
     return APIError(
-        "the server is shutting down and cut this request before it finished (its "
-        "--shutdown-timeout ran out): send it again once the server is back, or to another one",
+        f"the server is shutting down and cut this request before it finished ({why}): send "
+        "it again once the server is back, or to another one",
         503,
     )
 
@@ -425,7 +428,7 @@ async def answer(
         if first.error is not None:
             raise _error_of(first)
         if first.final and _cut(fe, first):  # cut while queued: nothing was sent yet
-            raise _cut_error()
+            raise _cut_error(fe.engine)
         created = int(time.time())
         last = proto.chunk_body(rid, fe.model_name, created, chat, "", "abort")
         request.state.sse_tail = (_sse(last) + "data: [DONE]\n\n").encode()  # for the backstop
@@ -438,7 +441,7 @@ async def answer(
     if last.error is not None:
         raise _error_of(last)
     if _cut(fe, last):
-        raise _cut_error()
+        raise _cut_error(fe.engine)
     text = "".join(o.text for o in outs)
     toks = [t for o in outs for t in o.token_ids] if req.return_token_ids else None
     use = proto.usage(last.prompt_tokens, last.completion_tokens)
@@ -466,8 +469,8 @@ class _CancelledAtShutdown:
     a 503 JSON error; in a stream: the final chunk (finish_reason "abort") and `data: [DONE]`,
     as the route left them in the request's state."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, engine: Engine | None = None):
+        self.app, self.engine = app, engine
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -487,14 +490,14 @@ class _CancelledAtShutdown:
         except asyncio.CancelledError:
             log.warning("%s %s cancelled by the shutdown", scope["method"], scope["path"])
             try:
-                await _answer_cut(send, sent, state.get("sse_tail"))
+                await _answer_cut(send, sent, state.get("sse_tail"), self.engine)
             except Exception:  # the connection is gone: nobody to tell
                 pass
 
 
-async def _answer_cut(send, sent: dict, sse_tail: bytes | None) -> None:
+async def _answer_cut(send, sent: dict, sse_tail: bytes | None, engine=None) -> None:
     if not sent["start"]:
-        err = _cut_error()
+        err = _cut_error(engine)
         body = json.dumps(err.body()).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
         await send({"type": "http.response.start", "status": err.status, "headers": headers})
@@ -508,25 +511,61 @@ class Server(uvicorn.Server):
     (--shutdown-timeout): the engine ends every request (queued ones at once, running ones at
     its next step) and each route answers it properly (a 503 JSON error, or a stream's final
     chunk with finish_reason "abort" and `data: [DONE]`). uvicorn's own timeout, GRACE seconds
-    later, is only the backstop (`_CancelledAtShutdown`) for a step that would not end."""
+    later, is only the backstop (`_CancelledAtShutdown`) for a step that would not end.
+
+    A second signal during the shutdown cuts at once, and the cut requests are told so; a third
+    is uvicorn's force exit. `run` always ends with the
+    engine's worker joined, however the shutdown went: a worker thread left inside a program
+    call when the interpreter exits aborts the process (ONNX Runtime's threads)."""
 
     GRACE = 10.0
+    JOIN_S = 120.0  # the worker ends at its next step; a step that takes longer is a hang
 
     def __init__(self, config: uvicorn.Config, engine: Engine, cut_after: float):
         config.timeout_graceful_shutdown = cut_after + self.GRACE
         super().__init__(config)
         self.engine, self.cut_after = engine, cut_after
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def run(self, sockets=None) -> None:
+        try:
+            super().run(sockets)
+        finally:
+            self.engine.shutdown(self.JOIN_S)  # no-op when the lifespan already did it
+            if self.engine.worker_alive:
+                log.error("the engine did not stop within %g s: exiting now", self.JOIN_S)
+                logging.shutdown()
+                os._exit(1)  # not through the interpreter's exit, which would abort
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
 
     async def shutdown(self, sockets=None) -> None:
-        timer = asyncio.get_running_loop().call_later(self.cut_after, self._cut)
+        reason = f"its --shutdown-timeout of {self.cut_after:g} s ran out"
+        timer = asyncio.get_running_loop().call_later(self.cut_after, self._cut, reason)
         try:
             await super().shutdown(sockets)
         finally:
             timer.cancel()
 
-    def _cut(self) -> None:
-        log.warning("--shutdown-timeout %g s exceeded: cutting the requests left", self.cut_after)
-        self.engine.stop()
+    def handle_exit(self, sig: int, frame) -> None:
+        """The first signal starts the graceful shutdown; a second one cuts every request now
+        (each ends at the engine's next step with its answer, so the shutdown then completes
+        as usual, lifespan included); only a third is uvicorn's force exit."""
+        if self.should_exit and self._loop is not None and not self.engine.stopping:
+            name = signal.Signals(sig).name
+            reason = f"a second signal, {name}, stopped the server at once"
+            self.engine.stop_reason = self.engine.stop_reason or reason  # for the backstop too
+            self._loop.call_soon_threadsafe(self._cut, reason)  # safe from a signal handler
+            return
+        super().handle_exit(sig, frame)
+
+    def _cut(self, reason: str) -> None:
+        if self.engine.stopping:
+            return
+        log.warning("cutting the requests left: %s", reason)
+        self.engine.stop(reason)
 
 
 class _ApiKey:
@@ -598,7 +637,7 @@ def create_app(
         fe.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="dflash-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.add_middleware(_CancelledAtShutdown)
+    app.add_middleware(_CancelledAtShutdown, engine=engine)
     if api_key:
         app.add_middleware(_ApiKey, key=api_key, metrics=metrics)
     app.state.frontend = fe

@@ -193,6 +193,7 @@ class Engine:
         self._count_lock = threading.Lock()
         self._in_engine = 0  # requests accepted and not yet given their final Output
         self._stopping = threading.Event()
+        self.stop_reason: str | None = None  # why stop() was called (the cut requests' answers)
         self._thread = threading.Thread(target=self._work, name="dflash-engine", daemon=True)
         self._live: list[_Run] = []  # requests in the runtime engine (worker thread only)
 
@@ -204,6 +205,10 @@ class Engine:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()
+
+    @property
+    def worker_alive(self) -> bool:
+        return self._thread.is_alive()
 
     @property
     def stopping(self) -> bool:
@@ -228,9 +233,12 @@ class Engine:
         with self._count_lock:
             self._in_engine -= 1
 
-    def stop(self) -> None:
+    def stop(self, reason: str | None = None) -> None:
         """Cut everything without waiting: queued requests end now, running ones at the worker's
-        next step (each with finish_reason "abort"); new submissions are refused."""
+        next step (each with finish_reason "abort"); new submissions are refused. `reason`:
+        why, for the answers of the requests cut (the first one given stays)."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
         self._stopping.set()
         while True:
             try:
