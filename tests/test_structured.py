@@ -286,7 +286,8 @@ def test_hermes_parser_reads_tool_calls():
         ({"repetition_penalty": 1.1}, "repetition_penalty"),
         ({"min_p": 0.05}, "min_p"),
         ({"min_tokens": 3}, "min_tokens"),
-        ({"allowed_token_ids": [65]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [65], "guided_regex": "A+"}, "allowed_token_ids"),
+        ({"allowed_token_ids": [9999]}, "allowed_token_ids"),
         ({"bad_words": ["x"]}, "bad_words"),
         ({"use_beam_search": True}, "use_beam_search"),
         ({"stream_options": {"include_usage": True, "extra": 1}}, "stream_options.extra"),
@@ -305,6 +306,15 @@ def test_fields_refused_by_name(app_client, body, param):
     err = r.json()["error"]
     assert err["param"] == param, err
     assert param.split(".")[-1] in err["message"] or "json_schema" in err["message"], err
+
+
+def test_allowed_token_ids(app_client):
+    """vLLM's allowed_token_ids through the same bitmask: only those tokens, stop ids included
+    when listed."""
+    body = dict(prompt=PROMPT, max_tokens=24, temperature=0, allowed_token_ids=[97, 98, 256])
+    r = app_client.post("/v1/completions", json={**body, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert set(r.json()["choices"][0]["token_ids"]) <= {97, 98, 256}
 
 
 def test_chat_fields(app_client):

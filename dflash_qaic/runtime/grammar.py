@@ -345,3 +345,51 @@ class StepMasks:
         for seq in self._constrained(seqs):
             seq.constraint.mask(call.mask[seq.slot, 0])
             self.dirty.add(seq.slot)
+
+
+class TokenSet:
+    """A fixed set of allowed tokens (vLLM's `allowed_token_ids`): every row's mask is the set,
+    with no state; the grammar's interface, so the step treats it alike."""
+
+    def __init__(self, ids, vocab_size: int):
+        words = contract.bitmask_words(vocab_size)
+        bits = np.zeros(words * 32, np.uint8)
+        ids = sorted({int(t) for t in ids})
+        if not ids or ids[0] < 0 or ids[-1] >= vocab_size:
+            raise GrammarError(f"allowed_token_ids must be token ids in 0 … {vocab_size - 1}")
+        bits[ids] = 1
+        self.row = np.packbits(bits, bitorder="little").view(np.int32)
+        self.single = ids[0] if len(ids) == 1 else -1
+
+    def constraint(self) -> FixedConstraint:
+        return FixedConstraint(self)
+
+
+class FixedConstraint(Constraint):
+    def __init__(self, tokens: TokenSet):
+        super().__init__(None, len(tokens.row))
+        self.tokens = tokens
+        self.allowed = np.unpackbits(tokens.row.view(np.uint8), bitorder="little").astype(bool)
+
+    @property
+    def terminated(self) -> bool:
+        return False
+
+    def mask(self, row: np.ndarray) -> None:
+        row[:] = self.tokens.row
+
+    def propose(self, proposals, confidence, masks, fill: bool):
+        t = time.thread_time()
+        masks[:] = self.tokens.row
+        if fill and self.tokens.single >= 0:
+            self.forced += int((proposals != self.tokens.single).sum())
+            proposals[:] = self.tokens.single
+        bad = np.flatnonzero(~self.allowed[proposals])
+        if len(bad):
+            i = int(bad[0])
+            confidence[i:] = 0.0
+            self.cut += len(proposals) - i
+        self.host_s += time.thread_time() - t
+
+    def advance(self, tokens) -> None:
+        pass

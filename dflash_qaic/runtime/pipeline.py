@@ -20,7 +20,7 @@ import numpy as np
 from dflash_qaic import contract
 from dflash_qaic.manifest import Manifest
 from dflash_qaic.runtime.engine import Engine, EngineConfig
-from dflash_qaic.runtime.grammar import GrammarError, Grammars, normalize
+from dflash_qaic.runtime.grammar import GrammarError, Grammars, TokenSet, normalize
 from dflash_qaic.runtime.sequence import Request
 from dflash_qaic.runtime.stats import GenerationResult, StepCosts
 from dflash_qaic.runtime.streamer import prompt_array
@@ -299,6 +299,19 @@ class Pipeline:
             if self._grammars is None:
                 self._grammars = Grammars(self.tokenizer, self.vocab, self.eos)
             return self._grammars.compile(response_format)
+        except GrammarError as e:
+            raise GenerationError(str(e)) from None
+
+    def allowed_tokens(self, ids):
+        """The constraint of a fixed set of allowed token ids (vLLM's allowed_token_ids), as
+        `grammar` returns one; GenerationError when the program cannot apply it."""
+        if not self.can_constrain:
+            raise GenerationError(
+                "these artifacts' target program takes no token bitmask, so it cannot restrict "
+                "the allowed tokens: re-export with `dflash-export --structured-output`"
+            )
+        try:
+            return TokenSet(_token_ids(ids, "allowed_token_ids", self.vocab), self.vocab)
         except GrammarError as e:
             raise GenerationError(str(e)) from None
 

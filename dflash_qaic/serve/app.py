@@ -152,6 +152,21 @@ class Frontend:
         except GenerationError as e:
             raise APIError(str(e), param=param) from None
 
+    def allowed(self, req, grammar):
+        """vLLM's allowed_token_ids as the request's constraint (beside no other one)."""
+        if req.allowed_token_ids is None:
+            return grammar
+        if grammar is not None:
+            raise APIError(
+                "allowed_token_ids and a structured-output constraint cannot be combined: give "
+                "one of them",
+                param="allowed_token_ids",
+            )
+        try:
+            return self.pipe.allowed_tokens(req.allowed_token_ids)
+        except GenerationError as e:
+            raise APIError(str(e), param="allowed_token_ids") from None
+
     async def prompt_ids(self, prompt, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
@@ -683,7 +698,7 @@ def create_app(
         constraint = req.constraint()
         special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = await fe.prompt_ids(req.prompt, special)
-        grammar = await fe.grammar(constraint, "response_format")
+        grammar = fe.allowed(req, await fe.grammar(constraint, "response_format"))
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         params = fe.params(req, len(ids), max_tokens, grammar)
         return await answer(fe, request, req, ids, params, chat=False)
@@ -705,7 +720,7 @@ def create_app(
             constraint = plan.constraint
         ids = await fe.chat_ids(req, plan.tools)
         param = "tool_choice" if plan.constraint is not None else "response_format"
-        grammar = await fe.grammar(constraint, param)
+        grammar = fe.allowed(req, await fe.grammar(constraint, param))
         params = fe.params(req, len(ids), req.max_new, grammar)
         return await answer(fe, request, req, ids, params, chat=True, plan=plan)
 

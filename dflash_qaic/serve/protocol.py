@@ -171,7 +171,6 @@ class _Sampling(_Request):
         "min_tokens": 0,
         "use_beam_search": False,
         "best_of": None,
-        "allowed_token_ids": None,
         "bad_words": None,
         "include_stop_str_in_output": False,
         "spaces_between_special_tokens": True,
