@@ -398,3 +398,22 @@ def test_the_option_adds_one_input_and_no_specialization(default_artifacts, cb_a
         m.target.io.token_bitmask and not read_manifest(default_artifacts).target.io.token_bitmask
     )
     assert list(m.target.specializations) == contract.target_specializations(m.plan)
+
+
+@pytest.mark.slow
+def test_dflash2_draft_under_a_grammar(tmp_path):
+    """The DFlash-2 draft (q-aware verification) under a grammar: T = 0 equals the target
+    alone; sampled outputs that stop validate."""
+    from dflash_qaic.export.cli import main
+
+    out = tmp_path / "d2"
+    assert main(["--recipe", "default-dflash2", "--out", str(out), "--no-compile", "--quiet",
+                 "--ctx-len", "1024", "--structured-output"]) == 0  # fmt: skip
+    pipe = dflash_qaic.load(out, threads=1)
+    spec = FORMATS["person"]
+    res = pipe.generate(PROMPT, 80, response_format=spec)
+    assert res.tokens == pipe.generate_baseline(PROMPT, 80, response_format=spec).tokens
+    for seed in range(3):
+        res = pipe.generate(PROMPT, 80, temperature=1.0, seed=seed, response_format=spec)
+        if res.stop_reason == "stop_token":
+            assert valid(spec, pipe.tokenizer.decode(res.tokens, skip_special_tokens=True))

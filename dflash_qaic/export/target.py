@@ -214,7 +214,7 @@ def export_target(
         continuous_batching=full_batch_size is not None,
         **extra,
     ).eval()
-    if draft_q and extra:
+    if draft_q and cls is ExportHybridTarget:
         raise ValueError("q-aware verification (draft_q) is not built for hybrid targets")
     io = target_io(
         module, cfg.hidden_size, emit_logits, sampling, draft_q if sampling else (), token_bitmask
