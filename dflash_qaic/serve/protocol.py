@@ -197,10 +197,8 @@ class _Sampling(_Request):
             if bad is not None:
                 return f"{sub}.{bad}"
         rf = self.response_format
-        if rf is not None and rf.type == "structural_tag":
+        if rf is not None and rf.type == "structural_tag":  # vLLM's: not served
             return "response_format.type"
-        if rf is not None and rf.json_schema is not None:
-            return None
         return None
 
     def constraint(self) -> dict | None:
