@@ -90,6 +90,10 @@ DRAFT_RANDOM_U = "draft_random_u"  # float [batch, B − 1]
 DRAFT_Q_IDS = "draft_q_ids"  # int64 [batch, B − 1, k]
 DRAFT_Q_PROBS = "draft_q_probs"  # float [batch, B − 1, k]
 CONFIDENCE_TOPK = 16
+# Structured output (docs/DESIGN.md, Structured output): int32 [batch, seq_len, ceil(V / 32)], the
+# tokens a grammar allows at each row (bit i % 32 of word i // 32 set when token i is allowed,
+# xgrammar's layout); the program sets every other logit out of reach before its token choice
+TOKEN_BITMASK = "token_bitmask"
 
 RETAINED_SUFFIX = "_RetainedState"
 PAD_POSITION = -1
@@ -227,6 +231,11 @@ def sampling_specs() -> list[TensorSpec]:
     ]
 
 
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of a token bitmask row: 32 tokens per word."""
+    return (vocab_size + 31) // 32
+
+
 def q_specs(rows: int, k: int) -> list[TensorSpec]:
     """A DFlash-2 draft's q over its k candidates per proposal (DraftIO out, TargetIO in)."""
     shape = (BATCH, rows, k)
@@ -263,6 +272,8 @@ class TargetIO:
     # (B − 1, k) for a DFlash-2 draft exported for sampling: the draft's q (DRAFT_Q_IDS,
     # DRAFT_Q_PROBS [batch, B − 1, k]) is an input and verification is q-aware; () as before
     draft_q: tuple[int, ...] = ()
+    # structured output: the program takes TOKEN_BITMASK, applied before every row's choice
+    token_bitmask: bool = False
 
     @property
     def hybrid(self) -> bool:
@@ -291,8 +302,16 @@ class TargetIO:
             *window_specs(self.comp_ctx),
             *(sampling_specs() if self.sampling else ()),
             *(q_specs(*self.draft_q) if self.sampling and self.draft_q else ()),
+            *self.bitmask,
             *self.kv,
         ]
+
+    @property
+    def bitmask(self) -> list[TensorSpec]:
+        """TOKEN_BITMASK when the program takes it (structured output), else nothing."""
+        if not self.token_bitmask:
+            return []
+        return [TensorSpec(TOKEN_BITMASK, "int32", (BATCH, SEQ, bitmask_words(self.vocab_size)))]
 
     @property
     def outputs(self) -> list[TensorSpec]:

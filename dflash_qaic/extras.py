@@ -17,6 +17,7 @@ EXTRAS = {
     "bench": ("matplotlib", "scipy"),
     "replicas": ("fastapi", "uvicorn", "prometheus_client", "vllm_router"),
     "ray": ("fastapi", "uvicorn", "prometheus_client", "ray"),
+    "structured": ("xgrammar",),
 }
 
 

@@ -241,12 +241,14 @@ class Program:
         rings = io.pop("ring_slots", ())  # a draft with ring caches only (b16: absent)
         q_top_k = io.pop("q_top_k", 0)  # a DFlash-2 draft exported for sampling only
         draft_q = io.pop("draft_q", ())  # a target verifying with a DFlash-2 draft's q only
+        bitmask = io.pop("token_bitmask", False)  # a target exported for structured output only
         return {
             **self.facts,
             **io,
             **({"ring_slots": list(rings)} if rings else {}),
             **({"q_top_k": q_top_k} if q_top_k else {}),
             **({"draft_q": list(draft_q)} if draft_q else {}),
+            **({"token_bitmask": True} if bitmask else {}),
             "onnx": self.onnx,
             "external_data": self.external_data,
             "onnx_bytes": self.onnx_bytes,
@@ -284,6 +286,7 @@ class Program:
                 linear_layers=_int_tuple(c, "linear_layers", 0, dims["n_layers"] - 1),
                 state_dims=_int_tuple(c, "state_dims", 1, 1 << 24),
                 draft_q=c.ints("draft_q", 1, 1 << 24, default=[]),
+                token_bitmask=c.bool("token_bitmask", False),
             )
             if io.hybrid and len(io.state_dims) != 5:
                 c.fail(c.key("state_dims"), "must list 5 dims for a hybrid target")
@@ -308,7 +311,7 @@ class Program:
             | set(dims)
             | {"emit_logits", "sampling", "block_size", "continuous_batching", "comp_ctx"}
         )
-        known |= {"linear_layers", "state_dims", "draft_q"}
+        known |= {"linear_layers", "state_dims", "draft_q", "token_bitmask"}
         known |= {"confidence", "ring_slots", "q_top_k", "inputs", "outputs", "qpc"}
         return cls(
             io=io,

@@ -69,7 +69,8 @@ def default_artifacts(tmp_path_factory):
 @pytest.fixture(scope="session")
 def cb_artifacts(tmp_path_factory):
     """The built-in default pair exported once per session with --full-batch-size 4 (prefill
-    chunk 64, ctx 1024): the serving tests' continuous-batching artifacts."""
+    chunk 64, ctx 1024) and --structured-output: the serving tests' continuous-batching
+    artifacts (a row without a grammar runs exactly as without the option)."""
     import dflash_qaic
     from dflash_qaic.export.cli import load_recipe
 
@@ -83,5 +84,6 @@ def cb_artifacts(tmp_path_factory):
         compile=False,
         prefill_seq_len=64,
         ctx_len=1024,
+        structured_output=True,
     )
     return out

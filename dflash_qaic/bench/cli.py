@@ -8,6 +8,7 @@
     dflash-bench --export …  /  dflash-bench --serve …   # the export and server benchmarks
     dflash-bench --long-context artifacts/DIR --prompt-len 8000     # cost against position
     dflash-bench --router artifacts/default-cb8    # vllm-router's cost per request (TTFT)
+    dflash-bench ARTIFACTS --response-format schema.json   # under a grammar (bench/structured.py)
 
 Prints the summary screen. Exits 1 when DFlash's tokens differ from the target's at T = 0 (the
 lossless check), 2 on bad input.
@@ -99,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
 
         p = common_parser(batch.__doc__, "artifacts exported with --full-batch-size", batch.OPTIONS)
         return guarded(batch._main, p.parse_args(argv), argv)
+    if any(a == "--response-format" or a.startswith("--response-format=") for a in argv):
+        from dflash_qaic.bench import structured  # structured output: its own flags
+
+        return structured.main(argv)
     for flag, module in MODES.items():
         if flag in argv:
             return _delegate(flag, module, [a for a in argv if a != flag])

@@ -42,8 +42,8 @@ def _feeds(io, sym: dict, pos: np.ndarray, window: np.ndarray | None, hidden: in
             out[spec.name] = window
         elif spec.name == contract.TARGET_HIDDEN:
             out[spec.name] = np.random.default_rng(0).standard_normal((b, seq, hidden), "f4")
-        elif spec.name == contract.TOP_P:
-            out[spec.name] = np.ones(shape, np.float32)
+        elif spec.name in (contract.TOP_P, contract.TOKEN_BITMASK):  # top-p off, all allowed
+            out[spec.name] = np.full(shape, 1 if spec.name == contract.TOP_P else -1, spec.dtype)
         else:  # ids, temperature 0, top_k 0, uniforms
             out[spec.name] = np.zeros(shape, np.dtype(spec.dtype))
     return out

@@ -445,6 +445,7 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, steps) -> Manifest:
             sampling=o.sampling,
             verify_lengths=list(plan.verify_lengths),
             draft_q=draft_q,
+            token_bitmask=o.structured_output,
             **common,
         )
     del target

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from dflash_qaic import contract
 from dflash_qaic.export.options import RECIPE_OPTIONS
 
 RECIPE_KEYS = {"name", "description", "target", "draft", *RECIPE_OPTIONS}
@@ -137,6 +138,15 @@ def summary_table(res, out: Path) -> str:
         f"specializations: target {n['target']}, draft {n['draft']} (fewer: see "
         "`dflash-export --help`)"
     )
+    io = m.target.io
+    if io.token_bitmask:  # structured output: what carrying the masks costs
+        row = 4 * contract.bitmask_words(io.vocab_size)
+        rows = m.plan.cache_rows * m.block_size
+        lines.append(
+            f"structured output: 0 more specializations; the token bitmask adds {row} B per row, "
+            f"{rows * row} B per whole-block verify call ({m.plan.cache_rows} x {m.block_size} "
+            "rows)"
+        )
     return "\n".join(lines)
 
 

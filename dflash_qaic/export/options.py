@@ -114,6 +114,13 @@ class ExportOptions:
     sampling: bool = _opt(
         True, "bool", "greedy-only target program (no on-device sampler: cheaper verify calls)"
     )
+    structured_output: bool = _opt(
+        False,
+        "bool",
+        "structured output: the target takes a token bitmask per row (a grammar's allowed "
+        "tokens, applied before its token choice; docs/DESIGN.md, Structured output)",
+        recipe=True,
+    )
     fp16_check: bool = _opt(True, "bool", "skip the fp16 graph run")
     compile: bool = _opt(True, "bool", "export ONNX only", group="run")
     qpc_config: str = _opt(

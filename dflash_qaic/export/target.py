@@ -61,6 +61,10 @@ def check_feeds(io: contract.TargetIO, specializations: list[dict], seed: int = 
             feed[contract.DRAFT_Q_IDS] = ids.reshape(b, rows, k).astype(np.int64)
             q = rng.random((b, rows, k)).astype(np.float32)
             feed[contract.DRAFT_Q_PROBS] = q / q.sum(-1, keepdims=True)
+        if io.token_bitmask:  # a grammar's mask: random bits, token 0 always allowed
+            words = contract.bitmask_words(io.vocab_size)
+            bits = rng.integers(-(2**31), 2**31, (b, s, words), dtype=np.int64)
+            feed[contract.TOKEN_BITMASK] = (bits | 1).astype(np.int32)
         for kv in io.kv:
             feed[kv.name] = np.zeros(kv.bind(**sym), dtype=np.float32)
         feeds.append(feed)
@@ -98,7 +102,12 @@ def check_sizes(ctx_len: int, prefill_seq_len: int, block_size: int, min_block: 
 
 
 def target_io(
-    module: ExportTarget, hidden_size: int, emit_logits: bool, sampling: bool, draft_q=()
+    module: ExportTarget,
+    hidden_size: int,
+    emit_logits: bool,
+    sampling: bool,
+    draft_q=(),
+    token_bitmask: bool = False,
 ) -> contract.TargetIO:
     """The contract of the program `module` exports to."""
     if isinstance(module, ExportHybridTarget):
@@ -122,6 +131,7 @@ def target_io(
         comp_ctx=module.comp_ctx,
         **hybrid,
         draft_q=tuple(draft_q),
+        token_bitmask=token_bitmask,
     )
 
 
@@ -152,6 +162,7 @@ def export_target(
     fp16_check: bool = True,
     stream_from: ck.Pair | None = None,
     draft_q: tuple[int, ...] = (),
+    token_bitmask: bool = False,
 ) -> dict:
     """Export the target program to `out_path` and check it; returns facts for the manifest.
 
@@ -169,6 +180,8 @@ def export_target(
     counts (None: the default ones); see contract.py.
     draft_q: (B − 1, k) with sampling and a DFlash-2 draft that returns its q: q-aware
     verification (contract.TargetIO.draft_q; not for a hybrid target).
+    token_bitmask: structured output, the program takes contract.TOKEN_BITMASK and chooses
+    only among the tokens it allows (docs/DESIGN.md, Structured output; not for a hybrid target).
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=1)
     cfg = hf_model.config
@@ -180,7 +193,14 @@ def export_target(
                 f"chunk from a verify call by its rows), got {prefill_seq_len} <= {block_size}"
             )
         extra = dict(block_size=block_size, max_rows=prefill_seq_len)
+        if token_bitmask:
+            raise ValueError(
+                "structured output (--structured-output) is not built for hybrid targets yet: "
+                "export without it"
+            )
     cls = ExportHybridTarget if extra else ExportTarget
+    if token_bitmask:
+        extra["token_bitmask"] = True
     module = cls.from_hf(
         hf_model,
         fc_weight,
@@ -194,9 +214,11 @@ def export_target(
         continuous_batching=full_batch_size is not None,
         **extra,
     ).eval()
-    if draft_q and extra:
+    if draft_q and cls is ExportHybridTarget:
         raise ValueError("q-aware verification (draft_q) is not built for hybrid targets")
-    io = target_io(module, cfg.hidden_size, emit_logits, sampling, draft_q if sampling else ())
+    io = target_io(
+        module, cfg.hidden_size, emit_logits, sampling, draft_q if sampling else (), token_bitmask
+    )
     plan = contract.shape_plan(
         block_size,
         prefill_seq_len,

@@ -44,6 +44,35 @@ MAX_BRANCH = 64  # children per node of the vocabulary tree
 SAMPLING_CANDIDATES = 512
 
 
+INT32_MIN = -(2**31)
+
+
+def token_allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The tokens a grammar allows, from its bitmask int32 [b, s, ceil(V/32)] (bit i % 32 of
+    word i // 32, xgrammar's layout) -> bool [b, s, V] (docs/DESIGN.md, Structured output).
+
+    Integer arithmetic only (opset 17 has no bitwise And on int32): bit 31 is the word's sign;
+    bits 0 … 30 are read from the word with its sign bit cleared (w − INT32_MIN ≥ 0 for a
+    negative w, no overflow) as (w // 2^k) mod 2."""
+    v = torch.arange(vocab)
+    words = bitmask.index_select(-1, v // 32)  # [b, s, V]
+    k = v % 32
+    sign = k == 31
+    low = torch.where(words < 0, words - INT32_MIN, words)  # bits 0 … 30, >= 0
+    pow2 = torch.where(sign, 1, torch.pow(2, k)).to(torch.int32)
+    bit = torch.remainder(torch.div(low, pow2, rounding_mode="floor"), 2) == 1
+    return (sign & (words < 0)) | (~sign & bit)  # And / Or: ONNX Runtime has no bool Where
+
+
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Disallowed logits lowered to `floor` = min(logits) − 1 per row, below every allowed one
+    (finite and small: safe in fp16, unlike −inf or −65504, which the fp16 check would flag);
+    returns (masked logits, floor [b, s, 1]). The argmax of the masked logits is an allowed
+    token, and `sampling_weights` gives every logit at or below the floor weight 0, exactly."""
+    floor = logits.amin(-1, keepdim=True) - 1.0
+    return torch.where(allowed, logits, floor), floor
+
+
 def vocab_tree(vocab: int) -> tuple[int, int]:
     """(levels, branch): at least 2 levels, branch = ceil(V^(1/levels)) <= MAX_BRANCH."""
     levels = max(2, math.ceil(math.log(max(vocab, 2)) / math.log(MAX_BRANCH)))
@@ -144,6 +173,7 @@ def sampling_weights(
     top_p: torch.Tensor,
     vocab: int,
     candidates: int = SAMPLING_CANDIDATES,
+    floor: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Unnormalised target distribution after temperature, top-k and top-p.
 
@@ -159,6 +189,8 @@ def sampling_weights(
     whose head would not (top-k off, the candidates' mass below top_p) keeps the whole
     distribution, i.e. gains at most 1 - top_p of mass. With V <= candidates all is exact.
     Sampling itself always runs over the whole vocabulary.
+    floor [b, s, 1] (structured output, `mask_logits`): logits at or below it get weight 0, so
+    top-k, top-p and the sample see only the allowed tokens.
     """
     n = min(candidates, vocab)
     t = torch.where(temperature > 0, temperature, 1.0)[:, None, None]  # [b, 1, 1]
@@ -170,6 +202,9 @@ def sampling_weights(
     keep_k = (rank < k) | ~k_on  # [b, 1, n]
     e = torch.where(keep_k, torch.exp((srt - top) / t), 0.0)  # [b, s, n] sorted weights
     w_all = torch.exp((logits - top) / t)  # [b, s, V]
+    if floor is not None:  # the grammar's disallowed tokens weigh nothing
+        e = torch.where(srt > floor, e, 0.0)
+        w_all = torch.where(logits > floor, w_all, 0.0)
     # top-p's reference mass: the top-k head, or the whole vocabulary when top-k is off
     head = _tree_total(e, n)[..., None]  # [b, s, 1]
     mass = torch.where(k_on, head, _tree_total(w_all, vocab)[..., None])
@@ -203,6 +238,7 @@ def sample_next_tokens(
     candidates: int = SAMPLING_CANDIDATES,
     q_ids: torch.Tensor | None = None,
     q_probs: torch.Tensor | None = None,
+    floor: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The token committed at every row under the lossless rule (docs/DESIGN.md, Sampling).
 
@@ -220,11 +256,16 @@ def sample_next_tokens(
     (rows from m on have none). Then the rule is q-aware: d if u1 < p(d) / q(d), else a sample
     from norm(max(p − q, 0)) (p itself if that is empty). None: q is one-hot at d (the rule
     above; the graph is exactly the one without q).
+
+    floor [b, s, 1] (structured output): logits already masked by `mask_logits`; p is then the
+    target's distribution restricted to the grammar's tokens, and a disallowed proposal has
+    p(d) = 0 (always rejected).
     """
     greedy = logits.argmax(dim=-1)  # [b, s]
     rows = _leading_rows(random_u)  # [n]: 0 … n−1
     head = logits.index_select(1, rows)  # [b, n, V]: the rows that sample
-    w = sampling_weights(head, temperature, top_k, top_p, vocab, candidates)  # [b, n, V]
+    head_floor = floor.index_select(1, rows) if floor is not None else None
+    w = sampling_weights(head, temperature, top_k, top_p, vocab, candidates, head_floor)
     u = random_u.clamp(0.0, U_MAX)
     u_accept, u_sample = u[..., 0], u[..., 1]  # [b, n]
     # proposal of row j: the next row's input token, if that row exists and is not padding

@@ -45,6 +45,7 @@ from dflash_qaic.contract import (
     NEXT_TOKENS,
     POSITION_IDS,
     SAMPLING_INPUTS,
+    TOKEN_BITMASK,
     past_key,
     past_value,
 )
@@ -62,7 +63,12 @@ from dflash_qaic.modeling.layers import (
 )
 from dflash_qaic.modeling.moe import mlp_from_hf
 from dflash_qaic.modeling.ops import cache_reads, cache_rows, cache_slots, update_cache
-from dflash_qaic.modeling.sampler import SAMPLING_CANDIDATES, sample_next_tokens
+from dflash_qaic.modeling.sampler import (
+    SAMPLING_CANDIDATES,
+    mask_logits,
+    sample_next_tokens,
+    token_allowed,
+)
 
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_TARGETS)
 
@@ -175,9 +181,11 @@ class ExportTarget(nn.Module):
         fc_scale: float = 1.0,
         continuous_batching: bool = False,
         comp_ctx: bool = True,
+        token_bitmask: bool = False,
     ):
         super().__init__()
         self.continuous_batching = continuous_batching
+        self.token_bitmask = token_bitmask  # structured output: contract.TOKEN_BITMASK
         self.comp_ctx = comp_ctx
         if lm_head.bias is not None:
             raise ValueError("an lm_head with a bias is not supported")
@@ -213,6 +221,7 @@ class ExportTarget(nn.Module):
         sampling: bool = True,
         sampling_candidates: int = SAMPLING_CANDIDATES,
         continuous_batching: bool = False,
+        token_bitmask: bool = False,
     ) -> ExportTarget:
         cfg = hf_model.config
         _check_supported(hf_model, fc_weight, target_layer_ids)
@@ -238,6 +247,7 @@ class ExportTarget(nn.Module):
             sampling_candidates=sampling_candidates,
             fc_scale=fc_scale,
             continuous_batching=continuous_batching,
+            token_bitmask=token_bitmask,
         )
         return target
 
@@ -248,7 +258,7 @@ class ExportTarget(nn.Module):
         # batching, batch_index [b, 1]; comp_ctx_lengths [L] = 0 … L-1, the slots attention
         # reads; with sampling, temperature, top_k, top_p [b] and random_u [b, sample_len, 2];
         # past[2i], past[2i+1] = key / value cache of layer i [b or N, kvh, ctx, hd]
-        x = dict(zip(self.input_names, inputs, strict=True))
+        x = x_in = dict(zip(self.input_names, inputs, strict=True))
         input_ids, position_ids = x[INPUT_IDS], x[POSITION_IDS]
         rows = cache_rows(x[BATCH_INDEX]) if self.continuous_batching else None  # -1 -> row 0
         window = x[COMP_CTX_LENGTHS] if self.comp_ctx else None  # [L]
@@ -284,6 +294,10 @@ class ExportTarget(nn.Module):
             taps[last] = x  # HF's last hidden_states entry is taken after the final norm
 
         logits = x @ self.head_t  # [b, s, V]
+        if self.token_bitmask:  # structured output: only the grammar's tokens can be chosen
+            allowed = token_allowed(x_in[TOKEN_BITMASK], self.vocab_size)
+            logits, floor = mask_logits(logits, allowed)
+            q["floor"] = floor
         if self.sampling:
             vocab = self.vocab_size
             next_tokens = sample_next_tokens(

@@ -71,6 +71,9 @@ class TargetCall:
     ids: np.ndarray  # int64 [rows, n]
     pos: np.ndarray  # int64 [rows, n]
     feeds: dict[int, dict[str, np.ndarray]]  # sample_len -> the call's named feeds
+    # structured output: int32 [rows, n, words], the grammar's allowed tokens per row (all
+    # ones, -1, on a row without a grammar); None when the program has no token bitmask
+    mask: np.ndarray | None = None
 
 
 @dataclass
@@ -115,15 +118,20 @@ class _Shared:
             out[contract.COMP_CTX_LENGTHS] = self.window_ids[self.plan.windows[-1]]
         return out
 
-    def target_call(self, ids: np.ndarray, pos: np.ndarray, sample_lens) -> TargetCall:
+    def target_call(self, ids: np.ndarray, pos: np.ndarray, sample_lens, mask=None) -> TargetCall:
+        if mask is None and self.target_io.token_bitmask:
+            words = contract.bitmask_words(self.target_io.vocab_size)
+            mask = np.full((*ids.shape, words), -1, np.int32)
         feeds = {}
         for s in sample_lens:
             arrays = {contract.INPUT_IDS: ids, contract.POSITION_IDS: pos, **self._common()}
             if self.plan.sampling:
                 arrays.update(self.sampling.arrays(s))
                 arrays.update(self.q)
+            if mask is not None:
+                arrays[contract.TOKEN_BITMASK] = mask
             feeds[s] = bind(self.target_io, arrays)
-        return TargetCall(ids, pos, feeds)
+        return TargetCall(ids, pos, feeds, mask)
 
     def draft_call(self, ctx, ctx_pos, blk_ids, blk_pos) -> DraftCall:
         arrays = {
@@ -179,9 +187,15 @@ class PrefillBuffers(_Shared):
         super().__init__(plan, 1, sample_lens, target_io, draft_io)
         self.H, self.mask_id = draft_io.hidden_size, mask_id
         ids, pos = np.zeros((1, C), np.int64), np.zeros((1, C), np.int64)
+        mask = None
+        if target_io.token_bitmask:
+            mask = np.full((1, C, contract.bitmask_words(target_io.vocab_size)), -1, np.int32)
         self.chunk = {
             L: self.target_call(
-                ids[:, :L], pos[:, :L], {plan.sample_len(L, g) for g in (True, False)}
+                ids[:, :L],
+                pos[:, :L],
+                {plan.sample_len(L, g) for g in (True, False)},
+                None if mask is None else mask[:, :L],
             )
             for L in plan.prefill_lengths
         }

@@ -75,6 +75,7 @@ class EngineConfig:
         only and steps from the next step() on (False: it joins that step's verify at once).
         vLLM's scheduler expects this (a step either prefills a request or decodes it; the
         plugin's worker, dflash_qaic/vllm/, sets it).
+    fill_forced_tokens: structured output fills the tokens its grammar forces (runtime/grammar.py).
     """
 
     mode: str = "dflash"
@@ -82,6 +83,9 @@ class EngineConfig:
     prefill_chunks_per_step: int | None = None
     verify_lengths: tuple[int, ...] | None = None
     first_token_alone: bool = False
+    # structured output: where the grammar allows one token, it replaces the draft's proposal
+    # (False: the proposals as drafted, to measure what filling gains)
+    fill_forced_tokens: bool = True
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -150,6 +154,7 @@ class Engine:
             self.spec = DFlashStep(plan, target, draft, bufs, state, lengths, costs)
         else:
             self.spec = DecodeStep(plan, target, draft, bufs, state)
+        self.spec.masks.fill = config.fill_forced_tokens
         self.slots: list[Sequence | None] = [None] * N  # slot -> its sequence
         self.free = list(range(N))  # a heap: the lowest free slot first
         self.waiting: collections.deque[Sequence] = collections.deque()

@@ -20,6 +20,7 @@ import numpy as np
 from dflash_qaic import contract
 from dflash_qaic.manifest import Manifest
 from dflash_qaic.runtime.engine import Engine, EngineConfig
+from dflash_qaic.runtime.grammar import GrammarError, Grammars, TokenSet, normalize
 from dflash_qaic.runtime.sequence import Request
 from dflash_qaic.runtime.stats import GenerationResult, StepCosts
 from dflash_qaic.runtime.streamer import prompt_array
@@ -185,6 +186,7 @@ class Pipeline:
             self.configure(config)
         #: timings that pick each step's verify length, kept across calls (stats.StepCosts)
         self.step_costs = StepCosts()
+        self._grammars: Grammars | None = None  # structured output, made at its first use
 
     def configure(self, config: EngineConfig | None = None, **changes) -> EngineConfig:
         """Replace the engine config (or change some of its fields, e.g.
@@ -280,15 +282,65 @@ class Pipeline:
             sp = Sampling(sp.temperature, sp.top_k, sp.top_p, np.random.SeedSequence().entropy)
         return sp
 
+    @property
+    def can_constrain(self) -> bool:
+        """The target program takes a token bitmask (exported with --structured-output)."""
+        return self.artifacts.target.io.token_bitmask
+
+    def grammar(self, response_format):
+        """The compiled grammar of a response format (runtime/grammar.py; cached per spec), or
+        None for none; GenerationError saying what is wrong with it."""
+        if response_format is None:
+            return None
+        try:
+            if not self.can_constrain:
+                if normalize(response_format) is None:  # {"type": "text"}: nothing to follow
+                    return None
+                raise GrammarError(
+                    "these artifacts' target program takes no token bitmask, so it cannot "
+                    "follow a response_format: re-export with `dflash-export --structured-output`"
+                )
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.vocab, self.eos)
+            return self._grammars.compile(response_format)
+        except GrammarError as e:
+            raise GenerationError(str(e)) from None
+
+    def allowed_tokens(self, ids):
+        """The constraint of a fixed set of allowed token ids (vLLM's allowed_token_ids), as
+        `grammar` returns one; GenerationError when the program cannot apply it."""
+        if not self.can_constrain:
+            raise GenerationError(
+                "these artifacts' target program takes no token bitmask, so it cannot restrict "
+                "the allowed tokens: re-export with `dflash-export --structured-output`"
+            )
+        try:
+            return TokenSet(_token_ids(ids, "allowed_token_ids", self.vocab), self.vocab)
+        except GrammarError as e:
+            raise GenerationError(str(e)) from None
+
     def request(
-        self, prompt, max_new_tokens=64, stop_token_ids=None, mode="dflash", what="the prompt", **sp
+        self,
+        prompt,
+        max_new_tokens=64,
+        stop_token_ids=None,
+        mode="dflash",
+        what="the prompt",
+        response_format=None,
+        grammar=None,
+        **sp,
     ) -> Request:
-        """One validated request for the engine (sp: temperature, top_k, top_p, seed)."""
+        """One validated request for the engine (sp: temperature, top_k, top_p, seed);
+        response_format: structured output (runtime/grammar.py), or `grammar` already compiled
+        (`Pipeline.grammar`)."""
         self._check_max_new(max_new_tokens)
         ids = self._prompt_ids(prompt, what)
         self._check_room(len(ids), mode, what)
         stop = self._stop_set(stop_token_ids)
-        return Request(ids, int(max_new_tokens), stop, self.sampling(**sp))
+        sampling = self.sampling(**sp)
+        if grammar is None:
+            grammar = self.grammar(response_format)
+        return Request(ids, int(max_new_tokens), stop, sampling, grammar)
 
     def _batch(self, prompts, max_new_tokens, stop_token_ids, mode, sp: dict) -> list[Request]:
         """Requests of a list of prompts: every setting is one value for all, or a list with
@@ -388,6 +440,7 @@ class Pipeline:
         seed: int | None | list[int | None] = None,
         do_sample: bool | None | list[bool | None] = None,
         streamer=None,
+        response_format: dict | None | list[dict | None] = None,
     ) -> GenerationResult | list[GenerationResult]:
         """DFlash generation. Greedy by default: token for token the target's own greedy output.
 
@@ -409,12 +462,18 @@ class Pipeline:
             runtime/streamer.py): put first receives the prompt's ids (shape (1, n), as
             transformers passes them; skip_prompt=True skips them), then each run of committed
             tokens (1-D); end() comes at the end, also when generation fails. One prompt only.
+        response_format: structured output, the same dicts as the server's response_format
+            ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema": …}},
+            {"type": "regex" | "choice" | "grammar", …}; runtime/grammar.py): the target
+            chooses only tokens the grammar allows, and the output equals the target alone
+            under the same constraint. Needs artifacts exported with --structured-output.
         seed: seeds the host's random numbers; the same seed gives the same tokens. None draws
             fresh entropy (the value used is in `stats["seed"]`).
         For a list of prompts, max_new_tokens and the sampling arguments take one value for all
         or a list with one per prompt.
         """
         sp = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, do_sample=do_sample)
+        sp["response_format"] = response_format
         return self._generate(
             prompt, max_new_tokens, stop_token_ids, on_tokens, "dflash", sp, streamer
         )
@@ -430,12 +489,14 @@ class Pipeline:
         top_p: float = 1.0,
         seed: int | None = None,
         do_sample: bool | None = None,
+        response_format: dict | None = None,
     ) -> Iterator[int]:
         """Yield generated tokens one by one as steps commit them (DFlash; arguments as generate,
         one prompt)."""
         if is_batch(prompt):
             raise GenerationError("stream takes one prompt: use generate for a list of prompts")
         sp = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, do_sample=do_sample)
+        sp["response_format"] = response_format
         req = self.request(prompt, max_new_tokens, stop_token_ids, "dflash", **sp)
         for _, new in self._run([req], "dflash", raises=True):
             yield from new
@@ -453,10 +514,13 @@ class Pipeline:
         seed: int | None | list[int | None] = None,
         do_sample: bool | None | list[bool | None] = None,
         streamer=None,
+        response_format: dict | None | list[dict | None] = None,
     ) -> GenerationResult | list[GenerationResult]:
         """The target alone on the decode specialization of the same program; same statistics,
-        the same arguments and the same batching as generate (each decode call samples from p)."""
+        the same arguments and the same batching as generate (each decode call samples from p;
+        under a response_format, from p restricted to the grammar's tokens)."""
         sp = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, do_sample=do_sample)
+        sp["response_format"] = response_format
         return self._generate(
             prompt, max_new_tokens, stop_token_ids, on_tokens, "baseline", sp, streamer
         )

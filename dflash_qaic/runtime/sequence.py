@@ -19,6 +19,7 @@ class Request:
     max_new_tokens: int
     stop: frozenset[int]
     sampling: object  # runtime.pipeline.Sampling, seed resolved when sampling
+    grammar: object = None  # runtime.grammar.Grammar: structured output (None: unconstrained)
 
 
 class Sequence:
@@ -49,6 +50,8 @@ class Sequence:
             self.draft_uniforms = rng.random(rows, dtype=np.float32)
         self.reason: str | None = None
         self.error: BaseException | None = None  # reason "error": what failed
+        # structured output: the grammar's matcher (runtime/grammar.py), advanced per commit
+        self.constraint = req.grammar.constraint() if req.grammar is not None else None
         self.log = CallLog()
         self.t_arrival = time.perf_counter()
         self.t_first = self.t_dec = None
@@ -80,10 +83,23 @@ class Sequence:
         self.tokens += produced
         if produced:
             self.new.append(produced)
+        if self.constraint is not None:
+            self._advance(produced)
         if step:
             self.lengths.append(len(produced))
         if self.reason is None and len(self.tokens) >= req.max_new_tokens:
             self.reason = "max_new_tokens"
+
+    def _advance(self, produced: list[int]) -> None:
+        """The grammar takes the committed tokens; once it has accepted its stop token the
+        sequence ends (as a stop token ends it), and a token it rejects fails this sequence."""
+        try:
+            self.constraint.advance(produced)
+        except RuntimeError as e:
+            self.reason, self.error = "error", e
+            return
+        if self.reason is None and self.constraint.terminated:
+            self.reason = "stop_token"
 
     def fill_draft_uniforms(self, u: np.ndarray, first: int) -> None:
         """Row j of `u` ([B − 1]) <- the draft's uniform for the proposal at position first + j."""

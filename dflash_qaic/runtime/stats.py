@@ -160,6 +160,8 @@ def result(seq, mode: str) -> GenerationResult:
         "top_p": sp.top_p,
         "seed": sp.seed,
     }
+    if seq.constraint is not None:  # structured output: forced / cut proposals, host time
+        stats.update(seq.constraint.stats(steps))
     error = None if seq.error is None else f"{type(seq.error).__name__}: {seq.error}"
     return GenerationResult(
         seq.tokens,

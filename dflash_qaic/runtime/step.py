@@ -38,6 +38,7 @@ import numpy as np
 
 from dflash_qaic import contract
 from dflash_qaic.runtime.buffers import PrefillBuffers, StepBuffers
+from dflash_qaic.runtime.grammar import StepMasks
 from dflash_qaic.runtime.stats import StepCosts, timed_call
 
 
@@ -139,7 +140,12 @@ class Prefill:
         s = self.plan.sample_len(L, seq.uniforms is None or not last)
         b.sampling.set_row(0, seq.req.sampling)
         seq.fill_uniforms(b.sampling.u[s][0], lo + 1)
+        constrained = last and seq.constraint is not None  # structured output: the first token
+        if constrained:
+            seq.constraint.mask(c.mask[0, n - 1])
         out = call("prefill", self.target, b.window(c.feeds[s], lo + n), [seq])
+        if constrained:
+            c.mask[0, n - 1] = -1
         check_committed("prefill", out, self._row0, n, [seq])
         first = int(out[contract.NEXT_TOKENS][0, n - 1]) if last else None
         if last:
@@ -196,6 +202,8 @@ class _Step:
         #: positions a sequence may hold: 0 … max_pos − 1 (the padding slot is the last one)
         self.max_pos = contract.max_positions(plan.ctx_len)
         bufs.bidx.fill(contract.INACTIVE_ROW)
+        # structured output: the constrained rows' token masks (runtime/grammar.py)
+        self.masks = StepMasks(state, [*bufs.verify.values(), bufs.decode], plan.block_size)
 
     def join(self, slot: int) -> None:
         """The slot's sequence steps from now on (its anchor and start set by its prefill)."""
@@ -252,6 +260,7 @@ class DFlashStep(_Step):
         rows are now the draft's context."""
         st, b, d, B = self.state, self.bufs, self.bufs.draft, self.plan.block_size
         n, own = B, None
+        cons = self.masks.propose(seqs) if self.masks.on else ()  # fills and cuts proposals
         if len(self.lengths) > 1:
             sampled = [s.slot for s in seqs if s.uniforms is not None]
             if sampled:  # each sampled row its own length, the call the longest of them
@@ -269,6 +278,8 @@ class DFlashStep(_Step):
         if own is not None:  # a sampled row's rows past its own length are padding
             lens[sampled] = own
             np.copyto(c.pos, contract.PAD_POSITION, where=self._arange_b[:n] >= lens[:, None])
+        if cons:
+            self.masks.verify(cons, c, n)
         if b.q and st.q_ids is not None:  # the draft's q of these proposals: q-aware verify
             np.copyto(b.q[contract.DRAFT_Q_IDS], st.q_ids)
             np.copyto(b.q[contract.DRAFT_Q_PROBS], st.q_probs)
@@ -335,6 +346,8 @@ class DecodeStep(_Step):
         st, c = self.state, self.bufs.decode  # ids, pos: [N, 1]
         c.ids[:, 0] = st.anchor
         c.pos[:, 0] = st.start  # inactive rows: -1
+        if self.masks.on:
+            self.masks.decode(seqs, c)
         out = self._target("decode", 1, c, seqs)
         check_committed("decode", out, rows, 1, seqs)
         token = out[contract.NEXT_TOKENS][:, 0]  # [N]

@@ -50,6 +50,8 @@ from dflash_qaic.serve.limits import (
 )
 from dflash_qaic.serve.metrics import CONTENT_TYPE
 from dflash_qaic.serve.protocol import APIError
+from dflash_qaic.serve.tools import ToolPlan
+from dflash_qaic.serve.tools import call_id as tool_call_id
 
 log = logging.getLogger("dflash_qaic.serve")
 
@@ -75,6 +77,8 @@ class Frontend:
         max_model_len: int | None = None,
         seed: int | None = None,
         max_request_bytes: int | None = None,
+        enable_auto_tool_choice: bool = False,
+        tool_call_parser: str | None = None,
     ):
         pipe = engine.pipe
         self.engine, self.model_name, self.tokenizer = engine, model_name, tokenizer
@@ -95,6 +99,12 @@ class Frontend:
         self.chars_per_token = None if tokenizer is None else longest_token_chars(tokenizer)
         self._local = threading.local()
         self.pool = ThreadPoolExecutor(self.THREADS, "dflash-tokenize", self._own_tokenizer)
+        #: tool_choice "auto" (vLLM's --enable-auto-tool-choice, --tool-call-parser)
+        self.enable_auto_tool_choice, self.tool_call_parser = (
+            enable_auto_tool_choice,
+            tool_call_parser,
+        )
+        self.pipe = pipe  # structured output: pipe.grammar (xgrammar is loaded at first use)
 
     def _own_tokenizer(self) -> None:  # each pool thread, once
         self._local.tokenizer = copy.deepcopy(self.tokenizer)
@@ -131,7 +141,33 @@ class Frontend:
                 "these artifacts have no tokenizer: send the prompt as token ids", param=param
             )
 
-    async def prompt_ids(self, prompt) -> list[int]:
+    async def grammar(self, constraint: dict | None, param: str):
+        """The compiled grammar of a request's constraint (compiling runs off the event loop;
+        cached per spec), or None; a 400 naming the field when it cannot be honoured."""
+        if constraint is None:
+            return None
+        self._need_tokenizer(param)
+        try:
+            return await self._off_loop(self.pipe.grammar, constraint)
+        except GenerationError as e:
+            raise APIError(str(e), param=param) from None
+
+    def allowed(self, req, grammar):
+        """vLLM's allowed_token_ids as the request's constraint (beside no other one)."""
+        if req.allowed_token_ids is None:
+            return grammar
+        if grammar is not None:
+            raise APIError(
+                "allowed_token_ids and a structured-output constraint cannot be combined: give "
+                "one of them",
+                param="allowed_token_ids",
+            )
+        try:
+            return self.pipe.allowed_tokens(req.allowed_token_ids)
+        except GenerationError as e:
+            raise APIError(str(e), param="allowed_token_ids") from None
+
+    async def prompt_ids(self, prompt, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
                 raise APIError(
@@ -142,32 +178,36 @@ class Frontend:
             prompt = prompt[0]
         if isinstance(prompt, str):
             self._need_tokenizer("prompt")
-            ids = await self._off_loop(self._encode, prompt, True, "prompt")
+            ids = await self._off_loop(self._encode, prompt, add_special_tokens, "prompt")
         else:
             ids = prompt
         return self._checked(ids, "prompt")
 
-    async def chat_ids(self, req: proto.ChatCompletionRequest) -> list[int]:
-        if self.tokenizer is None or not self.chat_template:
+    async def chat_ids(self, req: proto.ChatCompletionRequest, tools=None) -> list[int]:
+        if self.tokenizer is None or not (req.chat_template or self.chat_template):
             raise APIError(NO_TEMPLATE, param="messages")
         if not req.messages:
             raise APIError("messages is empty: give at least one message", param="messages")
-        ids = await self._off_loop(self._chat_encode, req)
+        ids = await self._off_loop(self._chat_encode, req, tools)
         return self._checked(ids, "messages")
 
-    def _chat_encode(self, req: proto.ChatCompletionRequest) -> list[int]:  # pool thread
+    def _chat_encode(self, req: proto.ChatCompletionRequest, tools) -> list[int]:  # pool thread
         try:
             text = self._local.tokenizer.apply_chat_template(
                 [m.for_template() for m in req.messages],
-                chat_template=self.chat_template,
+                tools=tools,
+                documents=req.documents,
+                chat_template=req.chat_template or self.chat_template,
                 tokenize=False,
                 add_generation_prompt=req.add_generation_prompt,
+                **(req.chat_template_kwargs or {}),
             )
         except Exception as e:  # a Jinja error raised by the template on these messages
             raise APIError(
                 f"the chat template failed on these messages: {e}", param="messages"
             ) from None
-        return self._encode(text, False, "messages")
+        special = bool(req.add_special_tokens)  # the chat endpoint's default: none added
+        return self._encode(text, special, "messages")
 
     def _checked(self, ids: list[int], param: str) -> list[int]:
         if not ids:
@@ -189,7 +229,9 @@ class Frontend:
 
     # ------------------------------------------------------------------ sampling
 
-    def params(self, req: proto._Sampling, n_prompt: int, max_tokens: int | None) -> Params:
+    def params(
+        self, req: proto._Sampling, n_prompt: int, max_tokens: int | None, grammar=None
+    ) -> Params:
         room = self.max_model_len - n_prompt
         max_tokens = room if max_tokens is None else max_tokens
         if max_tokens < 1:
@@ -236,6 +278,7 @@ class Frontend:
             sp.top_p,
             sp.seed,
             req.skip_special_tokens,
+            grammar,
         )
 
 
@@ -313,9 +356,13 @@ def _cut_error(engine: Engine | None = None) -> APIError:
     )
 
 
-async def _events(fe: Frontend, first: Output, handle: Handle, rid, chat, req, metrics):
-    """The server-sent events of one streamed answer, from its first Output on."""
+async def _events(fe: Frontend, first: Output, handle: Handle, rid, chat, req, metrics, plan=None):
+    """The server-sent events of one streamed answer, from its first Output on. Tool calls
+    stream as vLLM streams them: a named function's arguments as they come (the first delta
+    carries the call's id and name); `required` and `auto` replies whole, once complete."""
     created, model, ids = int(time.time()), fe.model_name, req.return_token_ids
+    tools = plan is not None and plan.calls_tools
+    held, call = [], None  # tools: the text so far; a named function's call id
     try:
         if chat:
             yield _sse(proto.chunk_body(rid, model, created, chat, text="", role="assistant"))
@@ -326,7 +373,32 @@ async def _events(fe: Frontend, first: Output, handle: Handle, rid, chat, req, m
                 metrics.error(err.status)
                 yield _sse(err.body())
                 break
-            if out.text or out.final or (ids and out.token_ids):
+            if tools:
+                reason = out.finish_reason
+                if plan.mode == "named" and out.text:
+                    delta = {"index": 0, "function": {"arguments": out.text}}
+                    if call is None:
+                        call = tool_call_id()
+                        delta.update(id=call, type="function")
+                        delta["function"]["name"] = plan.name
+                    yield _sse(proto.chunk_body(rid, model, created, chat, tool_calls=[delta]))
+                elif plan.mode != "named":
+                    held.append(out.text)
+                if out.final:
+                    calls = []
+                    if plan.mode != "named":
+                        content, calls = plan.parse("".join(held), req.parallel_tool_calls)
+                        deltas = [dict(c, index=i) for i, c in enumerate(calls)]
+                        if content or deltas:
+                            yield _sse(
+                                proto.chunk_body(
+                                    rid, model, created, chat, content, tool_calls=deltas or None
+                                )
+                            )
+                    if (call is not None or calls) and reason == "stop":
+                        reason = "tool_calls"
+                    yield _sse(proto.chunk_body(rid, model, created, chat, None, reason))
+            elif out.text or out.final or (ids and out.token_ids):
                 reason = out.finish_reason
                 toks = out.token_ids if ids else None
                 yield _sse(proto.chunk_body(rid, model, created, chat, out.text, reason, toks))
@@ -341,14 +413,16 @@ async def _events(fe: Frontend, first: Output, handle: Handle, rid, chat, req, m
         handle.cancel()  # a no-op once finished; stops the generation if the client went away
 
 
-async def answer(fe: Frontend, request: Request, req, ids: list[int], params: Params, chat: bool):
+async def answer(
+    fe: Frontend, request: Request, req, ids: list[int], params: Params, chat: bool, plan=None
+):
     try:
         handle = fe.engine.submit(ids, params)
     except EngineFull as e:
         raise APIError(
             f"{e}: retry later, or start dflash-serve with a larger --max-queue", 503
         ) from None
-    rid = proto.request_id("chatcmpl" if chat else "cmpl")
+    rid = proto.request_id("chatcmpl" if chat else "cmpl", req.request_id)
     if fe.log_requests:
         log.info(
             "Received request %s: %d prompt tokens, max_tokens %d, temperature %g, top_p %g, "
@@ -373,7 +447,7 @@ async def answer(fe: Frontend, request: Request, req, ids: list[int], params: Pa
         created = int(time.time())
         last = proto.chunk_body(rid, fe.model_name, created, chat, "", "abort")
         request.state.sse_tail = (_sse(last) + "data: [DONE]\n\n").encode()  # for the backstop
-        events = _events(fe, first, handle, rid, chat, req, fe.engine.metrics)
+        events = _events(fe, first, handle, rid, chat, req, fe.engine.metrics, plan)
         return StreamingResponse(events, media_type="text/event-stream")
     outs = await _unless_gone(_collect(handle), request, handle)
     if outs is None:
@@ -386,7 +460,12 @@ async def answer(fe: Frontend, request: Request, req, ids: list[int], params: Pa
     text = "".join(o.text for o in outs)
     toks = [t for o in outs for t in o.token_ids] if req.return_token_ids else None
     use = proto.usage(last.prompt_tokens, last.completion_tokens)
-    body = proto.completion_body(rid, fe.model_name, text, last.finish_reason, toks, use, chat)
+    reason, calls = last.finish_reason, None
+    if plan is not None and plan.calls_tools:
+        text, calls = plan.parse(text, req.parallel_tool_calls)
+        if calls and reason == "stop":
+            reason = "tool_calls"
+    body = proto.completion_body(rid, fe.model_name, text, reason, toks, use, chat, calls or None)
     return JSONResponse(body)
 
 
@@ -542,14 +621,25 @@ def create_app(
     seed: int | None = None,
     log_requests: bool = True,
     max_request_bytes: int | None = None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app over a (not yet started) engine; the app's lifespan starts and stops it.
     api_key: required on every endpoint but /health (None: no authentication); max_model_len:
     caps prompt + output below the artifacts' positions; seed: seeds the sampling requests that
     bring no seed; log_requests: one info line per request; max_request_bytes: the body limit
-    (None: serve/limits.py's default)."""
+    (None: serve/limits.py's default); enable_auto_tool_choice, tool_call_parser: tool_choice
+    "auto" and how replies are parsed for calls (serve/tools.py)."""
     fe = Frontend(
-        engine, model_name, tokenizer, chat_template, max_model_len, seed, max_request_bytes
+        engine,
+        model_name,
+        tokenizer,
+        chat_template,
+        max_model_len,
+        seed,
+        max_request_bytes,
+        enable_auto_tool_choice,
+        tool_call_parser,
     )
     fe.log_requests = log_requests
     metrics = engine.metrics
@@ -605,8 +695,12 @@ def create_app(
     async def completions(request: Request):
         req = proto.parse(proto.CompletionRequest, await read_body(request, fe.max_request_bytes))
         fe.check_model(req.model)
-        ids = await fe.prompt_ids(req.prompt)
-        params = fe.params(req, len(ids), 16 if req.max_tokens is None else req.max_tokens)
+        constraint = req.constraint()
+        special = True if req.add_special_tokens is None else req.add_special_tokens
+        ids = await fe.prompt_ids(req.prompt, special)
+        grammar = fe.allowed(req, await fe.grammar(constraint, "response_format"))
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        params = fe.params(req, len(ids), max_tokens, grammar)
         return await answer(fe, request, req, ids, params, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -614,9 +708,20 @@ def create_app(
         body = await read_body(request, fe.max_request_bytes)
         req = proto.parse(proto.ChatCompletionRequest, body)
         fe.check_model(req.model)
-        ids = await fe.chat_ids(req)
-        max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
-        params = fe.params(req, len(ids), max_tokens)
-        return await answer(fe, request, req, ids, params, chat=True)
+        plan = ToolPlan(req, fe.enable_auto_tool_choice, fe.tool_call_parser)
+        constraint = req.constraint()
+        if plan.constraint is not None:
+            if constraint is not None:
+                raise APIError(
+                    f"tool_choice {req.tool_choice!r} constrains the output itself: leave "
+                    "response_format (and structured_outputs) out",
+                    param="tool_choice",
+                )
+            constraint = plan.constraint
+        ids = await fe.chat_ids(req, plan.tools)
+        param = "tool_choice" if plan.constraint is not None else "response_format"
+        grammar = fe.allowed(req, await fe.grammar(constraint, param))
+        params = fe.params(req, len(ids), req.max_new, grammar)
+        return await answer(fe, request, req, ids, params, chat=True, plan=plan)
 
     return app

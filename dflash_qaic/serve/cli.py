@@ -6,6 +6,7 @@
                  [--chat-template FILE] [--api-key KEY] [--max-model-len N] [--max-num-seqs N]
                  [--seed N] [--shutdown-timeout S] [--max-request-bytes N] [--log-level LEVEL]
                  [--uvicorn-log-level LEVEL] [--disable-log-requests]
+                 [--enable-auto-tool-choice] [--tool-call-parser hermes|llama3_json]
 
 vLLM's flags mean what they mean there: --api-key (or $VLLM_API_KEY) makes every endpoint but
 /health answer 401 without `Authorization: Bearer KEY`; --max-model-len caps prompt + output
@@ -13,7 +14,9 @@ vLLM's flags mean what they mean there: --api-key (or $VLLM_API_KEY) makes every
 sequences generating at once (at most the artifacts' cache rows, --full-batch-size at export);
 --seed seeds the sampling requests that bring no seed of their own (the same requests in the
 same order give the same outputs; default: fresh entropy); --uvicorn-log-level sets uvicorn's
-logging (default: --log-level's); --disable-log-requests drops the one info line per request.
+logging (default: --log-level's); --disable-log-requests drops the one info line per request;
+--enable-auto-tool-choice with --tool-call-parser serves tool_choice "auto" (artifacts exported
+with --structured-output also enforce "required", a named function and response_format).
 --device-ids places this replica's programs on chosen AI100 devices (ONNX Runtime records them in
 /metrics, dflash:device_info); dflash-serve-replicas runs one server per device group behind
 vllm-router.
@@ -118,6 +121,19 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="seed of the seeds given to sampling requests without one (default: fresh entropy)",
     )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": parse replies for tool calls with --tool-call-parser (vLLM\'s '
+        'flag); "required" and a named function work without it',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes", "llama3_json"],
+        help="how replies are read for tool calls: hermes (Qwen3 <tool_call> JSON), "
+        "llama3_json (Llama 3.1 JSON)",
+    )
     levels = ["critical", "error", "warning", "info", "debug"]
     p.add_argument("--log-level", default="info", choices=levels, help="dflash-serve's logging")
     p.add_argument(
@@ -141,6 +157,10 @@ class UsageError(ValueError):
 
 def _check(args) -> str | None:
     """Refuse bad values before loading anything; returns the chat template's text."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise UsageError(
+            "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)"
+        )
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0 … 65535 (got {args.port})")
     most = (os.cpu_count() or 1) * 4
@@ -238,6 +258,8 @@ def build_app(args, template: str | None):
         seed=args.seed,
         log_requests=not args.disable_log_requests,
         max_request_bytes=args.max_request_bytes,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
     return app, engine, pipe
 

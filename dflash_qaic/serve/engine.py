@@ -55,6 +55,7 @@ class Params:
     top_p: float = 1.0
     seed: int | None = None
     skip_special_tokens: bool = True
+    grammar: object = None  # runtime.grammar.Grammar: structured output (None: unconstrained)
 
 
 @dataclass
@@ -313,6 +314,7 @@ class Engine:
                     top_k=p.top_k,
                     top_p=p.top_p,
                     seed=p.seed,
+                    grammar=p.grammar,
                 )
             except GenerationError as e:  # bad input the HTTP layer did not catch: a 400
                 h._put(Output("", [], error=e))
