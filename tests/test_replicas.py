@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -36,9 +37,20 @@ def solo(pipe):
     return [pipe.generate(p, 16, temperature=0).tokens for p in PROMPTS[:16]]
 
 
+class SlowReplicas(Replicas):
+    """Replicas whose every target call takes SLOW_CALL_S longer (tests/faulty_serve.py): a long
+    stream then cannot end before the test kills its replica, on however fast a host."""
+
+    def _replica(self, i: int, port: int = 0):
+        server = super()._replica(i, port)
+        server.argv[1:3] = [str(Path(__file__).with_name("faulty_serve.py"))]
+        server.env["SLOW_CALL_S"] = "0.05"
+        return server
+
+
 @pytest.fixture(scope="module")
 def fleet(cb_artifacts, tmp_path_factory):
-    reps = Replicas(
+    reps = SlowReplicas(
         cb_artifacts,
         GROUPS,
         serve_args=["--threads", "1", "--served-model-name", MODEL],

@@ -430,3 +430,34 @@ def test_prompt_length_bound(pipe):
     strip = copy.deepcopy(tok)
     strip.backend_tokenizer.normalizer = normalizers.Strip()
     assert longest_token_chars(strip) is None
+
+
+def test_the_fields_vllm_router_adds_are_accepted(pipe):
+    """vllm-router forwards every request with SGLang's fields added at their defaults (seen on
+    the wire from vllm-router 0.1.17); they are accepted, and a non-default no_stop_trim or
+    return_hidden_states is refused by name."""
+    engine = Engine(pipe, max_queue=4)
+    app = create_app(engine, "m", copy.deepcopy(pipe.tokenizer), TEMPLATE)
+    added = dict(no_stop_trim=False, ignore_eos=False, skip_special_tokens=True)
+    added |= dict(return_hidden_states=False, echo=False)
+    chat_added = dict(added, logprobs=False, continue_final_message=False)
+    chat_added |= dict(separate_reasoning=True, stream_reasoning=True, include_reasoning=True)
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
+            a = await c.post("/v1/completions", json=dict(prompt="def f", max_tokens=2, **added))
+            msgs = [{"role": "user", "content": "hi"}]
+            body = dict(messages=msgs, max_tokens=2, **chat_added)
+            b = await c.post("/v1/chat/completions", json=body)
+            bad = dict(prompt="def f", max_tokens=2, return_hidden_states=True)
+            c_ = await c.post("/v1/completions", json=bad)
+            return a, b, c_
+
+    engine.start()
+    try:
+        a, b, bad = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert a.status_code == 200 and b.status_code == 200, (a.text, b.text)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "return_hidden_states"

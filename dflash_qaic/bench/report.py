@@ -316,9 +316,10 @@ def render_markdown(res: dict) -> str:
     """The template filled in: the run's settings, then one section function per section."""
     a, c, m = res["artifacts"], res["config"], res["machine"]
     sections = (speed_md, drafts_md, acceptance_md, bound_md, profile_md, bandwidth_md, peers_md)
+    # the settings first: a section of the same name (`peers`: the --peers flag) replaces it
+    fields = dict(c) | {f.__name__[:-3]: f(res) for f in (*sections, distribution_md, machine_md)}
     return Template(TEMPLATE.read_text(encoding="utf-8")).substitute(
-        **c,
-        **{f.__name__[:-3]: f(res) for f in (*sections, distribution_md, machine_md)},
+        fields,
         summary=summary_screen(res),
         load_note=load_note(m),
         command=res["command"],

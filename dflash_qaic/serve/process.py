@@ -31,12 +31,14 @@ class ServerProcess:
         log_level: str = "warning",
         timeout: float = 180.0,
         log_path: str | os.PathLike | None = None,
+        env: dict[str, str] | None = None,
     ):
         """args: more dflash-serve flags (a later --port overrides --port 0); log_path: where
         the output goes (appended to; default: a temporary file removed on leaving)."""
         self.argv = [sys.executable, "-m", "dflash_qaic.serve", str(artifacts), "--port", "0"]
         self.argv += ["--log-level", log_level, *args]
         self.timeout = timeout
+        self.env = dict(env or {})  # set in the server's environment, beside this process's
         self.url: str | None = None
         self.proc: subprocess.Popen | None = None
         if log_path is None:
@@ -56,7 +58,7 @@ class ServerProcess:
         self._log.close()
 
     def start(self) -> ServerProcess:
-        env = dict(os.environ)
+        env = dict(os.environ) | self.env
         root = str(Path(dflash_qaic.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(

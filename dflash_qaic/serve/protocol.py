@@ -159,8 +159,13 @@ class _Sampling(_Request):
     cache_salt: str | None = None
     kv_transfer_params: dict | None = None
     vllm_xargs: dict | None = None
+    # SGLang's, which vllm-router adds to every request it forwards (at these defaults)
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
 
     UNSUPPORTED: ClassVar[dict] = {
+        "no_stop_trim": False,
+        "return_hidden_states": False,
         "n": 1,
         "presence_penalty": 0.0,
         "frequency_penalty": 0.0,
@@ -350,6 +355,11 @@ class ChatCompletionRequest(_Sampling):
     store: bool | None = None
     service_tier: str | None = None
     mm_processor_kwargs: dict | None = None
+    # SGLang's reasoning switches, which vllm-router adds to every chat request it forwards:
+    # with no reasoning parser here they change nothing, whatever their values
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    include_reasoning: bool = True
 
     UNSUPPORTED: ClassVar[dict] = {
         **_Sampling.UNSUPPORTED,
