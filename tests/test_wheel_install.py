@@ -13,6 +13,7 @@ environments:
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -37,10 +38,15 @@ def _run(cmd, **kw):
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     wheels = tmp_path_factory.mktemp("wheels")
-    _run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
-        + ["-w", str(wheels), str(ROOT)]
-    )
+    # setuptools builds in the source tree's build/: pytest-xdist workers that need the wheel
+    # at once take turns (a lock in the run's temporary root, which every worker shares)
+    lock = tmp_path_factory.getbasetemp().parent / "wheel-build.lock"
+    with open(lock, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        _run(
+            [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+            + ["-w", str(wheels), str(ROOT)]
+        )
     (whl,) = wheels.glob("dflash_qaic-*.whl")
     return whl
 
