@@ -167,41 +167,51 @@ def test_max_queue_counts_waiting_requests_only(server, http):
     assert r.status_code == 200
 
 
+def _two_long_requests(server, stream_options=None) -> tuple[dict, list[threading.Thread]]:
+    """A long non-streamed and a long streamed request on `server`, each in a thread; returns
+    once both run in the engine (its running gauge says 2). results["plain"] is the response,
+    results["stream"] (status, lines), once they end."""
+    long = dict(prompt=PROMPTS[3], max_tokens=700, ignore_eos=True, temperature=0)
+    results, streaming = {}, threading.Event()
+
+    def plain():
+        with httpx.Client(timeout=300, trust_env=False) as c:
+            results["plain"] = c.post(server.url + "/v1/completions", json=long)
+
+    def streamed():
+        body = dict(long, stream=True)
+        if stream_options:
+            body["stream_options"] = stream_options
+        with httpx.Client(timeout=300, trust_env=False) as c:
+            with c.stream("POST", server.url + "/v1/completions", json=body) as r:
+                lines = []
+                for line in r.iter_lines():
+                    lines.append(line)
+                    streaming.set()
+                results["stream"] = (r.status_code, lines)
+
+    threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+    for t in threads:
+        t.start()
+    assert streaming.wait(120)
+    with httpx.Client(base_url=server.url, timeout=60, trust_env=False) as c:
+        deadline = time.monotonic() + 120
+        while scrape(c)[("vllm:num_requests_running", frozenset())] < 2:
+            assert time.monotonic() < deadline, "the two requests never ran together"
+            time.sleep(0.1)
+    return results, threads
+
+
 def test_sigterm_past_the_shutdown_timeout_cuts_with_proper_answers(cb_artifacts, monkeypatch):
     """SIGTERM with --shutdown-timeout 1 while a long non-streamed and a long streamed request
     run: the first gets a 503 JSON error, the second a last chunk with finish_reason "abort"
     and data: [DONE] (before: uvicorn's plain-text 500 and a stream ending without either)."""
-    long = dict(prompt=PROMPTS[3], max_tokens=700, ignore_eos=True, temperature=0)
     # every target call 50 ms longer: the requests cannot finish within the timeout on any host
     monkeypatch.setenv("SLOW_CALL_S", "0.05")
     server = ServerProcess(cb_artifacts, "--threads", "1", "--shutdown-timeout", "1")
     server.argv[1:3] = [str(Path(__file__).with_name("faulty_serve.py"))]
     with server:
-        results, streaming = {}, threading.Event()
-
-        def plain():
-            with httpx.Client(timeout=300, trust_env=False) as c:
-                results["plain"] = c.post(server.url + "/v1/completions", json=long)
-
-        def streamed():
-            body = dict(long, stream=True, stream_options={"include_usage": True})
-            with httpx.Client(timeout=300, trust_env=False) as c:
-                with c.stream("POST", server.url + "/v1/completions", json=body) as r:
-                    lines = []
-                    for line in r.iter_lines():
-                        lines.append(line)
-                        streaming.set()
-                    results["stream"] = (r.status_code, lines)
-
-        threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
-        for t in threads:
-            t.start()
-        assert streaming.wait(120)
-        with httpx.Client(base_url=server.url, timeout=60, trust_env=False) as c:
-            deadline = time.monotonic() + 120
-            while scrape(c)[("vllm:num_requests_running", frozenset())] < 2:
-                assert time.monotonic() < deadline, "the two requests never ran together"
-                time.sleep(0.1)
+        results, threads = _two_long_requests(server, {"include_usage": True})
         code = server.stop()
         for t in threads:
             t.join(120)
@@ -225,37 +235,11 @@ def test_a_second_signal_cuts_at_once_and_exits_0(cb_artifacts, monkeypatch, sec
     joins its engine and exits 0 (before: SIGABRT, "terminate called without an active
     exception", its worker thread left inside ONNX Runtime at the interpreter's exit; and the
     503s blamed the --shutdown-timeout, which had not run out)."""
-    long = dict(prompt=PROMPTS[3], max_tokens=700, ignore_eos=True, temperature=0)
     monkeypatch.setenv("SLOW_CALL_S", "0.05")  # requests that cannot end before the signals
     server = ServerProcess(cb_artifacts, "--threads", "1", "--shutdown-timeout", "600")
     server.argv[1:3] = [str(Path(__file__).with_name("faulty_serve.py"))]
     with server:
-        results, streaming = {}, threading.Event()
-
-        def plain():
-            with httpx.Client(timeout=300, trust_env=False) as c:
-                results["plain"] = c.post(server.url + "/v1/completions", json=long)
-
-        def streamed():
-            with httpx.Client(timeout=300, trust_env=False) as c:
-                with c.stream(
-                    "POST", server.url + "/v1/completions", json=dict(long, stream=True)
-                ) as r:
-                    lines = []
-                    for line in r.iter_lines():
-                        lines.append(line)
-                        streaming.set()
-                    results["stream"] = lines
-
-        threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
-        for t in threads:
-            t.start()
-        assert streaming.wait(120)
-        with httpx.Client(base_url=server.url, timeout=60, trust_env=False) as c:
-            deadline = time.monotonic() + 120
-            while scrape(c)[("vllm:num_requests_running", frozenset())] < 2:
-                assert time.monotonic() < deadline, "the two requests never ran together"
-                time.sleep(0.1)
+        results, threads = _two_long_requests(server)
         server.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 60  # the shutdown has begun: no new connections
         while _accepts(server):
@@ -271,7 +255,8 @@ def test_a_second_signal_cuts_at_once_and_exits_0(cb_artifacts, monkeypatch, sec
     assert r.status_code == 503, r.text
     msg = r.json()["error"]["message"]
     assert "second signal" in msg and "--shutdown-timeout" not in msg, msg
-    events = sse(results["stream"])
+    _, lines = results["stream"]
+    events = sse(lines)
     assert events[-1]["choices"][0]["finish_reason"] == "abort", events[-2:]
 
 
