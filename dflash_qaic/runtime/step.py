@@ -120,7 +120,6 @@ class Prefill:
     def __init__(self, plan, target, draft, bufs: PrefillBuffers, state: SlotState, dflash: bool):
         self.plan, self.target, self.draft, self.bufs, self.state = plan, target, draft, bufs, state
         self.dflash = dflash
-        self.next_rows = plan.block_size if dflash else 1  # the first step's rows from the end
         self._arange_b = np.arange(plan.block_size, dtype=np.int64)
         self._row0 = np.zeros(1, np.int64)
 
