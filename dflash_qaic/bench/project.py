@@ -839,9 +839,9 @@ def plot(results: list[Result], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys: list[str] = []
+    keys: list[str] = []  # the modes with a projected figure (a τ) somewhere
     for r in results:
-        keys += [k for k in r.tokens_per_s if k not in keys]
+        keys += [k for k, v in r.tokens_per_s.items() if v and k not in keys]
     fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(results) + 2), 4))
     width = 0.8 / max(1, len(keys))
     for j, k in enumerate(keys):
