@@ -117,3 +117,26 @@ def test_real_recipes_compile_few_specializations(default_artifacts):
     counts = {r: P.recipe_specializations(r)["target"] for r in P.real_recipes()}
     assert len(counts) >= 9 and "default" not in counts
     assert max(counts.values()) <= 12, counts
+
+
+def test_project_on_known_counts():
+    """project(): call times on the roofline from counts given by hand, tokens/s of AR, chain
+    and tree for a batch of 4 sequences, the τ a tree needs, and the best tree."""
+    card = P.Card("test", socs=1, bandwidth=1e9, flops=1e12)
+    prof = load_profile("ai100_fp16")  # fp16 everywhere; target 12 cores, draft 4
+    weights = P.PartCounts(matmul_weights=5e6)  # 10 MB in fp16: 10 ms at 1 GB/s
+    progs = P.Programs("t", False, 16, 64, 64, 0, 0, batch=4)
+    progs.counts = {
+        "decode": weights,
+        "verify16": weights,
+        "tree32": P.PartCounts(matmul_weights=5e6, flops=15e9),  # 20 ms on 12 of 16 cores
+        "draft": P.PartCounts(matmul_weights=1e6),  # 2 ms
+    }
+    r = P.project(progs, prof, card, {"chain": 6.0, 32: 9.0}, (32,))
+    assert r.calls["tree32"].bound == "compute" and r.calls["verify16"].bound == "bandwidth"
+    assert r.calls["tree32"].seconds == pytest.approx(0.02)
+    assert r.tokens_per_s["ar"] == pytest.approx(4 / 0.01)
+    assert r.tokens_per_s["chain"] == pytest.approx(4 * 6.0 / 0.012)
+    assert r.tokens_per_s["tree32"] == pytest.approx(4 * 9.0 / 0.022)
+    assert r.break_even_tau["tree32"] == pytest.approx(6.0 * 0.022 / 0.012)
+    assert r.pick == "tree32" and r.step_ratio["tree32"] == pytest.approx(0.022 / 0.012)

@@ -537,6 +537,7 @@ class Programs:
     context: int
     target_nodes: int
     draft_nodes: int
+    batch: int = 1  # sequences a call runs (continuous batching: full_batch_size)
     counts: dict[str, PartCounts] = field(default_factory=dict)  # "decode", "verify16", …
     scaled: bool = False
     notes: list[str] = field(default_factory=list)
@@ -607,6 +608,7 @@ def count_programs(
     tkinds = shape.kinds() if shape else None
     dkinds = {"full_attention": shape.draft_layers} if shape else None
     decode = _spec(m["target"], "Decode")
+    out.batch = int(decode.get("batch_size", 1))
     out.counts["decode"] = counted("target", decode, tkinds)
     out.counts[f"verify{B}"] = counted("target", {**decode, "seq_len": B}, tkinds)
     if not hybrid:
@@ -653,6 +655,7 @@ class Result:
     goal_tau: dict[str, float]  # … and to reach GOAL_RATIO × the chain
     pick: str | None
     notes: list[str]
+    batch: int = 1
 
 
 def project(
@@ -677,9 +680,10 @@ def project(
     B = progs.block_size
     t_draft = calls["draft"].seconds
     t_chain = t_draft + calls[f"verify{B}"].seconds
-    tps: dict[str, float | None] = {"ar": 1.0 / calls["decode"].seconds}
+    seqs = progs.batch  # every sequence of the batch commits its tokens in each call
+    tps: dict[str, float | None] = {"ar": seqs / calls["decode"].seconds}
     taus: dict[str, float | None] = {"ar": 1.0, "chain": tau.get("chain")}
-    tps["chain"] = tokens_per_second(tau["chain"], t_chain) if tau.get("chain") else None
+    tps["chain"] = seqs * tokens_per_second(tau["chain"], t_chain) if tau.get("chain") else None
     even, goal, ratio = {}, {}, {}
     best, pick = 0.0, None
     notes = list(progs.notes)
@@ -690,7 +694,7 @@ def project(
         t_tree = t_draft + calls[key].seconds
         ratio[key] = t_tree / t_chain
         taus[key] = tau.get(n)
-        tps[key] = tokens_per_second(tau[n], t_tree) if tau.get(n) else None
+        tps[key] = seqs * tokens_per_second(tau[n], t_tree) if tau.get(n) else None
         if tau.get("chain"):
             even[key] = tau["chain"] * t_tree / t_chain
             goal[key] = GOAL_RATIO * even[key]
@@ -711,6 +715,7 @@ def project(
         goal_tau=goal,
         pick=pick,
         notes=notes,
+        batch=progs.batch,
     )
 
 
@@ -791,7 +796,8 @@ def summary(
         c = r.calls
         parts = [f"decode {_ms(c['decode'].seconds)} ms"]
         parts += [f"{k} {_ms(v.seconds)} ms" for k, v in c.items() if k != "decode"]
-        lines.append(f"{r.shape} (KV read at {r.context} slots): " + ", ".join(parts))
+        seqs = f", {r.batch} sequences a call" if r.batch > 1 else ""
+        lines.append(f"{r.shape} (KV read at {r.context} slots{seqs}): " + ", ".join(parts))
         tps = "  ".join(f"{k} {v:.0f}" if v else f"{k} — (no τ)" for k, v in r.tokens_per_s.items())
         lines.append(f"  tokens/s: {tps}")
         if r.step_ratio:
