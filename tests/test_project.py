@@ -63,7 +63,9 @@ def test_counts_match_hand_arithmetic(target_graph):
     two = g.scaled({"full_attention": 2 * L})
     assert two.matmul_weights == 2 * L * per_layer + rest
     with pytest.raises(P.ProjectionError, match="no linear_attention layer"):
-        g.scaled({"linear_attention": 1})
+        g.scaled({"full_attention": L, "linear_attention": 1})
+    with pytest.raises(P.ProjectionError, match="full_attention layers the published shape"):
+        g.scaled({})
 
 
 def test_roofline_and_tokens_per_second():

@@ -3,7 +3,7 @@
     dflash-bench --project ai100                      # Qwen3-4B, Qwen3-8B, Qwen3.5-9B (exports)
     dflash-bench --project ai100 --shapes qwen3-4b --tau chain=8.88,32=10.83,64=11.5
     dflash-bench --project ai100 --artifacts artifacts/default     # an export as it is
-    dflash-bench --project ai100 --card ultra --qpc-config ai100_fp16
+    dflash-bench --project ai100 --card ultra --qpc-config ai100_multidevice
 
 A projection, not a measurement: every number comes from a program's ONNX graph (its weights,
 its KV and state inputs, its MatMuls with the shapes ONNX shape inference gives for a call) and
@@ -119,6 +119,12 @@ class GraphCounts:
         by_kind: dict[str, list[PartCounts]] = defaultdict(list)
         for p in self.layers.values():
             by_kind[p.kind].append(p)
+        missing = sorted(set(by_kind) - set(kinds))
+        if missing:
+            raise ProjectionError(
+                f"the graph has {', '.join(missing)} layers the published shape does not "
+                f"list ({kinds}): give their count"
+            )
         for kind, n in kinds.items():
             if n and kind not in by_kind:
                 have = sorted(by_kind) or ["none"]
@@ -924,7 +930,11 @@ def parser() -> argparse.ArgumentParser:
         "budget 32 the published DDTree +22%%; others: none)",
     )
     p.add_argument("--out", default="bench/projection", help="output directory")
-    p.add_argument("--work", help="reduced exports (default: OUT/graphs; reused)")
+    p.add_argument(
+        "--work",
+        default="artifacts/projection",
+        help="where the reduced exports are made once and reused (default %(default)s)",
+    )
     p.add_argument("--debug", action="store_true", help="tracebacks on errors")
     return p
 
@@ -951,7 +961,7 @@ def run(args) -> int:
     tau = {**DEFAULT_TAU, **parse_tau(args.tau)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(args.work) if args.work else out / "graphs"
+    work = Path(args.work)
     if args.context is not None and args.context < 1:
         raise ProjectionError("--context must be ≥ 1 (KV slots a call reads)")
 
