@@ -846,7 +846,12 @@ def summary(
 
 
 def plot(results: list[Result], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        raise ProjectionError(
+            "the projection's plot needs matplotlib: pip install 'dflash-qaic[bench]'"
+        ) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
