@@ -377,11 +377,17 @@ def make_tiny_pair(
     out_dir: str | Path, family: str = "qwen3", *, preset: str | None = None, **kw
 ) -> tuple[Path, Path]:
     """Write OUT/target and OUT/draft; returns their paths. Keyword args: fields of TinySpec
-    (over the preset's, when `preset` names one of PRESETS)."""
+    (over the preset's, when `preset` names one of PRESETS, else over the family's tiny preset:
+    `make_tiny_pair(out, family=f.name)` for each `f` of `families.all()` is one tiny pair per
+    family)."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    s = _layer_ids(preset_spec(preset, **kw) if preset else TinySpec(family=family, **kw))
+    if preset:
+        s = preset_spec(preset, **kw)
+    else:  # the family's tiny preset (families/: Family.tiny) under the caller's fields
+        s = TinySpec(family=family, **{**families.get(family).tiny, **kw})
+    s = _layer_ids(s)
     out = Path(out_dir)
     tdir, ddir = out / "target", out / "draft"
     tdir.mkdir(parents=True, exist_ok=True)
