@@ -419,7 +419,7 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, steps) -> Manifest:
     )
     # a DFlash-2 draft, sampling, a dense target: the draft samples its path and returns its q,
     # the target verifies q-aware (docs/DESIGN.md, DFlash-2 drafts)
-    q_aware = pair.draft.dflash2 and o.sampling and pair.target.hybrid is None
+    q_aware = pair.draft.dflash2 and o.sampling and not pair.target.hybrid
     draft_q = (B - 1, min(pair.draft.selector_top_k, pair.target.vocab_size)) if q_aware else ()
     t = time.perf_counter()
     log.info(
