@@ -10,8 +10,8 @@ import pytest
 from test_compile import FAKE_COMPILER
 
 import dflash_qaic
+from dflash_qaic.artifacts import build
 from dflash_qaic.compile import qpc
-from dflash_qaic.export import artifacts
 from dflash_qaic.export.cli import main
 
 SMALL = ["--prefill-seq-len", "16", "--ctx-len", "64", "--no-fp16-check"]
@@ -142,7 +142,7 @@ def test_interrupted_export_keeps_the_previous_artifact(pair, tmp_path, monkeypa
 def test_bad_options_fail_before_work(pair, tmp_path, capsys, extra, match, monkeypatch):
     t, d = pair
     called = []
-    monkeypatch.setattr(artifacts, "_export", lambda *a, **k: called.append(1))
+    monkeypatch.setattr(build, "export_programs", lambda *a, **k: called.append(1))
     rc, _, err = run(capsys, "--target", t, "--draft", d, "--out", tmp_path / "o", *SMALL, *extra)
     assert rc == 2 and match in err and not called
     assert not (tmp_path / "o" / "manifest.json").exists()

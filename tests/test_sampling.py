@@ -36,7 +36,7 @@ from transformers.generation.logits_process import (
 import dflash_qaic
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
-from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
+from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
 from dflash_qaic.export.graph_check import check_graph, fp16_feed, fp16_session
 from dflash_qaic.export.onnx_export import export_onnx
 from dflash_qaic.modeling.sampler import (

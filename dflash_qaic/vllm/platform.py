@@ -197,9 +197,9 @@ class DFlashQaicPlatform(CpuPlatform):
                 "unset DFLASH_QAIC_VLLM to run vLLM's own platform"
             )
         artifacts = str(Path(artifacts).resolve())
-        from dflash_qaic.manifest import read_manifest
+        from dflash_qaic.artifacts.manifest import read_manifest
 
-        m = read_manifest(artifacts, verify="none")  # the worker's load verifies the files
+        m = read_manifest(artifacts, check_files="none")  # the worker's load verifies the files
         B, ctx_len, rows = m.block_size, m.ctx_len, m.full_batch_size or 1
 
         if upstream:
