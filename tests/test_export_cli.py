@@ -57,7 +57,9 @@ def test_export_without_compiler_then_reuse(pair, tmp_path, capsys, no_compiler)
     assert (out / m["target"]["onnx"]).is_file() and (out / m["draft"]["onnx"]).is_file()
     assert m["block_size"] == 8 and m["ctx_len"] == 64 and m["target_layer_ids"] == [1, 3]
     n = m["specialization_count"]
-    assert n == {"target": len(m["target"]["specializations"]), "draft": 2 * 3}
+    typed = dflash_qaic.load(out).artifacts
+    assert n == {"target": len(typed.target.specializations), "draft": 2 * 3}
+    assert "specializations" not in m["target"]  # stored once: the shape plan
     assert f"specializations: target {n['target']}, draft {n['draft']}" in stdout
     line = [s for s in stdout.splitlines() if s.startswith("compilation skipped")]
     assert line and "$QAIC_COMPILER (not set)" in line[0]

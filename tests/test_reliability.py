@@ -480,6 +480,21 @@ def test_artifacts_of_an_earlier_manifest_version_are_refused(good):
         dflash_qaic.load(good)
 
 
+def test_artifacts_of_manifest_version_3_still_load(good):
+    """Version 3 stored the shape plan twice (each program's specializations and sizes beside
+    the plan) and a QPC `part`: it still loads, to the same manifest."""
+    want = dflash_qaic.load(good).artifacts
+
+    def v3(m):
+        m["version"] = 3
+        for p in ("target", "draft"):
+            m[p]["specializations"] = [dict(s) for s in want.program(p).specializations]
+            m[p].update(ctx_len=m["ctx_len"], prefill_seq_len=m["prefill_seq_len"], batch_size=1)
+
+    rewrite(good, v3)
+    assert dflash_qaic.load(good).artifacts == want
+
+
 def test_manifest_not_json_and_symlink_out(good, tmp_path):
     outside = tmp_path / "outside.onnx"
     shutil.copy(good / "target" / "target.onnx", outside)

@@ -296,9 +296,9 @@ def test_only_the_first_sample_len_rows_sample(art, pipe):
         assert torch.equal(part[:, :n], full[:, :n])
         assert torch.equal(part[:, n:], logits[:, n:].argmax(-1))
 
-    m = json.loads((art[0] / "manifest.json").read_text())
-    specs = {x["name"]: x["symbols"] for x in m["target"]["specializations"]}
-    B = m["block_size"]
+    m = dflash_qaic.load(art[0]).artifacts
+    specs = {x["name"]: x["symbols"] for x in m.target.specializations}
+    B = m.block_size
     assert specs["Verify"][contract.SAMPLE] == 1 and specs["VerifySampled"][contract.SAMPLE] == B
     sess = program_session(art[0])
     seq = torch.randint(0, V, (B,), generator=g).tolist()

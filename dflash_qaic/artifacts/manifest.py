@@ -22,18 +22,22 @@ from pathlib import Path
 from typing import Any
 
 from dflash_qaic import contract
-from dflash_qaic.artifacts.files import check_files as check_files_of
 from dflash_qaic.artifacts.files import (
-    ArtifactsError,
     CHECK_MODES,
+    ArtifactsError,
     inside,
     plain,
     sha256_file,
     write_json_atomic,
 )
+from dflash_qaic.artifacts.files import check_files as check_files_of
 
 FORMAT = "dflash-qaic-artifacts"
-VERSION = 3  # 3: the shape plan as typed fields (earlier versions are refused: re-export)
+#: 3: the shape plan as typed fields; 4: the plan stored once (no per-program specializations,
+#: derived from it on read; no per-program copies of its sizes; no QPC `part`). Version 3 still
+#: reads; earlier versions are refused: re-export.
+VERSION = 4
+READS = (3, 4)
 NAME = "manifest.json"
 INT64_MAX = 2**63 - 1
 
@@ -184,7 +188,7 @@ class QpcRecord:
         return cls(**{f.name: getattr(result, f.name) for f in fields(cls)})
 
     def to_json(self) -> dict[str, Any]:
-        d = {"part": "all", **asdict(self)}
+        d = asdict(self)
         d["specializations"], d["device_ids"] = list(self.specializations), list(self.device_ids)
         return d
 
@@ -222,6 +226,10 @@ def _qpc(c: _Check, kind: str) -> QpcRecord | None:
 
 
 _TARGET_IO = ("n_layers", "n_kv_heads", "head_dim", "hidden_size", "vocab_size")
+#: what an exporter says of a program that the manifest stores once, at the top (the shape plan,
+#: the mask id and layer ids): not kept in the program's record
+PLAN_COPIES = {"batch_size", "ctx_len", "prefill_seq_len", "comp_ctx_lengths", "verify_lengths"}
+PLAN_COPIES |= {"mask_token_id", "target_layer_ids", "specializations"}
 
 
 def _int_tuple(c: _Check, name: str, lo: int, hi: int) -> tuple[int, ...]:
@@ -237,7 +245,7 @@ def _int_tuple(c: _Check, name: str, lo: int, hi: int) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class ProgramRecord:
     """An exported program, as the manifest records it: its contract I/O object, files,
-    specializations and QPC."""
+    specializations (stored as the manifest's shape plan, derived from it on read) and QPC."""
 
     io: contract.TargetIO | contract.DraftIO
     onnx: str
@@ -277,7 +285,6 @@ class ProgramRecord:
             "onnx_bytes": self.onnx_bytes,
             "inputs": [spec(s) for s in self.io.inputs],
             "outputs": [spec(s) for s in self.io.outputs],
-            "specializations": [dict(s) for s in self.specializations],
             "sampling_candidates": self.sampling_candidates,
             "qpc": [self.qpc.to_json()] if self.qpc else [],
             "compiler": self.compiler,
@@ -335,11 +342,13 @@ class ProgramRecord:
         )
         known |= {"linear_layers", "state_dims", "draft_q", "token_bitmask"}
         known |= {"confidence", "ring_slots", "q_top_k", "inputs", "outputs", "qpc"}
+        known |= PLAN_COPIES
         return cls(
             io=io,
             onnx=c.relpath("onnx"),
             external_data=c.relpath("external_data", None, optional=True),
-            specializations=tuple(_specs(c)),
+            # absent (version 4): the manifest derives them from its plan (Manifest.from_json)
+            specializations=tuple(_specs(c)) if "specializations" in c.data else None,
             onnx_bytes=c.int("onnx_bytes", 1),
             sampling_candidates=c.int("sampling_candidates", 1, 1 << 24, default=None),
             qpc=_qpc(c, kind),
@@ -467,12 +476,15 @@ class Manifest:
                 f"{source} is not a dflash-qaic manifest (format {data.get('format')!r})"
             )
         version = c.get("version", None)
-        if version != VERSION:
-            older = isinstance(version, int) and not isinstance(version, bool) and version < VERSION
+        if version not in READS:
+            older = (
+                isinstance(version, int) and not isinstance(version, bool) and version < READS[0]
+            )
             raise ArtifactsError(
                 f"{source} has manifest version {version!r}, "
                 + ("written by an earlier dflash-qaic; " if older else "")
-                + f"this dflash-qaic reads version {VERSION}: re-export the artifacts with this "
+                + f"this dflash-qaic reads versions {READS[0]} to {VERSION}: re-export the "
+                "artifacts with this "
                 "version's `dflash-export` (the same command line writes the new form)"
             )
         vocab = c.int("vocab_size", 1, 1 << 24)
@@ -502,6 +514,7 @@ class Manifest:
             sources=c.obj("sources", {}),
             versions=c.obj("versions", {}),
         )
+        m = _with_specializations(m, c)
         _consistent(m, c, complete)
         return m
 
@@ -513,6 +526,24 @@ def _windows(c: _Check) -> tuple[int, ...] | None:
     if not w or list(w) != sorted(set(w)) or w[-1] != c.get("ctx_len", None):
         c.fail("comp_ctx_lengths", f"must ascend and end at ctx_len, got {list(w)}")
     return w
+
+
+def _with_specializations(m: Manifest, c: _Check) -> Manifest:
+    """The programs' specializations, derived from the shape plan; a manifest that lists them
+    (version 3) must list exactly these."""
+    try:
+        m.plan.check()
+    except ValueError as e:
+        c.fail("prefill_lengths/verify_lengths/draft_prefill_rows", str(e))
+    programs = {}
+    for prog, want in (
+        (m.target, contract.target_specializations(m.plan)),
+        (m.draft, contract.draft_specializations(m.plan)),
+    ):
+        if prog.specializations is not None and list(prog.specializations) != want:
+            c.fail(f"{prog.kind}.specializations", f"must be {want} for the shape plan")
+        programs[prog.kind] = replace(prog, specializations=tuple(want))
+    return replace(m, **programs)
 
 
 def _consistent(m: Manifest, c: _Check, complete: bool) -> None:
@@ -530,16 +561,6 @@ def _consistent(m: Manifest, c: _Check, complete: bool) -> None:
             c.fail(f"{prog.kind}.continuous_batching", f"disagrees with full_batch_size {fbs}")
         if prog.io.comp_ctx != (w is not None):
             c.fail(f"{prog.kind}.comp_ctx", f"disagrees with comp_ctx_lengths {w}")
-    try:
-        m.plan.check()
-    except ValueError as e:
-        c.fail("prefill_lengths/verify_lengths/draft_prefill_rows", str(e))
-    for prog, want in (
-        (m.target, contract.target_specializations(m.plan)),
-        (m.draft, contract.draft_specializations(m.plan)),
-    ):
-        if list(prog.specializations) != want:
-            c.fail(f"{prog.kind}.specializations", f"must be {want} for the shape plan")
     count = c.get("specialization_count", m.specialization_count)
     if count != m.specialization_count:
         c.fail("specialization_count", f"is {count}, the programs have {m.specialization_count}")
