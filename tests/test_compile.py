@@ -728,17 +728,17 @@ def test_bad_compiler_env(art, tmp_path, monkeypatch):
         compile_target(art, load_profile("ai100_fp16"))
 
 
-def test_find_compiler_order(tmp_path, monkeypatch, no_compiler):
-    assert qpc.find_compiler() is None
+def test_compiler_search_order(tmp_path, monkeypatch, no_compiler):
+    assert qpc.compiler_search()[0] is None
     on_path = tmp_path / "empty-path" / "qaic-compile"
     on_path.write_text("#!/bin/sh\n")
     on_path.chmod(0o755)
-    assert qpc.find_compiler() == on_path
+    assert qpc.compiler_search()[0] == on_path
     sdk = tmp_path / "no-sdk"
     sdk.mkdir()
     (sdk / "qaic-exec").write_text("#!/bin/sh\n")
     (sdk / "qaic-exec").chmod(0o755)
-    assert qpc.find_compiler("qaic-exec") == sdk / "qaic-exec"
+    assert qpc.compiler_search("qaic-exec")[0] == sdk / "qaic-exec"
     assert qpc.compiler_search("qaic-exec")[1] == [
         "$QAIC_COMPILER (not set)",
         str(sdk / "qaic-exec"),

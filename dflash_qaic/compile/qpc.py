@@ -333,11 +333,6 @@ def compiler_search(kind: str = "qaic-compile") -> tuple[Path | None, list[str]]
     return None, looked
 
 
-def find_compiler(kind: str = "qaic-compile") -> Path | None:
-    """The compiler to use, or None; see `compiler_search` for the order and the locations."""
-    return compiler_search(kind)[0]
-
-
 # ----------------------------------------------------------------------------------------------
 # results
 
