@@ -133,8 +133,10 @@ def load(
     artifacts_dir: the directory holding manifest.json. The options (runtime/options.py, the
     table the commands' flags come from too):
     {options}
-    device_ids, further: a list, e.g. [4] or [4, 5], is the replica's device group; distinct
-        ints ≥ 0; on "qaic" they must exist on the host (dflash_qaic/runtime/devices.py).
+    device_ids, further: a list, e.g. [4] or [4, 5], is the replica's device group;
+        {"target": [...], "draft": [...]} names each program's own (the two may share a device
+        only where the profile has them share one). Distinct ints ≥ 0; on "qaic" they must
+        exist on the host (dflash_qaic/runtime/devices.py).
     verify: the old name of check_files (a DeprecationWarning).
 
     Raises ArtifactsError for a missing, incomplete, damaged or untrusted directory (every

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import textwrap
 import warnings
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
@@ -101,12 +102,7 @@ class LoadOptions:
         "they exist (docs/DESIGN.md, Artifacts)",
         choices=("fast", "full"),
     )
-    device_ids: Any = _opt(
-        None,
-        DEVICE_IDS_HELP + '. In Python also {"target": [...], "draft": [...]}, each program\'s '
-        "own (the two may share a device only where the profile has them share one)",
-        parse=_device_ids,
-    )
+    device_ids: Any = _opt(None, DEVICE_IDS_HELP, parse=_device_ids)
 
     def __post_init__(self):
         check(self)
@@ -169,8 +165,8 @@ def add_arguments(parser: argparse.ArgumentParser, *which: str, repeat: bool = F
         if meta.parse:
             kw["type"] = meta.parse
         if name == "device_ids" and repeat:
-            kw.update(action="append", help="one replica's devices, given once per replica: "
-                      + DEVICE_IDS_HELP.split(": ", 1)[1])  # fmt: skip
+            once = "one replica's devices, given once per replica: "
+            kw.update(action="append", help=once + DEVICE_IDS_HELP.split(": ", 1)[1])
         parser.add_argument(meta.flag(name), **kw)
         if name == "check_files":
             parser.add_argument(
@@ -189,4 +185,10 @@ def from_args(args: argparse.Namespace, *which: str) -> dict[str, Any]:
 
 def docs() -> str:
     """One line per option, for `load`'s docstring."""
-    return "\n".join(f"    {n} (default {default(n)!r}): {_meta(n).help}." for n in names())
+    lines = [f"{n} (default {default(n)!r}): {_meta(n).help}." for n in names()]
+    return "\n".join(
+        textwrap.fill(
+            t, 96, initial_indent=" " * 4, subsequent_indent=" " * 8, break_on_hyphens=False
+        )
+        for t in lines
+    )
