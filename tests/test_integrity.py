@@ -1,5 +1,5 @@
 """A corrupted artifact file of any size is refused before it can produce a token; an untouched
-directory loads without hashing again (the cache of verified files); a touched but unchanged
+directory loads without hashing again (the cache of checked files); a touched but unchanged
 file is hashed again and accepted."""
 
 from __future__ import annotations
