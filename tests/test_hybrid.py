@@ -14,8 +14,8 @@ from dflash.model import DFlashDraftModel, dflash_generate
 import dflash_qaic
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
-from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
-from dflash_qaic.manifest import read_manifest
+from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
+from dflash_qaic.artifacts.manifest import read_manifest
 from dflash_qaic.modeling import hybrid
 from dflash_qaic.modeling.target import ExportTarget
 

@@ -12,7 +12,7 @@ from test_hybrid import hf_greedy, prompt
 
 import dflash_qaic
 from dflash_qaic import checkpoints as ck
-from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
+from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
 
 B, CHUNK, CTX = 4, 16, 112
 MOE = dict(family="qwen3_5_moe", block_size=B, tie_word_embeddings=False, target_layer_ids=[1, 3])
