@@ -570,11 +570,12 @@ class Programs:
     notes: list[str] = field(default_factory=list)
 
 
-def _spec(program: dict, kind: str) -> dict:
-    for s in program["specializations"]:
+def _spec(program, kind: str) -> dict:
+    """The symbols of a program's (artifacts.manifest.ProgramRecord) first `kind` specialization."""
+    for s in program.specializations:
         if s["kind"] == kind:
             return dict(s["symbols"])
-    raise ProjectionError(f"the {program['onnx']} program has no {kind} specialization")
+    raise ProjectionError(f"the {program.onnx} program has no {kind} specialization")
 
 
 def count_programs(
@@ -592,18 +593,20 @@ def count_programs(
         raise ProjectionError(
             f"{artifacts}: no manifest.json: give a directory written by dflash-export"
         )
-    m = json.loads(mpath.read_text())
-    B, ctx = int(m["block_size"]), int(m["ctx_len"])
+    from dflash_qaic.artifacts.manifest import read_manifest
+
+    m = read_manifest(artifacts, check_files="none")  # counts the graphs; their bytes unread
+    B, ctx = m.block_size, m.ctx_len
     window = context or ctx
     if window > ctx:
         raise ProjectionError(f"--context {window} exceeds the export's ctx_len {ctx}")
-    hybrid = bool(m["target"].get("linear_layers"))
+    hybrid = m.target.io.hybrid
     notes: list[str] = []
     weight_scale = None
     if shape is not None:
-        vocab_ratio = shape.vocab / int(m["vocab_size"])
-        taps_ratio = shape.taps / len(m["target_layer_ids"])
-        exported_vocab = int(m["vocab_size"])
+        vocab_ratio = shape.vocab / m.vocab_size
+        taps_ratio = shape.taps / len(m.target_layer_ids)
+        exported_vocab = m.vocab_size
 
         def weight_scale(name: str, dims: list[int]) -> float:
             f = vocab_ratio if exported_vocab in dims else 1.0
@@ -611,7 +614,7 @@ def count_programs(
                 f *= taps_ratio
             return f
 
-    graphs = {p: load_graph(Path(artifacts) / m[p]["onnx"]) for p in ("target", "draft")}
+    graphs = {p: load_graph(Path(artifacts) / m.program(p).onnx) for p in ("target", "draft")}
     out = Programs(
         title=shape.title if shape else str(artifacts),
         hybrid=hybrid,
@@ -634,14 +637,14 @@ def count_programs(
 
     tkinds = shape.kinds() if shape else None
     dkinds = {"full_attention": shape.draft_layers} if shape else None
-    decode = _spec(m["target"], "Decode")
+    decode = _spec(m.target, "Decode")
     out.batch = int(decode.get("batch_size", 1))
     out.counts["decode"] = counted("target", decode, tkinds)
     out.counts[f"verify{B}"] = counted("target", {**decode, "seq_len": B}, tkinds)
     if not hybrid:
         for n in budgets:
             out.counts[f"tree{n}"] = counted("target", {**decode, "seq_len": n}, tkinds)
-    draft = _spec(m["draft"], "DraftDecode")
+    draft = _spec(m.draft, "DraftDecode")
     out.counts["draft"] = counted("draft", draft, dkinds)
     out.target_nodes = out.counts["decode"].nodes
     out.draft_nodes = out.counts["draft"].nodes
