@@ -131,21 +131,6 @@ class Preflight:
         return self.plan.block_size
 
 
-def shape_plan(o: ExportOptions, block_size: int) -> contract.ShapePlan:
-    """The shape plan of these options (contract.ShapePlan; the default windows when none given)."""
-    B = block_size
-    return contract.shape_plan(
-        B,
-        o.prefill_seq_len,
-        o.ctx_len,
-        batch_size=o.batch_size,
-        full_batch_size=o.full_batch_size,
-        windows=contract.windows_or_default(o.comp_ctx_lengths, o.ctx_len, o.prefill_seq_len, B),
-        verify_lengths=o.verify_lengths and list(o.verify_lengths),
-        sampling=o.sampling,
-    )
-
-
 def preflight(target_dir, draft_dir, o: ExportOptions) -> Preflight:
     """Every check that needs no heavy work, and the shape plan."""
     pair = ck.read_pair(target_dir, draft_dir)  # validation: one clear error per problem
@@ -165,4 +150,4 @@ def preflight(target_dir, draft_dir, o: ExportOptions) -> Preflight:
             f"{pair.target.vocab_size}: fix generation_config.json"
         )
     _check_tokenizer(pair.target.path, pair.target.vocab_size)
-    return Preflight(pair, shape_plan(o, B), profile)
+    return Preflight(pair, o.shape_plan(B), profile)
