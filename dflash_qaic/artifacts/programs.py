@@ -102,7 +102,7 @@ def _common(pair: ck.Pair, plan: contract.ShapePlan, o: ExportOptions) -> dict:
 def _q_aware(pair: ck.Pair, o: ExportOptions) -> bool:
     """A DFlash-2 draft, sampling, a dense target: the draft samples its path and returns its q,
     the target verifies q-aware (docs/DESIGN.md, DFlash-2 drafts)."""
-    return pair.draft.dflash2 and o.sampling and pair.target.hybrid is None
+    return pair.draft.dflash2 and o.sampling and not pair.target.hybrid
 
 
 def _export_target(pair, w: _Weights, plan, o: ExportOptions, out: Path, steps) -> dict:

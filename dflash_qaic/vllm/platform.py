@@ -179,8 +179,7 @@ class DFlashQaicPlatform(CpuPlatform):
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
-        model_config = vllm_config.model_config
-        if model_config is None:
+        if vllm_config.model_config is None:
             return
         block = _block(vllm_config)
         artifacts, m = _artifacts_of(vllm_config, block)
@@ -450,6 +449,7 @@ def _install_worker(vllm_config, block: dict, artifacts: str, backend: str, B: i
     sched = vllm_config.scheduler_config
     sched.scheduler_cls = SCHEDULER  # ends a failed request alone (vllm/scheduler.py)
 
+    vllm_config.scheduler_config.scheduler_cls = SCHEDULER  # a failed request ends alone
     vllm_config.additional_config = dict(vllm_config.additional_config or {})
     vllm_config.additional_config[KEY] = {
         **block,
