@@ -446,8 +446,6 @@ def _install_worker(vllm_config, block: dict, artifacts: str, backend: str, B: i
     par = vllm_config.parallel_config
     par.distributed_executor_backend = "uni"  # our worker in the engine-core process
     par.worker_cls = WORKER
-    sched = vllm_config.scheduler_config
-    sched.scheduler_cls = SCHEDULER  # ends a failed request alone (vllm/scheduler.py)
 
     vllm_config.scheduler_config.scheduler_cls = SCHEDULER  # a failed request ends alone
     vllm_config.additional_config = dict(vllm_config.additional_config or {})
