@@ -10,7 +10,7 @@ import pytest
 
 from dflash_lab.tiny import make_tiny_pair
 
-# the cache of verified artifact files (dflash_qaic/files.py): one per test run, not the user's
+# the cache of checked artifact files (dflash_qaic/artifacts/files.py): one per test run, not the user's
 os.environ.setdefault("DFLASH_QAIC_CACHE_DIR", tempfile.mkdtemp(prefix="dflash-qaic-cache-"))
 
 
