@@ -50,11 +50,11 @@ $(VLLM_STAMP): pyproject.toml
 
 # pytest exits 5 when it collects no tests: that is a failure here, not a pass. The fast tier
 # runs in two worker processes (pytest-xdist), one per core of the CI machine, a test file's
-# tests in one worker (--dist loadgroup, groups set in tests/conftest.py) so that its servers
-# and exports are built once; the vLLM plugin's tests drive `.venv-vllm/bin/vllm`, so `test`
-# sets that environment up too.
+# tests in one worker (--dist loadfile; tests/conftest.py spreads the conformance ladder by
+# case and puts the longest files first) so that its servers and exports are built once; the
+# vLLM plugin's tests drive `.venv-vllm/bin/vllm`, so `test` sets that environment up too.
 test: setup setup-vllm
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 test-slow: setup setup-vllm
 	$(PY) -m pytest -q -m slow

@@ -200,17 +200,35 @@ def exported(tiny_pair, tmp_path_factory):
 
 # ---------------------------------------------------------------- xdist: what shares a worker
 
+#: the test files that take longest (real servers, the ladder): started first, so that no
+#: worker picks one of them up last while the other sits idle
+LONGEST_FIRST = ("test_vllm.py", "test_replicas.py", "test_conformance.py")
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the marks
+
+def _scope(nodeid: str) -> str:
+    """A test file runs in one worker (its module and session fixtures, e.g. its servers and
+    exports, are built once); the conformance ladder's cases spread over the workers, each
+    case's rungs in one."""
+    path = nodeid.split("::", 1)[0]
+    if path.endswith("test_conformance.py") and nodeid.endswith("]"):
+        return path + "[" + nodeid.rsplit("[", 1)[1]
+    return path
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (make test) schedules by `_scope`: by file, the ladder by case."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFileLadderByCase(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid)
+
+    return ByFileLadderByCase(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """With `--dist loadgroup` (make test): a test file's tests run in one worker, so a module
-    or session fixture (a server, an export) is built once, not once per worker; the
-    conformance ladder's cases spread over the workers, each case's rungs in one."""
-    for item in items:
-        if item.get_closest_marker("xdist_group"):
-            continue
-        group = item.module.__name__
-        case = getattr(item, "callspec", None) and item.callspec.params.get("case")
-        if group.endswith("test_conformance") and case:
-            group += "-" + case
-        item.add_marker(pytest.mark.xdist_group(group))
+    """The longest files first (a stable sort: the same order in every worker)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda it: rank.get(it.path.name, len(rank)))

@@ -151,8 +151,8 @@ def test_tokens_equal_hf_greedy(exported, case, planned_chunks):
         chunks = contract.prefill_lengths(chunk, B)
         assert res.stats["prefill_calls"] == len(planned_chunks(n, chunks))
         lengths += res.acceptance_lengths
-    # the target alone on the same programs: the same tokens
-    assert pipe.generate_baseline(ids, 12, stop_token_ids=[]).tokens == res.tokens[:12]
+        # the target alone on the same programs: the same tokens
+        assert pipe.generate_baseline(ids, 12, stop_token_ids=[]).tokens == res.tokens[:12]
     # the biased pair makes acceptance vary from 1 to B step to step
     assert min(lengths) == 1 and max(lengths) >= B - 1 and len(set(lengths)) >= 3, lengths
 
@@ -200,9 +200,13 @@ def test_batched_equals_solo(exported, case):
     pipe = build(exported, case, full_batch_size=3).load(verify_lengths=B)
     ps = [prompt(case, n, 40 + n) for n in (5, chunk + 2, 4 * chunk + 6, 9)]  # 70: rings wrap
     news = [20, 31, 17, 26]
-    for ids, new, res in zip(ps, news, pipe.generate(ps, max_new_tokens=news, stop_token_ids=[])):
+    batch = pipe.generate(ps, max_new_tokens=news, stop_token_ids=[])
+    free = build(exported, case, full_batch_size=3).load()  # verify lengths chosen by cost
+    chosen = free.generate(ps, max_new_tokens=news, stop_token_ids=[])
+    for ids, new, res, res2 in zip(ps, news, batch, chosen):
         one = solo.generate(ids, max_new_tokens=new, stop_token_ids=[])
         assert res.tokens == one.tokens and res.acceptance_lengths == one.acceptance_lengths
+        assert res2.tokens == one.tokens
         assert pipe.generate_baseline(ids, 10, stop_token_ids=[]).tokens == one.tokens[:10]
 
 
