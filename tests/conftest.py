@@ -17,7 +17,7 @@ import pytest
 
 from dflash_lab.tiny import make_tiny_pair
 
-# the cache of verified artifact files (dflash_qaic/files.py): one per test run, not the user's
+# the cache of checked artifact files (dflash_qaic/artifacts/files.py): one per test run, not the user's
 os.environ.setdefault("DFLASH_QAIC_CACHE_DIR", tempfile.mkdtemp(prefix="dflash-qaic-cache-"))
 
 
@@ -177,7 +177,7 @@ def exported(tiny_pair, tmp_path_factory):
     """exported(family="qwen3", form="dflash", pair={TinySpec fields}, **ExportOptions fields)
     -> Exported: the tiny pair of that family and draft form written and exported (compile off)
     once per session, cached by all its arguments."""
-    from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
+    from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
 
     cache: dict[str, Exported] = {}
 

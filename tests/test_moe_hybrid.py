@@ -29,7 +29,7 @@ def test_checkpoint_forms(tiny_pair, form):
     t, d = tiny_pair(**FORMS[form], **MOE)
     pair = ck.read_pair(t, d)
     m, p = pair.target.moe, pair.target.prefix
-    assert pair.target.family == "qwen3_5_moe" and pair.target.hybrid is not None
+    assert pair.target.family == "qwen3_5_moe" and pair.target.hybrid
     assert (m.num_experts, m.top_k, m.shared_intermediate_size) == (8, 2, 48)
     assert m.sparse == (True,) * 4 and m.norm_topk_prob
     assert p == ("model.language_model." if form == "published" else "model.")

@@ -250,7 +250,7 @@ def _head_sources(pair: ck.Pair, tied: bool) -> dict[str, Source]:
 
 def target_sources(module: torch.nn.Module, pair: ck.Pair) -> dict[str, Source]:
     """Every parameter of an `ExportTarget` -> its checkpoint tensor and transform."""
-    tt, dt, p = pair.target_tensors, pair.draft_tensors, pair.target.prefix
+    t, tt, dt, p = pair.target, pair.target_tensors, pair.draft_tensors, pair.target.prefix
     fixed = {
         "norm.weight": Source(tt[p + "norm.weight"]),
         "fc.weight": Source(dt["fc.weight"], scale=float(module.fc_scale)),
@@ -261,10 +261,10 @@ def target_sources(module: torch.nn.Module, pair: ck.Pair) -> dict[str, Source]:
     for name, param in module.named_parameters():
         if name in fixed:
             out[name] = fixed[name]
-        elif name.startswith("layers.") and p + name in tt:
-            out[name] = Source(tt[p + name])
+        elif name.startswith("layers.") and t.spec.checkpoint_name(t, name) in tt:
+            out[name] = Source(tt[t.spec.checkpoint_name(t, name)])
         elif name.startswith("layers.") and name.endswith((".mlp.gate_up", ".mlp.down")):
-            out[name] = expert_source(tt, p + name, tuple(param.shape))
+            out[name] = expert_source(tt, t.spec.checkpoint_name(t, name), tuple(param.shape))
         else:
             raise KeyError(f"target program parameter `{name}` has no checkpoint tensor")
     return _with_transposes(module, out)
