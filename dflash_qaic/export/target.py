@@ -13,6 +13,7 @@ from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
 from dflash_qaic.export import weights
 from dflash_qaic.export.onnx_export import export_and_check, program_facts
+from dflash_qaic.modeling.gpt_oss import ExportGptOssTarget
 from dflash_qaic.modeling.hybrid import ExportHybridTarget
 from dflash_qaic.modeling.sampler import SAMPLING_CANDIDATES
 from dflash_qaic.modeling.target import ExportTarget
@@ -199,6 +200,8 @@ def export_target(
                 "export without it"
             )
     cls = ExportHybridTarget if extra else ExportTarget
+    if cfg.model_type == "gpt_oss":  # sinks, sliding layers, biased MoE (modeling/gpt_oss.py)
+        cls = ExportGptOssTarget
     if token_bitmask:
         extra["token_bitmask"] = True
     module = cls.from_hf(

@@ -1,0 +1,166 @@
+"""Targets whose layers come in kinds (sliding and full attention) that differ in window, RoPE
+table, head count and head size: gpt-oss and Gemma 4 (modeling/gpt_oss.py, modeling/gemma4.py).
+
+The program contract is the dense target's (modeling/target.py: the same inputs, outputs and
+one key / value cache per layer, [rows, kvh_i, ctx, hd_i], each layer its own kvh_i and hd_i).
+Per call, each kind's attention inputs are built once and shared by every layer of that kind:
+
+    Call(kind) = cos/sin [b, s, hd_kind]            from the kind's RoPE table, by position
+                 mask   [b, 1, g_kind·s, L]         key slot j visible iff j <= position and,
+                                                    sliding, j > position − window (HF's
+                                                    sliding_window_causal), as attention's rows
+                 slots, rows, reads                 as modeling/target.py (reads per kv head count)
+
+    x = embed(input_ids) · embed_scale;  per layer: x, k, v = layer(x, calls[layer.kind], k, v)
+    logits = softcap(norm(x) · head)      softcap(l) = c · tanh(l / c) when the config has c
+
+next_tokens, hidden_states and the retained caches as the dense target. The sliding layers keep a
+full-length cache, the window applied by the mask: exact, at the full layers' memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash_qaic.contract import (
+    BATCH_INDEX,
+    COMP_CTX_LENGTHS,
+    DRAFT_Q_IDS,
+    DRAFT_Q_PROBS,
+    HIDDEN_STATES,
+    INPUT_IDS,
+    LOGITS,
+    NEXT_TOKENS,
+    POSITION_IDS,
+    SAMPLING_INPUTS,
+    TOKEN_BITMASK,
+    past_key,
+    past_value,
+)
+from dflash_qaic.contract import retained as retained_name
+from dflash_qaic.modeling.layers import MASK_VALUE, RopeTable, embed_rows
+from dflash_qaic.modeling.ops import cache_reads, cache_rows, cache_slots
+from dflash_qaic.modeling.sampler import mask_logits, sample_next_tokens, token_allowed
+from dflash_qaic.modeling.target import ExportTarget
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@dataclass
+class Call:
+    """One layer kind's attention inputs for this call (module docstring)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor
+    rows: torch.Tensor | None
+    reads: torch.Tensor | None
+    mask: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a layer kind's attention needs: its window (None: full), RoPE table, head counts."""
+
+    window: int | None
+    rope: str  # the name of the target's RopeTable buffer module for this kind
+    n_heads: int
+    n_kv_heads: int
+
+
+def check_taps(cfg, fc_weight: torch.Tensor, target_layer_ids) -> None:
+    """target_layer_ids distinct ids of the target's layers; fc [H, k·H] for k of them."""
+    n_layers, ids = cfg.num_hidden_layers, [int(j) for j in target_layer_ids]
+    if not ids or any(not 0 <= j < n_layers for j in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"target_layer_ids {ids} must be distinct layer ids in [0, {n_layers})")
+    expected = (cfg.hidden_size, len(ids) * cfg.hidden_size)
+    if tuple(fc_weight.shape) != expected:
+        raise ValueError(f"fc weight shape {tuple(fc_weight.shape)} != {expected}")
+
+
+class KindTarget(ExportTarget):
+    """ExportTarget whose layers have a `kind` (a key of `kinds`) and take
+    (x, call: Call, cache_k, cache_v) -> (x, cache_k, cache_v)."""
+
+    def __init__(
+        self,
+        *args,
+        kinds: dict[str, Kind],
+        ropes: dict[str, RopeTable],
+        embed_scale: float = 1.0,
+        final_logit_softcapping: float | None = None,
+        **kw,
+    ):
+        super().__init__(*args, **kw)
+        self.kinds = dict(kinds)
+        for name, table in ropes.items():
+            self.add_module(name, table)
+        self.embed_scale = float(embed_scale)
+        self.softcap = float(final_logit_softcapping) if final_logit_softcapping else None
+
+    def calls(self, position_ids, rows, window) -> dict[str, Call]:
+        ctx_len = self.ctx_len
+        slots = cache_slots(position_ids, ctx_len)  # [b, s]
+        kv_index = window if window is not None else torch.arange(ctx_len)  # [L]
+        pos = position_ids[..., None]  # [b, s, 1]
+        visible = kv_index <= pos  # [b, s, L]
+        out = {}
+        for name, k in self.kinds.items():
+            v = visible if k.window is None else visible & (kv_index > pos - k.window)
+            m = (~v).to(torch.float32) * MASK_VALUE  # [b, s, L]
+            g = k.n_heads // k.n_kv_heads
+            cos, sin = getattr(self, k.rope)(position_ids)  # [b, s, hd]
+            out[name] = Call(
+                cos=cos,
+                sin=sin,
+                slots=slots,
+                rows=rows,
+                reads=cache_reads(rows, window, k.n_kv_heads, ctx_len),
+                mask=torch.cat([m] * g, dim=1)[:, None],  # [b, 1, g*s, L]
+            )
+        return out
+
+    def forward(self, *inputs: torch.Tensor):
+        # the inputs and outputs of ExportTarget.forward, bound by name
+        x = x_in = dict(zip(self.input_names, inputs, strict=True))
+        input_ids, position_ids = x[INPUT_IDS], x[POSITION_IDS]
+        rows = cache_rows(x[BATCH_INDEX]) if self.continuous_batching else None
+        window = x[COMP_CTX_LENGTHS] if self.comp_ctx else None  # [L]
+        sampling = [x[n] for n in SAMPLING_INPUTS] if self.sampling else []
+        q = {"q_ids": x[DRAFT_Q_IDS], "q_probs": x[DRAFT_Q_PROBS]} if DRAFT_Q_IDS in x else {}
+        kv = [n for i in range(len(self.layers)) for n in (past_key(i), past_value(i))]
+        past = [x[n] for n in kv]
+        calls = self.calls(position_ids, rows, window)
+        x = embed_rows(input_ids, self.head_t, self.embed)  # [b, s, H]
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
+        last = len(self.layers) - 1
+        taps, retained = {}, []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer(x, calls[layer.kind], past[2 * i], past[2 * i + 1])
+            retained += [k, v]
+            if i in self.target_layer_ids and i != last:
+                taps[i] = x  # HF hidden_states[i + 1]
+        x = self.norm(x)
+        if last in self.target_layer_ids:
+            taps[last] = x
+
+        logits = x @ self.head_t  # [b, s, V]
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        if self.token_bitmask:
+            logits, floor = mask_logits(logits, token_allowed(x_in[TOKEN_BITMASK], self.vocab_size))
+            q["floor"] = floor
+        if self.sampling:
+            next_tokens = sample_next_tokens(
+                logits, input_ids, position_ids, *sampling, self.vocab_size,
+                self.sampling_candidates, **q,
+            )  # fmt: skip
+        else:
+            next_tokens = logits.argmax(dim=-1)
+        hidden = self.fuse(torch.cat([taps[j] for j in self.target_layer_ids], dim=-1))
+        out = {NEXT_TOKENS: next_tokens, HIDDEN_STATES: hidden, LOGITS: logits}
+        out.update((retained_name(n), t) for n, t in zip(kv, retained, strict=True))
+        return tuple(out[n] for n in self.output_names)
