@@ -13,6 +13,7 @@ from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
 from dflash_qaic.export import weights
 from dflash_qaic.export.onnx_export import export_and_check, program_facts
+from dflash_qaic.modeling.gemma4 import GEMMA4_TYPES, ExportGemma4Target
 from dflash_qaic.modeling.gpt_oss import ExportGptOssTarget
 from dflash_qaic.modeling.hybrid import ExportHybridTarget
 from dflash_qaic.modeling.sampler import SAMPLING_CANDIDATES
@@ -131,9 +132,16 @@ def target_io(
         continuous_batching=module.continuous_batching,
         comp_ctx=module.comp_ctx,
         **hybrid,
+        layer_kv=layer_kv(module),
         draft_q=tuple(draft_q),
         token_bitmask=token_bitmask,
     )
+
+
+def layer_kv(module: ExportTarget) -> tuple[int, ...]:
+    """contract.TargetIO.layer_kv: each layer's (kv heads, head dim) when they differ, else ()."""
+    shapes = getattr(module, "cache_shapes", lambda: [])()
+    return tuple(d for shape in shapes for d in shape) if len(set(shapes)) > 1 else ()
 
 
 def is_hybrid(cfg) -> bool:
@@ -202,6 +210,8 @@ def export_target(
     cls = ExportHybridTarget if extra else ExportTarget
     if cfg.model_type == "gpt_oss":  # sinks, sliding layers, biased MoE (modeling/gpt_oss.py)
         cls = ExportGptOssTarget
+    if cfg.model_type in GEMMA4_TYPES:  # modeling/gemma4.py
+        cls = ExportGemma4Target
     if token_bitmask:
         extra["token_bitmask"] = True
     module = cls.from_hf(
@@ -220,7 +230,12 @@ def export_target(
     if draft_q and cls is ExportHybridTarget:
         raise ValueError("q-aware verification (draft_q) is not built for hybrid targets")
     io = target_io(
-        module, cfg.hidden_size, emit_logits, sampling, draft_q if sampling else (), token_bitmask
+        module,
+        cfg.get_text_config().hidden_size,
+        emit_logits,
+        sampling,
+        draft_q if sampling else (),
+        token_bitmask,
     )
     plan = contract.shape_plan(
         block_size,

@@ -40,6 +40,9 @@ from dflash_qaic.modeling.moe import SparseMoeBlock
 from dflash_qaic.modeling.sampler import SAMPLING_CANDIDATES
 from dflash_qaic.modeling.target import attend, fp16_safe_fc_weight
 
+# model_type of the published multimodal form (text under model.language_model) and the text form
+GEMMA4_TYPES = ("gemma4", "gemma4_text")
+
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")

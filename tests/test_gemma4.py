@@ -1,0 +1,156 @@
+"""Gemma 4 targets (modeling/gemma4.py): the exported program on ONNX Runtime against Hugging Face.
+
+Tiny random Gemma 4 text models (hidden 64, 6 layers: sliding (window 4) ×2, full, sliding ×2, full;
+sliding layers 2 KV heads of 16, full layers 1 KV head of 32 with V = K, proportional RoPE;
+√H embeddings, soft-capped logits, non-trivial norms and layer scalars), dense and MoE (8 experts,
+top-2, beside the MLP), in the text-only form (`Gemma4ForCausalLM`) and the published multimodal
+form (`Gemma4ForConditionalGeneration`, text under `model.language_model`, a vision tower ignored).
+One graph serves chunked prefill, a verify block and a decode, each layer its own cache shape.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_target_export import (
+    BLOCK,
+    CHUNK,
+    CTX,
+    VOCAB,
+    Runner,
+    hf_reference,
+    make_draft_side,
+    margin_ok,
+    run_flow,
+    session,
+)
+
+from dflash_qaic import contract
+from dflash_qaic.export.target import export_target
+from dflash_qaic.modeling.gemma4 import ExportGemma4Target
+
+H, WINDOW = 64, 4
+LAYER_TYPES = ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2
+LAYER_TYPES += ["full_attention"]
+LAYER_IDS = [1, 3, 5]
+LAYER_KV = (2, 16, 2, 16, 1, 32, 2, 16, 2, 16, 1, 32)  # (kv heads, head dim) per layer
+
+
+def text_config(moe: bool):
+    from transformers import Gemma4TextConfig
+
+    extra = dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32)
+    return Gemma4TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=H,
+        intermediate_size=64,
+        num_hidden_layers=len(LAYER_TYPES),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        layer_types=list(LAYER_TYPES),
+        sliding_window=WINDOW,
+        hidden_size_per_layer_input=0,
+        final_logit_softcapping=30.0,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        **(extra if moe else {}),
+    )
+
+
+def make_gemma4(form: str, seed: int = 0):
+    """form: "text" (Gemma4ForCausalLM), "moe" (its MoE variant) or "multimodal"
+    (Gemma4ForConditionalGeneration with a tiny vision tower)."""
+    from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    text = text_config(form == "moe")
+    if form == "multimodal":
+        vision = dict(
+            hidden_size=32,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=16,
+        )
+        cfg = Gemma4Config(text_config=text.to_dict(), vision_config=vision, audio_config=None)
+        cfg.get_text_config()._attn_implementation = "eager"
+        model = Gemma4ForConditionalGeneration(cfg)
+        lm = model.model.language_model
+    else:
+        text._attn_implementation = "eager"
+        model = Gemma4ForCausalLM(text)
+        lm = model.model
+    with torch.no_grad():  # non-trivial norms, router scales and layer scalars
+        for name, p in lm.named_parameters():
+            if "norm" in name or name.endswith("scale"):
+                p.uniform_(0.5, 1.5)
+        for i, layer in enumerate(lm.layers):
+            layer.layer_scalar.fill_(0.5 + 0.1 * i)
+    return model.eval()
+
+
+# the text form in the fast tier; the MoE and the multimodal form (two more exports) are slow
+FORMS = ["text", pytest.param("moe", marks=pytest.mark.slow)]
+FORMS += [pytest.param("multimodal", marks=pytest.mark.slow)]
+
+
+@pytest.fixture(scope="module", params=FORMS)
+def exported(request, tmp_path_factory):
+    model = make_gemma4(request.param)
+    fc, hn_w, hn_eps = make_draft_side(len(LAYER_IDS))
+    path = tmp_path_factory.mktemp(f"gemma4_{request.param}") / "target.onnx"
+    facts = export_target(
+        model,
+        fc,
+        hn_w,
+        hn_eps,
+        LAYER_IDS,
+        path,
+        ctx_len=CTX,
+        prefill_seq_len=CHUNK,
+        block_size=BLOCK,
+        emit_logits=True,
+    )
+    io = contract.TargetIO(
+        len(LAYER_TYPES), 2, 16, H, VOCAB, emit_logits=True, comp_ctx=True, layer_kv=LAYER_KV
+    )
+    return dict(model=model, fc=fc, hn=(hn_w, hn_eps), facts=facts, io=io, path=path)
+
+
+@pytest.mark.parametrize("prompt_len", [21, 13])
+def test_prefill_verify_decode_match_hf(exported, prompt_len):
+    e = exported
+    rng = np.random.default_rng(prompt_len)
+    seq = rng.integers(0, VOCAB, prompt_len + BLOCK + 1).tolist()
+    got = run_flow(Runner(session(str(e["path"])), e["io"]), seq, prompt_len)
+    ref_logits, ref_hidden, _ = hf_reference(e["model"], seq, LAYER_IDS, e["fc"], *e["hn"])
+    assert np.abs(ref_logits).max() < 30.0  # soft-capped
+    np.testing.assert_allclose(got[contract.LOGITS], ref_logits, atol=2e-4, rtol=1e-4)
+    clear = margin_ok(ref_logits, 1e-3)
+    assert clear.sum() >= len(seq) - 2
+    np.testing.assert_array_equal(got[contract.NEXT_TOKENS][clear], ref_logits.argmax(-1)[clear])
+    np.testing.assert_allclose(got[contract.HIDDEN_STATES], ref_hidden, atol=1e-4, rtol=1e-4)
+
+
+def test_program_declares_each_layers_cache(exported):
+    shapes = {s["name"]: s["shape"] for s in exported["facts"]["inputs"]}
+    assert shapes[contract.past_key(0)][1:] == [2, contract.CTX, 16]  # sliding: 2 heads of 16
+    assert shapes[contract.past_value(2)][1:] == [1, contract.CTX, 32]  # full: 1 head of 32 (V = K)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("hidden_size_per_layer_input", 16), ("num_kv_shared_layers", 2), ("attention_bias", True)],
+)
+def test_refuses_unsupported_fields(field, value):
+    model = make_gemma4("text")
+    setattr(model.config, field, value)
+    fc, hn_w, hn_eps = make_draft_side(len(LAYER_IDS))
+    with pytest.raises(ValueError, match=field):
+        ExportGemma4Target.from_hf(model, fc, hn_w, hn_eps, LAYER_IDS, ctx_len=CTX)
