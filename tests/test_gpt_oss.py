@@ -214,3 +214,34 @@ def test_mxfp4_streamed_from_file(tmp_path):
         list(mxfp4_chunks(b, infos["other"]))
     with pytest.raises(ValueError, match="do not match"):
         list(mxfp4_chunks(b, b))
+
+
+# ---------------------------------------------------------------- fp16 with a massive channel
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_fp16_faithful_with_a_massive_channel(tmp_path):
+    """Trigger tokens carry ~3000 in one residual channel through sinks, routers and the clamped
+    experts: the fp16-faithful program gives the fp32 tokens, nothing near fp16's limit."""
+    from test_fp16 import CH, SEQS, TRIGGERS, assert_same_tokens, faithful_program, target_flow
+
+    model = make_gpt_oss()
+    model.model.embed_tokens.weight[TRIGGERS, CH] = 3000.0
+    model.model.norm.weight[CH] = 0.05
+    fc, hn_w, hn_eps = make_draft_side(len(LAYER_IDS))
+    path = tmp_path / "target.onnx"
+    facts = export_target(
+        model, fc, hn_w, hn_eps, LAYER_IDS, path, ctx_len=CTX, prefill_seq_len=CHUNK,
+        block_size=BLOCK,
+    )  # fmt: skip
+    faithful = facts["check"]["fp16_faithful"]
+    assert faithful["ran"] and faithful["flagged"] == [], faithful
+    prog = faithful_program(path, contract.TargetIO(4, 2, 16, H, VOCAB, comp_ctx=True))
+    for p, seq in zip((16, 13), SEQS):
+        got = target_flow(prog, seq, p)
+        logits, hidden, out = hf_reference(model, seq, LAYER_IDS, fc, hn_w, hn_eps)
+        assert float(out.hidden_states[2][0, :, CH].abs().max()) > 2000.0
+        assert_same_tokens(got[contract.NEXT_TOKENS], logits)
+        np.testing.assert_allclose(got[contract.HIDDEN_STATES], hidden, atol=0.05, rtol=0.02)
+    assert prog.report.flagged == [], prog.report.summary()
