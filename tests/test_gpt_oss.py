@@ -245,3 +245,27 @@ def test_fp16_faithful_with_a_massive_channel(tmp_path):
         assert_same_tokens(got[contract.NEXT_TOKENS], logits)
         np.testing.assert_allclose(got[contract.HIDDEN_STATES], hidden, atol=0.05, rtol=0.02)
     assert prog.report.flagged == [], prog.report.summary()
+
+
+# ---------------------------------------------------------------- lossless decoding
+
+
+def test_speculative_decoding_equals_hf_generate(exported):
+    """Whatever a block's acceptance (0 … B − 1 proposals kept), the committed tokens are
+    Hugging Face's greedy `generate`, the sliding layers' windows crossing rolled-back slots."""
+    from spec_loop import hf_greedy, speculate
+
+    prompt = np.random.default_rng(7).integers(0, VOCAB, 11).tolist()
+    n = 24
+    ref = hf_greedy(exported["model"], prompt, n)
+    got, accepted = speculate(
+        Runner(session(str(exported["path"])), exported["io"]), prompt, ref, n
+    )
+    assert got == ref
+    assert set(accepted) == set(range(BLOCK))  # every acceptance length occurred
+
+
+def test_batched_equals_solo(exported):
+    from spec_loop import assert_batched_equals_solo
+
+    assert_batched_equals_solo(session(str(exported["path"])), exported["io"])
