@@ -176,16 +176,19 @@ def kv_specs(
     head_dim: int,
     continuous_batching: bool = False,
     layer_kv: tuple[int, ...] = (),
+    ring_slots: tuple[int, ...] = (),
 ) -> list[TensorSpec]:
     """past_key.{i}, past_value.{i} for every layer, interleaved as QEfficient orders them;
     `full_batch_size` rows with continuous batching, else one per call row. layer_kv: layer i's
-    (kv heads, head dim) at [2i], [2i + 1] when layers differ (Gemma 4), else () for all alike."""
+    (kv heads, head dim) at [2i], [2i + 1] when layers differ (Gemma 4), else () for all alike;
+    ring_slots: per layer the slots of a target's sliding-layer ring, 0 for a ctx_len cache."""
     rows = FULL_BATCH if continuous_batching else BATCH
     out = []
     for i in range(n_layers):
         kvh, hd = layer_kv[2 * i : 2 * i + 2] if layer_kv else (n_kv_heads, head_dim)
-        out.append(TensorSpec(past_key(i), "float32", (rows, kvh, CTX, hd)))
-        out.append(TensorSpec(past_value(i), "float32", (rows, kvh, CTX, hd)))
+        slots = (ring_slots[i] if ring_slots else 0) or CTX
+        out.append(TensorSpec(past_key(i), "float32", (rows, kvh, slots, hd)))
+        out.append(TensorSpec(past_value(i), "float32", (rows, kvh, slots, hd)))
     return out
 
 
@@ -283,6 +286,9 @@ class TargetIO:
     # per-layer cache shapes (kv heads, head dim of layer i at [2i], [2i + 1]) when the layers
     # differ (Gemma 4's sliding and full layers); () when every layer has n_kv_heads, head_dim
     layer_kv: tuple[int, ...] = ()
+    # per layer: the slots of a sliding layer's ring cache, 0 for a ctx_len cache (empty: all
+    # ctx_len); docs/DESIGN.md, Layer kinds
+    ring_slots: tuple[int, ...] = ()
 
     @property
     def hybrid(self) -> bool:
@@ -301,7 +307,12 @@ class TargetIO:
                 self.continuous_batching,
             )
         return kv_specs(
-            self.n_layers, self.n_kv_heads, self.head_dim, self.continuous_batching, self.layer_kv
+            self.n_layers,
+            self.n_kv_heads,
+            self.head_dim,
+            self.continuous_batching,
+            self.layer_kv,
+            self.ring_slots,
         )
 
     @property

@@ -290,6 +290,7 @@ class Program:
                 draft_q=c.ints("draft_q", 1, 1 << 24, default=[]),
                 token_bitmask=c.bool("token_bitmask", False),
                 layer_kv=_int_tuple(c, "layer_kv", 1, 1 << 24),
+                ring_slots=_int_tuple(c, "ring_slots", 0, 1 << 22),
             )
             if io.layer_kv and len(io.layer_kv) != 2 * io.n_layers:
                 c.fail(c.key("layer_kv"), "must list 2 dims per layer")

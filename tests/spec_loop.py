@@ -45,6 +45,14 @@ def speculate(runner, prompt: list[int], oracle: list[int], n: int, seed: int = 
 __all__ = ["CHUNK", "hf_greedy", "speculate"]
 
 
+def program_io(facts: dict, path) -> contract.TargetIO:
+    """The exported program's contract I/O, through the manifest's reading of the exporter's
+    facts (so per-layer cache shapes and ring slots round-trip)."""
+    from dflash_qaic.manifest import Program
+
+    return Program.from_facts("target", {**facts, "path": str(path)}, path.parent).io
+
+
 def run_batch(sess, io, seqs: list[list[int]], prompt_lens: list[int]) -> list[dict]:
     """Each sequence's chunked prefill of seq[:P], one verify block at P and a decode, all rows of
     a batch in the same calls (a shorter prompt's missing chunk rows are padding). Returns per

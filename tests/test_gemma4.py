@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from spec_loop import program_io
 from test_target_export import (
     BLOCK,
     CHUNK,
@@ -117,8 +118,10 @@ def exported(request, tmp_path_factory):
         block_size=BLOCK,
         emit_logits=True,
     )
-    io = contract.TargetIO(
-        len(LAYER_TYPES), 2, 16, H, VOCAB, emit_logits=True, comp_ctx=True, layer_kv=LAYER_KV
+    io = program_io(facts, path)
+    assert io.layer_kv == LAYER_KV
+    assert io.ring_slots == tuple(
+        WINDOW + CHUNK if t == "sliding_attention" else 0 for t in LAYER_TYPES
     )
     return dict(model=model, fc=fc, hn=(hn_w, hn_eps), facts=facts, io=io, path=path)
 
@@ -140,7 +143,8 @@ def test_prefill_verify_decode_match_hf(exported, prompt_len):
 
 def test_program_declares_each_layers_cache(exported):
     shapes = {s["name"]: s["shape"] for s in exported["facts"]["inputs"]}
-    assert shapes[contract.past_key(0)][1:] == [2, contract.CTX, 16]  # sliding: 2 heads of 16
+    ring = WINDOW + CHUNK  # R + 1 slots, R = W + S − 1
+    assert shapes[contract.past_key(0)][1:] == [2, ring, 16]  # sliding: a ring, 2 heads of 16
     assert shapes[contract.past_value(2)][1:] == [1, contract.CTX, 32]  # full: 1 head of 32 (V = K)
 
 
@@ -194,8 +198,7 @@ def test_fp16_faithful_with_a_massive_channel(tmp_path):
     )  # fmt: skip
     faithful = facts["check"]["fp16_faithful"]
     assert faithful["ran"] and faithful["flagged"] == [], faithful
-    io = contract.TargetIO(len(LAYER_TYPES), 2, 16, H, VOCAB, comp_ctx=True, layer_kv=LAYER_KV)
-    prog = faithful_program(path, io)
+    prog = faithful_program(path, program_io(facts, path))
     for p, seq in zip((16, 13), SEQS):
         got = target_flow(prog, seq, p)
         logits, hidden, _ = hf_reference(model, seq, LAYER_IDS, fc, hn_w, hn_eps)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from spec_loop import program_io
 from test_target_export import (
     BLOCK,
     CHUNK,
@@ -122,7 +123,8 @@ def exported(gpt_oss_model, tmp_path_factory):
         block_size=BLOCK,
         emit_logits=True,
     )
-    io = contract.TargetIO(4, 2, 16, H, VOCAB, emit_logits=True, comp_ctx=True)
+    io = program_io(facts, path)
+    assert io.ring_slots == (WINDOW + CHUNK, 0, WINDOW + CHUNK, 0)  # sliding layers: rings
     return dict(model=gpt_oss_model, fc=fc, hn=(hn_w, hn_eps), facts=facts, io=io, path=path)
 
 
@@ -237,7 +239,7 @@ def test_fp16_faithful_with_a_massive_channel(tmp_path):
     )  # fmt: skip
     faithful = facts["check"]["fp16_faithful"]
     assert faithful["ran"] and faithful["flagged"] == [], faithful
-    prog = faithful_program(path, contract.TargetIO(4, 2, 16, H, VOCAB, comp_ctx=True))
+    prog = faithful_program(path, program_io(facts, path))
     for p, seq in zip((16, 13), SEQS):
         got = target_flow(prog, seq, p)
         logits, hidden, out = hf_reference(model, seq, LAYER_IDS, fc, hn_w, hn_eps)

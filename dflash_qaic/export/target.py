@@ -133,6 +133,7 @@ def target_io(
         comp_ctx=module.comp_ctx,
         **hybrid,
         layer_kv=layer_kv(module),
+        ring_slots=module.ring_slots() if hasattr(module, "ring_slots") else (),
         draft_q=tuple(draft_q),
         token_bitmask=token_bitmask,
     )
@@ -212,6 +213,8 @@ def export_target(
         cls = ExportGptOssTarget
     if cfg.model_type in GEMMA4_TYPES:  # modeling/gemma4.py
         cls = ExportGemma4Target
+    if cls in (ExportGptOssTarget, ExportGemma4Target):  # sliding layers: ring caches
+        extra["max_rows"] = max(prefill_seq_len, block_size)
     if token_bitmask:
         extra["token_bitmask"] = True
     module = cls.from_hf(

@@ -34,7 +34,15 @@ from torch import nn
 from torch.nn import functional as F
 from torch.onnx.operators import shape_as_tensor
 
-from dflash_qaic.modeling.kinds import FULL, SLIDING, Call, Kind, KindTarget, check_taps
+from dflash_qaic.modeling.kinds import (
+    FULL,
+    SLIDING,
+    Call,
+    Kind,
+    KindTarget,
+    check_taps,
+    ring_size,
+)
 from dflash_qaic.modeling.layers import RMSNorm, Rope, RopeTable, apply_rope, frozen, frozen_linear
 from dflash_qaic.modeling.moe import SparseMoeBlock
 from dflash_qaic.modeling.sampler import SAMPLING_CANDIDATES
@@ -193,6 +201,7 @@ class ExportGemma4Target(KindTarget):
         sampling_candidates: int = SAMPLING_CANDIDATES,
         continuous_batching: bool = False,
         token_bitmask: bool = False,
+        max_rows: int | None = None,
     ) -> ExportGemma4Target:
         cfg, base, lm_head = text_parts(hf_model)
         check_gemma4(cfg, fc_weight, target_layer_ids)
@@ -206,8 +215,8 @@ class ExportGemma4Target(KindTarget):
         for kind in sorted(set(cfg.layer_types)):
             attn = next(lay.self_attn for lay in layers if lay.kind == kind)
             rope = "rope" if kind == SLIDING else f"rope_{kind}"
-            kinds[kind] = Kind(cfg.sliding_window if kind == SLIDING else None, rope, nh,
-                               attn.n_kv_heads)  # fmt: skip
+            w = cfg.sliding_window if kind == SLIDING else None
+            kinds[kind] = Kind(w, rope, nh, attn.n_kv_heads, ring_size(w, max_rows, ctx_len))
             ropes[rope] = rope_table(base.rotary_emb, kind, ctx_len)
         first = ropes.pop("rope") if "rope" in ropes else ropes[next(iter(ropes))]
         fc_w, fc_scale = fp16_safe_fc_weight(fc_weight)

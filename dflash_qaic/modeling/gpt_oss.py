@@ -34,7 +34,15 @@ import torch
 from torch import nn
 from torch.onnx.operators import shape_as_tensor
 
-from dflash_qaic.modeling.kinds import FULL, SLIDING, Call, Kind, KindTarget, check_taps
+from dflash_qaic.modeling.kinds import (
+    FULL,
+    SLIDING,
+    Call,
+    Kind,
+    KindTarget,
+    check_taps,
+    ring_size,
+)
 from dflash_qaic.modeling.layers import (
     RMSNorm,
     Rope,
@@ -180,6 +188,7 @@ class ExportGptOssTarget(KindTarget):
         sampling_candidates: int = SAMPLING_CANDIDATES,
         continuous_batching: bool = False,
         token_bitmask: bool = False,
+        max_rows: int | None = None,
     ) -> ExportGptOssTarget:
         cfg = hf_model.config
         check_gpt_oss(hf_model, fc_weight, target_layer_ids)
@@ -205,8 +214,9 @@ class ExportGptOssTarget(KindTarget):
             continuous_batching=continuous_batching,
             token_bitmask=token_bitmask,
             kinds={
-                kind: Kind(cfg.sliding_window if kind == SLIDING else None, "rope", nh, kvh)
+                kind: Kind(w, "rope", nh, kvh, ring_size(w, max_rows, ctx_len))
                 for kind in sorted(set(cfg.layer_types))
+                for w in [cfg.sliding_window if kind == SLIDING else None]
             },
             ropes={},
         )

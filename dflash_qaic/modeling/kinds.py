@@ -14,8 +14,18 @@ Per call, each kind's attention inputs are built once and shared by every layer 
     x = embed(input_ids) · embed_scale;  per layer: x, k, v = layer(x, calls[layer.kind], k, v)
     logits = softcap(norm(x) · head)      softcap(l) = c · tanh(l / c) when the config has c
 
-next_tokens, hidden_states and the retained caches as the dense target. The sliding layers keep a
-full-length cache, the window applied by the mask: exact, at the full layers' memory.
+next_tokens, hidden_states and the retained caches as the dense target.
+
+Ring caches. A sliding layer of window W whose calls have at most S rows keeps R + 1 slots,
+R = W + S − 1 (a static axis, contract.TargetIO.ring_slots): position p in slot p mod R, a padding
+row (−1) in slot R, never read. The query at Q reads all R slots; slot j holds
+h = Q − ((Q − j) mod R) and is visible iff Q − W < h and h >= 0. That is exact whenever every
+position below the call was written in order (the runtime does so): a visible h is at least
+Q − W + 1, and any other position in slot j is h ± a multiple of R, so either older than the
+window or at least Q − W + 1 + R >= Q + S, past every row of the call, rejected verify rows
+included. A call's memory and reads are R slots whatever the context (docs/DESIGN.md, Layer
+kinds). Without a bound on the rows (max_rows None) or when R + 1 >= ctx_len, a sliding layer
+keeps a ctx_len cache and the window is applied by the mask.
 """
 
 from __future__ import annotations
@@ -62,12 +72,34 @@ class Call:
 
 @dataclass(frozen=True)
 class Kind:
-    """What a layer kind's attention needs: its window (None: full), RoPE table, head counts."""
+    """What a layer kind's attention needs: its window (None: full), RoPE table, head counts,
+    and for a sliding kind its ring (R: positions held, `ring_size`; None: a ctx_len cache)."""
 
     window: int | None
     rope: str  # the name of the target's RopeTable buffer module for this kind
     n_heads: int
     n_kv_heads: int
+    ring: int | None = None
+
+
+def ring_size(window: int | None, max_rows: int | None, ctx_len: int) -> int | None:
+    """R = W + S − 1 for a sliding layer of window W and calls of at most S rows: a call's
+    queries see W − 1 positions before it and its own S, so R positions (slot = position mod R,
+    plus the padding slot R) hold every visible key; None when a ring would not be smaller than
+    the ctx_len cache (module docstring)."""
+    if window is None or max_rows is None:
+        return None
+    R = window + max_rows - 1
+    return R if R + 1 < ctx_len else None
+
+
+def ring_mask(position_ids: torch.Tensor, R: int, window: int) -> torch.Tensor:
+    """[b, s, R] bool: ring slot j visible to the query at position Q. Slot j holds
+    h = Q − ((Q − j) mod R), the latest position ≡ j (mod R) up to Q (module docstring), and is
+    visible iff Q − W < h (h <= Q by construction) and h >= 0 (this sequence wrote it)."""
+    pos = position_ids[..., None]  # [b, s, 1]
+    held = pos - torch.remainder(pos - torch.arange(R), R)  # [b, s, R]
+    return (held > pos - window) & (held >= 0)
 
 
 def check_taps(cfg, fc_weight: torch.Tensor, target_layer_ids) -> None:
@@ -108,19 +140,33 @@ class KindTarget(ExportTarget):
         visible = kv_index <= pos  # [b, s, L]
         out = {}
         for name, k in self.kinds.items():
-            v = visible if k.window is None else visible & (kv_index > pos - k.window)
-            m = (~v).to(torch.float32) * MASK_VALUE  # [b, s, L]
+            at, reads = slots, cache_reads(rows, window, k.n_kv_heads, ctx_len)
+            if k.ring is not None:  # slot = position mod R; −1 -> the ring's padding slot R
+                R = k.ring
+                v = ring_mask(position_ids, R, k.window)  # [b, s, R]
+                at = torch.where(position_ids < 0, R, torch.remainder(position_ids, R))
+                reads = cache_reads(rows, torch.arange(R), k.n_kv_heads, R + 1)
+            elif k.window is not None:
+                v = visible & (kv_index > pos - k.window)
+            else:
+                v = visible
+            m = (~v).to(torch.float32) * MASK_VALUE  # [b, s, L or R]
             g = k.n_heads // k.n_kv_heads
             cos, sin = getattr(self, k.rope)(position_ids)  # [b, s, hd]
             out[name] = Call(
                 cos=cos,
                 sin=sin,
-                slots=slots,
+                slots=at,
                 rows=rows,
-                reads=cache_reads(rows, window, k.n_kv_heads, ctx_len),
-                mask=torch.cat([m] * g, dim=1)[:, None],  # [b, 1, g*s, L]
+                reads=reads,
+                mask=torch.cat([m] * g, dim=1)[:, None],  # [b, 1, g*s, L or R]
             )
         return out
+
+    def ring_slots(self) -> tuple[int, ...]:
+        """contract.TargetIO.ring_slots: per layer R + 1 for a ring, 0 for a ctx_len cache."""
+        rings = [self.kinds[layer.kind].ring for layer in self.layers]
+        return tuple(0 if r is None else r + 1 for r in rings) if any(rings) else ()
 
     def forward(self, *inputs: torch.Tensor):
         # the inputs and outputs of ExportTarget.forward, bound by name
