@@ -271,3 +271,72 @@ def test_batched_equals_solo(exported):
     from spec_loop import assert_batched_equals_solo
 
     assert_batched_equals_solo(session(str(exported["path"])), exported["io"])
+
+
+# ---------------------------------------------------------------- draft knobs
+
+
+def _draft_copy(tiny_pair, tmp_path, **config):
+    """A copy of a tiny qwen3 pair's draft with `config` merged into its config.json."""
+    import json
+    import shutil
+
+    _, d = tiny_pair(vocab_size=64, tie_word_embeddings=False, target_layer_ids=[1, 3])
+    out = tmp_path / "draft"
+    shutil.copytree(d, out)
+    cfg = json.loads((out / "config.json").read_text())
+    for k, v in config.items():
+        if isinstance(v, dict):
+            cfg.setdefault(k, {}).update(v)
+        else:
+            cfg[k] = v
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@torch.no_grad()
+def test_draft_attention_bias_equals_reference(tiny_pair, tmp_path):
+    """`attention_bias` (q/k/v/o biases, as gpt-oss drafts have): read from the config, the
+    biases required in the checkpoint, and the draft's forward equal to the reference model's."""
+    from dflash.model import DFlashDraftModel
+    from safetensors.torch import load_file, save_file
+
+    from dflash_qaic.modeling.draft import DFlashDraft
+
+    d = _draft_copy(tiny_pair, tmp_path, attention_bias=True)
+    c = ck.read_draft_config(d)
+    assert c.attention_bias
+    with pytest.raises(ck.CheckpointError, match="missing tensor keys.*q_proj.bias"):
+        ck.check_draft_tensors(c)
+    state = load_file(str(d / "model.safetensors"))
+    gen = torch.Generator().manual_seed(5)
+    for name in [k for k in state if k.endswith("_proj.weight") and ".self_attn." in k]:
+        state[name.replace(".weight", ".bias")] = torch.randn(state[name].shape[0], generator=gen)
+    save_file(state, str(d / "model.safetensors"))
+    ck.check_draft_tensors(c)
+    ours = DFlashDraft.from_checkpoint(c, ck.load_draft_state(c))
+    ref = DFlashDraftModel.from_pretrained(d, dtype=torch.float32).eval()
+    n, B, H = 9, c.block_size, c.hidden_size
+    feats = torch.randn(1, n, H * len(c.target_layer_ids), generator=gen)
+    emb = torch.randn(1, B, H, generator=gen)
+    pos = torch.arange(n + B)[None]
+    a = ours(ours.fuse(feats), pos[:, :n], emb, pos[:, n:])
+    torch.testing.assert_close(a, ref(position_ids=pos, noise_embedding=emb, target_hidden=feats))
+    for layer in ours.layers:  # the biases matter
+        layer.self_attn.q_proj.bias.zero_()
+    assert (ours(ours.fuse(feats), pos[:, :n], emb, pos[:, n:]) - a).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "edit,field",
+    [
+        ({"dflash_config": {"attention_sink_bias": True}}, "attention_sink_bias"),
+        ({"draft_vocab_size": 32}, "draft_vocab_size"),
+        ({"dflash_config": {"mask_embedding": "mask_embedding.safetensors"}}, "mask_embedding"),
+        ({"is_neox_style": False}, "is_neox_style"),
+    ],
+)
+def test_unbuilt_draft_knobs_are_refused_by_name(tiny_pair, tmp_path, edit, field):
+    d = _draft_copy(tiny_pair, tmp_path, **edit)
+    with pytest.raises(ck.CheckpointError, match=f"`{field}`"):
+        ck.read_draft_config(d)
