@@ -225,7 +225,62 @@ def _target_config(s: TinySpec):
             mlp_only_layers=[1] if s.mlp_only_layers is None else list(s.mlp_only_layers),
             decoder_sparse_step=s.decoder_sparse_step,
         )
-    raise ValueError(f"unknown family {s.family!r}: use 'qwen3', 'llama' or 'qwen3_moe'")
+    if s.family in ("gemma4", "gemma4_moe"):
+        return _gemma4_config(s)
+    raise ValueError(
+        f"unknown family {s.family!r}: use 'qwen3', 'llama', 'qwen3_moe', 'gemma4' or 'gemma4_moe'"
+    )
+
+
+def _gemma4_config(s: TinySpec):
+    """A tiny Gemma 4 text target (docs/DESIGN.md, Layer kinds): sliding layers of window 8
+    and the last layer full (head_dim 2× and one KV head, V = K), √H embeddings, soft-capped
+    logits; gemma4_moe adds routed experts beside every MLP. The multimodal form
+    (`multimodal`) wraps it as Gemma4ForConditionalGeneration with a one-layer vision tower."""
+    from transformers import Gemma4Config, Gemma4TextConfig
+
+    moe = s.family == "gemma4_moe"
+    text = Gemma4TextConfig(
+        vocab_size=s.vocab_size,
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.target_layers,
+        num_attention_heads=s.num_heads,
+        num_key_value_heads=s.num_kv_heads,
+        head_dim=s.head_dim,
+        global_head_dim=2 * s.head_dim,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        sliding_window=8,
+        hidden_size_per_layer_input=0,
+        final_logit_softcapping=30.0,
+        max_position_embeddings=s.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,  # the multimodal model's forward reads it
+        **(
+            dict(
+                enable_moe_block=True,
+                num_experts=s.num_experts,
+                top_k_experts=s.num_experts_per_tok,
+                moe_intermediate_size=s.moe_intermediate_size,
+            )
+            if moe
+            else {}
+        ),
+    )
+    if not s.multimodal:
+        return text
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    return Gemma4Config(text_config=text.to_dict(), vision_config=vision, audio_config=None)
 
 
 def _hybrid_config(s: TinySpec):
@@ -496,7 +551,13 @@ def make_tiny_pair(
 
     torch.manual_seed(s.seed)
     gen = torch.Generator().manual_seed(s.seed + 1)
-    target = AutoModelForCausalLM.from_config(_target_config(s)).float().eval()
+    cfg = _target_config(s)
+    if s.family in ("gemma4", "gemma4_moe") and s.multimodal:
+        from transformers import Gemma4ForConditionalGeneration
+
+        target = Gemma4ForConditionalGeneration(cfg).float().eval()
+    else:
+        target = AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():
         # Random init with a readable scale (HF's 0.02 std makes every logit nearly equal).
         for name, p in target.named_parameters():
@@ -553,7 +614,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="directory to write target/ and draft/ into")
     p.add_argument("--preset", choices=sorted(PRESETS), help="published shapes (bf16, sharded)")
-    p.add_argument("--family", choices=["qwen3", "llama", "qwen3_moe", "qwen3_5", "qwen3_5_moe"])
+    p.add_argument(
+        "--family",
+        choices=["qwen3", "llama", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gemma4", "gemma4_moe"],
+    )
     p.add_argument(
         "--multimodal",
         action="store_true",

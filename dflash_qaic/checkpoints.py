@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from dflash_qaic import kind_checkpoints as kinds
+
 # Rope types whose tables depend on the sequence length: the static RoPE tables cannot hold them.
 UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")
 SUPPORTED_TARGETS = {
@@ -28,10 +30,14 @@ SUPPORTED_TARGETS = {
     # hybrid and MoE at once (every layer's MLP: routed experts + a gated shared expert)
     "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
 }
+# targets with layer kinds (sliding and full attention of their own shapes): Gemma 4, in the
+# published multimodal form and the text-only form (dflash_qaic/kind_checkpoints.py)
+SUPPORTED_TARGETS |= kinds.KIND_TARGETS
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe")
 # model_type of the text-only hybrid (what Qwen3_5ForCausalLM.save_pretrained writes)
 _TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+_TEXT_MODEL_TYPES |= kinds.KIND_TEXT_MODEL_TYPES
 # Tensors of a published multimodal checkpoint that the text model does not use (Hugging Face's
 # Qwen3_5ForCausalLM ignores them too): the vision tower and the multi-token-prediction head.
 _MULTIMODAL_IGNORED = ("model.visual.", "mtp.")
@@ -409,6 +415,11 @@ def read_target_config(directory: str | Path) -> TargetConfig:
                 raise CheckpointError(f"{cpath}: `text_config` must be an object of config fields")
             prefix = "model.language_model."
         hybrid = hybrid_dims(text, cpath)
+    elif family in kinds.KIND_TARGETS:
+        try:
+            text, prefix = kinds.text_config(cfg, cpath)
+        except kinds.KindCheckpointError as e:
+            raise CheckpointError(str(e)) from None
     heads = _positive(text, "num_attention_heads", cpath)
     hidden = _positive(text, "hidden_size", cpath)
     tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
@@ -882,6 +893,8 @@ def experts_fused(names) -> bool:
 def expected_target_shapes(t: TargetConfig, fused: bool = False) -> dict[str, list[int]]:
     """Every tensor the target architecture needs, with its shape (Hugging Face names);
     `fused`: a MoE target's experts in the fused form (see `expert_shapes`)."""
+    if t.family in kinds.KIND_TARGETS:
+        return kinds.gemma4_shapes(t.text, t.prefix, t.tie_word_embeddings)
     H, hd, inter, V = t.hidden_size, t.head_dim, t.intermediate_size, t.vocab_size
     q, kv = t.num_heads * hd, t.num_kv_heads * hd
     per_layer = {
@@ -979,6 +992,8 @@ def check_target_tensors(t: TargetConfig) -> dict[str, TensorInfo]:
     ignored = {k for k in tensors if k.endswith(_IGNORED_SUFFIXES)}
     if t.hybrid is not None:
         ignored |= {k for k in tensors if k.startswith(_MULTIMODAL_IGNORED)}
+    if t.family in kinds.KIND_TARGETS:
+        ignored |= {k for k in tensors if k.startswith(kinds.GEMMA4_IGNORED)}
     if t.tie_word_embeddings:
         ignored.add("lm_head.weight")  # tied: the head is the embedding (as Hugging Face does)
     shapes = {k: list(v.shape) for k, v in tensors.items()}
@@ -992,7 +1007,8 @@ def validate_pair(t: TargetConfig, d: DraftConfig) -> None:
     """One clear error per problem between a target and its draft."""
     dcfg = d.path / "config.json"
     # a hybrid's draft has its own attention shape (it borrows only the embedding and the head)
-    same = ("hidden_size",) if t.hybrid is not None else ("num_heads", "num_kv_heads", "head_dim")
+    own = t.hybrid is not None or t.family in kinds.KIND_TARGETS
+    same = ("hidden_size",) if own else ("num_heads", "num_kv_heads", "head_dim")
     for fld in dict.fromkeys(("hidden_size", *same)):
         tv, dv = getattr(t, fld), getattr(d, fld)
         if tv != dv:
@@ -1067,8 +1083,18 @@ def check_supported(t: TargetConfig, d: DraftConfig) -> None:
     """What the modeling code refuses, checked from the configs: silu MLPs, rope types whose
     tables do not depend on the sequence length, and no sliding-window layers in a dense target
     (a hybrid's layer_types are its linear / full attention layers)."""
+    if t.family in kinds.KIND_TARGETS:  # its own activation and layer kinds
+        try:
+            kinds.check_supported(t.text, t.path / "config.json")
+        except kinds.KindCheckpointError as e:
+            raise CheckpointError(str(e)) from None
+    checked = (
+        ()
+        if t.family in kinds.KIND_TARGETS
+        else (("target", t.text or t.raw, t.path / "config.json"),)
+    )
     for what, raw, path in (
-        ("target", t.text or t.raw, t.path / "config.json"),
+        *checked,
         ("draft", d.raw or {}, d.path / "config.json"),
     ):
         act = raw.get("hidden_act") or "silu"
@@ -1080,6 +1106,8 @@ def check_supported(t: TargetConfig, d: DraftConfig) -> None:
         for key in ("rope_parameters", "rope_scaling"):
             _check_rope(raw.get(key) or {}, path)
     types = t.raw.get("layer_types") or []
+    if t.family in kinds.KIND_TARGETS:
+        types = []  # sliding layers built (modeling/kinds.py)
     if t.hybrid is None and any(k != "full_attention" for k in types):
         raise CheckpointError(
             f"{t.path / 'config.json'}: sliding-window layers are not supported "

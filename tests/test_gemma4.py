@@ -10,10 +10,12 @@ One graph serves chunked prefill, a verify block and a decode, each layer its ow
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
-from spec_loop import program_io
+from spec_loop import hf_greedy, program_io
 from test_target_export import (
     BLOCK,
     CHUNK,
@@ -239,3 +241,66 @@ def test_batched_equals_solo(exported):
     from spec_loop import assert_batched_equals_solo
 
     assert_batched_equals_solo(session(str(exported["path"])), exported["io"])
+
+
+# ---------------------------------------------------------------- from the checkpoints
+
+
+def _pair(tmp_path, family: str, multimodal: bool):
+    """A tiny Gemma 4 pair on disk (dflash-make-tiny-pair --family gemma4 | gemma4_moe): its
+    draft with Gemma drafts' knobs (√H embedding scale, soft-capped logits)."""
+    from dflash_lab.tiny import make_tiny_pair
+
+    return make_tiny_pair(
+        tmp_path / "pair", family=family, multimodal=multimodal, block_size=4,
+        target_layer_ids=[1, 3], agree=1.25, input_embedding_scale=8.0,
+        final_logit_softcapping=30.0,
+    )  # fmt: skip
+
+
+E2E_FORMS = [("gemma4", False), pytest.param("gemma4_moe", True, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("family,multimodal", E2E_FORMS)
+def test_lossless_from_the_checkpoints(tmp_path, family, multimodal):
+    """dflash-export's streamed export of the on-disk pair (the multimodal form's vision tower
+    ignored), the runtime on ONNX Runtime: tokens equal HF greedy `generate`, acceptance 1 … B."""
+    import dflash_qaic
+    from dflash_qaic import checkpoints as ck
+    from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
+
+    t, d = _pair(tmp_path, family, multimodal)
+    pair = ck.read_pair(t, d)
+    assert pair.target.family == "gemma4"
+    assert pair.target.prefix == ("model.language_model." if multimodal else "model.")
+    opts = ExportOptions(prefill_seq_len=CHUNK, ctx_len=160, compile=False)
+    build_artifacts(t, d, tmp_path / "art", opts, progress=lambda m: None)
+    model = ck.load_target_model(t)
+    pipe = dflash_qaic.load(tmp_path / "art")
+    lengths = []
+    for seed, (n, new) in enumerate([(1, 30), (CHUNK - 1, 41), (3 * CHUNK, 40)]):
+        ids = np.random.default_rng(seed).integers(1, 255, n).tolist()
+        res = pipe.generate(ids, max_new_tokens=new)
+        assert res.tokens == hf_greedy(model, ids, new), (n, new)
+        lengths += res.acceptance_lengths
+    assert min(lengths) == 1 and max(lengths) == 4 and len(set(lengths)) >= 3, lengths
+
+
+@pytest.mark.slow
+def test_streamed_program_equals_in_memory(tmp_path):
+    import onnxruntime as ort
+    from test_streaming_export import _in_memory, _streamed
+
+    from dflash_qaic import checkpoints as ck
+    from dflash_qaic.export.target import check_feeds
+
+    pair = ck.read_pair(*_pair(tmp_path, "gemma4_moe", True))
+    _, tf_a, _ = _in_memory(pair, tmp_path / "a")
+    tf_b, _ = _streamed(pair, tmp_path / "b")
+    a = ort.InferenceSession(tf_a["path"], providers=["CPUExecutionProvider"])
+    b = ort.InferenceSession(tf_b["path"], providers=["CPUExecutionProvider"])
+    io = program_io(tf_a, Path(tf_a["path"]))
+    assert io.ring_slots  # the sliding layers stream into rings too
+    for feed in check_feeds(io, tf_a["specializations"]):
+        for x, y, spec in zip(a.run(None, feed), b.run(None, feed), a.get_outputs()):
+            assert np.array_equal(x, y), f"output {spec.name} differs"

@@ -39,6 +39,7 @@ from onnx import TensorProto
 from tqdm.auto import tqdm
 
 from dflash_qaic import checkpoints as ck
+from dflash_qaic import kind_checkpoints as kinds
 
 # External data layout: tensors of ≥ 1 MiB start on a 64 KiB boundary (what onnx's own writer
 # does, so ONNX Runtime can map them), smaller ones on 64 bytes.
@@ -169,9 +170,17 @@ def placeholder_target(t: ck.TargetConfig) -> torch.nn.Module:
 
     cfg = AutoConfig.from_pretrained(t.path, local_files_only=True)
     cfg._attn_implementation = "eager"
+    cfg.get_text_config()._attn_implementation = "eager"
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    text = getattr(model.model, "language_model", model.model)  # a multimodal form's text model
+    text.rotary_emb = type(text.rotary_emb)(config=text.config)
+    for m in text.modules():  # checkpoint buffers (Gemma 4's layer_scalar): placeholders too
+        for k, b in list(m._buffers.items()):
+            if b is not None and b.is_meta:
+                z = torch.zeros(b.shape, dtype=b.dtype)
+                z.view(-1)[:1] = next(_MARKS)  # distinct, as every placeholder (never merged)
+                m._buffers[k] = z
     _materialize(model, transposed={"lm_head.weight"})
     return model.eval()
 
@@ -265,6 +274,11 @@ def target_sources(module: torch.nn.Module, pair: ck.Pair) -> dict[str, Source]:
             out[name] = Source(tt[p + name])
         elif name.startswith("layers.") and name.endswith((".mlp.gate_up", ".mlp.down")):
             out[name] = expert_source(tt, p + name, tuple(param.shape))
+        elif name.startswith("layers.") and name.split(".", 2)[2] in kinds.GEMMA4_RENAMES:
+            _, i, rest = name.split(".", 2)
+            ckpt, div = kinds.GEMMA4_RENAMES[rest]
+            scale = math.sqrt(pair.target.hidden_size) if div == "sqrt_hidden" else 1.0
+            out[name] = Source(tt[f"{p}layers.{i}.{ckpt}"], scale=scale)
         else:
             raise KeyError(f"target program parameter `{name}` has no checkpoint tensor")
     return _with_transposes(module, out)

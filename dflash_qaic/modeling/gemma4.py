@@ -108,7 +108,7 @@ class Gemma4MoE(SparseMoeBlock):
         proj = frozen_linear(router.proj)
         super().__init__(proj, experts.gate_up_proj, experts.down_proj, top_k, True)
         H = router.scale.shape[0]
-        self.router_scale = frozen(router.scale * H**-0.5)  # [H]: scale · H^−½, one constant
+        self.router_scale = frozen(router.scale / math.sqrt(H))  # [H]: scale · H^−½ (as streamed)
         self.per_expert_scale = frozen(router.per_expert_scale)  # [E]
         self.eps = float(router.norm.eps)
 
