@@ -114,12 +114,51 @@ def gemma4_shapes(text: dict, prefix: str, tied: bool) -> dict[str, list[int]]:
     return shapes
 
 
-# program parameter (under `layers.{i}.`) -> (checkpoint name under `{prefix}layers.{i}.`,
-# the divisor the module applied: Gemma4MoE holds router.scale · H^−½)
+# program parameter (under `layers.{i}.`) -> its checkpoint name (under `{prefix}layers.{i}.`)
 GEMMA4_RENAMES = {
-    "moe.gate.weight": ("router.proj.weight", None),
-    "moe.router_scale": ("router.scale", "sqrt_hidden"),
-    "moe.per_expert_scale": ("router.per_expert_scale", None),
-    "moe.gate_up": ("experts.gate_up_proj", None),
-    "moe.down": ("experts.down_proj", None),
+    "moe.gate.weight": "router.proj.weight",
+    "moe.router_scale": "router.scale",
+    "moe.per_expert_scale": "router.per_expert_scale",
+    "moe.gate_up": "experts.gate_up_proj",
+    "moe.down": "experts.down_proj",
 }
+
+
+def gemma4_tiny_config(s, moe: bool):
+    """A tiny Gemma 4 target (s: dflash_lab's TinySpec): sliding layers of window 8 and the last
+    layer full (head_dim 2x and one KV head, V = K), √H embeddings, soft-capped logits; `moe`:
+    routed experts beside every MLP; `s.multimodal`: the published Gemma4ForConditionalGeneration
+    form with a one-layer vision tower."""
+    from transformers import Gemma4Config, Gemma4TextConfig
+
+    extra = {}
+    if moe:
+        extra = dict(enable_moe_block=True, num_experts=s.num_experts)
+        extra |= dict(top_k_experts=s.num_experts_per_tok)
+        extra |= dict(moe_intermediate_size=s.moe_intermediate_size)
+    text = Gemma4TextConfig(
+        vocab_size=s.vocab_size,
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.target_layers,
+        num_attention_heads=s.num_heads,
+        num_key_value_heads=s.num_kv_heads,
+        head_dim=s.head_dim,
+        global_head_dim=2 * s.head_dim,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        sliding_window=8,
+        hidden_size_per_layer_input=0,
+        final_logit_softcapping=30.0,
+        max_position_embeddings=s.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,  # the multimodal model's forward reads it
+        **extra,
+    )
+    if not s.multimodal:
+        return text
+    vision = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1)
+    vision |= dict(num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    return Gemma4Config(text_config=text.to_dict(), vision_config=vision, audio_config=None)

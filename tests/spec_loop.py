@@ -48,9 +48,9 @@ __all__ = ["CHUNK", "hf_greedy", "speculate"]
 def program_io(facts: dict, path) -> contract.TargetIO:
     """The exported program's contract I/O, through the manifest's reading of the exporter's
     facts (so per-layer cache shapes and ring slots round-trip)."""
-    from dflash_qaic.manifest import Program
+    from dflash_qaic.artifacts.manifest import ProgramRecord
 
-    return Program.from_facts("target", {**facts, "path": str(path)}, path.parent).io
+    return ProgramRecord.from_facts("target", {**facts, "path": str(path)}, path.parent).io
 
 
 def run_batch(sess, io, seqs: list[list[int]], prompt_lens: list[int]) -> list[dict]:

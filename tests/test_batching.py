@@ -22,8 +22,8 @@ from test_sampling import exact_first_two, gof, gof_pvalue
 import dflash_qaic
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
-from dflash_qaic.export.artifacts import ExportError, ExportOptions, build_artifacts
-from dflash_qaic.manifest import ArtifactsError, Manifest
+from dflash_qaic.artifacts.build import ExportError, ExportOptions, build_artifacts
+from dflash_qaic.artifacts.manifest import ArtifactsError, Manifest
 from dflash_qaic.runtime import GenerationError
 
 N = 3  # slots: fewer than most batches below, so requests also queue for a free slot

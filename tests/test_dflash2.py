@@ -21,7 +21,7 @@ from test_sampling import exact_first_two, gof, gof_pvalue
 
 import dflash_qaic
 from dflash_qaic import checkpoints as ck
-from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
+from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
 from dflash_qaic.modeling.draft import DFlashDraft
 
 V = 24  # a small vocabulary; `agree` makes the target and the draft lean to token 0

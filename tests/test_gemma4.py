@@ -267,7 +267,7 @@ def test_lossless_from_the_checkpoints(tmp_path, family, multimodal):
     ignored), the runtime on ONNX Runtime: tokens equal HF greedy `generate`, acceptance 1 … B."""
     import dflash_qaic
     from dflash_qaic import checkpoints as ck
-    from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
+    from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
 
     t, d = _pair(tmp_path, family, multimodal)
     pair = ck.read_pair(t, d)

@@ -14,10 +14,10 @@ from dflash.model import DFlashDraftModel, dflash_generate
 import dflash_qaic
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
-from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
-from dflash_qaic.manifest import read_manifest
+from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
+from dflash_qaic.artifacts.manifest import read_manifest
 from dflash_qaic.modeling import hybrid
-from dflash_qaic.modeling.hybrid import ExportHybridTarget
+from dflash_qaic.modeling.target import ExportTarget
 
 B, CHUNK, CTX = 4, 16, 112
 HYBRID = dict(family="qwen3_5", block_size=B, tie_word_embeddings=False, target_layer_ids=[1, 3])
@@ -71,7 +71,7 @@ def test_both_forms_read_and_validate(pair, published):
     for (t, d), prefix in ((pair, "model."), (published, "model.language_model.")):
         p = ck.read_pair(t, d)
         assert p.target.family == "qwen3_5" and p.target.prefix == prefix
-        assert p.target.hybrid["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+        assert p.target.deltanet["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
     tt = ck.read_pair(*published).target_tensors
     assert any(k.startswith("model.visual.") for k in tt)  # present, and ignored
     assert json.loads((published[0] / "config.json").read_text())["architectures"] == [
@@ -112,7 +112,7 @@ def _module(model, max_rows=CHUNK, ctx=64):
     H = model.config.hidden_size
     g = torch.Generator().manual_seed(1)
     fc = torch.randn(H, 2 * H, generator=g) * 0.1
-    t = ExportHybridTarget.from_hf(
+    t = ExportTarget.from_hf(
         model,
         fc,
         torch.ones(H),
@@ -129,6 +129,7 @@ def _module(model, max_rows=CHUNK, ctx=64):
 
     io = target_io(t, 1, emit_logits=True, sampling=False)  # inputs bound by name, as exported
     t.input_names = [contract.INPUT_IDS, contract.POSITION_IDS] + [s.name for s in io.kv]
+    t.output_names = [s.name for s in io.outputs]
     return t
 
 

@@ -12,7 +12,7 @@ from test_hybrid import hf_greedy, prompt
 
 import dflash_qaic
 from dflash_qaic import checkpoints as ck
-from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
+from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
 
 B, CHUNK, CTX = 4, 16, 112
 MOE = dict(family="qwen3_5_moe", block_size=B, tie_word_embeddings=False, target_layer_ids=[1, 3])
@@ -46,7 +46,7 @@ def test_checkpoint_forms(tiny_pair, form):
     t, d = tiny_pair(**FORMS[form], **MOE)
     pair = ck.read_pair(t, d)
     m, p = pair.target.moe, pair.target.prefix
-    assert pair.target.family == "qwen3_5_moe" and pair.target.hybrid is not None
+    assert pair.target.family == "qwen3_5_moe" and pair.target.hybrid
     assert (m.num_experts, m.top_k, m.shared_intermediate_size) == (8, 2, 48)
     assert m.sparse == (True,) * 4 and m.norm_topk_prob
     assert p == ("model.language_model." if form == "published" else "model.")

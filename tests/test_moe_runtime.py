@@ -24,7 +24,7 @@ import dflash_qaic
 from dflash_lab.tiny import make_tiny_pair
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
-from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
+from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
 
 B, CHUNK, CTX = 4, 8, 160
 

@@ -13,7 +13,7 @@ from dflash.model import DFlashDraftModel, dflash_generate
 import dflash_qaic
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
-from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
+from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
 from dflash_qaic.runtime import ArtifactsError, BackendError, GenerationError
 
 # family, block, prefill chunk, ctx, agreement bias (see dflash_lab.tiny)

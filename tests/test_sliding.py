@@ -25,7 +25,7 @@ from test_sampling import exact_first_two, gof, gof_pvalue
 import dflash_qaic
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
-from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
+from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
 from dflash_qaic.export.draft import export_draft
 from dflash_qaic.modeling.draft import DFlashDraft
 

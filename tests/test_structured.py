@@ -16,11 +16,11 @@ from fastapi.testclient import TestClient
 
 import dflash_qaic
 from dflash_qaic import contract
-from dflash_qaic.manifest import read_manifest
+from dflash_qaic.artifacts.manifest import read_manifest
 from dflash_qaic.modeling.sampler import token_allowed
 from dflash_qaic.runtime.pipeline import GenerationError
 from dflash_qaic.serve.app import create_app
-from dflash_qaic.serve.engine import Engine
+from dflash_qaic.serve.engine import AsyncEngine
 
 B = 16
 PROMPT = "def person(name, age):\n    return "
@@ -183,7 +183,7 @@ def test_bad_formats_are_refused_by_name(pipe, default_artifacts):
 @pytest.fixture(scope="module")
 def app_client(pipe):
     app = create_app(
-        Engine(pipe),
+        AsyncEngine(pipe),
         "m",
         pipe.tokenizer,
         QWEN3_TEMPLATE,
@@ -342,7 +342,7 @@ def test_chat_fields(app_client):
 
 
 def test_auto_tool_choice_needs_the_flags(pipe):
-    app = create_app(Engine(pipe), "m", pipe.tokenizer, QWEN3_TEMPLATE)
+    app = create_app(AsyncEngine(pipe), "m", pipe.tokenizer, QWEN3_TEMPLATE)
     with TestClient(app) as c:
         msgs = [{"role": "user", "content": "hi"}]
         r = c.post(

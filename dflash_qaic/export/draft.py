@@ -96,6 +96,7 @@ def export_draft(
     fp16_check: bool = True,
     stream_from: Pair | None = None,
     sampling: bool = False,
+    plan: contract.ShapePlan | None = None,
 ) -> dict:
     """Export the draft program to `out_path` and check it; returns facts for the manifest.
 
@@ -107,6 +108,7 @@ def export_draft(
     comp_ctx_lengths: the attention windows (contract.COMP_CTX_LENGTHS); None: the default ones.
     sampling: a DFlash-2 draft takes temperature and uniforms and returns its q (contract.DraftIO,
     q_top_k); other drafts are unaffected.
+    plan: the export's shape plan (artifacts/preflight.py), made here from the sizes when None.
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=2)
     if stream_from is not None:
@@ -120,15 +122,12 @@ def export_draft(
     V = embed_weight.shape[0]
     q_top_k = min(draft_cfg.selector_top_k, V) if draft_cfg.dflash2 and sampling else 0
     io = draft_io(draft_cfg, V, block_size, emit_logits, cb, ring_slots=rings, q_top_k=q_top_k)
-    windows = contract.windows_or_default(comp_ctx_lengths, ctx_len, prefill_seq_len, block_size)
-    plan = contract.shape_plan(
-        block_size,
-        prefill_seq_len,
-        ctx_len,
-        batch_size=batch_size,
-        full_batch_size=full_batch_size,
-        windows=windows,
-    )
+    if plan is None:
+        windows = contract.windows_or_default(
+            comp_ctx_lengths, ctx_len, prefill_seq_len, block_size
+        )
+        sizes = dict(batch_size=batch_size, full_batch_size=full_batch_size, windows=windows)
+        plan = contract.shape_plan(block_size, prefill_seq_len, ctx_len, **sizes)
     specializations = contract.draft_specializations(plan)
     mask_id = draft_cfg.mask_token_id
     sources = None
@@ -152,5 +151,5 @@ def export_draft(
         "block_size": block_size,
         "mask_token_id": mask_id,
         "tied_head": head_weight.data_ptr() == embed_weight.data_ptr(),
-        "comp_ctx_lengths": windows,
+        "comp_ctx_lengths": list(plan.windows),
     }

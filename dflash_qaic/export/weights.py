@@ -39,7 +39,6 @@ from onnx import TensorProto
 from tqdm.auto import tqdm
 
 from dflash_qaic import checkpoints as ck
-from dflash_qaic import kind_checkpoints as kinds
 
 # External data layout: tensors of ≥ 1 MiB start on a 64 KiB boundary (what onnx's own writer
 # does, so ONNX Runtime can map them), smaller ones on 64 bytes.
@@ -259,7 +258,7 @@ def _head_sources(pair: ck.Pair, tied: bool) -> dict[str, Source]:
 
 def target_sources(module: torch.nn.Module, pair: ck.Pair) -> dict[str, Source]:
     """Every parameter of an `ExportTarget` -> its checkpoint tensor and transform."""
-    tt, dt, p = pair.target_tensors, pair.draft_tensors, pair.target.prefix
+    t, tt, dt, p = pair.target, pair.target_tensors, pair.draft_tensors, pair.target.prefix
     fixed = {
         "norm.weight": Source(tt[p + "norm.weight"]),
         "fc.weight": Source(dt["fc.weight"], scale=float(module.fc_scale)),
@@ -270,15 +269,10 @@ def target_sources(module: torch.nn.Module, pair: ck.Pair) -> dict[str, Source]:
     for name, param in module.named_parameters():
         if name in fixed:
             out[name] = fixed[name]
-        elif name.startswith("layers.") and p + name in tt:
-            out[name] = Source(tt[p + name])
+        elif name.startswith("layers.") and t.spec.checkpoint_name(t, name) in tt:
+            out[name] = Source(tt[t.spec.checkpoint_name(t, name)])
         elif name.startswith("layers.") and name.endswith((".mlp.gate_up", ".mlp.down")):
-            out[name] = expert_source(tt, p + name, tuple(param.shape))
-        elif name.startswith("layers.") and name.split(".", 2)[2] in kinds.GEMMA4_RENAMES:
-            _, i, rest = name.split(".", 2)
-            ckpt, div = kinds.GEMMA4_RENAMES[rest]
-            scale = math.sqrt(pair.target.hidden_size) if div == "sqrt_hidden" else 1.0
-            out[name] = Source(tt[f"{p}layers.{i}.{ckpt}"], scale=scale)
+            out[name] = expert_source(tt, t.spec.checkpoint_name(t, name), tuple(param.shape))
         else:
             raise KeyError(f"target program parameter `{name}` has no checkpoint tensor")
     return _with_transposes(module, out)

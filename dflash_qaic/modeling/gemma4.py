@@ -34,6 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.onnx.operators import shape_as_tensor
 
+from dflash_qaic.modeling.attention import attend
 from dflash_qaic.modeling.kinds import (
     FULL,
     SLIDING,
@@ -46,7 +47,7 @@ from dflash_qaic.modeling.kinds import (
 from dflash_qaic.modeling.layers import RMSNorm, Rope, RopeTable, apply_rope, frozen, frozen_linear
 from dflash_qaic.modeling.moe import SparseMoeBlock
 from dflash_qaic.modeling.sampler import SAMPLING_CANDIDATES
-from dflash_qaic.modeling.target import attend, fp16_safe_fc_weight
+from dflash_qaic.modeling.target import fp16_safe_fc_weight
 
 # model_type of the published multimodal form (text under model.language_model) and the text form
 GEMMA4_TYPES = ("gemma4", "gemma4_text")
@@ -108,13 +109,14 @@ class Gemma4MoE(SparseMoeBlock):
         proj = frozen_linear(router.proj)
         super().__init__(proj, experts.gate_up_proj, experts.down_proj, top_k, True)
         H = router.scale.shape[0]
-        self.router_scale = frozen(router.scale / math.sqrt(H))  # [H]: scale · H^−½ (as streamed)
+        self.router_scale = frozen(router.scale)  # [H]
+        self.root = H**-0.5
         self.per_expert_scale = frozen(router.per_expert_scale)  # [E]
         self.eps = float(router.norm.eps)
 
     def route(self, x: torch.Tensor):
         """x [T, H] (the residual stream) -> (weights [T, k], experts [T, k])."""
-        logits = self.gate(RMSNorm.normalize(x, self.eps) * self.router_scale)  # [T, E]
+        logits = self.gate(RMSNorm.normalize(x, self.eps) * self.router_scale * self.root)
         probs = (logits - logits.amax(-1, keepdim=True)).softmax(-1)
         top_p, top_i = probs.topk(self.top_k, dim=-1)
         top_p = top_p / top_p.sum(-1, keepdim=True)
@@ -139,6 +141,8 @@ class Gemma4MoE(SparseMoeBlock):
 
 
 class Gemma4DecoderLayer(nn.Module):
+    mixer_name = "self_attn"  # what modeling/target.py's skeleton asks of a layer
+
     def __init__(self, hf: nn.Module, kind: str, n_heads: int, top_k: int | None):
         super().__init__()
         self.kind = kind

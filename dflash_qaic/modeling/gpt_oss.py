@@ -151,6 +151,8 @@ class GptOssMoE(SparseMoeBlock):
 
 
 class GptOssDecoderLayer(nn.Module):
+    mixer_name = "self_attn"  # what modeling/target.py's skeleton asks of a layer
+
     def __init__(self, hf: nn.Module, n_heads: int, n_kv_heads: int):
         super().__init__()
         self.kind = SLIDING if hf.self_attn.sliding_window is not None else FULL

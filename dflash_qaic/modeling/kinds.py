@@ -163,6 +163,15 @@ class KindTarget(ExportTarget):
             )
         return out
 
+    def io_dims(self) -> dict:
+        """The contract.TargetIO fields the layers decide: each layer's cache shape when they
+        differ (`layer_kv`) and the sliding layers' rings (`ring_slots`)."""
+        shapes = [(la.self_attn.n_kv_heads, la.self_attn.head_dim) for la in self.layers]
+        kvh, hd = shapes[0]
+        per_layer = tuple(d for s in shapes for d in s) if len(set(shapes)) > 1 else ()
+        dims = dict(n_layers=len(self.layers), n_kv_heads=kvh, head_dim=hd)
+        return dims | dict(layer_kv=per_layer, ring_slots=self.ring_slots())
+
     def ring_slots(self) -> tuple[int, ...]:
         """contract.TargetIO.ring_slots: per layer R + 1 for a ring, 0 for a ctx_len cache."""
         rings = [self.kinds[layer.kind].ring for layer in self.layers]
