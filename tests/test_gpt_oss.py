@@ -340,3 +340,11 @@ def test_unbuilt_draft_knobs_are_refused_by_name(tiny_pair, tmp_path, edit, fiel
     d = _draft_copy(tiny_pair, tmp_path, **edit)
     with pytest.raises(ck.CheckpointError, match=f"`{field}`"):
         ck.read_draft_config(d)
+
+
+def test_checkpoint_directories_are_refused_by_name(tmp_path, gpt_oss_model):
+    """gpt-oss is a registered family (its program is built from a loaded model); reading its
+    checkpoint directory for the streamed export is refused with the way that works."""
+    gpt_oss_model.config.save_pretrained(tmp_path)
+    with pytest.raises(ck.CheckpointError, match="gpt-oss checkpoints are not read"):
+        ck.read_target_config(tmp_path)
