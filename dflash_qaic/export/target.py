@@ -122,6 +122,20 @@ def target_io(
     )
 
 
+def program_class(hf_model, prefill_seq_len: int, block_size: int, options: dict):
+    """(module class, options) of the target: a family with layer kinds has its own program
+    (modeling/kinds.py: gpt-oss, Gemma 4), whose sliding layers keep rings sized by the longest
+    call; every other family the skeleton's."""
+    program = getattr(families.for_hf(hf_model.config), "program", None)
+    if program is None:
+        return ExportTarget, options
+    from dflash_qaic.modeling.gemma4 import ExportGemma4Target
+    from dflash_qaic.modeling.gpt_oss import ExportGptOssTarget
+
+    cls = {"gemma4": ExportGemma4Target, "gpt_oss": ExportGptOssTarget}[program]
+    return cls, {**options, "max_rows": max(prefill_seq_len, block_size)}
+
+
 def program_options(
     hf_model: torch.nn.Module,
     prefill_seq_len: int,
@@ -194,7 +208,8 @@ def export_target(
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=1)
     options = program_options(hf_model, prefill_seq_len, block_size, draft_q, token_bitmask)
-    module = ExportTarget.from_hf(
+    cls, options = program_class(hf_model, prefill_seq_len, block_size, options)
+    module = cls.from_hf(
         hf_model,
         fc_weight,
         hidden_norm_weight,
@@ -209,7 +224,12 @@ def export_target(
     ).eval()
     cfg = hf_model.config
     io = target_io(
-        module, cfg.hidden_size, emit_logits, sampling, draft_q if sampling else (), token_bitmask
+        module,
+        cfg.get_text_config().hidden_size,
+        emit_logits,
+        sampling,
+        draft_q if sampling else (),
+        token_bitmask,
     )
     plan = contract.shape_plan(
         block_size,
