@@ -145,22 +145,18 @@ def program_options(
 ) -> dict:
     """The module options a target needs beyond the common ones, and its refusals: a hybrid's
     DeltaNet layers tell a prefill chunk from a verify call by its rows; q-aware verification
-    and structured output are not built for hybrids yet."""
+    is not built for hybrids yet."""
+    mask = {"token_bitmask": True} if token_bitmask else {}
     if not families.for_hf(hf_model.config).hybrid:
-        return {"token_bitmask": True} if token_bitmask else {}
+        return mask
     if prefill_seq_len <= block_size:
         raise ValueError(
             f"a hybrid target needs prefill_seq_len > block_size (the program tells a prefill "
             f"chunk from a verify call by its rows), got {prefill_seq_len} <= {block_size}"
         )
-    if token_bitmask:
-        raise ValueError(
-            "structured output (--structured-output) is not built for hybrid targets yet: "
-            "export without it"
-        )
     if draft_q:
         raise ValueError("q-aware verification (draft_q) is not built for hybrid targets")
-    return dict(block_size=block_size, max_rows=prefill_seq_len)
+    return dict(block_size=block_size, max_rows=prefill_seq_len, **mask)
 
 
 def export_target(
@@ -204,7 +200,7 @@ def export_target(
     draft_q: (B − 1, k) with sampling and a DFlash-2 draft that returns its q: q-aware
     verification (contract.TargetIO.draft_q; not for a hybrid target).
     token_bitmask: structured output, the program takes contract.TOKEN_BITMASK and chooses
-    only among the tokens it allows (docs/DESIGN.md, Structured output; not for a hybrid target).
+    only among the tokens it allows (docs/DESIGN.md, Structured output).
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=1)
     options = program_options(hf_model, prefill_seq_len, block_size, draft_q, token_bitmask)
