@@ -33,32 +33,17 @@ CONFIGS += [("qwen3", 4, 32, 160, 2.0)]  # two prefill lengths, 8 and the chunk 
 
 
 @pytest.fixture(scope="module")
-def built(tiny_pair, tmp_path_factory):
-    cache = {}
+def built(exported):
+    """built(family, B, chunk, ctx, agree, …) -> (target, draft, artifacts, HF model), exported
+    once per session (tests/conftest.py)."""
 
     def make(family, B, chunk, ctx, agree, full_batch_size=N, sampling=True, vocab=None):
-        key = (family, B, chunk, ctx, agree, full_batch_size, sampling, vocab)
-        if key not in cache:
-            extra = {"vocab_size": vocab} if vocab else {}
-            t, d = tiny_pair(
-                family=family,
-                block_size=B,
-                agree=agree,
-                tie_word_embeddings=False,
-                target_layer_ids=[1, 3],
-                **extra,
-            )
-            out = tmp_path_factory.mktemp("cb-art")
-            opts = ExportOptions(
-                prefill_seq_len=chunk,
-                ctx_len=ctx,
-                compile=False,
-                full_batch_size=full_batch_size,
-                sampling=sampling,
-            )
-            build_artifacts(t, d, out, opts)
-            cache[key] = (t, d, out, ck.load_target_model(t))
-        return cache[key]
+        pair = dict(block_size=B, agree=agree, tie_word_embeddings=False, target_layer_ids=[1, 3])
+        if vocab:
+            pair["vocab_size"] = vocab
+        e = exported(family, pair=pair, prefill_seq_len=chunk, ctx_len=ctx,
+                     full_batch_size=full_batch_size, sampling=sampling)  # fmt: skip
+        return e.target, e.draft, e.artifacts, e.model()
 
     return make
 

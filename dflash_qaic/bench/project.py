@@ -571,7 +571,7 @@ class Programs:
 
 
 def _spec(program, kind: str) -> dict:
-    """The symbols of the program's (`ProgramRecord`) first specialization of this kind."""
+    """The symbols of a program's (artifacts.manifest.ProgramRecord) first `kind` specialization."""
     for s in program.specializations:
         if s["kind"] == kind:
             return dict(s["symbols"])
@@ -595,19 +595,18 @@ def count_programs(
         )
     from dflash_qaic.artifacts.manifest import read_manifest
 
-    typed = read_manifest(artifacts, check_files="none")  # specializations: from the shape plan
-    m = typed.to_json()
-    B, ctx = int(m["block_size"]), int(m["ctx_len"])
+    m = read_manifest(artifacts, check_files="none")  # counts the graphs; their bytes unread
+    B, ctx = m.block_size, m.ctx_len
     window = context or ctx
     if window > ctx:
         raise ProjectionError(f"--context {window} exceeds the export's ctx_len {ctx}")
-    hybrid = bool(m["target"].get("linear_layers"))
+    hybrid = m.target.io.hybrid
     notes: list[str] = []
     weight_scale = None
     if shape is not None:
-        vocab_ratio = shape.vocab / int(m["vocab_size"])
-        taps_ratio = shape.taps / len(m["target_layer_ids"])
-        exported_vocab = int(m["vocab_size"])
+        vocab_ratio = shape.vocab / m.vocab_size
+        taps_ratio = shape.taps / len(m.target_layer_ids)
+        exported_vocab = m.vocab_size
 
         def weight_scale(name: str, dims: list[int]) -> float:
             f = vocab_ratio if exported_vocab in dims else 1.0
@@ -615,7 +614,7 @@ def count_programs(
                 f *= taps_ratio
             return f
 
-    graphs = {p: load_graph(Path(artifacts) / m[p]["onnx"]) for p in ("target", "draft")}
+    graphs = {p: load_graph(Path(artifacts) / m.program(p).onnx) for p in ("target", "draft")}
     out = Programs(
         title=shape.title if shape else str(artifacts),
         hybrid=hybrid,
@@ -638,14 +637,14 @@ def count_programs(
 
     tkinds = shape.kinds() if shape else None
     dkinds = {"full_attention": shape.draft_layers} if shape else None
-    decode = _spec(typed.target, "Decode")
+    decode = _spec(m.target, "Decode")
     out.batch = int(decode.get("batch_size", 1))
     out.counts["decode"] = counted("target", decode, tkinds)
     out.counts[f"verify{B}"] = counted("target", {**decode, "seq_len": B}, tkinds)
     if not hybrid:
         for n in budgets:
             out.counts[f"tree{n}"] = counted("target", {**decode, "seq_len": n}, tkinds)
-    draft = _spec(typed.draft, "DraftDecode")
+    draft = _spec(m.draft, "DraftDecode")
     out.counts["draft"] = counted("draft", draft, dkinds)
     out.target_nodes = out.counts["decode"].nodes
     out.draft_nodes = out.counts["draft"].nodes

@@ -50,8 +50,7 @@ from dflash_qaic.serve.limits import (
 )
 from dflash_qaic.serve.metrics import CONTENT_TYPE
 from dflash_qaic.serve.protocol import APIError
-from dflash_qaic.serve.tools import ToolPlan
-from dflash_qaic.serve.tools import call_id as tool_call_id
+from dflash_qaic.serve.tools import ToolPlan, ToolStream
 
 log = logging.getLogger("dflash_qaic.serve")
 
@@ -358,11 +357,11 @@ def _cut_error(engine: AsyncEngine | None = None) -> APIError:
 
 async def _events(fe: Frontend, first: Output, handle: Handle, rid, chat, req, metrics, plan=None):
     """The server-sent events of one streamed answer, from its first Output on. Tool calls
-    stream as vLLM streams them: a named function's arguments as they come (the first delta
-    carries the call's id and name); `required` and `auto` replies whole, once complete."""
+    stream as vLLM streams them (serve/tools.py, ToolStream): each call's first delta carries
+    its id and name, its arguments follow as they are generated."""
     created, model, ids = int(time.time()), fe.model_name, req.return_token_ids
     tools = plan is not None and plan.calls_tools
-    held, call = [], None  # tools: the text so far; a named function's call id
+    stream = ToolStream(plan, req.parallel_tool_calls) if tools else None
     try:
         if chat:
             yield _sse(proto.chunk_body(rid, model, created, chat, text="", role="assistant"))
@@ -374,28 +373,16 @@ async def _events(fe: Frontend, first: Output, handle: Handle, rid, chat, req, m
                 yield _sse(err.body())
                 break
             if tools:
-                reason = out.finish_reason
-                if plan.mode == "named" and out.text:
-                    delta = {"index": 0, "function": {"arguments": out.text}}
-                    if call is None:
-                        call = tool_call_id()
-                        delta.update(id=call, type="function")
-                        delta["function"]["name"] = plan.name
-                    yield _sse(proto.chunk_body(rid, model, created, chat, tool_calls=[delta]))
-                elif plan.mode != "named":
-                    held.append(out.text)
+                content, deltas = stream.feed(out.text, out.final)
+                if content or deltas:
+                    yield _sse(
+                        proto.chunk_body(
+                            rid, model, created, chat, content, tool_calls=deltas or None
+                        )
+                    )
                 if out.final:
-                    calls = []
-                    if plan.mode != "named":
-                        content, calls = plan.parse("".join(held), req.parallel_tool_calls)
-                        deltas = [dict(c, index=i) for i, c in enumerate(calls)]
-                        if content or deltas:
-                            yield _sse(
-                                proto.chunk_body(
-                                    rid, model, created, chat, content, tool_calls=deltas or None
-                                )
-                            )
-                    if (call is not None or calls) and reason == "stop":
+                    reason = out.finish_reason
+                    if stream.called and reason == "stop":
                         reason = "tool_calls"
                     yield _sse(proto.chunk_body(rid, model, created, chat, None, reason))
             elif out.text or out.final or (ids and out.token_ids):
