@@ -94,11 +94,12 @@ def whole_block_steps(ref_lengths, n, new, B) -> int:
 
 def assert_varied(pair, B, lengths) -> None:
     """A biased pair's acceptance varies from 1 to B step to step; an unbiased one (the small
-    vocabulary, the draft's own proposals) has steps that accept several."""
+    vocabulary, the draft's own proposals) has steps that accept more than the target's token
+    (the draft ran for real; rung 3 compares its steps with the reference's)."""
     if "agree" in pair:
         assert min(lengths) == 1 and max(lengths) >= B - 1 and len(set(lengths)) >= 3, lengths
     else:
-        assert min(lengths) == 1 and sum(a > 1 for a in lengths) >= 3, lengths
+        assert min(lengths) == 1 and max(lengths) > 1, lengths
 
 
 parametrize = pytest.mark.parametrize("case", sorted(CASES))
@@ -245,3 +246,11 @@ def test_fp16_faithful(exported, case):
     for prog in (m.target, m.draft):
         rep = prog.check["fp16_faithful"]
         assert rep["ran"] and not rep["flagged"] and np.isfinite(rep["max_abs"]), rep
+
+
+def test_every_registered_family_climbs_the_ladder():
+    """A family added to the registry (dflash_qaic/families/) without a ladder case fails here:
+    add it to FAMILIES (tests/conftest.py) and a case to CASES above."""
+    from dflash_qaic import families
+
+    assert set(families.names()) == set(FAMILIES)
