@@ -54,7 +54,7 @@ from dflash_qaic.drafts import (  # noqa: F401 (re-exported)
     read_draft_config,
 )
 from dflash_qaic.families.base import MoeSpec, TargetConfig  # noqa: F401 (re-exported)
-from dflash_qaic.families.qwen3_moe import experts_fused
+from dflash_qaic.families.qwen3_moe import experts_fused  # noqa: F401 (re-exported)
 
 
 def read_target_config(directory: str | Path) -> TargetConfig:
@@ -84,7 +84,7 @@ def check_target_tensors(t: TargetConfig) -> dict[str, TensorInfo]:
         ignored.add("lm_head.weight")  # tied: the head is the embedding (as Hugging Face does)
     shapes = {k: list(v.shape) for k, v in tensors.items()}
     hint = f"not a {t.family} checkpoint with {t.num_layers} layers as config.json declares"
-    expected = expected_target_shapes(t, fused=t.moe is not None and experts_fused(tensors))
+    expected = expected_target_shapes(t, fused=t.spec.experts_fused(tensors))
     check_layout(t.path, shapes, expected, ignored, hint)
     return tensors
 
@@ -207,7 +207,7 @@ def used_tensors(pair: Pair) -> dict[str, list[tuple[TensorInfo, float]]]:
     only its finiteness is checked here. Tensors no program uses (a tied lm_head, a vision
     tower, rotary inv_freq) are not checked."""
     t = pair.target
-    fused = t.moe is not None and experts_fused(pair.target_tensors)
+    fused = t.spec.experts_fused(pair.target_tensors)
     names = expected_target_shapes(t, fused)
     target = [(i, FP16_MAX) for n, i in pair.target_tensors.items() if n in names]
     draft = [(i, math.inf if n == "fc.weight" else FP16_MAX) for n, i in pair.draft_tensors.items()]

@@ -105,6 +105,7 @@ class DraftConfig:
     conv_group_size: int | None = None
     selector_rank: int | None = None
     selector_top_k: int | None = None
+    attention_bias: bool = False  # q/k/v/o biases (drafts for gpt-oss / Gemma 4 targets)
     raw: dict = field(default=None, repr=False, compare=False)
 
     def layer_attention(self, i: int) -> tuple[bool, int | None]:
@@ -160,6 +161,7 @@ def read_draft_config(directory: str | Path) -> DraftConfig:
             f"{inner}; the draft was trained with one block size: keep one of them"
         )
     layer_types, window, causal = _draft_attention(cfg, cpath, n_layers)
+    _refuse_draft_knobs(cfg, d)
     softcap = _dflash_value(cfg, "final_logit_softcapping")
     dflash2 = _dflash2_fields(cfg, cpath, hidden) if arch == DRAFT2_ARCH else {}
     return DraftConfig(
@@ -184,8 +186,34 @@ def read_draft_config(directory: str | Path) -> DraftConfig:
         sliding_window=window,
         is_causal=causal,
         **dflash2,
+        attention_bias=bool(cfg.get("attention_bias", False)),
         raw=cfg,
     )
+
+
+# Draft knobs of published drafts that the draft program does not build yet, each refused by its
+# field (docs/DESIGN.md, Layer kinds): the value that would need it, and what it is.
+_UNBUILT_DRAFT_KNOBS = {
+    "attention_sink_bias": (lambda v: bool(v), "a learned per-head attention-sink logit"),
+    "draft_vocab_size": (lambda v: v is not None, "a reduced draft vocabulary with its d2t map"),
+    "mask_embedding": (lambda v: v is not None, "a separate mask-embedding file"),
+    "is_neox_style": (lambda v: v is False, "the interleaved (GPT-J) RoPE layout"),
+}
+
+
+def _refuse_draft_knobs(cfg: dict, d: Path) -> None:
+    for key, (used, what) in _UNBUILT_DRAFT_KNOBS.items():
+        v = _dflash_value(cfg, key)
+        if used(v):
+            raise CheckpointError(
+                f"{d / 'config.json'}: draft field `{key}` = {v!r} ({what}) is not supported by "
+                "the draft program yet; export a draft without it"
+            )
+    if any(p.name.startswith("mask_embedding") for p in d.glob("*.safetensors")):
+        raise CheckpointError(
+            f"{d}: a separate mask-embedding file (a mask embedding replacing the target's "
+            "embedding row of mask_token_id) is not supported by the draft program yet"
+        )
 
 
 def _dflash2_fields(cfg: dict, cpath: Path, hidden: int) -> dict:
@@ -266,6 +294,9 @@ def expected_draft_shapes(c: DraftConfig) -> dict[str, list[int]]:
             per_layer[f"{conv}.kernel_projection.weight"] = [2 * K * (H // G), H]
         shapes[SELECTOR_KEYS[0]] = [r, H]
         shapes[SELECTOR_KEYS[1]] = shapes[SELECTOR_KEYS[2]] = [int(c.vocab_size), r]
+    if c.attention_bias:
+        q, kv = c.num_heads * hd, c.num_kv_heads * hd
+        per_layer |= {f"self_attn.{p}_proj.bias": [n] for p, n in zip("qkvo", (q, kv, kv, H))}
     for i in range(c.num_layers):
         shapes.update({f"layers.{i}.{name}": s for name, s in per_layer.items()})
     return shapes

@@ -92,6 +92,16 @@ def whole_block_steps(ref_lengths, n, new, B) -> int:
     return k
 
 
+def assert_varied(pair, B, lengths) -> None:
+    """A biased pair's acceptance varies from 1 to B step to step; an unbiased one (the small
+    vocabulary, the draft's own proposals) has steps that accept more than the target's token
+    (the draft ran for real; rung 3 compares its steps with the reference's)."""
+    if "agree" in pair:
+        assert min(lengths) == 1 and max(lengths) >= B - 1 and len(set(lengths)) >= 3, lengths
+    else:
+        assert min(lengths) == 1 and max(lengths) > 1, lengths
+
+
 parametrize = pytest.mark.parametrize("case", sorted(CASES))
 
 
@@ -153,8 +163,7 @@ def test_tokens_equal_hf_greedy(exported, case, planned_chunks):
         lengths += res.acceptance_lengths
         # the target alone on the same programs: the same tokens
         assert pipe.generate_baseline(ids, 12, stop_token_ids=[]).tokens == res.tokens[:12]
-    # the biased pair makes acceptance vary from 1 to B step to step
-    assert min(lengths) == 1 and max(lengths) >= B - 1 and len(set(lengths)) >= 3, lengths
+    assert_varied(pair, B, lengths)
 
 
 @parametrize
@@ -188,7 +197,8 @@ def test_acceptance_equals_reference(exported, case):
         assert res.acceptance_lengths[:k] == out.acceptance_lengths[:k], (case, n)
         compared += k
         lengths += out.acceptance_lengths[:k]
-    assert compared >= 6 and len(set(lengths)) >= 3, lengths
+    assert compared >= 6, compared
+    assert len(set(lengths)) >= 3 if "agree" in pair else sum(a > 1 for a in lengths) >= 3, lengths
 
 
 @parametrize
@@ -236,3 +246,11 @@ def test_fp16_faithful(exported, case):
     for prog in (m.target, m.draft):
         rep = prog.check["fp16_faithful"]
         assert rep["ran"] and not rep["flagged"] and np.isfinite(rep["max_abs"]), rep
+
+
+def test_every_registered_family_climbs_the_ladder():
+    """A family added to the registry (dflash_qaic/families/) without a ladder case fails here:
+    add it to FAMILIES (tests/conftest.py) and a case to CASES above."""
+    from dflash_qaic import families
+
+    assert set(families.names()) == set(FAMILIES)

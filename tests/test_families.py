@@ -12,8 +12,12 @@ from dflash_qaic import contract, families
 from dflash_qaic.export.target import target_io
 from dflash_qaic.modeling.target import ExportTarget
 
+# families with layer kinds build their own program (modeling/kinds.py): tests/test_gemma4.py,
+# tests/test_gpt_oss.py
+SKELETON = [f for f in families.all() if getattr(f, "program", None) is None]
 
-@pytest.mark.parametrize("family", families.all(), ids=families.names())
+
+@pytest.mark.parametrize("family", SKELETON, ids=[f.name for f in SKELETON])
 def test_tiny_preset_reads_back_and_builds(tiny_pair, family):
     t, d = tiny_pair(family=family.name)
     pair = ck.read_pair(t, d)  # expected shapes == the checkpoint's, nothing unknown

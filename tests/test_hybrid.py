@@ -389,3 +389,31 @@ def test_requests_fill_the_context_to_its_last_position(pair, exported):
         assert got.stop_reason == "max_new_tokens" or len(ids) + new == CTX, new
     over = pipe.generate(ids, max_new_tokens=room + 5, stop_token_ids=[])
     assert over.stop_reason == "ctx_len" and over.tokens == whole
+
+
+def _constrained(pipe, ids, n, mode, grammar):
+    req = pipe.request(ids, n, [], mode=mode, grammar=grammar)
+    tokens = [t for _, run in pipe._run([req], mode, raises=True) for t in run]
+    return tokens, pipe._results[0].acceptance_lengths
+
+
+def test_structured_output_on_a_hybrid_target(exported):
+    """--structured-output on a hybrid target: the bitmask masks every verify row before the
+    in-graph acceptance count. A binding token set: DFlash = the target alone under it; a set
+    holding the free run's tokens: the free run, with drafts accepted."""
+    pipe = dflash_qaic.load(art(exported, structured_output=True), threads=1)
+    assert pipe.can_constrain
+    pipe.configure(verify_lengths=[B])
+    rng = np.random.default_rng(5)
+    ids = prompt(CHUNK + 3, 77)
+    free = pipe.generate(ids, 24, stop_token_ids=[]).tokens
+    extra = rng.choice(pipe.vocab, 8, replace=False).tolist()
+    loose = pipe.allowed_tokens(sorted(set(free) | set(extra)))
+    got, lengths = _constrained(pipe, ids, 24, "dflash", loose)
+    assert got == free and max(lengths) > 1, lengths
+    tight = pipe.allowed_tokens(sorted(rng.choice(pipe.vocab, 6, replace=False).tolist()))
+    got, _ = _constrained(pipe, ids, 24, "dflash", tight)
+    base, _ = _constrained(pipe, ids, 24, "baseline", tight)
+    assert got == base
+    allowed = set(np.flatnonzero(np.unpackbits(tight.row.view(np.uint8), bitorder="little")))
+    assert set(got) <= allowed and got != free[: len(got)]

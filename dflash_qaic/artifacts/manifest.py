@@ -273,6 +273,7 @@ class ProgramRecord:
         q_top_k = io.pop("q_top_k", 0)  # a DFlash-2 draft exported for sampling only
         draft_q = io.pop("draft_q", ())  # a target verifying with a DFlash-2 draft's q only
         bitmask = io.pop("token_bitmask", False)  # a target exported for structured output only
+        layer_kv = io.pop("layer_kv", ())  # a target whose layers' caches differ (Gemma 4) only
         return {
             **self.facts,
             **io,
@@ -280,6 +281,7 @@ class ProgramRecord:
             **({"q_top_k": q_top_k} if q_top_k else {}),
             **({"draft_q": list(draft_q)} if draft_q else {}),
             **({"token_bitmask": True} if bitmask else {}),
+            **({"layer_kv": list(layer_kv)} if layer_kv else {}),
             "onnx": self.onnx,
             "external_data": self.external_data,
             "onnx_bytes": self.onnx_bytes,
@@ -317,7 +319,11 @@ class ProgramRecord:
                 state_dims=_int_tuple(c, "state_dims", 1, 1 << 24),
                 draft_q=c.ints("draft_q", 1, 1 << 24, default=[]),
                 token_bitmask=c.bool("token_bitmask", False),
+                layer_kv=_int_tuple(c, "layer_kv", 1, 1 << 24),
+                ring_slots=_int_tuple(c, "ring_slots", 0, 1 << 22),
             )
+            if io.layer_kv and len(io.layer_kv) != 2 * io.n_layers:
+                c.fail(c.key("layer_kv"), "must list 2 dims per layer")
             if io.hybrid and len(io.state_dims) != 5:
                 c.fail(c.key("state_dims"), "must list 5 dims for a hybrid target")
         else:

@@ -14,6 +14,8 @@ import torch
 from dflash_qaic.checkpoint_files.config import CheckpointError
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# MXFP4 expert weights (gpt-oss): uint8 codes and exponents, read only by dflash_qaic/mxfp4.py
+MXFP4_SUFFIXES = ("_blocks", "_scales")
 INDEX_NAME = "model.safetensors.index.json"
 HEADER_MAX = 100 * 1024 * 1024  # the safetensors format's own limit on the JSON header
 # Tensors a checkpoint may carry that no program uses (Hugging Face ignores them too).
@@ -72,12 +74,13 @@ def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
             numel = math.prod(int(d) for d in shape)
         except (KeyError, TypeError, ValueError) as err:
             raise _corrupt(path, f"the entry of tensor `{name}` is malformed ({err!r})") from err
-        if dtype not in SAFETENSORS_DTYPES:
+        mxfp4 = dtype == "U8" and name.endswith(MXFP4_SUFFIXES)  # dflash_qaic/mxfp4.py
+        if dtype not in SAFETENSORS_DTYPES and not mxfp4:
             raise CheckpointError(
                 f"{path}: tensor `{name}` has dtype {dtype}; supported: "
                 f"{', '.join(SAFETENSORS_DTYPES)} (convert the checkpoint to bf16, fp16 or fp32)"
             )
-        itemsize = SAFETENSORS_DTYPES[dtype].itemsize
+        itemsize = 1 if mxfp4 else SAFETENSORS_DTYPES[dtype].itemsize
         if not 0 <= begin <= end or end - begin != numel * itemsize:
             raise _corrupt(
                 path, f"tensor `{name}` declares {end - begin} bytes for shape {list(shape)}"

@@ -122,6 +122,20 @@ def target_io(
     )
 
 
+def program_class(hf_model, prefill_seq_len: int, block_size: int, options: dict):
+    """(module class, options) of the target: a family with layer kinds has its own program
+    (modeling/kinds.py: gpt-oss, Gemma 4), whose sliding layers keep rings sized by the longest
+    call; every other family the skeleton's."""
+    program = getattr(families.for_hf(hf_model.config), "program", None)
+    if program is None:
+        return ExportTarget, options
+    from dflash_qaic.modeling.gemma4 import ExportGemma4Target
+    from dflash_qaic.modeling.gpt_oss import ExportGptOssTarget
+
+    cls = {"gemma4": ExportGemma4Target, "gpt_oss": ExportGptOssTarget}[program]
+    return cls, {**options, "max_rows": max(prefill_seq_len, block_size)}
+
+
 def program_options(
     hf_model: torch.nn.Module,
     prefill_seq_len: int,
@@ -131,22 +145,18 @@ def program_options(
 ) -> dict:
     """The module options a target needs beyond the common ones, and its refusals: a hybrid's
     DeltaNet layers tell a prefill chunk from a verify call by its rows; q-aware verification
-    and structured output are not built for hybrids yet."""
+    is not built for hybrids yet."""
+    mask = {"token_bitmask": True} if token_bitmask else {}
     if not families.for_hf(hf_model.config).hybrid:
-        return {"token_bitmask": True} if token_bitmask else {}
+        return mask
     if prefill_seq_len <= block_size:
         raise ValueError(
             f"a hybrid target needs prefill_seq_len > block_size (the program tells a prefill "
             f"chunk from a verify call by its rows), got {prefill_seq_len} <= {block_size}"
         )
-    if token_bitmask:
-        raise ValueError(
-            "structured output (--structured-output) is not built for hybrid targets yet: "
-            "export without it"
-        )
     if draft_q:
         raise ValueError("q-aware verification (draft_q) is not built for hybrid targets")
-    return dict(block_size=block_size, max_rows=prefill_seq_len)
+    return dict(block_size=block_size, max_rows=prefill_seq_len, **mask)
 
 
 def export_target(
@@ -190,11 +200,12 @@ def export_target(
     draft_q: (B − 1, k) with sampling and a DFlash-2 draft that returns its q: q-aware
     verification (contract.TargetIO.draft_q; not for a hybrid target).
     token_bitmask: structured output, the program takes contract.TOKEN_BITMASK and chooses
-    only among the tokens it allows (docs/DESIGN.md, Structured output; not for a hybrid target).
+    only among the tokens it allows (docs/DESIGN.md, Structured output).
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=1)
     options = program_options(hf_model, prefill_seq_len, block_size, draft_q, token_bitmask)
-    module = ExportTarget.from_hf(
+    cls, options = program_class(hf_model, prefill_seq_len, block_size, options)
+    module = cls.from_hf(
         hf_model,
         fc_weight,
         hidden_norm_weight,
@@ -209,7 +220,12 @@ def export_target(
     ).eval()
     cfg = hf_model.config
     io = target_io(
-        module, cfg.hidden_size, emit_logits, sampling, draft_q if sampling else (), token_bitmask
+        module,
+        cfg.get_text_config().hidden_size,
+        emit_logits,
+        sampling,
+        draft_q if sampling else (),
+        token_bitmask,
     )
     plan = contract.shape_plan(
         block_size,

@@ -169,9 +169,17 @@ def placeholder_target(t: ck.TargetConfig) -> torch.nn.Module:
 
     cfg = AutoConfig.from_pretrained(t.path, local_files_only=True)
     cfg._attn_implementation = "eager"
+    cfg.get_text_config()._attn_implementation = "eager"
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    text = getattr(model.model, "language_model", model.model)  # a multimodal form's text model
+    text.rotary_emb = type(text.rotary_emb)(config=text.config)
+    for m in text.modules():  # checkpoint buffers (Gemma 4's layer_scalar): placeholders too
+        for k, b in list(m._buffers.items()):
+            if b is not None and b.is_meta:
+                z = torch.zeros(b.shape, dtype=b.dtype)
+                z.view(-1)[:1] = next(_MARKS)  # distinct, as every placeholder (never merged)
+                m._buffers[k] = z
     _materialize(model, transposed={"lm_head.weight"})
     return model.eval()
 

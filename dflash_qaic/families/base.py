@@ -197,6 +197,10 @@ class Family:
             shapes.update({f"{p}layers.{i}.{k}": s for k, s in layer.items()})
         return shapes
 
+    def experts_fused(self, names) -> bool:
+        """Whether a checkpoint (its tensor names) stores its experts fused; no experts: False."""
+        return False
+
     def checkpoint_name(self, t: TargetConfig, param: str) -> str:
         """The checkpoint tensor of an export module's layer parameter `layers.…`."""
         return t.prefix + param

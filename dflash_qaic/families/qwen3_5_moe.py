@@ -6,7 +6,7 @@ from __future__ import annotations
 from dflash_qaic.checkpoint_files.config import positive
 from dflash_qaic.families.base import MoeSpec
 from dflash_qaic.families.qwen3_5 import Qwen3_5, deltanet_dims, hybrid_tiny_config
-from dflash_qaic.families.qwen3_moe import MOE_FIELDS, expert_shapes, read_experts
+from dflash_qaic.families.qwen3_moe import MOE_FIELDS, expert_shapes, experts_fused, read_experts
 
 
 class Qwen3_5Moe(Qwen3_5):
@@ -25,6 +25,9 @@ class Qwen3_5Moe(Qwen3_5):
             "intermediate_size": positive(text, "intermediate_size", cpath, 0),
             "moe": moe,
         }
+
+    def experts_fused(self, names) -> bool:
+        return experts_fused(names)
 
     def mlp_shapes(self, t, i, fused):
         H = t.hidden_size

@@ -112,6 +112,9 @@ class Qwen3Moe(Family):
         sparse = sparse_layers(text, Path("config.json"), int(text["num_hidden_layers"]))
         return [(ATTENTION, MOE if s else MLP) for s in sparse]
 
+    def experts_fused(self, names) -> bool:
+        return experts_fused(names)
+
     def mlp_shapes(self, t, i, fused):
         dense = super().mlp_shapes(t, i, fused)
         if not t.moe.sparse[i]:
