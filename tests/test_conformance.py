@@ -33,8 +33,8 @@ CASES = {
     "qwen3_moe": ("qwen3_moe", "dflash", dict(block_size=4, agree=2.0), 8, 160),
     "qwen3_5": ("qwen3_5", "dflash", dict(block_size=4, agree=1.0), 16, 112),
     "qwen3_5_moe": ("qwen3_5_moe", "dflash", dict(block_size=4, agree=1.0), 16, 112),
-    "gemma4": ("gemma4", "dflash", dict(block_size=4, agree=1.25), 8, 160),
-    "gemma4_moe": ("gemma4_moe", "dflash", dict(block_size=4, agree=1.25), 8, 160),
+    "gemma4": ("gemma4", "dflash", dict(block_size=4, agree=0.9), 8, 160),
+    "gemma4_moe": ("gemma4_moe", "dflash", dict(block_size=4, agree=0.9), 8, 160),
     "qwen3-dflash2": ("qwen3", "dflash2", dict(block_size=8, vocab_size=24, agree=2.0), 16, 160),
     "qwen3-sliding": ("qwen3", "sliding", dict(block_size=8, vocab_size=24), 16, 160),
 }
