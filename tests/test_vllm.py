@@ -153,12 +153,8 @@ def test_eight_concurrent_streamed_and_not_equal_pipe(server, pipe):
         assert g == r.tokens, i
 
 
-@pytest.mark.slow
 def test_greedy_equals_hugging_face(server):
-    """Token ids in, token ids out, against the target's own greedy generate. Slow tier: the
-    fast tier has token ids in and out equal to pipe.generate (test_the_end_of_the_context),
-    and pipe.generate = the reference = HF greedy on this pair (tests/test_default_pair.py,
-    tests/test_train.py)."""
+    """Token ids in, token ids out, against the target's own greedy generate."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -331,11 +327,9 @@ def test_plugin_is_active_only_with_the_environment_variable(monkeypatch):
     assert plugin.register() == "dflash_qaic.vllm.platform.DFlashQaicPlatform"
 
 
-@pytest.mark.slow
 def test_vllms_platform_choice_follows_the_environment_variable():
     """vLLM's own platform choice, with and without the variable (it asks the plugins each
-    time). Slow tier (an import of vLLM in its environment): the fast tier has register() with
-    and without it, and `vllm serve` choosing our platform with it (the server tests)."""
+    time)."""
     code = (
         "import os\n"
         "from vllm.platforms import resolve_current_platform_cls_qualname as choose\n"
