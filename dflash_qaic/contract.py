@@ -76,6 +76,16 @@ LOGITS = "logits"
 # committed to its recurrent state, decided in the graph by the host's rule (docs/DESIGN.md,
 # Hybrid targets): a prefill chunk's real rows; a verify or decode call's 1 + accepted proposals.
 NUM_COMMITTED = "num_committed"
+# Verification rules (docs/DESIGN.md, Seams: verifiers). A verify call's row r carries a token
+# (input_ids), a position (position_ids), a parent row (whose token it follows) and a cache slot
+# (where its K/V is written). CHAIN: row r's parent is row r − 1 (row 0's: the committed prefix)
+# and its slot is its position, so neither needs an input; every program exported so far is a
+# chain. BLOCK: the same rows, but the program decides the accepted count jointly over the
+# block (Sun et al. 2024) and returns it as NUM_ACCEPTED int64 [batch].
+CHAIN = "chain"
+BLOCK = "block"
+VERIFY_RULES = (CHAIN, BLOCK)
+NUM_ACCEPTED = "num_accepted"
 # Draft inputs / outputs.
 TARGET_HIDDEN = "target_hidden"
 POSITION_IDS_TARGET = "position_ids_target"
@@ -274,10 +284,16 @@ class TargetIO:
     draft_q: tuple[int, ...] = ()
     # structured output: the program takes TOKEN_BITMASK, applied before every row's choice
     token_bitmask: bool = False
+    # how a sampled verify decides its accepted count (VERIFY_RULES; BLOCK adds NUM_ACCEPTED)
+    verify_rule: str = CHAIN
 
     @property
     def hybrid(self) -> bool:
         return bool(self.linear_layers)
+
+    @property
+    def block_verify(self) -> bool:
+        return self.sampling and self.verify_rule == BLOCK
 
     @property
     def kv(self) -> list[TensorSpec]:
@@ -323,8 +339,46 @@ class TargetIO:
             out.append(TensorSpec(LOGITS, "float32", (BATCH, SEQ, self.vocab_size)))
         if self.hybrid:
             out.append(TensorSpec(NUM_COMMITTED, "int64", (BATCH,)))
+        if self.block_verify:
+            out.append(TensorSpec(NUM_ACCEPTED, "int64", (BATCH,)))
         out += [TensorSpec(retained(s.name), s.dtype, s.shape) for s in self.kv]
         return out
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Where each row of a verify call sits: its parent row (−1: the committed prefix) and its
+    cache slot, apart from its position (docs/DESIGN.md, Seams: verifiers). Today's programs
+    take the chain layout implicitly (`chain`); a layout that is not a chain (a tree's rows share
+    depths, so positions repeat while slots do not) is what a tree verify would pass."""
+
+    parents: tuple[int, ...]
+    depths: tuple[int, ...]
+
+    @classmethod
+    def chain(cls, n: int) -> RowLayout:
+        return cls(tuple(range(-1, n - 1)), tuple(range(n)))
+
+    @property
+    def is_chain(self) -> bool:
+        return self == RowLayout.chain(len(self.parents))
+
+    def positions(self, start: int) -> list[int]:
+        """Row positions: start + depth (a chain: start … start + n − 1)."""
+        return [start + d for d in self.depths]
+
+    def slots(self, start: int) -> list[int]:
+        """Cache slots: start + row index (distinct, consecutive; a chain's are its positions)."""
+        return [start + r for r in range(len(self.parents))]
+
+    def visible(self, r: int, c: int) -> bool:
+        """Whether row r attends to row c of the same call: c is r or one of its ancestors
+        (a chain: c ≤ r, the causal mask)."""
+        while r >= 0:
+            if r == c:
+                return True
+            r = self.parents[r]
+        return False
 
 
 @dataclass(frozen=True)

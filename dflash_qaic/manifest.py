@@ -242,6 +242,7 @@ class Program:
         q_top_k = io.pop("q_top_k", 0)  # a DFlash-2 draft exported for sampling only
         draft_q = io.pop("draft_q", ())  # a target verifying with a DFlash-2 draft's q only
         bitmask = io.pop("token_bitmask", False)  # a target exported for structured output only
+        rule = io.pop("verify_rule", contract.CHAIN)  # a target exported with block verify only
         return {
             **self.facts,
             **io,
@@ -249,6 +250,7 @@ class Program:
             **({"q_top_k": q_top_k} if q_top_k else {}),
             **({"draft_q": list(draft_q)} if draft_q else {}),
             **({"token_bitmask": True} if bitmask else {}),
+            **({"verify_rule": rule} if rule != contract.CHAIN else {}),
             "onnx": self.onnx,
             "external_data": self.external_data,
             "onnx_bytes": self.onnx_bytes,
@@ -287,7 +289,10 @@ class Program:
                 state_dims=_int_tuple(c, "state_dims", 1, 1 << 24),
                 draft_q=c.ints("draft_q", 1, 1 << 24, default=[]),
                 token_bitmask=c.bool("token_bitmask", False),
+                verify_rule=c.get("verify_rule", contract.CHAIN),
             )
+            if io.verify_rule not in contract.VERIFY_RULES:
+                c.fail(c.key("verify_rule"), f"must be one of {list(contract.VERIFY_RULES)}")
             if io.hybrid and len(io.state_dims) != 5:
                 c.fail(c.key("state_dims"), "must list 5 dims for a hybrid target")
         else:
@@ -311,7 +316,7 @@ class Program:
             | set(dims)
             | {"emit_logits", "sampling", "block_size", "continuous_batching", "comp_ctx"}
         )
-        known |= {"linear_layers", "state_dims", "draft_q", "token_bitmask"}
+        known |= {"linear_layers", "state_dims", "draft_q", "token_bitmask", "verify_rule"}
         known |= {"confidence", "ring_slots", "q_top_k", "inputs", "outputs", "qpc"}
         return cls(
             io=io,

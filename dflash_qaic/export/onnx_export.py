@@ -249,6 +249,7 @@ def program_facts(path: Path, io, specializations: list[dict], report: dict) -> 
         **({"q_top_k": io.q_top_k} if getattr(io, "q_top_k", 0) else {}),  # DFlash-2 draft's q
         **({"draft_q": list(io.draft_q)} if getattr(io, "draft_q", ()) else {}),
         **({"token_bitmask": True} if getattr(io, "token_bitmask", False) else {}),
+        **({"verify_rule": io.verify_rule} if getattr(io, "block_verify", False) else {}),
         "n_layers": io.n_layers,
         "n_kv_heads": io.n_kv_heads,
         "head_dim": io.head_dim,

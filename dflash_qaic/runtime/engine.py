@@ -151,7 +151,8 @@ class Engine:
         self.prefill = Prefill(plan, target, draft, prefill_bufs, state, dflash)
         if dflash:
             costs = costs if costs is not None else StepCosts()
-            self.spec = DFlashStep(plan, target, draft, bufs, state, lengths, costs)
+            rule = target_io.verify_rule if target_io.block_verify else contract.CHAIN
+            self.spec = DFlashStep(plan, target, draft, bufs, state, lengths, costs, rule)
         else:
             self.spec = DecodeStep(plan, target, draft, bufs, state)
         self.spec.masks.fill = config.fill_forced_tokens
