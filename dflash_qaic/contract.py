@@ -99,6 +99,9 @@ DRAFT_CONFIDENCE = "draft_confidence"
 DRAFT_RANDOM_U = "draft_random_u"  # float [batch, B − 1]
 DRAFT_Q_IDS = "draft_q_ids"  # int64 [batch, B − 1, k]
 DRAFT_Q_PROBS = "draft_q_probs"  # float [batch, B − 1, k]
+# A DFlash draft exported for block verification samples its proposals the same way, from the
+# softmax of its DRAFT_SAMPLE_TOP_K largest logits (its q), and returns them as above
+DRAFT_SAMPLE_TOP_K = 8
 CONFIDENCE_TOPK = 16
 # Structured output (docs/DESIGN.md, Structured output): int32 [batch, seq_len, ceil(V / 32)], the
 # tokens a grammar allows at each row (bit i % 32 of word i // 32 set when token i is allowed,

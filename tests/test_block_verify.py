@@ -120,3 +120,77 @@ def test_a_wrong_rule_is_rejected_by_the_same_test(tab):
     target, draft = tab
     first, _ = run(target, draft, greedy_draft=False, block=True, seed=3, q_rule="uniform")
     assert chi2_pvalue(target, first) < 1e-6
+
+
+# ---------------------------------------------------------------- exported with --verify-rule block
+
+B, CHUNK, CTX = 8, 16, 96
+
+
+@pytest.fixture(scope="module")
+def block_art(tiny_pair, tmp_path_factory):
+    """A tiny pair exported with verify_rule="block" and 2 cache rows (its DFlash draft then
+    samples its proposals from its top-8)."""
+    from dflash_qaic import checkpoints as ck
+    from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
+
+    t, d = tiny_pair(
+        family="qwen3",
+        vocab_size=32,
+        block_size=B,
+        agree=1.5,
+        tie_word_embeddings=False,
+        target_layer_ids=[1, 3],
+    )
+    out = tmp_path_factory.mktemp("block-art")
+    opts = ExportOptions(
+        prefill_seq_len=CHUNK, ctx_len=CTX, compile=False, full_batch_size=2, verify_rule="block"
+    )
+    build_artifacts(t, d, out, opts)
+    return out, ck.load_target_model(t)
+
+
+def test_block_export_greedy_is_hf_greedy_and_seeds_batch_as_solo(block_art):
+    import dflash_qaic
+    from dflash_qaic import contract
+    from dflash_qaic.runtime.step import BlockVerifier
+
+    art, model = block_art
+    pipe = dflash_qaic.load(art, threads=1)
+    io = pipe.artifacts.target.io
+    assert io.verify_rule == contract.BLOCK
+    assert contract.NUM_ACCEPTED in [s.name for s in io.outputs]
+    assert pipe.artifacts.draft.io.q_top_k == contract.DRAFT_SAMPLE_TOP_K
+    assert io.draft_q == (B - 1, contract.DRAFT_SAMPLE_TOP_K)
+    assert isinstance(pipe.engine().spec.verifier, BlockVerifier)
+    prompts = [[7, 19, 3, 25, 11], list(range(1, CHUNK + 4))]
+    for ids in prompts:  # greedy: the argmax chain, token for token Hugging Face's
+        want = model.generate(
+            torch.tensor([ids]), max_new_tokens=20, do_sample=False, pad_token_id=0
+        )[0, len(ids) :].tolist()
+        assert pipe.generate(ids, 20, stop_token_ids=[]).tokens == want
+    batched = pipe.generate(prompts, 20, stop_token_ids=[], temperature=1.0, seed=[5, 6])
+    solo = [pipe.generate(p, 20, stop_token_ids=[], temperature=1.0, seed=5 + i) for i, p in
+            enumerate(prompts)]  # fmt: skip
+    assert [r.tokens for r in batched] == [r.tokens for r in solo]
+    assert max(max(r.acceptance_lengths) for r in batched) > 1  # proposals were kept
+
+
+@pytest.mark.slow
+def test_block_export_samples_the_targets_first_two_tokens(block_art):
+    """End to end through the exported programs: the first two sampled tokens follow the
+    target's exact distribution (as tests/test_sampling.py checks the chain)."""
+    from test_sampling import PROMPT, exact_first_two, gof, gof_pvalue
+
+    import dflash_qaic
+
+    art, model = block_art
+    pipe = dflash_qaic.load(art, threads=1)
+    pipe.configure(verify_lengths=[B])
+    a = np.array(
+        [pipe.generate(PROMPT, 2, stop_token_ids=[], temperature=1.0, seed=i).tokens
+         for i in range(600)]
+    )  # fmt: skip
+    p1, p2 = exact_first_two(model, (1.0, 0, 1.0))
+    assert gof_pvalue([gof(a[:, 0], p1)]) > 1e-3
+    assert gof_pvalue([gof(a[:, 1], p2)]) > 1e-3

@@ -428,8 +428,13 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, steps) -> Manifest:
     )
     # a DFlash-2 draft, sampling, a dense target: the draft samples its path and returns its q,
     # the target verifies q-aware (docs/DESIGN.md, DFlash-2 drafts)
-    q_aware = pair.draft.dflash2 and o.sampling and pair.target.hybrid is None
-    draft_q = (B - 1, min(pair.draft.selector_top_k, pair.target.vocab_size)) if q_aware else ()
+    # With --verify-rule block any draft samples its proposals and returns its q (a DFlash
+    # draft from its top-k), and the target verifies the block jointly (docs/DESIGN.md, Block
+    # verification)
+    block = o.verify_rule == contract.BLOCK and o.sampling
+    q_aware = (pair.draft.dflash2 or block) and o.sampling and pair.target.hybrid is None
+    k = pair.draft.selector_top_k if pair.draft.dflash2 else contract.DRAFT_SAMPLE_TOP_K
+    draft_q = (B - 1, min(k, pair.target.vocab_size)) if q_aware else ()
     t = time.perf_counter()
     log.info(
         "exporting the target program (ctx %d, chunk %d, B %d)", o.ctx_len, o.prefill_seq_len, B
@@ -446,6 +451,7 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, steps) -> Manifest:
             verify_lengths=list(plan.verify_lengths),
             draft_q=draft_q,
             token_bitmask=o.structured_output,
+            verify_rule=o.verify_rule,
             **common,
         )
     del target
@@ -455,7 +461,14 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, steps) -> Manifest:
     log.info("exporting the draft program")
     with torch.no_grad():
         dfacts = export_draft(
-            pair.draft, None, embed, head, out / "draft" / "draft.onnx", sampling=q_aware, **common
+            pair.draft,
+            None,
+            embed,
+            head,
+            out / "draft" / "draft.onnx",
+            sampling=q_aware,
+            draft_top_k=k if block else 0,
+            **common,
         )
     steps.append(("export draft", f"{dfacts['onnx_bytes'] / 1e6:.1f} MB", time.perf_counter() - t))
     tok = _copy_tokenizer(pair.target.path, out)

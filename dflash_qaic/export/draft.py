@@ -96,6 +96,7 @@ def export_draft(
     fp16_check: bool = True,
     stream_from: Pair | None = None,
     sampling: bool = False,
+    draft_top_k: int = 0,
 ) -> dict:
     """Export the draft program to `out_path` and check it; returns facts for the manifest.
 
@@ -106,7 +107,8 @@ def export_draft(
     full_batch_size: continuous batching with this many cache rows (contract.py).
     comp_ctx_lengths: the attention windows (contract.COMP_CTX_LENGTHS); None: the default ones.
     sampling: a DFlash-2 draft takes temperature and uniforms and returns its q (contract.DraftIO,
-    q_top_k); other drafts are unaffected.
+    q_top_k); other drafts are unaffected unless `draft_top_k` > 0: then they sample their
+    proposals from their top-k and return that q (block verification, modeling.draft.sample_top_k).
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=2)
     if stream_from is not None:
@@ -119,6 +121,8 @@ def export_draft(
     # a DFlash-2 draft exported for sampling proposes a sampled path and returns its q
     V = embed_weight.shape[0]
     q_top_k = min(draft_cfg.selector_top_k, V) if draft_cfg.dflash2 and sampling else 0
+    if sampling and not draft_cfg.dflash2 and draft_top_k:  # a DFlash draft that samples
+        q_top_k = module.q_top_k = min(draft_top_k, V)
     io = draft_io(draft_cfg, V, block_size, emit_logits, cb, ring_slots=rings, q_top_k=q_top_k)
     windows = contract.windows_or_default(comp_ctx_lengths, ctx_len, prefill_seq_len, block_size)
     plan = contract.shape_plan(

@@ -121,6 +121,14 @@ class ExportOptions:
         "tokens, applied before its token choice; docs/DESIGN.md, Structured output)",
         recipe=True,
     )
+    verify_rule: str = _opt(
+        "chain",
+        "str",
+        "how a sampled verify accepts: chain (token by token) or block (jointly, Sun et al. "
+        "2024; a DFlash draft then samples its proposals from its top-8; docs/DESIGN.md, Block "
+        "verification)",
+        recipe=True,
+    )
     fp16_check: bool = _opt(True, "bool", "skip the fp16 graph run")
     compile: bool = _opt(True, "bool", "export ONNX only", group="run")
     qpc_config: str = _opt(
@@ -171,6 +179,11 @@ class ExportOptions:
                 )
             object.__setattr__(self, "block_size", n + 1)
             object.__setattr__(self, "num_speculative_tokens", None)
+        if self.verify_rule not in ("chain", "block"):
+            raise ExportError(
+                f"--verify-rule must be chain or block, got {self.verify_rule!r} "
+                "(`verify_rule=` in Python)"
+            )
         w = self.comp_ctx_lengths
         if w is not None and (list(w) != sorted(set(w)) or w[-1] != self.ctx_len):
             raise ExportError(

@@ -108,6 +108,7 @@ def target_io(
     sampling: bool,
     draft_q=(),
     token_bitmask: bool = False,
+    verify_rule: str = contract.CHAIN,
 ) -> contract.TargetIO:
     """The contract of the program `module` exports to."""
     if isinstance(module, ExportHybridTarget):
@@ -132,6 +133,7 @@ def target_io(
         **hybrid,
         draft_q=tuple(draft_q),
         token_bitmask=token_bitmask,
+        verify_rule=verify_rule,
     )
 
 
@@ -163,6 +165,7 @@ def export_target(
     stream_from: ck.Pair | None = None,
     draft_q: tuple[int, ...] = (),
     token_bitmask: bool = False,
+    verify_rule: str = contract.CHAIN,
 ) -> dict:
     """Export the target program to `out_path` and check it; returns facts for the manifest.
 
@@ -182,6 +185,8 @@ def export_target(
     verification (contract.TargetIO.draft_q; not for a hybrid target).
     token_bitmask: structured output, the program takes contract.TOKEN_BITMASK and chooses
     only among the tokens it allows (docs/DESIGN.md, Structured output; not for a hybrid target).
+    verify_rule: contract.BLOCK, block verification of sampled verifies (docs/DESIGN.md, Block
+    verification; the program also returns num_accepted; not for a hybrid target).
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=1)
     cfg = hf_model.config
@@ -216,8 +221,22 @@ def export_target(
     ).eval()
     if draft_q and cls is ExportHybridTarget:
         raise ValueError("q-aware verification (draft_q) is not built for hybrid targets")
+    if verify_rule == contract.BLOCK and sampling:
+        if cls is ExportHybridTarget:
+            raise ValueError(
+                "block verification (--verify-rule block) is not built for hybrid targets (their "
+                "recurrent state commits by the chain's count): export with --verify-rule chain"
+            )
+        module.block_verify = True
+    rule = verify_rule if sampling else contract.CHAIN
     io = target_io(
-        module, cfg.hidden_size, emit_logits, sampling, draft_q if sampling else (), token_bitmask
+        module,
+        cfg.hidden_size,
+        emit_logits,
+        sampling,
+        draft_q if sampling else (),
+        token_bitmask,
+        rule,
     )
     plan = contract.shape_plan(
         block_size,

@@ -347,7 +347,7 @@ def _leading_equal(greedy: torch.Tensor, input_ids, position_ids) -> torch.Tenso
     """[b]: the leading proposals equal to the argmax (the host's chain rule, for greedy rows):
     the first row j whose argmax differs from row j + 1's input or whose next row is padding."""
     same = (greedy[:, :-1] == input_ids[:, 1:]) & (position_ids[:, 1:] >= 0)  # [b, s − 1]
-    stop = torch.cat([~same, same[:, :1] | True], dim=1)  # a last column that always stops
+    stop = torch.cat([~same, greedy[:, :1] >= 0], dim=1)  # a last column that always stops
     return stop.to(torch.int32).argmax(-1).long()
 
 
@@ -373,10 +373,12 @@ def _block(w, w_d, total, proposal, has, u, q, rows):
         q_d = has.to(w.dtype)
     else:
         q_v, q_d = q
-    ratio = w_d / (total * q_d).clamp(min=2.0**-24)  # [b, n]; p(d) = 0 gives 0
-    log_r = torch.where(
-        has, torch.where(ratio > 0, torch.log(ratio.clamp(min=2.0**-24)), -1e4), 0.0
-    )
+    # log(p(d) / q(d)) in weight units, fp16-safe: each term within ±(17 + log V), and a
+    # proposal the target rules out (p(d) = 0) gets −60 (π then ≤ e^−60: 0 in fp16)
+    tiny = 2.0**-24  # fp16's smallest subnormal
+    log_r = torch.log(w_d.clamp(min=tiny)) - torch.log(total.clamp(min=tiny))
+    log_r = log_r - torch.log(q_d.clamp(min=tiny))
+    log_r = torch.where(has, torch.where(w_d > 0, log_r, -60.0), 0.0)  # [b, n]
     S = _exclusive(log_r.cumsum(-1))  # [b, n]: S_0 = 0
     upto = rows[None, :] <= rows[:, None]  # [n, n]: m ≤ i
     running = torch.where(upto, S[:, None, :], 0.0).amax(-1)  # max over m ≤ i (S_0 = 0 among them)
@@ -386,7 +388,7 @@ def _block(w, w_d, total, proposal, has, u, q, rows):
     residual = (pi[..., None] * w - total[..., None] * q_v).clamp(min=0.0)  # [b, n, V]
     left = _tree_total(residual, V)  # R_i · total_i
     rest = (1.0 - pi) * total
-    h = torch.where(left + rest > 0, left / (left + rest).clamp(min=2.0**-24), 0.0)
+    h = torch.where(left + rest > 0, left / (left + rest).clamp(min=tiny), 0.0)
     h = torch.where(end, pi, torch.where(rows < gamma, h, 0.0))  # [b, n]
     stop = (u[..., 0] <= h) & (rows >= 1)  # η_i ≤ h_i, i ≥ 1
     tau = torch.where(stop, rows, 0).amax(-1)  # [b]

@@ -43,6 +43,7 @@ from dflash_qaic.contract import (
     INPUT_IDS,
     LOGITS,
     NEXT_TOKENS,
+    NUM_ACCEPTED,
     POSITION_IDS,
     SAMPLING_INPUTS,
     TOKEN_BITMASK,
@@ -163,6 +164,9 @@ class ExportTarget(nn.Module):
     caches. The sampling inputs are there when `sampling` (the default), batch_index with
     `continuous_batching`, comp_ctx_lengths with `comp_ctx` (the default).
     """
+
+    #: block verification (contract.BLOCK; set by the exporter): also returns num_accepted
+    block_verify = False
 
     def __init__(
         self,
@@ -298,15 +302,19 @@ class ExportTarget(nn.Module):
             allowed = token_allowed(x_in[TOKEN_BITMASK], self.vocab_size)
             logits, floor = mask_logits(logits, allowed)
             q["floor"] = floor
+        accepted = {}
         if self.sampling:
             vocab = self.vocab_size
             next_tokens = sample_next_tokens(
-                logits, input_ids, position_ids, *sampling, vocab, self.sampling_candidates, **q
-            )
+                logits, input_ids, position_ids, *sampling, vocab, self.sampling_candidates, **q,
+                **({"block": True} if self.block_verify else {}),
+            )  # fmt: skip
+            if self.block_verify:  # contract.BLOCK: the accepted count decided in the graph
+                next_tokens, accepted[NUM_ACCEPTED] = next_tokens
         else:
             next_tokens = logits.argmax(dim=-1)  # [b, s] int64
         hidden = self.fuse(torch.cat([taps[j] for j in self.target_layer_ids], dim=-1))
-        out = {NEXT_TOKENS: next_tokens, HIDDEN_STATES: hidden, LOGITS: logits}
+        out = {NEXT_TOKENS: next_tokens, HIDDEN_STATES: hidden, LOGITS: logits, **accepted}
         out.update((retained_name(n), t) for n, t in zip(kv, retained, strict=True))
         return tuple(out[n] for n in self.output_names)  # the contract's outputs, by name
 
