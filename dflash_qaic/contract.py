@@ -102,6 +102,12 @@ DRAFT_Q_PROBS = "draft_q_probs"  # float [batch, B − 1, k]
 # A DFlash draft exported for block verification samples its proposals the same way, from the
 # softmax of its DRAFT_SAMPLE_TOP_K largest logits (its q), and returns them as above
 DRAFT_SAMPLE_TOP_K = 8
+# A draft exported with --draft-top-k k (≤ MAX_DRAFT_TOP_K): each proposal row's k most likely
+# ids and their log-probabilities under the draft's full softmax (what a tree is built from,
+# B·k small values to the host, never logits)
+DRAFT_TOP_IDS = "draft_top_ids"  # int64 [batch, B − 1, k]
+DRAFT_TOP_LOGPROBS = "draft_top_logprobs"  # float [batch, B − 1, k], descending
+MAX_DRAFT_TOP_K = 8
 CONFIDENCE_TOPK = 16
 # Structured output (docs/DESIGN.md, Structured output): int32 [batch, seq_len, ceil(V / 32)], the
 # tokens a grammar allows at each row (bit i % 32 of word i // 32 set when token i is allowed,
@@ -402,6 +408,8 @@ class DraftIO:
     ring_slots: tuple[int, ...] = ()
     # a DFlash-2 draft exported for sampling: its selector's top-k (0: greedy proposals only)
     q_top_k: int = 0
+    # each proposal row's top-k ids and log-probabilities as outputs (0: none)
+    top_k: int = 0
 
     @property
     def kv(self) -> list[TensorSpec]:
@@ -447,6 +455,12 @@ class DraftIO:
         if self.confidence:
             out.append(TensorSpec(DRAFT_CONFIDENCE, "float32", (BATCH, self.block_size - 1)))
         out += self.q_outputs
+        if self.top_k:
+            shape = (BATCH, self.block_size - 1, self.top_k)
+            out += [
+                TensorSpec(DRAFT_TOP_IDS, "int64", shape),
+                TensorSpec(DRAFT_TOP_LOGPROBS, "float32", shape),
+            ]
         if self.emit_logits:
             out.append(TensorSpec(LOGITS, "float32", (BATCH, self.block_size - 1, self.vocab_size)))
         out += [TensorSpec(retained(s.name), s.dtype, s.shape) for s in self.kv]

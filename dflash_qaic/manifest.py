@@ -240,6 +240,7 @@ class Program:
         io = asdict(self.io)
         rings = io.pop("ring_slots", ())  # a draft with ring caches only (b16: absent)
         q_top_k = io.pop("q_top_k", 0)  # a DFlash-2 draft exported for sampling only
+        top_k = io.pop("top_k", 0)  # a draft exported with --draft-top-k only
         draft_q = io.pop("draft_q", ())  # a target verifying with a DFlash-2 draft's q only
         bitmask = io.pop("token_bitmask", False)  # a target exported for structured output only
         rule = io.pop("verify_rule", contract.CHAIN)  # a target exported with block verify only
@@ -248,6 +249,7 @@ class Program:
             **io,
             **({"ring_slots": list(rings)} if rings else {}),
             **({"q_top_k": q_top_k} if q_top_k else {}),
+            **({"top_k": top_k} if top_k else {}),
             **({"draft_q": list(draft_q)} if draft_q else {}),
             **({"token_bitmask": True} if bitmask else {}),
             **({"verify_rule": rule} if rule != contract.CHAIN else {}),
@@ -305,6 +307,7 @@ class Program:
                 confidence=c.bool("confidence"),
                 ring_slots=c.ints("ring_slots", 0, 1 << 22, default=[]),
                 q_top_k=c.int("q_top_k", 0, 1 << 24, default=0),
+                top_k=c.int("top_k", 0, contract.MAX_DRAFT_TOP_K, default=0),
             )
         for which, specs in (("inputs", io.inputs), ("outputs", io.outputs)):
             want = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]
@@ -317,7 +320,7 @@ class Program:
             | {"emit_logits", "sampling", "block_size", "continuous_batching", "comp_ctx"}
         )
         known |= {"linear_layers", "state_dims", "draft_q", "token_bitmask", "verify_rule"}
-        known |= {"confidence", "ring_slots", "q_top_k", "inputs", "outputs", "qpc"}
+        known |= {"confidence", "ring_slots", "q_top_k", "top_k", "inputs", "outputs", "qpc"}
         return cls(
             io=io,
             onnx=c.relpath("onnx"),

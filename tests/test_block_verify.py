@@ -130,7 +130,7 @@ B, CHUNK, CTX = 8, 16, 96
 @pytest.fixture(scope="module")
 def block_art(tiny_pair, tmp_path_factory):
     """A tiny pair exported with verify_rule="block" and 2 cache rows (its DFlash draft then
-    samples its proposals from its top-8)."""
+    samples its proposals from its top-8), the draft's top-4 returned and logits emitted."""
     from dflash_qaic import checkpoints as ck
     from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
 
@@ -144,7 +144,13 @@ def block_art(tiny_pair, tmp_path_factory):
     )
     out = tmp_path_factory.mktemp("block-art")
     opts = ExportOptions(
-        prefill_seq_len=CHUNK, ctx_len=CTX, compile=False, full_batch_size=2, verify_rule="block"
+        prefill_seq_len=CHUNK,
+        ctx_len=CTX,
+        compile=False,
+        full_batch_size=2,
+        verify_rule="block",
+        draft_top_k=4,
+        emit_logits=True,
     )
     build_artifacts(t, d, out, opts)
     return out, ck.load_target_model(t)
@@ -194,3 +200,38 @@ def test_block_export_samples_the_targets_first_two_tokens(block_art):
     p1, p2 = exact_first_two(model, (1.0, 0, 1.0))
     assert gof_pvalue([gof(a[:, 0], p1)]) > 1e-3
     assert gof_pvalue([gof(a[:, 1], p2)]) > 1e-3
+
+
+def test_draft_top_k_reaches_the_host(block_art):
+    """--draft-top-k 4: the draft returns each proposal row's 4 most likely ids and their
+    log-probabilities under its full softmax (checked against its logits), and a step keeps them
+    per slot."""
+    import onnxruntime as ort
+
+    import dflash_qaic
+    from dflash_qaic import contract
+    from dflash_qaic.export.draft import check_feeds
+
+    art, _ = block_art
+    pipe = dflash_qaic.load(art, threads=1)
+    m = pipe.artifacts
+    assert m.draft.io.top_k == 4
+    sess = ort.InferenceSession(str(art / m.draft.onnx), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    for feed in check_feeds(m.draft.io, list(m.draft.specializations)[:2], m.mask_token_id, 3):
+        out = dict(zip(names, sess.run(None, feed)))
+        logits = out[contract.LOGITS].astype(np.float64)
+        logp = logits - logits.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        ids = out[contract.DRAFT_TOP_IDS]
+        np.testing.assert_array_equal(ids, np.argsort(-logits, -1, kind="stable")[..., :4])
+        want = np.take_along_axis(logp, ids, -1)
+        np.testing.assert_allclose(out[contract.DRAFT_TOP_LOGPROBS], want, atol=1e-5)
+    engine = pipe.engine()
+    seq = engine.add(pipe.request([7, 19, 3, 25, 11], 6, stop_token_ids=[]))
+    while engine.busy and not seq.tokens:
+        engine.step()
+    st = engine.spec.state
+    assert st.top_ids is not None and st.top_ids.shape == (2, B - 1, 4)
+    assert (np.diff(st.top_logprobs[seq.slot], axis=-1) <= 0).all()  # descending
+    assert (st.top_ids[seq.slot, :, 0] == st.proposals[seq.slot]).all()  # greedy: the argmax

@@ -467,7 +467,8 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, steps) -> Manifest:
             head,
             out / "draft" / "draft.onnx",
             sampling=q_aware,
-            draft_top_k=k if block else 0,
+            sample_top_k=k if block else 0,
+            top_k=o.draft_top_k,
             **common,
         )
     steps.append(("export draft", f"{dfacts['onnx_bytes'] / 1e6:.1f} MB", time.perf_counter() - t))

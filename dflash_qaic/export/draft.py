@@ -25,6 +25,7 @@ def draft_io(
     confidence=True,
     ring_slots: tuple[int, ...] = (),
     q_top_k: int = 0,
+    top_k: int = 0,
 ) -> contract.DraftIO:
     return contract.DraftIO(
         n_layers=c.num_layers,
@@ -39,6 +40,7 @@ def draft_io(
         confidence=confidence,
         ring_slots=tuple(ring_slots),
         q_top_k=q_top_k,
+        top_k=top_k,
     )
 
 
@@ -96,7 +98,8 @@ def export_draft(
     fp16_check: bool = True,
     stream_from: Pair | None = None,
     sampling: bool = False,
-    draft_top_k: int = 0,
+    sample_top_k: int = 0,
+    top_k: int = 0,
 ) -> dict:
     """Export the draft program to `out_path` and check it; returns facts for the manifest.
 
@@ -107,8 +110,10 @@ def export_draft(
     full_batch_size: continuous batching with this many cache rows (contract.py).
     comp_ctx_lengths: the attention windows (contract.COMP_CTX_LENGTHS); None: the default ones.
     sampling: a DFlash-2 draft takes temperature and uniforms and returns its q (contract.DraftIO,
-    q_top_k); other drafts are unaffected unless `draft_top_k` > 0: then they sample their
+    q_top_k); other drafts are unaffected unless `sample_top_k` > 0: then they sample their
     proposals from their top-k and return that q (block verification, modeling.draft.sample_top_k).
+    top_k: the program also returns each proposal row's top-k ids and log-probabilities
+    (contract.DRAFT_TOP_IDS, DRAFT_TOP_LOGPROBS; 0: not).
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=2)
     if stream_from is not None:
@@ -121,9 +126,14 @@ def export_draft(
     # a DFlash-2 draft exported for sampling proposes a sampled path and returns its q
     V = embed_weight.shape[0]
     q_top_k = min(draft_cfg.selector_top_k, V) if draft_cfg.dflash2 and sampling else 0
-    if sampling and not draft_cfg.dflash2 and draft_top_k:  # a DFlash draft that samples
-        q_top_k = module.q_top_k = min(draft_top_k, V)
-    io = draft_io(draft_cfg, V, block_size, emit_logits, cb, ring_slots=rings, q_top_k=q_top_k)
+    if sampling and not draft_cfg.dflash2 and sample_top_k:  # a DFlash draft that samples
+        q_top_k = module.q_top_k = min(sample_top_k, V)
+    if not 0 <= top_k <= contract.MAX_DRAFT_TOP_K:
+        raise ValueError(f"--draft-top-k must be in [0, {contract.MAX_DRAFT_TOP_K}], got {top_k}")
+    module.top_k = top_k = min(top_k, V)
+    io = draft_io(
+        draft_cfg, V, block_size, emit_logits, cb, ring_slots=rings, q_top_k=q_top_k, top_k=top_k
+    )
     windows = contract.windows_or_default(comp_ctx_lengths, ctx_len, prefill_seq_len, block_size)
     plan = contract.shape_plan(
         block_size,

@@ -247,6 +247,7 @@ def program_facts(path: Path, io, specializations: list[dict], report: dict) -> 
         **(_hybrid_facts(io) if getattr(io, "hybrid", False) else {}),
         **({"ring_slots": list(io.ring_slots)} if getattr(io, "ring_slots", ()) else {}),
         **({"q_top_k": io.q_top_k} if getattr(io, "q_top_k", 0) else {}),  # DFlash-2 draft's q
+        **({"top_k": io.top_k} if getattr(io, "top_k", 0) else {}),  # --draft-top-k
         **({"draft_q": list(io.draft_q)} if getattr(io, "draft_q", ()) else {}),
         **({"token_bitmask": True} if getattr(io, "token_bitmask", False) else {}),
         **({"verify_rule": io.verify_rule} if getattr(io, "block_verify", False) else {}),

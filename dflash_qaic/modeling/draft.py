@@ -34,6 +34,8 @@ from dflash_qaic.contract import (
     DRAFT_Q_PROBS,
     DRAFT_RANDOM_U,
     DRAFT_TOKENS,
+    DRAFT_TOP_IDS,
+    DRAFT_TOP_LOGPROBS,
     INPUT_IDS,
     LOGITS,
     POSITION_IDS,
@@ -299,6 +301,16 @@ def sample_top_k(logits, k: int, temperature, random_u):
     return cand.gather(-1, index[..., None])[..., 0], cand, q
 
 
+def top_logprobs(logits, k: int):
+    """logits [b, n, V] -> (the k most likely ids [b, n, k], their log-probabilities under the
+    full softmax [b, n, k], descending). log p = l − l_max − log Σ exp(l − l_max): every term
+    ≤ 1, so fp16 holds the sum unless the distribution is near-uniform over more than 65504
+    tokens (the sampler's caveat, docs/DESIGN.md, Sampling)."""
+    top, ids = logits.topk(min(k, int(logits.shape[-1])), dim=-1)
+    mx = top[..., :1]
+    return ids, top - mx - torch.log(torch.exp(logits - mx).sum(-1, keepdim=True))
+
+
 class DraftLayer(nn.Module):
     def __init__(self, c: DraftConfig, i: int = 0):
         super().__init__()
@@ -405,6 +417,8 @@ class ExportDraft(nn.Module):
 
     #: a DFlash draft exported to sample its proposals (set by the exporter: its q's candidates)
     q_top_k = 0
+    #: top-k ids and log-probabilities returned per proposal row (set by the exporter; 0: none)
+    top_k = 0
 
     def __init__(
         self,
@@ -510,6 +524,8 @@ class ExportDraft(nn.Module):
             k = min(CONFIDENCE_TOPK, logits.shape[-1])
             top = logits.topk(k, dim=-1).values  # [b, B−1, k]
             conf = 1.0 / torch.exp(top - top[..., :1]).sum(-1)  # [b, B−1]
+        if self.top_k:  # the tree's candidates: top-k ids and log-probabilities
+            q[DRAFT_TOP_IDS], q[DRAFT_TOP_LOGPROBS] = top_logprobs(logits, self.top_k)
         out = {DRAFT_TOKENS: draft_tokens, DRAFT_CONFIDENCE: conf, LOGITS: logits, **q}
         out.update((retained_name(n), t) for n, t in zip(kv, retained, strict=True))
         return tuple(out[n] for n in self.output_names)  # the contract's outputs, by name

@@ -91,9 +91,21 @@ class SlotState:
         # a DFlash-2 draft's q of the proposals (candidates, probabilities), when it returns it
         self.q_ids: np.ndarray | None = None
         self.q_probs: np.ndarray | None = None
+        # a draft exported with --draft-top-k: each proposal row's top-k ids and log-probabilities
+        # (contract.DRAFT_TOP_IDS / DRAFT_TOP_LOGPROBS), what a tree verifier builds from
+        self.top_ids: np.ndarray | None = None
+        self.top_logprobs: np.ndarray | None = None
 
     def keep_q(self, out: dict, rows) -> None:
-        """Store the q a draft call returned for `rows` (allocated at the first one)."""
+        """Store the q (and top-k) a draft call returned for `rows` (allocated at the first)."""
+        top = out.get(contract.DRAFT_TOP_IDS)
+        if top is not None:
+            if self.top_ids is None:
+                n = len(self.alive)
+                self.top_ids = np.zeros((n, *top.shape[1:]), np.int64)
+                self.top_logprobs = np.zeros((n, *top.shape[1:]), np.float32)
+            self.top_ids[rows] = top
+            self.top_logprobs[rows] = out[contract.DRAFT_TOP_LOGPROBS]
         ids = out.get(contract.DRAFT_Q_IDS)
         if ids is None:
             return
