@@ -142,6 +142,7 @@ class Engine:
         self.config, self.plan = config, plan
         N, B, dflash = plan.cache_rows, plan.block_size, config.mode == "dflash"
         lengths = config.step_lengths(plan, draft_io.confidence)
+        self.per_step = False  # block verification: each step its own uniforms (sequence.py)
         self.max_running = min(config.max_running or N, N)
         self.block_size = B
         state = SlotState(N, B)
@@ -152,6 +153,7 @@ class Engine:
         if dflash:
             costs = costs if costs is not None else StepCosts()
             rule = target_io.verify_rule if target_io.block_verify else contract.CHAIN
+            self.per_step = rule == contract.BLOCK
             self.spec = DFlashStep(plan, target, draft, bufs, state, lengths, costs, rule)
         else:
             self.spec = DecodeStep(plan, target, draft, bufs, state)
@@ -170,6 +172,7 @@ class Engine:
 
     def add(self, req: Request) -> Sequence:
         seq = Sequence(req, self.block_size)
+        seq.per_step = self.per_step
         self.waiting.append(seq)
         return seq
 

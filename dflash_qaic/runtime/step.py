@@ -236,7 +236,7 @@ class _Step:
         s = self.plan.sample_len(n, not sampled)
         u = self.bufs.sampling.u[s]
         for seq in sampled:
-            seq.fill_uniforms(u[seq.slot], int(self.state.start[seq.slot]) + 1)
+            seq.fill_uniforms(u[seq.slot], int(self.state.start[seq.slot]) + 1, kind == "verify")
         needed = min(int(self.state.start.max()) + n, self.max_pos)  # rows past it are padding
         return call(kind, self.target, self.bufs.window(c.feeds[s], needed), seqs, costs, n)
 
