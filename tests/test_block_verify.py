@@ -235,3 +235,23 @@ def test_draft_top_k_reaches_the_host(block_art):
     assert st.top_ids is not None and st.top_ids.shape == (2, B - 1, 4)
     assert (np.diff(st.top_logprobs[seq.slot], axis=-1) <= 0).all()  # descending
     assert (st.top_ids[seq.slot, :, 0] == st.proposals[seq.slot]).all()  # greedy: the argmax
+
+
+def test_a_prefill_chunk_samples_its_last_row_from_p():
+    """A prefill chunk runs the same rule: its prompt rows (uniforms 0) and padding rows never
+    stop the row, so the last prompt row's token is the draw from p by its own uniform."""
+    gen = torch.Generator().manual_seed(4)
+    b, s, n = 64, 8, 5  # rows 0 … 4 the prompt, 5 … 7 padding
+    logits = torch.randn(b, s, V, generator=gen)
+    ids = torch.randint(0, V, (b, s), generator=gen)
+    pos = torch.tensor([[0, 1, 2, 3, 4, -1, -1, -1]]).expand(b, s)
+    u = torch.zeros(b, s, 2)
+    u[:, n - 1] = torch.rand(b, 2, generator=gen)
+    one = torch.ones(b)
+    tokens, acc = sample_next_tokens(
+        logits, ids, pos, one, torch.zeros(b, dtype=torch.int64), one, u, V, block=True
+    )
+    assert (acc <= n - 1).all()
+    p = torch.softmax(logits[:, n - 1], -1)  # the inverse CDF of p at the row's second uniform
+    want = (p.cumsum(-1) <= u[:, n - 1, 1:]).sum(-1).clamp(max=V - 1)
+    assert torch.equal(tokens[:, n - 1], want)

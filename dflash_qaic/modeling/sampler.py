@@ -358,7 +358,7 @@ def _block(w, w_d, total, proposal, has, u, q, rows):
     row's proposals. In probability units, with p_j = w_j / total_j:
       π_0 = 1, π_{i+1} = min(π_i · p_i(d_i) / q_i(d_i), 1)
       R_i = Σ_x max(π_i p_i(x) − q_i(x), 0);  h_i = R_i / (R_i + 1 − π_i) (i < γ), h_γ = π_γ
-      τ = the largest i ≥ 1 with η_i ≤ h_i (0 if none): the row keeps d_0 … d_{τ−1}, then
+      τ = the largest i in 1 … γ with η_i < h_i (0 if none): the row keeps d_0 … d_{τ−1}, then
       draws its token from p_γ (τ = γ) or from norm(max(π_τ p_τ − q_τ, 0)) (τ < γ).
     The output is distributed as the target's own sampling, and the expected accepted count is
     never below the token-wise rule's. η_i is row i's first uniform, the draw row τ's second.
@@ -390,7 +390,8 @@ def _block(w, w_d, total, proposal, has, u, q, rows):
     rest = (1.0 - pi) * total
     h = torch.where(left + rest > 0, left / (left + rest).clamp(min=tiny), 0.0)
     h = torch.where(end, pi, torch.where(rows < gamma, h, 0.0))  # [b, n]
-    stop = (u[..., 0] <= h) & (rows >= 1)  # η_i ≤ h_i, i ≥ 1
+    # η_i < h_i for 1 ≤ i ≤ γ (strict, so h = 0 never stops: a prompt row's uniforms are 0)
+    stop = (u[..., 0] < h) & (rows >= 1) & (rows <= gamma)
     tau = torch.where(stop, rows, 0).amax(-1)  # [b]
     dist = torch.where((end | (left <= 0))[..., None], w, residual)  # empty residual: p itself
     sampled, _ = inverse_cdf(dist, u[..., 1], V)  # [b, n]
