@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -25,6 +26,8 @@ from dflash_qaic.bench.vllm_host import VllmServer, vllm_bin
 B = 16
 BLOCK = {"dflash_qaic": {"verify_lengths": [B], "threads": 1}}
 PROMPTS = assets.heldout_prompts()
+#: a prompt whose prefill call fails in the server (tests/vllm_fault/sitecustomize.py)
+POISON = [11, 22, 33, 44, 55, 66, 77, 88]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +41,11 @@ def pipe(cb_artifacts):
 def server(cb_artifacts):
     """One `DFLASH_QAIC_VLLM=1 vllm serve` for the module (fails without .venv-vllm)."""
     args = ("--max-num-seqs", "4", "--additional-config", json.dumps(BLOCK))
-    with VllmServer(cb_artifacts, *args, timeout=420) as s:
+    fault = {
+        "PYTHONPATH": str(Path(__file__).parent / "vllm_fault"),
+        "FAULT_PROMPT": ",".join(map(str, POISON)),
+    }
+    with VllmServer(cb_artifacts, *args, timeout=420, env=fault) as s:
         s.model = str(cb_artifacts)
         yield s
 
@@ -239,6 +246,76 @@ def test_unsupported_sampling_params_are_400(server, kw, param):
     assert "supported" in msg or "beam" in msg.lower(), msg
     if param is not None:
         assert param in msg, msg
+
+
+def test_a_failed_program_call_ends_that_request_alone(server, pipe):
+    """The target program raises on one request's prefill: that request gets vLLM's error, a
+    request running beside it finishes as pipe.generate, and the server goes on."""
+    from openai import APIError
+
+    async def go():
+        http = httpx.AsyncClient(trust_env=False, timeout=300)
+        ac = AsyncOpenAI(base_url=server.url + "/v1", api_key="x", http_client=http)
+        try:
+            good = asyncio.create_task(
+                _one(ac, server, PROMPTS[12], 96, True, extra_body={"ignore_eos": True})
+            )
+            await asyncio.sleep(0)
+            try:
+                await _one(ac, server, POISON, 8, False)
+                bad = None
+            except APIError as e:
+                bad = e
+            return await good, bad
+
+        finally:
+            await http.aclose()
+
+    got, bad = asyncio.run(go())
+    assert bad is not None, "the failed request answered as if it had not failed"
+    assert got == pipe.generate(PROMPTS[12], 96, stop_token_ids=[]).tokens
+    assert "Traceback" not in str(bad)
+    [after] = run(server, [(PROMPTS[13], 24, False, {"extra_body": {"ignore_eos": True}})])
+    assert after == pipe.generate(PROMPTS[13], 24, stop_token_ids=[]).tokens
+    assert "request" in server.log() and "injected fault" in server.log()
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"regex": "[a-z]{2,6}( [a-z]{2,6}){2}\\."},
+        {"choice": ["alpha beta", "gamma", "delta epsilon zeta"]},
+    ],
+    ids=["regex", "choice"],
+)
+def test_structured_outputs_follow_vllms_bitmask(server, pipe, spec):
+    """vLLM's structured_outputs: vLLM's own grammar masks each verify row on the device, and
+    the text equals pipe.generate under the same grammar (our matcher), drafts and all."""
+    kind, value = next(iter(spec.items()))
+    out = client(server).completions.create(
+        model=server.model, prompt=PROMPTS[14], max_tokens=40, temperature=0,
+        extra_body={"structured_outputs": spec},
+    )  # fmt: skip
+    ref = pipe.generate(PROMPTS[14], 40, response_format={"type": kind, kind: value})
+    assert ref.stop_reason == "stop_token" and ref.tokens[-1] in pipe.eos  # the grammar ended
+    text = out.choices[0].text  # vLLM's text leaves the stop token out
+    assert text == pipe.tokenizer.decode(ref.tokens[:-1])
+    if kind == "choice":
+        assert text in value
+    else:
+        import re
+
+        assert re.fullmatch(value, text), text
+
+
+def test_allowed_token_ids_are_a_mask_of_ours(server):
+    allowed = [13, 42, 64, 101, 177, 220]
+    out = client(server).completions.create(
+        model=server.model, prompt=PROMPTS[15], max_tokens=24, temperature=0,
+        extra_body={"allowed_token_ids": allowed, "return_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+    ids = out.choices[0].token_ids
+    assert len(ids) == 24 and set(ids) <= set(allowed), ids
 
 
 def test_plugin_is_active_only_with_the_environment_variable(monkeypatch):

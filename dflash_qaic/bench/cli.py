@@ -9,6 +9,7 @@
     dflash-bench --long-context artifacts/DIR --prompt-len 8000     # cost against position
     dflash-bench --router artifacts/default-cb8    # vllm-router's cost per request (TTFT)
     dflash-bench ARTIFACTS --response-format schema.json   # under a grammar (bench/structured.py)
+    dflash-bench --project ai100     # projected AI 100 decode/chain/tree tokens/s (bench/project.py)
 
 Prints the summary screen. Exits 1 when DFlash's tokens differ from the target's at T = 0 (the
 lossless check), 2 on bad input.
@@ -30,6 +31,7 @@ from pathlib import Path
 MODES = {"--export": "dflash_lab.export_bench", "--serve": "dflash_lab.serve_bench"}
 MODES["--long-context"] = "dflash_qaic.bench.longctx"  # prefill, memory, call cost by position
 MODES["--router"] = "dflash_qaic.bench.router"  # vllm-router's cost per request (TTFT)
+MODES["--project"] = "dflash_qaic.bench.project"  # AI 100 roofline projection (no run)
 PEER_ROUNDS = 2  # the PyTorch peers are slow on a CPU
 
 

@@ -404,17 +404,8 @@ def _export(pair, out, o: ExportOptions, B: int, key: str, steps) -> Manifest:
     hidden_norm = weights.load_fp32(pair.draft_tensors["hidden_norm.weight"])
     embed, head = weights.placeholder_head(pair.target)
     steps.append(("load checkpoints", "structure + fc", time.perf_counter() - t))
-    windows = contract.windows_or_default(o.comp_ctx_lengths, o.ctx_len, o.prefill_seq_len, B)
-    plan = contract.shape_plan(
-        B,
-        o.prefill_seq_len,
-        o.ctx_len,
-        batch_size=o.batch_size,
-        full_batch_size=o.full_batch_size,
-        windows=windows,
-        verify_lengths=o.verify_lengths and list(o.verify_lengths),
-        sampling=o.sampling,
-    )
+    plan = o.shape_plan(B)
+    windows = plan.windows
     common = dict(
         ctx_len=o.ctx_len,
         prefill_seq_len=o.prefill_seq_len,

@@ -32,9 +32,10 @@ DEFAULT_RECIPE = "default"
 FEWER_SPECIALIZATIONS = """\
 specializations: every shape a program is compiled for (each one costs compile time and QPC
 size; `dflash-export` prints the count and the manifest records it as specialization_count).
-The default Qwen3-4B export (block 16, chunk 128, ctx 4096) has 44 target and 16 draft
-specializations: target (2 prefill lengths x 2 + 3 verify lengths x 2 + decode) and draft
-(decode + 3 prefill row counts), each at 4 attention windows. To export fewer:
+A Qwen3-4B export with the default options (block 16, chunk 128, ctx 4096) has 44 target and 16
+draft specializations: target (2 prefill lengths x 2 + 3 verify lengths x 2 + decode) and draft
+(decode + 3 prefill row counts), each at 4 attention windows. The shipped real-model recipes
+ask for 7 to 11 (docs/AI100_PROJECTION.md says why). To export fewer:
   --verify-lengths 16        one verify length (the block): 28 target specializations
   --comp-ctx-lengths 4096    one attention window (ctx_len): 11 target, 4 draft
   --prefill-seq-len 64       a chunk <= 4 x block has one prefill length: 36 target, 12 draft
@@ -63,7 +64,8 @@ def find_recipe(name_or_path: str) -> Path:
     raise SystemExit(f"dflash-export: no recipe {name_or_path!r} (known: {', '.join(known)})")
 
 
-def load_recipe(name_or_path: str) -> dict:
+def load_recipe_options(name_or_path: str) -> dict:
+    """A recipe's keys as written (its checkpoint directories neither expanded nor checked)."""
     path = find_recipe(name_or_path)
     try:
         data = yaml.safe_load(path.read_text()) or {}
@@ -75,6 +77,12 @@ def load_recipe(name_or_path: str) -> dict:
             f"dflash-export: recipe {path} has unknown keys {unknown}; allowed: "
             f"{', '.join(sorted(RECIPE_KEYS))}"
         )
+    return data
+
+
+def load_recipe(name_or_path: str) -> dict:
+    path = find_recipe(name_or_path)
+    data = load_recipe_options(name_or_path)
     for key in ("target", "draft"):
         if key not in data:
             raise SystemExit(f"dflash-export: recipe {path} lacks `{key}` (a local directory)")

@@ -227,6 +227,28 @@ class ExportOptions:
     def compile_overrides(self) -> CompileOverrides:
         return compile_overrides(self)
 
+    def shape_plan(self, block_size: int):
+        """The shapes both programs are specialized for (`contract.ShapePlan`): the windows
+        (default `contract.default_comp_ctx_lengths`), verify and prefill lengths these options
+        ask for. The export builds its programs from it; `dflash-bench --project` counts a
+        recipe's specializations with it."""
+        from dflash_qaic import contract
+
+        B = block_size
+        windows = contract.windows_or_default(
+            self.comp_ctx_lengths, self.ctx_len, self.prefill_seq_len, B
+        )
+        return contract.shape_plan(
+            B,
+            self.prefill_seq_len,
+            self.ctx_len,
+            batch_size=self.batch_size,
+            full_batch_size=self.full_batch_size,
+            windows=windows,
+            verify_lengths=self.verify_lengths and list(self.verify_lengths),
+            sampling=self.sampling,
+        )
+
 
 def _meta(name: str) -> Option:
     return _FIELDS[name].metadata["option"]

@@ -40,6 +40,8 @@ KEYS = ("artifacts", "backend", "device_ids", "threads", "verify_lengths")
 BACKENDS = ("ort", "qaic", "auto", "qaic-standin")
 #: our worker: vLLM's worker class, and the proposer its speculative config names
 WORKER = "dflash_qaic.vllm.worker.DFlashWorker"
+#: vLLM's scheduler, which also ends the requests whose program call failed
+SCHEDULER = "dflash_qaic.vllm.scheduler.DFlashScheduler"
 #: vLLM's "greedy" threshold (temperatures below it sample greedily)
 GREEDY_EPS = 1e-5
 
@@ -79,6 +81,7 @@ class Limits:
     max_top_k: int
     vocab: int
     max_prompt: int  # tokens: room for one verify block after the prompt
+    structured: bool = False  # the target program takes a token bitmask (--structured-output)
 
 
 def _block(vllm_config) -> dict:
@@ -307,6 +310,7 @@ class DFlashQaicPlatform(CpuPlatform):
         par = vllm_config.parallel_config
         par.distributed_executor_backend = "uni"  # our worker in the engine-core process
         par.worker_cls = WORKER
+        sched.scheduler_cls = SCHEDULER  # ends a failed request alone (vllm/scheduler.py)
 
         vllm_config.additional_config = dict(vllm_config.additional_config or {})
         vllm_config.additional_config[KEY] = {
@@ -319,6 +323,7 @@ class DFlashQaicPlatform(CpuPlatform):
             max_top_k=m.target.sampling_candidates or m.vocab_size,
             vocab=m.vocab_size,
             max_prompt=ctx_len - 1 - B,
+            structured=m.target.io.token_bitmask,
         )
         log.info(
             "dflash-qaic: %s on %s, %d cache row(s), block %d, max_model_len %d",
@@ -371,9 +376,16 @@ class DFlashQaicPlatform(CpuPlatform):
         ):
             if getattr(p, name) != off:
                 refuse(name, f"{name}={getattr(p, name)}")
-        for name in ("logit_bias", "allowed_token_ids", "bad_words", "structured_outputs"):
+        for name in ("logit_bias", "bad_words"):
             if getattr(p, name, None):
                 refuse(name, name)
+        for name in ("structured_outputs", "allowed_token_ids"):
+            if getattr(p, name, None) and cls.limits is not None and not cls.limits.structured:
+                raise VLLMValidationError(
+                    f"{name}: these artifacts' target program takes no token bitmask; "
+                    "re-export them with `dflash-export --structured-output`",
+                    parameter=name,
+                )
         for name in ("logprob_token_ids", "prompt_logprob_token_ids", "thinking_token_budget"):
             if getattr(p, name, None) is not None:
                 refuse(name, name)

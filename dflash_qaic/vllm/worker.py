@@ -13,11 +13,25 @@ with `first_token_alone`) and maps each scheduler output onto one `engine.step()
                                      target's token (1 … B tokens, `sampled_token_ids`)
     take_draft_token_ids             the draft call's proposals: vLLM schedules them as the
                                      next step's `scheduled_spec_decode_tokens`
+    sample_tokens(grammar_output)    a step with structured-output requests: execute_model
+                                     returns None, vLLM computes its grammar bitmask over
+                                     each such request's scheduled drafts, and the step runs
+                                     here with those rows as the requests' token bitmasks
 
 So vLLM's scheduler sees exactly what our programs did, and counts it (`vllm:spec_decode_*`:
 drafts = B − 1 per step, accepted = what our verify accepted). The tokens are chosen on the
 device by our programs; vLLM's own stop checks (EOS, stop_token_ids, max_tokens, stop strings)
 end requests, and the engine is given the same stop set, so it frees the row at once.
+
+Structured output is vLLM's own: its grammar backend computes each structured request's rows
+(the bonus row and one per scheduled draft, the state after the drafts before it), the target
+program applies them before its token choice (`token_bitmask`, exported with
+--structured-output), and vLLM's matcher accepts the tokens (a token it rejects ends the request
+with an error, as in vLLM). `allowed_token_ids` is a fixed mask of ours (runtime/grammar.py).
+
+A program call that fails fails the requests in it, not vLLM's engine: the worker reports them
+in the output (`failed`), and our scheduler (vllm/scheduler.py) finishes them with vLLM's error
+status; the other requests go on.
 
 vLLM may cut the scheduled drafts near max_model_len; then it receives at most the scheduled
 drafts + 1 tokens, which reach max_model_len, so it ends the request there.
@@ -27,11 +41,14 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
+from dflash_qaic import contract
+from dflash_qaic.runtime.grammar import Constraint
 from dflash_qaic.vllm.platform import Settings, accepts_device_ids, sampling_check
 
 log = logging.getLogger("dflash_qaic.vllm")
@@ -65,8 +82,11 @@ class DFlashWorker(WorkerBase):
             "dflash", first_token_alone=True, max_running=self.scheduler_config.max_num_seqs
         )
         self.B = self.pipe.B
+        self.words = contract.bitmask_words(self.pipe.vocab)  # the programs' bitmask width
         self.seqs: dict = {}  # vLLM request id -> our Sequence
         self._drafts = DraftTokenIds([], [])
+        self._pending = None  # the scheduler output whose step waits for vLLM's bitmask
+        self._failed: dict[str, str] = {}
 
     # ------------------------------------------------------------------ KV cache: one row = block
 
@@ -138,10 +158,16 @@ class DFlashWorker(WorkerBase):
             stop.add(p.eos_token_id)
         ids = new.prompt_token_ids
         max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len - len(ids)
-        req = self.pipe.request(ids, max_tokens, sorted(stop), **sampling_check(p, None))
-        self.seqs[new.req_id] = self.engine.add(req)
+        fixed = self.pipe.allowed_tokens(p.allowed_token_ids) if p.allowed_token_ids else None
+        req = self.pipe.request(
+            ids, max_tokens, sorted(stop), grammar=fixed, **sampling_check(p, None)
+        )
+        seq = self.engine.add(req)
+        if p.structured_outputs is not None:  # vLLM's grammar gives its masks, step by step
+            seq.constraint = VllmMasks(self.words)
+        self.seqs[new.req_id] = seq
 
-    def execute_model(self, scheduler_output) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output) -> ModelRunnerOutput | None:
         so = scheduler_output
         for rid in so.finished_req_ids:
             seq = self.seqs.pop(rid, None)
@@ -153,8 +179,13 @@ class DFlashWorker(WorkerBase):
                 f"vLLM resumed preempted requests {sorted(cached.resumed_req_ids)}: with one "
                 "block per cache row it never preempts; this is a dflash-qaic plugin bug"
             )
+        self._failed = {}  # request id -> why it failed in this step
         for new in so.scheduled_new_reqs:
-            self._add(new)
+            try:
+                self._add(new)
+            except Exception as e:  # this request alone: vLLM ends it with an error
+                log.warning("request %s: %s: %s", new.req_id, type(e).__name__, e)
+                self._failed[new.req_id] = f"{type(e).__name__}: {e}"
         scheduled = so.num_scheduled_tokens
         if not scheduled:  # nothing to run (e.g. vLLM paused its scheduling): no row advances
             return ModelRunnerOutput(req_ids=[], req_id_to_index={})
@@ -164,13 +195,59 @@ class DFlashWorker(WorkerBase):
                 f"vLLM's scheduler left requests {skipped} out of a step; the dflash-qaic "
                 "plugin steps every request in flight (max_num_batched_tokens too small?)"
             )
+        if so.has_structured_output_requests:  # the step waits for vLLM's grammar bitmask
+            self._pending = so
+            return None
+        return self._step(so)
+
+    def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
+        """The step of a scheduler output with structured-output requests, under vLLM's grammar
+        bitmask (None: none of them needs one in this step)."""
+        so, self._pending = self._pending, None
+        if so is None:
+            raise RuntimeError("sample_tokens without a pending step: a dflash-qaic plugin bug")
+        if grammar_output is not None:
+            self._constrain(so, grammar_output)
+        return self._step(so)
+
+    def _constrain(self, so, grammar_output) -> None:
+        """Each structured request's rows of vLLM's bitmask (its scheduled drafts + 1, in the
+        order of `structured_output_request_ids`) become its masks for this step."""
+        bitmask = grammar_output.grammar_bitmask
+        bitmask = bitmask.numpy() if isinstance(bitmask, torch.Tensor) else np.asarray(bitmask)
+        ok = grammar_output.num_acceptable_drafts
+        spec, i = so.scheduled_spec_decode_tokens, 0
+        for k, rid in enumerate(grammar_output.structured_output_request_ids):
+            drafts = list(spec.get(rid, ()))
+            rows = bitmask[i : i + len(drafts) + 1]
+            i += len(drafts) + 1
+            acceptable = len(drafts) if ok is None else ok[k]
+            if acceptable < len(drafts):  # padded drafts: only under async scheduling
+                raise RuntimeError(
+                    f"request {rid}: vLLM padded its scheduled drafts, which the dflash-qaic "
+                    "plugin's synchronous scheduling never does; this is a plugin bug"
+                )
+            seq = self.seqs.get(rid)
+            if seq is not None and isinstance(seq.constraint, VllmMasks):
+                seq.constraint.set(rows)
+
+    def _step(self, so) -> ModelRunnerOutput:
         self.engine.step()
+        scheduled = so.num_scheduled_tokens
         req_ids = list(scheduled)
-        sampled, spec = [], so.scheduled_spec_decode_tokens
+        sampled, spec, failed = [], so.scheduled_spec_decode_tokens, self._failed
         for rid in req_ids:
-            seq = self.seqs[rid]
-            if seq.error is not None:  # ModelRunnerOutput has no per-request error
-                raise RuntimeError(f"request {rid}: a program call failed: {seq.error}")
+            seq = self.seqs.get(rid)
+            if seq is None:  # failed before its step (_add)
+                sampled.append([])
+                continue
+            if isinstance(seq.constraint, VllmMasks):
+                seq.constraint.set(None)  # next step's rows come from vLLM again
+            if seq.error is not None:  # this request's program call failed: it alone ends
+                failed[rid] = f"{type(seq.error).__name__}: {seq.error}"
+                self.seqs.pop(rid)
+                sampled.append([])
+                continue
             tokens = [t for run in seq.take() for t in run]
             if not tokens and not seq.finished:
                 raise RuntimeError(f"request {rid} was scheduled and produced no token")
@@ -180,15 +257,63 @@ class DFlashWorker(WorkerBase):
         going = [rid for rid in req_ids if rid in self.seqs]
         drafts = [self.engine.proposals(self.seqs[rid]).tolist() for rid in going]
         self._drafts = DraftTokenIds(going, drafts)
-        return ModelRunnerOutput(
+        out = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=sampled,
         )
-
-    def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
-        raise RuntimeError("execute_model returns its output: sample_tokens is never needed")
+        if failed:  # read by DFlashScheduler (vllm/scheduler.py): vLLM's output has no field
+            out.dflash_failed = failed
+        return out
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         drafts, self._drafts = self._drafts, DraftTokenIds([], [])
         return drafts if drafts.req_ids else None
+
+
+class VllmMasks(Constraint):
+    """A structured request's token bitmasks, as vLLM's grammar computed them for this step:
+    row 0 for the token after the committed ones, row i after the first i scheduled drafts
+    (which are the draft's proposals). vLLM advances its own matcher with the tokens it
+    accepts; nothing here holds grammar state."""
+
+    def __init__(self, words: int):
+        super().__init__(None, words)
+        self.rows: np.ndarray | None = None
+
+    def set(self, rows: np.ndarray | None) -> None:
+        if rows is not None:
+            have = rows.shape[1]
+            if have < self.words:  # tokens past vLLM's vocabulary are never allowed
+                rows = np.pad(rows, ((0, 0), (0, self.words - have)))
+            rows = rows[:, : self.words]
+        self.rows = rows
+
+    def _rows(self) -> np.ndarray:
+        if self.rows is None:
+            raise RuntimeError(
+                "a structured-output request stepped without vLLM's grammar bitmask: a "
+                "dflash-qaic plugin bug"
+            )
+        return self.rows
+
+    @property
+    def terminated(self) -> bool:
+        return False  # vLLM ends the request when its grammar ends
+
+    def mask(self, row: np.ndarray) -> None:
+        row[:] = self._rows()[0]
+
+    def propose(self, proposals, confidence, masks, fill: bool):
+        """Rows 0 … n − 1 from vLLM; proposals past its n − 1 scheduled drafts are cut (their
+        rows all ones, never reached: the row before them masks its choice)."""
+        rows = self._rows()
+        n = min(len(rows), masks.shape[0])
+        masks[:n] = rows[:n]
+        masks[n:] = -1
+        if n - 1 < len(proposals):
+            confidence[n - 1 :] = 0.0
+            self.cut += len(proposals) - (n - 1)
+
+    def advance(self, tokens) -> None:
+        pass
