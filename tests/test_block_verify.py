@@ -255,3 +255,18 @@ def test_a_prefill_chunk_samples_its_last_row_from_p():
     p = torch.softmax(logits[:, n - 1], -1)  # the inverse CDF of p at the row's second uniform
     want = (p.cumsum(-1) <= u[:, n - 1, 1:]).sum(-1).clamp(max=V - 1)
     assert torch.equal(tokens[:, n - 1], want)
+
+
+def test_row_layout_chain_and_tree():
+    """contract.RowLayout: the chain (today's programs) is causal with slots = positions; a tree
+    layout repeats positions (start + depth) on distinct slots and sees only its ancestors."""
+    from dflash_qaic.contract import RowLayout
+
+    chain = RowLayout.chain(4)
+    assert chain.is_chain and chain.positions(10) == chain.slots(10) == [10, 11, 12, 13]
+    assert all(chain.visible(r, c) == (c <= r) for r in range(4) for c in range(4))
+    tree = RowLayout(parents=(-1, 0, 0, 1), depths=(0, 1, 1, 2))  # root, two children, a grandchild
+    assert not tree.is_chain
+    assert tree.positions(10) == [10, 11, 11, 12] and tree.slots(10) == [10, 11, 12, 13]
+    assert [c for c in range(4) if tree.visible(3, c)] == [0, 1, 3]
+    assert not tree.visible(2, 1) and tree.visible(2, 0)
