@@ -115,7 +115,8 @@ class Sequence:
             return None
         if self._step_table is None:
             rows, B = len(self.uniforms), self.block_size
-            rng = np.random.default_rng([self.req.sampling.seed, 1])
+            seed = self.req.sampling.seed  # None (no seed given): fresh entropy
+            rng = np.random.default_rng(None if seed is None else [seed, 1])
             self._step_table = rng.random((rows, B, 3), dtype=np.float32)
         t = start - len(self.req.ids)
         return self._step_table[t] if 0 <= t < len(self._step_table) else None
