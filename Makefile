@@ -49,10 +49,12 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 # pytest exits 5 when it collects no tests: that is a failure here, not a pass. The fast tier
-# runs in two worker processes (pytest-xdist), one per core of the CI machine; the vLLM
-# plugin's tests drive `.venv-vllm/bin/vllm`, so `test` sets that environment up too.
+# runs in two worker processes (pytest-xdist), one per core of the CI machine, a test file's
+# tests in one worker (--dist loadfile; tests/conftest.py spreads the conformance ladder by
+# case and puts the longest files first) so that its servers and exports are built once; the
+# vLLM plugin's tests drive `.venv-vllm/bin/vllm`, so `test` sets that environment up too.
 test: setup setup-vllm
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 test-slow: setup setup-vllm
 	$(PY) -m pytest -q -m slow

@@ -35,7 +35,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_qaic.checkpoints import default_target_layer_ids
+from dflash_qaic import families
+from dflash_qaic.drafts import default_target_layer_ids
+from dflash_qaic.families.qwen3_5 import TINY_VISION_TENSORS
 
 
 @dataclass
@@ -190,105 +192,8 @@ def preset_spec(name: str, **overrides) -> TinySpec:
 
 
 def _target_config(s: TinySpec):
-    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
-
-    if s.family in ("qwen3_5", "qwen3_5_moe"):
-        return _hybrid_config(s)
-
-    common = dict(
-        vocab_size=s.vocab_size,
-        hidden_size=s.hidden_size,
-        intermediate_size=s.intermediate_size,
-        num_hidden_layers=s.target_layers,
-        num_attention_heads=s.num_heads,
-        num_key_value_heads=s.num_kv_heads,
-        head_dim=s.head_dim,
-        max_position_embeddings=s.max_position_embeddings,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=s.tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta},
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    if s.family == "qwen3":
-        return Qwen3Config(**common)
-    if s.family == "llama":
-        return LlamaConfig(**common)
-    if s.family == "qwen3_moe":
-        return Qwen3MoeConfig(
-            **common,
-            num_experts=s.num_experts,
-            num_experts_per_tok=s.num_experts_per_tok,
-            moe_intermediate_size=s.moe_intermediate_size,
-            norm_topk_prob=s.norm_topk_prob,
-            mlp_only_layers=[1] if s.mlp_only_layers is None else list(s.mlp_only_layers),
-            decoder_sparse_step=s.decoder_sparse_step,
-        )
-    raise ValueError(f"unknown family {s.family!r}: use 'qwen3', 'llama' or 'qwen3_moe'")
-
-
-def _hybrid_config(s: TinySpec):
-    """Qwen3_5TextConfig (text-only form) or Qwen3_5Config around it (the published form)."""
-    from transformers import (
-        Qwen3_5Config,
-        Qwen3_5MoeConfig,
-        Qwen3_5MoeTextConfig,
-        Qwen3_5TextConfig,
-    )
-
-    moe = s.family == "qwen3_5_moe"
-    text = dict(
-        vocab_size=s.vocab_size,
-        hidden_size=s.hidden_size,
-        intermediate_size=s.intermediate_size,
-        num_hidden_layers=s.target_layers,
-        num_attention_heads=s.attn_heads or s.num_heads,
-        num_key_value_heads=s.attn_kv_heads or s.num_kv_heads,
-        head_dim=s.attn_head_dim or s.head_dim,
-        linear_num_key_heads=s.linear_key_heads,
-        linear_num_value_heads=s.linear_value_heads,
-        linear_key_head_dim=s.linear_head_dim,
-        linear_value_head_dim=s.linear_head_dim,
-        linear_conv_kernel_dim=s.conv_kernel,
-        layer_types=[
-            "full_attention" if (i + 1) % s.full_attention_interval == 0 else "linear_attention"
-            for i in range(s.target_layers)
-        ],
-        max_position_embeddings=s.max_position_embeddings,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=s.tie_word_embeddings,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": s.rope_theta,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [11, 11, 10],
-            "mrope_interleaved": True,
-        },
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    if moe:
-        del text["intermediate_size"]
-        text |= dict(
-            num_experts=s.num_experts,
-            num_experts_per_tok=s.num_experts_per_tok,
-            moe_intermediate_size=s.moe_intermediate_size,
-            shared_expert_intermediate_size=s.shared_expert_intermediate_size,
-        )
-    if not s.multimodal:
-        return (Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig)(**text)
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2)
-    vision |= dict(out_hidden_size=s.hidden_size)
-    cfg = (Qwen3_5MoeConfig if moe else Qwen3_5Config)(text_config=text, vision_config=vision)
-    cfg.tie_word_embeddings = s.tie_word_embeddings
-    return cfg
-
-
-# A token vision tower for the published form: the exporter must ignore model.visual.*
-_VISION_TENSORS = {"model.visual.patch_embed.proj.weight": (32, 3, 2, 16, 16)}
-_VISION_TENSORS |= {"model.visual.merger.linear_fc2.weight": (64, 128)}
+    """The transformers config of the spec's target: its family's (dflash_qaic/families/)."""
+    return families.get(s.family).tiny_config(s)
 
 
 def _randomize_hybrid(target, s: TinySpec, gen: torch.Generator) -> None:
@@ -311,16 +216,15 @@ def _save_hybrid(target, s: TinySpec, tdir: Path, gen: torch.Generator) -> None:
     tower, lm_head at the top, in s.dtype, sharded with an index when s.shards > 1."""
     from safetensors.torch import save_file
 
-    from dflash_qaic.checkpoints import INDEX_NAME
+    from dflash_qaic.checkpoint_files.safetensors import INDEX_NAME
 
     if not s.multimodal:
         total = sum(p.numel() for p in target.parameters()) * getattr(torch, s.dtype).itemsize
         shard = f"{max(1, total // max(s.shards, 1) // 1000 + 1)}KB"
         target.to(getattr(torch, s.dtype)).save_pretrained(tdir, max_shard_size=shard)
         return
-    cfg = _hybrid_config(s)
-    moe = "Moe" if s.family == "qwen3_5_moe" else ""
-    cfg.architectures = [f"Qwen3_5{moe}ForConditionalGeneration"]
+    cfg = _target_config(s)
+    cfg.architectures = [families.get(s.family).architectures[0]]  # the multimodal form
     cfg.dtype = s.dtype
     cfg.save_pretrained(tdir)
     dtype = getattr(torch, s.dtype)
@@ -330,7 +234,7 @@ def _save_hybrid(target, s: TinySpec, tdir: Path, gen: torch.Generator) -> None:
             continue
         name = k if k.startswith("lm_head") else "model.language_model." + k[len("model.") :]
         state[name] = v.detach().to(dtype).contiguous()
-    for k, shape in _VISION_TENSORS.items():
+    for k, shape in TINY_VISION_TENSORS.items():
         state[k] = torch.randn(shape, generator=gen).to(dtype)
     names = list(state)
     n = max(1, min(s.shards, len(names)))
@@ -473,16 +377,22 @@ def make_tiny_pair(
     out_dir: str | Path, family: str = "qwen3", *, preset: str | None = None, **kw
 ) -> tuple[Path, Path]:
     """Write OUT/target and OUT/draft; returns their paths. Keyword args: fields of TinySpec
-    (over the preset's, when `preset` names one of PRESETS)."""
+    (over the preset's, when `preset` names one of PRESETS, else over the family's tiny preset:
+    `make_tiny_pair(out, family=f.name)` for each `f` of `families.all()` is one tiny pair per
+    family)."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    s = _layer_ids(preset_spec(preset, **kw) if preset else TinySpec(family=family, **kw))
+    if preset:
+        s = preset_spec(preset, **kw)
+    else:  # the family's tiny preset (families/: Family.tiny) under the caller's fields
+        s = TinySpec(family=family, **{**families.get(family).tiny, **kw})
+    s = _layer_ids(s)
     out = Path(out_dir)
     tdir, ddir = out / "target", out / "draft"
     tdir.mkdir(parents=True, exist_ok=True)
     ddir.mkdir(parents=True, exist_ok=True)
-    if s.family in ("qwen3_5", "qwen3_5_moe") and not preset:
+    if families.get(s.family).hybrid and not preset:
         _make_hybrid(s, tdir, ddir)
         return tdir, ddir
     if preset or s.dtype != "float32" or s.shards > 1 or s.fused_experts:
@@ -525,7 +435,7 @@ def _make_hybrid(s: TinySpec, tdir: Path, ddir: Path) -> None:
 
     torch.manual_seed(s.seed)
     gen = torch.Generator().manual_seed(s.seed + 1)
-    cfg = _hybrid_config(s)
+    cfg = _target_config(s)
     target = AutoModelForCausalLM.from_config(getattr(cfg, "text_config", cfg)).float().eval()
     with torch.no_grad():
         _randomize_hybrid(target, s, gen)
@@ -553,7 +463,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="directory to write target/ and draft/ into")
     p.add_argument("--preset", choices=sorted(PRESETS), help="published shapes (bf16, sharded)")
-    p.add_argument("--family", choices=["qwen3", "llama", "qwen3_moe", "qwen3_5", "qwen3_5_moe"])
+    p.add_argument(
+        "--family", choices=families.names(), help="the target's (dflash_qaic/families/)"
+    )
     p.add_argument(
         "--multimodal",
         action="store_true",

@@ -15,7 +15,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from dflash_qaic.checkpoints import INDEX_NAME, default_target_layer_ids
+from dflash_qaic import families
+from dflash_qaic.checkpoint_files.safetensors import INDEX_NAME
+from dflash_qaic.drafts import default_target_layer_ids
+from dflash_qaic.families.qwen3_5 import TINY_VISION_TENSORS
 
 DTYPES = {
     "float32": ("F32", torch.float32),
@@ -80,8 +83,6 @@ def _layer_tensors(
 def _hybrid_layout(s) -> list[tuple[str, tuple, str]]:
     """A Qwen3.5 hybrid target (tiny.py's qwen3_5 family), in the published form when
     s.multimodal (text tensors under model.language_model.*, a token vision tower)."""
-    from dflash_lab.tiny import _VISION_TENSORS
-
     V, H, inter = s.vocab_size, s.hidden_size, s.intermediate_size
     hd, nh, kvh = s.attn_head_dim or s.head_dim, s.attn_heads or s.num_heads, s.attn_kv_heads
     kvh = kvh or s.num_kv_heads
@@ -123,7 +124,7 @@ def _hybrid_layout(s) -> list[tuple[str, tuple, str]]:
         ]
     out.append((p + "norm.weight", (H,), "znorm"))
     if s.multimodal:
-        out += [(k, shape, "linear") for k, shape in _VISION_TENSORS.items()]
+        out += [(k, shape, "linear") for k, shape in TINY_VISION_TENSORS.items()]
     if not s.tie_word_embeddings:
         out.append(("lm_head.weight", (V, H), "linear"))
     return out
@@ -135,10 +136,10 @@ def target_layout(s) -> list[tuple[str, tuple, str]]:
         return _hybrid_layout(s)
     V, H = s.vocab_size, s.hidden_size
     out = [("model.embed_tokens.weight", (V, H), "embed")]
+    family = families.get(s.family)
     for i in range(s.target_layers):
-        moe = s.family == "qwen3_moe"
-        qk = s.family in ("qwen3", "qwen3_moe")
-        out += _layer_tensors(f"model.layers.{i}.", s, qk_norm=qk, sparse=moe and _sparse(s, i))
+        sparse = family.moe and _sparse(s, i)
+        out += _layer_tensors(f"model.layers.{i}.", s, qk_norm=family.qk_norm, sparse=sparse)
     out.append(("model.norm.weight", (H,), "norm"))
     if not s.tie_word_embeddings:
         out.append(("lm_head.weight", (V, H), "linear"))

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from dflash_qaic.extras import require
 
 if TYPE_CHECKING:  # pragma: no cover
-    from dflash_qaic.manifest import Manifest
+    from dflash_qaic.artifacts.manifest import Manifest
 
 
 def export(
@@ -32,7 +32,7 @@ def export(
     without the `export` extra (pip install 'dflash-qaic[export]').
     """
     require("export", "dflash_qaic.export")
-    from dflash_qaic.export.artifacts import build_artifacts
+    from dflash_qaic.artifacts.build import build_artifacts
     from dflash_qaic.export.options import ExportOptions
 
     opts = ExportOptions.from_kwargs(options)
@@ -46,7 +46,7 @@ def compile(artifacts_dir: str | os.PathLike, **options: Any) -> Manifest:  # no
     Logs where it looked for the compiler. Returns the typed manifest; `MissingExtraError`
     without the `export` extra."""
     require("export", "dflash_qaic.compile")
-    from dflash_qaic.export.artifacts import compile_artifacts
+    from dflash_qaic.artifacts.build import compile_artifacts
     from dflash_qaic.export.options import compile_kwargs
 
     qpc_config, overrides = compile_kwargs(options)

@@ -190,15 +190,24 @@ def hybrid_specs(
 
 
 def kv_specs(
-    n_layers: int, n_kv_heads: int, head_dim: int, continuous_batching: bool = False
+    n_layers: int,
+    n_kv_heads: int,
+    head_dim: int,
+    continuous_batching: bool = False,
+    layer_kv: tuple[int, ...] = (),
+    ring_slots: tuple[int, ...] = (),
 ) -> list[TensorSpec]:
     """past_key.{i}, past_value.{i} for every layer, interleaved as QEfficient orders them;
-    `full_batch_size` rows with continuous batching, else one per call row."""
-    shape = (FULL_BATCH if continuous_batching else BATCH, n_kv_heads, CTX, head_dim)
+    `full_batch_size` rows with continuous batching, else one per call row. layer_kv: layer i's
+    (kv heads, head dim) at [2i], [2i + 1] when layers differ (Gemma 4), else () for all alike;
+    ring_slots: per layer the slots of a target's sliding-layer ring, 0 for a ctx_len cache."""
+    rows = FULL_BATCH if continuous_batching else BATCH
     out = []
     for i in range(n_layers):
-        out.append(TensorSpec(past_key(i), "float32", shape))
-        out.append(TensorSpec(past_value(i), "float32", shape))
+        kvh, hd = layer_kv[2 * i : 2 * i + 2] if layer_kv else (n_kv_heads, head_dim)
+        slots = (ring_slots[i] if ring_slots else 0) or CTX
+        out.append(TensorSpec(past_key(i), "float32", (rows, kvh, slots, hd)))
+        out.append(TensorSpec(past_value(i), "float32", (rows, kvh, slots, hd)))
     return out
 
 
@@ -295,6 +304,12 @@ class TargetIO:
     token_bitmask: bool = False
     # how a sampled verify decides its accepted count (VERIFY_RULES; BLOCK adds NUM_ACCEPTED)
     verify_rule: str = CHAIN
+    # per-layer cache shapes (kv heads, head dim of layer i at [2i], [2i + 1]) when the layers
+    # differ (Gemma 4's sliding and full layers); () when every layer has n_kv_heads, head_dim
+    layer_kv: tuple[int, ...] = ()
+    # per layer: the slots of a sliding layer's ring cache, 0 for a ctx_len cache (empty: all
+    # ctx_len); docs/DESIGN.md, Layer kinds
+    ring_slots: tuple[int, ...] = ()
 
     @property
     def hybrid(self) -> bool:
@@ -316,7 +331,14 @@ class TargetIO:
                 self.state_dims,
                 self.continuous_batching,
             )
-        return kv_specs(self.n_layers, self.n_kv_heads, self.head_dim, self.continuous_batching)
+        return kv_specs(
+            self.n_layers,
+            self.n_kv_heads,
+            self.head_dim,
+            self.continuous_batching,
+            self.layer_kv,
+            self.ring_slots,
+        )
 
     @property
     def inputs(self) -> list[TensorSpec]:

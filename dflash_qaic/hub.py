@@ -39,7 +39,7 @@ def looks_like_model_id(arg: str | os.PathLike) -> bool:
 
 def resolve_checkpoint(arg: str | os.PathLike, what: str = "checkpoint") -> Path:
     """A local directory as given, or the snapshot directory of a Hugging Face model id."""
-    from dflash_qaic.checkpoints import CheckpointError
+    from dflash_qaic.checkpoint_files.config import CheckpointError
 
     if not looks_like_model_id(arg):
         return Path(arg)

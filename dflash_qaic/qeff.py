@@ -106,7 +106,7 @@ def _names() -> list[str]:
 def _default_dir(target: Path, draft: Path) -> Path:
     """Where compile writes when neither export nor compile was given a directory (QEfficient
     keeps its exports in a cache directory too)."""
-    from dflash_qaic.files import cache_dir
+    from dflash_qaic.artifacts.files import cache_dir
 
     return cache_dir() / "qeff" / f"{target.name}--{draft.name}"
 

@@ -1,21 +1,48 @@
-"""Shared fixtures: tiny pairs written once per session in the real on-disk formats."""
+"""Shared fixtures: tiny pairs written and exported once per test run in the real on-disk
+formats (once for all xdist workers: the first to ask builds, under a file lock, the others
+wait for it and read the same directory)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
 import tempfile
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
 from dflash_lab.tiny import make_tiny_pair
 
-# the cache of verified artifact files (dflash_qaic/files.py): one per test run, not the user's
+# the cache of checked artifact files (dflash_qaic/artifacts/files.py): one per test run, not the user's
 os.environ.setdefault("DFLASH_QAIC_CACHE_DIR", tempfile.mkdtemp(prefix="dflash-qaic-cache-"))
 
 
 def _key(kw: dict) -> str:
     return "-".join(f"{k}={v}" for k, v in sorted(kw.items())).replace(" ", "")
+
+
+def shared_dir(tmp_path_factory, kind: str, key: str, build) -> Path:
+    """DIR/kind-<hash of key>, made by build(DIR) once for the whole run: xdist workers share
+    the parent of their base temporary directories; the first to ask builds under a lock, the
+    others wait and reuse it. Nothing may write into it afterwards."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    d = root / "shared" / f"{kind}-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
+    d.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(d) + ".lock"):
+        if not (d / ".done").exists():
+            shutil.rmtree(d, ignore_errors=True)  # a build that failed half way
+            d.mkdir()
+            build(d)
+            (d / ".done").touch()
+    return d
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +53,8 @@ def tiny_pair(tmp_path_factory):
     def make(**kw):
         k = _key(kw)
         if k not in cache:
-            cache[k] = make_tiny_pair(tmp_path_factory.mktemp("pair"), **kw)
+            d = shared_dir(tmp_path_factory, "pair", k, lambda d: make_tiny_pair(d, **kw))
+            cache[k] = (d / "target", d / "draft")
         return cache[k]
 
     return make
@@ -58,32 +86,149 @@ def _reference_on_cpu():
 
 @pytest.fixture(scope="session")
 def default_artifacts(tmp_path_factory):
-    """The built-in default pair exported once per session (`dflash-export --out DIR`)."""
+    """The built-in default pair exported once per run (`dflash-export --out DIR`)."""
     from dflash_qaic.export.cli import main
 
-    out = tmp_path_factory.mktemp("default-pair")
-    assert main(["--out", str(out), "--no-compile", "--quiet"]) == 0
-    return out
+    def build(d):
+        assert main(["--out", str(d / "art"), "--no-compile", "--quiet"]) == 0
+
+    return shared_dir(tmp_path_factory, "default-pair", "default", build) / "art"
 
 
 @pytest.fixture(scope="session")
 def cb_artifacts(tmp_path_factory):
-    """The built-in default pair exported once per session with --full-batch-size 4 (prefill
+    """The built-in default pair exported once per run with --full-batch-size 4 (prefill
     chunk 64, ctx 1024) and --structured-output: the serving tests' continuous-batching
     artifacts (a row without a grammar runs exactly as without the option)."""
     import dflash_qaic
     from dflash_qaic.export.cli import load_recipe
 
-    r = load_recipe("default")
-    out = tmp_path_factory.mktemp("default-pair-cb")
-    dflash_qaic.export(
-        r["target"],
-        r["draft"],
-        out,
-        full_batch_size=4,
-        compile=False,
-        prefill_seq_len=64,
-        ctx_len=1024,
-        structured_output=True,
-    )
-    return out
+    def build(d):
+        r = load_recipe("default")
+        dflash_qaic.export(
+            r["target"],
+            r["draft"],
+            d / "art",
+            full_batch_size=4,
+            compile=False,
+            prefill_seq_len=64,
+            ctx_len=1024,
+            structured_output=True,
+        )
+
+    return shared_dir(tmp_path_factory, "default-pair-cb", "cb", build) / "art"
+
+
+# ---------------------------------------------------------------- families, draft forms, exports
+
+#: The model families the tests run over, in ONE place (the families registry,
+#: dflash_qaic/families/, can supply this list): name -> dflash_lab.tiny.TinySpec fields.
+FAMILIES: dict[str, dict] = {
+    "qwen3": dict(family="qwen3"),
+    "llama": dict(family="llama"),
+    "qwen3_moe": dict(family="qwen3_moe"),
+    "qwen3_5": dict(family="qwen3_5"),
+    "qwen3_5_moe": dict(family="qwen3_5_moe"),
+}
+#: The draft forms: name -> TinySpec fields ("sliding": one sliding and one full layer).
+DRAFT_FORMS: dict[str, dict] = {
+    "dflash": {},
+    "dflash2": dict(draft_form="dflash2"),
+    "sliding": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6),
+}
+#: The families whose hybrid layers make the reference `dflash_generate` leave HF greedy at
+#: near-ties (REFERENCE.md §9): HF greedy is their oracle, the reference only up to there.
+REFERENCE_LEAVES_HF = {"qwen3_5", "qwen3_5_moe"}
+
+
+@dataclass
+class Exported:
+    """A tiny pair exported once per session: its checkpoints, artifacts and (on demand) the
+    target's own Hugging Face model and a pipeline over the artifacts."""
+
+    family: str
+    form: str
+    target: Path
+    draft: Path
+    artifacts: Path
+    _model: object = field(default=None, repr=False)
+
+    def model(self):
+        """The target's own Hugging Face model (fp32, eval), loaded once."""
+        if self._model is None:
+            from dflash_qaic import checkpoints as ck
+
+            self._model = ck.load_target_model(self.target)
+        return self._model
+
+    def load(self, verify_lengths=None, **kw):
+        """A new pipeline over the artifacts (dflash_qaic.load keywords); verify_lengths=B for
+        whole blocks every step, as the reference verifies."""
+        import dflash_qaic
+
+        pipe = dflash_qaic.load(self.artifacts, **kw)
+        if verify_lengths is not None:
+            pipe.configure(verify_lengths=[verify_lengths])
+        return pipe
+
+
+@pytest.fixture(scope="session")
+def exported(tiny_pair, tmp_path_factory):
+    """exported(family="qwen3", form="dflash", pair={TinySpec fields}, **ExportOptions fields)
+    -> Exported: the tiny pair of that family and draft form written and exported (compile off)
+    once per session, cached by all its arguments."""
+    from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
+
+    cache: dict[str, Exported] = {}
+
+    def make(family: str = "qwen3", form: str = "dflash", *, pair=None, **options):
+        spec = {**FAMILIES[family], **DRAFT_FORMS[form], **(pair or {})}
+        opts = ExportOptions(**{"compile": False, **options})  # defaults filled in: one key
+        key = _key(spec) + json.dumps(opts.to_json(), sort_keys=True)
+        if key not in cache:
+            t, d = tiny_pair(**spec)
+
+            def build(out):
+                build_artifacts(t, d, out / "art", opts, progress=lambda m: None)
+
+            out = shared_dir(tmp_path_factory, "art", key, build) / "art"
+            cache[key] = Exported(family, form, t, d, out)
+        return cache[key]
+
+    return make
+
+
+# ---------------------------------------------------------------- xdist: what shares a worker
+
+#: the test files that take longest (real servers, the ladder): started first, so that no
+#: worker picks one of them up last while the other sits idle
+LONGEST_FIRST = ("test_vllm.py", "test_replicas.py", "test_conformance.py")
+
+
+def _scope(nodeid: str) -> str:
+    """A test file runs in one worker (its module and session fixtures, e.g. its servers and
+    exports, are built once); the conformance ladder's cases spread over the workers, each
+    case's rungs in one."""
+    path = nodeid.split("::", 1)[0]
+    if path.endswith("test_conformance.py") and nodeid.endswith("]"):
+        return path + "[" + nodeid.rsplit("[", 1)[1]
+    return path
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (make test) schedules by `_scope`: by file, the ladder by case."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFileLadderByCase(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid)
+
+    return ByFileLadderByCase(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest files first (a stable sort: the same order in every worker)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda it: rank.get(it.path.name, len(rank)))

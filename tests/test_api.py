@@ -1,5 +1,5 @@
 """The Python API as plain functions, the options table they share with the CLI and the
-recipes, the import graph of export / compile / manifest, and logging instead of print."""
+recipes, the import graph of export / compile / artifacts, and logging instead of print."""
 
 from __future__ import annotations
 
@@ -79,17 +79,23 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_no_stage_imports_one_after_it():
+    """checkpoints → modeling → export → compile → artifacts → runtime → serve/bench: each
+    module imports only stages before its own (lazy imports included)."""
     later = ("dflash_qaic.api", "dflash_qaic.runtime", "dflash_qaic.serve", "dflash_qaic.bench")
-    for path in [*PKG.glob("export/*.py"), *PKG.glob("compile/*.py"), PKG / "manifest.py"]:
+    for path in [*PKG.glob("export/*.py"), *PKG.glob("compile/*.py"), *PKG.glob("artifacts/*.py")]:
         for m in _imports(path):
             assert not m.startswith(later) and m != "dflash_qaic.load", (path, m)
     for path in PKG.glob("compile/*.py"):
         for m in _imports(path):
-            assert not m.startswith(("dflash_qaic.manifest", "dflash_qaic.export")), (path, m)
+            assert not m.startswith(("dflash_qaic.artifacts", "dflash_qaic.export")), (path, m)
     for name in ("onnx_export", "target", "draft", "weights", "graph_check", "fp16_check"):
         for m in _imports(PKG / "export" / f"{name}.py"):  # the export proper: no later stage
-            assert not m.startswith(("dflash_qaic.compile", "dflash_qaic.manifest")), (name, m)
-    for path in [PKG / "files.py", PKG / "contract.py"]:
+            assert not m.startswith(("dflash_qaic.compile", "dflash_qaic.artifacts")), (name, m)
+    # what the runtime loads of the artifacts: no export or compile module
+    for name in ("manifest", "files"):
+        for m in _imports(PKG / "artifacts" / f"{name}.py"):
+            assert not m.startswith(("dflash_qaic.compile", "dflash_qaic.export")), (name, m)
+    for path in [PKG / "artifacts" / "files.py", PKG / "contract.py"]:
         assert _imports(path) <= {"dflash_qaic"}, path
 
 

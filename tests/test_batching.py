@@ -22,8 +22,8 @@ from test_sampling import exact_first_two, gof, gof_pvalue
 import dflash_qaic
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
-from dflash_qaic.export.artifacts import ExportError, ExportOptions, build_artifacts
-from dflash_qaic.manifest import ArtifactsError, Manifest
+from dflash_qaic.artifacts.build import ExportError, ExportOptions, build_artifacts
+from dflash_qaic.artifacts.manifest import ArtifactsError, Manifest
 from dflash_qaic.runtime import GenerationError
 
 N = 3  # slots: fewer than most batches below, so requests also queue for a free slot
@@ -33,32 +33,17 @@ CONFIGS += [("qwen3", 4, 32, 160, 2.0)]  # two prefill lengths, 8 and the chunk 
 
 
 @pytest.fixture(scope="module")
-def built(tiny_pair, tmp_path_factory):
-    cache = {}
+def built(exported):
+    """built(family, B, chunk, ctx, agree, …) -> (target, draft, artifacts, HF model), exported
+    once per session (tests/conftest.py)."""
 
     def make(family, B, chunk, ctx, agree, full_batch_size=N, sampling=True, vocab=None):
-        key = (family, B, chunk, ctx, agree, full_batch_size, sampling, vocab)
-        if key not in cache:
-            extra = {"vocab_size": vocab} if vocab else {}
-            t, d = tiny_pair(
-                family=family,
-                block_size=B,
-                agree=agree,
-                tie_word_embeddings=False,
-                target_layer_ids=[1, 3],
-                **extra,
-            )
-            out = tmp_path_factory.mktemp("cb-art")
-            opts = ExportOptions(
-                prefill_seq_len=chunk,
-                ctx_len=ctx,
-                compile=False,
-                full_batch_size=full_batch_size,
-                sampling=sampling,
-            )
-            build_artifacts(t, d, out, opts)
-            cache[key] = (t, d, out, ck.load_target_model(t))
-        return cache[key]
+        pair = dict(block_size=B, agree=agree, tie_word_embeddings=False, target_layer_ids=[1, 3])
+        if vocab:
+            pair["vocab_size"] = vocab
+        e = exported(family, pair=pair, prefill_seq_len=chunk, ctx_len=ctx,
+                     full_batch_size=full_batch_size, sampling=sampling)  # fmt: skip
+        return e.target, e.draft, e.artifacts, e.model()
 
     return make
 
@@ -103,10 +88,13 @@ def test_export_has_the_continuous_batching_form(built, cfg):
 def test_manifest_checks_full_batch_size(built):
     _, _, art, _ = built(*CONFIGS[0])
     data = dflash_qaic.load(art).artifacts.to_json()
-    bad = {**data, "full_batch_size": N + 1}  # the specializations say N
-    with pytest.raises(ArtifactsError, match="specializations"):
-        Manifest.from_json(bad)
-    bad = {**data, "full_batch_size": None}
+    # the specializations are stored once, as the shape plan: they follow full_batch_size
+    assert "specializations" not in data["target"] and "specializations" not in data["draft"]
+    rows = {s["symbols"]["batch_size"] for s in Manifest.from_json(data).target.specializations}
+    assert max(rows) == N
+    other = Manifest.from_json({**data, "full_batch_size": N + 1}).target.specializations
+    assert max(s["symbols"]["batch_size"] for s in other) == N + 1
+    bad = {**data, "full_batch_size": None}  # the programs were exported with cache rows
     with pytest.raises(ArtifactsError, match="continuous_batching"):
         Manifest.from_json(bad)
 

@@ -280,7 +280,7 @@ def test_report_drafts_side_by_side(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_artifacts(tiny_pair, tmp_path_factory):
-    from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
+    from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
 
     t, d = tiny_pair(family="qwen3", agree=1.25, block_size=8, target_layer_ids=[1, 3])
     out = tmp_path_factory.mktemp("bench-art")
@@ -326,7 +326,7 @@ def test_cli_end_to_end(tiny_artifacts, tmp_path, capsys):
 def tiny_artifacts_dflash2(tiny_pair, tmp_path_factory):
     """The target of `tiny_artifacts` (the same spec and seed: the same checkpoint digest) with
     a DFlash-2 draft."""
-    from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
+    from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
 
     kw = dict(family="qwen3", agree=1.25, block_size=8, target_layer_ids=[1, 3])
     t, d = tiny_pair(**kw, draft_form="dflash2")

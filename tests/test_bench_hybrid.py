@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
 from dflash_qaic.bench import report
 from dflash_qaic.bench.cli import main
-from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
 
 
 @pytest.fixture(scope="module")

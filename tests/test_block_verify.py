@@ -132,7 +132,7 @@ def block_art(tiny_pair, tmp_path_factory):
     """A tiny pair exported with verify_rule="block" and 2 cache rows (its DFlash draft then
     samples its proposals from its top-8), the draft's top-4 returned and logits emitted."""
     from dflash_qaic import checkpoints as ck
-    from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
+    from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
 
     t, d = tiny_pair(
         family="qwen3",

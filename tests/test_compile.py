@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from dflash_qaic import contract
+from dflash_qaic.artifacts.manifest import QpcRecord
 from dflash_qaic.compile import qpc
 from dflash_qaic.compile.profiles import (
     CompileProfile,
@@ -155,41 +156,41 @@ DFILES = (
 )
 HW = f"{SDK} -aic-hw -aic-hw-version=ai100"
 COMMANDS = {
-    ("ai100_fp16", "target", "all"): (
+    ("ai100_fp16", "target"): (
         f"{HW} {T} -aic-num-cores=12 -mos=1 -aic-enable-depth-first {TFILES}"
     ),
-    ("ai100_fp16", "draft", "all"): f"{HW} {D} -aic-num-cores=4 {DFILES}",
-    ("ai100_mxfp6_mxint8", "target", "all"): (
+    ("ai100_fp16", "draft"): f"{HW} {D} -aic-num-cores=4 {DFILES}",
+    ("ai100_mxfp6_mxint8", "target"): (
         f"{HW} {T} -mxfp6-matmul -aic-num-cores=12 -mos=1 -aic-enable-depth-first {TFILES}"
     ),
-    ("ai100_mxfp6_mxint8", "draft", "all"): f"{HW} {D} -mxfp6-matmul -aic-num-cores=4 {DFILES}",
-    ("ai100_split", "target", "all"): (
+    ("ai100_mxfp6_mxint8", "draft"): f"{HW} {D} -mxfp6-matmul -aic-num-cores=4 {DFILES}",
+    ("ai100_split", "target"): (
         f"{HW} {T} -aic-num-cores=16 -mos=1 -aic-enable-depth-first {TFILES}"
     ),
-    ("ai100_split", "draft", "all"): f"{HW} {D} -aic-num-cores=16 {DFILES}",
-    ("ai100_multidevice", "target", "all"): (
+    ("ai100_split", "draft"): f"{HW} {D} -aic-num-cores=16 {DFILES}",
+    ("ai100_multidevice", "target"): (
         f"{HW} {T} -aic-num-cores=12 -mos=1 -aic-enable-depth-first"
         f" -mdp-load-partition-config=/art/target/qpc-K/mdp.json {TFILES}"
     ),
-    ("ai100_multidevice", "draft", "all"): f"{HW} {D} -aic-num-cores=4 {DFILES}",
+    ("ai100_multidevice", "draft"): f"{HW} {D} -aic-num-cores=4 {DFILES}",
 }
-# What each profile writes, per (program, part): specializations.json, custom_io.yaml.
+# What each profile writes, per program: specializations.json, custom_io.yaml.
 FILES = {
     "ai100_fp16": {
-        ("target", "all"): (TARGET_NAMED, TARGET_IO_FP16),
-        ("draft", "all"): (DRAFT_NAMED, DRAFT_IO_FP16),
+        "target": (TARGET_NAMED, TARGET_IO_FP16),
+        "draft": (DRAFT_NAMED, DRAFT_IO_FP16),
     },
     "ai100_mxfp6_mxint8": {
-        ("target", "all"): (TARGET_NAMED, TARGET_IO_MXINT8),
-        ("draft", "all"): (DRAFT_NAMED, DRAFT_IO_MXINT8),
+        "target": (TARGET_NAMED, TARGET_IO_MXINT8),
+        "draft": (DRAFT_NAMED, DRAFT_IO_MXINT8),
     },
     "ai100_split": {
-        ("target", "all"): (TARGET_NAMED, TARGET_IO_FP16),
-        ("draft", "all"): (DRAFT_NAMED, DRAFT_IO_FP16),
+        "target": (TARGET_NAMED, TARGET_IO_FP16),
+        "draft": (DRAFT_NAMED, DRAFT_IO_FP16),
     },
     "ai100_multidevice": {
-        ("target", "all"): (TARGET_NAMED, TARGET_IO_FP16),
-        ("draft", "all"): (DRAFT_NAMED, DRAFT_IO_FP16),
+        "target": (TARGET_NAMED, TARGET_IO_FP16),
+        "draft": (DRAFT_NAMED, DRAFT_IO_FP16),
     },
 }
 FLAT = {
@@ -231,11 +232,6 @@ if mode == "hang":
 
 # ---------------------------------------------------------------------------------------------
 # helpers and fixtures
-
-
-def parts_of(profile: CompileProfile, program: str):
-    """(part, program profile) as the compile step plans them: one QPC per program."""
-    return [("all", profile.program(program))]
 
 
 @pytest.fixture
@@ -463,9 +459,9 @@ def test_mdp_partition_config():
 
 @pytest.mark.parametrize("key", sorted(COMMANDS), ids=lambda k: "-".join(k))
 def test_compile_command(key):
-    name, program, part = key
+    name, program = key
     profile = load_profile(name)
-    (pp,) = [p for label, p in parts_of(profile, program) if label == part]
+    pp = profile.program(program)  # one QPC per program
     argv = qpc.compile_command(
         SDK, f"/art/{program}/{program}.onnx", f"/art/{program}/qpc-K", pp, profile
     )
@@ -513,35 +509,31 @@ def test_no_compiler_writes_inputs(name, art, no_compiler):
             str(qpc.SDK_EXEC_DIR / "qaic-compile"),
             "qaic-compile on PATH",
         )
-        expected_parts = [k[1] for k in FILES[name] if k[0] == program]
-        assert [q.part for q in res.qpcs] == expected_parts
-        for q in res.qpcs:
-            spec_text, io_text = FILES[name][(program, q.part)]
-            qdir = art / q.dir  # paths relative to the artifacts directory
-            assert q.status == "skipped"
-            assert qdir.parent == art / program and qdir.name == f"qpc-{q.key}"
-            assert len(q.key) == 16 and int(q.key, 16) >= 0
-            assert (qdir / "specializations.json").read_text() == spec_text
-            assert (qdir / "custom_io.yaml").read_text() == io_text
-            assert (qdir / "compile.cmd").read_text() == q.command + "\n"
-            # the command is the pinned one, with paths relative to the artifacts directory
-            # (so the directory can be copied to an AI100 host) and the SDK's compiler
-            pinned = COMMANDS[(name, program, q.part)]
-            pinned = pinned.replace(f"/art/{program}/qpc-K", f"{program}/qpc-{q.key}")
-            pinned = pinned.replace(f"/art/{program}/{program}.onnx", f"{program}/{program}.onnx")
-            # (the fixture points the SDK directory at an empty one, so no real compiler is found)
-            pinned = pinned.replace(SDK, str(qpc.SDK_EXEC_DIR / "qaic-compile"))
-            assert q.command == pinned
-            has_mdp = q.tensor_slicing is not None and q.tensor_slicing > 1
-            assert (qdir / "mdp.json").exists() == has_mdp
-            if has_mdp:
-                assert (qdir / "mdp.json").read_text() == MDP_4x12
-            assert not (art / q.qpc).exists()
-        assert res.commands == [q.command for q in res.qpcs]
+        q = res
+        spec_text, io_text = FILES[name][program]
+        qdir = art / q.dir  # paths relative to the artifacts directory
+        assert q.status == "skipped"
+        assert qdir.parent == art / program and qdir.name == f"qpc-{q.key}"
+        assert len(q.key) == 16 and int(q.key, 16) >= 0
+        assert (qdir / "specializations.json").read_text() == spec_text
+        assert (qdir / "custom_io.yaml").read_text() == io_text
+        assert (qdir / "compile.cmd").read_text() == q.command + "\n"
+        # the command is the pinned one, with paths relative to the artifacts directory
+        # (so the directory can be copied to an AI100 host) and the SDK's compiler
+        pinned = COMMANDS[(name, program)]
+        pinned = pinned.replace(f"/art/{program}/qpc-K", f"{program}/qpc-{q.key}")
+        pinned = pinned.replace(f"/art/{program}/{program}.onnx", f"{program}/{program}.onnx")
+        # (the fixture points the SDK directory at an empty one, so no real compiler is found)
+        pinned = pinned.replace(SDK, str(qpc.SDK_EXEC_DIR / "qaic-compile"))
+        assert q.command == pinned
+        has_mdp = q.tensor_slicing is not None and q.tensor_slicing > 1
+        assert (qdir / "mdp.json").exists() == has_mdp
+        if has_mdp:
+            assert (qdir / "mdp.json").read_text() == MDP_4x12
+        assert not (art / q.qpc).exists()
         assert "On an AI100 host, in the artifacts directory, run:" in res.summary()
         # the result lists every specialization exactly once
-        served = [s for q in res.qpcs for s in q.specializations]
-        assert served == [s["name"] for s in specs]
+        assert list(res.specializations) == [s["name"] for s in specs]
 
 
 # A profile written for the removed disaggregated prefill (ai100_disaggregated.yaml as shipped
@@ -592,16 +584,12 @@ def test_disaggregated_profile_is_refused(tmp_path, target, keys, fix):
 
 def test_one_qpc_per_program_for_manifest(art, no_compiler):
     res = compile_target(art, load_profile("ai100_split"))
-    (only,) = res.qpcs
-    assert res.qpc is only and res.qpc_path == art / only.qpc and res.key == only.key
-    assert only.device_ids == (0,) and only.num_cores == 16
-    data = [q.to_json() for q in res.qpcs]
-    json.dumps(data)
-    # the manifest's QpcRecord format is unchanged: `part` stays, and is "all"
-    (record,) = data
-    assert record["part"] == "all"
+    assert res.qpc_path == art / res.qpc and res.qpc_dir == art / res.dir
+    assert res.device_ids == (0,) and res.num_cores == 16
+    record = QpcRecord.of(res).to_json()  # what the manifest records of it
+    json.dumps(record)
     assert record["specializations"] == ["Prefill[8]", "Prefill", "Verify", "Decode"]
-    assert record["qpc"] == f"target/qpc-{only.key}/qpc"
+    assert record["qpc"] == f"target/qpc-{res.key}/qpc" and record["key"] == res.key
 
 
 def test_older_sdk_flat_profile(art, no_compiler):
@@ -610,7 +598,7 @@ def test_older_sdk_flat_profile(art, no_compiler):
     )
     res = compile_target(art, profile)
     assert res.looked_in[1] == str(qpc.SDK_EXEC_DIR / "qaic-exec")
-    assert res.command[:3] == [str(qpc.SDK_EXEC_DIR / "qaic-exec"), "-aic-hw", "-compile-only"]
+    assert res.argv[:3] == [str(qpc.SDK_EXEC_DIR / "qaic-exec"), "-aic-hw", "-compile-only"]
     assert (res.qpc_dir / "specializations.json").read_text() == TARGET_FLAT
     assert FLAT[TARGET_NAMED] == TARGET_FLAT
 
@@ -624,11 +612,11 @@ def test_invocation_and_cache(art, fake_compiler, caplog):
     caplog.set_level("INFO", logger="dflash_qaic")
     res = compile_target(art, profile)
     messages = [r.getMessage() for r in caplog.records]
-    assert [q.status for q in res.qpcs] == ["built"] and not res.cached and not res.skipped
+    assert res.status == "built" and not res.cached and not res.skipped
     assert res.compiler == fake_compiler.script and res.ready
     (argv,) = fake_compiler()
     cmd = shlex.split((res.qpc_dir / "compile.cmd").read_text())
-    assert cmd == res.command and cmd[0] == str(fake_compiler.script)
+    assert cmd == res.argv and cmd[0] == str(fake_compiler.script)
     # The run is compile.cmd exactly, except that the compiler writes into a staging directory
     # that is renamed to qpc/ once programqpc.bin exists.
     assert argv[:-1] == cmd[:-1]
@@ -654,7 +642,7 @@ def test_half_finished_qpc_is_rebuilt(art, fake_compiler):
     (res.qpc_path / "leftover.bin").write_bytes(b"junk")
     (res.qpc_dir / ".build-stale").mkdir()  # a staging dir from a killed run
     again = compile_target(art, profile)
-    assert again.qpcs[0].status == "built" and again.ready
+    assert again.status == "built" and again.ready
     assert len(fake_compiler()) == 2
     assert not (again.qpc_path / "leftover.bin").exists()
     assert not (again.qpc_dir / ".build-stale").exists()
@@ -669,7 +657,7 @@ def test_draft_build(art, fake_compiler):
         load_profile("ai100_fp16"),
         "draft",
     )
-    assert res.ready and [q.status for q in res.qpcs] == ["built"] and len(fake_compiler()) == 1
+    assert res.ready and res.status == "built" and len(fake_compiler()) == 1
     assert (res.qpc_dir / "specializations.json").read_text() == DRAFT_NAMED
     assert (res.qpc_dir / "custom_io.yaml").read_text() == DRAFT_IO_FP16
     again = qpc.compile_program(
@@ -688,7 +676,7 @@ def test_multidevice_passes_mdp(art, fake_compiler):
     (argv,) = fake_compiler()
     assert f"-mdp-load-partition-config=target/qpc-{res.key}/mdp.json" in argv
     assert (res.qpc_dir / "mdp.json").read_text() == MDP_4x12
-    assert res.qpcs[0].device_ids == (0, 1, 2, 3)
+    assert res.device_ids == (0, 1, 2, 3)
 
 
 def test_failing_compiler(art, fake_compiler, monkeypatch):
@@ -720,7 +708,7 @@ def test_failing_compiler(art, fake_compiler, monkeypatch):
     assert not (qpc_dir / "qpc").exists()
 
     monkeypatch.delenv("FAKE_QAIC_MODE")
-    assert compile_target(art, profile).qpcs[0].status == "built"
+    assert compile_target(art, profile).status == "built"
 
 
 def test_compiler_timeout(art, fake_compiler, monkeypatch):
@@ -740,17 +728,17 @@ def test_bad_compiler_env(art, tmp_path, monkeypatch):
         compile_target(art, load_profile("ai100_fp16"))
 
 
-def test_find_compiler_order(tmp_path, monkeypatch, no_compiler):
-    assert qpc.find_compiler() is None
+def test_compiler_search_order(tmp_path, monkeypatch, no_compiler):
+    assert qpc.compiler_search()[0] is None
     on_path = tmp_path / "empty-path" / "qaic-compile"
     on_path.write_text("#!/bin/sh\n")
     on_path.chmod(0o755)
-    assert qpc.find_compiler() == on_path
+    assert qpc.compiler_search()[0] == on_path
     sdk = tmp_path / "no-sdk"
     sdk.mkdir()
     (sdk / "qaic-exec").write_text("#!/bin/sh\n")
     (sdk / "qaic-exec").chmod(0o755)
-    assert qpc.find_compiler("qaic-exec") == sdk / "qaic-exec"
+    assert qpc.compiler_search("qaic-exec")[0] == sdk / "qaic-exec"
     assert qpc.compiler_search("qaic-exec")[1] == [
         "$QAIC_COMPILER (not set)",
         str(sdk / "qaic-exec"),
@@ -921,8 +909,8 @@ def _onnx_inputs(path: Path) -> dict[str, list]:
 
 def test_continuous_batching_pair_compiles(tmp_path, fake_compiler):
     import dflash_qaic
+    from dflash_qaic.artifacts.manifest import ArtifactsError, Manifest
     from dflash_qaic.export.cli import load_recipe
-    from dflash_qaic.manifest import ArtifactsError
     from dflash_qaic.runtime import _qpc_path
 
     recipe = load_recipe("default")
@@ -948,13 +936,13 @@ def test_continuous_batching_pair_compiles(tmp_path, fake_compiler):
 
     assert len(fake_compiler()) == 2  # one compiler run per program
     expected = {
-        "target": (CB_TARGET_NAMED, _kv_io(4), COMMANDS[("ai100_fp16", "target", "all")]),
-        "draft": (CB_DRAFT_NAMED, _kv_io(2), COMMANDS[("ai100_fp16", "draft", "all")]),
+        "target": (CB_TARGET_NAMED, _kv_io(4), COMMANDS[("ai100_fp16", "target")]),
+        "draft": (CB_DRAFT_NAMED, _kv_io(2), COMMANDS[("ai100_fp16", "draft")]),
     }
     for name, prog in (("target", m.target), ("draft", m.draft)):
         spec_text, io_text, pinned = expected[name]
-        (rec,) = prog.qpcs
-        assert (rec.part, rec.status) == ("all", "built")
+        rec = prog.qpc
+        assert rec.status == "built"
         assert rec.specializations == tuple(s["name"] for s in prog.specializations)
         qdir = out / rec.dir
         assert (qdir / "specializations.json").read_text() == spec_text
@@ -981,15 +969,14 @@ def test_continuous_batching_pair_compiles(tmp_path, fake_compiler):
         specs = [dict(s) for s in prog.specializations]
         res = qpc.compile_program(out / prog.onnx, out / name, prog.io, specs, flat, name)
         assert (res.qpc_dir / "specializations.json").read_text() == text
-        assert res.command[:-3] == shlex.split(prog.qpcs[0].command)[:-3]
+        assert res.argv[:-3] == shlex.split(prog.qpc.command)[:-3]
 
     # artifacts of the removed disaggregated profile (two target QPCs): re-export
-    (rec,) = m.target.qpcs
-    split = replace(
-        m.target, qpcs=(replace(rec, part="prefill"), replace(rec, part="verify_decode"))
-    )
+    data = m.to_json()
+    (rec,) = data["target"]["qpc"]
+    data["target"]["qpc"] = [{**rec, "part": "prefill"}, {**rec, "part": "verify_decode"}]
     with pytest.raises(ArtifactsError, match="older version .* disaggregated profile.*re-export"):
-        _qpc_path(out, split, "target")
+        Manifest.from_json(data)
 
 
 def test_full_batch_size_must_agree():

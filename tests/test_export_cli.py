@@ -10,8 +10,8 @@ import pytest
 from test_compile import FAKE_COMPILER
 
 import dflash_qaic
+from dflash_qaic.artifacts import build
 from dflash_qaic.compile import qpc
-from dflash_qaic.export import artifacts
 from dflash_qaic.export.cli import main
 
 SMALL = ["--prefill-seq-len", "16", "--ctx-len", "64", "--no-fp16-check"]
@@ -57,7 +57,9 @@ def test_export_without_compiler_then_reuse(pair, tmp_path, capsys, no_compiler)
     assert (out / m["target"]["onnx"]).is_file() and (out / m["draft"]["onnx"]).is_file()
     assert m["block_size"] == 8 and m["ctx_len"] == 64 and m["target_layer_ids"] == [1, 3]
     n = m["specialization_count"]
-    assert n == {"target": len(m["target"]["specializations"]), "draft": 2 * 3}
+    typed = dflash_qaic.load(out).artifacts
+    assert n == {"target": len(typed.target.specializations), "draft": 2 * 3}
+    assert "specializations" not in m["target"]  # stored once: the shape plan
     assert f"specializations: target {n['target']}, draft {n['draft']}" in stdout
     line = [s for s in stdout.splitlines() if s.startswith("compilation skipped")]
     assert line and "$QAIC_COMPILER (not set)" in line[0]
@@ -142,7 +144,7 @@ def test_interrupted_export_keeps_the_previous_artifact(pair, tmp_path, monkeypa
 def test_bad_options_fail_before_work(pair, tmp_path, capsys, extra, match, monkeypatch):
     t, d = pair
     called = []
-    monkeypatch.setattr(artifacts, "_export", lambda *a, **k: called.append(1))
+    monkeypatch.setattr(build, "export_programs", lambda *a, **k: called.append(1))
     rc, _, err = run(capsys, "--target", t, "--draft", d, "--out", tmp_path / "o", *SMALL, *extra)
     assert rc == 2 and match in err and not called
     assert not (tmp_path / "o" / "manifest.json").exists()

@@ -18,7 +18,7 @@ import torch
 
 import dflash_qaic
 from dflash_qaic import contract
-from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
+from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
 from dflash_qaic.serve.process import ServerProcess
 from tests.faulty_serve import Faulty, prefill_of
 

@@ -14,13 +14,14 @@ from dflash.model import DFlashDraftModel, dflash_generate
 import dflash_qaic
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
-from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
-from dflash_qaic.manifest import read_manifest
+from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
+from dflash_qaic.artifacts.manifest import read_manifest
 from dflash_qaic.modeling import hybrid
-from dflash_qaic.modeling.hybrid import ExportHybridTarget
+from dflash_qaic.modeling.target import ExportTarget
 
 B, CHUNK, CTX = 4, 16, 112
 HYBRID = dict(family="qwen3_5", block_size=B, tie_word_embeddings=False, target_layer_ids=[1, 3])
+PUBLISHED = dict(multimodal=True, dtype="bfloat16", shards=2)
 
 
 @pytest.fixture(scope="module")
@@ -33,23 +34,14 @@ def pair(tiny_pair):
 def published(tiny_pair):
     """The same kind of pair in the published form: Qwen3_5ForConditionalGeneration, text
     tensors under model.language_model.*, a vision tower, bf16, 2 shards with an index."""
-    return tiny_pair(agree=1.0, multimodal=True, dtype="bfloat16", shards=2, **HYBRID)
+    return tiny_pair(agree=1.0, **PUBLISHED, **HYBRID)
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    cache = {}
-
-    def make(t, d, **kw):
-        key = (str(t), tuple(sorted(kw.items())))
-        if key not in cache:
-            out = tmp_path_factory.mktemp("hy")
-            opts = ExportOptions(prefill_seq_len=CHUNK, ctx_len=CTX, compile=False, **kw)
-            build_artifacts(t, d, out, opts, progress=lambda m: None)
-            cache[key] = out
-        return cache[key]
-
-    return make
+def art(exported, published=False, **options):
+    """The artifacts of `pair` (or `published`) exported once per session (tests/conftest.py)."""
+    pair = {**HYBRID, "agree": 1.0, **(PUBLISHED if published else {})}
+    del pair["family"]
+    return exported("qwen3_5", pair=pair, prefill_seq_len=CHUNK, ctx_len=CTX, **options).artifacts
 
 
 def prompt(n, seed):
@@ -71,7 +63,7 @@ def test_both_forms_read_and_validate(pair, published):
     for (t, d), prefix in ((pair, "model."), (published, "model.language_model.")):
         p = ck.read_pair(t, d)
         assert p.target.family == "qwen3_5" and p.target.prefix == prefix
-        assert p.target.hybrid["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+        assert p.target.deltanet["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
     tt = ck.read_pair(*published).target_tensors
     assert any(k.startswith("model.visual.") for k in tt)  # present, and ignored
     assert json.loads((published[0] / "config.json").read_text())["architectures"] == [
@@ -112,7 +104,7 @@ def _module(model, max_rows=CHUNK, ctx=64):
     H = model.config.hidden_size
     g = torch.Generator().manual_seed(1)
     fc = torch.randn(H, 2 * H, generator=g) * 0.1
-    t = ExportHybridTarget.from_hf(
+    t = ExportTarget.from_hf(
         model,
         fc,
         torch.ones(H),
@@ -129,6 +121,7 @@ def _module(model, max_rows=CHUNK, ctx=64):
 
     io = target_io(t, 1, emit_logits=True, sampling=False)  # inputs bound by name, as exported
     t.input_names = [contract.INPUT_IDS, contract.POSITION_IDS] + [s.name for s in io.kv]
+    t.output_names = [s.name for s in io.outputs]
     return t
 
 
@@ -190,13 +183,15 @@ def test_program_equals_hf_across_chunks_and_commits(pair):
 # ---------------------------------------------------------------- end to end
 
 
-@pytest.mark.parametrize("form", ["text", "published"])
-def test_lossless_and_acceptance_equal_reference(pair, published, built, form):
-    t, d = pair if form == "text" else published
-    art = built(t, d)
+def test_published_form_lossless_and_acceptance_equal_reference(published, exported):
+    """The published form end to end (the text form climbs the conformance ladder,
+    tests/test_conformance.py)."""
+    form = "published"
+    t, d = published
+    art_dir = art(exported, published=True)
     model = ck.load_target_model(t)
     ref = DFlashDraftModel.from_pretrained(d, dtype=torch.float32).eval()
-    pipe = dflash_qaic.load(art)
+    pipe = dflash_qaic.load(art_dir)
     pipe.configure(verify_lengths=[B])  # whole blocks, as the reference verifies
     lengths, compared = [], 0
     cases = [(1, 30), (CHUNK - 1, 33), (CHUNK + 3, 25), (2 * CHUNK + 5, 41)]
@@ -223,49 +218,18 @@ def test_lossless_and_acceptance_equal_reference(pair, published, built, form):
     assert min(lengths) == 1 and max(lengths) == B and len(set(lengths)) >= 3, lengths
 
 
-def test_state_is_updated_in_place(pair, built):
+def test_state_is_updated_in_place(exported):
     from dflash_qaic.runtime.backends import inplace_cache_safe
 
-    art = built(*pair)
-    m = read_manifest(art)
+    a = art(exported)
+    m = read_manifest(a)
     names = [s.name for s in m.target.io.kv]
     assert contract.past_state(0) in names and contract.past_conv(0) in names
     assert contract.past_key(3) in names and contract.past_key(0) not in names
-    assert inplace_cache_safe(art / m.target.onnx, names)
+    assert inplace_cache_safe(a / m.target.onnx, names)
 
 
-def test_batched_equals_solo(pair, built):
-    art = built(*pair, full_batch_size=3)
-    solo = dflash_qaic.load(built(*pair))
-    pipe = dflash_qaic.load(art)
-    for p in (pipe, solo):
-        p.configure(verify_lengths=[B])
-    prompts = [prompt(n, 40 + n) for n in (5, CHUNK + 2, 2 * CHUNK + 1, 9)]  # 4 > 3 slots
-    news = [20, 31, 17, 26]
-    batch = pipe.generate(prompts, max_new_tokens=news)
-    for ids, new, res in zip(prompts, news, batch):
-        one = solo.generate(ids, max_new_tokens=new)
-        assert res.tokens == one.tokens and res.acceptance_lengths == one.acceptance_lengths
-        assert pipe.generate_baseline(ids, 10).tokens == one.tokens[:10]
-
-
-def test_sampled_runs_agree_across_backends(pair, built):
-    """At T > 0 the program decides the commit by the sampler's own acceptance: the seeded
-    tokens are the same on ONNX Runtime and the strict AI100 stand-in, and greedy rows are
-    unchanged by a sampled row beside them."""
-    art = built(*pair)
-    a = dflash_qaic.load(art)
-    s = dflash_qaic.load(art, backend="qaic-standin")
-    for p in (a, s):
-        p.configure(verify_lengths=[B])
-    ids = prompt(CHUNK + 4, 3)
-    x = a.generate(ids, 40, temperature=1.0, seed=5)
-    y = s.generate(ids, 40, temperature=1.0, seed=5)
-    assert x.tokens == y.tokens and x.acceptance_lengths == y.acceptance_lengths
-    assert len(set(x.acceptance_lengths)) >= 2
-
-
-def test_fp16_faithful_with_massive_activations(tiny_pair, built):
+def test_fp16_faithful_with_massive_activations(tiny_pair, tmp_path):
     """A hybrid pair whose residual stream carries activations in the thousands: the
     fp16-faithful check of every specialization finds no inf/NaN and nothing flagged."""
     t, d = tiny_pair(agree=0.0, seed=3, **HYBRID)
@@ -279,15 +243,16 @@ def test_fp16_faithful_with_massive_activations(tiny_pair, built):
     shutil.copytree(t, out / "target", dirs_exist_ok=True)
     shutil.copytree(d, out / "draft", dirs_exist_ok=True)
     save_file(state, str(out / "target" / "model.safetensors"), metadata={"format": "pt"})
-    art = built(out / "target", out / "draft")
-    rep = read_manifest(art).target.check["fp16_faithful"]
+    opts = ExportOptions(prefill_seq_len=CHUNK, ctx_len=CTX, compile=False)
+    build_artifacts(out / "target", out / "draft", tmp_path / "art", opts, progress=lambda m: None)
+    rep = read_manifest(tmp_path / "art").target.check["fp16_faithful"]
     assert rep["ran"] and not rep["flagged"] and np.isfinite(rep["max_abs"])
 
 
-def test_host_refuses_a_count_that_disagrees(pair, built):
+def test_host_refuses_a_count_that_disagrees(exported):
     """The runtime checks the program's num_committed against its own acceptance: a program
     whose state would no longer match the tokens fails its request instead of diverging."""
-    pipe = dflash_qaic.load(built(*pair))
+    pipe = dflash_qaic.load(art(exported))
     pipe.configure(verify_lengths=[B])
     good = pipe.generate([prompt(6, 1)], max_new_tokens=12)[0]
     assert good.stop_reason == "max_new_tokens"
@@ -304,10 +269,10 @@ def test_host_refuses_a_count_that_disagrees(pair, built):
     assert bad.stop_reason == "error" and bad.tokens == good.tokens[:1]
 
 
-def test_custom_io_lists_the_state_in_fp16(pair, built):
+def test_custom_io_lists_the_state_in_fp16(exported):
     from dflash_qaic.compile.qpc import custom_io
 
-    io = read_manifest(built(*pair)).target.io
+    io = read_manifest(art(exported)).target.io
     for kv_dtype in ("float16", "mxint8"):
         entries = {e["IOName"]: e["Precision"] for e in custom_io(io, kv_dtype)}
         for name in (contract.past_state(0), contract.retained(contract.past_conv(2))):
@@ -382,7 +347,7 @@ def read_manifest_io(facts: dict) -> contract.TargetIO:
     )
 
 
-def test_inactive_and_padding_rows_leave_the_state(pair, built):
+def test_inactive_and_padding_rows_leave_the_state(exported):
     """A full-batch verify call whose rows are all inactive (batch_index and positions -1)
     writes back every state and conv window byte for byte; a prefill chunk's padding rows do
     not enter its row's state (its count is its real rows)."""
@@ -390,10 +355,10 @@ def test_inactive_and_padding_rows_leave_the_state(pair, built):
 
     from dflash_qaic.export.target import check_feeds
 
-    art = built(*pair, full_batch_size=3)
-    m = read_manifest(art)
+    a = art(exported, full_batch_size=3)
+    m = read_manifest(a)
     io = m.target.io
-    sess = ort.InferenceSession(str(art / m.target.onnx), providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(str(a / m.target.onnx), providers=["CPUExecutionProvider"])
     spec = next(s for s in m.target.specializations if s["name"] == contract.VERIFY)
     feed = check_feeds(io, [spec])[0]
     rng = np.random.default_rng(0)
@@ -408,12 +373,12 @@ def test_inactive_and_padding_rows_leave_the_state(pair, built):
             assert np.array_equal(out[contract.retained(s.name)], feed[s.name]), s.name
 
 
-def test_requests_fill_the_context_to_its_last_position(pair, built):
+def test_requests_fill_the_context_to_its_last_position(pair, exported):
     """prompt + max_new_tokens up to ctx_len: every token asked for, as the target alone and HF
     greedy give them (before: the step retired a sequence once a whole block would pass the
     end, up to B − 1 tokens early). The last steps verify what is left of the block; the state
     commits only the real rows (committed count = the host's)."""
-    pipe = dflash_qaic.load(built(*pair))
+    pipe = dflash_qaic.load(art(exported))
     model = ck.load_target_model(pair[0])
     ids = prompt(CTX - 2 * CHUNK, 11)
     room = CTX - len(ids)  # the last token takes no slot: positions 0 … CTX − 1 are tokens
@@ -424,3 +389,31 @@ def test_requests_fill_the_context_to_its_last_position(pair, built):
         assert got.stop_reason == "max_new_tokens" or len(ids) + new == CTX, new
     over = pipe.generate(ids, max_new_tokens=room + 5, stop_token_ids=[])
     assert over.stop_reason == "ctx_len" and over.tokens == whole
+
+
+def _constrained(pipe, ids, n, mode, grammar):
+    req = pipe.request(ids, n, [], mode=mode, grammar=grammar)
+    tokens = [t for _, run in pipe._run([req], mode, raises=True) for t in run]
+    return tokens, pipe._results[0].acceptance_lengths
+
+
+def test_structured_output_on_a_hybrid_target(exported):
+    """--structured-output on a hybrid target: the bitmask masks every verify row before the
+    in-graph acceptance count. A binding token set: DFlash = the target alone under it; a set
+    holding the free run's tokens: the free run, with drafts accepted."""
+    pipe = dflash_qaic.load(art(exported, structured_output=True), threads=1)
+    assert pipe.can_constrain
+    pipe.configure(verify_lengths=[B])
+    rng = np.random.default_rng(5)
+    ids = prompt(CHUNK + 3, 77)
+    free = pipe.generate(ids, 24, stop_token_ids=[]).tokens
+    extra = rng.choice(pipe.vocab, 8, replace=False).tolist()
+    loose = pipe.allowed_tokens(sorted(set(free) | set(extra)))
+    got, lengths = _constrained(pipe, ids, 24, "dflash", loose)
+    assert got == free and max(lengths) > 1, lengths
+    tight = pipe.allowed_tokens(sorted(rng.choice(pipe.vocab, 6, replace=False).tolist()))
+    got, _ = _constrained(pipe, ids, 24, "dflash", tight)
+    base, _ = _constrained(pipe, ids, 24, "baseline", tight)
+    assert got == base
+    allowed = set(np.flatnonzero(np.unpackbits(tight.row.view(np.uint8), bitorder="little")))
+    assert set(got) <= allowed and got != free[: len(got)]

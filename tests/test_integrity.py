@@ -1,5 +1,5 @@
 """A corrupted artifact file of any size is refused before it can produce a token; an untouched
-directory loads without hashing again (the cache of verified files); a touched but unchanged
+directory loads without hashing again (the cache of checked files); a touched but unchanged
 file is hashed again and accepted."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import os
 import pytest
 
 import dflash_qaic
-from dflash_qaic import files
+from dflash_qaic.artifacts import files
+from dflash_qaic.artifacts.manifest import ArtifactsError
 from dflash_qaic.export import weights
 from dflash_qaic.export.cli import main
-from dflash_qaic.manifest import ArtifactsError
 
 SMALL = ["--prefill-seq-len", "16", "--ctx-len", "64", "--no-fp16-check", "--no-compile"]
 BIG = 80 << 20  # above the 64 MiB that loads used to size-check only
@@ -75,7 +75,7 @@ def test_same_size_flip_in_a_large_weight_file_is_refused(big, hashed):
     assert os.stat(data).st_size == BIG
     for verify in ("fast", "full"):
         with pytest.raises(ArtifactsError, match=r"target/target\.onnx\.data .*sha256.*re-run"):
-            dflash_qaic.load(out, tokenizer=False, verify=verify)
+            dflash_qaic.load(out, tokenizer=False, check_files=verify)
     flip(data)  # undone: the same bytes as exported
     assert dflash_qaic.load(out, tokenizer=False).generate(ids, 8).tokens == want
 
@@ -88,7 +88,7 @@ def test_touched_but_unchanged_file_is_hashed_again_not_refused(big, hashed):
     dflash_qaic.load(out, tokenizer=False)
     assert hashed == ["target.onnx.data"]
     hashed.clear()
-    dflash_qaic.load(out, tokenizer=False, verify="full")  # full: every file, cache or not
+    dflash_qaic.load(out, tokenizer=False, check_files="full")  # full: every file, cache or not
     assert "target.onnx.data" in hashed and "draft.onnx.data" in hashed
 
 

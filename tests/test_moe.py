@@ -142,7 +142,7 @@ LAYER_IDS = [0, 2]
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+def target_program(tmp_path_factory):
     model = make_moe()
     fc, hn_w, hn_eps = make_draft_side(len(LAYER_IDS))
     path = tmp_path_factory.mktemp("moe") / "target.onnx"
@@ -163,8 +163,8 @@ def exported(tmp_path_factory):
 
 
 @pytest.mark.parametrize("prompt_len", [16, 13])
-def test_prefill_verify_decode_match_hf(exported, prompt_len):
-    e = exported
+def test_prefill_verify_decode_match_hf(target_program, prompt_len):
+    e = target_program
     seq = np.random.default_rng(prompt_len).integers(0, VOCAB, prompt_len + BLOCK + 1).tolist()
     got = run_flow(Runner(session(str(e["path"])), e["io"]), seq, prompt_len)
     logits, hidden, _ = hf_reference(e["model"], seq, LAYER_IDS, e["fc"], *e["hn"])
@@ -186,10 +186,10 @@ def expert_gathers(path) -> tuple[onnx.ModelProto, list[str]]:
     return model, outs
 
 
-def test_program_reads_only_the_routed_experts(exported):
+def test_program_reads_only_the_routed_experts(target_program):
     """In the exported graph: a decode call gathers exactly its token's K experts per weight,
     a call of T tokens min(T·K, E), and no expert weight reaches a MatMul ungathered."""
-    e = exported
+    e = target_program
     model, outs = expert_gathers(e["path"])
     assert len(outs) == 2 * 2  # gate_up and down of the two sparse layers
     stacked = {t.name for t in model.graph.initializer if len(t.dims) == 3}

@@ -1,8 +1,9 @@
 """Qwen3.5-MoE targets (hybrid and MoE at once: Gated DeltaNet and gated full attention, every MLP
 routed experts plus a gated shared expert): both checkpoint forms read and validated, and the
-whole loop lossless against Hugging Face greedy `generate`, the oracle for this family
-(REFERENCE: the reference `dflash_generate` leaves HF greedy on most prompts here), batched =
-solo. Tiny pairs: hidden 64, 4 layers (3 linear, 1 full), 8 experts of 32, top-2."""
+published form's whole loop lossless against Hugging Face greedy `generate`, the oracle for this
+family (REFERENCE: the reference `dflash_generate` leaves HF greedy on most prompts here); the
+text form climbs the conformance ladder (tests/test_conformance.py). Tiny pairs: hidden 64,
+4 layers (3 linear, 1 full), 8 experts of 32, top-2."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from test_hybrid import hf_greedy, prompt
 
 import dflash_qaic
 from dflash_qaic import checkpoints as ck
-from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
 
 B, CHUNK, CTX = 4, 16, 112
 MOE = dict(family="qwen3_5_moe", block_size=B, tie_word_embeddings=False, target_layer_ids=[1, 3])
@@ -24,29 +24,12 @@ FORMS = {
 }
 
 
-@pytest.fixture(scope="module")
-def built(tiny_pair, tmp_path_factory):
-    cache = {}
-
-    def make(form, **kw):
-        key = (form, tuple(sorted(kw.items())))
-        if key not in cache:
-            t, d = tiny_pair(**FORMS[form], **MOE)
-            out = tmp_path_factory.mktemp("hymoe")
-            opts = ExportOptions(prefill_seq_len=CHUNK, ctx_len=CTX, compile=False, **kw)
-            build_artifacts(t, d, out, opts, progress=lambda m: None)
-            cache[key] = (t, d, out)
-        return cache[key]
-
-    return make
-
-
 @pytest.mark.parametrize("form", sorted(FORMS))
 def test_checkpoint_forms(tiny_pair, form):
     t, d = tiny_pair(**FORMS[form], **MOE)
     pair = ck.read_pair(t, d)
     m, p = pair.target.moe, pair.target.prefix
-    assert pair.target.family == "qwen3_5_moe" and pair.target.hybrid is not None
+    assert pair.target.family == "qwen3_5_moe" and pair.target.hybrid
     assert (m.num_experts, m.top_k, m.shared_intermediate_size) == (8, 2, 48)
     assert m.sparse == (True,) * 4 and m.norm_topk_prob
     assert p == ("model.language_model." if form == "published" else "model.")
@@ -54,12 +37,16 @@ def test_checkpoint_forms(tiny_pair, form):
     assert ck.experts_fused(pair.target_tensors) == (form == "published")
 
 
-@pytest.mark.parametrize("form", sorted(FORMS))
-def test_lossless_against_hf_generate(built, form):
-    t, _, art = built(form)
-    model = ck.load_target_model(t)
+def test_published_form_lossless_against_hf_generate(exported):
+    """The published form end to end (the text form climbs the conformance ladder,
+    tests/test_conformance.py: tokens, acceptance where the reference holds, batched = solo)."""
+    form = "published"
+    pair = {**MOE, **FORMS[form]}
+    del pair["family"]
+    e = exported("qwen3_5_moe", pair=pair, prefill_seq_len=CHUNK, ctx_len=CTX)
+    model = e.model()
     assert type(model).__name__ == "Qwen3_5MoeForCausalLM"
-    pipe = dflash_qaic.load(art)
+    pipe = dflash_qaic.load(e.artifacts)
     pipe.configure(verify_lengths=[B])
     lengths = []
     for seed, (n, new) in enumerate(
@@ -71,16 +58,3 @@ def test_lossless_against_hf_generate(built, form):
             assert res.tokens == hf_greedy(model, ids, new), (form, n)
         lengths += res.acceptance_lengths
     assert min(lengths) == 1 and max(lengths) == B and len(set(lengths)) >= 3, lengths
-
-
-def test_batched_equals_solo(built):
-    t, _, art = built("text", full_batch_size=3)
-    solo = dflash_qaic.load(built("text")[2])
-    pipe = dflash_qaic.load(art)
-    for p in (pipe, solo):
-        p.configure(verify_lengths=[B])
-    prompts = [prompt(n, 40 + n) for n in (5, CHUNK + 2, 2 * CHUNK + 1, 9)]  # 4 > 3 slots
-    news = [20, 31, 17, 26]
-    for ids, new, res in zip(prompts, news, pipe.generate(prompts, max_new_tokens=news)):
-        one = solo.generate(ids, max_new_tokens=new)
-        assert res.tokens == one.tokens and res.acceptance_lengths == one.acceptance_lengths

@@ -14,23 +14,24 @@ from dflash_qaic.compile.profiles import load_profile
 @pytest.fixture(scope="module")
 def target_graph(default_artifacts):
     from dflash_qaic import assets
+    from dflash_qaic.artifacts.manifest import read_manifest
 
-    m = json.loads((default_artifacts / "manifest.json").read_text())
+    m = read_manifest(default_artifacts, check_files="none")
     cfg = json.loads((assets.default_pair()[0] / "config.json").read_text())
-    return P.load_graph(default_artifacts / m["target"]["onnx"]), m, cfg
+    return P.load_graph(default_artifacts / m.target.onnx), m, cfg
 
 
 def _dims(m, cfg):
-    t = m["target"]
+    t = m.target.io
     return dict(
-        L=t["n_layers"],
-        H=t["hidden_size"],
-        V=t["vocab_size"],
+        L=t.n_layers,
+        H=m.hidden_size,
+        V=m.vocab_size,
         nq=cfg["num_attention_heads"],
-        nkv=t["n_kv_heads"],
-        hd=t["head_dim"],
+        nkv=t.n_kv_heads,
+        hd=t.head_dim,
         inter=cfg["intermediate_size"],
-        taps=len(t["target_layer_ids"]),
+        taps=len(m.target_layer_ids),
     )
 
 
@@ -43,7 +44,7 @@ def test_counts_match_hand_arithmetic(target_graph):
         d[k] for k in ("L", "H", "V", "nq", "nkv", "hd", "inter", "taps")
     )
     B, W = 16, 512
-    sym = {"batch_size": 1, "seq_len": B, "ctx_len": m["ctx_len"], "sample_len": 1}
+    sym = {"batch_size": 1, "seq_len": B, "ctx_len": m.ctx_len, "sample_len": 1}
     g = P.count_graph(model, {**sym, "comp_ctx_lengths": W})
     c = g.total()
     per_layer = H * nq * hd + 2 * H * nkv * hd + nq * hd * H + 3 * H * inter
@@ -114,8 +115,10 @@ def test_cli_writes_the_projection(default_artifacts, tmp_path, capsys):
 def test_real_recipes_compile_few_specializations(default_artifacts):
     """Every shipped real-model recipe asks for ≤ 12 target specializations, counted through
     the options and shape plan the export uses (checked against an export's own count)."""
-    m = json.loads((default_artifacts / "manifest.json").read_text())
-    assert P.recipe_specializations("default") == m["specialization_count"]
+    from dflash_qaic.artifacts.manifest import read_manifest
+
+    m = read_manifest(default_artifacts, check_files="none")
+    assert P.recipe_specializations("default") == m.specialization_count
     counts = {r: P.recipe_specializations(r)["target"] for r in P.real_recipes()}
     assert len(counts) >= 9 and "default" not in counts
     assert max(counts.values()) <= 12, counts

@@ -23,10 +23,10 @@ from test_compile import FAKE_COMPILER
 
 import dflash_qaic
 from dflash_qaic import contract
+from dflash_qaic.artifacts import build
+from dflash_qaic.artifacts.manifest import ArtifactsError, Manifest
 from dflash_qaic.compile import qpc
-from dflash_qaic.export import artifacts
 from dflash_qaic.export.cli import main
-from dflash_qaic.manifest import ArtifactsError, Manifest
 from dflash_qaic.runtime import BackendError, GenerationError
 
 WT = Path(__file__).resolve().parents[1]
@@ -127,7 +127,7 @@ def test_unsupported_model_fails_before_work(
     edit_json(t / "config.json", **change)
     before = snapshot(good)
     called = []
-    monkeypatch.setattr(artifacts, "_export", lambda *a, **k: called.append(1))
+    monkeypatch.setattr(build, "export_programs", lambda *a, **k: called.append(1))
     rc, _, err = run(capsys, "--target", t, "--draft", d, "--out", good, *SMALL)
     assert rc == 2 and match in err and not called
     intact(good, before)
@@ -148,7 +148,7 @@ def test_broken_generation_config(pair, good, tmp_path, capsys, monkeypatch, tex
     f = t / "generation_config.json"
     f.write_bytes(text if isinstance(text, bytes) else text.encode())
     before = snapshot(good)
-    monkeypatch.setattr(artifacts, "_export", lambda *a, **k: pytest.fail("exported"))
+    monkeypatch.setattr(build, "export_programs", lambda *a, **k: pytest.fail("exported"))
     rc, _, err = run(capsys, "--target", t, "--draft", d, "--out", good, *SMALL)
     assert rc == 2 and match in err and "generation_config.json" in err
     intact(good, before)
@@ -156,7 +156,7 @@ def test_broken_generation_config(pair, good, tmp_path, capsys, monkeypatch, tex
 
 def test_bad_compiler_checked_before_export(pair, good, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv(qpc.COMPILER_ENV, str(tmp_path / "no-such-compiler"))
-    monkeypatch.setattr(artifacts, "_export", lambda *a, **k: pytest.fail("exported"))
+    monkeypatch.setattr(build, "export_programs", lambda *a, **k: pytest.fail("exported"))
     before = snapshot(good)
     rc, _, err = run(capsys, "--target", pair[0], "--draft", pair[1], "--out", good, *SMALL[:-1])
     assert rc == 2 and "is not an executable file" in err
@@ -167,7 +167,7 @@ def test_broken_tokenizer_checked_before_export(pair, tmp_path, capsys, monkeypa
     t, d = copy_pair(pair, tmp_path)
     (t / "tokenizer.json").write_text("{garbage")
     (t / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
-    monkeypatch.setattr(artifacts, "_export", lambda *a, **k: pytest.fail("exported"))
+    monkeypatch.setattr(build, "export_programs", lambda *a, **k: pytest.fail("exported"))
     rc, _, err = run(capsys, "--target", t, "--draft", d, "--out", tmp_path / "o", *SMALL)
     assert rc == 2 and "tokenizer files" in err and "do not load" in err
 
@@ -311,7 +311,7 @@ def test_concurrent_exports_on_one_out(pair, tmp_path):
     _, err = a.communicate(timeout=300)
     assert a.returncode == 0, err
     # the manifest and the programs are A's, together: every file matches its recorded sha256
-    pipe = dflash_qaic.load(out, verify="full")
+    pipe = dflash_qaic.load(out, check_files="full")
     assert pipe.artifacts.ctx_len == 48 and pipe.artifacts.options["ctx_len"] == 48
     assert len(pipe.generate([1, 2, 3], 4).tokens) == 4
 
@@ -405,7 +405,7 @@ def test_damaged_artifact_detected_and_rebuilt(pair, good, capsys):
     draft.write_bytes(bytes(raw))
     with pytest.raises(ArtifactsError, match="does not match its recorded sha256"):
         dflash_qaic.load(good)
-    dflash_qaic.load(good, verify="none")  # explicitly unchecked
+    dflash_qaic.load(good, check_files="none")  # explicitly unchecked
 
 
 def test_reuse_key_covers_generation_config_and_options(pair, tmp_path, capsys):
@@ -478,6 +478,21 @@ def test_artifacts_of_an_earlier_manifest_version_are_refused(good):
         ArtifactsError, match=r"manifest version 2, written by an earlier .*re-export"
     ):
         dflash_qaic.load(good)
+
+
+def test_artifacts_of_manifest_version_3_still_load(good):
+    """Version 3 stored the shape plan twice (each program's specializations and sizes beside
+    the plan) and a QPC `part`: it still loads, to the same manifest."""
+    want = dflash_qaic.load(good).artifacts
+
+    def v3(m):
+        m["version"] = 3
+        for p in ("target", "draft"):
+            m[p]["specializations"] = [dict(s) for s in want.program(p).specializations]
+            m[p].update(ctx_len=m["ctx_len"], prefill_seq_len=m["prefill_seq_len"], batch_size=1)
+
+    rewrite(good, v3)
+    assert dflash_qaic.load(good).artifacts == want
 
 
 def test_manifest_not_json_and_symlink_out(good, tmp_path):
@@ -577,12 +592,20 @@ def test_valid_arguments_still_work(pipe):
         ({"threads": "2"}, "threads must be None"),
         ({"tokenizer": "yes"}, "tokenizer must be True or False"),
         ({"backend": "cuda"}, "unknown backend"),
-        ({"verify": "some"}, "verify must be one of"),
+        ({"check_files": "some"}, "check_files must be one of fast, full, none"),
     ],
 )
 def test_load_argument_checks(good_master, kwargs, match):
     with pytest.raises(BackendError, match=match):
         dflash_qaic.load(good_master, **kwargs)
+
+
+def test_load_takes_the_old_name_of_check_files(good_master):
+    with pytest.warns(DeprecationWarning, match=r"verify=.*deprecated: use load\(check_files="):
+        pipe = dflash_qaic.load(good_master, verify="full", tokenizer=False)
+    assert pipe.artifacts.ctx_len == 64
+    with pytest.warns(DeprecationWarning), pytest.raises(BackendError, match="check_files must"):
+        dflash_qaic.load(good_master, verify="some")
 
 
 def test_files_get_the_umask_permissions(pair, tmp_path):
@@ -619,10 +642,10 @@ def test_python_api_export_then_compile_elsewhere(pair, tmp_path, monkeypatch):
         fp16_check=False,
         compile=False,
     )
-    assert m.block_size == 4 and not m.target.qpcs
-    with pytest.raises(artifacts.ExportError, match="disagree"):
+    assert m.block_size == 4 and m.target.qpc is None
+    with pytest.raises(build.ExportError, match="disagree"):
         dflash_qaic.export(pair[0], pair[1], built, block_size=5, num_speculative_tokens=3)
-    with pytest.raises(artifacts.ExportError, match="--ctx-len must be an integer"):
+    with pytest.raises(build.ExportError, match="--ctx-len must be an integer"):
         dflash_qaic.export(pair[0], pair[1], built, ctx_len="64")
 
     # copied to "an AI100 host", compiled there with QEfficient-named overrides
@@ -637,7 +660,7 @@ def test_python_api_export_then_compile_elsewhere(pair, tmp_path, monkeypatch):
     monkeypatch.delenv("FAKE_QAIC_MODE", raising=False)
     m = dflash_qaic.compile(host, num_cores=8, mxint8_kv_cache=True, mos=2)
     assert m.compiled and "num_cores=8" in m.qpc_config
-    (target_qpc,) = m.target.qpcs
+    target_qpc = m.target.qpc
     cmd = (host / target_qpc.dir / "compile.cmd").read_text()
     assert "-aic-num-cores=8" in cmd and "-mos=2" in cmd and "-m=target/target.onnx" in cmd
     assert str(tmp_path) not in cmd.replace(str(script), "")  # no absolute artifact paths

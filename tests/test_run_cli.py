@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -283,3 +285,38 @@ def test_load_a_hub_id_says_to_export_first(tmp_path, monkeypatch):
     with pytest.raises(ArtifactsError, match="does not exist") as e:
         dflash_qaic.load("artifacts/typo")
     assert "Hugging Face" not in str(e.value)
+
+
+def test_loading_artifacts_imports_no_compiler_module(default_artifacts):
+    """The runtime reads the manifest (artifacts/manifest.py) without the compiler module or the
+    export orchestration: a fresh interpreter that loads artifacts has neither imported."""
+    code = (
+        "import sys, dflash_qaic.runtime\n"
+        "from dflash_qaic.artifacts.manifest import read_manifest\n"
+        f"m = read_manifest({str(default_artifacts)!r})\n"
+        f"pipe = dflash_qaic.runtime.load({str(default_artifacts)!r}, tokenizer=False)\n"
+        "assert pipe.artifacts == m\n"
+        "print([n for n in ('dflash_qaic.compile.qpc', 'dflash_qaic.artifacts.build', "
+        "'dflash_qaic.artifacts.programs') if n in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_check_files_flag_and_its_old_spelling():
+    """--check-files fast|full in every command that loads artifacts; --verify, its old name,
+    still works and warns, naming the new one."""
+    from dflash_qaic.bench.cli import parser as bench_parser
+    from dflash_qaic.runtime.cli import parser as run_parser
+    from dflash_qaic.serve.cli import parser as serve_parser
+
+    for parser in (run_parser, serve_parser, bench_parser):
+        extra = ["--prompt", "x"] if parser is run_parser else []
+        assert parser().parse_args(["a", *extra]).check_files == "fast"
+        assert parser().parse_args(["a", *extra, "--check-files", "full"]).check_files == "full"
+        with pytest.warns(DeprecationWarning, match="--verify is deprecated: use --check-files"):
+            args = parser().parse_args(["a", *extra, "--verify", "full"])
+        assert args.check_files == "full"
+        with pytest.raises(SystemExit):
+            parser().parse_args(["a", *extra, "--check-files", "none"])  # Python only

@@ -13,38 +13,25 @@ from dflash.model import DFlashDraftModel, dflash_generate
 import dflash_qaic
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
-from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
+from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
 from dflash_qaic.runtime import ArtifactsError, BackendError, GenerationError
 
 # family, block, prefill chunk, ctx, agreement bias (see dflash_lab.tiny)
 CONFIGS = [("qwen3", 4, 8, 160, 1.25), ("llama", 8, 16, 160, 1.25), ("qwen3", 16, 16, 192, 1.5)]
 CONFIGS += [("qwen3", 4, 32, 160, 2.0)]  # two prefill lengths: 8 and the chunk of 32
+# the first two are the conformance ladder's qwen3 and llama cases (tests/test_conformance.py:
+# tokens = HF greedy, acceptance = the reference); here the block of 16 and two prefill lengths
+EDGES = CONFIGS[2:]
 
 
 @pytest.fixture(scope="module")
-def built(tiny_pair, tmp_path_factory):
-    cache = {}
+def built(exported):
+    """built(family, B, chunk, ctx, agree) -> (target, draft, artifacts, HF model), shared."""
 
-    def make(family, B, chunk, ctx, agree, **kw):
-        key = (family, B, chunk, ctx, agree, tuple(sorted(kw.items())))
-        if key not in cache:
-            t, d = tiny_pair(
-                family=family,
-                block_size=B,
-                agree=agree,
-                tie_word_embeddings=False,
-                target_layer_ids=[1, 3],
-                **kw,
-            )
-            out = tmp_path_factory.mktemp("art")
-            build_artifacts(
-                t,
-                d,
-                out,
-                ExportOptions(prefill_seq_len=chunk, ctx_len=ctx, compile=False),
-            )
-            cache[key] = (t, d, out, ck.load_target_model(t))
-        return cache[key]
+    def make(family, B, chunk, ctx, agree):
+        pair = dict(block_size=B, agree=agree, tie_word_embeddings=False, target_layer_ids=[1, 3])
+        e = exported(family, pair=pair, prefill_seq_len=chunk, ctx_len=ctx)
+        return e.target, e.draft, e.artifacts, e.model()
 
     return make
 
@@ -60,7 +47,7 @@ def hf_greedy(model, ids, n, eos=None):
     return out[0, len(ids) :].tolist()
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c[0]}-B{c[1]}")
+@pytest.mark.parametrize("cfg", EDGES, ids=lambda c: f"{c[0]}-B{c[1]}-C{c[2]}")
 def test_lossless_against_hf_generate(built, cfg, planned_chunks):
     family, B, chunk, ctx, _ = cfg
     _, _, art, model = built(*cfg)
@@ -96,7 +83,7 @@ def _full_block_steps(ref_lengths, P, max_new, B):
     return k
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c[0]}-B{c[1]}")
+@pytest.mark.parametrize("cfg", EDGES, ids=lambda c: f"{c[0]}-B{c[1]}-C{c[2]}")
 @torch.no_grad()
 def test_acceptance_equals_reference(built, cfg):
     family, B, chunk, ctx, _ = cfg

@@ -36,7 +36,7 @@ from transformers.generation.logits_process import (
 import dflash_qaic
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
-from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
+from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
 from dflash_qaic.export.graph_check import check_graph, fp16_feed, fp16_session
 from dflash_qaic.export.onnx_export import export_onnx
 from dflash_qaic.modeling.sampler import (
@@ -296,9 +296,9 @@ def test_only_the_first_sample_len_rows_sample(art, pipe):
         assert torch.equal(part[:, :n], full[:, :n])
         assert torch.equal(part[:, n:], logits[:, n:].argmax(-1))
 
-    m = json.loads((art[0] / "manifest.json").read_text())
-    specs = {x["name"]: x["symbols"] for x in m["target"]["specializations"]}
-    B = m["block_size"]
+    m = dflash_qaic.load(art[0]).artifacts
+    specs = {x["name"]: x["symbols"] for x in m.target.specializations}
+    B = m.block_size
     assert specs["Verify"][contract.SAMPLE] == 1 and specs["VerifySampled"][contract.SAMPLE] == B
     sess = program_session(art[0])
     seq = torch.randint(0, V, (B,), generator=g).tolist()

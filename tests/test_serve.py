@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import dflash_qaic
 from dflash_qaic import assets
-from dflash_qaic.serve.engine import Engine, Params
+from dflash_qaic.serve.engine import AsyncEngine, Params
 from dflash_qaic.serve.process import ServerProcess
 
 MODEL = "default-pair"
@@ -380,7 +380,7 @@ class _OneStepAtATime:
 
 def test_engine_shutdown_cancels_at_the_next_step(pipe):
     async def main():
-        engine = Engine(_OneStepAtATime(pipe), max_queue=1)
+        engine = AsyncEngine(_OneStepAtATime(pipe), max_queue=1)
         engine.start()
         ids = pipe.tokenizer(PROMPTS[0])["input_ids"]
         running = engine.submit(ids, Params(max_tokens=600, stop_token_ids=()))
@@ -425,7 +425,7 @@ def test_engine_backend_failure_fails_the_requests_in_flight_only(pipe):
     ref = pipe.generate(ids, 24, temperature=0)
 
     async def main():
-        engine = Engine(_FailsOnce(pipe))
+        engine = AsyncEngine(_FailsOnce(pipe))
         engine.start()
         failed = [o async for o in engine.submit(ids, Params(max_tokens=200, stop_token_ids=()))]
         ok = [o async for o in engine.submit(ids, Params(max_tokens=24, stop_token_ids=()))]
@@ -530,7 +530,7 @@ def _app(pipe, **kw):
 
     from dflash_qaic.serve.app import create_app
 
-    app = create_app(Engine(pipe), MODEL, pipe.tokenizer, TEMPLATE, **kw)
+    app = create_app(AsyncEngine(pipe), MODEL, pipe.tokenizer, TEMPLATE, **kw)
     return TestClient(app, raise_server_exceptions=False)
 
 
@@ -634,7 +634,7 @@ def test_kv_cache_usage_while_a_request_runs(pipe):
     ids = pipe.tokenizer(PROMPTS[0])["input_ids"]
 
     async def main():
-        engine = Engine(_OneStepAtATime(pipe))
+        engine = AsyncEngine(_OneStepAtATime(pipe))
         engine.start()
         handle = engine.submit(ids, Params(max_tokens=200, stop_token_ids=()))
         n = 0
@@ -665,7 +665,7 @@ def test_max_num_seqs_caps_the_engine_slots():
     pipe = types.SimpleNamespace(full_batch_size=4, max_running=None, ctx_len=1024, B=16)
     pipe.configure = lambda max_running: setattr(pipe, "max_running", max_running)
     _limits(argparse.Namespace(max_model_len=1023, max_num_seqs=2), pipe)
-    assert pipe.max_running == 2 and Engine(pipe).slots == 2
+    assert pipe.max_running == 2 and AsyncEngine(pipe).slots == 2
     with pytest.raises(
         UsageError, match=r"--max-num-seqs 5 is more than .*\(--full-batch-size 4 at export\)"
     ):

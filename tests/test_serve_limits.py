@@ -25,7 +25,7 @@ import dflash_qaic
 from dflash_qaic import assets
 from dflash_qaic.serve import app as app_module
 from dflash_qaic.serve.app import _CancelledAtShutdown, create_app
-from dflash_qaic.serve.engine import Engine
+from dflash_qaic.serve.engine import AsyncEngine
 from dflash_qaic.serve.limits import longest_token_chars
 from dflash_qaic.serve.process import ServerProcess
 from tests.test_serve import TEMPLATE, scrape, sse
@@ -322,7 +322,7 @@ def _gated_app(pipe, monkeypatch):
     """The server app over `pipe` whose tokenizing of a long text waits for the test: it sets
     `started` once inside the tokenizer (on a pool thread) and goes on only after `release`."""
     started, release = threading.Event(), threading.Event()
-    engine = Engine(pipe, max_queue=4)
+    engine = AsyncEngine(pipe, max_queue=4)
     app = create_app(engine, "m", copy.deepcopy(pipe.tokenizer))
     app.state.frontend.chars_per_token = None  # as a tokenizer that gives no bound
     real = app_module._encode_text
@@ -373,7 +373,7 @@ def test_huge_prompts_never_reach_the_tokenizer(pipe, monkeypatch):
     """8 MB of text (completion and chat) is refused from its length alone: the tokenizer is
     never called (the length bound of serve/limits.py)."""
     calls = []
-    engine = Engine(pipe, max_queue=4)
+    engine = AsyncEngine(pipe, max_queue=4)
     app = create_app(engine, "m", copy.deepcopy(pipe.tokenizer), TEMPLATE, max_request_bytes=LIMIT)
     real = app_module._encode_text
     monkeypatch.setattr(app_module, "_encode_text", lambda *a: calls.append(len(a[1])) or real(*a))
@@ -421,7 +421,7 @@ def test_the_fields_vllm_router_adds_are_accepted(pipe):
     """vllm-router forwards every request with SGLang's fields added at their defaults (seen on
     the wire from vllm-router 0.1.17); they are accepted, and a non-default no_stop_trim or
     return_hidden_states is refused by name."""
-    engine = Engine(pipe, max_queue=4)
+    engine = AsyncEngine(pipe, max_queue=4)
     app = create_app(engine, "m", copy.deepcopy(pipe.tokenizer), TEMPLATE)
     added = dict(no_stop_trim=False, ignore_eos=False, skip_special_tokens=True)
     added |= dict(return_hidden_states=False, echo=False)

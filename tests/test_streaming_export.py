@@ -16,8 +16,8 @@ import torch
 from dflash_lab.tiny import make_tiny_pair
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
+from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
 from dflash_qaic.export import weights
-from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
 from dflash_qaic.export.draft import check_feeds as draft_feeds
 from dflash_qaic.export.draft import export_draft
 from dflash_qaic.export.target import check_feeds as target_feeds
@@ -216,8 +216,8 @@ def test_multi_gb_artifacts_of_an_exporter_that_merged_weights_are_refused(pair,
     """Artifacts whose multi-GB programs dflash-qaic ≤ 0.6.0 wrote (its streaming export could
     merge two small weights) are refused with "re-export"; small ones of that version, and
     multi-GB ones of a fixed version, load."""
-    from dflash_qaic.files import ArtifactsError
-    from dflash_qaic.manifest import read_manifest
+    from dflash_qaic.artifacts.files import ArtifactsError
+    from dflash_qaic.artifacts.manifest import read_manifest
 
     opts = ExportOptions(ctx_len=48, prefill_seq_len=12, compile=False, fp16_check=False)
     build_artifacts(pair.target.path, pair.draft.path, tmp_path, opts)
@@ -230,7 +230,7 @@ def test_multi_gb_artifacts_of_an_exporter_that_merged_weights_are_refused(pair,
         if big:  # as if the target's weights file held 2 GiB
             m["files"][0]["size"] = 2 << 30
         path.write_text(json.dumps(m))
-        return read_manifest(tmp_path, verify="none")
+        return read_manifest(tmp_path, check_files="none")
 
     with pytest.raises(ArtifactsError, match="re-export"):
         load("0.6.0", big=True)

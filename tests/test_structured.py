@@ -16,11 +16,11 @@ from fastapi.testclient import TestClient
 
 import dflash_qaic
 from dflash_qaic import contract
-from dflash_qaic.manifest import read_manifest
+from dflash_qaic.artifacts.manifest import read_manifest
 from dflash_qaic.modeling.sampler import token_allowed
 from dflash_qaic.runtime.pipeline import GenerationError
 from dflash_qaic.serve.app import create_app
-from dflash_qaic.serve.engine import Engine
+from dflash_qaic.serve.engine import AsyncEngine
 
 B = 16
 PROMPT = "def person(name, age):\n    return "
@@ -183,7 +183,7 @@ def test_bad_formats_are_refused_by_name(pipe, default_artifacts):
 @pytest.fixture(scope="module")
 def app_client(pipe):
     app = create_app(
-        Engine(pipe),
+        AsyncEngine(pipe),
         "m",
         pipe.tokenizer,
         QWEN3_TEMPLATE,
@@ -249,23 +249,77 @@ def test_tool_calls_required_and_named(client):
             jsonschema.validate(json.loads(t.function.arguments), params)
         if choice is named:
             assert [t.function.name for t in calls] == ["get_weather"]
-    stream = client.chat.completions.create(
-        model="m",
-        messages=msgs,
-        tools=TOOLS,
-        tool_choice=named,
-        max_tokens=120,
-        temperature=0,
-        stream=True,
-    )
-    args, names, reason = "", set(), None
-    for chunk in stream:
-        for d in chunk.choices[0].delta.tool_calls or ():
-            args += d.function.arguments or ""
-            names |= {d.function.name} if d.function.name else set()
-        reason = chunk.choices[0].finish_reason or reason
-    assert names == {"get_weather"} and reason == "tool_calls"
-    assert json.loads(args) == json.loads(calls[0].function.arguments)
+    for choice in (named, "required"):  # streamed: the same calls, arguments in pieces
+        whole = client.chat.completions.create(
+            model="m", messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=120,
+            temperature=0, parallel_tool_calls=False,
+        ).choices[0].message.tool_calls  # fmt: skip
+        stream = client.chat.completions.create(
+            model="m", messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=120,
+            temperature=0, parallel_tool_calls=False, stream=True,
+        )  # fmt: skip
+        args, names, reason, pieces = "", [], None, 0
+        for chunk in stream:
+            for d in chunk.choices[0].delta.tool_calls or ():
+                args += d.function.arguments or ""
+                names += [d.function.name] if d.function.name else []
+                pieces += bool(d.function.arguments)
+            reason = chunk.choices[0].finish_reason or reason
+        assert names == [whole[0].function.name] and reason == "tool_calls"
+        assert json.loads(args) == json.loads(whole[0].function.arguments)
+        assert pieces > 1  # the arguments came as they were generated, not whole
+
+
+def _streamed(plan, text, step, parallel=True):
+    """(content, calls) as a client assembles them from ToolStream's deltas."""
+    from dflash_qaic.serve.tools import ToolStream
+
+    st, content, calls = ToolStream(plan, parallel), "", {}
+    for i in range(0, len(text), step):
+        c, deltas = st.feed(text[i : i + step], i + step >= len(text))
+        content += c or ""
+        for d in deltas:
+            e = calls.setdefault(d["index"], {"name": None, "arguments": ""})
+            if "id" in d:
+                assert e["name"] is None and d["type"] == "function"  # announced once
+                e["name"] = d["function"]["name"]
+            e["arguments"] += d["function"]["arguments"]
+    return content, [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("step", [1, 2, 7, 1000])
+def test_tool_calls_stream_as_they_are_written(step):
+    """Each call's name first, then its arguments piece by piece: assembled, they are the
+    calls the whole reply parses to; content before a hermes <tool_call> streams as content."""
+    from types import SimpleNamespace
+
+    from dflash_qaic.serve.tools import ToolPlan
+
+    def plan(mode, parser=None, name=None):
+        p = SimpleNamespace(mode=mode, parser=parser, name=name)
+        p.parse = lambda text, parallel=True: ToolPlan.parse(p, text, parallel)
+        return p
+
+    required = '[{"name": "get_weather", "parameters": {"city": "Pa\\"ris}", "days": [1, 2]}}, '
+    required += '{"name": "add", "parameters": {"a": 1}}]'
+    hermes = 'Let me <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": "}"}}\n</tool_call>'
+    hermes += '\n<tool_call>\n{"name": "sub", "arguments": {"a": 2}}\n</tool_call>'
+    cases = [
+        (plan("required"), required),
+        (plan("auto", "hermes"), hermes),
+        (plan("auto", "hermes"), "no calls, only a <tool that never opens"),
+        (plan("auto", "llama3_json"), '{"name": "add", "parameters": {"a": 2}}'),
+        (plan("named", name="f"), '{"x": [1, {"y": "}"}]}'),
+    ]
+    for p, text in cases:
+        content, calls = _streamed(p, text, step)
+        want_content, want = p.parse(text)
+        assert [c["name"] for c in calls] == [w["function"]["name"] for w in want], text
+        for c, w in zip(calls, want):
+            assert json.loads(c["arguments"]) == json.loads(w["function"]["arguments"])
+        assert content.strip() == (want_content or "").strip(), text
+    content, calls = _streamed(plan("required"), required, step, parallel=False)
+    assert [c["name"] for c in calls] == ["get_weather"]
 
 
 def test_hermes_parser_reads_tool_calls():
@@ -342,7 +396,7 @@ def test_chat_fields(app_client):
 
 
 def test_auto_tool_choice_needs_the_flags(pipe):
-    app = create_app(Engine(pipe), "m", pipe.tokenizer, QWEN3_TEMPLATE)
+    app = create_app(AsyncEngine(pipe), "m", pipe.tokenizer, QWEN3_TEMPLATE)
     with TestClient(app) as c:
         msgs = [{"role": "user", "content": "hi"}]
         r = c.post(

@@ -160,7 +160,7 @@ FAMILIES = {
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
-def exported(request, tmp_path_factory):
+def target_program(request, tmp_path_factory):
     family = request.param
     n_layers, layer_ids = FAMILIES[family]
     model = make_hf(family, n_layers)
@@ -209,8 +209,8 @@ def run_flow(runner: Runner, seq, prompt_len, pad_token=lambda i: 0):
 
 
 @pytest.mark.parametrize("prompt_len", [16, 13])
-def test_prefill_verify_decode_match_hf(exported, prompt_len):
-    e = exported
+def test_prefill_verify_decode_match_hf(target_program, prompt_len):
+    e = target_program
     rng = np.random.default_rng(prompt_len)
     seq = rng.integers(0, VOCAB, prompt_len + BLOCK + 1).tolist()
     got = run_flow(Runner(e["sess"], e["io"]), seq, prompt_len)
@@ -229,8 +229,8 @@ def test_prefill_verify_decode_match_hf(exported, prompt_len):
     np.testing.assert_allclose(got[contract.HIDDEN_STATES], ref_hidden, atol=1e-4, rtol=1e-4)
 
 
-def test_export_facts_and_graph(exported):
-    e = exported
+def test_export_facts_and_graph(target_program):
+    e = target_program
     facts, io = e["facts"], e["io"]
     assert facts["fc_scale"] > 1.0  # the fp16 rescale of fc is exercised by the HF comparison
     assert [s["name"] for s in facts["inputs"]] == [s.name for s in io.inputs]
@@ -273,9 +273,9 @@ def test_export_facts_and_graph(exported):
     assert facts["external_data"] is None
 
 
-def test_batch_rows_are_independent(exported):
+def test_batch_rows_are_independent(target_program):
     # batch_size is a graph symbol: two rows at different lengths give their batch-1 results
-    e = exported
+    e = target_program
     rng = np.random.default_rng(3)
     ids = rng.integers(0, VOCAB, (2, CHUNK))
     pos = np.stack([np.arange(CHUNK), np.r_[np.arange(5), [contract.PAD_POSITION] * 3]])
@@ -294,8 +294,8 @@ def test_batch_rows_are_independent(exported):
 # ---------------------------------------------------------------- (2) padding is inert
 
 
-def test_padding_rows_never_leak(exported):
-    e = exported
+def test_padding_rows_never_leak(target_program):
+    e = target_program
     rng = np.random.default_rng(7)
     seq = rng.integers(0, VOCAB, 13 + BLOCK + 1).tolist()
     a, b = Runner(e["sess"], e["io"]), Runner(e["sess"], e["io"])
@@ -312,8 +312,8 @@ def test_padding_rows_never_leak(exported):
 # ---------------------------------------------------------------- (3) rewind after rejection
 
 
-def test_rewind_after_rejection_equals_fresh_run(exported):
-    e = exported
+def test_rewind_after_rejection_equals_fresh_run(target_program):
+    e = target_program
     rng = np.random.default_rng(11)
     p = 10
     prompt = rng.integers(0, VOCAB, p).tolist()
@@ -347,8 +347,8 @@ def test_rewind_after_rejection_equals_fresh_run(exported):
 # ---------------------------------------------------------------- (4) fp16
 
 
-def test_fp16_graph_picks_same_tokens(exported):
-    e = exported
+def test_fp16_graph_picks_same_tokens(target_program):
+    e = target_program
     model = onnx.load(str(e["path"]))
     s16 = fp16_session(model)
     assert input_type(s16, contract.past_key(0)) == "tensor(float16)"
@@ -412,9 +412,9 @@ def test_graph_check_rejects_foreign_op(tmp_path):
         check_graph(p, TINY_IO, [{"n": 7}])
 
 
-def test_graph_check_rejects_foreign_function_in_exported_graph(exported, tmp_path):
+def test_graph_check_rejects_foreign_function_in_exported_graph(target_program, tmp_path):
     # a model-local function the checker accepts, but the AI100 compiler does not know
-    model = onnx.load(str(exported["path"]))
+    model = onnx.load(str(target_program["path"]))
     fn = helper.make_function(
         "com.acme",
         "Swish",
@@ -432,7 +432,7 @@ def test_graph_check_rejects_foreign_function_in_exported_graph(exported, tmp_pa
         contract.shape_plan(BLOCK, CHUNK, CTX, verify_lengths=[BLOCK])
     )
     with pytest.raises(GraphCheckError, match="com.acme::Swish"):
-        check_graph(p, exported["io"], specs)
+        check_graph(p, target_program["io"], specs)
 
 
 def test_graph_check_rejects_wrong_io_and_dynamic_dims(tmp_path):
@@ -462,10 +462,10 @@ def test_graph_check_rejects_fp16_overflow(tmp_path):
 # ---------------------------------------------------------------- export_onnx mechanics
 
 
-def test_export_onnx_external_data_and_atomicity(exported, tmp_path, monkeypatch):
+def test_export_onnx_external_data_and_atomicity(target_program, tmp_path, monkeypatch):
     from dflash_qaic.modeling.target import ExportTarget
 
-    e = exported
+    e = target_program
     n_layers, _ = FAMILIES[e["family"]]
     module = ExportTarget.from_hf(e["model"], e["fc"], *e["hn"], e["layer_ids"], ctx_len=CTX)
     io = contract.TargetIO(n_layers, 2, 16, H, VOCAB, comp_ctx=True)

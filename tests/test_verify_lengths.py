@@ -19,9 +19,8 @@ from test_sampling import PROMPT as SAMPLING_PROMPT
 from test_sampling import exact_first_two, gof, gof_pvalue
 
 import dflash_qaic
-from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
-from dflash_qaic.export.artifacts import ExportError, ExportOptions, build_artifacts
+from dflash_qaic.artifacts.build import ExportError, ExportOptions, build_artifacts
 from dflash_qaic.export.draft import check_feeds
 from dflash_qaic.runtime.stats import StepCosts
 
@@ -41,32 +40,16 @@ class Fixed(StepCosts):
 
 
 @pytest.fixture(scope="module")
-def built(tiny_pair, tmp_path_factory):
-    cache = {}
+def built(exported):
+    """built(…) -> (artifacts, HF model), exported once per session (tests/conftest.py)."""
 
     def make(full_batch_size=None, emit_logits=False, vocab=None, agree=1.25, block=B):
-        key = (full_batch_size, emit_logits, vocab, agree, block)
-        if key not in cache:
-            extra = {"vocab_size": vocab} if vocab else {}
-            t, d = tiny_pair(
-                family="qwen3",
-                block_size=block,
-                agree=agree,
-                tie_word_embeddings=False,
-                target_layer_ids=[1, 3],
-                **extra,
-            )
-            out = tmp_path_factory.mktemp("vl-art")
-            opts = ExportOptions(
-                prefill_seq_len=CHUNK,
-                ctx_len=CTX,
-                compile=False,
-                full_batch_size=full_batch_size,
-                emit_logits=emit_logits,
-            )
-            build_artifacts(t, d, out, opts)
-            cache[key] = (out, ck.load_target_model(t))
-        return cache[key]
+        pair = dict(block_size=block, agree=agree, tie_word_embeddings=False)
+        if vocab:
+            pair["vocab_size"] = vocab
+        e = exported("qwen3", pair={**pair, "target_layer_ids": [1, 3]}, prefill_seq_len=CHUNK,
+                     ctx_len=CTX, full_batch_size=full_batch_size, emit_logits=emit_logits)  # fmt: skip
+        return e.artifacts, e.model()
 
     return make
 
@@ -92,7 +75,7 @@ def test_export_has_every_verify_length_and_the_confidences(built):
     for s in m.target.specializations:
         if s["kind"] == contract.VERIFY_SAMPLED:
             assert s["symbols"][contract.SAMPLE] == s["symbols"][contract.SEQ]
-    assert m.target.facts["verify_lengths"] == [2, 4, 8]
+    assert m.to_json()["verify_lengths"] == [2, 4, 8] and "verify_lengths" not in m.target.facts
     assert m.draft.io.confidence
     # the confidence is the softmax over the 16 largest logits, at the argmax
     sess = ort.InferenceSession(str(art / m.draft.onnx), providers=["CPUExecutionProvider"])

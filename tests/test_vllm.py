@@ -325,7 +325,11 @@ def test_plugin_is_active_only_with_the_environment_variable(monkeypatch):
     assert plugin.register() is None
     monkeypatch.setenv(plugin.ENV, "1")
     assert plugin.register() == "dflash_qaic.vllm.platform.DFlashQaicPlatform"
-    # vLLM's own platform choice, with and without the variable (it asks the plugins each time)
+
+
+def test_vllms_platform_choice_follows_the_environment_variable():
+    """vLLM's own platform choice, with and without the variable (it asks the plugins each
+    time)."""
     code = (
         "import os\n"
         "from vllm.platforms import resolve_current_platform_cls_qualname as choose\n"

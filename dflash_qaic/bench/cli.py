@@ -55,7 +55,7 @@ OPTIONS = [  # flag, type, default, help
 def common_parser(doc: str, artifacts: str, options) -> argparse.ArgumentParser:
     """A dflash-bench parser: the module's docstring as help, the artifacts argument, the
     backend, and `options` (flag, type, default, help)."""
-    from dflash_qaic.manifest import add_verify_argument
+    from dflash_qaic.runtime import options as load_options
 
     p = argparse.ArgumentParser(
         prog="dflash-bench",
@@ -64,8 +64,7 @@ def common_parser(doc: str, artifacts: str, options) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("artifacts", help=artifacts)
-    p.add_argument("--backend", default="ort", choices=["ort", "qaic", "auto", "qaic-standin"])
-    add_verify_argument(p)
+    load_options.add_arguments(p, "backend", "check_files")
     for flag, typ, default, text in options:
         p.add_argument(flag, type=typ, default=default, help=f"{text} (default %(default)s)")
     p.add_argument("--debug", action="store_true", help="tracebacks on errors")
@@ -205,7 +204,7 @@ def bench(args, command: str, out, body) -> int:
 
     show(stream="stderr")
     pipe = dflash_qaic.load(
-        args.artifacts, backend=args.backend, threads=args.ort_threads, verify=args.verify
+        args.artifacts, backend=args.backend, threads=args.ort_threads, check_files=args.check_files
     )
     machine["ort_threads"] = pipe.threads  # None: ONNX Runtime's default
     _log(
@@ -296,7 +295,7 @@ def _compare(prompts, args) -> dict:
     from dflash_qaic.bench import run
 
     pipe = dflash_qaic.load(
-        args.compare, backend=args.backend, threads=args.ort_threads, verify=args.verify
+        args.compare, backend=args.backend, threads=args.ort_threads, check_files=args.check_files
     )
     _log(f"dflash-bench: loaded {args.compare} (--compare) on {args.backend}")
     f = run.facts(pipe, args.compare)

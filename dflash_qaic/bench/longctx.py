@@ -76,7 +76,7 @@ def peak_rss_gb() -> float:
 def run(artifacts, prompt_len, positions, new_tokens=16, repeats=3, threads=None) -> dict:
     import dflash_qaic
 
-    pipe = dflash_qaic.load(artifacts, threads=threads, tokenizer=False, verify="none")
+    pipe = dflash_qaic.load(artifacts, threads=threads, tokenizer=False, check_files="none")
     m = pipe.artifacts
     if prompt_len + new_tokens + pipe.B >= m.ctx_len or max(positions) + pipe.B >= m.ctx_len:
         raise SystemExit(f"dflash-bench: prompt and positions must stay below ctx_len {m.ctx_len}")

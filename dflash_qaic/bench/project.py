@@ -188,67 +188,87 @@ def count_graph(
     m.CopyFrom(model)
     del m.graph.value_info[:]
     _bind(m, symbols)
-    g = _infer(m).graph
-    shapes: dict[str, list[int] | None] = {}
-    for vi in [*g.value_info, *g.input, *g.output]:
-        dims = vi.type.tensor_type.shape.dim
-        known = all(d.HasField("dim_value") for d in dims)
-        shapes[vi.name] = (
-            [d.dim_value for d in dims] if known and vi.type.tensor_type.HasField("shape") else None
-        )
-    inits = {i.name: list(i.dims) for i in g.initializer}
-    for name, dims in inits.items():
-        shapes[name] = dims
-    scale = {n: (weight_scale(n, d) if weight_scale else 1.0) for n, d in inits.items()}
+    c = _Counts(_infer(m).graph, weight_scale)
+    c.weights()
+    if window is None:
+        window = symbols.get("comp_ctx_lengths", symbols.get("ctx_len"))
+    c.caches(model, symbols, window)
+    uncounted = c.nodes(symbols.get("seq_len", 1) * symbols.get("batch_size", 1))
+    for p in c.layers.values():  # a layer's own kind from what it holds (its cache or state)
+        if p.kind == "other":
+            p.kind = "full_attention"
+    return GraphCounts(dict(sorted(c.layers.items())), c.rest, uncounted)
 
-    consumers: dict[str, set[str]] = defaultdict(set)
-    for n in g.node:
-        for x in n.input:
-            if x in inits:
-                consumers[x].add(n.op_type)
 
-    layers: dict[int, PartCounts] = defaultdict(PartCounts)
-    rest = PartCounts()
+class _Counts:
+    """`count_graph`'s tally of one bound, shape-inferred graph, per layer and the rest."""
 
-    def part_of_init(name: str) -> PartCounts:
+    def __init__(self, g, weight_scale):
+        self.g = g
+        self.shapes: dict[str, list[int] | None] = {}
+        for vi in [*g.value_info, *g.input, *g.output]:
+            dims = vi.type.tensor_type.shape.dim
+            known = all(d.HasField("dim_value") for d in dims)
+            self.shapes[vi.name] = (
+                [d.dim_value for d in dims]
+                if known and vi.type.tensor_type.HasField("shape")
+                else None
+            )
+        self.inits = {i.name: list(i.dims) for i in g.initializer}
+        self.shapes.update(self.inits)
+        self.scale = {
+            n: (weight_scale(n, d) if weight_scale else 1.0) for n, d in self.inits.items()
+        }
+        self.consumers: dict[str, set[str]] = defaultdict(set)
+        for n in g.node:
+            for x in n.input:
+                if x in self.inits:
+                    self.consumers[x].add(n.op_type)
+        self.layers: dict[int, PartCounts] = defaultdict(PartCounts)
+        self.rest = PartCounts()
+
+    def part_of_init(self, name: str) -> PartCounts:
         mt = _LAYER_INIT.match(name)
-        return layers[int(mt.group(1))] if mt else rest
+        return self.layers[int(mt.group(1))] if mt else self.rest
 
-    def part_of_node(node) -> PartCounts:
+    def part_of_node(self, node) -> PartCounts:
         mt = _LAYER_NODE.match(node.name)
         if mt:
-            return layers[int(mt.group(1))]
+            return self.layers[int(mt.group(1))]
         for x in node.input:  # e.g. a draft layer's context k_proj, named outside the layer
-            if x in inits and _LAYER_INIT.match(x):
-                return part_of_init(x)
-        return rest
+            if x in self.inits and _LAYER_INIT.match(x):
+                return self.part_of_init(x)
+        return self.rest
 
-    for name, dims in inits.items():
-        p = part_of_init(name)
-        ops = consumers.get(name, set())
-        if ops & {"MatMul", "Gemm"}:
-            p.matmul_weights += _numel(dims) * scale[name]
-        elif ops == {"Gather"}:
-            pass  # counted per Gather node: the rows a call reads
-        else:
-            p.other_weights += _numel(dims) * scale[name]
-        if "linear_attn" in name:
-            p.kind = "linear_attention"
-        elif "self_attn" in name and p.kind == "other":
-            p.kind = "full_attention"
+    def weights(self) -> None:
+        """Each initializer's elements: MatMul weights, gathered tables (per Gather node, in
+        `nodes`) and the rest; a layer's kind from its weights' names."""
+        for name, dims in self.inits.items():
+            p = self.part_of_init(name)
+            ops = self.consumers.get(name, set())
+            if ops & {"MatMul", "Gemm"}:
+                p.matmul_weights += _numel(dims) * self.scale[name]
+            elif ops != {"Gather"}:  # a table read by Gather alone: the rows a call reads
+                p.other_weights += _numel(dims) * self.scale[name]
+            if "linear_attn" in name:
+                p.kind = "linear_attention"
+            elif "self_attn" in name and p.kind == "other":
+                p.kind = "full_attention"
 
-    ctx_len = symbols.get("ctx_len")
-    if window is None:
-        window = symbols.get("comp_ctx_lengths", ctx_len)
-    rows = symbols.get("seq_len", 1) * symbols.get("batch_size", 1)
-    for i in g.input:
-        mt = _PAST.match(i.name)
-        if not mt:
-            continue
-        dims = [d.dim_value for d in model_input_dims(model, i.name)]
-        sym = [d.dim_param for d in model_input_dims(model, i.name)]
-        p = layers[int(mt.group(2))]
-        if mt.group(1) in ("key", "value"):
+    def caches(self, model, symbols: dict[str, int], window: int) -> None:
+        """KV read over `window` slots and written for the call's rows; recurrent states read
+        and rewritten whole."""
+        for i in self.g.input:
+            mt = _PAST.match(i.name)
+            if not mt:
+                continue
+            dims = [d.dim_value for d in model_input_dims(model, i.name)]
+            sym = [d.dim_param for d in model_input_dims(model, i.name)]
+            p = self.layers[int(mt.group(2))]
+            if mt.group(1) not in ("key", "value"):
+                p.kind = "linear_attention"
+                p.state += _numel([symbols[s] if s else v for s, v in zip(sym, dims)])
+                continue
             if mt.group(1) == "key" and p.kind == "other":
                 p.kind = "full_attention"
             read = [
@@ -261,34 +281,35 @@ def count_graph(
             ]
             p.kv_read += _numel(read)
             p.kv_write += _numel(write)
-        else:
-            p.kind = "linear_attention"
-            p.state += _numel([symbols[s] if s else v for s, v in zip(sym, dims)])
 
-    uncounted = 0
-    for n in g.node:
-        p = part_of_node(n)
-        p.nodes += 1
-        if n.op_type in ("MatMul", "Gemm"):
-            a, out = shapes.get(n.input[0]), shapes.get(n.output[0])
-            if not a or out is None:
-                uncounted += 1
-                continue
-            k = a[-2] if n.op_type == "Gemm" and _attr(n, "transA") else a[-1]
-            f = 2.0 * _numel(out) * k
-            for x in n.input[:2]:
-                if x in scale:
-                    f *= scale[x]
-            p.flops += f
-        elif n.op_type == "Gather" and n.input[0] in inits and consumers[n.input[0]] == {"Gather"}:
-            table = inits[n.input[0]]
-            idx = shapes.get(n.input[1])
-            nrows = _numel(idx) if idx is not None else rows
-            part_of_init(n.input[0]).gathered += nrows * _numel(table[1:])
-    for p in layers.values():  # a layer's own kind from what it holds (its cache or state)
-        if p.kind == "other":
-            p.kind = "full_attention"
-    return GraphCounts(dict(sorted(layers.items())), rest, uncounted)
+    def nodes(self, rows: int) -> int:
+        """MatMul FLOPs (2·M·K·N, scaled with their weights) and gathered rows; returns how
+        many MatMuls had shapes inference left unknown."""
+        uncounted = 0
+        for n in self.g.node:
+            p = self.part_of_node(n)
+            p.nodes += 1
+            if n.op_type in ("MatMul", "Gemm"):
+                a, out = self.shapes.get(n.input[0]), self.shapes.get(n.output[0])
+                if not a or out is None:
+                    uncounted += 1
+                    continue
+                k = a[-2] if n.op_type == "Gemm" and _attr(n, "transA") else a[-1]
+                f = 2.0 * _numel(out) * k
+                for x in n.input[:2]:
+                    if x in self.scale:
+                        f *= self.scale[x]
+                p.flops += f
+            elif (
+                n.op_type == "Gather"
+                and n.input[0] in self.inits
+                and self.consumers[n.input[0]] == {"Gather"}
+            ):
+                table = self.inits[n.input[0]]
+                idx = self.shapes.get(n.input[1])
+                nrows = _numel(idx) if idx is not None else rows
+                self.part_of_init(n.input[0]).gathered += nrows * _numel(table[1:])
+        return uncounted
 
 
 def _infer(model):
@@ -549,11 +570,12 @@ class Programs:
     notes: list[str] = field(default_factory=list)
 
 
-def _spec(program: dict, kind: str) -> dict:
-    for s in program["specializations"]:
+def _spec(program, kind: str) -> dict:
+    """The symbols of a program's (artifacts.manifest.ProgramRecord) first `kind` specialization."""
+    for s in program.specializations:
         if s["kind"] == kind:
             return dict(s["symbols"])
-    raise ProjectionError(f"the {program['onnx']} program has no {kind} specialization")
+    raise ProjectionError(f"the {program.onnx} program has no {kind} specialization")
 
 
 def count_programs(
@@ -571,18 +593,20 @@ def count_programs(
         raise ProjectionError(
             f"{artifacts}: no manifest.json: give a directory written by dflash-export"
         )
-    m = json.loads(mpath.read_text())
-    B, ctx = int(m["block_size"]), int(m["ctx_len"])
+    from dflash_qaic.artifacts.manifest import read_manifest
+
+    m = read_manifest(artifacts, check_files="none")  # counts the graphs; their bytes unread
+    B, ctx = m.block_size, m.ctx_len
     window = context or ctx
     if window > ctx:
         raise ProjectionError(f"--context {window} exceeds the export's ctx_len {ctx}")
-    hybrid = bool(m["target"].get("linear_layers"))
+    hybrid = m.target.io.hybrid
     notes: list[str] = []
     weight_scale = None
     if shape is not None:
-        vocab_ratio = shape.vocab / int(m["vocab_size"])
-        taps_ratio = shape.taps / len(m["target_layer_ids"])
-        exported_vocab = int(m["vocab_size"])
+        vocab_ratio = shape.vocab / m.vocab_size
+        taps_ratio = shape.taps / len(m.target_layer_ids)
+        exported_vocab = m.vocab_size
 
         def weight_scale(name: str, dims: list[int]) -> float:
             f = vocab_ratio if exported_vocab in dims else 1.0
@@ -590,7 +614,7 @@ def count_programs(
                 f *= taps_ratio
             return f
 
-    graphs = {p: load_graph(Path(artifacts) / m[p]["onnx"]) for p in ("target", "draft")}
+    graphs = {p: load_graph(Path(artifacts) / m.program(p).onnx) for p in ("target", "draft")}
     out = Programs(
         title=shape.title if shape else str(artifacts),
         hybrid=hybrid,
@@ -613,14 +637,14 @@ def count_programs(
 
     tkinds = shape.kinds() if shape else None
     dkinds = {"full_attention": shape.draft_layers} if shape else None
-    decode = _spec(m["target"], "Decode")
+    decode = _spec(m.target, "Decode")
     out.batch = int(decode.get("batch_size", 1))
     out.counts["decode"] = counted("target", decode, tkinds)
     out.counts[f"verify{B}"] = counted("target", {**decode, "seq_len": B}, tkinds)
     if not hybrid:
         for n in budgets:
             out.counts[f"tree{n}"] = counted("target", {**decode, "seq_len": n}, tkinds)
-    draft = _spec(m["draft"], "DraftDecode")
+    draft = _spec(m.draft, "DraftDecode")
     out.counts["draft"] = counted("draft", draft, dkinds)
     out.target_nodes = out.counts["decode"].nodes
     out.draft_nodes = out.counts["draft"].nodes

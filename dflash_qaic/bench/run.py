@@ -91,7 +91,7 @@ def same_target(artifacts, other) -> dict:
     """The manifest of `other`, after checking it was exported from the same target checkpoint
     as `artifacts` (the sha256 of its config and weights; the target programs themselves differ
     when a draft returns q). BenchError otherwise."""
-    from dflash_qaic.manifest import load_json
+    from dflash_qaic.artifacts.manifest import load_json
 
     if Path(other).resolve() == Path(artifacts).resolve():
         raise BenchError(f"--compare {other} is the benchmarked directory: give another draft's")
@@ -301,7 +301,7 @@ def _short_pipe(f: dict, ctx_len: int, chunk: int, out: str, threads: int):
     from transformers.utils import logging as hf_logging
 
     import dflash_qaic
-    from dflash_qaic.export.artifacts import ExportOptions, build_artifacts
+    from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
 
     hf_logging.disable_progress_bar()
 

@@ -166,10 +166,10 @@ def measure(
 ) -> dict:
     """tokens/s of dflash-serve and of vllm serve (the plugin) on `artifacts` (module doc)."""
     from dflash_qaic import assets
-    from dflash_qaic.manifest import read_manifest
+    from dflash_qaic.artifacts.manifest import read_manifest
     from dflash_qaic.serve.process import ServerProcess
 
-    rows = read_manifest(artifacts, verify="none").full_batch_size or 1
+    rows = read_manifest(artifacts, check_files="none").full_batch_size or 1
     if max(concurrency) > rows:
         raise ValueError(f"concurrency {max(concurrency)} > the artifacts' {rows} cache rows")
     pool = assets.heldout_prompts()

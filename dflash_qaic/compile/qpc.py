@@ -34,9 +34,7 @@ directly, which the cache then accepts.
 Without a compiler the step still writes everything but the binary and returns a result with
 `skipped=True`, the places it looked, and the commands to run on an AI100 host.
 
-Each program compiles to one QPC serving all its specializations (`part` "all"; the field stays
-in the manifest, where exports made with the removed disaggregated profile recorded a `prefill`
-and a `verify_decode` part: see docs/DESIGN.md, Disaggregated prefill).
+Each program compiles to one QPC serving all its specializations.
 
 Continuous batching (programs exported with `full_batch_size` N) changes only the inputs: every
 specialization binds `full_batch_size` (the cache rows, one value in all of them), Prefill and
@@ -61,7 +59,7 @@ import signal
 import subprocess
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +70,6 @@ from dflash_qaic.compile.profiles import (
     CompileProfile,
     ProgramProfile,
 )
-from dflash_qaic.files import sha256_file
 
 try:  # POSIX only; AI100 hosts are Linux
     import fcntl
@@ -100,9 +97,6 @@ _CACHE_VERSION = "dflash-qaic/qpc-cache/1"
 # Placeholders that stand for the paths when the command line is hashed.
 _ONNX_PLACEHOLDER = "{onnx}"
 _DIR_PLACEHOLDER = "{qpc_dir}"
-
-#: the part name of a program's QPC (it serves every specialization)
-PART_ALL = "all"
 
 log = logging.getLogger(__name__)
 
@@ -339,21 +333,20 @@ def compiler_search(kind: str = "qaic-compile") -> tuple[Path | None, list[str]]
     return None, looked
 
 
-def find_compiler(kind: str = "qaic-compile") -> Path | None:
-    """The compiler to use, or None; see `compiler_search` for the order and the locations."""
-    return compiler_search(kind)[0]
-
-
 # ----------------------------------------------------------------------------------------------
 # results
 
 
 @dataclass(frozen=True)
-class QpcRecord:
-    """One QPC of a program, as the manifest records it: what it serves, where it is (paths
-    relative to the artifacts directory), how it is (or would be) built."""
+class CompileResult:
+    """What `compile_program` did for one program: its one QPC (serving every specialization),
+    where it is (paths relative to the artifacts directory `root`) and how it is (or would be)
+    built. The manifest records these fields as its QPC record (artifacts/manifest.py)."""
 
-    part: str  # "all" (the manifest's field; see the module docstring)
+    program: str
+    root: Path
+    compiler: Path | None
+    looked_in: tuple[str, ...]
     specializations: tuple[str, ...]  # names, in specializations.json order
     key: str  # 16 hex digits
     dir: str  # <program>/qpc-<key>
@@ -365,86 +358,43 @@ class QpcRecord:
     status: str  # "built" | "cached" | "skipped"
 
     @property
-    def ready(self) -> bool:
-        return self.status != "skipped"
-
-    @property
     def cached(self) -> bool:
+        """The QPC came from the cache; the compiler did not run."""
         return self.status == "cached"
 
     @property
     def skipped(self) -> bool:
-        return self.status == "skipped"
-
-    def to_json(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d["specializations"], d["device_ids"] = list(self.specializations), list(self.device_ids)
-        return d
-
-
-@dataclass(frozen=True)
-class CompileResult:
-    """What `compile_program` did for one program: its QPC record (`qpcs` holds exactly one,
-    the form the manifest records) and where the paths are relative to (`root`)."""
-
-    program: str
-    root: Path
-    qpcs: tuple[QpcRecord, ...]
-    compiler: Path | None
-    looked_in: tuple[str, ...] = field(default_factory=tuple)
-
-    @property
-    def qpc(self) -> QpcRecord:
-        """The program's one QPC."""
-        return self.qpcs[0]
-
-    @property
-    def cached(self) -> bool:
-        """The QPC came from the cache; the compiler did not run."""
-        return all(q.cached for q in self.qpcs)
-
-    @property
-    def skipped(self) -> bool:
         """No compiler was found and the QPC is missing."""
-        return any(q.skipped for q in self.qpcs)
+        return self.status == "skipped"
 
     @property
     def ready(self) -> bool:
-        return all(plausible_qpc(self.root / q.qpc) for q in self.qpcs)
-
-    @property
-    def commands(self) -> list[str]:
-        """The shell command lines that build the QPCs (to run on an AI100 host when skipped)."""
-        return [q.command for q in self.qpcs]
-
-    @property
-    def key(self) -> str:
-        return self.qpc.key
+        return plausible_qpc(self.root / self.qpc)
 
     @property
     def qpc_dir(self) -> Path:
         """`qpc-<key>`."""
-        return self.root / self.qpc.dir
+        return self.root / self.dir
 
     @property
     def qpc_path(self) -> Path:
         """`qpc-<key>/qpc`, the directory the runtime loads."""
-        return self.root / self.qpc.qpc
+        return self.root / self.qpc
 
     @property
-    def command(self) -> list[str]:
-        return shlex.split(self.qpc.command)
+    def argv(self) -> list[str]:
+        """compile.cmd's command line as an argv."""
+        return shlex.split(self.command)
 
     def summary(self) -> str:
-        """One readable paragraph: where the QPCs are, or what to run to build them."""
+        """One readable paragraph: where the QPC is, or what to run to build it."""
         if self.skipped:
-            lines = [
+            return (
                 f"{self.program}: no AI100 compiler found (looked in: {', '.join(self.looked_in)}); "
-                f"compiler inputs written. On an AI100 host, in the artifacts directory, run:"
-            ]
-            lines += [f"  {c}" for c in self.commands]
-            return "\n".join(lines)
-        return "\n".join(f"{self.program} [{q.part}]: {q.status} {q.qpc}" for q in self.qpcs)
+                f"compiler inputs written. On an AI100 host, in the artifacts directory, run:\n"
+                f"  {self.command}"
+            )
+        return f"{self.program}: {self.status} {self.qpc}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -507,7 +457,12 @@ def _onnx_digest(onnx_path: Path) -> list[list[str]]:
     files = onnx_files(onnx_path)
     # The main file is hashed under a fixed name: renaming it does not change the binary.
     names = ["<onnx>"] + [os.path.relpath(f, onnx_path.parent) for f in files[1:]]
-    return [[n, sha256_file(f)] for n, f in zip(names, files)]
+    return [[n, _sha256(f)] for n, f in zip(names, files)]
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def _cache_key(
@@ -778,8 +733,11 @@ def compile_program(
     else:
         job = _Job(program, list(specs), pp, qpc_dir, argv, onnx, compiler, base)
         status = _build(job, profile, limit)
-    record = QpcRecord(
-        part=PART_ALL,
+    return CompileResult(
+        program=program,
+        root=base,
+        compiler=found,
+        looked_in=tuple(looked_in),
         specializations=tuple(str(s["name"]) for s in specs),
         key=key,
         dir=_rel(qpc_dir, base),
@@ -790,4 +748,3 @@ def compile_program(
         tensor_slicing=pp.tensor_slicing,
         status=status,
     )
-    return CompileResult(program, base, (record,), found, tuple(looked_in))

@@ -185,12 +185,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
+    from dflash_qaic.artifacts.build import ExportError, build_artifacts
+    from dflash_qaic.artifacts.manifest import ArtifactsError
     from dflash_qaic.checkpoints import CheckpointError
     from dflash_qaic.compile.profiles import ProfileError
     from dflash_qaic.compile.qpc import CompileError
-    from dflash_qaic.export.artifacts import ExportError, build_artifacts
     from dflash_qaic.logs import show
-    from dflash_qaic.manifest import ArtifactsError
 
     if args.quiet:
         os.environ["TQDM_DISABLE"] = "1"  # tqdm's own switch: no progress bars either

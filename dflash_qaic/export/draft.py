@@ -113,6 +113,7 @@ def export_draft(
     sampling: bool = False,
     sample_top_k: int = 0,
     top_k: int = 0,
+    plan: contract.ShapePlan | None = None,
 ) -> dict:
     """Export the draft program to `out_path` and check it; returns facts for the manifest.
 
@@ -124,6 +125,7 @@ def export_draft(
     comp_ctx_lengths: the attention windows (contract.COMP_CTX_LENGTHS); None: the default ones.
     sampling, sample_top_k: the draft samples its proposals and returns its q (`_outputs_k`).
     top_k: it also returns each proposal row's top-k ids and log-probabilities (0: not).
+    plan: the export's shape plan (artifacts/preflight.py), made here from the sizes when None.
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=2)
     if stream_from is not None:
@@ -138,15 +140,12 @@ def export_draft(
     io = draft_io(
         draft_cfg, V, block_size, emit_logits, cb, ring_slots=rings, q_top_k=q_top_k, top_k=top_k
     )
-    windows = contract.windows_or_default(comp_ctx_lengths, ctx_len, prefill_seq_len, block_size)
-    plan = contract.shape_plan(
-        block_size,
-        prefill_seq_len,
-        ctx_len,
-        batch_size=batch_size,
-        full_batch_size=full_batch_size,
-        windows=windows,
-    )
+    if plan is None:
+        windows = contract.windows_or_default(
+            comp_ctx_lengths, ctx_len, prefill_seq_len, block_size
+        )
+        sizes = dict(batch_size=batch_size, full_batch_size=full_batch_size, windows=windows)
+        plan = contract.shape_plan(block_size, prefill_seq_len, ctx_len, **sizes)
     specializations = contract.draft_specializations(plan)
     mask_id = draft_cfg.mask_token_id
     sources = None
@@ -170,5 +169,5 @@ def export_draft(
         "block_size": block_size,
         "mask_token_id": mask_id,
         "tied_head": head_weight.data_ptr() == embed_weight.data_ptr(),
-        "comp_ctx_lengths": windows,
+        "comp_ctx_lengths": list(plan.windows),
     }

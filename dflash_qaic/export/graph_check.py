@@ -2,9 +2,8 @@
 
 `check_graph` asserts what the AI100 toolchain and the runtime rely on:
   1. `onnx.checker` with `full_check=True` (path form, so external data and > 2 GB work);
-  2. every op is a standard ONNX op or one of the custom functions `CtxScatter` / `CtxGather`
-     (`CtxScatterCB` with continuous batching)
-     of domain `com.qualcomm.cloud`, defined in the model (function bodies are checked too);
+  2. every op is a standard ONNX op or one of the custom functions `CtxScatter` /
+     `CtxScatterCB` (with continuous batching) of domain `com.qualcomm.cloud`, defined in the model (function bodies are checked too);
   3. graph inputs/outputs have exactly the names, dtypes and dims of the contract specs, so
      binding a specialization's symbols leaves no dynamic dimension; onnx shape inference from
      the bound inputs must then derive every output's shape, fully static and equal to the spec;
@@ -41,9 +40,7 @@ from dflash_qaic.export.fp16_check import (
 from dflash_qaic.export.onnx_export import initializer_bytes
 from dflash_qaic.modeling.ops import QAIC_DOMAIN
 
-CUSTOM_FUNCTIONS = frozenset(
-    {(QAIC_DOMAIN, "CtxScatter"), (QAIC_DOMAIN, "CtxScatterCB"), (QAIC_DOMAIN, "CtxGather")}
-)
+CUSTOM_FUNCTIONS = frozenset({(QAIC_DOMAIN, "CtxScatter"), (QAIC_DOMAIN, "CtxScatterCB")})
 STANDARD_DOMAINS = ("", "ai.onnx")
 # Beyond this size an in-memory ModelProto cannot be serialized (protobuf's 2 GB cap).
 _INLINE_LIMIT = int(1.5 * 1024**3)

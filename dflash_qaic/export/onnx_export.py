@@ -246,6 +246,7 @@ def program_facts(path: Path, io, specializations: list[dict], report: dict) -> 
         **({"confidence": io.confidence} if isinstance(io, contract.DraftIO) else {}),
         **(_hybrid_facts(io) if getattr(io, "hybrid", False) else {}),
         **({"ring_slots": list(io.ring_slots)} if getattr(io, "ring_slots", ()) else {}),
+        **({"layer_kv": list(io.layer_kv)} if getattr(io, "layer_kv", ()) else {}),
         **({"q_top_k": io.q_top_k} if getattr(io, "q_top_k", 0) else {}),  # DFlash-2 draft's q
         **({"top_k": io.top_k} if getattr(io, "top_k", 0) else {}),  # --draft-top-k
         **({"draft_q": list(io.draft_q)} if getattr(io, "draft_q", ()) else {}),

@@ -10,10 +10,9 @@ import numpy as np
 import torch
 
 from dflash_qaic import checkpoints as ck
-from dflash_qaic import contract
+from dflash_qaic import contract, families
 from dflash_qaic.export import weights
 from dflash_qaic.export.onnx_export import export_and_check, program_facts
-from dflash_qaic.modeling.hybrid import ExportHybridTarget
 from dflash_qaic.modeling.sampler import SAMPLING_CANDIDATES
 from dflash_qaic.modeling.target import ExportTarget
 
@@ -110,36 +109,74 @@ def target_io(
     token_bitmask: bool = False,
     verify_rule: str = contract.CHAIN,
 ) -> contract.TargetIO:
-    """The contract of the program `module` exports to."""
-    if isinstance(module, ExportHybridTarget):
-        attn = module.full_attention
-        net = module.layers[module.linear_layers[0]].linear_attn
-        hybrid = dict(
-            linear_layers=tuple(module.linear_layers),
-            state_dims=(net.hv, net.dk, net.dv, net.conv_dim, net.kernel - 1),
-        )
-    else:
-        attn, hybrid = module.layers[0].self_attn, {}
+    """The contract of the program `module` exports to (its layers decide the buffers)."""
     return contract.TargetIO(
-        n_layers=len(module.layers),
-        n_kv_heads=attn.n_kv_heads,
-        head_dim=attn.head_dim,
+        **module.io_dims(),
         hidden_size=hidden_size,
         vocab_size=module.vocab_size,
         emit_logits=emit_logits,
         sampling=sampling,
         continuous_batching=module.continuous_batching,
         comp_ctx=module.comp_ctx,
-        **hybrid,
         draft_q=tuple(draft_q),
         token_bitmask=token_bitmask,
         verify_rule=verify_rule,
     )
 
 
-def is_hybrid(cfg) -> bool:
-    """A Qwen3.5-style hybrid target (Gated DeltaNet and full-attention layers)."""
-    return "linear_attention" in (getattr(cfg, "layer_types", None) or [])
+def program_class(hf_model, prefill_seq_len: int, block_size: int, options: dict):
+    """(module class, options) of the target: a family with layer kinds has its own program
+    (modeling/kinds.py: gpt-oss, Gemma 4), whose sliding layers keep rings sized by the longest
+    call; every other family the skeleton's."""
+    program = getattr(families.for_hf(hf_model.config), "program", None)
+    if program is None:
+        return ExportTarget, options
+    from dflash_qaic.modeling.gemma4 import ExportGemma4Target
+    from dflash_qaic.modeling.gpt_oss import ExportGptOssTarget
+
+    cls = {"gemma4": ExportGemma4Target, "gpt_oss": ExportGptOssTarget}[program]
+    return cls, {**options, "max_rows": max(prefill_seq_len, block_size)}
+
+
+def program_options(
+    hf_model: torch.nn.Module,
+    prefill_seq_len: int,
+    block_size: int,
+    draft_q: tuple[int, ...],
+    token_bitmask: bool,
+) -> dict:
+    """The module options a target needs beyond the common ones, and its refusals: a hybrid's
+    DeltaNet layers tell a prefill chunk from a verify call by its rows; q-aware verification
+    is not built for hybrids yet."""
+    mask = {"token_bitmask": True} if token_bitmask else {}
+    if not families.for_hf(hf_model.config).hybrid:
+        return mask
+    if prefill_seq_len <= block_size:
+        raise ValueError(
+            f"a hybrid target needs prefill_seq_len > block_size (the program tells a prefill "
+            f"chunk from a verify call by its rows), got {prefill_seq_len} <= {block_size}"
+        )
+    if draft_q:
+        raise ValueError("q-aware verification (draft_q) is not built for hybrid targets")
+    return dict(block_size=block_size, max_rows=prefill_seq_len, **mask)
+
+
+def block_rule(module, hf_model, verify_rule: str, sampling: bool) -> None:
+    """contract.BLOCK on a sampling program: the target decides its accepted count in the graph
+    (hybrid targets refuse it: their recurrent state commits by the chain's count)."""
+    if verify_rule != contract.BLOCK or not sampling:
+        return
+    if families.for_hf(hf_model.config).hybrid:
+        raise ValueError(
+            "block verification (--verify-rule block) is not built for hybrid targets (their "
+            "recurrent state commits by the chain's count): export with --verify-rule chain"
+        )
+    if not isinstance(module, ExportTarget):
+        raise ValueError(
+            f"block verification (--verify-rule block) is not built for {type(module).__name__} "
+            "programs yet: export with --verify-rule chain"
+        )
+    module.block_verify = True
 
 
 def export_target(
@@ -184,28 +221,13 @@ def export_target(
     draft_q: (B − 1, k) with sampling and a DFlash-2 draft that returns its q: q-aware
     verification (contract.TargetIO.draft_q; not for a hybrid target).
     token_bitmask: structured output, the program takes contract.TOKEN_BITMASK and chooses
-    only among the tokens it allows (docs/DESIGN.md, Structured output; not for a hybrid target).
+    only among the tokens it allows (docs/DESIGN.md, Structured output).
     verify_rule: contract.BLOCK, block verification of sampled verifies (docs/DESIGN.md, Block
     verification; the program also returns num_accepted; not for a hybrid target).
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=1)
-    cfg = hf_model.config
-    extra = {}
-    if is_hybrid(cfg):
-        if prefill_seq_len <= block_size:
-            raise ValueError(
-                f"a hybrid target needs prefill_seq_len > block_size (the program tells a prefill "
-                f"chunk from a verify call by its rows), got {prefill_seq_len} <= {block_size}"
-            )
-        extra = dict(block_size=block_size, max_rows=prefill_seq_len)
-        if token_bitmask:
-            raise ValueError(
-                "structured output (--structured-output) is not built for hybrid targets yet: "
-                "export without it"
-            )
-    cls = ExportHybridTarget if extra else ExportTarget
-    if token_bitmask:
-        extra["token_bitmask"] = True
+    options = program_options(hf_model, prefill_seq_len, block_size, draft_q, token_bitmask)
+    cls, options = program_class(hf_model, prefill_seq_len, block_size, options)
     module = cls.from_hf(
         hf_model,
         fc_weight,
@@ -217,26 +239,18 @@ def export_target(
         sampling=sampling,
         sampling_candidates=sampling_candidates,
         continuous_batching=full_batch_size is not None,
-        **extra,
+        **options,
     ).eval()
-    if draft_q and cls is ExportHybridTarget:
-        raise ValueError("q-aware verification (draft_q) is not built for hybrid targets")
-    if verify_rule == contract.BLOCK and sampling:
-        if cls is ExportHybridTarget:
-            raise ValueError(
-                "block verification (--verify-rule block) is not built for hybrid targets (their "
-                "recurrent state commits by the chain's count): export with --verify-rule chain"
-            )
-        module.block_verify = True
-    rule = verify_rule if sampling else contract.CHAIN
+    block_rule(module, hf_model, verify_rule, sampling)
+    cfg = hf_model.config
     io = target_io(
         module,
-        cfg.hidden_size,
+        cfg.get_text_config().hidden_size,
         emit_logits,
         sampling,
         draft_q if sampling else (),
         token_bitmask,
-        rule,
+        verify_rule if sampling else contract.CHAIN,
     )
     plan = contract.shape_plan(
         block_size,
@@ -248,10 +262,20 @@ def export_target(
         verify_lengths=verify_lengths,
         sampling=sampling,
     )
-    specializations = contract.target_specializations(plan)
+    path, specializations, report = _export(
+        module, io, plan, out_path, stream_from, external_data, fp16_check
+    )
+    sizes = dict(block_size=block_size, prefill_seq_len=prefill_seq_len)
+    sizes |= dict(comp_ctx_lengths=list(plan.windows), verify_lengths=list(plan.verify_lengths))
+    facts = _module_facts(module, cfg, sampling, hidden_norm_eps)
+    return {**program_facts(path, io, specializations, report), **sizes, **facts}
 
-    # Trace at the prefill shape, at least 2 rows (no size-1 dim specialised away); streaming:
-    # at 2 rows (the same graph: every varying dim is symbolic; the tracer keeps intermediates).
+
+def _export(module, io, plan, out_path, stream_from, external_data, fp16_check):
+    """Trace `module` at the prefill shape, at least 2 rows (no size-1 dim specialised away);
+    streaming: at 2 rows (the same graph: every varying dim is symbolic; the tracer keeps
+    intermediates). -> (path, specializations, graph report)."""
+    specializations = contract.target_specializations(plan)
     sources = None
     if stream_from is not None:
         sources = weights.target_sources(weights.stream_ready(module), stream_from)
@@ -262,15 +286,12 @@ def export_target(
         lambda specs: check_feeds(io, specs),
         out_path,
         check_specs=contract.target_specializations(plan.longest()),
-        trace_rows=2 if stream_from is not None else max(prefill_seq_len, 2),
+        trace_rows=2 if stream_from is not None else max(plan.prefill_seq_len, 2),
         external_data=external_data,
         sources=sources,
         fp16_check=fp16_check,
     )
-    sizes = dict(block_size=block_size, prefill_seq_len=prefill_seq_len)
-    sizes |= dict(comp_ctx_lengths=list(plan.windows), verify_lengths=list(plan.verify_lengths))
-    facts = _module_facts(module, cfg, sampling, hidden_norm_eps)
-    return {**program_facts(path, io, specializations, report), **sizes, **facts}
+    return path, specializations, report
 
 
 def _module_facts(module: ExportTarget, cfg, sampling: bool, hidden_norm_eps: float) -> dict:

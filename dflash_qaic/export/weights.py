@@ -169,9 +169,17 @@ def placeholder_target(t: ck.TargetConfig) -> torch.nn.Module:
 
     cfg = AutoConfig.from_pretrained(t.path, local_files_only=True)
     cfg._attn_implementation = "eager"
+    cfg.get_text_config()._attn_implementation = "eager"
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    text = getattr(model.model, "language_model", model.model)  # a multimodal form's text model
+    text.rotary_emb = type(text.rotary_emb)(config=text.config)
+    for m in text.modules():  # checkpoint buffers (Gemma 4's layer_scalar): placeholders too
+        for k, b in list(m._buffers.items()):
+            if b is not None and b.is_meta:
+                z = torch.zeros(b.shape, dtype=b.dtype)
+                z.view(-1)[:1] = next(_MARKS)  # distinct, as every placeholder (never merged)
+                m._buffers[k] = z
     _materialize(model, transposed={"lm_head.weight"})
     return model.eval()
 
@@ -250,7 +258,7 @@ def _head_sources(pair: ck.Pair, tied: bool) -> dict[str, Source]:
 
 def target_sources(module: torch.nn.Module, pair: ck.Pair) -> dict[str, Source]:
     """Every parameter of an `ExportTarget` -> its checkpoint tensor and transform."""
-    tt, dt, p = pair.target_tensors, pair.draft_tensors, pair.target.prefix
+    t, tt, dt, p = pair.target, pair.target_tensors, pair.draft_tensors, pair.target.prefix
     fixed = {
         "norm.weight": Source(tt[p + "norm.weight"]),
         "fc.weight": Source(dt["fc.weight"], scale=float(module.fc_scale)),
@@ -261,10 +269,10 @@ def target_sources(module: torch.nn.Module, pair: ck.Pair) -> dict[str, Source]:
     for name, param in module.named_parameters():
         if name in fixed:
             out[name] = fixed[name]
-        elif name.startswith("layers.") and p + name in tt:
-            out[name] = Source(tt[p + name])
+        elif name.startswith("layers.") and t.spec.checkpoint_name(t, name) in tt:
+            out[name] = Source(tt[t.spec.checkpoint_name(t, name)])
         elif name.startswith("layers.") and name.endswith((".mlp.gate_up", ".mlp.down")):
-            out[name] = expert_source(tt, p + name, tuple(param.shape))
+            out[name] = expert_source(tt, t.spec.checkpoint_name(t, name), tuple(param.shape))
         else:
             raise KeyError(f"target program parameter `{name}` has no checkpoint tensor")
     return _with_transposes(module, out)

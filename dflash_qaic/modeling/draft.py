@@ -81,10 +81,11 @@ class DraftAttention(nn.Module):
         super().__init__()
         H, hd = c.hidden_size, c.head_dim
         self.n_heads, self.n_kv, self.hd = c.num_heads, c.num_kv_heads, hd
-        self.q_proj = nn.Linear(H, c.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(H, c.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(H, c.num_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * hd, H, bias=False)
+        bias = bool(getattr(c, "attention_bias", False))  # q/k/v/o biases (`attention_bias`)
+        self.q_proj = nn.Linear(H, c.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(H, c.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(H, c.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(c.num_heads * hd, H, bias=bias)
         self.q_norm = RMSNorm(hd, c.rms_norm_eps)
         self.k_norm = RMSNorm(hd, c.rms_norm_eps)
 

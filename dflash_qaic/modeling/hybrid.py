@@ -1,10 +1,8 @@
-"""Hybrid targets (Qwen3.5 / Qwen3.6 dense): Gated DeltaNet layers beside gated full attention.
+"""Gated DeltaNet, the recurrent layer kind of the hybrid targets (Qwen3.5 / Qwen3.6, docs/DESIGN.md,
+Hybrid targets): it retains a state and a conv window per row instead of a KV cache. Built from a
+loaded Hugging Face `Qwen3_5GatedDeltaNet` (its weights only; the forward is ours). The target
+skeleton (modeling/target.py) puts it beside gated full attention (modeling/attention.py).
 
-Built from a loaded Hugging Face `Qwen3_5ForCausalLM` (its weights and rotary tables only; the
-forward is ours). See docs/DESIGN.md, Hybrid targets.
-
-    per layer i (3 linear : 1 full, `layer_types`):
-        h = input_layernorm(x)                       # zero-centred: x̂ · (1 + w)
         linear_attention (GatedDeltaNet, state S [hv, dk, dv] and conv window [C, K-1] per row):
             qkv = silu(causal depthwise conv(window ‖ in_proj_qkv(h)))       # [b, s, C]
             q, k = l2norm(q) / sqrt(dk), l2norm(k);  β = sigmoid(in_proj_b h)
@@ -12,11 +10,6 @@ forward is ours). See docs/DESIGN.md, Hybrid targets.
             per position t: S ← e^g S;  S ← S + k ⊗ β (v − Sᵀk);  o = Sᵀq    (computed in closed
             form over the whole call, below)
             h = out_proj(rmsnorm(o) · w · silu(in_proj_z h))
-        full_attention (GatedAttention):
-            q | gate = q_proj(h);  q, k = q_norm, k_norm (zero-centred);  RoPE on the first
-            partial_rotary_factor of head_dim;  h = o_proj(attend(q, k, v) · sigmoid(gate))
-        x += h;  x += mlp(post_attention_layernorm(x))
-    next_tokens, hidden_states as the dense target (modeling/target.py)
     count = committed positions (`committed_count`); each linear layer writes back the state and
     the conv window after position count - 1 only (`GatedDeltaNet.commit`)
 
@@ -49,31 +42,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dflash_qaic.contract import (
-    BATCH_INDEX,
-    COMP_CTX_LENGTHS,
-    INPUT_IDS,
-    POSITION_IDS,
-    SAMPLING_INPUTS,
-    past_conv,
-    past_key,
-    past_state,
-    past_value,
-)
-from dflash_qaic.modeling.layers import (
-    MASK_VALUE,
-    RMSNorm,
-    Rope,
-    RopeTable,
-    apply_rope,
-    embed_rows,
-    frozen,
-    frozen_linear,
-)
-from dflash_qaic.modeling.moe import mlp_from_hf
-from dflash_qaic.modeling.ops import cache_reads, cache_rows, cache_slots
-from dflash_qaic.modeling.sampler import SAMPLING_CANDIDATES, sample_next_tokens
-from dflash_qaic.modeling.target import ExportTarget, attend, fp16_safe_fc_weight
+from dflash_qaic.contract import past_conv, past_state
+from dflash_qaic.modeling.layers import RMSNorm, frozen, frozen_linear
 
 # Floor of the per-position log decay: exp(-64) ≈ 1.6e-28, so a state decayed by it is gone in
 # fp32 as in fp16, and a call of up to 1023 rows keeps |D| <= 64 · 1023 < 65504.
@@ -181,9 +151,10 @@ def committed_count(input_ids, position_ids, next_tokens, ones, block_size: int)
 class GatedDeltaNet(nn.Module):
     """Hugging Face's `Qwen3_5GatedDeltaNet` over a call, with the state committed apart.
 
-    forward(h, past_state, past_conv, rows, dc) -> (out [b, s, H], pending); `commit(pending,
-    count)` -> (state buffer, conv buffer) after position count - 1 of each row (count 0: as
-    they were). past_state [N, hv, dk, dv]; past_conv [N, C, K-1]; rows [b, 1] (`state_rows`)."""
+    forward(h, call, past_state, past_conv) -> (out [b, s, H], past_state, past_conv, pending),
+    the buffers unchanged; `commit(pending, count, idx)` -> (state buffer, conv buffer) after
+    position count - 1 of each row (count 0: as they were). past_state [N, hv, dk, dv];
+    past_conv [N, C, K-1]."""
 
     def __init__(self, hf: nn.Module):
         super().__init__()
@@ -204,9 +175,21 @@ class GatedDeltaNet(nn.Module):
     def conv_dim(self) -> int:
         return self.conv1d.weight.shape[0]
 
-    def forward(self, h, past_state, past_conv, rows, fresh, dc: DeltaContext):
-        # fresh [b, 1, 1] bool: the row starts a sequence (its first position is 0) and starts
-        # from a zero state and window, whatever its buffers hold from an earlier sequence
+    @property
+    def state_dims(self) -> tuple[int, ...]:
+        """(v_heads, k_head_dim, v_head_dim, conv_dim, kernel - 1): its buffers' dims."""
+        return (self.hv, self.dk, self.dv, self.conv_dim, self.kernel - 1)
+
+    @staticmethod
+    def retained(i: int) -> tuple[str, str]:
+        """The buffers layer i keeps between calls: its state and its conv window."""
+        return past_state(i), past_conv(i)
+
+    def forward(self, h, call, past_state, past_conv):
+        # call (modeling/target.py, Call): rows [b, 1] (`state_rows`); fresh [b, 1, 1] bool: the
+        # row starts a sequence (its first position is 0) and starts from a zero state and
+        # window, whatever its buffers hold from an earlier sequence; dc: `DeltaContext`
+        rows, fresh, dc = call.deltanet
         b, s, _ = h.shape
         hk, r, dk, dv, K = self.hk, self.hv // self.hk, self.dk, self.dv, self.kernel
         # causal depthwise conv over [the row's last K-1 inputs ‖ this call's], K static slices
@@ -246,7 +229,8 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(h).reshape(b, s, hk, r, dv)
         o = RMSNorm.normalize(o, self.eps) * self.norm.weight * F.silu(z)
         out = self.out_proj(o.reshape(b, s, self.hv * dv))
-        return out, (s0, kt, delta, gam_mat, gam, seq, rows, past_state, past_conv)
+        pending = (s0, kt, delta, gam_mat, gam, seq, rows, past_state, past_conv)
+        return out, past_state, past_conv, pending
 
     def commit(self, pending, count: torch.Tensor, idx: torch.Tensor):
         """The state and conv window after position count - 1 of each row, written back to the
@@ -266,251 +250,6 @@ class GatedDeltaNet(nn.Module):
         return scatter_rows(past_state, rows, state), scatter_rows(past_conv, rows, window)
 
 
-class GatedAttention(nn.Module):
-    """Hugging Face's `Qwen3_5Attention`: q_proj yields the query and an output gate; q/k
-    zero-centred RMSNorm; RoPE on the first `rotary_dim` of each head; output · sigmoid(gate)."""
-
-    def __init__(self, hf: nn.Module, n_heads: int, n_kv_heads: int, rotary_dim: int):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, hf.head_dim
-        self.rotary_dim = rotary_dim
-        self.scale = hf.scaling
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            setattr(self, name, frozen_linear(getattr(hf, name)))
-        self.q_norm = RMSNorm.from_hf(hf.q_norm, zero_centred=True)
-        self.k_norm = RMSNorm.from_hf(hf.k_norm, zero_centred=True)
-
-    def forward(self, h, cos, sin, slots, rows, reads, mask, cache_k, cache_v):
-        b, s, _ = h.shape
-        nh, kvh, hd, rd = self.n_heads, self.n_kv_heads, self.head_dim, self.rotary_dim
-        q, gate = self.q_proj(h).view(b, s, nh, 2 * hd).split([hd, hd], dim=-1)
-        q = self.q_norm(q).transpose(1, 2)  # [b, nh, s, hd]
-        k = self.k_norm(self.k_proj(h).view(b, s, kvh, hd)).transpose(1, 2)
-        v = self.v_proj(h).view(b, s, kvh, hd).transpose(1, 2)  # [b, kvh, s, hd]
-        q = torch.cat([apply_rope(q[..., :rd], cos, sin, rd), q[..., rd:]], dim=-1)
-        k = torch.cat([apply_rope(k[..., :rd], cos, sin, rd), k[..., rd:]], dim=-1)
-        dims = (b, s, nh, kvh, hd)
-        out, cache_k, cache_v = attend(
-            q, k, v, dims, self.scale, slots, rows, reads, mask, cache_k, cache_v
-        )
-        out = out * torch.sigmoid(gate.reshape(b, s, nh * hd))
-        return self.o_proj(out), cache_k, cache_v
-
-
-class HybridDecoderLayer(nn.Module):
-    """One decoder layer of a hybrid target: a token mixer (`linear_attn` or `self_attn`) and the
-    MLP, each behind a zero-centred RMSNorm. `mlp` is any module of the same signature (a MoE
-    block takes its place in MoE hybrids)."""
-
-    def __init__(self, hf: nn.Module, cfg):
-        super().__init__()
-        self.input_layernorm = RMSNorm.from_hf(hf.input_layernorm, zero_centred=True)
-        self.post_attention_layernorm = RMSNorm.from_hf(
-            hf.post_attention_layernorm, zero_centred=True
-        )
-        self.linear = hf.block_type == "linear_attention"
-        if self.linear:
-            self.linear_attn = GatedDeltaNet(hf.linear_attn)
-        else:
-            rd = rotary_dim(cfg)
-            heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-            self.self_attn = GatedAttention(hf.self_attn, heads, kv, rd)
-        self.mlp = mlp_from_hf(hf.mlp)  # dense, or sparse MoE (modeling/moe.py)
-
-    def forward(self, x, past_a, past_b, call):
-        """x [b, s, H]; past_a, past_b: the layer's retained pair (key/value caches, or state and
-        conv window); call: `HybridCall`. -> (x, past_a, past_b, pending): a linear layer
-        returns its buffers unchanged and `pending` for `GatedDeltaNet.commit`."""
-        h = self.input_layernorm(x)
-        pending = None
-        if self.linear:
-            args = (call.state_rows, call.fresh, call.delta)
-            h, pending = self.linear_attn(h, past_a, past_b, *args)
-        else:
-            args = (call.cos, call.sin, call.slots, call.rows, call.reads, call.mask)
-            h, past_a, past_b = self.self_attn(h, *args, past_a, past_b)
-        x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, past_a, past_b, pending
-
-
-@dataclass
-class HybridCall:
-    """What every layer of one call shares (computed once per call)."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    slots: torch.Tensor
-    rows: torch.Tensor | None
-    reads: torch.Tensor | None
-    mask: torch.Tensor
-    state_rows: torch.Tensor
-    fresh: torch.Tensor  # [b, 1, 1] bool: the row's first position is 0 (a new sequence)
-    delta: DeltaContext
-
-
-def rotary_dim(cfg) -> int:
-    rp = getattr(cfg, "rope_parameters", None) or {}
-    factor = rp.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
-    return int(cfg.head_dim * factor)
-
-
 def delta_levels(max_rows: int) -> int:
     """Doubling levels `unit_lower_inverse` needs for calls of up to max_rows rows."""
     return max(0, math.ceil(math.log2(max(max_rows, 1))))
-
-
-class ExportHybridTarget(ExportTarget):
-    """The target program of a hybrid model: ExportTarget's inputs, and per layer i either
-    past_key.i / past_value.i (full attention) or past_state.i / past_conv.i (Gated DeltaNet);
-    outputs next_tokens, hidden_states, [logits], num_committed [b] (`committed_count`), then the
-    retained buffers in the same order (contract.TargetIO with `linear_layers`).
-
-    block_size: a call of at most this many rows is a verify (or decode) call, a longer one a
-    prefill chunk (every prefill length exceeds it). max_rows: the longest call (the prefill
-    chunk), which sets the doubling levels of `unit_lower_inverse`."""
-
-    def __init__(self, *args, block_size: int, max_rows: int, **kw):
-        super().__init__(*args, **kw)
-        self.block_size = int(block_size)
-        self.n_levels = delta_levels(max_rows)
-
-    @property
-    def linear_layers(self) -> list[int]:
-        return [i for i, layer in enumerate(self.layers) if layer.linear]
-
-    @property
-    def full_attention(self) -> GatedAttention:
-        return next(layer.self_attn for layer in self.layers if not layer.linear)
-
-    @classmethod
-    def from_hf(
-        cls,
-        hf_model: nn.Module,
-        fc_weight: torch.Tensor,
-        hidden_norm_weight: torch.Tensor,
-        hidden_norm_eps: float,
-        target_layer_ids,
-        ctx_len: int,
-        block_size: int,
-        max_rows: int,
-        emit_logits: bool = False,
-        sampling: bool = True,
-        sampling_candidates: int = SAMPLING_CANDIDATES,
-        continuous_batching: bool = False,
-    ) -> ExportHybridTarget:
-        cfg = hf_model.config
-        _check_hybrid(hf_model, fc_weight, target_layer_ids)
-        base = hf_model.model
-        layers = [HybridDecoderLayer(layer, cfg) for layer in base.layers]
-        rope = RopeTable.from_rope(Rope.from_hf(base.rotary_emb), ctx_len)  # [ctx, rotary_dim]
-        fc_w, fc_scale = fp16_safe_fc_weight(fc_weight)
-        return cls(
-            embed=base.embed_tokens.weight,
-            layers=layers,
-            norm=RMSNorm.from_hf(base.norm, zero_centred=True),
-            lm_head=hf_model.lm_head,
-            rope_cos=rope.cos,
-            rope_sin=rope.sin,
-            fc_weight=fc_w,
-            hidden_norm=RMSNorm(hidden_norm_weight.shape[-1], hidden_norm_eps, hidden_norm_weight),
-            target_layer_ids=target_layer_ids,
-            emit_logits=emit_logits,
-            sampling=sampling,
-            sampling_candidates=sampling_candidates,
-            fc_scale=fc_scale,
-            continuous_batching=continuous_batching,
-            block_size=block_size,
-            max_rows=max_rows,
-        )
-
-    def forward(self, *inputs: torch.Tensor):
-        # the contract's inputs (TargetIO), bound by the names the exporter gives them, as
-        # ExportTarget.forward; past[2i], past[2i+1] = layer i's key/value caches
-        # [b or N, kvh, ctx, hd], or its state [b or N, hv, dk, dv] and conv window [b or N, C, K-1]
-        x = dict(zip(self.input_names, inputs, strict=True))
-        input_ids, position_ids = x[INPUT_IDS], x[POSITION_IDS]
-        batch_index = x[BATCH_INDEX] if self.continuous_batching else None
-        rows = cache_rows(batch_index) if batch_index is not None else None  # -1 -> row 0
-        window = x[COMP_CTX_LENGTHS] if self.comp_ctx else None  # [L]
-        sampling = [x[n] for n in SAMPLING_INPUTS] if self.sampling else []
-        past = [
-            x[n]
-            for i, layer in enumerate(self.layers)
-            for n in (
-                (past_state(i), past_conv(i)) if layer.linear else (past_key(i), past_value(i))
-            )
-        ]
-        ctx_len = self.ctx_len
-        ones = position_ids * 0 + 1  # [b, s]
-        idx = ones[0].cumsum(0) - 1  # [s]: 0 … s-1
-        attn = self.full_attention
-        kv_index = window if window is not None else torch.arange(ctx_len)  # [L]
-        visible = kv_index <= position_ids[..., None]  # [b, s, L]: slot j visible iff j <= pos
-        g = attn.n_heads // attn.n_kv_heads
-        mask = (~visible).to(torch.float32) * MASK_VALUE  # [b, s, L]
-        cos, sin = self.rope(position_ids)  # [b, s, rotary_dim]
-        call = HybridCall(
-            cos=cos,
-            sin=sin,
-            slots=cache_slots(position_ids, ctx_len),
-            rows=rows,
-            reads=cache_reads(rows, window, attn.n_kv_heads, ctx_len),
-            mask=torch.cat([mask] * g, dim=1)[:, None],  # [b, 1, g*s, L]
-            state_rows=state_rows(batch_index, ones),
-            fresh=(position_ids[:, :1] == 0)[:, :, None],
-            delta=DeltaContext.build(idx, self.n_levels),
-        )
-        x = embed_rows(input_ids, self.head_t, self.embed)  # [b, s, H]
-        last = len(self.layers) - 1
-        taps, retained, pending = {}, list(past), {}
-        for i, layer in enumerate(self.layers):
-            x, retained[2 * i], retained[2 * i + 1], pend = layer(
-                x, past[2 * i], past[2 * i + 1], call
-            )
-            if pend is not None:
-                pending[i] = pend
-            if i in self.target_layer_ids and i != last:
-                taps[i] = x  # raw decoder-layer output = HF hidden_states[i + 1]
-        x = self.norm(x)
-        if last in self.target_layer_ids:
-            taps[last] = x
-
-        logits = x @ self.head_t  # [b, s, V]
-        if self.sampling:
-            next_tokens = sample_next_tokens(
-                logits,
-                input_ids,
-                position_ids,
-                *sampling,
-                self.vocab_size,
-                self.sampling_candidates,
-            )
-        else:
-            next_tokens = logits.argmax(dim=-1)
-        count = committed_count(input_ids, position_ids, next_tokens, ones, self.block_size)
-        for i, pend in pending.items():  # the state after the committed positions only
-            retained[2 * i], retained[2 * i + 1] = self.layers[i].linear_attn.commit(
-                pend, count, idx
-            )
-        hidden = self.fuse(torch.cat([taps[j] for j in self.target_layer_ids], dim=-1))
-        extra = (logits,) if self.emit_logits else ()
-        return (next_tokens, hidden, *extra, count, *retained)
-
-
-def _check_hybrid(hf_model: nn.Module, fc_weight: torch.Tensor, target_layer_ids) -> None:
-    cfg = hf_model.config
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r} (only silu)")
-    types = set(cfg.layer_types)
-    if not types <= {"linear_attention", "full_attention"} or "full_attention" not in types:
-        raise ValueError(
-            f"hybrid layer_types {sorted(types)}: expected linear_attention and full_attention"
-        )
-    n_layers = cfg.num_hidden_layers
-    ids = list(target_layer_ids)
-    if not ids or any(not 0 <= j < n_layers for j in ids) or len(set(ids)) != len(ids):
-        raise ValueError(f"target_layer_ids {ids} must be distinct layer ids in [0, {n_layers})")
-    expected = (cfg.hidden_size, len(ids) * cfg.hidden_size)
-    if tuple(fc_weight.shape) != expected:
-        raise ValueError(f"fc weight shape {tuple(fc_weight.shape)} != {expected}")

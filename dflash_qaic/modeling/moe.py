@@ -116,8 +116,3 @@ class SparseMoeBlock(nn.Module):
             gate = torch.sigmoid(self.shared_expert_gate(xt))  # [T, 1]
             y = y + gate * self.shared_expert(xt)
         return y.reshape(b, s, H)
-
-
-def mlp_from_hf(hf: nn.Module) -> nn.Module:
-    """The decoder layer's MLP: a sparse MoE block when the layer has experts, else dense."""
-    return SparseMoeBlock.from_hf(hf) if hasattr(hf, "experts") else MLP.from_hf(hf)

@@ -1,4 +1,4 @@
-"""AI100 custom KV-cache ops: `CtxScatter` and `CtxGather` (domain `com.qualcomm.cloud`, v1).
+"""AI100 custom KV-cache ops: `CtxScatter` and `CtxScatterCB` (domain `com.qualcomm.cloud`, v1).
 
 Each op is a `torch.autograd.Function`: `forward` is plain eager torch, `symbolic` emits a call to
 an ONNX function of the same name whose body is standard ONNX (ScatterND / GatherND). The AI100
@@ -116,14 +116,6 @@ class QaicFunctions:
         indices = op.Concat(bi, hi, pi, axis=3)  # [b, h, s, 3]: (cache row, head, slot)
         return op.ScatterND(data, indices, updates)
 
-    @onnxscript.script(_qaic, default_opset=op)
-    def CtxGather(data, ctx_indices):
-        # data [b, h, ctx, d]; ctx_indices [b, n] in [0, ctx) -> [b, h, n, d]
-        b_h = op.Slice(op.Shape(data), [0], [2])
-        n = op.Slice(op.Shape(ctx_indices), [1], [2])
-        idx = op.Expand(op.Unsqueeze(ctx_indices, [1]), op.Concat(b_h, n, axis=0))  # [b, h, n]
-        return op.GatherND(data, op.Unsqueeze(idx, [3]), batch_dims=2)
-
 
 # ---------------------------------------------------------------- torch ops
 
@@ -169,21 +161,6 @@ class CtxScatterCB(torch.autograd.Function):
         return out.setTypeAs(data)
 
 
-class CtxGather(torch.autograd.Function):
-    """out[b, h, n, :] = cache[b, h, ctx_indices[b, n], :]; indices in [0, ctx_len)."""
-
-    @staticmethod
-    def forward(ctx, data: torch.Tensor, ctx_indices: torch.Tensor):
-        b, h, _, d = data.shape
-        index = ctx_indices[:, None, :, None].expand(b, h, ctx_indices.shape[1], d)
-        return data.gather(2, index)
-
-    @staticmethod
-    def symbolic(g, data, ctx_indices):
-        out = g.onnxscript_op(QaicFunctions.CtxGather, data, ctx_indices)
-        return out.setTypeAs(data)
-
-
 def ctx_scatter(cache: torch.Tensor, slots: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
     return CtxScatter.apply(cache, slots, updates)
 
@@ -203,7 +180,3 @@ def update_cache(cache, rows, slots, new, reads=None) -> tuple[torch.Tensor, tor
         return cache, (cache if reads is None else cache[:, :, reads])
     cache = ctx_scatter_cb(cache, rows, slots, new)
     return cache, F.embedding(reads, cache.flatten(0, 2))  # [N·h·ctx, d] gathered -> [b, h, L, d]
-
-
-def ctx_gather(cache: torch.Tensor, ctx_indices: torch.Tensor) -> torch.Tensor:
-    return CtxGather.apply(cache, ctx_indices)

@@ -1,17 +1,21 @@
 """The target LLM as one export-friendly program: prefill, verify and decode in one forward.
 
-Built from a loaded Hugging Face `Qwen3ForCausalLM` or `LlamaForCausalLM`: only its weights and
-its rotary tables are used; the forward is ours (static KV cache, masks from positions only).
+One skeleton for every family (docs/DESIGN.md, Seams): built from a loaded Hugging Face model,
+whose weights and rotary tables only are used (the forward is ours: static buffers, masks from
+positions only). Each layer is a token mixer and an MLP of the kinds its family names
+(`families.Family.layer_kinds`): attention or gated attention (modeling/attention.py, a KV cache
+per layer), Gated DeltaNet (modeling/hybrid.py, a state and a conv window), a dense MLP or a MoE
+block (modeling/moe.py). Each mixer declares the buffers it retains, so the program's inputs and
+outputs follow from the layers.
 
-    slots  = position, or the padding slot ctx_len - 1 for position -1        # [b, s]
+    call   = slots, RoPE, mask, reads of the call (+ DeltaNet's rows and masks)  # once per call
     x      = embed(input_ids)                                                  # [b, s, H]
     per layer i:
-        q, k, v = proj(input_layernorm(x)); (Qwen3: q_norm/k_norm per head); RoPE at position
-        cache_k[i], cache_v[i] = CtxScatter(cache, slots, k / v)               # [b, kvh, ctx, hd]
-        x += o_proj(softmax(q·kᵀ + mask) · v)   # key slot j visible iff j <= position, j < L
-        x += mlp(post_attention_layernorm(x))
+        x += mixer_i(input_layernorm(x), call, buffers_i)       # attention / Gated DeltaNet
+        x += mlp_i(post_attention_layernorm(x))                 # dense MLP / MoE
     logits      = lm_head(norm(x))                                                 # [b, s, V]
     next_tokens = argmax(logits) where temperature == 0, else the lossless sample  # [b, s]
+    count       = committed positions; DeltaNet layers commit their state there  # hybrids
     hidden      = hidden_norm(fc(concat(taps)))      # [b, s, H], the draft's context feature
 
 Sampling (`sample_next_tokens`, docs/DESIGN.md, Sampling): p = softmax(logits / T) restricted by top-k and
@@ -29,11 +33,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from dflash_qaic.checkpoints import SUPPORTED_TARGETS, UNSUPPORTED_ROPE_TYPES, fp16_fc_scale
+from dflash_qaic import families
+from dflash_qaic.checkpoint_files.values import fp16_fc_scale
 from dflash_qaic.contract import (
     BATCH_INDEX,
     COMP_CTX_LENGTHS,
@@ -44,34 +51,39 @@ from dflash_qaic.contract import (
     LOGITS,
     NEXT_TOKENS,
     NUM_ACCEPTED,
+    NUM_COMMITTED,
     POSITION_IDS,
     SAMPLING_INPUTS,
     TOKEN_BITMASK,
-    past_key,
-    past_value,
 )
 from dflash_qaic.contract import retained as retained_name
+from dflash_qaic.families import base as kinds
+from dflash_qaic.modeling.attention import Attention, GatedAttention, rotary_dim
+from dflash_qaic.modeling.hybrid import (
+    DeltaContext,
+    GatedDeltaNet,
+    committed_count,
+    delta_levels,
+    state_rows,
+)
 from dflash_qaic.modeling.layers import (
     MASK_VALUE,
+    MLP,
     RMSNorm,
     Rope,
     RopeTable,
-    apply_rope,
     embed_rows,
     frozen,
-    frozen_linear,
     vocab_tables,
 )
-from dflash_qaic.modeling.moe import mlp_from_hf
-from dflash_qaic.modeling.ops import cache_reads, cache_rows, cache_slots, update_cache
+from dflash_qaic.modeling.moe import SparseMoeBlock
+from dflash_qaic.modeling.ops import cache_reads, cache_rows, cache_slots
 from dflash_qaic.modeling.sampler import (
     SAMPLING_CANDIDATES,
     mask_logits,
     sample_next_tokens,
     token_allowed,
 )
-
-SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_TARGETS)
 
 
 def fp16_safe_fc_weight(fc_weight: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -87,82 +99,75 @@ def fp16_safe_fc_weight(fc_weight: torch.Tensor) -> tuple[torch.Tensor, float]:
     return (w / s if s > 1.0 else w), s
 
 
-class Attention(nn.Module):
-    def __init__(self, hf: nn.Module, n_heads: int, n_kv_heads: int):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, hf.head_dim
-        self.scale = hf.scaling
-        self.q_proj = frozen_linear(hf.q_proj)
-        self.k_proj = frozen_linear(hf.k_proj)
-        self.v_proj = frozen_linear(hf.v_proj)
-        self.o_proj = frozen_linear(hf.o_proj)
-        qk_norm = getattr(hf, "q_norm", None) is not None  # Qwen3: per-head RMSNorm before RoPE
-        self.q_norm = RMSNorm.from_hf(hf.q_norm) if qk_norm else None
-        self.k_norm = RMSNorm.from_hf(hf.k_norm) if qk_norm else None
-
-    def forward(self, x, cos, sin, slots, rows, reads, mask, cache_k, cache_v):
-        # x [b, s, H]; cos/sin [b, s, hd]; slots [b, s]; reads: the slots read (ops.cache_reads);
-        # mask [b, 1, g*s, L] additive (0 visible, MASK_VALUE hidden); cache_k/cache_v [b, kvh, ctx, hd], or [N, kvh, ctx, hd] with
-        # rows [b, 1] (continuous batching: the call's rows are gathered for attention)
-        b, s, _ = x.shape
-        nh, kvh, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        q = self.q_proj(x).view(b, s, nh, hd)
-        k = self.k_proj(x).view(b, s, kvh, hd)
-        v = self.v_proj(x).view(b, s, kvh, hd).transpose(1, 2)  # [b, kvh, s, hd]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin, hd)  # [b, nh, s, hd]
-        k = apply_rope(k.transpose(1, 2), cos, sin, hd)  # [b, kvh, s, hd]
-        dims = (b, s, nh, kvh, hd)
-        out, cache_k, cache_v = attend(
-            q, k, v, dims, self.scale, slots, rows, reads, mask, cache_k, cache_v
-        )
-        return self.o_proj(out), cache_k, cache_v
-
-
-def attend(q, k, v, dims, scale, slots, rows, reads, mask, cache_k, cache_v):
-    """Write k, v into the caches and attend: q [b, nh, s, hd]; k, v [b, kvh, s, hd]; dims
-    (b, s, nh, kvh, hd); the rest as `Attention.forward` takes them. Returns
-    (out [b, s, nh*hd], cache_k, cache_v). Shared by every attention layer of a target."""
-    b, s, nh, kvh, hd = dims
-    cache_k, keys = update_cache(cache_k, rows, slots, k, reads)  # keys [b, kvh, L, hd]
-    cache_v, values = update_cache(cache_v, rows, slots, v, reads)
-
-    # GQA without repeating the cache: query head h uses kv head h // g, so fold each kv
-    # head's g query heads into the row axis: [b, nh, s, hd] -> [b, kvh, g*s, hd].
-    g = nh // kvh
-    q = q.reshape(b, kvh, g * s, hd) * scale
-    # one broadcast Add over the kv-head axis (a per-layer Where over [b, kvh, g, s, L] was
-    # the graph's most expensive op on ONNX Runtime); a hidden score becomes score - 2048,
-    # whose exp is exactly 0 in fp16 and fp32 whenever the row sees any key
-    probs = (q @ keys.transpose(2, 3) + mask).softmax(dim=-1)  # [b, kvh, g*s, L]
-    out = (probs @ values).view(b, nh, s, hd)  # [b, nh, s, hd]
-    return out.transpose(1, 2).reshape(b, s, nh * hd), cache_k, cache_v
+# The module of each layer kind, built from the Hugging Face decoder layer and its config.
+MIXERS = {
+    kinds.ATTENTION: lambda hf, cfg: Attention(
+        hf.self_attn, cfg.num_attention_heads, cfg.num_key_value_heads
+    ),
+    kinds.GATED_ATTENTION: lambda hf, cfg: GatedAttention(
+        hf.self_attn, cfg.num_attention_heads, cfg.num_key_value_heads, rotary_dim(cfg)
+    ),
+    kinds.DELTANET: lambda hf, cfg: GatedDeltaNet(hf.linear_attn),
+}
+MLPS = {
+    kinds.MLP: lambda hf: MLP.from_hf(hf.mlp),
+    kinds.MOE: lambda hf: SparseMoeBlock.from_hf(hf.mlp),
+}
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hf: nn.Module, n_heads: int, n_kv_heads: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm.from_hf(hf.input_layernorm)
-        self.self_attn = Attention(hf.self_attn, n_heads, n_kv_heads)
-        self.post_attention_layernorm = RMSNorm.from_hf(hf.post_attention_layernorm)
-        self.mlp = mlp_from_hf(hf.mlp)  # dense, or sparse MoE (modeling/moe.py)
+    """A token mixer and an MLP, each behind an RMSNorm (zero-centred in Qwen3.5), each added
+    to the residual stream. The mixer is `self_attn` (attention kinds) or `linear_attn` (Gated
+    DeltaNet), as Hugging Face names them."""
 
-    def forward(self, x, cos, sin, slots, rows, reads, mask, cache_k, cache_v):
-        a, cache_k, cache_v = self.self_attn(
-            self.input_layernorm(x), cos, sin, slots, rows, reads, mask, cache_k, cache_v
+    def __init__(self, hf: nn.Module, cfg, kind: tuple[str, str], zero_centred: bool):
+        super().__init__()
+        mixer, mlp = kind  # families.Family.layer_kinds
+        self.input_layernorm = RMSNorm.from_hf(hf.input_layernorm, zero_centred=zero_centred)
+        self.mixer_name = "linear_attn" if mixer == kinds.DELTANET else "self_attn"
+        setattr(self, self.mixer_name, MIXERS[mixer](hf, cfg))
+        self.post_attention_layernorm = RMSNorm.from_hf(
+            hf.post_attention_layernorm, zero_centred=zero_centred
         )
-        x = x + a
+        self.mlp = MLPS[mlp](hf)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return getattr(self, self.mixer_name)
+
+    def forward(self, x, call: Call, past_a, past_b):
+        """x [b, s, H]; past_a, past_b: the mixer's retained pair (key / value caches, or state /
+        conv window). -> (x, past_a, past_b, pending): a DeltaNet layer returns its buffers
+        unchanged and `pending` for `GatedDeltaNet.commit`."""
+        h, past_a, past_b, pending = self.mixer(self.input_layernorm(x), call, past_a, past_b)
+        x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, cache_k, cache_v
+        return x, past_a, past_b, pending
+
+
+@dataclass
+class Call:
+    """What every layer of one call shares, computed once per call: the attention kinds'
+    (cos, sin [b, s, rotary dim], slots [b, s], rows [b, 1] or None, reads, mask [b, 1, g*s, L])
+    and Gated DeltaNet's (state rows [b, 1], fresh [b, 1, 1], DeltaContext; None without)."""
+
+    attention: tuple
+    deltanet: tuple | None = None
+    ones: torch.Tensor | None = None  # [b, s] ones, idx [s] = 0 … s-1 (DeltaNet's commit)
+    idx: torch.Tensor | None = None
 
 
 class ExportTarget(nn.Module):
     """forward(*inputs) -> outputs, both as contract.TargetIO lists them and bound by name:
     input_ids, position_ids, [batch_index], [comp_ctx_lengths], [temperature, top_k, top_p,
-    random_u], past_key.0, past_value.0, … -> next_tokens, hidden_states, [logits], the retained
-    caches. The sampling inputs are there when `sampling` (the default), batch_index with
-    `continuous_batching`, comp_ctx_lengths with `comp_ctx` (the default).
+    random_u], [draft q], [token_bitmask], each layer's retained pair -> next_tokens,
+    hidden_states, [logits], [num_committed], the retained buffers. The sampling inputs are there
+    when `sampling` (the default), batch_index with `continuous_batching`, comp_ctx_lengths with
+    `comp_ctx` (the default); num_committed when a layer is Gated DeltaNet.
+
+    block_size, max_rows (a model with Gated DeltaNet layers): a call of at most block_size rows
+    is a verify (or decode) call, a longer one a prefill chunk (every prefill length exceeds it);
+    max_rows, the longest call, sets the doubling levels of `hybrid.unit_lower_inverse`.
     """
 
     #: block verification (contract.BLOCK; set by the exporter): also returns num_accepted
@@ -186,6 +191,8 @@ class ExportTarget(nn.Module):
         continuous_batching: bool = False,
         comp_ctx: bool = True,
         token_bitmask: bool = False,
+        block_size: int | None = None,
+        max_rows: int | None = None,
     ):
         super().__init__()
         self.continuous_batching = continuous_batching
@@ -207,10 +214,38 @@ class ExportTarget(nn.Module):
         self.sampling = sampling
         self.sampling_candidates = min(int(sampling_candidates), self.vocab_size)
         self.fc_scale = float(fc_scale)  # fc_weight is fc.weight divided by this
+        if self.linear_layers and (block_size is None or max_rows is None):
+            raise ValueError("a target with Gated DeltaNet layers needs block_size and max_rows")
+        self.block_size = None if block_size is None else int(block_size)
+        self.n_levels = None if max_rows is None else delta_levels(max_rows)
 
     @property
     def ctx_len(self) -> int:
         return self.rope.cos.shape[0]
+
+    @property
+    def linear_layers(self) -> list[int]:
+        """The Gated DeltaNet layers (a hybrid target's)."""
+        return [i for i, layer in enumerate(self.layers) if layer.mixer_name == "linear_attn"]
+
+    @property
+    def attention(self) -> Attention | GatedAttention:
+        """The first attention layer (every attention layer of a target has its shape)."""
+        return next(layer.self_attn for layer in self.layers if layer.mixer_name == "self_attn")
+
+    @property
+    def retained_inputs(self) -> list[str]:
+        """Every layer's retained pair, in layer order, as its mixer names them."""
+        return [n for i, layer in enumerate(self.layers) for n in layer.mixer.retained(i)]
+
+    def io_dims(self) -> dict:
+        """The contract.TargetIO fields the layers decide."""
+        attn, dims = self.attention, {}
+        if self.linear_layers:
+            net = self.layers[self.linear_layers[0]].linear_attn
+            dims = dict(linear_layers=tuple(self.linear_layers), state_dims=net.state_dims)
+        n_layers, n_kv_heads, head_dim = len(self.layers), attn.n_kv_heads, attn.head_dim
+        return dict(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim, **dims)
 
     @classmethod
     def from_hf(
@@ -221,39 +256,65 @@ class ExportTarget(nn.Module):
         hidden_norm_eps: float,
         target_layer_ids: Sequence[int],
         ctx_len: int,
-        emit_logits: bool = False,
-        sampling: bool = True,
-        sampling_candidates: int = SAMPLING_CANDIDATES,
-        continuous_batching: bool = False,
-        token_bitmask: bool = False,
+        **options,
     ) -> ExportTarget:
+        """The program of `hf_model`, its layers of the kinds its family names. options: the
+        constructor's (emit_logits, sampling, sampling_candidates, continuous_batching,
+        token_bitmask, block_size, max_rows)."""
         cfg = hf_model.config
-        _check_supported(hf_model, fc_weight, target_layer_ids)
+        family = families.for_hf(cfg)
+        text = cfg.to_dict()
+        family.check_supported(text, _config_path(cfg))
+        _check_taps(cfg, fc_weight, target_layer_ids)
         base = hf_model.model
+        zc = family.zero_centred_norms
+        layer_kinds = family.layer_kinds(text)
         layers = [
-            DecoderLayer(layer, cfg.num_attention_heads, cfg.num_key_value_heads)
-            for layer in base.layers
+            DecoderLayer(hf, cfg, kind, zc)
+            for hf, kind in zip(base.layers, layer_kinds, strict=True)
         ]
-        rope = RopeTable.from_rope(Rope.from_hf(base.rotary_emb), ctx_len)
+        rope = RopeTable.from_rope(Rope.from_hf(base.rotary_emb), ctx_len)  # [ctx, rotary dim]
         fc_w, fc_scale = fp16_safe_fc_weight(fc_weight)
-        target = cls(
+        hidden_norm = RMSNorm(hidden_norm_weight.shape[-1], hidden_norm_eps, hidden_norm_weight)
+        return cls(
             embed=base.embed_tokens.weight,
             layers=layers,
-            norm=RMSNorm.from_hf(base.norm),
+            norm=RMSNorm.from_hf(base.norm, zero_centred=zc),
             lm_head=hf_model.lm_head,  # tied or not: whatever HF's head holds
             rope_cos=rope.cos,
             rope_sin=rope.sin,
             fc_weight=fc_w,
-            hidden_norm=RMSNorm(hidden_norm_weight.shape[-1], hidden_norm_eps, hidden_norm_weight),
+            hidden_norm=hidden_norm,
             target_layer_ids=target_layer_ids,
-            emit_logits=emit_logits,
-            sampling=sampling,
-            sampling_candidates=sampling_candidates,
             fc_scale=fc_scale,
-            continuous_batching=continuous_batching,
-            token_bitmask=token_bitmask,
+            **options,
         )
-        return target
+
+    def call(self, position_ids, batch_index, window) -> Call:
+        """What every layer of a call shares (see `Call`)."""
+        ctx_len = self.ctx_len
+        rows = cache_rows(batch_index) if batch_index is not None else None  # -1 -> row 0
+        slots = cache_slots(position_ids, ctx_len)  # [b, s]; -1 -> padding slot ctx_len - 1
+        cos, sin = self.rope(position_ids)  # [b, s, rotary dim]
+        # key slot j is visible to a query iff j <= its position: causal within the call, stale
+        # slots after a rejection hidden, and a padding row (position -1) sees nothing.
+        kv_index = window if window is not None else torch.arange(ctx_len)  # [L]
+        visible = kv_index <= position_ids[..., None]  # [b, s, L]
+        # the additive mask, once per call, laid out as attention's rows (kv head's g query
+        # heads folded into the row axis, see attention.attend): [b, 1, g*s, L]
+        attn = self.attention
+        g = attn.n_heads // attn.n_kv_heads
+        mask = (~visible).to(torch.float32) * MASK_VALUE  # [b, s, L]: 0 or MASK_VALUE
+        mask = torch.cat([mask] * g, dim=1)[:, None]
+        reads = cache_reads(rows, window, attn.n_kv_heads, ctx_len)  # shared by every layer
+        call = Call((cos, sin, slots, rows, reads, mask))
+        if self.linear_layers:
+            call.ones = position_ids * 0 + 1  # [b, s]
+            call.idx = call.ones[0].cumsum(0) - 1  # [s]: 0 … s-1
+            fresh = (position_ids[:, :1] == 0)[:, :, None]  # [b, 1, 1]: a new sequence
+            dc = DeltaContext.build(call.idx, self.n_levels)
+            call.deltanet = (state_rows(batch_index, call.ones), fresh, dc)
+        return call
 
     def forward(self, *inputs: torch.Tensor):
         # the contract's inputs (TargetIO), bound by the names the exporter gives them
@@ -261,36 +322,27 @@ class ExportTarget(nn.Module):
         # input_ids, position_ids [b, s] int64 (position -1 = padding); with continuous
         # batching, batch_index [b, 1]; comp_ctx_lengths [L] = 0 … L-1, the slots attention
         # reads; with sampling, temperature, top_k, top_p [b] and random_u [b, sample_len, 2];
-        # past[2i], past[2i+1] = key / value cache of layer i [b or N, kvh, ctx, hd]
+        # each layer's retained pair (key / value caches [b or N, kvh, ctx, hd], or a DeltaNet
+        # layer's state [b or N, hv, dk, dv] and conv window [b or N, C, K-1])
         x = x_in = dict(zip(self.input_names, inputs, strict=True))
         input_ids, position_ids = x[INPUT_IDS], x[POSITION_IDS]
-        rows = cache_rows(x[BATCH_INDEX]) if self.continuous_batching else None  # -1 -> row 0
+        batch_index = x[BATCH_INDEX] if self.continuous_batching else None
         window = x[COMP_CTX_LENGTHS] if self.comp_ctx else None  # [L]
         sampling = [x[n] for n in SAMPLING_INPUTS] if self.sampling else []
         q = {"q_ids": x[DRAFT_Q_IDS], "q_probs": x[DRAFT_Q_PROBS]} if DRAFT_Q_IDS in x else {}
-        kv = [n for i in range(len(self.layers)) for n in (past_key(i), past_value(i))]
-        past = [x[n] for n in kv]
-        ctx_len = self.ctx_len
-        slots = cache_slots(position_ids, ctx_len)  # [b, s]; -1 -> padding slot ctx_len - 1
-        cos, sin = self.rope(position_ids)  # [b, s, hd]
-        # key slot j is visible to a query iff j <= its position: causal within the call, stale
-        # slots after a rejection hidden, and a padding row (position -1) sees nothing.
-        kv_index = window if window is not None else torch.arange(ctx_len)  # [L]
-        visible = kv_index <= position_ids[..., None]  # [b, s, L]
-        # the additive mask, once per call, laid out as attention's rows (kv head's g query
-        # heads folded into the row axis, see Attention): [b, 1, g*s, L]
-        g = self.layers[0].self_attn.n_heads // self.layers[0].self_attn.n_kv_heads
-        mask = (~visible).to(torch.float32) * MASK_VALUE  # [b, s, L]: 0 or MASK_VALUE
-        mask = torch.cat([mask] * g, dim=1)[:, None]
+        names = self.retained_inputs
+        past = [x[n] for n in names]
+        call = self.call(position_ids, batch_index, window)
 
-        kvh = self.layers[0].self_attn.n_kv_heads
-        reads = cache_reads(rows, window, kvh, ctx_len)  # once per call, shared by every layer
         x = embed_rows(input_ids, self.head_t, self.embed)  # [b, s, H]
         last = len(self.layers) - 1
-        taps, retained = {}, []
+        taps, retained, pending = {}, list(past), {}
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, cos, sin, slots, rows, reads, mask, past[2 * i], past[2 * i + 1])
-            retained += [k, v]
+            x, retained[2 * i], retained[2 * i + 1], pend = layer(
+                x, call, past[2 * i], past[2 * i + 1]
+            )
+            if pend is not None:
+                pending[i] = pend
             if i in self.target_layer_ids and i != last:
                 taps[i] = x  # raw decoder-layer output = HF hidden_states[i + 1]
         x = self.norm(x)  # [b, s, H]
@@ -313,9 +365,17 @@ class ExportTarget(nn.Module):
                 next_tokens, accepted[NUM_ACCEPTED] = next_tokens
         else:
             next_tokens = logits.argmax(dim=-1)  # [b, s] int64
-        hidden = self.fuse(torch.cat([taps[j] for j in self.target_layer_ids], dim=-1))
-        out = {NEXT_TOKENS: next_tokens, HIDDEN_STATES: hidden, LOGITS: logits, **accepted}
-        out.update((retained_name(n), t) for n, t in zip(kv, retained, strict=True))
+        out = {NEXT_TOKENS: next_tokens, LOGITS: logits, **accepted}
+        if pending:  # DeltaNet layers: the state after the committed positions only
+            count = committed_count(
+                input_ids, position_ids, next_tokens, call.ones, self.block_size
+            )
+            for i, pend in pending.items():
+                net = self.layers[i].linear_attn
+                retained[2 * i], retained[2 * i + 1] = net.commit(pend, count, call.idx)
+            out[NUM_COMMITTED] = count
+        out[HIDDEN_STATES] = self.fuse(torch.cat([taps[j] for j in self.target_layer_ids], dim=-1))
+        out.update((retained_name(n), t) for n, t in zip(names, retained, strict=True))
         return tuple(out[n] for n in self.output_names)  # the contract's outputs, by name
 
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
@@ -332,20 +392,13 @@ class ExportTarget(nn.Module):
         return self.hidden_norm(self.fc(feats / m), (eps_root / m).clamp(min=2.0**-24))
 
 
-def _check_supported(hf_model: nn.Module, fc_weight: torch.Tensor, target_layer_ids) -> None:
-    cfg = hf_model.config
-    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"unsupported target model_type {cfg.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
-        )
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r} (only silu)")
-    layer_types = getattr(cfg, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError(f"sliding-window layers are not supported: {sorted(set(layer_types))}")
-    rope_type = getattr(hf_model.model.rotary_emb, "rope_type", "default")
-    if rope_type in UNSUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope_type {rope_type!r} depends on sequence length; not supported")
+def _config_path(cfg) -> Path:
+    """Where a loaded model's config came from (for messages)."""
+    return Path(getattr(cfg, "name_or_path", "") or "<model>") / "config.json"
+
+
+def _check_taps(cfg, fc_weight: torch.Tensor, target_layer_ids) -> None:
+    """The draft's taps: distinct layers of the model, and an fc of matching shape."""
     n_layers = cfg.num_hidden_layers
     ids = list(target_layer_ids)
     if not ids or any(not 0 <= j < n_layers for j in ids) or len(set(ids)) != len(ids):

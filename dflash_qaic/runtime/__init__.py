@@ -11,15 +11,14 @@ import os
 import re
 from pathlib import Path
 
-from dflash_qaic.manifest import (
-    VERIFY_MODES,
+from dflash_qaic.artifacts.manifest import (
     ArtifactsError,
     Manifest,
-    Program,
+    ProgramRecord,
     inside,
     read_manifest,
 )
-from dflash_qaic.runtime import devices
+from dflash_qaic.runtime import devices, options
 from dflash_qaic.runtime.backends import (
     BackendError,
     OrtProgram,
@@ -29,9 +28,9 @@ from dflash_qaic.runtime.backends import (
     qaic_session_factory,
 )
 from dflash_qaic.runtime.devices import profile_placement
+from dflash_qaic.runtime.options import LoadOptions
 from dflash_qaic.runtime.pipeline import GenerationError, GenerationResult, Pipeline
 
-BACKENDS = ("ort", "qaic", "auto", "qaic-standin")
 #: single-sequence programs up to this size run on one ONNX Runtime thread by default: their
 #: ops are so small that waking a second thread per op costs more than it saves (default pair:
 #: verify 2.7 -> 2.0 ms, decode 1.1 -> 0.7 ms with 1 thread instead of 2); with continuous
@@ -49,46 +48,23 @@ __all__ = [
 ]
 
 
-def _qpc_path(d: Path, prog: Program, name: str) -> Path:
-    if len(prog.qpcs) > 1:  # a separate prefill QPC: see docs/DESIGN.md, Disaggregated prefill
-        raise ArtifactsError(
-            f"the {name} program of {d} is split over {len(prog.qpcs)} QPCs "
-            f"({', '.join(q.part for q in prog.qpcs)}): these artifacts come from an older "
-            "version compiled with a disaggregated profile, which is no longer supported; "
-            "re-export them (dflash-export, with a profile from qpc_configs/)"
-        )
-    if not prog.qpcs or not prog.qpcs[0].ready:
+def _qpc_path(d: Path, prog: ProgramRecord, name: str) -> Path:
+    if prog.qpc is None or not prog.qpc.ready:
         raise BackendError(
             f"the {name} program of {d} has no compiled QPC (compilation was skipped: no "
             "qaic-compile on the exporting host). Run the commands in "
             f"{d}/{name}/qpc-*/compile.cmd from {d} on an AI100 host, or re-export there"
         )
-    return inside(d, prog.qpcs[0].qpc, f"{name}.qpc")
+    return inside(d, prog.qpc.qpc, f"{name}.qpc")
 
 
-def _io(prog: Program) -> tuple[list[dict], list[dict]]:
+def _io(prog: ProgramRecord) -> tuple[list[dict], list[dict]]:
     """The program's inputs and outputs as the backends take them (from the contract object)."""
 
     def spec(s):
         return {"name": s.name, "dtype": s.dtype, "shape": list(s.shape)}
 
     return [spec(s) for s in prog.io.inputs], [spec(s) for s in prog.io.outputs]
-
-
-def _check_args(backend, threads, tokenizer, verify) -> None:
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise BackendError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS[:3])}")
-    max_threads = 4 * (os.cpu_count() or 1)
-    if threads is not None and (
-        isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= max_threads
-    ):
-        raise BackendError(
-            f"threads must be None or an integer in [1, {max_threads}] (4 per core), got {threads!r}"
-        )
-    if not isinstance(tokenizer, bool):
-        raise BackendError(f"tokenizer must be True or False, got {tokenizer!r}")
-    if verify not in VERIFY_MODES:
-        raise BackendError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -115,53 +91,8 @@ def _hub_id_hint(given, d: Path) -> None:
     )
 
 
-def load(
-    artifacts_dir: str | os.PathLike,
-    backend: str = "ort",
-    *,
-    threads: int | None = None,
-    tokenizer: bool = True,
-    verify: str = "fast",
-    device_ids=None,
-) -> Pipeline:
-    """Load an artifacts directory written by `dflash-export`.
-
-    artifacts_dir: the directory holding manifest.json.
-    backend: "ort" (ONNX Runtime, any machine), "qaic" (AI100 via QEfficient/qaicrt), "auto"
-        (qaic when its runtime and compiled QPCs are present, else ort), or "qaic-standin"
-        (the AI100 buffer logic over ONNX Runtime, for tests without a card).
-    threads: ONNX Runtime intra-op threads, 1 … 4 × cores (None: 1 for single-sequence
-        programs up to 64 MiB, else ONNX Runtime's default, one per core).
-    tokenizer: load the tokenizer the artifacts carry (text prompts, `res.text`); False skips it.
-    verify: "fast" checks every file's size and sha256, taking the sha256 of a file unchanged
-        since it was last verified from the cache of verified files (dflash_qaic/files.py);
-        "full" hashes every file now; "none" checks only that they exist.
-    device_ids: where this replica's programs run (None: where the compile profile put them).
-        A list, e.g. [4] or [4, 5], is the replica's device group: the profile's devices, in
-        increasing order, renamed to these; {"target": [...], "draft": [...]} names each
-        program's own (the two may share a device only where the profile has them share one).
-        Distinct ints ≥ 0; on "qaic" they must exist on the host. ONNX Runtime records them
-        (`pipe.device_ids`) for reports. See dflash_qaic/runtime/devices.py.
-
-    Raises ArtifactsError for a missing, incomplete, damaged or untrusted directory (every
-    manifest path must stay inside it), BackendError for a backend that cannot run here.
-    """
-    _check_args(backend, threads, tokenizer, verify)
-    d = Path(artifacts_dir)
-    _hub_id_hint(artifacts_dir, d)
-    m = read_manifest(d, verify=verify)
-    if backend == "auto":
-        backend = "qaic" if m.compiled and qaic_available() else "ort"
-    placement = None if device_ids is None else devices.place(device_ids, profile_placement(m))
-    if backend == "qaic":
-        if placement is None:
-            placement = profile_placement(m)
-        else:
-            devices.check_present(placement, devices.host_devices())
-
-    small = m.target.onnx_bytes + m.draft.onnx_bytes <= SMALL_PROGRAMS_BYTES
-    if threads is None and small and m.full_batch_size is None:
-        threads = 1
+def _programs(d: Path, m: Manifest, backend: str, threads, placement) -> dict:
+    """Both programs on `backend` (name → the runtime's program object, runtime/backends.py)."""
     symbols = {"batch_size": m.batch_size, "ctx_len": m.ctx_len}
     if m.full_batch_size is not None:  # continuous batching: the caches have this many rows
         symbols["full_batch_size"] = m.full_batch_size
@@ -181,7 +112,62 @@ def load(
             qpc = _qpc_path(d, prog, name)
             session = factory(str(qpc), device_ids=list(getattr(placement, name)))
             programs[name] = QaicProgram(session, inputs, outputs, specs)
+    return programs
 
+
+_D = LoadOptions()
+
+
+def load(
+    artifacts_dir: str | os.PathLike,
+    backend: str = _D.backend,
+    *,
+    threads: int | None = _D.threads,
+    tokenizer: bool = _D.tokenizer,
+    check_files: str = _D.check_files,
+    device_ids=_D.device_ids,
+    verify: str | None = None,
+) -> Pipeline:
+    """Load an artifacts directory written by `dflash-export`.
+
+    artifacts_dir: the directory holding manifest.json. The options (runtime/options.py, the
+    table the commands' flags come from too):
+    {options}
+    device_ids, further: a list, e.g. [4] or [4, 5], is the replica's device group;
+        {"target": [...], "draft": [...]} names each program's own (the two may share a device
+        only where the profile has them share one). Distinct ints ≥ 0; on "qaic" they must
+        exist on the host (dflash_qaic/runtime/devices.py).
+    verify: the old name of check_files (a DeprecationWarning).
+
+    Raises ArtifactsError for a missing, incomplete, damaged or untrusted directory (every
+    manifest path must stay inside it), BackendError for a backend that cannot run here.
+    """
+    if verify is not None:
+        options.deprecated("load(verify=...)", "load(check_files=...)")
+        check_files = verify
+    LoadOptions(  # checks every value
+        backend=backend,
+        threads=threads,
+        tokenizer=tokenizer,
+        check_files=check_files,
+        device_ids=device_ids,
+    )
+    d = Path(artifacts_dir)
+    _hub_id_hint(artifacts_dir, d)
+    m = read_manifest(d, check_files=check_files)
+    if backend == "auto":
+        backend = "qaic" if m.compiled and qaic_available() else "ort"
+    placement = None if device_ids is None else devices.place(device_ids, profile_placement(m))
+    if backend == "qaic":
+        if placement is None:
+            placement = profile_placement(m)
+        else:
+            devices.check_present(placement, devices.host_devices())
+
+    small = m.target.onnx_bytes + m.draft.onnx_bytes <= SMALL_PROGRAMS_BYTES
+    if threads is None and small and m.full_batch_size is None:
+        threads = 1
+    programs = _programs(d, m, backend, threads, placement)
     tok = None
     if tokenizer and m.tokenizer:
         from dflash_qaic.runtime.tokenizer import TokenizerError, load_tokenizer
@@ -199,3 +185,6 @@ def load(
         threads=threads,
         device_ids=placement,
     )
+
+
+load.__doc__ = load.__doc__.replace("    {options}", options.docs())

@@ -16,7 +16,7 @@ from dflash_qaic.runtime.streamer import IncrementalDetokenizer
 
 
 def parser() -> argparse.ArgumentParser:
-    from dflash_qaic.manifest import add_verify_argument
+    from dflash_qaic.runtime import options
 
     p = argparse.ArgumentParser(prog="dflash-run", description=__doc__.split("\n\n")[0])
     p.add_argument("artifacts", help="artifacts directory written by dflash-export")
@@ -24,9 +24,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", help="prompt text (needs the target's tokenizer)")
     g.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--backend", default="ort", choices=["ort", "qaic", "auto", "qaic-standin"])
-    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
-    add_verify_argument(p)
+    options.add_arguments(p, "backend", "threads", "check_files")
     p.add_argument(
         "--stop-token-ids",
         default=None,
@@ -143,11 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import dflash_qaic
         from dflash_qaic.logs import show
-        from dflash_qaic.runtime import ArtifactsError, BackendError, GenerationError
+        from dflash_qaic.runtime import ArtifactsError, BackendError, GenerationError, options
 
         show(stream="stderr")
         pipe = dflash_qaic.load(
-            args.artifacts, backend=args.backend, threads=args.threads, verify=args.verify
+            args.artifacts, **options.from_args(args, "backend", "threads", "check_files")
         )
         stream, flush = None, None
         if args.stream and not args.json:

@@ -61,8 +61,8 @@ def profile_placement(manifest) -> Placement:
     """Where the compile profile put the two programs (a program with no QPC record: [0])."""
     ids = []
     for name in PROGRAMS:
-        qpcs = manifest.program(name).qpcs
-        ids.append(tuple(qpcs[0].device_ids) if qpcs else (0,))
+        qpc = manifest.program(name).qpc
+        ids.append(tuple(qpc.device_ids) if qpc is not None else (0,))
     return Placement(*ids)
 
 
@@ -191,31 +191,3 @@ def parse_device_ids(text: str) -> list[int]:
         raise ValueError(
             f"--device-ids takes integers separated by commas, e.g. 4 or 4,5 (got {text!r})"
         ) from None
-
-
-def add_device_ids_argument(parser, *, repeat: bool = False) -> None:
-    """`--device-ids` of the commands that load artifacts. repeat=True (dflash-serve-replicas):
-    the flag is given once per replica, each time one replica's device group."""
-    import argparse
-
-    def parse(text: str) -> list[int]:
-        try:
-            return parse_device_ids(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    help_ = (
-        "the AI100 devices of the replica, e.g. 4 or 4,5: the compile profile's devices, in "
-        "increasing order, renamed to these (as many as the profile uses; default: the "
-        "profile's own). ONNX Runtime records and reports them (docs/DESIGN.md, Replicas)"
-    )
-    if repeat:
-        parser.add_argument(
-            "--device-ids",
-            type=parse,
-            action="append",
-            default=None,
-            help="one replica's devices, given once per replica: " + help_.split(": ", 1)[1],
-        )
-    else:
-        parser.add_argument("--device-ids", type=parse, default=None, help=help_)

@@ -1,7 +1,7 @@
 """The host loop: one engine steps every sequence in flight (docs/DESIGN.md, Runtime and
 Continuous batching; the algorithm is docs/DESIGN.md, Algorithm). Three parts:
 
-    Engine (here)       the scheduler: a FIFO of requests, the slots (cache rows), admission
+    BatchEngine (here)  the scheduler: a FIFO of requests, the slots (cache rows), admission
                         into a free slot, prefill within the admission policy, one step over
                         the slots in flight, retirement
     runtime/buffers.py  the host buffers of every call, typed and allocated once
@@ -54,7 +54,7 @@ from dflash_qaic.runtime.sequence import Request, Sequence
 from dflash_qaic.runtime.stats import GenerationResult, StepCosts, result
 from dflash_qaic.runtime.step import CallFailed, DecodeStep, DFlashStep, Prefill, SlotState
 
-__all__ = ["MODES", "Engine", "EngineConfig", "GenerationResult", "Request", "Sequence"]
+__all__ = ["MODES", "BatchEngine", "EngineConfig", "GenerationResult", "Request", "Sequence"]
 
 log = logging.getLogger("dflash_qaic.runtime")
 
@@ -112,7 +112,7 @@ class EngineConfig:
         return lengths if confidence else [B]
 
 
-class Engine:
+class BatchEngine:
     """Continuous batching over two programs (module docstring).
 
     engine.add(request) -> Sequence      queue a request (any number; they wait for a slot)

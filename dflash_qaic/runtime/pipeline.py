@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from dflash_qaic.manifest import Manifest
-from dflash_qaic.runtime.engine import Engine, EngineConfig
+from dflash_qaic.artifacts.manifest import Manifest
+from dflash_qaic.runtime.engine import BatchEngine, EngineConfig
 from dflash_qaic.runtime.requests import GenerationError, RequestChecks, Sampling
 from dflash_qaic.runtime.sequence import Request
 from dflash_qaic.runtime.stats import GenerationResult, StepCosts
@@ -53,7 +53,7 @@ class Pipeline(RequestChecks):
         threads: int | None = None,
         device_ids=None,
     ):
-        """manifest: a `dflash_qaic.manifest.Manifest`, or its JSON form (validated here).
+        """manifest: a `dflash_qaic.artifacts.manifest.Manifest`, or its JSON form (validated here).
         config: how its engines run (EngineConfig; `configure` changes it); threads: the
         programs' ONNX Runtime threads, for reports (None: ONNX Runtime's default);
         device_ids: where the programs run (`runtime.devices.Placement`: target and draft
@@ -104,11 +104,11 @@ class Pipeline(RequestChecks):
     max_running = property(lambda self: self.config.max_running)
     prefill_chunks_per_step = property(lambda self: self.config.prefill_chunks_per_step)
 
-    def engine(self, mode: str = "dflash", **changes) -> Engine:
+    def engine(self, mode: str = "dflash", **changes) -> BatchEngine:
         """A continuous-batching engine over these programs (what dflash-serve drives), with
         the pipeline's config (and `changes` to it)."""
         m = self.artifacts
-        return Engine(
+        return BatchEngine(
             dataclasses.replace(self.config, mode=mode, **changes),
             self.plan,
             self.target,

@@ -41,7 +41,7 @@ from starlette.exceptions import HTTPException
 from dflash_qaic import contract
 from dflash_qaic.runtime.pipeline import GenerationError, Sampling
 from dflash_qaic.serve import protocol as proto
-from dflash_qaic.serve.engine import Engine, EngineFull, Handle, Output, Params
+from dflash_qaic.serve.engine import AsyncEngine, EngineFull, Handle, Output, Params
 from dflash_qaic.serve.limits import (
     default_max_request_bytes,
     longest_token_chars,
@@ -50,8 +50,7 @@ from dflash_qaic.serve.limits import (
 )
 from dflash_qaic.serve.metrics import CONTENT_TYPE
 from dflash_qaic.serve.protocol import APIError
-from dflash_qaic.serve.tools import ToolPlan
-from dflash_qaic.serve.tools import call_id as tool_call_id
+from dflash_qaic.serve.tools import ToolPlan, ToolStream
 
 log = logging.getLogger("dflash_qaic.serve")
 
@@ -70,7 +69,7 @@ class Frontend:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: AsyncEngine,
         model_name: str,
         tokenizer,
         chat_template: str | None,
@@ -347,7 +346,7 @@ def _cut(fe: Frontend, out: Output) -> bool:
     return out.finish_reason == "abort" and fe.engine.stopping
 
 
-def _cut_error(engine: Engine | None = None) -> APIError:
+def _cut_error(engine: AsyncEngine | None = None) -> APIError:
     why = (engine.stop_reason if engine is not None else None) or "the server was stopped"
     return APIError(
         f"the server is shutting down and cut this request before it finished ({why}): send "
@@ -358,11 +357,11 @@ def _cut_error(engine: Engine | None = None) -> APIError:
 
 async def _events(fe: Frontend, first: Output, handle: Handle, rid, chat, req, metrics, plan=None):
     """The server-sent events of one streamed answer, from its first Output on. Tool calls
-    stream as vLLM streams them: a named function's arguments as they come (the first delta
-    carries the call's id and name); `required` and `auto` replies whole, once complete."""
+    stream as vLLM streams them (serve/tools.py, ToolStream): each call's first delta carries
+    its id and name, its arguments follow as they are generated."""
     created, model, ids = int(time.time()), fe.model_name, req.return_token_ids
     tools = plan is not None and plan.calls_tools
-    held, call = [], None  # tools: the text so far; a named function's call id
+    stream = ToolStream(plan, req.parallel_tool_calls) if tools else None
     try:
         if chat:
             yield _sse(proto.chunk_body(rid, model, created, chat, text="", role="assistant"))
@@ -374,28 +373,16 @@ async def _events(fe: Frontend, first: Output, handle: Handle, rid, chat, req, m
                 yield _sse(err.body())
                 break
             if tools:
-                reason = out.finish_reason
-                if plan.mode == "named" and out.text:
-                    delta = {"index": 0, "function": {"arguments": out.text}}
-                    if call is None:
-                        call = tool_call_id()
-                        delta.update(id=call, type="function")
-                        delta["function"]["name"] = plan.name
-                    yield _sse(proto.chunk_body(rid, model, created, chat, tool_calls=[delta]))
-                elif plan.mode != "named":
-                    held.append(out.text)
+                content, deltas = stream.feed(out.text, out.final)
+                if content or deltas:
+                    yield _sse(
+                        proto.chunk_body(
+                            rid, model, created, chat, content, tool_calls=deltas or None
+                        )
+                    )
                 if out.final:
-                    calls = []
-                    if plan.mode != "named":
-                        content, calls = plan.parse("".join(held), req.parallel_tool_calls)
-                        deltas = [dict(c, index=i) for i, c in enumerate(calls)]
-                        if content or deltas:
-                            yield _sse(
-                                proto.chunk_body(
-                                    rid, model, created, chat, content, tool_calls=deltas or None
-                                )
-                            )
-                    if (call is not None or calls) and reason == "stop":
+                    reason = out.finish_reason
+                    if stream.called and reason == "stop":
                         reason = "tool_calls"
                     yield _sse(proto.chunk_body(rid, model, created, chat, None, reason))
             elif out.text or out.final or (ids and out.token_ids):
@@ -484,7 +471,7 @@ class _CancelledAtShutdown:
     a 503 JSON error; in a stream: the final chunk (finish_reason "abort") and `data: [DONE]`,
     as the route left them in the request's state."""
 
-    def __init__(self, app, engine: Engine | None = None):
+    def __init__(self, app, engine: AsyncEngine | None = None):
         self.app, self.engine = app, engine
 
     async def __call__(self, scope, receive, send):
@@ -536,7 +523,7 @@ class Server(uvicorn.Server):
     GRACE = 10.0
     JOIN_S = 120.0  # the worker ends at its next step; a step that takes longer is a hang
 
-    def __init__(self, config: uvicorn.Config, engine: Engine, cut_after: float):
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, cut_after: float):
         config.timeout_graceful_shutdown = cut_after + self.GRACE
         super().__init__(config)
         self.engine, self.cut_after = engine, cut_after
@@ -611,7 +598,7 @@ class _ApiKey:
 
 
 def create_app(
-    engine: Engine,
+    engine: AsyncEngine,
     model_name: str,
     tokenizer=None,
     chat_template: str | None = None,
@@ -642,7 +629,22 @@ def create_app(
         tool_call_parser,
     )
     fe.log_requests = log_requests
-    metrics = engine.metrics
+    app = FastAPI(
+        title="dflash-serve", lifespan=_lifespan(engine, fe), docs_url=None, redoc_url=None
+    )
+    app.add_middleware(_CancelledAtShutdown, engine=engine)
+    if api_key:
+        app.add_middleware(_ApiKey, key=api_key, metrics=engine.metrics)
+    app.state.frontend = fe
+    _add_error_handlers(app, engine.metrics)
+    _add_info_routes(app, fe, model_name)
+    app.add_api_route("/v1/completions", _completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", _chat_completions, methods=["POST"])
+    return app
+
+
+def _lifespan(engine: AsyncEngine, fe: Frontend):
+    """The app's lifespan: the engine runs while the app does."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -651,11 +653,11 @@ def create_app(
         engine.shutdown()
         fe.pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="dflash-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.add_middleware(_CancelledAtShutdown, engine=engine)
-    if api_key:
-        app.add_middleware(_ApiKey, key=api_key, metrics=metrics)
-    app.state.frontend = fe
+    return lifespan
+
+
+def _add_error_handlers(app: FastAPI, metrics) -> None:
+    """Every error answers in OpenAI's JSON form (and is counted)."""
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -670,6 +672,11 @@ def create_app(
     @app.exception_handler(Exception)
     async def _internal(request, e: Exception):
         return _error_response(APIError(f"internal error: {type(e).__name__}: {e}", 500), metrics)
+
+
+def _add_info_routes(app: FastAPI, fe: Frontend, model_name: str) -> None:
+    """/health, /metrics (Prometheus) and /v1/models."""
+    engine, metrics = fe.engine, fe.engine.metrics
 
     @app.get("/health")
     async def health():
@@ -691,37 +698,38 @@ def create_app(
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        req = proto.parse(proto.CompletionRequest, await read_body(request, fe.max_request_bytes))
-        fe.check_model(req.model)
-        constraint = req.constraint()
-        special = True if req.add_special_tokens is None else req.add_special_tokens
-        ids = await fe.prompt_ids(req.prompt, special)
-        grammar = fe.allowed(req, await fe.grammar(constraint, "response_format"))
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        params = fe.params(req, len(ids), max_tokens, grammar)
-        return await answer(fe, request, req, ids, params, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = await read_body(request, fe.max_request_bytes)
-        req = proto.parse(proto.ChatCompletionRequest, body)
-        fe.check_model(req.model)
-        plan = ToolPlan(req, fe.enable_auto_tool_choice, fe.tool_call_parser)
-        constraint = req.constraint()
-        if plan.constraint is not None:
-            if constraint is not None:
-                raise APIError(
-                    f"tool_choice {req.tool_choice!r} constrains the output itself: leave "
-                    "response_format (and structured_outputs) out",
-                    param="tool_choice",
-                )
-            constraint = plan.constraint
-        ids = await fe.chat_ids(req, plan.tools)
-        param = "tool_choice" if plan.constraint is not None else "response_format"
-        grammar = fe.allowed(req, await fe.grammar(constraint, param))
-        params = fe.params(req, len(ids), req.max_new, grammar)
-        return await answer(fe, request, req, ids, params, chat=True, plan=plan)
+async def _completions(request: Request):
+    """POST /v1/completions."""
+    fe: Frontend = request.app.state.frontend
+    req = proto.parse(proto.CompletionRequest, await read_body(request, fe.max_request_bytes))
+    fe.check_model(req.model)
+    constraint = req.constraint()
+    special = True if req.add_special_tokens is None else req.add_special_tokens
+    ids = await fe.prompt_ids(req.prompt, special)
+    grammar = fe.allowed(req, await fe.grammar(constraint, "response_format"))
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    params = fe.params(req, len(ids), max_tokens, grammar)
+    return await answer(fe, request, req, ids, params, chat=False)
 
-    return app
+
+async def _chat_completions(request: Request):
+    """POST /v1/chat/completions (tool calls: serve/tools.py)."""
+    fe: Frontend = request.app.state.frontend
+    req = proto.parse(proto.ChatCompletionRequest, await read_body(request, fe.max_request_bytes))
+    fe.check_model(req.model)
+    plan = ToolPlan(req, fe.enable_auto_tool_choice, fe.tool_call_parser)
+    constraint = req.constraint()
+    if plan.constraint is not None:
+        if constraint is not None:
+            raise APIError(
+                f"tool_choice {req.tool_choice!r} constrains the output itself: leave "
+                "response_format (and structured_outputs) out",
+                param="tool_choice",
+            )
+        constraint = plan.constraint
+    ids = await fe.chat_ids(req, plan.tools)
+    param = "tool_choice" if plan.constraint is not None else "response_format"
+    grammar = fe.allowed(req, await fe.grammar(constraint, param))
+    params = fe.params(req, len(ids), req.max_new, grammar)
+    return await answer(fe, request, req, ids, params, chat=True, plan=plan)

@@ -47,8 +47,7 @@ from pathlib import Path
 
 
 def parser() -> argparse.ArgumentParser:
-    from dflash_qaic.manifest import add_verify_argument
-    from dflash_qaic.runtime.devices import add_device_ids_argument
+    from dflash_qaic.runtime import options
 
     p = argparse.ArgumentParser(
         prog="dflash-serve",
@@ -59,16 +58,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("artifacts", help="artifacts directory written by dflash-export")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one)")
-    p.add_argument("--backend", default="ort", choices=["ort", "qaic", "auto", "qaic-standin"])
-    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
-    add_device_ids_argument(p)
-    add_verify_argument(p)
+    options.add_arguments(p, "backend", "threads", "device_ids", "check_files")
     p.add_argument(
         "--verify-lengths",
         default=None,
         help="verify lengths steps may pick from, e.g. 16 (default: every one the artifacts "
         "have; the block size alone verifies the whole block every step)",
     )
+    _add_server_arguments(p)
+    _add_request_arguments(p)
+    _add_logging_arguments(p)
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    return p
+
+
+def _add_server_arguments(p: argparse.ArgumentParser) -> None:
+    """The server's own: its queue, names, template, shutdown, body limit and API key."""
     p.add_argument(
         "--max-queue", type=int, default=256, help="requests that may wait (default 256)"
     )
@@ -101,6 +106,10 @@ def parser() -> argparse.ArgumentParser:
         help="require `Authorization: Bearer KEY` on every endpoint but /health "
         "(default: $VLLM_API_KEY; neither: no authentication)",
     )
+
+
+def _add_request_arguments(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags that bound or shape the requests: lengths, concurrency, seed, tools."""
     p.add_argument(
         "--max-model-len",
         type=int,
@@ -134,6 +143,9 @@ def parser() -> argparse.ArgumentParser:
         help="how replies are read for tool calls: hermes (Qwen3 <tool_call> JSON), "
         "llama3_json (Llama 3.1 JSON)",
     )
+
+
+def _add_logging_arguments(p: argparse.ArgumentParser) -> None:
     levels = ["critical", "error", "warning", "info", "debug"]
     p.add_argument("--log-level", default="info", choices=levels, help="dflash-serve's logging")
     p.add_argument(
@@ -147,8 +159,6 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no info line per request (as vLLM's flag)",
     )
-    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    return p
 
 
 class UsageError(ValueError):
@@ -221,21 +231,16 @@ def build_app(args, template: str | None):
     import prometheus_client
 
     import dflash_qaic
+    from dflash_qaic.runtime.options import from_args
     from dflash_qaic.serve.app import create_app
-    from dflash_qaic.serve.engine import Engine
+    from dflash_qaic.serve.engine import AsyncEngine
     from dflash_qaic.serve.metrics import Metrics
 
     prometheus_client.disable_created_metrics()  # as vLLM: no *_created series
     from dflash_qaic.logs import show
 
     show(stream="stderr")
-    pipe = dflash_qaic.load(
-        args.artifacts,
-        backend=args.backend,
-        threads=args.threads,
-        verify=args.verify,
-        device_ids=args.device_ids,
-    )
+    pipe = dflash_qaic.load(args.artifacts, **from_args(args))
     if args.verify_lengths is not None:
         try:
             pipe.configure(verify_lengths=args.verify_lengths)  # checked against the artifacts
@@ -245,7 +250,7 @@ def build_app(args, template: str | None):
     name = args.served_model_name or args.artifacts
     metrics = Metrics(name, pipe.B)
     metrics.device_info(pipe.backend, pipe.device_ids)
-    engine = Engine(pipe, max_queue=args.max_queue, metrics=metrics)
+    engine = AsyncEngine(pipe, max_queue=args.max_queue, metrics=metrics)
     # the HTTP side encodes prompts with its own tokenizer: never one shared across threads
     tok = copy.deepcopy(pipe.tokenizer) if pipe.tokenizer is not None else None
     app = create_app(

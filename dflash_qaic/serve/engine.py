@@ -174,7 +174,7 @@ class _Run:
 _REASONS = {"stop_token": "stop", "max_new_tokens": "length", "ctx_len": "length"}
 
 
-class Engine:
+class AsyncEngine:
     """Requests served by a worker thread that owns one continuous-batching engine of `pipe`:
     up to `pipe.full_batch_size` at once (`pipe.max_running`, vLLM's --max-num-seqs, lowers
     that), up to `max_queue` more waiting in a FIFO.

@@ -100,10 +100,10 @@ def device_groups(artifacts, replicas: int | None, groups: list[list[int]] | Non
             raise ReplicasError("give --replicas N, or one --device-ids per replica")
         if replicas < 1:
             raise ReplicasError(f"--replicas must be ≥ 1 (got {replicas})")
-        from dflash_qaic.manifest import read_manifest
+        from dflash_qaic.artifacts.manifest import read_manifest
         from dflash_qaic.runtime.devices import profile_placement
 
-        k = len(profile_placement(read_manifest(Path(artifacts), verify="none")).devices)
+        k = len(profile_placement(read_manifest(Path(artifacts), check_files="none")).devices)
         groups = [list(range(i * k, (i + 1) * k)) for i in range(replicas)]
     owner: dict[int, int] = {}
     for i, group in enumerate(groups):
@@ -312,7 +312,7 @@ class Replicas:
 
 
 def parser() -> argparse.ArgumentParser:
-    from dflash_qaic.runtime.devices import add_device_ids_argument
+    from dflash_qaic.runtime import options
 
     p = argparse.ArgumentParser(
         prog="dflash-serve-replicas",
@@ -322,7 +322,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("artifacts", help="artifacts directory written by dflash-export")
     p.add_argument("--replicas", type=int, default=None, help="replicas on consecutive devices")
-    add_device_ids_argument(p, repeat=True)
+    options.add_arguments(p, "device_ids", repeat=True)
     p.add_argument("--host", default="127.0.0.1", help="the router's address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="the router's port (default 8000)")
     p.add_argument("--policy", default="round_robin", choices=POLICIES, help="vllm-router policy")

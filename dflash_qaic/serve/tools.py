@@ -171,3 +171,150 @@ def _llama3_json(text: str) -> tuple[str | None, list[dict]]:
         while i < len(body) and body[i] in " \n\t;":
             i += 1
     return None, calls
+
+
+_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+_OPEN = "<tool_call>"
+
+
+def _value_end(text: str, i: int) -> int | None:
+    """The end (exclusive) of the JSON object or array that starts at text[i], or None while
+    the text holds only part of it (strings and their escapes skipped)."""
+    depth, in_str, esc = 0, False, False
+    for j in range(i, len(text)):
+        c = text[j]
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return None
+
+
+class ToolStream:
+    """A streamed reply's tool calls, as vLLM streams them: each call's first delta carries
+    its index, id, type and name, and its arguments follow as the model writes them (the raw
+    JSON text of the arguments object); content before the first call streams as content.
+
+    named: the whole reply is the arguments. required: each item of the JSON array is a call.
+    auto + hermes: text before `<tool_call>` is content (a possible start of the tag is held
+    back), each block's JSON object is a call. auto + llama3_json: the reply is parsed once
+    complete (a bare JSON object cannot be told from text while it starts)."""
+
+    def __init__(self, plan: ToolPlan, parallel: bool = True):
+        self.plan, self.parallel = plan, parallel
+        self.text, self.pos, self.content_sent = "", 0, 0
+        self.calls: list[dict] = []  # index, id, name, at (arguments' start), sent, end
+        self.incremental = plan.mode in ("named", "required") or plan.parser == "hermes"
+
+    @property
+    def called(self) -> bool:
+        return bool(self.calls)
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str | None, list[dict]]:
+        """(content delta, tool-call deltas) for the next piece of the reply's text."""
+        self.text += delta
+        if not self.incremental:
+            if not final:
+                return None, []
+            content, calls = self.plan.parse(self.text, self.parallel)
+            self.calls = [dict(c, index=i) for i, c in enumerate(calls)]
+            return content, [dict(c, index=i) for i, c in enumerate(calls)]
+        if self.plan.mode == "named":
+            if not self.calls:
+                self.calls.append({"index": 0, "id": call_id(), "name": self.plan.name, "at": 0})
+                self.calls[0].update(sent=0, end=None)
+            return None, self._arguments()
+        content = self._content(final) if self.plan.mode == "auto" else None
+        deltas: list[dict] = []
+        while True:  # a call that ends in this piece lets the next one start in it
+            state = (len(self.calls), self.calls and self.calls[-1]["end"])
+            self._find_calls()
+            deltas += self._arguments()
+            if (len(self.calls), self.calls and self.calls[-1]["end"]) == state:
+                return content, deltas
+
+    def _content(self, final: bool) -> str | None:
+        """Text before the first tool call, less what could be the start of `<tool_call>`."""
+        at = self.text.find(_OPEN)
+        end = len(self.text) if at < 0 else at
+        if at < 0 and not final:
+            for k in range(min(len(_OPEN) - 1, end), 0, -1):
+                if _OPEN.startswith(self.text[end - k :]):
+                    end -= k
+                    break
+        out = self.text[self.content_sent : end]
+        self.content_sent = max(self.content_sent, end)
+        return out or None
+
+    def _find_calls(self) -> None:
+        """Calls whose name and arguments' start the text now holds (one at a time, in order)."""
+        while not self.calls or self.calls[-1]["end"] is not None:
+            if self.calls and not self.parallel:
+                return
+            start = self.pos
+            if self.plan.mode == "auto":
+                start = self.text.find(_OPEN, self.pos)
+                if start < 0:
+                    return
+            obj = self.text.find("{", start)
+            if obj < 0:
+                return
+            name, args = _NAME.search(self.text, obj), _ARGS.search(self.text, obj)
+            if name is None or args is None or args.start() < name.end():
+                return  # not yet (or arguments before the name: left to the last delta)
+            at = args.end()
+            if at >= len(self.text):
+                return
+            self.calls.append(
+                {
+                    "index": len(self.calls),
+                    "id": call_id(),
+                    "name": json.loads(f'"{name.group(1)}"'),
+                    "at": at,
+                    "sent": 0,
+                    "end": None,
+                }
+            )
+
+    def _arguments(self) -> list[dict]:
+        """Each open call's first delta (id, name) and the arguments text since the last one."""
+        out = []
+        for c in self.calls:
+            if "at" not in c:  # parsed whole (llama3_json)
+                continue
+            first = c["sent"] == 0 and not c.get("announced")
+            if c["end"] is None:
+                if self.plan.mode == "named":
+                    end = len(self.text)
+                else:
+                    end = _value_end(self.text, c["at"])
+                    if end is not None:
+                        c["end"] = end
+                        self.pos = end
+                    else:
+                        end = len(self.text)
+            else:
+                end = c["end"]
+            piece = self.text[c["at"] + c["sent"] : end]
+            c["sent"] += len(piece)
+            if not first and not piece:
+                continue
+            delta: dict = {"index": c["index"], "function": {"arguments": piece}}
+            if first:
+                c["announced"] = True
+                delta.update(id=c["id"], type="function")
+                delta["function"]["name"] = c["name"]
+            out.append(delta)
+        return out

@@ -179,145 +179,14 @@ class DFlashQaicPlatform(CpuPlatform):
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
-        model_config = vllm_config.model_config
-        if model_config is None:
+        if vllm_config.model_config is None:
             return
         block = _block(vllm_config)
-        spec = vllm_config.speculative_config
-        # vLLM re-runs this in the engine-core process on the config made here: ours already
-        ours = spec is not None and spec.method == "custom_class" and spec.model == WORKER
-        artifacts = block.get("artifacts")
-        upstream = artifacts is not None and not ours
-        if artifacts is None:
-            artifacts = model_config.model
-        artifacts = str(artifacts)
-        if not _is_artifacts(artifacts):
-            raise PluginConfigError(
-                f"{artifacts} is not a dflash-export artifacts directory (no manifest.json), and "
-                "DFLASH_QAIC_VLLM=1 makes vLLM run exported programs only: serve an artifacts "
-                "directory (vllm serve ARTIFACTS), "
-                f'name it in --additional-config \'{{"{KEY}": {{"artifacts": DIR}}}}\', or '
-                "unset DFLASH_QAIC_VLLM to run vLLM's own platform"
-            )
-        artifacts = str(Path(artifacts).resolve())
-        from dflash_qaic.manifest import read_manifest
-
-        m = read_manifest(artifacts, verify="none")  # the worker's load verifies the files
+        artifacts, m = _artifacts_of(vllm_config, block)
         B, ctx_len, rows = m.block_size, m.ctx_len, m.full_batch_size or 1
-
-        if upstream:
-            _check_pair(model_config, spec, m, artifacts)
-        elif spec is not None and not ours:
-            raise PluginConfigError(
-                f"--speculative-config: {artifacts} carries its own DFlash draft; drop "
-                "--speculative-config (or give the target and draft with --additional-config "
-                f'\'{{"{KEY}": {{"artifacts": DIR}}}}\')'
-            )
-        else:  # the tokenizer the export copied beside the manifest
-            tok = m.tokenizer
-            if tok and Path(model_config.tokenizer).resolve() == Path(artifacts):
-                model_config.tokenizer = str(Path(artifacts) / tok)
-
-        backend = block.get("backend", "ort")
-        if backend not in BACKENDS:
-            raise PluginConfigError(
-                f"--additional-config {KEY}.backend {backend!r}: use one of {', '.join(BACKENDS)}"
-            )
-        devices = block.get("device_ids")
-        if devices is not None and (
-            not isinstance(devices, list)
-            or not devices
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices)
-        ):
-            raise PluginConfigError(
-                f"--additional-config {KEY}.device_ids must be a list of device ids ≥ 0, "
-                f"e.g. [0, 1]; got {devices!r}"
-            )
-
-        threads = block.get("threads")
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)):
-            raise PluginConfigError(
-                f"--additional-config {KEY}.threads must be an integer, got {threads!r}"
-            )
-        if block.get("verify_lengths") is not None:
-            from dflash_qaic.runtime.engine import EngineConfig
-
-            try:
-                EngineConfig(verify_lengths=block["verify_lengths"]).step_lengths(
-                    m.plan, m.draft.io.confidence
-                )
-            except (TypeError, ValueError) as e:
-                raise PluginConfigError(f"--additional-config {KEY}.{e}") from e
-
-        # one request per cache row
-        sched = vllm_config.scheduler_config
-        if sched.max_num_seqs > rows:
-            if _argv_value("--max-num-seqs") is not None:
-                raise PluginConfigError(
-                    f"--max-num-seqs {sched.max_num_seqs}: the artifacts {artifacts} hold {rows} "
-                    f"cache row{'s' * (rows > 1)}, so at most {rows} sequences run at once; use "
-                    f"--max-num-seqs {rows} or export with --full-batch-size "
-                    f"{sched.max_num_seqs}"
-                )
-            log.info(
-                "max_num_seqs %d -> %d: the artifacts hold %d cache rows",
-                sched.max_num_seqs,
-                rows,
-                rows,
-            )
-            sched.max_num_seqs = rows
-        limit = ctx_len - 1  # vLLM ends a request at this many tokens, before our engine must
-        if model_config.max_model_len > limit:
-            if _argv_value("--max-model-len") is not None:
-                log.warning(
-                    "--max-model-len %d lowered to %d: the artifacts' programs hold ctx_len %d",
-                    model_config.max_model_len,
-                    limit,
-                    ctx_len,
-                )
-            model_config.max_model_len = limit
-        M = model_config.max_model_len
-        if hasattr(sched, "max_model_len"):
-            sched.max_model_len = M
-        model_config.enforce_eager = True
-
-        cache = vllm_config.cache_config
-        cache.block_size = M
-        cache.user_specified_block_size = True
-        cache.enable_prefix_caching = False
-        cache.num_gpu_blocks_override = sched.max_num_seqs + 1  # + vLLM's null block
-
-        sched.enable_chunked_prefill = False
-        sched.async_scheduling = False
-        sched.max_num_batched_tokens = sched.max_num_seqs * M
-        if getattr(sched, "max_num_scheduled_tokens", None) is not None:
-            sched.max_num_scheduled_tokens = sched.max_num_batched_tokens
-        sched.long_prefill_token_threshold = 0
-
-        from vllm.config import CompilationMode, SpeculativeConfig
-
-        vllm_config.speculative_config = SpeculativeConfig(
-            method="custom_class",
-            model=WORKER,
-            num_speculative_tokens=B - 1,
-            target_model_config=model_config,
-            target_parallel_config=vllm_config.parallel_config,
-        )
-        comp = vllm_config.compilation_config
-        comp.mode = CompilationMode.NONE
-        comp.cudagraph_capture_sizes = []
-
-        par = vllm_config.parallel_config
-        par.distributed_executor_backend = "uni"  # our worker in the engine-core process
-        par.worker_cls = WORKER
-        sched.scheduler_cls = SCHEDULER  # ends a failed request alone (vllm/scheduler.py)
-
-        vllm_config.additional_config = dict(vllm_config.additional_config or {})
-        vllm_config.additional_config[KEY] = {
-            **block,
-            "artifacts": artifacts,
-            "backend": backend,
-        }
+        backend = _checked_backend(block, m)
+        M = _fit_to_artifacts(vllm_config, artifacts, rows, ctx_len)
+        _install_worker(vllm_config, block, artifacts, backend, B)
         cls.limits = Limits(
             can_sample=m.target.io.sampling,
             max_top_k=m.target.sampling_candidates or m.vocab_size,
@@ -430,3 +299,158 @@ def accepts_device_ids() -> bool:
     import dflash_qaic
 
     return "device_ids" in inspect.signature(dflash_qaic.load).parameters
+
+
+def _artifacts_of(vllm_config, block: dict):
+    """The artifacts directory vLLM serves (the model, or --additional-config's) and its
+    manifest; the tokenizer the export copied beside it when vLLM would read the directory's."""
+    model_config = vllm_config.model_config
+    spec = vllm_config.speculative_config
+    # vLLM re-runs this in the engine-core process on the config made here: ours already
+    ours = spec is not None and spec.method == "custom_class" and spec.model == WORKER
+    artifacts = block.get("artifacts")
+    upstream = artifacts is not None and not ours
+    if artifacts is None:
+        artifacts = model_config.model
+    artifacts = str(artifacts)
+    if not _is_artifacts(artifacts):
+        raise PluginConfigError(
+            f"{artifacts} is not a dflash-export artifacts directory (no manifest.json), and "
+            "DFLASH_QAIC_VLLM=1 makes vLLM run exported programs only: serve an artifacts "
+            "directory (vllm serve ARTIFACTS), "
+            f'name it in --additional-config \'{{"{KEY}": {{"artifacts": DIR}}}}\', or '
+            "unset DFLASH_QAIC_VLLM to run vLLM's own platform"
+        )
+    artifacts = str(Path(artifacts).resolve())
+    from dflash_qaic.artifacts.manifest import read_manifest
+
+    m = read_manifest(artifacts, check_files="none")  # the worker's load checks the files
+    if upstream:
+        _check_pair(model_config, spec, m, artifacts)
+    elif spec is not None and not ours:
+        raise PluginConfigError(
+            f"--speculative-config: {artifacts} carries its own DFlash draft; drop "
+            "--speculative-config (or give the target and draft with --additional-config "
+            f'\'{{"{KEY}": {{"artifacts": DIR}}}}\')'
+        )
+    else:  # the tokenizer the export copied beside the manifest
+        tok = m.tokenizer
+        if tok and Path(model_config.tokenizer).resolve() == Path(artifacts):
+            model_config.tokenizer = str(Path(artifacts) / tok)
+    return artifacts, m
+
+
+def _checked_backend(block: dict, m) -> str:
+    """--additional-config's backend, device_ids, threads and verify_lengths, checked; returns
+    the backend."""
+    backend = block.get("backend", "ort")
+    if backend not in BACKENDS:
+        raise PluginConfigError(
+            f"--additional-config {KEY}.backend {backend!r}: use one of {', '.join(BACKENDS)}"
+        )
+    devices = block.get("device_ids")
+    if devices is not None and (
+        not isinstance(devices, list)
+        or not devices
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices)
+    ):
+        raise PluginConfigError(
+            f"--additional-config {KEY}.device_ids must be a list of device ids ≥ 0, "
+            f"e.g. [0, 1]; got {devices!r}"
+        )
+
+    threads = block.get("threads")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)):
+        raise PluginConfigError(
+            f"--additional-config {KEY}.threads must be an integer, got {threads!r}"
+        )
+    if block.get("verify_lengths") is not None:
+        from dflash_qaic.runtime.engine import EngineConfig
+
+        try:
+            EngineConfig(verify_lengths=block["verify_lengths"]).step_lengths(
+                m.plan, m.draft.io.confidence
+            )
+        except (TypeError, ValueError) as e:
+            raise PluginConfigError(f"--additional-config {KEY}.{e}") from e
+    return backend
+
+
+def _fit_to_artifacts(vllm_config, artifacts: str, rows: int, ctx_len: int) -> int:
+    """vLLM's scheduler, cache and model length fitted to the artifacts: one request per cache
+    row, one cache block per request; returns max_model_len."""
+    model_config = vllm_config.model_config
+    # one request per cache row
+    sched = vllm_config.scheduler_config
+    if sched.max_num_seqs > rows:
+        if _argv_value("--max-num-seqs") is not None:
+            raise PluginConfigError(
+                f"--max-num-seqs {sched.max_num_seqs}: the artifacts {artifacts} hold {rows} "
+                f"cache row{'s' * (rows > 1)}, so at most {rows} sequences run at once; use "
+                f"--max-num-seqs {rows} or export with --full-batch-size "
+                f"{sched.max_num_seqs}"
+            )
+        log.info(
+            "max_num_seqs %d -> %d: the artifacts hold %d cache rows",
+            sched.max_num_seqs,
+            rows,
+            rows,
+        )
+        sched.max_num_seqs = rows
+    limit = ctx_len - 1  # vLLM ends a request at this many tokens, before our engine must
+    if model_config.max_model_len > limit:
+        if _argv_value("--max-model-len") is not None:
+            log.warning(
+                "--max-model-len %d lowered to %d: the artifacts' programs hold ctx_len %d",
+                model_config.max_model_len,
+                limit,
+                ctx_len,
+            )
+        model_config.max_model_len = limit
+    M = model_config.max_model_len
+    if hasattr(sched, "max_model_len"):
+        sched.max_model_len = M
+    model_config.enforce_eager = True
+
+    cache = vllm_config.cache_config
+    cache.block_size = M
+    cache.user_specified_block_size = True
+    cache.enable_prefix_caching = False
+    cache.num_gpu_blocks_override = sched.max_num_seqs + 1  # + vLLM's null block
+
+    sched.enable_chunked_prefill = False
+    sched.async_scheduling = False
+    sched.max_num_batched_tokens = sched.max_num_seqs * M
+    if getattr(sched, "max_num_scheduled_tokens", None) is not None:
+        sched.max_num_scheduled_tokens = sched.max_num_batched_tokens
+    sched.long_prefill_token_threshold = 0
+    return M
+
+
+def _install_worker(vllm_config, block: dict, artifacts: str, backend: str, B: int) -> None:
+    """Our worker as vLLM's speculative "custom_class", eager, in the engine-core process."""
+    from vllm.config import CompilationMode, SpeculativeConfig
+
+    model_config = vllm_config.model_config
+    vllm_config.speculative_config = SpeculativeConfig(
+        method="custom_class",
+        model=WORKER,
+        num_speculative_tokens=B - 1,
+        target_model_config=model_config,
+        target_parallel_config=vllm_config.parallel_config,
+    )
+    comp = vllm_config.compilation_config
+    comp.mode = CompilationMode.NONE
+    comp.cudagraph_capture_sizes = []
+
+    par = vllm_config.parallel_config
+    par.distributed_executor_backend = "uni"  # our worker in the engine-core process
+    par.worker_cls = WORKER
+
+    vllm_config.scheduler_config.scheduler_cls = SCHEDULER  # a failed request ends alone
+    vllm_config.additional_config = dict(vllm_config.additional_config or {})
+    vllm_config.additional_config[KEY] = {
+        **block,
+        "artifacts": artifacts,
+        "backend": backend,
+    }

@@ -3,12 +3,12 @@
 The exporter writes it last; a directory without a complete, valid manifest is not an artifact.
 `Manifest.from_json` validates every value (a malformed one is an `ArtifactsError` naming the
 field, never a traceback), and `read_manifest` also checks that every path stays inside the
-artifacts directory and that every file it names has its recorded size and sha256 (`verify`:
-"fast" takes the sha256 of a file verified before from the cache of verified files, see
-`dflash_qaic.files`; "full" hashes every file again). Paths are relative, so the directory can
-be moved.
+artifacts directory and that every file it names has its recorded size and sha256
+(`check_files`: "fast" takes the sha256 of a file checked before from the cache of checked
+files, see artifacts/files.py; "full" hashes every file again). Paths are relative, so the
+directory can be moved.
 
-Program facts carry the contract's own I/O object (`contract.TargetIO` / `contract.DraftIO`);
+Program records carry the contract's own I/O object (`contract.TargetIO` / `contract.DraftIO`);
 the JSON form also lists the expanded inputs and outputs for readers of the raw file, and
 `from_json` checks that they agree with the contract.
 """
@@ -17,48 +17,32 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from dflash_qaic import contract
-from dflash_qaic.compile.qpc import QpcRecord
-from dflash_qaic.files import (
+from dflash_qaic.artifacts.files import (
+    CHECK_MODES,
     ArtifactsError,
-    VerifiedFiles,
-    check_sha256,
     inside,
     plain,
     sha256_file,
     write_json_atomic,
 )
+from dflash_qaic.artifacts.files import check_files as check_files_of
 
 FORMAT = "dflash-qaic-artifacts"
-VERSION = 3  # 3: the shape plan as typed fields (earlier versions are refused: re-export)
+#: 3: the shape plan as typed fields; 4: the plan stored once (no per-program specializations,
+#: derived from it on read; no per-program copies of its sizes; no QPC `part`). Version 3 still
+#: reads; earlier versions are refused: re-export.
+VERSION = 4
+READS = (3, 4)
 NAME = "manifest.json"
-#: "fast": every size, and every sha256 (from the cache of verified files when the file is
-#: unchanged since it was last hashed); "full": every sha256 hashed now; "none": existence only
-VERIFY_MODES = ("fast", "full", "none")
 INT64_MAX = 2**63 - 1
 
 
-def add_verify_argument(parser) -> None:
-    """`--verify fast|full` of the commands that load artifacts (dflash-run, -serve, -bench)."""
-    parser.add_argument(
-        "--verify",
-        choices=("fast", "full"),
-        default="fast",
-        help="check of the artifact files before the first token: fast (default) checks every "
-        "file's size and sha256, taking the sha256 of a file unchanged since it was last "
-        "verified (same inode, size, mtime and ctime) from a cache, so only new or changed "
-        "files are hashed; full hashes every file now (docs/DESIGN.md, Artifacts)",
-    )
-
-
-HASH_THREADS = 4  # files hashed at once (hashlib drops the GIL; one file is one thread)
-
-__all__ = ["ArtifactsError", "Manifest", "Program", "FileRecord", "QpcRecord", "inside"]
+__all__ = ["ArtifactsError", "Manifest", "ProgramRecord", "FileRecord", "QpcRecord", "inside"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,28 +162,74 @@ class FileRecord:
         return cls(c.relpath("path"), c.int("size"), digest)
 
 
-def _qpc_record(c: _Check) -> QpcRecord:
-    names = c.list("specializations")
-    if not all(isinstance(n, str) for n in names):
-        c.fail(c.key("specializations"), f"must be a list of names, got {names!r}")
-    status = c.str("status")
-    if status not in ("built", "cached", "skipped"):
-        c.fail(c.key("status"), f"must be built, cached or skipped, got {status!r}")
-    return QpcRecord(
-        part=c.str("part"),
-        specializations=tuple(names),
-        key=c.str("key"),
-        dir=c.relpath("dir"),
-        qpc=c.relpath("qpc"),
-        command=c.str("command"),
-        num_cores=c.int("num_cores", 1, 1024),
-        device_ids=c.ints("device_ids", 0, 1 << 16),
-        tensor_slicing=c.int("tensor_slicing", 1, 1024, default=None),
-        status=status,
-    )
+@dataclass(frozen=True)
+class QpcRecord:
+    """A program's QPC, as the compile step built (or would build) it: the specializations it
+    serves, where it is (paths relative to the artifacts directory), how it is built
+    (compile/qpc.py: `CompileResult` carries the same fields)."""
+
+    specializations: tuple[str, ...]  # names, in specializations.json order
+    key: str  # 16 hex digits
+    dir: str  # <program>/qpc-<key>
+    qpc: str  # <program>/qpc-<key>/qpc, the directory the runtime loads
+    command: str  # compile.cmd's command line (shell-quoted)
+    num_cores: int
+    device_ids: tuple[int, ...]
+    tensor_slicing: int | None
+    status: str  # "built" | "cached" | "skipped"
+
+    @property
+    def ready(self) -> bool:
+        return self.status != "skipped"
+
+    @classmethod
+    def of(cls, result) -> QpcRecord:
+        """The record of a `compile.qpc.CompileResult`."""
+        return cls(**{f.name: getattr(result, f.name) for f in fields(cls)})
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["specializations"], d["device_ids"] = list(self.specializations), list(self.device_ids)
+        return d
+
+    @classmethod
+    def from_json(cls, c: _Check) -> QpcRecord:
+        names = c.list("specializations")
+        if not all(isinstance(n, str) for n in names):
+            c.fail(c.key("specializations"), f"must be a list of names, got {names!r}")
+        status = c.str("status")
+        if status not in ("built", "cached", "skipped"):
+            c.fail(c.key("status"), f"must be built, cached or skipped, got {status!r}")
+        return cls(
+            specializations=tuple(names),
+            key=c.str("key"),
+            dir=c.relpath("dir"),
+            qpc=c.relpath("qpc"),
+            command=c.str("command"),
+            num_cores=c.int("num_cores", 1, 1024),
+            device_ids=c.ints("device_ids", 0, 1 << 16),
+            tensor_slicing=c.int("tensor_slicing", 1, 1024, default=None),
+            status=status,
+        )
+
+
+def _qpc(c: _Check, kind: str) -> QpcRecord | None:
+    """The program's one QPC, if compiled (the JSON form is a list of at most one)."""
+    qpcs = c.list("qpc", [])
+    if len(qpcs) > 1:  # the removed disaggregated profile: a separate prefill QPC
+        raise ArtifactsError(
+            f"{c.source}: the {kind} program is split over {len(qpcs)} QPCs: these artifacts "
+            "come from an older version compiled with a disaggregated profile, which is no "
+            "longer supported; re-export them (dflash-export, with a profile from qpc_configs/)"
+        )
+    return QpcRecord.from_json(c.sub(qpcs[0], "qpc[]")) if qpcs else None
 
 
 _TARGET_IO = ("n_layers", "n_kv_heads", "head_dim", "hidden_size", "vocab_size")
+#: what an exporter says of a program that the manifest stores once, at the top (the shape plan,
+#: the mask id and layer ids): not kept in the program's record
+PLAN_COPIES = {"batch_size", "ctx_len", "prefill_seq_len", "comp_ctx_lengths", "verify_lengths"}
+PLAN_COPIES |= {"mask_token_id", "target_layer_ids", "specializations"}
 
 
 def _int_tuple(c: _Check, name: str, lo: int, hi: int) -> tuple[int, ...]:
@@ -213,8 +243,9 @@ def _int_tuple(c: _Check, name: str, lo: int, hi: int) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class Program:
-    """An exported program: its contract I/O object, files, specializations and QPCs."""
+class ProgramRecord:
+    """An exported program, as the manifest records it: its contract I/O object, files,
+    specializations (stored as the manifest's shape plan, derived from it on read) and QPC."""
 
     io: contract.TargetIO | contract.DraftIO
     onnx: str
@@ -222,7 +253,7 @@ class Program:
     specializations: tuple[dict, ...]
     onnx_bytes: int
     sampling_candidates: int | None = None  # target with sampling: the largest top_k it takes
-    qpcs: tuple[QpcRecord, ...] = ()
+    qpc: QpcRecord | None = None  # None: not compiled (--no-compile)
     compiler: str | None = None
     check: dict = field(default_factory=dict)  # the graph check's report (free-form)
     facts: dict = field(default_factory=dict)  # other exporter facts (free-form, informative)
@@ -244,6 +275,7 @@ class Program:
         draft_q = io.pop("draft_q", ())  # a target verifying with a DFlash-2 draft's q only
         bitmask = io.pop("token_bitmask", False)  # a target exported for structured output only
         rule = io.pop("verify_rule", contract.CHAIN)  # a target exported with block verify only
+        layer_kv = io.pop("layer_kv", ())  # a target whose layers' caches differ (Gemma 4) only
         return {
             **self.facts,
             **io,
@@ -253,20 +285,20 @@ class Program:
             **({"draft_q": list(draft_q)} if draft_q else {}),
             **({"token_bitmask": True} if bitmask else {}),
             **({"verify_rule": rule} if rule != contract.CHAIN else {}),
+            **({"layer_kv": list(layer_kv)} if layer_kv else {}),
             "onnx": self.onnx,
             "external_data": self.external_data,
             "onnx_bytes": self.onnx_bytes,
             "inputs": [spec(s) for s in self.io.inputs],
             "outputs": [spec(s) for s in self.io.outputs],
-            "specializations": [dict(s) for s in self.specializations],
             "sampling_candidates": self.sampling_candidates,
-            "qpc": [q.to_json() for q in self.qpcs],
+            "qpc": [self.qpc.to_json()] if self.qpc else [],
             "compiler": self.compiler,
             "check": self.check,
         }
 
     @classmethod
-    def from_facts(cls, kind: str, facts: dict, root: Path) -> Program:
+    def from_facts(cls, kind: str, facts: dict, root: Path) -> ProgramRecord:
         """The program an exporter describes (`export.onnx_export.program_facts`), its paths
         made relative to the artifacts directory `root`."""
         facts = dict(facts)
@@ -276,7 +308,7 @@ class Program:
         return cls.from_json(_Check(f"the exported {kind} program", facts), kind)
 
     @classmethod
-    def from_json(cls, c: _Check, kind: str) -> Program:
+    def from_json(cls, c: _Check, kind: str) -> ProgramRecord:
         dims = {k: c.int(k, 1, 1 << 24) for k in _TARGET_IO}
         cb = c.bool("continuous_batching")
         window = c.bool("comp_ctx")
@@ -292,9 +324,13 @@ class Program:
                 draft_q=c.ints("draft_q", 1, 1 << 24, default=[]),
                 token_bitmask=c.bool("token_bitmask", False),
                 verify_rule=c.get("verify_rule", contract.CHAIN),
+                layer_kv=_int_tuple(c, "layer_kv", 1, 1 << 24),
+                ring_slots=_int_tuple(c, "ring_slots", 0, 1 << 22),
             )
             if io.verify_rule not in contract.VERIFY_RULES:
                 c.fail(c.key("verify_rule"), f"must be one of {list(contract.VERIFY_RULES)}")
+            if io.layer_kv and len(io.layer_kv) != 2 * io.n_layers:
+                c.fail(c.key("layer_kv"), "must list 2 dims per layer")
             if io.hybrid and len(io.state_dims) != 5:
                 c.fail(c.key("state_dims"), "must list 5 dims for a hybrid target")
         else:
@@ -313,7 +349,6 @@ class Program:
             want = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]
             if c.get(which, want) != want:
                 c.fail(c.key(which), "do not match the I/O contract of this dflash-qaic version")
-        qpcs = tuple(_qpc_record(c.sub(q, "qpc[]")) for q in c.list("qpc", []))
         known = (
             {f.name for f in fields(cls)}
             | set(dims)
@@ -321,14 +356,16 @@ class Program:
         )
         known |= {"linear_layers", "state_dims", "draft_q", "token_bitmask", "verify_rule"}
         known |= {"confidence", "ring_slots", "q_top_k", "top_k", "inputs", "outputs", "qpc"}
+        known |= PLAN_COPIES
         return cls(
             io=io,
             onnx=c.relpath("onnx"),
             external_data=c.relpath("external_data", None, optional=True),
-            specializations=tuple(_specs(c)),
+            # absent (version 4): the manifest derives them from its plan (Manifest.from_json)
+            specializations=tuple(_specs(c)) if "specializations" in c.data else None,
             onnx_bytes=c.int("onnx_bytes", 1),
             sampling_candidates=c.int("sampling_candidates", 1, 1 << 24, default=None),
-            qpcs=qpcs,
+            qpc=_qpc(c, kind),
             compiler=c.str("compiler", None, optional=True),
             check=c.obj("check", {}),
             facts={k: v for k, v in c.data.items() if k not in known},
@@ -359,8 +396,8 @@ class Manifest:
     batch_size: int
     vocab_size: int
     hidden_size: int
-    target: Program
-    draft: Program
+    target: ProgramRecord
+    draft: ProgramRecord
     # the shape plan's lists (contract.ShapePlan; the other plan fields are the ones above)
     prefill_lengths: tuple[int, ...]
     verify_lengths: tuple[int, ...]
@@ -402,20 +439,21 @@ class Manifest:
             "draft": len(self.draft.specializations),
         }
 
-    def program(self, name: str) -> Program:
+    def program(self, name: str) -> ProgramRecord:
         if name not in ("target", "draft"):
             raise ValueError(f"program must be 'target' or 'draft', got {name!r}")
         return self.target if name == "target" else self.draft
 
     @property
     def compiled(self) -> bool:
-        return all(p.qpcs and all(q.ready for q in p.qpcs) for p in (self.target, self.draft))
+        return all(p.qpc is not None and p.qpc.ready for p in (self.target, self.draft))
 
     def named_files(self) -> list[str]:
         """Every file the manifest must record: the programs' files and their QPC binaries."""
         out = self.target.files + self.draft.files
         for p in (self.target, self.draft):
-            out += [f"{q.qpc}/programqpc.bin" for q in p.qpcs if q.ready]
+            if p.qpc is not None and p.qpc.ready:
+                out.append(f"{p.qpc.qpc}/programqpc.bin")
         return out
 
     def __getitem__(self, key: str):
@@ -432,7 +470,7 @@ class Manifest:
         d = {"format": FORMAT, "version": VERSION}
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, Program):
+            if isinstance(v, ProgramRecord):
                 v = v.to_json()
             elif f.name == "files":
                 v = [r.to_json() for r in v]
@@ -452,12 +490,15 @@ class Manifest:
                 f"{source} is not a dflash-qaic manifest (format {data.get('format')!r})"
             )
         version = c.get("version", None)
-        if version != VERSION:
-            older = isinstance(version, int) and not isinstance(version, bool) and version < VERSION
+        if version not in READS:
+            older = (
+                isinstance(version, int) and not isinstance(version, bool) and version < READS[0]
+            )
             raise ArtifactsError(
                 f"{source} has manifest version {version!r}, "
                 + ("written by an earlier dflash-qaic; " if older else "")
-                + f"this dflash-qaic reads version {VERSION}: re-export the artifacts with this "
+                + f"this dflash-qaic reads versions {READS[0]} to {VERSION}: re-export the "
+                "artifacts with this "
                 "version's `dflash-export` (the same command line writes the new form)"
             )
         vocab = c.int("vocab_size", 1, 1 << 24)
@@ -472,8 +513,8 @@ class Manifest:
             comp_ctx_lengths=_windows(c),
             vocab_size=vocab,
             hidden_size=c.int("hidden_size", 1, 1 << 20),
-            target=Program.from_json(c.sub(c.obj("target"), "target"), "target"),
-            draft=Program.from_json(c.sub(c.obj("draft"), "draft"), "draft"),
+            target=ProgramRecord.from_json(c.sub(c.obj("target"), "target"), "target"),
+            draft=ProgramRecord.from_json(c.sub(c.obj("draft"), "draft"), "draft"),
             prefill_lengths=c.ints("prefill_lengths", 1, 1 << 20),
             verify_lengths=c.ints("verify_lengths", 1, 4096),
             draft_prefill_rows=c.ints("draft_prefill_rows", 1, 1 << 22),
@@ -487,6 +528,7 @@ class Manifest:
             sources=c.obj("sources", {}),
             versions=c.obj("versions", {}),
         )
+        m = _with_specializations(m, c)
         _consistent(m, c, complete)
         return m
 
@@ -498,6 +540,24 @@ def _windows(c: _Check) -> tuple[int, ...] | None:
     if not w or list(w) != sorted(set(w)) or w[-1] != c.get("ctx_len", None):
         c.fail("comp_ctx_lengths", f"must ascend and end at ctx_len, got {list(w)}")
     return w
+
+
+def _with_specializations(m: Manifest, c: _Check) -> Manifest:
+    """The programs' specializations, derived from the shape plan; a manifest that lists them
+    (version 3) must list exactly these."""
+    try:
+        m.plan.check()
+    except ValueError as e:
+        c.fail("prefill_lengths/verify_lengths/draft_prefill_rows", str(e))
+    programs = {}
+    for prog, want in (
+        (m.target, contract.target_specializations(m.plan)),
+        (m.draft, contract.draft_specializations(m.plan)),
+    ):
+        if prog.specializations is not None and list(prog.specializations) != want:
+            c.fail(f"{prog.kind}.specializations", f"must be {want} for the shape plan")
+        programs[prog.kind] = replace(prog, specializations=tuple(want))
+    return replace(m, **programs)
 
 
 def _consistent(m: Manifest, c: _Check, complete: bool) -> None:
@@ -515,16 +575,6 @@ def _consistent(m: Manifest, c: _Check, complete: bool) -> None:
             c.fail(f"{prog.kind}.continuous_batching", f"disagrees with full_batch_size {fbs}")
         if prog.io.comp_ctx != (w is not None):
             c.fail(f"{prog.kind}.comp_ctx", f"disagrees with comp_ctx_lengths {w}")
-    try:
-        m.plan.check()
-    except ValueError as e:
-        c.fail("prefill_lengths/verify_lengths/draft_prefill_rows", str(e))
-    for prog, want in (
-        (m.target, contract.target_specializations(m.plan)),
-        (m.draft, contract.draft_specializations(m.plan)),
-    ):
-        if list(prog.specializations) != want:
-            c.fail(f"{prog.kind}.specializations", f"must be {want} for the shape plan")
     count = c.get("specialization_count", m.specialization_count)
     if count != m.specialization_count:
         c.fail("specialization_count", f"is {count}, the programs have {m.specialization_count}")
@@ -538,7 +588,7 @@ def _consistent(m: Manifest, c: _Check, complete: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# reading and verifying
+# writing and reading
 
 
 def write_manifest(out_dir: str | os.PathLike, manifest: Manifest) -> Path:
@@ -572,27 +622,26 @@ def _no_constant(name: str):
     raise ValueError(f"non-finite number {name}")
 
 
-def read_manifest(artifacts_dir: str | os.PathLike, verify: str = "fast") -> Manifest:
-    """Read, validate and verify the manifest of an artifacts directory.
+def read_manifest(artifacts_dir: str | os.PathLike, check_files: str = "fast") -> Manifest:
+    """Read, validate and check the manifest of an artifacts directory and the files it names.
 
-    verify: "fast" (default) checks every recorded file's size and sha256, taking the sha256
-        of a file unchanged since it was last verified from the cache of verified files (the
-        first load of a new directory hashes what its exporter did not); "full" hashes every
-        file now; "none" checks only that the files exist.
+    check_files: "fast" (default) checks every recorded file's size and sha256, taking the
+        sha256 of a file unchanged since it was last checked from the cache of checked files
+        (the first load of a new directory hashes what its exporter did not); "full" hashes
+        every file now; "none" checks only that the files exist.
     """
-    if verify not in VERIFY_MODES:
-        raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+    if check_files not in CHECK_MODES:
+        raise ValueError(f"check_files must be one of {CHECK_MODES}, got {check_files!r}")
     d = Path(artifacts_dir)
     m = Manifest.from_json(load_json(d), str(d / NAME))
     refuse_merged_weights(m, d)
     paths = [("tokenizer", m.tokenizer)] if m.tokenizer else []
     for p in (m.target, m.draft):
-        paths += [(f"{p.kind}.qpc", q.qpc) for q in p.qpcs] + [
-            (f"{p.kind}.qpc", q.dir) for q in p.qpcs
-        ]
+        if p.qpc is not None:
+            paths += [(f"{p.kind}.qpc", p.qpc.qpc), (f"{p.kind}.qpc", p.qpc.dir)]
     for what, rel in paths:
         inside(d, rel, what)
-    verify_files(d, m.files, verify)
+    check_files_of(d, m.files, check_files)
     return m
 
 
@@ -616,39 +665,4 @@ def refuse_merged_weights(m: Manifest, root: Path) -> None:
             f"{root} was exported by dflash-qaic {made}, whose streaming export could merge two "
             f"small weights of a multi-GB program into one ({big[0]}): its programs may compute "
             f"wrong tokens; re-export with this version: dflash-export --out {root} …"
-        )
-
-
-def verify_files(root: Path, records, mode: str) -> None:
-    """Every recorded file exists with its size (all of them first: a truncation fails at
-    once), then its sha256 (mode "fast": cached when unchanged; "full": hashed), several files
-    at a time. ArtifactsError naming the first damaged file."""
-    fix = f"re-run `dflash-export --out {root}` (it rebuilds damaged programs)"
-    for rec in records:
-        f = inside(root, rec.path, "file")
-        if not f.is_file():
-            raise ArtifactsError(f"{root} is damaged: {rec.path} is missing; {fix}")
-        if mode == "none":
-            continue
-        size = f.stat().st_size
-        if size != rec.size:
-            raise ArtifactsError(
-                f"{root} is damaged: {rec.path} has {size} bytes, the manifest recorded "
-                f"{rec.size} (truncated or replaced); {fix}"
-            )
-    if mode == "none":
-        return
-    cache = VerifiedFiles()
-    big_first = sorted(records, key=lambda r: -r.size)
-    with ThreadPoolExecutor(min(HASH_THREADS, os.cpu_count() or 1)) as pool:
-        ok = pool.map(
-            lambda r: check_sha256(root / r.path, r.sha256, cache, mode == "fast"), big_first
-        )
-        bad = [r.path for r, good in zip(big_first, ok) if not good]
-    cache.save()
-    if bad:
-        raise ArtifactsError(
-            f"{root} is damaged: {', '.join(sorted(bad))} "
-            f"{'does not match its' if len(bad) == 1 else 'do not match their'} recorded sha256 "
-            f"(the bytes changed after export); {fix}"
         )

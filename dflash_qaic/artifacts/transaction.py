@@ -30,8 +30,8 @@ import stat
 import tempfile
 from pathlib import Path
 
-from dflash_qaic.files import fix_mode
-from dflash_qaic.manifest import FORMAT, NAME
+from dflash_qaic.artifacts.files import fix_mode
+from dflash_qaic.artifacts.manifest import FORMAT, NAME
 
 try:
     import fcntl

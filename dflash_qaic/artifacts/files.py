@@ -1,5 +1,5 @@
 """File helpers of the artifacts: atomic JSON, umask modes, paths that stay inside a directory,
-and the integrity check (sha256 with a cache of verified files).
+and the integrity check (sha256 with a cache of checked files).
 
 Integrity (docs/DESIGN.md, Artifacts): a file is trusted when its sha256 equals the manifest's.
 Hashing a multi-GB weight file costs seconds, so a successful check is remembered against the
@@ -19,6 +19,7 @@ import logging
 import os
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,10 @@ CACHE_FILE = "verified.json"
 CACHE_VERSION = 1
 CACHE_MAX_ENTRIES = 4096
 HASH_BUFFER = 16 << 20  # bytes per read: large reads keep hashlib (which drops the GIL) busy
+HASH_THREADS = 4  # files hashed at once (hashlib drops the GIL; one file is one thread)
+#: "fast": every size, and every sha256 (from the cache of checked files when the file is
+#: unchanged since it was last hashed); "full": every sha256 hashed now; "none": existence only
+CHECK_MODES = ("fast", "full", "none")
 
 
 class ArtifactsError(ValueError):
@@ -99,7 +104,7 @@ def inside(root: str | os.PathLike, rel: str, what: str = "path", manifest: str 
 
 
 # ---------------------------------------------------------------------------------------------
-# the cache of verified files
+# the cache of checked files
 
 
 def cache_dir() -> Path:
@@ -115,7 +120,7 @@ def identity(st: os.stat_result) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
-class VerifiedFiles:
+class CheckedFiles:
     """The cache of files whose sha256 was checked: `dev:inode` -> [size, mtime_ns, ctime_ns,
     sha256]. A lost or unreadable cache only costs a re-hash; it never lets a file through."""
 
@@ -136,7 +141,7 @@ class VerifiedFiles:
     def _key(st: os.stat_result) -> str:
         return f"{st.st_dev}:{st.st_ino}"
 
-    def verified(self, st: os.stat_result, sha256: str) -> bool:
+    def checked(self, st: os.stat_result, sha256: str) -> bool:
         return self.entries.get(self._key(st)) == [*identity(st), sha256]
 
     def remember(self, st: os.stat_result, sha256: str) -> None:
@@ -155,17 +160,17 @@ class VerifiedFiles:
             write_json_atomic(self.path, {"version": CACHE_VERSION, "entries": entries})
             self.dirty = False
         except OSError as e:  # a read-only home: every load hashes again, nothing else changes
-            log.warning("cannot write the verified-files cache %s (%s)", self.path, e)
+            log.warning("cannot write the checked-files cache %s (%s)", self.path, e)
 
 
-def check_sha256(path: Path, sha256: str, cache: VerifiedFiles | None, use_cache: bool) -> bool:
+def check_sha256(path: Path, sha256: str, cache: CheckedFiles | None, use_cache: bool) -> bool:
     """Whether `path` has this sha256: from the cache when its identity is recorded there with
     this digest (and `use_cache`), else by hashing it (and remembering a match)."""
     st = os.stat(path)
-    if use_cache and cache is not None and cache.verified(st, sha256):
+    if use_cache and cache is not None and cache.checked(st, sha256):
         return True
     if st.st_size > HASH_BUFFER:
-        log.info("verifying %s (%.1f GB)", path, st.st_size / 1e9)
+        log.info("checking %s (%.1f GB)", path, st.st_size / 1e9)
     if sha256_file(path) != sha256:
         return False
     if cache is not None:
@@ -175,9 +180,44 @@ def check_sha256(path: Path, sha256: str, cache: VerifiedFiles | None, use_cache
     return True
 
 
-def remember(paths_and_digests, cache: VerifiedFiles | None = None) -> None:
-    """Record files just hashed by their writer (the exporter) as verified."""
-    cache = cache or VerifiedFiles()
+def remember(paths_and_digests, cache: CheckedFiles | None = None) -> None:
+    """Record files just hashed by their writer (the exporter) as checked."""
+    cache = cache or CheckedFiles()
     for path, digest in paths_and_digests:
         cache.remember(os.stat(path), digest)
     cache.save()
+
+
+def check_files(root: Path, records, mode: str) -> None:
+    """Every recorded file exists with its size (all of them first: a truncation fails at
+    once), then its sha256 (mode "fast": cached when unchanged; "full": hashed), several files
+    at a time. ArtifactsError naming the first damaged file."""
+    fix = f"re-run `dflash-export --out {root}` (it rebuilds damaged programs)"
+    for rec in records:
+        f = inside(root, rec.path, "file")
+        if not f.is_file():
+            raise ArtifactsError(f"{root} is damaged: {rec.path} is missing; {fix}")
+        if mode == "none":
+            continue
+        size = f.stat().st_size
+        if size != rec.size:
+            raise ArtifactsError(
+                f"{root} is damaged: {rec.path} has {size} bytes, the manifest recorded "
+                f"{rec.size} (truncated or replaced); {fix}"
+            )
+    if mode == "none":
+        return
+    cache = CheckedFiles()
+    big_first = sorted(records, key=lambda r: -r.size)
+    with ThreadPoolExecutor(min(HASH_THREADS, os.cpu_count() or 1)) as pool:
+        ok = pool.map(
+            lambda r: check_sha256(root / r.path, r.sha256, cache, mode == "fast"), big_first
+        )
+        bad = [r.path for r, good in zip(big_first, ok) if not good]
+    cache.save()
+    if bad:
+        raise ArtifactsError(
+            f"{root} is damaged: {', '.join(sorted(bad))} "
+            f"{'does not match its' if len(bad) == 1 else 'do not match their'} recorded sha256 "
+            f"(the bytes changed after export); {fix}"
+        )

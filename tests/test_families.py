@@ -1,0 +1,54 @@
+"""The family registry (dflash_qaic/families/): every family's tiny preset reads back as that
+family, its expected tensors are exactly its checkpoint's, and the one target skeleton builds
+its layers of the kinds the family names, with the program's buffers derived from them."""
+
+import json
+
+import pytest
+import torch
+
+from dflash_qaic import checkpoints as ck
+from dflash_qaic import contract, families
+from dflash_qaic.export.target import target_io
+from dflash_qaic.modeling.target import ExportTarget
+
+# families with layer kinds build their own program (modeling/kinds.py): tests/test_gemma4.py,
+# tests/test_gpt_oss.py
+SKELETON = [f for f in families.all() if getattr(f, "program", None) is None]
+
+
+@pytest.mark.parametrize("family", SKELETON, ids=[f.name for f in SKELETON])
+def test_tiny_preset_reads_back_and_builds(tiny_pair, family):
+    t, d = tiny_pair(family=family.name)
+    pair = ck.read_pair(t, d)  # expected shapes == the checkpoint's, nothing unknown
+    assert pair.target.spec is family and pair.target.family == family.name
+    assert pair.target.hybrid == family.hybrid and (pair.target.moe is not None) == family.moe
+
+    model = ck.load_target_model(t)
+    H = model.config.hidden_size
+    ids = list(pair.draft.target_layer_ids)
+    fc = torch.zeros(H, len(ids) * H)
+    hybrid = dict(block_size=4, max_rows=8) if family.hybrid else {}
+    module = ExportTarget.from_hf(model, fc, torch.ones(H), 1e-6, ids, ctx_len=32, **hybrid)
+    kinds = family.layer_kinds(model.config.to_dict())
+    assert [layer.mixer_name for layer in module.layers] == [
+        "linear_attn" if mixer == "deltanet" else "self_attn" for mixer, _ in kinds
+    ]
+    moe = [type(layer.mlp).__name__ == "SparseMoeBlock" for layer in module.layers]
+    assert moe == [mlp == "moe" for _, mlp in kinds]
+    io = target_io(module, H, emit_logits=False, sampling=True)
+    assert module.retained_inputs == [s.name for s in io.kv]
+    assert (contract.NUM_COMMITTED in [s.name for s in io.outputs]) == family.hybrid
+
+
+def test_unknown_family_names_the_supported_ones(tiny_pair, tmp_path):
+    t, d = tiny_pair(family="qwen3")
+    cfg = json.loads((t / "config.json").read_text())
+    cfg |= {"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ck.CheckpointError) as e:
+        ck.read_target_config(tmp_path)
+    msg = str(e.value)
+    assert "GemmaForCausalLM" in msg and all(name in msg for name in families.names())
+    with pytest.raises(ValueError, match="supported families are qwen3, llama"):
+        families.get("gemma")

@@ -1,0 +1,350 @@
+"""gpt-oss targets (modeling/gpt_oss.py) and MXFP4 expert weights (dflash_qaic/mxfp4.py).
+
+A tiny random `GptOssForCausalLM` (hidden 64, 4 layers alternating sliding (window 4) and full,
+8 experts top-4 with router and expert biases, attention biases and sinks, YaRN): the exported
+program on ONNX Runtime against Hugging Face over chunked prefill, a verify block and a decode;
+MXFP4 dequantization against transformers' own, in memory and streamed from a safetensors file.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from spec_loop import program_io
+from test_target_export import (
+    BLOCK,
+    CHUNK,
+    CTX,
+    VOCAB,
+    Runner,
+    hf_reference,
+    make_draft_side,
+    margin_ok,
+    run_flow,
+    session,
+)
+
+from dflash_qaic import checkpoints as ck
+from dflash_qaic import contract
+from dflash_qaic.export.target import export_target
+from dflash_qaic.modeling.gpt_oss import ExportGptOssTarget, GptOssMoE
+from dflash_qaic.mxfp4 import dequantize, dequantize_file, mxfp4_chunks
+
+H, E, K, INTER, WINDOW = 64, 8, 4, 32, 4
+LAYER_IDS = [1, 3]
+
+
+def gpt_oss_config(n_layers=4):
+    from transformers import GptOssConfig
+
+    cfg = GptOssConfig(
+        vocab_size=VOCAB,
+        hidden_size=H,
+        intermediate_size=INTER,
+        head_dim=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=n_layers,
+        num_local_experts=E,
+        num_experts_per_tok=K,
+        sliding_window=WINDOW,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        rope_parameters=dict(
+            rope_type="yarn",
+            factor=4.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=64,
+            rope_theta=150000.0,
+        ),
+    )
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def make_gpt_oss(seed=0, n_layers=4):
+    from transformers import GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(gpt_oss_config(n_layers))
+    with torch.no_grad():  # biases, sinks and a router that varies by token; experts that clamp
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or name.endswith("sinks"):
+                p.normal_(0.0, 0.5)
+            elif name.endswith("router.weight"):
+                p.normal_(0.0, 0.3)
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.normal_(0.0, 0.3)
+            elif name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_model():
+    return make_gpt_oss()
+
+
+# ---------------------------------------------------------------- the MoE block
+
+
+@torch.no_grad()
+def test_moe_block_matches_hf(gpt_oss_model):
+    hf = gpt_oss_model.model.layers[0].mlp
+    ours = GptOssMoE.from_hf(hf)
+    clamped = False
+    for b, s in [(1, 1), (2, 1), (1, 3), (1, 16), (3, 7)]:
+        x = torch.randn(b, s, H) * 3
+        gu = x.reshape(-1, H) @ hf.experts.gate_up_proj[0] + hf.experts.gate_up_proj_bias[0]
+        clamped |= bool((gu.abs() > hf.experts.limit).any())
+        torch.testing.assert_close(ours(x), hf(x)[0], atol=2e-5, rtol=1e-5)
+    assert clamped, "the inputs never reach the SwiGLU clamp: the test would not see it"
+
+
+# ---------------------------------------------------------------- the program against HF
+
+
+@pytest.fixture(scope="module")
+def exported(gpt_oss_model, tmp_path_factory):
+    fc, hn_w, hn_eps = make_draft_side(len(LAYER_IDS))
+    path = tmp_path_factory.mktemp("gpt_oss") / "target.onnx"
+    facts = export_target(
+        gpt_oss_model,
+        fc,
+        hn_w,
+        hn_eps,
+        LAYER_IDS,
+        path,
+        ctx_len=CTX,
+        prefill_seq_len=CHUNK,
+        block_size=BLOCK,
+        emit_logits=True,
+    )
+    io = program_io(facts, path)
+    assert io.ring_slots == (WINDOW + CHUNK, 0, WINDOW + CHUNK, 0)  # sliding layers: rings
+    return dict(model=gpt_oss_model, fc=fc, hn=(hn_w, hn_eps), facts=facts, io=io, path=path)
+
+
+@pytest.mark.parametrize("prompt_len", [21, 13])
+def test_prefill_verify_decode_match_hf(exported, prompt_len):
+    e = exported
+    rng = np.random.default_rng(prompt_len)
+    seq = rng.integers(0, VOCAB, prompt_len + BLOCK + 1).tolist()
+    got = run_flow(Runner(session(str(e["path"])), e["io"]), seq, prompt_len)
+    ref_logits, ref_hidden, _ = hf_reference(e["model"], seq, LAYER_IDS, e["fc"], *e["hn"])
+    np.testing.assert_allclose(got[contract.LOGITS], ref_logits, atol=2e-4, rtol=1e-4)
+    clear = margin_ok(ref_logits, 1e-3)
+    assert clear.sum() >= len(seq) - 2
+    np.testing.assert_array_equal(got[contract.NEXT_TOKENS][clear], ref_logits.argmax(-1)[clear])
+    np.testing.assert_allclose(got[contract.HIDDEN_STATES], ref_hidden, atol=1e-4, rtol=1e-4)
+    assert e["facts"]["model_type"] == "gpt_oss"
+
+
+@torch.no_grad()
+def test_window_hides_old_keys(gpt_oss_model):
+    """A sliding layer's output does not depend on keys W or more positions back; a full layer's
+    does (so the mask, not luck, makes the comparison with HF pass)."""
+    fc, hn_w, hn_eps = make_draft_side(len(LAYER_IDS))
+    t = ExportGptOssTarget.from_hf(
+        gpt_oss_model, fc, hn_w, hn_eps, LAYER_IDS, ctx_len=CTX, sampling=False
+    )
+    calls = t.calls(torch.arange(10)[None], None, torch.arange(CTX))
+    sliding, full = calls["sliding_attention"].mask, calls["full_attention"].mask
+    assert sliding.shape == full.shape == (1, 1, 2 * 10, CTX)
+    row = 9  # position 9 sees 6 … 9 (sliding) and 0 … 9 (full)
+    assert (sliding[0, 0, row, :10] == 0).tolist() == [False] * 6 + [True] * 4
+    assert (full[0, 0, row, :10] == 0).all()
+
+
+def test_refuses_unknown_layer_kind(gpt_oss_model):
+    fc, hn_w, hn_eps = make_draft_side(len(LAYER_IDS))
+    cfg = gpt_oss_model.config
+    saved = list(cfg.layer_types)
+    cfg.layer_types = ["chunked_attention"] + saved[1:]
+    try:
+        with pytest.raises(ValueError, match="layer_types"):
+            ExportGptOssTarget.from_hf(gpt_oss_model, fc, hn_w, hn_eps, LAYER_IDS, ctx_len=CTX)
+    finally:
+        cfg.layer_types = saved
+
+
+# ---------------------------------------------------------------- MXFP4
+
+
+def packed(shape, seed=0):
+    """Random MXFP4 codes and scales: blocks uint8 [..., G, 16], scales uint8 [..., G] spanning
+    2^-10 … 2^8 (all 16 codes, both nibbles)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (*shape, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(117, 136, shape, dtype=torch.uint8, generator=g)
+    return blocks, scales
+
+
+def test_mxfp4_equals_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    blocks, scales = packed((3, 8, 4))  # [E, R, G, 16]: E 3, R 8 rows, 128 columns
+    ours = dequantize(blocks, scales)  # [E, R, C]
+    assert ours.shape == (3, 8, 128) and ours.dtype == torch.float32
+    # transformers returns the experts' [E, C, R] layout; in fp32 and in bf16 (every value exact)
+    ref = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    assert torch.equal(ours.transpose(1, 2), ref)
+    assert torch.equal(ours.transpose(1, 2), convert_moe_packed_tensors(blocks, scales).float())
+    # one code by hand: low nibble 0b0111 (6.0), high nibble 0b1001 (-0.5), scale 2^(130-127)
+    b, s = torch.tensor([[[0x97] + [0] * 15]], dtype=torch.uint8), torch.tensor([[130]]).byte()
+    assert dequantize(b, s)[0, :2].tolist() == [48.0, -4.0]
+
+
+def test_mxfp4_streamed_from_file(tmp_path):
+    from safetensors.torch import save_file
+
+    blocks, scales = packed((2, 12, 3), seed=1)
+    path = tmp_path / "experts.safetensors"
+    save_file({"w_blocks": blocks, "w_scales": scales, "other": torch.ones(3)}, str(path))
+    infos = ck.read_safetensors_header(path)
+    b, s = infos["w_blocks"], infos["w_scales"]
+    whole = dequantize(blocks, scales)
+    # chunks of 5 rows (5 · 96 · 4 bytes): bounded memory, the same values in order
+    chunks = list(mxfp4_chunks(b, s, chunk_bytes=5 * 96 * 4))
+    assert [c.shape[0] for c in chunks] == [5, 5, 5, 5, 4]
+    assert torch.equal(torch.cat(chunks), whole.reshape(-1, 96))
+    assert torch.equal(dequantize_file(b, s), whole)
+    with pytest.raises(ValueError, match="`other` has dtype F32, expected U8"):
+        list(mxfp4_chunks(b, infos["other"]))
+    with pytest.raises(ValueError, match="do not match"):
+        list(mxfp4_chunks(b, b))
+
+
+# ---------------------------------------------------------------- fp16 with a massive channel
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_fp16_faithful_with_a_massive_channel(tmp_path):
+    """Trigger tokens carry ~3000 in one residual channel through sinks, routers and the clamped
+    experts: the fp16-faithful program gives the fp32 tokens, nothing near fp16's limit."""
+    from test_fp16 import CH, SEQS, TRIGGERS, assert_same_tokens, faithful_program, target_flow
+
+    model = make_gpt_oss()
+    model.model.embed_tokens.weight[TRIGGERS, CH] = 3000.0
+    model.model.norm.weight[CH] = 0.05
+    fc, hn_w, hn_eps = make_draft_side(len(LAYER_IDS))
+    path = tmp_path / "target.onnx"
+    facts = export_target(
+        model, fc, hn_w, hn_eps, LAYER_IDS, path, ctx_len=CTX, prefill_seq_len=CHUNK,
+        block_size=BLOCK,
+    )  # fmt: skip
+    faithful = facts["check"]["fp16_faithful"]
+    assert faithful["ran"] and faithful["flagged"] == [], faithful
+    prog = faithful_program(path, program_io(facts, path))
+    for p, seq in zip((16, 13), SEQS):
+        got = target_flow(prog, seq, p)
+        logits, hidden, out = hf_reference(model, seq, LAYER_IDS, fc, hn_w, hn_eps)
+        assert float(out.hidden_states[2][0, :, CH].abs().max()) > 2000.0
+        assert_same_tokens(got[contract.NEXT_TOKENS], logits)
+        np.testing.assert_allclose(got[contract.HIDDEN_STATES], hidden, atol=0.05, rtol=0.02)
+    assert prog.report.flagged == [], prog.report.summary()
+
+
+# ---------------------------------------------------------------- lossless decoding
+
+
+def test_speculative_decoding_equals_hf_generate(exported):
+    """Whatever a block's acceptance (0 … B − 1 proposals kept), the committed tokens are
+    Hugging Face's greedy `generate`, the sliding layers' windows crossing rolled-back slots."""
+    from spec_loop import hf_greedy, speculate
+
+    prompt = np.random.default_rng(7).integers(0, VOCAB, 11).tolist()
+    n = 24
+    ref = hf_greedy(exported["model"], prompt, n)
+    got, accepted = speculate(
+        Runner(session(str(exported["path"])), exported["io"]), prompt, ref, n
+    )
+    assert got == ref
+    assert set(accepted) == set(range(BLOCK))  # every acceptance length occurred
+
+
+def test_batched_equals_solo(exported):
+    from spec_loop import assert_batched_equals_solo
+
+    assert_batched_equals_solo(session(str(exported["path"])), exported["io"])
+
+
+# ---------------------------------------------------------------- draft knobs
+
+
+def _draft_copy(tiny_pair, tmp_path, **config):
+    """A copy of a tiny qwen3 pair's draft with `config` merged into its config.json."""
+    import json
+    import shutil
+
+    _, d = tiny_pair(vocab_size=64, tie_word_embeddings=False, target_layer_ids=[1, 3])
+    out = tmp_path / "draft"
+    shutil.copytree(d, out)
+    cfg = json.loads((out / "config.json").read_text())
+    for k, v in config.items():
+        if isinstance(v, dict):
+            cfg.setdefault(k, {}).update(v)
+        else:
+            cfg[k] = v
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@torch.no_grad()
+def test_draft_attention_bias_equals_reference(tiny_pair, tmp_path):
+    """`attention_bias` (q/k/v/o biases, as gpt-oss drafts have): read from the config, the
+    biases required in the checkpoint, and the draft's forward equal to the reference model's."""
+    from dflash.model import DFlashDraftModel
+    from safetensors.torch import load_file, save_file
+
+    from dflash_qaic.modeling.draft import DFlashDraft
+
+    d = _draft_copy(tiny_pair, tmp_path, attention_bias=True)
+    c = ck.read_draft_config(d)
+    assert c.attention_bias
+    with pytest.raises(ck.CheckpointError, match="missing tensor keys.*q_proj.bias"):
+        ck.check_draft_tensors(c)
+    state = load_file(str(d / "model.safetensors"))
+    gen = torch.Generator().manual_seed(5)
+    for name in [k for k in state if k.endswith("_proj.weight") and ".self_attn." in k]:
+        state[name.replace(".weight", ".bias")] = torch.randn(state[name].shape[0], generator=gen)
+    save_file(state, str(d / "model.safetensors"))
+    ck.check_draft_tensors(c)
+    ours = DFlashDraft.from_checkpoint(c, ck.load_draft_state(c))
+    ref = DFlashDraftModel.from_pretrained(d, dtype=torch.float32).eval()
+    n, B, H = 9, c.block_size, c.hidden_size
+    feats = torch.randn(1, n, H * len(c.target_layer_ids), generator=gen)
+    emb = torch.randn(1, B, H, generator=gen)
+    pos = torch.arange(n + B)[None]
+    a = ours(ours.fuse(feats), pos[:, :n], emb, pos[:, n:])
+    torch.testing.assert_close(a, ref(position_ids=pos, noise_embedding=emb, target_hidden=feats))
+    for layer in ours.layers:  # the biases matter
+        layer.self_attn.q_proj.bias.zero_()
+    assert (ours(ours.fuse(feats), pos[:, :n], emb, pos[:, n:]) - a).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "edit,field",
+    [
+        ({"dflash_config": {"attention_sink_bias": True}}, "attention_sink_bias"),
+        ({"draft_vocab_size": 32}, "draft_vocab_size"),
+        ({"dflash_config": {"mask_embedding": "mask_embedding.safetensors"}}, "mask_embedding"),
+        ({"is_neox_style": False}, "is_neox_style"),
+    ],
+)
+def test_unbuilt_draft_knobs_are_refused_by_name(tiny_pair, tmp_path, edit, field):
+    d = _draft_copy(tiny_pair, tmp_path, **edit)
+    with pytest.raises(ck.CheckpointError, match=f"`{field}`"):
+        ck.read_draft_config(d)
+
+
+def test_checkpoint_directories_are_refused_by_name(tmp_path, gpt_oss_model):
+    """gpt-oss is a registered family (its program is built from a loaded model); reading its
+    checkpoint directory for the streamed export is refused with the way that works."""
+    gpt_oss_model.config.save_pretrained(tmp_path)
+    with pytest.raises(ck.CheckpointError, match="gpt-oss checkpoints are not read"):
+        ck.read_target_config(tmp_path)
