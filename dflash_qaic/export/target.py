@@ -107,6 +107,7 @@ def target_io(
     sampling: bool,
     draft_q=(),
     token_bitmask: bool = False,
+    verify_rule: str = contract.CHAIN,
 ) -> contract.TargetIO:
     """The contract of the program `module` exports to (its layers decide the buffers)."""
     return contract.TargetIO(
@@ -119,6 +120,7 @@ def target_io(
         comp_ctx=module.comp_ctx,
         draft_q=tuple(draft_q),
         token_bitmask=token_bitmask,
+        verify_rule=verify_rule,
     )
 
 
@@ -168,6 +170,24 @@ def program_options(
     return dict(block_size=block_size, max_rows=prefill_seq_len, **mask)
 
 
+def block_rule(module, hf_model, verify_rule: str, sampling: bool) -> None:
+    """contract.BLOCK on a sampling program: the target decides its accepted count in the graph
+    (hybrid targets refuse it: their recurrent state commits by the chain's count)."""
+    if verify_rule != contract.BLOCK or not sampling:
+        return
+    if families.for_hf(hf_model.config).hybrid:
+        raise ValueError(
+            "block verification (--verify-rule block) is not built for hybrid targets (their "
+            "recurrent state commits by the chain's count): export with --verify-rule chain"
+        )
+    if not isinstance(module, ExportTarget):
+        raise ValueError(
+            f"block verification (--verify-rule block) is not built for {type(module).__name__} "
+            "programs yet: export with --verify-rule chain"
+        )
+    module.block_verify = True
+
+
 def export_target(
     hf_model: torch.nn.Module,
     fc_weight: torch.Tensor,
@@ -191,6 +211,7 @@ def export_target(
     stream_from: ck.Pair | None = None,
     draft_q: tuple[int, ...] = (),
     token_bitmask: bool = False,
+    verify_rule: str = contract.CHAIN,
 ) -> dict:
     """Export the target program to `out_path` and check it; returns facts for the manifest.
 
@@ -210,6 +231,8 @@ def export_target(
     verification (contract.TargetIO.draft_q; not for a hybrid target).
     token_bitmask: structured output, the program takes contract.TOKEN_BITMASK and chooses
     only among the tokens it allows (docs/DESIGN.md, Structured output).
+    verify_rule: contract.BLOCK, block verification of sampled verifies (docs/DESIGN.md, Block
+    verification; the program also returns num_accepted; not for a hybrid target).
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=1)
     options = program_options(hf_model, prefill_seq_len, block_size, draft_q, token_bitmask)
@@ -227,6 +250,7 @@ def export_target(
         continuous_batching=full_batch_size is not None,
         **options,
     ).eval()
+    block_rule(module, hf_model, verify_rule, sampling)
     cfg = hf_model.config
     io = target_io(
         module,
@@ -235,6 +259,7 @@ def export_target(
         sampling,
         draft_q if sampling else (),
         token_bitmask,
+        verify_rule if sampling else contract.CHAIN,
     )
     plan = contract.shape_plan(
         block_size,
