@@ -144,6 +144,7 @@ def _export_target(pair, w: _Weights, plan, o: ExportOptions, out: Path, steps) 
             draft_q=draft_q,
             token_bitmask=o.structured_output,
             verify_rule=o.verify_rule,
+            plan=plan,
             **_common(pair, plan, o),
         )
     w.target = None  # the placeholder modules go before the draft is traced
