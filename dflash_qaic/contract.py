@@ -76,6 +76,16 @@ LOGITS = "logits"
 # committed to its recurrent state, decided in the graph by the host's rule (docs/DESIGN.md,
 # Hybrid targets): a prefill chunk's real rows; a verify or decode call's 1 + accepted proposals.
 NUM_COMMITTED = "num_committed"
+# Verification rules (docs/DESIGN.md, Seams: verifiers). A verify call's row r carries a token
+# (input_ids), a position (position_ids), a parent row (whose token it follows) and a cache slot
+# (where its K/V is written). CHAIN: row r's parent is row r − 1 (row 0's: the committed prefix)
+# and its slot is its position, so neither needs an input; every program exported so far is a
+# chain. BLOCK: the same rows, but the program decides the accepted count jointly over the
+# block (Sun et al. 2024) and returns it as NUM_ACCEPTED int64 [batch].
+CHAIN = "chain"
+BLOCK = "block"
+VERIFY_RULES = (CHAIN, BLOCK)
+NUM_ACCEPTED = "num_accepted"
 # Draft inputs / outputs.
 TARGET_HIDDEN = "target_hidden"
 POSITION_IDS_TARGET = "position_ids_target"
@@ -89,6 +99,15 @@ DRAFT_CONFIDENCE = "draft_confidence"
 DRAFT_RANDOM_U = "draft_random_u"  # float [batch, B − 1]
 DRAFT_Q_IDS = "draft_q_ids"  # int64 [batch, B − 1, k]
 DRAFT_Q_PROBS = "draft_q_probs"  # float [batch, B − 1, k]
+# A DFlash draft exported for block verification samples its proposals the same way, from the
+# softmax of its DRAFT_SAMPLE_TOP_K largest logits (its q), and returns them as above
+DRAFT_SAMPLE_TOP_K = 8
+# A draft exported with --draft-top-k k (≤ MAX_DRAFT_TOP_K): each proposal row's k most likely
+# ids and their log-probabilities under the draft's full softmax (what a tree is built from,
+# B·k small values to the host, never logits)
+DRAFT_TOP_IDS = "draft_top_ids"  # int64 [batch, B − 1, k]
+DRAFT_TOP_LOGPROBS = "draft_top_logprobs"  # float [batch, B − 1, k], descending
+MAX_DRAFT_TOP_K = 8
 CONFIDENCE_TOPK = 16
 # Structured output (docs/DESIGN.md, Structured output): int32 [batch, seq_len, ceil(V / 32)], the
 # tokens a grammar allows at each row (bit i % 32 of word i // 32 set when token i is allowed,
@@ -283,6 +302,8 @@ class TargetIO:
     draft_q: tuple[int, ...] = ()
     # structured output: the program takes TOKEN_BITMASK, applied before every row's choice
     token_bitmask: bool = False
+    # how a sampled verify decides its accepted count (VERIFY_RULES; BLOCK adds NUM_ACCEPTED)
+    verify_rule: str = CHAIN
     # per-layer cache shapes (kv heads, head dim of layer i at [2i], [2i + 1]) when the layers
     # differ (Gemma 4's sliding and full layers); () when every layer has n_kv_heads, head_dim
     layer_kv: tuple[int, ...] = ()
@@ -293,6 +314,10 @@ class TargetIO:
     @property
     def hybrid(self) -> bool:
         return bool(self.linear_layers)
+
+    @property
+    def block_verify(self) -> bool:
+        return self.sampling and self.verify_rule == BLOCK
 
     @property
     def kv(self) -> list[TensorSpec]:
@@ -345,8 +370,46 @@ class TargetIO:
             out.append(TensorSpec(LOGITS, "float32", (BATCH, SEQ, self.vocab_size)))
         if self.hybrid:
             out.append(TensorSpec(NUM_COMMITTED, "int64", (BATCH,)))
+        if self.block_verify:
+            out.append(TensorSpec(NUM_ACCEPTED, "int64", (BATCH,)))
         out += [TensorSpec(retained(s.name), s.dtype, s.shape) for s in self.kv]
         return out
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Where each row of a verify call sits: its parent row (−1: the committed prefix) and its
+    cache slot, apart from its position (docs/DESIGN.md, Seams: verifiers). Today's programs
+    take the chain layout implicitly (`chain`); a layout that is not a chain (a tree's rows share
+    depths, so positions repeat while slots do not) is what a tree verify would pass."""
+
+    parents: tuple[int, ...]
+    depths: tuple[int, ...]
+
+    @classmethod
+    def chain(cls, n: int) -> RowLayout:
+        return cls(tuple(range(-1, n - 1)), tuple(range(n)))
+
+    @property
+    def is_chain(self) -> bool:
+        return self == RowLayout.chain(len(self.parents))
+
+    def positions(self, start: int) -> list[int]:
+        """Row positions: start + depth (a chain: start … start + n − 1)."""
+        return [start + d for d in self.depths]
+
+    def slots(self, start: int) -> list[int]:
+        """Cache slots: start + row index (distinct, consecutive; a chain's are its positions)."""
+        return [start + r for r in range(len(self.parents))]
+
+    def visible(self, r: int, c: int) -> bool:
+        """Whether row r attends to row c of the same call: c is r or one of its ancestors
+        (a chain: c ≤ r, the causal mask)."""
+        while r >= 0:
+            if r == c:
+                return True
+            r = self.parents[r]
+        return False
 
 
 @dataclass(frozen=True)
@@ -367,6 +430,8 @@ class DraftIO:
     ring_slots: tuple[int, ...] = ()
     # a DFlash-2 draft exported for sampling: its selector's top-k (0: greedy proposals only)
     q_top_k: int = 0
+    # each proposal row's top-k ids and log-probabilities as outputs (0: none)
+    top_k: int = 0
 
     @property
     def kv(self) -> list[TensorSpec]:
@@ -412,6 +477,12 @@ class DraftIO:
         if self.confidence:
             out.append(TensorSpec(DRAFT_CONFIDENCE, "float32", (BATCH, self.block_size - 1)))
         out += self.q_outputs
+        if self.top_k:
+            shape = (BATCH, self.block_size - 1, self.top_k)
+            out += [
+                TensorSpec(DRAFT_TOP_IDS, "int64", shape),
+                TensorSpec(DRAFT_TOP_LOGPROBS, "float32", shape),
+            ]
         if self.emit_logits:
             out.append(TensorSpec(LOGITS, "float32", (BATCH, self.block_size - 1, self.vocab_size)))
         out += [TensorSpec(retained(s.name), s.dtype, s.shape) for s in self.kv]

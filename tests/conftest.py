@@ -129,6 +129,8 @@ FAMILIES: dict[str, dict] = {
     "qwen3_moe": dict(family="qwen3_moe"),
     "qwen3_5": dict(family="qwen3_5"),
     "qwen3_5_moe": dict(family="qwen3_5_moe"),
+    "gemma4": dict(family="gemma4"),
+    "gemma4_moe": dict(family="gemma4_moe"),
 }
 #: The draft forms: name -> TinySpec fields ("sliding": one sliding and one full layer).
 DRAFT_FORMS: dict[str, dict] = {

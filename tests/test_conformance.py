@@ -33,6 +33,8 @@ CASES = {
     "qwen3_moe": ("qwen3_moe", "dflash", dict(block_size=4, agree=2.0), 8, 160),
     "qwen3_5": ("qwen3_5", "dflash", dict(block_size=4, agree=1.0), 16, 112),
     "qwen3_5_moe": ("qwen3_5_moe", "dflash", dict(block_size=4, agree=1.0), 16, 112),
+    "gemma4": ("gemma4", "dflash", dict(block_size=4, agree=0.9), 8, 160),
+    "gemma4_moe": ("gemma4_moe", "dflash", dict(block_size=4, agree=0.9), 8, 160),
     "qwen3-dflash2": ("qwen3", "dflash2", dict(block_size=8, vocab_size=24, agree=2.0), 16, 160),
     "qwen3-sliding": ("qwen3", "sliding", dict(block_size=8, vocab_size=24), 16, 160),
 }
@@ -43,6 +45,8 @@ HF_CLASS = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
+    "gemma4_moe": "Gemma4ForCausalLM",
 }
 assert (
     {c[0] for c in CASES.values()} == set(FAMILIES) == set(HF_CLASS)
@@ -92,12 +96,19 @@ def whole_block_steps(ref_lengths, n, new, B) -> int:
     return k
 
 
-def assert_varied(pair, B, lengths) -> None:
+#: distinct acceptance lengths a biased case shows: the tiny Gemma 4 pairs accept 1 or B (their
+#: soft-capped logits make the draft all right or wrong at once); every length 1 … B is forced
+#: on them by tests/test_gemma4.py's speculative loop
+VARIETY = {"gemma4": 2, "gemma4_moe": 2}
+
+
+def assert_varied(pair, B, lengths, case="") -> None:
     """A biased pair's acceptance varies from 1 to B step to step; an unbiased one (the small
     vocabulary, the draft's own proposals) has steps that accept more than the target's token
     (the draft ran for real; rung 3 compares its steps with the reference's)."""
     if "agree" in pair:
-        assert min(lengths) == 1 and max(lengths) >= B - 1 and len(set(lengths)) >= 3, lengths
+        want = VARIETY.get(case, 3)
+        assert min(lengths) == 1 and max(lengths) >= B - 1 and len(set(lengths)) >= want, lengths
     else:
         assert min(lengths) == 1 and max(lengths) > 1, lengths
 
@@ -163,7 +174,7 @@ def test_tokens_equal_hf_greedy(exported, case, planned_chunks):
         lengths += res.acceptance_lengths
         # the target alone on the same programs: the same tokens
         assert pipe.generate_baseline(ids, 12, stop_token_ids=[]).tokens == res.tokens[:12]
-    assert_varied(pair, B, lengths)
+    assert_varied(pair, B, lengths, case)
 
 
 @parametrize
@@ -198,7 +209,10 @@ def test_acceptance_equals_reference(exported, case):
         compared += k
         lengths += out.acceptance_lengths[:k]
     assert compared >= 6, compared
-    assert len(set(lengths)) >= 3 if "agree" in pair else sum(a > 1 for a in lengths) >= 3, lengths
+    want = VARIETY.get(case, 3)
+    assert len(set(lengths)) >= want if "agree" in pair else sum(a > 1 for a in lengths) >= 3, (
+        lengths
+    )
 
 
 @parametrize

@@ -271,16 +271,20 @@ class ProgramRecord:
         io = asdict(self.io)
         rings = io.pop("ring_slots", ())  # a draft with ring caches only (b16: absent)
         q_top_k = io.pop("q_top_k", 0)  # a DFlash-2 draft exported for sampling only
+        top_k = io.pop("top_k", 0)  # a draft exported with --draft-top-k only
         draft_q = io.pop("draft_q", ())  # a target verifying with a DFlash-2 draft's q only
         bitmask = io.pop("token_bitmask", False)  # a target exported for structured output only
+        rule = io.pop("verify_rule", contract.CHAIN)  # a target exported with block verify only
         layer_kv = io.pop("layer_kv", ())  # a target whose layers' caches differ (Gemma 4) only
         return {
             **self.facts,
             **io,
             **({"ring_slots": list(rings)} if rings else {}),
             **({"q_top_k": q_top_k} if q_top_k else {}),
+            **({"top_k": top_k} if top_k else {}),
             **({"draft_q": list(draft_q)} if draft_q else {}),
             **({"token_bitmask": True} if bitmask else {}),
+            **({"verify_rule": rule} if rule != contract.CHAIN else {}),
             **({"layer_kv": list(layer_kv)} if layer_kv else {}),
             "onnx": self.onnx,
             "external_data": self.external_data,
@@ -319,9 +323,12 @@ class ProgramRecord:
                 state_dims=_int_tuple(c, "state_dims", 1, 1 << 24),
                 draft_q=c.ints("draft_q", 1, 1 << 24, default=[]),
                 token_bitmask=c.bool("token_bitmask", False),
+                verify_rule=c.get("verify_rule", contract.CHAIN),
                 layer_kv=_int_tuple(c, "layer_kv", 1, 1 << 24),
                 ring_slots=_int_tuple(c, "ring_slots", 0, 1 << 22),
             )
+            if io.verify_rule not in contract.VERIFY_RULES:
+                c.fail(c.key("verify_rule"), f"must be one of {list(contract.VERIFY_RULES)}")
             if io.layer_kv and len(io.layer_kv) != 2 * io.n_layers:
                 c.fail(c.key("layer_kv"), "must list 2 dims per layer")
             if io.hybrid and len(io.state_dims) != 5:
@@ -336,6 +343,7 @@ class ProgramRecord:
                 confidence=c.bool("confidence"),
                 ring_slots=c.ints("ring_slots", 0, 1 << 22, default=[]),
                 q_top_k=c.int("q_top_k", 0, 1 << 24, default=0),
+                top_k=c.int("top_k", 0, contract.MAX_DRAFT_TOP_K, default=0),
             )
         for which, specs in (("inputs", io.inputs), ("outputs", io.outputs)):
             want = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]
@@ -346,8 +354,8 @@ class ProgramRecord:
             | set(dims)
             | {"emit_logits", "sampling", "block_size", "continuous_batching", "comp_ctx"}
         )
-        known |= {"linear_layers", "state_dims", "draft_q", "token_bitmask"}
-        known |= {"confidence", "ring_slots", "q_top_k", "inputs", "outputs", "qpc"}
+        known |= {"linear_layers", "state_dims", "draft_q", "token_bitmask", "verify_rule"}
+        known |= {"confidence", "ring_slots", "q_top_k", "top_k", "inputs", "outputs", "qpc"}
         known |= PLAN_COPIES
         return cls(
             io=io,

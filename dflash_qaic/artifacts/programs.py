@@ -99,10 +99,21 @@ def _common(pair: ck.Pair, plan: contract.ShapePlan, o: ExportOptions) -> dict:
     )
 
 
+def _block(o: ExportOptions) -> bool:
+    """--verify-rule block on a sampling program (docs/DESIGN.md, Block verification)."""
+    return o.verify_rule == contract.BLOCK and o.sampling
+
+
 def _q_aware(pair: ck.Pair, o: ExportOptions) -> bool:
-    """A DFlash-2 draft, sampling, a dense target: the draft samples its path and returns its q,
-    the target verifies q-aware (docs/DESIGN.md, DFlash-2 drafts)."""
-    return pair.draft.dflash2 and o.sampling and not pair.target.hybrid
+    """A DFlash-2 draft, or any draft under --verify-rule block, sampling, a dense target: the
+    draft samples its path and returns its q (a DFlash draft from its top-k), and the target
+    verifies q-aware (docs/DESIGN.md, DFlash-2 drafts; Block verification)."""
+    return (pair.draft.dflash2 or _block(o)) and o.sampling and not pair.target.hybrid
+
+
+def _q_top_k(pair: ck.Pair) -> int:
+    """The candidates a sampling draft draws its proposals from."""
+    return pair.draft.selector_top_k if pair.draft.dflash2 else contract.DRAFT_SAMPLE_TOP_K
 
 
 def _export_target(pair, w: _Weights, plan, o: ExportOptions, out: Path, steps) -> dict:
@@ -112,7 +123,7 @@ def _export_target(pair, w: _Weights, plan, o: ExportOptions, out: Path, steps) 
 
     B = plan.block_size
     q_aware = _q_aware(pair, o)
-    draft_q = (B - 1, min(pair.draft.selector_top_k, pair.target.vocab_size)) if q_aware else ()
+    draft_q = (B - 1, min(_q_top_k(pair), pair.target.vocab_size)) if q_aware else ()
     t = time.perf_counter()
     log.info(
         "exporting the target program (ctx %d, chunk %d, B %d)",
@@ -132,6 +143,8 @@ def _export_target(pair, w: _Weights, plan, o: ExportOptions, out: Path, steps) 
             verify_lengths=list(plan.verify_lengths),
             draft_q=draft_q,
             token_bitmask=o.structured_output,
+            verify_rule=o.verify_rule,
+            plan=plan,
             **_common(pair, plan, o),
         )
     w.target = None  # the placeholder modules go before the draft is traced
@@ -154,6 +167,8 @@ def _export_draft(pair, w: _Weights, plan, o: ExportOptions, out: Path, steps) -
             w.head,
             out / "draft" / "draft.onnx",
             sampling=_q_aware(pair, o),
+            sample_top_k=_q_top_k(pair) if _block(o) else 0,
+            top_k=o.draft_top_k,
             plan=plan,
             **_common(pair, plan, o),
         )

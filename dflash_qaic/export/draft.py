@@ -25,6 +25,7 @@ def draft_io(
     confidence=True,
     ring_slots: tuple[int, ...] = (),
     q_top_k: int = 0,
+    top_k: int = 0,
 ) -> contract.DraftIO:
     return contract.DraftIO(
         n_layers=c.num_layers,
@@ -39,6 +40,7 @@ def draft_io(
         confidence=confidence,
         ring_slots=tuple(ring_slots),
         q_top_k=q_top_k,
+        top_k=top_k,
     )
 
 
@@ -78,6 +80,19 @@ def check_feeds(io: contract.DraftIO, specializations: list[dict], mask_id: int,
     return feeds
 
 
+def _outputs_k(module, draft_cfg, V: int, sampling: bool, sample_top_k: int, top_k: int):
+    """(q's candidates, returned top-k) of the draft program, set on `module`: a DFlash-2 draft
+    exported for sampling proposes a sampled path and returns its q (its selector's top-k); a
+    DFlash draft does so from its own top `sample_top_k` when that is > 0."""
+    q_top_k = min(draft_cfg.selector_top_k, V) if draft_cfg.dflash2 and sampling else 0
+    if sampling and not draft_cfg.dflash2 and sample_top_k:  # a DFlash draft that samples
+        q_top_k = module.q_top_k = min(sample_top_k, V)
+    if not 0 <= top_k <= contract.MAX_DRAFT_TOP_K:
+        raise ValueError(f"--draft-top-k must be in [0, {contract.MAX_DRAFT_TOP_K}], got {top_k}")
+    module.top_k = top_k = min(top_k, V)
+    return q_top_k, top_k
+
+
 def export_draft(
     draft_cfg: DraftConfig,
     draft_state: dict[str, torch.Tensor],
@@ -96,6 +111,8 @@ def export_draft(
     fp16_check: bool = True,
     stream_from: Pair | None = None,
     sampling: bool = False,
+    sample_top_k: int = 0,
+    top_k: int = 0,
     plan: contract.ShapePlan | None = None,
 ) -> dict:
     """Export the draft program to `out_path` and check it; returns facts for the manifest.
@@ -106,8 +123,8 @@ def export_draft(
     from this pair's checkpoints tensor by tensor.
     full_batch_size: continuous batching with this many cache rows (contract.py).
     comp_ctx_lengths: the attention windows (contract.COMP_CTX_LENGTHS); None: the default ones.
-    sampling: a DFlash-2 draft takes temperature and uniforms and returns its q (contract.DraftIO,
-    q_top_k); other drafts are unaffected.
+    sampling, sample_top_k: the draft samples its proposals and returns its q (`_outputs_k`).
+    top_k: it also returns each proposal row's top-k ids and log-probabilities (0: not).
     plan: the export's shape plan (artifacts/preflight.py), made here from the sizes when None.
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=2)
@@ -118,10 +135,11 @@ def export_draft(
     cb = full_batch_size is not None
     module = ExportDraft(draft, embed_weight, head_weight, ctx_len, emit_logits, cb).eval()
     rings = module.cache_slots()  # sliding layers: a ring of their window's slots
-    # a DFlash-2 draft exported for sampling proposes a sampled path and returns its q
     V = embed_weight.shape[0]
-    q_top_k = min(draft_cfg.selector_top_k, V) if draft_cfg.dflash2 and sampling else 0
-    io = draft_io(draft_cfg, V, block_size, emit_logits, cb, ring_slots=rings, q_top_k=q_top_k)
+    q_top_k, top_k = _outputs_k(module, draft_cfg, V, sampling, sample_top_k, top_k)
+    io = draft_io(
+        draft_cfg, V, block_size, emit_logits, cb, ring_slots=rings, q_top_k=q_top_k, top_k=top_k
+    )
     if plan is None:
         windows = contract.windows_or_default(
             comp_ctx_lengths, ctx_len, prefill_seq_len, block_size

@@ -15,6 +15,7 @@ import os
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
+from dflash_qaic import contract
 from dflash_qaic.compile.profiles import MAX_CORES_PER_DEVICE, MAX_DEVICES, CompileOverrides
 
 MAX_CTX_LEN = 1 << 18  # 262144 slots: beyond any supported model's context
@@ -121,6 +122,23 @@ class ExportOptions:
         "tokens, applied before its token choice; docs/DESIGN.md, Structured output)",
         recipe=True,
     )
+    verify_rule: str = _opt(
+        contract.CHAIN,
+        "str",
+        "how a sampled verify accepts: chain (token by token) or block (jointly, Sun et al. "
+        "2024; a DFlash draft then samples its proposals from its top-8; docs/DESIGN.md, Block "
+        "verification)",
+        recipe=True,
+    )
+    draft_top_k: int = _opt(
+        0,
+        "int",
+        "the draft also returns each proposal row's k most likely ids and log-probabilities "
+        "(k ≤ 8; what a tree is built from; 0: off)",
+        lo=0,
+        hi=contract.MAX_DRAFT_TOP_K,
+        recipe=True,
+    )
     fp16_check: bool = _opt(True, "bool", "skip the fp16 graph run")
     compile: bool = _opt(True, "bool", "export ONNX only", group="run")
     qpc_config: str = _opt(
@@ -171,6 +189,11 @@ class ExportOptions:
                 )
             object.__setattr__(self, "block_size", n + 1)
             object.__setattr__(self, "num_speculative_tokens", None)
+        if self.verify_rule not in contract.VERIFY_RULES:
+            raise ExportError(
+                f"--verify-rule must be chain or block, got {self.verify_rule!r} "
+                "(`verify_rule=` in Python)"
+            )
         w = self.comp_ctx_lengths
         if w is not None and (list(w) != sorted(set(w)) or w[-1] != self.ctx_len):
             raise ExportError(

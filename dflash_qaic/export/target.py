@@ -107,6 +107,7 @@ def target_io(
     sampling: bool,
     draft_q=(),
     token_bitmask: bool = False,
+    verify_rule: str = contract.CHAIN,
 ) -> contract.TargetIO:
     """The contract of the program `module` exports to (its layers decide the buffers)."""
     return contract.TargetIO(
@@ -119,14 +120,23 @@ def target_io(
         comp_ctx=module.comp_ctx,
         draft_q=tuple(draft_q),
         token_bitmask=token_bitmask,
+        verify_rule=verify_rule,
     )
+
+
+# gpt-oss: its program is built from a loaded GptOssForCausalLM (modeling/gpt_oss.py); its
+# checkpoint directories (MXFP4 experts) are not read yet, so it is not a registry family
+GPT_OSS = "gpt_oss"
 
 
 def program_class(hf_model, prefill_seq_len: int, block_size: int, options: dict):
     """(module class, options) of the target: a family with layer kinds has its own program
     (modeling/kinds.py: gpt-oss, Gemma 4), whose sliding layers keep rings sized by the longest
     call; every other family the skeleton's."""
-    program = getattr(families.for_hf(hf_model.config), "program", None)
+    if hf_model.config.model_type == GPT_OSS:  # built from a loaded model only (no family)
+        program = "gpt_oss"
+    else:
+        program = getattr(families.for_hf(hf_model.config), "program", None)
     if program is None:
         return ExportTarget, options
     from dflash_qaic.modeling.gemma4 import ExportGemma4Target
@@ -147,7 +157,8 @@ def program_options(
     DeltaNet layers tell a prefill chunk from a verify call by its rows; q-aware verification
     is not built for hybrids yet."""
     mask = {"token_bitmask": True} if token_bitmask else {}
-    if not families.for_hf(hf_model.config).hybrid:
+    gpt_oss = hf_model.config.model_type == GPT_OSS
+    if gpt_oss or not families.for_hf(hf_model.config).hybrid:
         return mask
     if prefill_seq_len <= block_size:
         raise ValueError(
@@ -157,6 +168,24 @@ def program_options(
     if draft_q:
         raise ValueError("q-aware verification (draft_q) is not built for hybrid targets")
     return dict(block_size=block_size, max_rows=prefill_seq_len, **mask)
+
+
+def block_rule(module, hf_model, verify_rule: str, sampling: bool) -> None:
+    """contract.BLOCK on a sampling program: the target decides its accepted count in the graph
+    (hybrid targets refuse it: their recurrent state commits by the chain's count)."""
+    if verify_rule != contract.BLOCK or not sampling:
+        return
+    if families.for_hf(hf_model.config).hybrid:
+        raise ValueError(
+            "block verification (--verify-rule block) is not built for hybrid targets (their "
+            "recurrent state commits by the chain's count): export with --verify-rule chain"
+        )
+    if not isinstance(module, ExportTarget):
+        raise ValueError(
+            f"block verification (--verify-rule block) is not built for {type(module).__name__} "
+            "programs yet: export with --verify-rule chain"
+        )
+    module.block_verify = True
 
 
 def export_target(
@@ -182,25 +211,22 @@ def export_target(
     stream_from: ck.Pair | None = None,
     draft_q: tuple[int, ...] = (),
     token_bitmask: bool = False,
+    verify_rule: str = contract.CHAIN,
+    plan: contract.ShapePlan | None = None,
 ) -> dict:
     """Export the target program to `out_path` and check it; returns facts for the manifest.
 
     stream_from: the streaming export (export/weights.py): `hf_model` holds placeholder weights
-    (`weights.placeholder_target`) and the program's weights are written from this pair's
-    checkpoints tensor by tensor (see `export_and_check` for what is skipped at scale).
-
-    sampling: the program takes temperature / top_k / top_p / random_u and returns the
-    lossless speculative-sampling choice (contract.TargetIO); False: argmax only.
-    sampling_candidates: how many most likely tokens the top-k / top-p thresholds are read from
-    (see modeling.sampler.sampling_weights): the largest top_k the program takes.
-    fp16_check: run the graph check's fp16 evaluations (export/fp16_check.py).
-    full_batch_size: continuous batching with this many cache rows (None: off); comp_ctx_lengths:
-    the attention windows (None: the default ones); verify_lengths: the verify blocks' row
-    counts (None: the default ones); see contract.py.
-    draft_q: (B − 1, k) with sampling and a DFlash-2 draft that returns its q: q-aware
-    verification (contract.TargetIO.draft_q; not for a hybrid target).
-    token_bitmask: structured output, the program takes contract.TOKEN_BITMASK and chooses
-    only among the tokens it allows (docs/DESIGN.md, Structured output).
+    and the program's weights are written from this pair's checkpoints tensor by tensor.
+    sampling: the program takes temperature / top_k / top_p / random_u and returns the lossless
+    speculative-sampling choice; False: argmax only. sampling_candidates: the largest top_k
+    (modeling.sampler.sampling_weights). fp16_check: the graph check's fp16 evaluations.
+    full_batch_size (cache rows; None: off), comp_ctx_lengths, verify_lengths: see contract.py.
+    draft_q: (B − 1, k), q-aware verification of a DFlash-2 draft's q (not for a hybrid).
+    token_bitmask: structured output (docs/DESIGN.md, Structured output).
+    verify_rule: contract.BLOCK, block verification of sampled verifies (docs/DESIGN.md, Block
+    verification; the program also returns num_accepted; not for a hybrid target).
+    plan: the export's shape plan (artifacts/preflight.py), made here from the sizes when None.
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=1)
     options = program_options(hf_model, prefill_seq_len, block_size, draft_q, token_bitmask)
@@ -218,6 +244,7 @@ def export_target(
         continuous_batching=full_batch_size is not None,
         **options,
     ).eval()
+    block_rule(module, hf_model, verify_rule, sampling)
     cfg = hf_model.config
     io = target_io(
         module,
@@ -226,17 +253,11 @@ def export_target(
         sampling,
         draft_q if sampling else (),
         token_bitmask,
+        verify_rule if sampling else contract.CHAIN,
     )
-    plan = contract.shape_plan(
-        block_size,
-        prefill_seq_len,
-        ctx_len,
-        batch_size=batch_size,
-        full_batch_size=full_batch_size,
-        windows=contract.windows_or_default(comp_ctx_lengths, ctx_len, prefill_seq_len, block_size),
-        verify_lengths=verify_lengths,
-        sampling=sampling,
-    )
+    if plan is None:
+        sizes = (batch_size, full_batch_size, comp_ctx_lengths, verify_lengths, sampling)
+        plan = _plan(block_size, prefill_seq_len, ctx_len, *sizes)
     path, specializations, report = _export(
         module, io, plan, out_path, stream_from, external_data, fp16_check
     )
@@ -244,6 +265,15 @@ def export_target(
     sizes |= dict(comp_ctx_lengths=list(plan.windows), verify_lengths=list(plan.verify_lengths))
     facts = _module_facts(module, cfg, sampling, hidden_norm_eps)
     return {**program_facts(path, io, specializations, report), **sizes, **facts}
+
+
+def _plan(B, prefill_seq_len, ctx_len, batch_size, full_batch_size, windows, verify, sampling):
+    """The shape plan of these sizes, for a caller that gives none (default windows)."""
+    windows = contract.windows_or_default(windows, ctx_len, prefill_seq_len, B)
+    sizes = dict(batch_size=batch_size, full_batch_size=full_batch_size, windows=windows)
+    return contract.shape_plan(
+        B, prefill_seq_len, ctx_len, **sizes, verify_lengths=verify, sampling=sampling
+    )
 
 
 def _export(module, io, plan, out_path, stream_from, external_data, fp16_check):

@@ -34,6 +34,8 @@ from dflash_qaic.contract import (
     DRAFT_Q_PROBS,
     DRAFT_RANDOM_U,
     DRAFT_TOKENS,
+    DRAFT_TOP_IDS,
+    DRAFT_TOP_LOGPROBS,
     INPUT_IDS,
     LOGITS,
     POSITION_IDS,
@@ -280,6 +282,36 @@ class CandidateSelector(nn.Module):
         return path, cand, torch.where(hot[..., 0][..., None], q, one_hot)
 
 
+def sample_top_k(logits, k: int, temperature, random_u):
+    """A DFlash draft's sampled proposals (contract.DRAFT_SAMPLE_TOP_K): logits [b, n, V],
+    temperature [b], random_u [b, n] -> (tokens [b, n], candidates [b, n, k], q [b, n, k]).
+    Rows of temperature > 0 draw from q = softmax(top-k logits / T) by the inverse CDF over the
+    k candidates; the others take the argmax (q one-hot on it). Each row's draw is independent
+    of the others' (a DFlash block is proposed in parallel), so q is the proposal's law."""
+    k = min(k, int(logits.shape[-1]))
+    top, cand = logits.topk(k, dim=-1)  # [b, n, k], descending
+    hot = temperature[:, None, None] > 0  # [b, 1, 1]
+    t = torch.where(hot, temperature[:, None, None], 1.0).clamp(min=MIN_TEMPERATURE)
+    q = ((top - top[..., :1]) / t).softmax(-1)  # fp16-safe: every entry ≤ 0 before exp
+    c = q.cumsum(-1)
+    above = c > random_u[..., None] * c[..., -1:]
+    drawn = torch.where(above[..., -1], above.to(torch.int32).argmax(-1), k - 1)  # [b, n]
+    first = (torch.arange(k, device=logits.device) == 0).to(q.dtype).expand_as(q)
+    index = torch.where(hot[..., 0], drawn, 0)
+    q = torch.where(hot, q, first)
+    return cand.gather(-1, index[..., None])[..., 0], cand, q
+
+
+def top_logprobs(logits, k: int):
+    """logits [b, n, V] -> (the k most likely ids [b, n, k], their log-probabilities under the
+    full softmax [b, n, k], descending). log p = l − l_max − log Σ exp(l − l_max): every term
+    ≤ 1, so fp16 holds the sum unless the distribution is near-uniform over more than 65504
+    tokens (the sampler's caveat, docs/DESIGN.md, Sampling)."""
+    top, ids = logits.topk(min(k, int(logits.shape[-1])), dim=-1)
+    mx = top[..., :1]
+    return ids, top - mx - torch.log(torch.exp(logits - mx).sum(-1, keepdim=True))
+
+
 class DraftLayer(nn.Module):
     def __init__(self, c: DraftConfig, i: int = 0):
         super().__init__()
@@ -384,6 +416,11 @@ class ExportDraft(nn.Module):
          and the updated caches.
     """
 
+    #: a DFlash draft exported to sample its proposals (set by the exporter: its q's candidates)
+    q_top_k = 0
+    #: top-k ids and log-probabilities returned per proposal row (set by the exporter; 0: none)
+    top_k = 0
+
     def __init__(
         self,
         draft: DFlashDraft,
@@ -471,7 +508,11 @@ class ExportDraft(nn.Module):
             cap = self.c.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         q = {}
-        if self.candidate_selector is None:
+        if self.candidate_selector is None and TEMPERATURE in x:  # sampled: block verification
+            draft_tokens, q[DRAFT_Q_IDS], q[DRAFT_Q_PROBS] = sample_top_k(
+                logits, self.q_top_k, x[TEMPERATURE], x[DRAFT_RANDOM_U]
+            )
+        elif self.candidate_selector is None:
             draft_tokens = logits.argmax(-1)  # [b, B−1]
         elif TEMPERATURE in x:  # DFlash-2 exported for sampling: a sampled path and its q
             draft_tokens, q[DRAFT_Q_IDS], q[DRAFT_Q_PROBS] = self.candidate_selector(
@@ -484,6 +525,8 @@ class ExportDraft(nn.Module):
             k = min(CONFIDENCE_TOPK, logits.shape[-1])
             top = logits.topk(k, dim=-1).values  # [b, B−1, k]
             conf = 1.0 / torch.exp(top - top[..., :1]).sum(-1)  # [b, B−1]
+        if self.top_k:  # the tree's candidates: top-k ids and log-probabilities
+            q[DRAFT_TOP_IDS], q[DRAFT_TOP_LOGPROBS] = top_logprobs(logits, self.top_k)
         out = {DRAFT_TOKENS: draft_tokens, DRAFT_CONFIDENCE: conf, LOGITS: logits, **q}
         out.update((retained_name(n), t) for n, t in zip(kv, retained, strict=True))
         return tuple(out[n] for n in self.output_names)  # the contract's outputs, by name

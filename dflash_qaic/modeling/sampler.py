@@ -239,7 +239,8 @@ def sample_next_tokens(
     q_ids: torch.Tensor | None = None,
     q_probs: torch.Tensor | None = None,
     floor: torch.Tensor | None = None,
-) -> torch.Tensor:
+    block: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The token committed at every row under the lossless rule (docs/DESIGN.md, Sampling).
 
     logits [b, s, V]; input_ids, position_ids [b, s]; temperature, top_k, top_p [b];
@@ -260,6 +261,9 @@ def sample_next_tokens(
     floor [b, s, 1] (structured output): logits already masked by `mask_logits`; p is then the
     target's distribution restricted to the grammar's tokens, and a disallowed proposal has
     p(d) = 0 (always rejected).
+
+    block: block verification (`_block`, docs/DESIGN.md, Block verification): returns
+    (tokens [b, s], accepted [b]): a row commits its first accepted + 1 tokens.
     """
     greedy = logits.argmax(dim=-1)  # [b, s]
     rows = _leading_rows(random_u)  # [n]: 0 … n−1
@@ -274,6 +278,13 @@ def sample_next_tokens(
     has = next_pos.index_select(1, rows) >= 0  # [b, n]
     w_d = torch.where(has, w.gather(-1, proposal[..., None])[..., 0], 0.0)  # [b, n]
     total = _tree_total(w, vocab)  # [b, n]
+    if block:
+        q = _q_vocab(w, rows, proposal, q_ids, q_probs) if q_ids is not None else None
+        chosen, tau = _block(w, w_d, total, proposal, has, u, q, rows)
+        hot = temperature > 0
+        chosen = torch.where(hot[:, None], chosen, greedy.index_select(1, rows))
+        accepted = torch.where(hot, tau, _leading_equal(greedy, input_ids, position_ids))
+        return greedy.scatter(1, rows + chosen * 0, chosen), accepted
     if q_ids is not None:
         return _q_aware(greedy, rows, w, w_d, total, proposal, has, u, temperature, q_ids, q_probs)
     hit = (torch.arange(vocab, device=logits.device) == proposal[..., None]) & has[..., None]
@@ -296,10 +307,10 @@ def _leading_rows(random_u: torch.Tensor) -> torch.Tensor:
     return (ones.cumsum(0) - 1).long()
 
 
-def _q_aware(greedy, rows, w, w_d, total, proposal, has, u, temperature, q_ids, q_probs):
-    """`sample_next_tokens` with the draft's q (see there). In weight units (p = w / total):
-    accept iff u1 · q(d) · total < w(d); the residual is max(w − total · q, 0) over the
-    vocabulary, q spread from its k candidates by k compares (no scatter: k is small)."""
+def _q_vocab(w, rows, proposal, q_ids, q_probs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft's q at the verify rows 0 … n−1: (q over the vocabulary [b, n, V], q(d) [b, n]),
+    spread from its k candidates by k compares (no scatter: k is small); rows past the draft's
+    m rows have none (zeros)."""
     b, n, V = w.shape
     # q rows aligned with the verify rows 0 … n−1; rows past the draft's have no proposal
     pad = torch.cat([q_probs, q_probs[:, :1] * 0], dim=1)  # [b, m + 1, k]: a zero row
@@ -313,6 +324,15 @@ def _q_aware(greedy, rows, w, w_d, total, proposal, has, u, temperature, q_ids, 
     q_v = w * 0
     for j in range(qi.shape[-1]):
         q_v = q_v + torch.where(vocab == qi[..., j : j + 1], qp[..., j : j + 1], 0.0)
+    return q_v, q_d
+
+
+def _q_aware(greedy, rows, w, w_d, total, proposal, has, u, temperature, q_ids, q_probs):
+    """`sample_next_tokens` with the draft's q (see there). In weight units (p = w / total):
+    accept iff u1 · q(d) · total < w(d); the residual is max(w − total · q, 0) over the
+    vocabulary."""
+    V = w.shape[-1]
+    q_v, q_d = _q_vocab(w, rows, proposal, q_ids, q_probs)
     residual = torch.where(has[..., None], (w - total[..., None] * q_v).clamp(min=0.0), w)
     left = _tree_total(residual, V)  # [b, n]
     residual = torch.where((left > 0)[..., None], residual, w)  # empty: p itself
@@ -321,3 +341,59 @@ def _q_aware(greedy, rows, w, w_d, total, proposal, has, u, temperature, q_ids, 
     chosen = torch.where(accept, proposal, sampled)  # [b, n]
     chosen = torch.where(temperature[:, None] == 0, greedy.index_select(1, rows), chosen)
     return greedy.scatter(1, rows + chosen * 0, chosen)  # [b, s]
+
+
+def _leading_equal(greedy: torch.Tensor, input_ids, position_ids) -> torch.Tensor:
+    """[b]: the leading proposals equal to the argmax (the host's chain rule, for greedy rows):
+    the first row j whose argmax differs from row j + 1's input or whose next row is padding."""
+    same = (greedy[:, :-1] == input_ids[:, 1:]) & (position_ids[:, 1:] >= 0)  # [b, s − 1]
+    stop = torch.cat([~same, greedy[:, :1] >= 0], dim=1)  # a last column that always stops
+    return stop.to(torch.int32).argmax(-1).long()
+
+
+def _block(w, w_d, total, proposal, has, u, q, rows):
+    """Block verification (Sun et al. 2024; docs/DESIGN.md, Block verification) of the rows
+    0 … n−1 that sample (`rows`, every row of a sampled verify). Row j's proposal d_j (the next
+    row's input) came from the draft's q_j (q None: one-hot at d_j, a greedy draft); γ = the
+    row's proposals. In probability units, with p_j = w_j / total_j:
+      π_0 = 1, π_{i+1} = min(π_i · p_i(d_i) / q_i(d_i), 1)
+      R_i = Σ_x max(π_i p_i(x) − q_i(x), 0);  h_i = R_i / (R_i + 1 − π_i) (i < γ), h_γ = π_γ
+      τ = the largest i in 1 … γ with η_i < h_i (0 if none): the row keeps d_0 … d_{τ−1}, then
+      draws its token from p_γ (τ = γ) or from norm(max(π_τ p_τ − q_τ, 0)) (τ < γ).
+    The output is distributed as the target's own sampling, and the expected accepted count is
+    never below the token-wise rule's. η_i is row i's first uniform, the draw row τ's second.
+    π is the clamped running product in closed form, log π_i = S_i − max_{m ≤ i} S_m with S the
+    exclusive cumulative sum of log(p/q) (no loop over rows: n is a specialization's symbol).
+    Returns (chosen [b, n], τ [b])."""
+    b, n, V = w.shape
+    if q is None:  # a greedy draft: q is one-hot at the proposal
+        q_v = ((torch.arange(V, device=w.device) == proposal[..., None]) & has[..., None]).to(
+            w.dtype
+        )
+        q_d = has.to(w.dtype)
+    else:
+        q_v, q_d = q
+    # log(p(d) / q(d)) in weight units, fp16-safe: each term within ±(17 + log V), and a
+    # proposal the target rules out (p(d) = 0) gets −60 (π then ≤ e^−60: 0 in fp16)
+    tiny = 2.0**-24  # fp16's smallest subnormal
+    log_r = torch.log(w_d.clamp(min=tiny)) - torch.log(total.clamp(min=tiny))
+    log_r = log_r - torch.log(q_d.clamp(min=tiny))
+    log_r = torch.where(has, torch.where(w_d > 0, log_r, -60.0), 0.0)  # [b, n]
+    S = _exclusive(log_r.cumsum(-1))  # [b, n]: S_0 = 0
+    upto = rows[None, :] <= rows[:, None]  # [n, n]: m ≤ i
+    running = torch.where(upto, S[:, None, :], 0.0).amax(-1)  # max over m ≤ i (S_0 = 0 among them)
+    pi = torch.exp(S - running)  # [b, n], ≤ 1
+    gamma = has.long().sum(-1, keepdim=True)  # [b, 1]: the row's proposals (a prefix of rows)
+    end = rows == gamma  # [b, n]: the row after the last proposal
+    residual = (pi[..., None] * w - total[..., None] * q_v).clamp(min=0.0)  # [b, n, V]
+    left = _tree_total(residual, V)  # R_i · total_i
+    rest = (1.0 - pi) * total
+    h = torch.where(left + rest > 0, left / (left + rest).clamp(min=tiny), 0.0)
+    h = torch.where(end, pi, torch.where(rows < gamma, h, 0.0))  # [b, n]
+    # η_i < h_i for 1 ≤ i ≤ γ (strict, so h = 0 never stops: a prompt row's uniforms are 0)
+    stop = (u[..., 0] < h) & (rows >= 1) & (rows <= gamma)
+    tau = torch.where(stop, rows, 0).amax(-1)  # [b]
+    dist = torch.where((end | (left <= 0))[..., None], w, residual)  # empty residual: p itself
+    sampled, _ = inverse_cdf(dist, u[..., 1], V)  # [b, n]
+    chosen = torch.where(rows < tau[:, None], proposal, sampled)  # d_0 … d_{τ−1}, then the draw
+    return chosen, tau

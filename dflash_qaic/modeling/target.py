@@ -50,6 +50,7 @@ from dflash_qaic.contract import (
     INPUT_IDS,
     LOGITS,
     NEXT_TOKENS,
+    NUM_ACCEPTED,
     NUM_COMMITTED,
     POSITION_IDS,
     SAMPLING_INPUTS,
@@ -168,6 +169,9 @@ class ExportTarget(nn.Module):
     is a verify (or decode) call, a longer one a prefill chunk (every prefill length exceeds it);
     max_rows, the longest call, sets the doubling levels of `hybrid.unit_lower_inverse`.
     """
+
+    #: block verification (contract.BLOCK; set by the exporter): also returns num_accepted
+    block_verify = False
 
     def __init__(
         self,
@@ -350,14 +354,18 @@ class ExportTarget(nn.Module):
             allowed = token_allowed(x_in[TOKEN_BITMASK], self.vocab_size)
             logits, floor = mask_logits(logits, allowed)
             q["floor"] = floor
+        accepted = {}
         if self.sampling:
             vocab = self.vocab_size
             next_tokens = sample_next_tokens(
-                logits, input_ids, position_ids, *sampling, vocab, self.sampling_candidates, **q
-            )
+                logits, input_ids, position_ids, *sampling, vocab, self.sampling_candidates, **q,
+                **({"block": True} if self.block_verify else {}),
+            )  # fmt: skip
+            if self.block_verify:  # contract.BLOCK: the accepted count decided in the graph
+                next_tokens, accepted[NUM_ACCEPTED] = next_tokens
         else:
             next_tokens = logits.argmax(dim=-1)  # [b, s] int64
-        out = {NEXT_TOKENS: next_tokens, LOGITS: logits}
+        out = {NEXT_TOKENS: next_tokens, LOGITS: logits, **accepted}
         if pending:  # DeltaNet layers: the state after the committed positions only
             count = committed_count(
                 input_ids, position_ids, next_tokens, call.ones, self.block_size

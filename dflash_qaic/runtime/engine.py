@@ -142,6 +142,7 @@ class BatchEngine:
         self.config, self.plan = config, plan
         N, B, dflash = plan.cache_rows, plan.block_size, config.mode == "dflash"
         lengths = config.step_lengths(plan, draft_io.confidence)
+        self.per_step = False  # block verification: each step its own uniforms (sequence.py)
         self.max_running = min(config.max_running or N, N)
         self.block_size = B
         state = SlotState(N, B)
@@ -151,7 +152,9 @@ class BatchEngine:
         self.prefill = Prefill(plan, target, draft, prefill_bufs, state, dflash)
         if dflash:
             costs = costs if costs is not None else StepCosts()
-            self.spec = DFlashStep(plan, target, draft, bufs, state, lengths, costs)
+            rule = target_io.verify_rule if target_io.block_verify else contract.CHAIN
+            self.per_step = rule == contract.BLOCK
+            self.spec = DFlashStep(plan, target, draft, bufs, state, lengths, costs, rule)
         else:
             self.spec = DecodeStep(plan, target, draft, bufs, state)
         self.spec.masks.fill = config.fill_forced_tokens
@@ -169,6 +172,7 @@ class BatchEngine:
 
     def add(self, req: Request) -> Sequence:
         seq = Sequence(req, self.block_size)
+        seq.per_step = self.per_step
         self.waiting.append(seq)
         return seq
 

@@ -29,6 +29,7 @@ class Sequence:
 
     def __init__(self, req: Request, block_size: int):
         self.req = req
+        self.block_size = block_size
         self.slot: int | None = None
         self.tokens: list[int] = []
         self.lengths: list[int] = []  # tokens committed per step
@@ -48,6 +49,11 @@ class Sequence:
             # a DFlash-2 draft's uniform per proposal, by position as above (after the
             # target's: those stay what they were)
             self.draft_uniforms = rng.random(rows, dtype=np.float32)
+        # block verification (docs/DESIGN.md, Block verification): a step's decision reads every
+        # row's uniforms and every proposal, so a step draws its own (`step_uniforms`), never
+        # reused by a later step; set by the engine for such programs
+        self.per_step = False
+        self._step_table: np.ndarray | None = None
         self.reason: str | None = None
         self.error: BaseException | None = None  # reason "error": what failed
         # structured output: the grammar's matcher (runtime/grammar.py), advanced per commit
@@ -101,21 +107,46 @@ class Sequence:
         if self.reason is None and self.constraint.terminated:
             self.reason = "stop_token"
 
+    def step_uniforms(self, start: int) -> np.ndarray | None:
+        """[B, 3] uniforms of the step whose anchor sits at `start` (target rows' 2, the draft's
+        1 per proposal), from the seed: each step has its own start, so no two steps share one.
+        None when greedy or past the table."""
+        if self.uniforms is None:
+            return None
+        if self._step_table is None:
+            rows, B = len(self.uniforms), self.block_size
+            seed = self.req.sampling.seed  # None (no seed given): fresh entropy
+            rng = np.random.default_rng(None if seed is None else [seed, 1])
+            self._step_table = rng.random((rows, B, 3), dtype=np.float32)
+        t = start - len(self.req.ids)
+        return self._step_table[t] if 0 <= t < len(self._step_table) else None
+
     def fill_draft_uniforms(self, u: np.ndarray, first: int) -> None:
         """Row j of `u` ([B − 1]) <- the draft's uniform for the proposal at position first + j."""
         u.fill(0.0)
         if self.draft_uniforms is None:
+            return
+        if self.per_step:  # this step's own (its anchor at first − 1)
+            table = self.step_uniforms(first - 1)
+            if table is not None:
+                u[:] = table[1:, 2]
             return
         t0 = first - len(self.req.ids)
         lo, hi = max(0, -t0), min(len(u), len(self.draft_uniforms) - t0)
         if lo < hi:
             u[lo:hi] = self.draft_uniforms[t0 + lo : t0 + hi]
 
-    def fill_uniforms(self, u: np.ndarray, first: int) -> None:
+    def fill_uniforms(self, u: np.ndarray, first: int, step: bool = False) -> None:
         """Call row j of `u` ([n, 2]) <- this request's uniforms of the token at position
-        first + j (zeros where its table has none: prompt positions, never read)."""
+        first + j (zeros where its table has none: prompt positions, never read); a verify
+        (`step`) of a block program: its step's own (`step_uniforms`)."""
         u.fill(0.0)
         if self.uniforms is None:
+            return
+        if step and self.per_step:
+            table = self.step_uniforms(first - 1)
+            if table is not None:
+                u[:] = table[: len(u), :2]
             return
         t0 = first - len(self.req.ids)  # the table row of call row 0
         lo, hi = max(0, -t0), min(len(u), len(self.uniforms) - t0)

@@ -91,9 +91,21 @@ class SlotState:
         # a DFlash-2 draft's q of the proposals (candidates, probabilities), when it returns it
         self.q_ids: np.ndarray | None = None
         self.q_probs: np.ndarray | None = None
+        # a draft exported with --draft-top-k: each proposal row's top-k ids and log-probabilities
+        # (contract.DRAFT_TOP_IDS / DRAFT_TOP_LOGPROBS), what a tree verifier builds from
+        self.top_ids: np.ndarray | None = None
+        self.top_logprobs: np.ndarray | None = None
 
     def keep_q(self, out: dict, rows) -> None:
-        """Store the q a draft call returned for `rows` (allocated at the first one)."""
+        """Store the q (and top-k) a draft call returned for `rows` (allocated at the first)."""
+        top = out.get(contract.DRAFT_TOP_IDS)
+        if top is not None:
+            if self.top_ids is None:
+                n = len(self.alive)
+                self.top_ids = np.zeros((n, *top.shape[1:]), np.int64)
+                self.top_logprobs = np.zeros((n, *top.shape[1:]), np.float32)
+            self.top_ids[rows] = top
+            self.top_logprobs[rows] = out[contract.DRAFT_TOP_LOGPROBS]
         ids = out.get(contract.DRAFT_Q_IDS)
         if ids is None:
             return
@@ -224,30 +236,137 @@ class _Step:
         s = self.plan.sample_len(n, not sampled)
         u = self.bufs.sampling.u[s]
         for seq in sampled:
-            seq.fill_uniforms(u[seq.slot], int(self.state.start[seq.slot]) + 1)
+            seq.fill_uniforms(u[seq.slot], int(self.state.start[seq.slot]) + 1, kind == "verify")
         needed = min(int(self.state.start.max()) + n, self.max_pos)  # rows past it are padding
         return call(kind, self.target, self.bufs.window(c.feeds[s], needed), seqs, costs, n)
 
 
-class DFlashStep(_Step):
-    """One verify call over every slot, then one draft call over the rows that go on.
+class ChainVerifier:
+    """The host's side of one verify call, chain-shaped (docs/DESIGN.md, Seams: verifiers):
+    `fill` writes the call's rows, `call` runs it, `accept` reads how many proposals each row
+    keeps, `commit` moves the slot state on and commits each sequence's tokens. Another
+    verification (a block rule, a tree) replaces this object, not the step.
 
-    Row r verifies [anchor_r, proposals_r[:n−1]] at start_r … start_r+n−1; acc_r = leading
-    proposals equal to the target's choice; it commits them and the target's token after them;
-    the draft then takes the features of its acc_r + 1 committed rows as context and proposes
-    the block [new anchor, MASK…]. Every array operation covers all rows at once (inactive
-    rows compute harmless values that nothing reads); Python work is per sequence.
+    Row r verifies [anchor_r, proposals_r[:n−1]] at start_r … start_r+n−1 (row j's parent is
+    row j − 1, its cache slot its position); acc_r = leading proposals equal to the target's
+    choice; it commits them and the target's token after them."""
+
+    def __init__(self, step: DFlashStep):
+        self.step = step
+        plan = step.plan
+        self._same = {n: np.zeros((plan.cache_rows, n), bool) for n in step.lengths}
+        self._lens = np.zeros(plan.cache_rows, np.int64)  # each row's verify length this step
+
+    def length(self, rows: np.ndarray, seqs: list) -> tuple[int, np.ndarray | None, list]:
+        """The call's verify length n; per sampled row its own (None when greedy), and the
+        sampled rows' slots."""
+        s, st = self.step, self.step.state
+        n, own, sampled = self.step.plan.block_size, None, []
+        if len(s.lengths) > 1:
+            sampled = [q.slot for q in seqs if q.uniforms is not None]
+            if sampled:  # each sampled row its own length, the call the longest of them
+                own = s.costs.row_lengths(s.lengths, st.confidence[sampled])
+                n = int(own.max())
+            else:
+                n = s.costs.best_length(s.lengths, st.confidence[rows])
+        return n, own, sampled
+
+    def fill(self, rows: np.ndarray, seqs: list):
+        """The verify call's inputs over every slot; returns (n, the call)."""
+        s, st, b = self.step, self.step.state, self.step.bufs
+        cons = s.masks.propose(seqs) if s.masks.on else ()  # fills and cuts proposals
+        n, own, sampled = self.length(rows, seqs)
+        c = b.verify[n]  # ids, pos: [N, n]
+        c.ids[:, 0] = st.anchor
+        c.ids[:, 1:] = st.proposals[:, : n - 1]
+        np.add(st.start[:, None], st.offsets[:, :n], out=c.pos)  # inactive rows: all -1
+        np.copyto(c.pos, contract.PAD_POSITION, where=c.pos >= s.max_pos)  # past the end
+        self._lens.fill(n)
+        if own is not None:  # a sampled row's rows past its own length are padding
+            self._lens[sampled] = own
+            np.copyto(c.pos, contract.PAD_POSITION, where=s._arange_b[:n] >= self._lens[:, None])
+        if cons:
+            s.masks.verify(cons, c, n)
+        if b.q and st.q_ids is not None:  # the draft's q of these proposals: q-aware verify
+            np.copyto(b.q[contract.DRAFT_Q_IDS], st.q_ids)
+            np.copyto(b.q[contract.DRAFT_Q_PROBS], st.q_probs)
+        return n, c
+
+    def call(self, n: int, c, seqs: list) -> dict:
+        return self.step._target("verify", n, c, seqs, self.step.costs)
+
+    def accept(self, n: int, c, out: dict) -> np.ndarray:
+        """acc [N]: the leading proposals equal to the target's choice (the first False of
+        `same`, whose last column is always False), every row at once."""
+        st, choice, same = self.step.state, out[contract.NEXT_TOKENS], self._same[n]
+        np.equal(st.proposals[:, : n - 1], choice[:, : n - 1], out=same[:, : n - 1])
+        same[:, : n - 1] &= c.pos[:, 1:] >= 0  # a proposal at a padding position is not taken
+        return same.argmin(axis=1)
+
+    def commit(self, rows, seqs: list, n: int, out: dict, acc: np.ndarray) -> list:
+        """Move every row on by its acc + 1 tokens, the draft's context to those rows, each
+        sequence's tokens committed; returns the sequences that go on."""
+        s, st, d = self.step, self.step.state, self.step.bufs.draft
+        choice = out[contract.NEXT_TOKENS]  # [N, n]
+        if contract.NUM_COMMITTED in out:  # a hybrid target's own count must agree
+            check_committed("verify", out, rows, acc[rows] + 1, seqs)
+        k = acc + 1  # committed tokens per row: the draft's context rows
+        k *= st.alive
+        d.ctx[:, :n] = out[contract.HIDDEN_STATES]
+        np.add(st.start[:, None], s._arange_b, out=d.ctx_pos)  # from the anchor's position
+        np.copyto(d.ctx_pos, contract.PAD_POSITION, where=s._arange_b >= k[:, None])
+        st.start += k
+        st.anchor[:] = choice[s.bufs.slot_ids, acc]
+        tokens, accepted = choice.tolist(), acc.tolist()
+        s.furthest = int(st.start.max())
+        full = s.furthest >= s.max_pos  # some row has no slot left for its anchor
+        going = []
+        for seq in seqs:  # per sequence: its tokens (the accepted ones, then the target's)
+            r = seq.slot
+            seq.verified.append(int(self._lens[r]))
+            seq.commit(tokens[r][: accepted[r] + 1], step=True)
+            if seq.reason is None and full and st.start[r] >= s.max_pos:
+                seq.reason = "ctx_len"  # positions ≥ ctx_len − 1 have no slot (contract.py)
+            if seq.reason is None:
+                going.append(seq)
+            else:  # an inactive row in the draft call
+                s.leave(r)
+                d.ctx_pos[r] = contract.PAD_POSITION
+        if len(going) < len(seqs):
+            s.furthest = int(st.start.max())
+        return going
+
+
+class BlockVerifier(ChainVerifier):
+    """Block verification (docs/DESIGN.md, Block verification): the target program decides
+    how many proposals each row keeps jointly and returns it (contract.NUM_ACCEPTED); the
+    row's committed tokens are its first acc + 1 choices as in the chain."""
+
+    def accept(self, n: int, c, out: dict) -> np.ndarray:
+        return out[contract.NUM_ACCEPTED].astype(np.int64, copy=False)
+
+
+def verifier(step: DFlashStep, rule: str) -> ChainVerifier:
+    """The verifier of a target program's verify rule (contract.TargetIO.verify_rule)."""
+    return {contract.CHAIN: ChainVerifier, contract.BLOCK: BlockVerifier}[rule](step)
+
+
+class DFlashStep(_Step):
+    """One verify call over every slot (its `verifier`: fill, call, accept, commit), then one
+    draft call over the rows that go on: the draft takes the features of each row's acc + 1
+    committed rows as context and proposes the block [new anchor, MASK…]. Every array
+    operation covers all rows at once (inactive rows compute harmless values that nothing
+    reads); Python work is per sequence.
 
     At the end of the context a row verifies what is left: its positions past the last slot
     are padding (-1), so it accepts at most the proposals before them and commits up to the
     last position the context holds (docs/DESIGN.md, Runtime: the end of the context)."""
 
-    def __init__(self, plan, target, draft, bufs, state, lengths, costs: StepCosts):
+    def __init__(self, plan, target, draft, bufs, state, lengths, costs: StepCosts, rule=None):
         super().__init__(plan, target, draft, bufs, state)
         self.lengths, self.costs = list(lengths), costs
-        self._same = {n: np.zeros((plan.cache_rows, n), bool) for n in self.lengths}
-        self._lens = np.zeros(plan.cache_rows, np.int64)  # each row's verify length this step
         self.furthest = 0  # the largest start after the last verify
+        self.verifier = verifier(self, rule or contract.CHAIN)
 
     def run(self, rows: np.ndarray, seqs: list) -> None:
         going = self.verify(rows, seqs)
@@ -257,65 +376,10 @@ class DFlashStep(_Step):
     def verify(self, rows: np.ndarray, seqs: list) -> list:
         """The verify call and the commits; returns the sequences that go on, whose committed
         rows are now the draft's context."""
-        st, b, d, B = self.state, self.bufs, self.bufs.draft, self.plan.block_size
-        n, own = B, None
-        cons = self.masks.propose(seqs) if self.masks.on else ()  # fills and cuts proposals
-        if len(self.lengths) > 1:
-            sampled = [s.slot for s in seqs if s.uniforms is not None]
-            if sampled:  # each sampled row its own length, the call the longest of them
-                own = self.costs.row_lengths(self.lengths, st.confidence[sampled])
-                n = int(own.max())
-            else:
-                n = self.costs.best_length(self.lengths, st.confidence[rows])
-        c = b.verify[n]  # ids, pos: [N, n]
-        c.ids[:, 0] = st.anchor
-        c.ids[:, 1:] = st.proposals[:, : n - 1]
-        np.add(st.start[:, None], st.offsets[:, :n], out=c.pos)  # inactive rows: all -1
-        np.copyto(c.pos, contract.PAD_POSITION, where=c.pos >= self.max_pos)  # past the end
-        lens = self._lens
-        lens.fill(n)
-        if own is not None:  # a sampled row's rows past its own length are padding
-            lens[sampled] = own
-            np.copyto(c.pos, contract.PAD_POSITION, where=self._arange_b[:n] >= lens[:, None])
-        if cons:
-            self.masks.verify(cons, c, n)
-        if b.q and st.q_ids is not None:  # the draft's q of these proposals: q-aware verify
-            np.copyto(b.q[contract.DRAFT_Q_IDS], st.q_ids)
-            np.copyto(b.q[contract.DRAFT_Q_PROBS], st.q_probs)
-        out = self._target("verify", n, c, seqs, self.costs)
-        choice = out[contract.NEXT_TOKENS]  # [N, n]
-        # acceptance, every row at once: acc = the leading proposals equal to the target's
-        # choice (the first False of `same`, whose last column is always False)
-        same = self._same[n]  # [N, n]
-        np.equal(st.proposals[:, : n - 1], choice[:, : n - 1], out=same[:, : n - 1])
-        same[:, : n - 1] &= c.pos[:, 1:] >= 0  # a proposal at a padding position is not taken
-        acc = same.argmin(axis=1)  # [N]
-        if contract.NUM_COMMITTED in out:  # a hybrid target's own count must agree
-            check_committed("verify", out, rows, acc[rows] + 1, seqs)
-        k = acc + 1  # committed tokens per row: the draft's context rows
-        k *= st.alive
-        d.ctx[:, :n] = out[contract.HIDDEN_STATES]
-        np.add(st.start[:, None], self._arange_b, out=d.ctx_pos)  # from the anchor's position
-        np.copyto(d.ctx_pos, contract.PAD_POSITION, where=self._arange_b >= k[:, None])
-        st.start += k
-        st.anchor[:] = choice[b.slot_ids, acc]
-        tokens, accepted = choice.tolist(), acc.tolist()
-        self.furthest = int(st.start.max())
-        full = self.furthest >= self.max_pos  # some row has no slot left for its anchor
-        going = []
-        for seq in seqs:  # per sequence: its tokens (the accepted ones, then the target's)
-            r = seq.slot
-            seq.verified.append(int(lens[r]))
-            seq.commit(tokens[r][: accepted[r] + 1], step=True)
-            if seq.reason is None and full and st.start[r] >= self.max_pos:
-                seq.reason = "ctx_len"  # positions ≥ ctx_len − 1 have no slot (contract.py)
-            if seq.reason is None:
-                going.append(seq)
-            else:  # an inactive row in the draft call
-                self.leave(r)
-                d.ctx_pos[r] = contract.PAD_POSITION
-        if len(going) < len(seqs):
-            self.furthest = int(st.start.max())
+        v, st, d = self.verifier, self.state, self.bufs.draft
+        n, c = v.fill(rows, seqs)
+        out = v.call(n, c, seqs)
+        going = v.commit(rows, seqs, n, out, v.accept(n, c, out))
         d.blk_ids[:, 0] = st.anchor
         np.add(st.start[:, None], st.offsets, out=d.blk_pos)  # inactive rows: all -1
         # near the end, block rows past the last slot propose what no verify will take: they
