@@ -103,6 +103,8 @@ def test_python_export_and_compile_log_instead_of_printing(
     tiny_pair, tmp_path, monkeypatch, caplog, capsys
 ):
     t, d = tiny_pair(family="qwen3", target_layer_ids=[1, 3])
+    # a CLI run earlier in this process (logs.show) may have installed its console handler
+    monkeypatch.setattr(logging.getLogger("dflash_qaic"), "handlers", [])
     monkeypatch.delenv(qpc.COMPILER_ENV, raising=False)
     monkeypatch.setattr(qpc, "SDK_EXEC_DIR", tmp_path / "no-sdk")
     monkeypatch.setenv("PATH", str(tmp_path))

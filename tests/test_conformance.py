@@ -209,7 +209,8 @@ def test_acceptance_equals_reference(exported, case):
         compared += k
         lengths += out.acceptance_lengths[:k]
     assert compared >= 6, compared
-    want = VARIETY.get(case, 3)
+    # where the reference leaves HF greedy, only the steps before it compare: fewer lengths
+    want = 2 if family in REFERENCE_LEAVES_HF else VARIETY.get(case, 3)
     assert len(set(lengths)) >= want if "agree" in pair else sum(a > 1 for a in lengths) >= 3, (
         lengths
     )
