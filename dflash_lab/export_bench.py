@@ -55,12 +55,12 @@ def _child(mode: str, **kw) -> dict:
 
 
 def _child_main(mode: str, kw: dict) -> dict:
-    import dflash_qaic.export.artifacts  # noqa: F401
+    import dflash_qaic.exporter.artifacts  # noqa: F401
     import torch  # noqa: F401  (imports are not the export's work: time what follows)
 
     t = time.perf_counter()
     if mode == "export":
-        from dflash_qaic.export.cli import main
+        from dflash_qaic.exporter.cli import main
 
         rc = main(kw["argv"] + ["--quiet"])
         if rc != 0:

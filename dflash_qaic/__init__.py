@@ -13,28 +13,10 @@ imports what its backend needs. The library logs through the `dflash_qaic` logge
 
 from __future__ import annotations
 
-import sys
-import types
-
 __version__ = "0.6.1"
 
-
-class _Package(types.ModuleType):
-    """`dflash_qaic.export` and `dflash_qaic.compile` are the API functions (dflash_qaic/api.py),
-    although subpackages of the same names exist: Python binds a subpackage onto its parent
-    when it is first imported, and this keeps the function there instead. The subpackages stay
-    importable by name (`from dflash_qaic.export import artifacts`, `-m dflash_qaic.export`)."""
-
-    def __setattr__(self, name, value):
-        if name in ("export", "compile") and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
-from dflash_qaic.api import _document, compile, export  # noqa: E402, A004
-from dflash_qaic.runtime import load  # noqa: E402
+from dflash_qaic.api import _document, compile, export  # noqa: A004
+from dflash_qaic.runtime import load
 
 _document()
 

@@ -1,6 +1,6 @@
 """The Python export and compile API (QEfficient-like): `dflash_qaic.export(...)` and
 `dflash_qaic.compile(...)`, plain functions whose keyword arguments are the options declared in
-dflash_qaic/export/options.py (the same table as `dflash-export`'s flags and the recipe keys).
+dflash_qaic/exporter/options.py (the same table as `dflash-export`'s flags and the recipe keys).
 Progress goes to the `dflash_qaic` logger (`logging.basicConfig(level=logging.INFO)` shows it).
 """
 
@@ -31,9 +31,9 @@ def export(
     `CompileError` (all with a message naming the problem and the fix); `MissingExtraError`
     without the `export` extra (pip install 'dflash-qaic[export]').
     """
-    require("export", "dflash_qaic.export")
+    require("export", "dflash_qaic.exporter")
     from dflash_qaic.artifacts.build import build_artifacts
-    from dflash_qaic.export.options import ExportOptions
+    from dflash_qaic.exporter.options import ExportOptions
 
     opts = ExportOptions.from_kwargs(options)
     return build_artifacts(target, draft, out, opts).manifest
@@ -45,9 +45,9 @@ def compile(artifacts_dir: str | os.PathLike, **options: Any) -> Manifest:  # no
     compile options of `export` (listed below); the manifest is rewritten as a transaction.
     Logs where it looked for the compiler. Returns the typed manifest; `MissingExtraError`
     without the `export` extra."""
-    require("export", "dflash_qaic.compile")
+    require("export", "dflash_qaic.compiler")
     from dflash_qaic.artifacts.build import compile_artifacts
-    from dflash_qaic.export.options import compile_kwargs
+    from dflash_qaic.exporter.options import compile_kwargs
 
     qpc_config, overrides = compile_kwargs(options)
     return compile_artifacts(artifacts_dir, qpc_config, overrides).manifest
@@ -55,7 +55,7 @@ def compile(artifacts_dir: str | os.PathLike, **options: Any) -> Manifest:  # no
 
 def _document() -> None:
     """Give both functions the options' signature and a line per option (from the table)."""
-    from dflash_qaic.export import options as table
+    from dflash_qaic.exporter import options as table
 
     def params(names, defaults=None):
         return [

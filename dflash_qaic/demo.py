@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     import dflash_qaic
-    from dflash_qaic.export.cli import main as export_main
+    from dflash_qaic.exporter.cli import main as export_main
     from dflash_qaic.runtime.cli import format_stats
 
     t0 = time.perf_counter()

@@ -48,6 +48,6 @@ def export_main(argv: list[str] | None = None) -> int:
     except MissingExtraError as e:
         print(f"dflash-export: error: {e}", file=sys.stderr)
         return 2
-    from dflash_qaic.export.cli import main
+    from dflash_qaic.exporter.cli import main
 
     return main(argv)

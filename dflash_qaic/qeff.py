@@ -9,7 +9,7 @@
 A thin face (docs/DESIGN.md, "Coming from QEfficient"): `export` and `compile` call
 `dflash_qaic.export` (one transaction that reuses unchanged programs and compiles when asked),
 `generate` calls `dflash_qaic.load(...).generate`. Keyword names are QEfficient's where it has
-them, mapped here onto the options declared once in dflash_qaic/export/options.py; the options
+them, mapped here onto the options declared once in dflash_qaic/exporter/options.py; the options
 it lacks keep our names. Unlike QEfficient's one ONNX file and one QPC, an export here is a
 directory holding both programs (target and draft) and their manifest, so `export` and
 `compile` return that directory, the one thing `generate` (and `dflash_qaic.load`) needs.
@@ -98,7 +98,7 @@ class DFlashExecInfo:
 
 
 def _names() -> list[str]:
-    from dflash_qaic.export import options
+    from dflash_qaic.exporter import options
 
     return options.names()
 
@@ -382,7 +382,7 @@ def qaic_options(config: dict, draft_layer_ids) -> dict:
         out["sampling"] = config.pop("include_sampler")
     for key, value in config.items():
         out[RENAMED.get(key, key)] = value
-    from dflash_qaic.export import options
+    from dflash_qaic.exporter import options
 
     for key, value in out.items():  # each value checked now (ExportError naming it); the
         options.check(key, value)  # checks across options run at export, with the shapes

@@ -87,7 +87,7 @@ def _reference_on_cpu():
 @pytest.fixture(scope="session")
 def default_artifacts(tmp_path_factory):
     """The built-in default pair exported once per run (`dflash-export --out DIR`)."""
-    from dflash_qaic.export.cli import main
+    from dflash_qaic.exporter.cli import main
 
     def build(d):
         assert main(["--out", str(d / "art"), "--no-compile", "--quiet"]) == 0
@@ -101,7 +101,7 @@ def cb_artifacts(tmp_path_factory):
     chunk 64, ctx 1024) and --structured-output: the serving tests' continuous-batching
     artifacts (a row without a grammar runs exactly as without the option)."""
     import dflash_qaic
-    from dflash_qaic.export.cli import load_recipe
+    from dflash_qaic.exporter.cli import load_recipe
 
     def build(d):
         r = load_recipe("default")

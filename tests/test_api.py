@@ -11,17 +11,18 @@ from pathlib import Path
 import pytest
 
 import dflash_qaic
-from dflash_qaic.compile import qpc
-from dflash_qaic.export import options as table
-from dflash_qaic.export.cli import RECIPE_KEYS, parser
-from dflash_qaic.export.options import ExportError, ExportOptions
+from dflash_qaic.compiler import qpc
+from dflash_qaic.exporter import options as table
+from dflash_qaic.exporter.cli import RECIPE_KEYS, parser
+from dflash_qaic.exporter.options import ExportError, ExportOptions
 
 PKG = Path(dflash_qaic.__file__).parent
 SMALL = dict(prefill_seq_len=16, ctx_len=64, fp16_check=False)
 
 
 def test_export_and_compile_are_plain_functions():
-    from dflash_qaic.export import cli  # noqa: F401  (importing a subpackage keeps them)
+    from dflash_qaic.compiler import qpc  # noqa: F401  (the subpackages have their own names)
+    from dflash_qaic.exporter import cli  # noqa: F401
 
     for fn in (dflash_qaic.export, dflash_qaic.compile):
         assert inspect.isfunction(fn) and fn.__module__ == "dflash_qaic.api"
@@ -82,19 +83,19 @@ def test_no_stage_imports_one_after_it():
     """checkpoints → modeling → export → compile → artifacts → runtime → serve/bench: each
     module imports only stages before its own (lazy imports included)."""
     later = ("dflash_qaic.api", "dflash_qaic.runtime", "dflash_qaic.serve", "dflash_qaic.bench")
-    for path in [*PKG.glob("export/*.py"), *PKG.glob("compile/*.py"), *PKG.glob("artifacts/*.py")]:
+    for path in [*PKG.glob("exporter/*.py"), *PKG.glob("compiler/*.py"), *PKG.glob("artifacts/*.py")]:
         for m in _imports(path):
             assert not m.startswith(later) and m != "dflash_qaic.load", (path, m)
-    for path in PKG.glob("compile/*.py"):
+    for path in PKG.glob("compiler/*.py"):
         for m in _imports(path):
-            assert not m.startswith(("dflash_qaic.artifacts", "dflash_qaic.export")), (path, m)
+            assert not m.startswith(("dflash_qaic.artifacts", "dflash_qaic.exporter")), (path, m)
     for name in ("onnx_export", "target", "draft", "weights", "graph_check", "fp16_check"):
-        for m in _imports(PKG / "export" / f"{name}.py"):  # the export proper: no later stage
-            assert not m.startswith(("dflash_qaic.compile", "dflash_qaic.artifacts")), (name, m)
+        for m in _imports(PKG / "exporter" / f"{name}.py"):  # the export proper: no later stage
+            assert not m.startswith(("dflash_qaic.compiler", "dflash_qaic.artifacts")), (name, m)
     # what the runtime loads of the artifacts: no export or compile module
     for name in ("manifest", "files"):
         for m in _imports(PKG / "artifacts" / f"{name}.py"):
-            assert not m.startswith(("dflash_qaic.compile", "dflash_qaic.export")), (name, m)
+            assert not m.startswith(("dflash_qaic.compiler", "dflash_qaic.exporter")), (name, m)
     for path in [PKG / "artifacts" / "files.py", PKG / "contract.py"]:
         assert _imports(path) <= {"dflash_qaic"}, path
 

@@ -642,7 +642,7 @@ def test_parse_concurrency_and_fit():
 def default_cb2(tmp_path_factory):
     """The default pair exported in the continuous-batching form with 2 cache rows."""
     import dflash_qaic
-    from dflash_qaic.export.cli import load_recipe
+    from dflash_qaic.exporter.cli import load_recipe
 
     r = load_recipe("default")
     out = tmp_path_factory.mktemp("default-cb2") / "art"

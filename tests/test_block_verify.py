@@ -210,7 +210,7 @@ def test_draft_top_k_reaches_the_host(block_art):
 
     import dflash_qaic
     from dflash_qaic import contract
-    from dflash_qaic.export.draft import check_feeds
+    from dflash_qaic.exporter.draft import check_feeds
 
     art, _ = block_art
     pipe = dflash_qaic.load(art, threads=1)

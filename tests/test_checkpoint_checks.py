@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash_qaic import checkpoints as ck
 from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
-from dflash_qaic.export import weights
+from dflash_qaic.exporter import weights
 
 OPTS = dict(ctx_len=48, prefill_seq_len=12, compile=False)
 

@@ -17,8 +17,8 @@ import yaml
 
 from dflash_qaic import contract
 from dflash_qaic.artifacts.manifest import QpcRecord
-from dflash_qaic.compile import qpc
-from dflash_qaic.compile.profiles import (
+from dflash_qaic.compiler import qpc
+from dflash_qaic.compiler.profiles import (
     CompileProfile,
     ProfileError,
     available_profiles,
@@ -910,7 +910,7 @@ def _onnx_inputs(path: Path) -> dict[str, list]:
 def test_continuous_batching_pair_compiles(tmp_path, fake_compiler):
     import dflash_qaic
     from dflash_qaic.artifacts.manifest import ArtifactsError, Manifest
-    from dflash_qaic.export.cli import load_recipe
+    from dflash_qaic.exporter.cli import load_recipe
     from dflash_qaic.runtime import _qpc_path
 
     recipe = load_recipe("default")

@@ -15,7 +15,7 @@ from dflash.model import DFlashDraftModel, dflash_generate
 import dflash_qaic
 from dflash_qaic import assets
 from dflash_qaic import checkpoints as ck
-from dflash_qaic.export.cli import main as export_main
+from dflash_qaic.exporter.cli import main as export_main
 
 
 @pytest.fixture(scope="module")

@@ -288,7 +288,7 @@ def test_sampled_draft_program_returns_the_selector_q(pair, tmp_path):
     import onnxruntime as ort
 
     from dflash_qaic import contract
-    from dflash_qaic.export.draft import export_draft
+    from dflash_qaic.exporter.draft import export_draft
 
     t, d = pair
     c = ck.read_draft_config(d)
@@ -349,7 +349,7 @@ def test_sampled_draft_program_returns_the_selector_q(pair, tmp_path):
     # path the greedy one (the score gaps here are far above T)
     import onnx
 
-    from dflash_qaic.export.fp16_check import FaithfulSession
+    from dflash_qaic.exporter.fp16_check import FaithfulSession
 
     fs = FaithfulSession(onnx.load(str(tmp_path / "draft.onnx")), "draft")
     every = draft.candidate_selector(h[:, 1:], logits, blk[:, 0])

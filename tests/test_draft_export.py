@@ -12,7 +12,7 @@ from dflash.model import DFlashDraftModel
 
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
-from dflash_qaic.export.draft import export_draft
+from dflash_qaic.exporter.draft import export_draft
 from dflash_qaic.modeling.draft import DFlashDraft
 
 CTX = 96

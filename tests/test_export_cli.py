@@ -11,8 +11,8 @@ from test_compile import FAKE_COMPILER
 
 import dflash_qaic
 from dflash_qaic.artifacts import build
-from dflash_qaic.compile import qpc
-from dflash_qaic.export.cli import main
+from dflash_qaic.compiler import qpc
+from dflash_qaic.exporter.cli import main
 
 SMALL = ["--prefill-seq-len", "16", "--ctx-len", "64", "--no-fp16-check"]
 
@@ -117,7 +117,7 @@ def test_interrupted_export_keeps_the_previous_artifact(pair, tmp_path, monkeypa
     out = tmp_path / "art"
     assert main(["--target", str(t), "--draft", str(d), "--out", str(out), *SMALL]) == 0
     before = snapshot(out)
-    from dflash_qaic.export import draft as draft_mod
+    from dflash_qaic.exporter import draft as draft_mod
 
     def boom(*a, **k):
         raise KeyboardInterrupt
@@ -200,7 +200,7 @@ def test_recipe_values_and_cli_overrides(pair, tmp_path, capsys, no_compiler):
 def test_shipped_recipes_parse():
     import yaml
 
-    from dflash_qaic.export.cli import RECIPE_DIR, RECIPE_KEYS
+    from dflash_qaic.exporter.cli import RECIPE_DIR, RECIPE_KEYS
 
     names = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
     assert {"default", "qwen3-4b-dflash-b16", "qwen3-8b-dflash-b16"} <= set(names)
@@ -216,7 +216,7 @@ def test_default_dflash2_recipe():
     import yaml
 
     from dflash_qaic import assets
-    from dflash_qaic.export.cli import RECIPE_DIR, _expand, load_recipe
+    from dflash_qaic.exporter.cli import RECIPE_DIR, _expand, load_recipe
 
     default, d2 = (
         yaml.safe_load((RECIPE_DIR / f"{n}.yaml").read_text())

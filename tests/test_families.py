@@ -9,7 +9,7 @@ import torch
 
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract, families
-from dflash_qaic.export.target import target_io
+from dflash_qaic.exporter.target import target_io
 from dflash_qaic.modeling.target import ExportTarget
 
 # families with layer kinds build their own program (modeling/kinds.py): tests/test_gemma4.py,

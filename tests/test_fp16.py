@@ -33,9 +33,9 @@ import dflash_qaic
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
 from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
-from dflash_qaic.export import fp16_check
-from dflash_qaic.export.graph_check import GraphCheckError, check_graph
-from dflash_qaic.export.target import check_feeds, export_target
+from dflash_qaic.exporter import fp16_check
+from dflash_qaic.exporter.graph_check import GraphCheckError, check_graph
+from dflash_qaic.exporter.target import check_feeds, export_target
 from dflash_qaic.modeling import layers
 from dflash_qaic.runtime.pipeline import Pipeline
 

@@ -30,7 +30,7 @@ from test_target_export import (
 )
 
 from dflash_qaic import contract
-from dflash_qaic.export.target import export_target
+from dflash_qaic.exporter.target import export_target
 from dflash_qaic.modeling.gemma4 import ExportGemma4Target
 
 H, WINDOW = 64, 4
@@ -292,7 +292,7 @@ def test_streamed_program_equals_in_memory(tmp_path):
     from test_streaming_export import _in_memory, _streamed
 
     from dflash_qaic import checkpoints as ck
-    from dflash_qaic.export.target import check_feeds
+    from dflash_qaic.exporter.target import check_feeds
 
     pair = ck.read_pair(*_pair(tmp_path, "gemma4_moe", True))
     _, tf_a, _ = _in_memory(pair, tmp_path / "a")

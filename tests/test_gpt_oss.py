@@ -27,7 +27,7 @@ from test_target_export import (
 
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
-from dflash_qaic.export.target import export_target
+from dflash_qaic.exporter.target import export_target
 from dflash_qaic.modeling.gpt_oss import ExportGptOssTarget, GptOssMoE
 from dflash_qaic.mxfp4 import dequantize, dequantize_file, mxfp4_chunks
 

@@ -55,7 +55,7 @@ def test_local_directory_wins(hub, tmp_path):
 
 
 def test_cli_accepts_ids(hub, tmp_path):
-    from dflash_qaic.export.cli import main
+    from dflash_qaic.exporter.cli import main
 
     out = tmp_path / "out"
     rc = main(

@@ -117,7 +117,7 @@ def _module(model, max_rows=CHUNK, ctx=64):
         sampling=False,
     ).eval()
     t.comp_ctx = False
-    from dflash_qaic.export.target import target_io
+    from dflash_qaic.exporter.target import target_io
 
     io = target_io(t, 1, emit_logits=True, sampling=False)  # inputs bound by name, as exported
     t.input_names = [contract.INPUT_IDS, contract.POSITION_IDS] + [s.name for s in io.kv]
@@ -126,7 +126,7 @@ def _module(model, max_rows=CHUNK, ctx=64):
 
 
 def _buffers(t, ctx=64):
-    from dflash_qaic.export.target import target_io
+    from dflash_qaic.exporter.target import target_io
 
     io = target_io(t, 1, emit_logits=True, sampling=False)
     return [torch.zeros(s.bind(batch_size=1, ctx_len=ctx)) for s in io.kv]
@@ -270,7 +270,7 @@ def test_host_refuses_a_count_that_disagrees(exported):
 
 
 def test_custom_io_lists_the_state_in_fp16(exported):
-    from dflash_qaic.compile.qpc import custom_io
+    from dflash_qaic.compiler.qpc import custom_io
 
     io = read_manifest(art(exported)).target.io
     for kv_dtype in ("float16", "mxint8"):
@@ -303,8 +303,8 @@ def test_streamed_program_equals_in_memory_one(published, tmp_path):
     Face's loaded model, output for output on every specialization's check feed."""
     import onnxruntime as ort
 
-    from dflash_qaic.export import weights
-    from dflash_qaic.export.target import check_feeds, export_target
+    from dflash_qaic.exporter import weights
+    from dflash_qaic.exporter.target import check_feeds, export_target
 
     p = ck.read_pair(*published)
     kw = dict(ctx_len=48, prefill_seq_len=12, block_size=B, fp16_check=False)
@@ -353,7 +353,7 @@ def test_inactive_and_padding_rows_leave_the_state(exported):
     not enter its row's state (its count is its real rows)."""
     import onnxruntime as ort
 
-    from dflash_qaic.export.target import check_feeds
+    from dflash_qaic.exporter.target import check_feeds
 
     a = art(exported, full_batch_size=3)
     m = read_manifest(a)

@@ -13,8 +13,8 @@ import pytest
 import dflash_qaic
 from dflash_qaic.artifacts import files
 from dflash_qaic.artifacts.manifest import ArtifactsError
-from dflash_qaic.export import weights
-from dflash_qaic.export.cli import main
+from dflash_qaic.exporter import weights
+from dflash_qaic.exporter.cli import main
 
 SMALL = ["--prefill-seq-len", "16", "--ctx-len", "64", "--no-fp16-check", "--no-compile"]
 BIG = 80 << 20  # above the 64 MiB that loads used to size-check only

@@ -34,7 +34,7 @@ from dflash_lab.tiny import make_tiny_pair, preset_spec
 from dflash_lab.tiny_writer import target_layout
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
-from dflash_qaic.export.target import export_target
+from dflash_qaic.exporter.target import export_target
 from dflash_qaic.modeling.moe import SparseMoeBlock
 
 H, E, K, INTER = 64, 8, 2, 32

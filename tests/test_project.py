@@ -8,7 +8,7 @@ import json
 import pytest
 
 from dflash_qaic.bench import project as P
-from dflash_qaic.compile.profiles import load_profile
+from dflash_qaic.compiler.profiles import load_profile
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 
 import dflash_qaic
 from dflash_qaic.assets import default_pair, heldout_prompts
-from dflash_qaic.export.options import ExportError
+from dflash_qaic.exporter.options import ExportError
 from dflash_qaic.qeff import AutoDFlashModel, QEffConfigError, compile_options, qaic_options
 
 

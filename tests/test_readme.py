@@ -216,7 +216,7 @@ def test_links_resolve():
 
 
 def test_the_fp16_check_limits_are_the_codes():
-    from dflash_qaic.export import fp16_check, weights
+    from dflash_qaic.exporter import fp16_check, weights
 
     text = " ".join(README.read_text(encoding="utf-8").split())
     m = re.search(r"programs up to (\d+) MiB of weights; up to (\d+) MiB", text)

@@ -25,8 +25,8 @@ import dflash_qaic
 from dflash_qaic import contract
 from dflash_qaic.artifacts import build
 from dflash_qaic.artifacts.manifest import ArtifactsError, Manifest
-from dflash_qaic.compile import qpc
-from dflash_qaic.export.cli import main
+from dflash_qaic.compiler import qpc
+from dflash_qaic.exporter.cli import main
 from dflash_qaic.runtime import BackendError, GenerationError
 
 WT = Path(__file__).resolve().parents[1]
@@ -100,7 +100,7 @@ def edit_json(path: Path, **changes) -> None:
 
 def test_failure_mid_export_keeps_previous(pair, good, capsys, monkeypatch):
     before = snapshot(good)
-    from dflash_qaic.export import draft as draft_mod
+    from dflash_qaic.exporter import draft as draft_mod
 
     def disk_full(*a, **k):
         raise OSError(28, "No space left on device", str(good / "draft" / "draft.onnx"))
@@ -247,7 +247,7 @@ def test_read_only_out_is_refused(pair, good, capsys):
 
 SLOW_DRAFT = """\
 import os, sys, time
-from dflash_qaic.export import draft as d
+from dflash_qaic.exporter import draft as d
 orig = d.export_draft
 def slow(*a, **k):
     open(os.environ["MARK"], "w").close()
@@ -258,7 +258,7 @@ def slow(*a, **k):
         time.sleep(0.05)
     return orig(*a, **k)
 d.export_draft = slow
-from dflash_qaic.export.cli import main
+from dflash_qaic.exporter.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -299,7 +299,7 @@ def test_concurrent_exports_on_one_out(pair, tmp_path):
         with pytest.raises(BlockingIOError):
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     b = subprocess.run(
-        [sys.executable, "-m", "dflash_qaic.export", *map(str, base), "--ctx-len", "32"],
+        [sys.executable, "-m", "dflash_qaic.exporter", *map(str, base), "--ctx-len", "32"],
         env={**os.environ, "PYTHONPATH": str(WT)},
         capture_output=True,
         text=True,

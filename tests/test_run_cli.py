@@ -296,7 +296,7 @@ def test_loading_artifacts_imports_no_compiler_module(default_artifacts):
         f"m = read_manifest({str(default_artifacts)!r})\n"
         f"pipe = dflash_qaic.runtime.load({str(default_artifacts)!r}, tokenizer=False)\n"
         "assert pipe.artifacts == m\n"
-        "print([n for n in ('dflash_qaic.compile.qpc', 'dflash_qaic.artifacts.build', "
+        "print([n for n in ('dflash_qaic.compiler.qpc', 'dflash_qaic.artifacts.build', "
         "'dflash_qaic.artifacts.programs') if n in sys.modules])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -37,8 +37,8 @@ import dflash_qaic
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
 from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
-from dflash_qaic.export.graph_check import check_graph, fp16_feed, fp16_session
-from dflash_qaic.export.onnx_export import export_onnx
+from dflash_qaic.exporter.graph_check import check_graph, fp16_feed, fp16_session
+from dflash_qaic.exporter.onnx_export import export_onnx
 from dflash_qaic.modeling.sampler import (
     inverse_cdf,
     sample_next_tokens,

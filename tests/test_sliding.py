@@ -26,7 +26,7 @@ import dflash_qaic
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
 from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
-from dflash_qaic.export.draft import export_draft
+from dflash_qaic.exporter.draft import export_draft
 from dflash_qaic.modeling.draft import DFlashDraft
 
 SLIDE, FULL = "sliding_attention", "full_attention"

@@ -17,11 +17,11 @@ from dflash_lab.tiny import make_tiny_pair
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
 from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
-from dflash_qaic.export import weights
-from dflash_qaic.export.draft import check_feeds as draft_feeds
-from dflash_qaic.export.draft import export_draft
-from dflash_qaic.export.target import check_feeds as target_feeds
-from dflash_qaic.export.target import export_target
+from dflash_qaic.exporter import weights
+from dflash_qaic.exporter.draft import check_feeds as draft_feeds
+from dflash_qaic.exporter.draft import export_draft
+from dflash_qaic.exporter.target import check_feeds as target_feeds
+from dflash_qaic.exporter.target import export_target
 from dflash_qaic.modeling.draft import DFlashDraft, ExportDraft
 from dflash_qaic.modeling.target import ExportTarget
 

@@ -458,7 +458,7 @@ def test_the_option_adds_one_input_and_no_specialization(default_artifacts, cb_a
 def test_dflash2_draft_under_a_grammar(tmp_path):
     """The DFlash-2 draft (q-aware verification) under a grammar: T = 0 equals the target
     alone; sampled outputs that stop validate."""
-    from dflash_qaic.export.cli import main
+    from dflash_qaic.exporter.cli import main
 
     out = tmp_path / "d2"
     assert main(["--recipe", "default-dflash2", "--out", str(out), "--no-compile", "--quiet",

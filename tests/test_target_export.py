@@ -16,9 +16,9 @@ import torch
 from onnx import TensorProto, helper
 
 from dflash_qaic import contract
-from dflash_qaic.export import onnx_export
-from dflash_qaic.export.graph_check import GraphCheckError, check_graph, fp16_feed, fp16_session
-from dflash_qaic.export.target import check_feeds, export_target
+from dflash_qaic.exporter import onnx_export
+from dflash_qaic.exporter.graph_check import GraphCheckError, check_graph, fp16_feed, fp16_session
+from dflash_qaic.exporter.target import check_feeds, export_target
 
 CTX, CHUNK, BLOCK = 64, 8, 4
 VOCAB, H = 320, 64
@@ -509,7 +509,7 @@ def test_fp16_feed_casts_only_floats():
 def test_vocab_table_stored_once(tiny_pair, tmp_path, tied):
     """A tied head doubles as the embedding: the V×H table appears once in the graph."""
     from dflash_qaic import checkpoints as ck
-    from dflash_qaic.export.target import export_target
+    from dflash_qaic.exporter.target import export_target
 
     t, d = tiny_pair(family="qwen3", target_layer_ids=[0, 3], tie_word_embeddings=tied)
     pair = ck.read_pair(t, d)

@@ -21,7 +21,7 @@ from test_sampling import exact_first_two, gof, gof_pvalue
 import dflash_qaic
 from dflash_qaic import contract
 from dflash_qaic.artifacts.build import ExportError, ExportOptions, build_artifacts
-from dflash_qaic.export.draft import check_feeds
+from dflash_qaic.exporter.draft import check_feeds
 from dflash_qaic.runtime.stats import StepCosts
 
 B, CHUNK, CTX = 8, 16, 96

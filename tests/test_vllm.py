@@ -158,7 +158,7 @@ def test_greedy_equals_hugging_face(server):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash_qaic.export.cli import load_recipe
+    from dflash_qaic.exporter.cli import load_recipe
 
     model = AutoModelForCausalLM.from_pretrained(load_recipe("default")["target"])
     ids = [int(t) for t in np.random.default_rng(0).integers(1, 250, 37)]
@@ -356,7 +356,7 @@ def test_sampling_through_vllm_is_distributed_as_the_target(server):
     from test_sampling import exact_probs, gof, gof_pvalue, hf_logits
     from transformers import AutoModelForCausalLM
 
-    from dflash_qaic.export.cli import load_recipe
+    from dflash_qaic.exporter.cli import load_recipe
 
     model = AutoModelForCausalLM.from_pretrained(load_recipe("default")["target"]).float()
     prompt = [7, 19, 3, 25, 11, 40, 2]
@@ -420,7 +420,7 @@ def test_llm_class_and_the_upstream_spelling(cb_artifacts, pipe, tmp_path):
     additional_config=ARTIFACTS) generate as pipe.generate; another draft is refused."""
     import shutil
 
-    from dflash_qaic.export.cli import load_recipe
+    from dflash_qaic.exporter.cli import load_recipe
 
     r = load_recipe("default")
     other = tmp_path / "other-draft"  # the same draft, another checkpoint (its config differs)

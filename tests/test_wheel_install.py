@@ -77,7 +77,7 @@ def test_wheel_install_exports_from_any_directory(tmp_path, wheel):
     assert Path(where).is_relative_to(site), f"imported {where}, not the installed wheel"
 
     out = cwd / "art"
-    cli = [py, "-m", "dflash_qaic.export", "--out", str(out), "--no-compile", "--quiet"]
+    cli = [py, "-m", "dflash_qaic.exporter", "--out", str(out), "--no-compile", "--quiet"]
     _run(cli, cwd=cwd, env=env)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["block_size"] == 16
@@ -85,7 +85,7 @@ def test_wheel_install_exports_from_any_directory(tmp_path, wheel):
 
     # the shipped compile profiles are there too
     listed = _run(
-        [py, "-c", "from dflash_qaic.compile import profiles as p; print(p.available_profiles())"],
+        [py, "-c", "from dflash_qaic.compiler import profiles as p; print(p.available_profiles())"],
         cwd=cwd,
         env=env,
     ).stdout

@@ -47,8 +47,8 @@ from dflash_qaic.artifacts.programs import (
     export_programs,
 )
 from dflash_qaic.artifacts.transaction import Transaction, TransactionError, link_tree
-from dflash_qaic.compile.profiles import CompileOverrides
-from dflash_qaic.export.options import ExportError, ExportOptions
+from dflash_qaic.compiler.profiles import CompileOverrides
+from dflash_qaic.exporter.options import ExportError, ExportOptions
 from dflash_qaic.logs import listening
 
 log = logging.getLogger(__name__)
@@ -121,8 +121,8 @@ def compile_artifacts(
 
 
 def _compile_dir(out_dir, qpc_config, overrides) -> ExportResult:
-    from dflash_qaic.compile.profiles import DEFAULT_PROFILE, load_profile
-    from dflash_qaic.compile.qpc import compiler_search
+    from dflash_qaic.compiler.profiles import DEFAULT_PROFILE, load_profile
+    from dflash_qaic.compiler.qpc import compiler_search
 
     t_all = time.perf_counter()
     name = qpc_config or DEFAULT_PROFILE
@@ -241,7 +241,7 @@ def _records(m: Manifest, root: Path, known: dict, old_root: Path | None) -> lis
 
 def _compile(m: Manifest, root: Path, profile, steps) -> Manifest:
     """Compile both programs inside `root`; the manifest with their QPC records."""
-    from dflash_qaic.compile.qpc import compile_program
+    from dflash_qaic.compiler.qpc import compile_program
 
     programs, skipped = {}, None
     for prog in (m.target, m.draft):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dflash_qaic import __version__, contract
 from dflash_qaic import checkpoints as ck
-from dflash_qaic.export.options import ExportError, ExportOptions
+from dflash_qaic.exporter.options import ExportError, ExportOptions
 
 TOKENIZER_FILES = ck.TOKENIZER_FILES
 GENERATION_CONFIG = "generation_config.json"
@@ -137,8 +137,8 @@ def preflight(target_dir, draft_dir, o: ExportOptions) -> Preflight:
     B = validate_options(pair, o)
     profile = None
     if o.compile:
-        from dflash_qaic.compile.profiles import load_profile
-        from dflash_qaic.compile.qpc import compiler_search
+        from dflash_qaic.compiler.profiles import load_profile
+        from dflash_qaic.compiler.qpc import compiler_search
 
         profile = o.compile_overrides.apply(load_profile(o.qpc_config))
         compiler_search(profile.compiler)  # a bad $QAIC_COMPILER fails now, not after export

@@ -20,7 +20,7 @@ from dflash_qaic import __version__, contract
 from dflash_qaic import checkpoints as ck
 from dflash_qaic.artifacts.manifest import Manifest, ProgramRecord
 from dflash_qaic.artifacts.preflight import TOKENIZER_FILES, Preflight, eos_ids
-from dflash_qaic.export.options import ExportOptions
+from dflash_qaic.exporter.options import ExportOptions
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def _read_weights(pair: ck.Pair, steps) -> _Weights:
     """Before any tracing: every weight finite and within fp16's range, read once (that read
     gives the manifest's sha256 of each checkpoint too); fc's fp16 scale finite. Then the
     structure of both checkpoints, as placeholders."""
-    from dflash_qaic.export import weights
+    from dflash_qaic.exporter import weights
 
     t = time.perf_counter()
     log.info("checking the weights of %s and %s", pair.target.path, pair.draft.path)
@@ -119,7 +119,7 @@ def _q_top_k(pair: ck.Pair) -> int:
 def _export_target(pair, w: _Weights, plan, o: ExportOptions, out: Path, steps) -> dict:
     import torch
 
-    from dflash_qaic.export.target import export_target
+    from dflash_qaic.exporter.target import export_target
 
     B = plan.block_size
     q_aware = _q_aware(pair, o)
@@ -155,7 +155,7 @@ def _export_target(pair, w: _Weights, plan, o: ExportOptions, out: Path, steps) 
 def _export_draft(pair, w: _Weights, plan, o: ExportOptions, out: Path, steps) -> dict:
     import torch
 
-    from dflash_qaic.export.draft import export_draft
+    from dflash_qaic.exporter.draft import export_draft
 
     t = time.perf_counter()
     log.info("exporting the draft program")

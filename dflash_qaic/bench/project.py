@@ -375,7 +375,7 @@ class Formats:
 
     @classmethod
     def of(cls, profile) -> Formats:
-        from dflash_qaic.compile.qpc import _precision
+        from dflash_qaic.compiler.qpc import _precision
 
         weights = "mxfp6" if profile.mxfp6_matmul else "float16"
         fp16 = BITS["float16"] / 8
@@ -526,7 +526,7 @@ def make_reduced_pair(shape: Shape, work: Path) -> Path:
         return out / "artifacts"
     import dflash_qaic
     from dflash_lab.tiny import make_tiny_pair
-    from dflash_qaic.export.cli import load_recipe_options
+    from dflash_qaic.exporter.cli import load_recipe_options
 
     log.info("writing a reduced %s pair in %s", shape.title, out)
     t, d = make_tiny_pair(out / "pair", preset=shape.preset, **shape.reduced_pair_kwargs())
@@ -759,8 +759,8 @@ def recipe_specializations(recipe: str, *, default_lengths: bool = False) -> dic
     `ExportOptions.shape_plan`); default_lengths: as if the recipe gave no verify lengths and
     no windows (the export's defaults: what the recipes asked for before they chose)."""
     from dflash_qaic import contract
-    from dflash_qaic.export.cli import load_recipe_options
-    from dflash_qaic.export.options import RECIPE_OPTIONS, ExportOptions
+    from dflash_qaic.exporter.cli import load_recipe_options
+    from dflash_qaic.exporter.options import RECIPE_OPTIONS, ExportOptions
 
     r = load_recipe_options(recipe)
     drop = {"verify_lengths", "comp_ctx_lengths"} if default_lengths else set()
@@ -776,7 +776,7 @@ def recipe_specializations(recipe: str, *, default_lengths: bool = False) -> dic
 
 def real_recipes() -> list[str]:
     """The shipped recipes of real models (every one but the built-in pair's default*)."""
-    from dflash_qaic.export.cli import RECIPE_DIR
+    from dflash_qaic.exporter.cli import RECIPE_DIR
 
     return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml") if not p.stem.startswith("default"))
 
@@ -979,7 +979,7 @@ def _budgets(text: str) -> tuple[int, ...]:
 
 
 def run(args) -> int:
-    from dflash_qaic.compile.profiles import ProfileError, load_profile
+    from dflash_qaic.compiler.profiles import ProfileError, load_profile
 
     try:
         profile = load_profile(args.qpc_config)

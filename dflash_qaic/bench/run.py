@@ -310,7 +310,7 @@ def _short_pipe(f: dict, ctx_len: int, chunk: int, out: str, threads: int):
         **keep, prefill_seq_len=chunk, ctx_len=ctx_len, compile=False, fp16_check=False
     )
     out = Path(out, "short")  # a directory of the exporter's own making
-    quiet = logging.getLogger("dflash_qaic.export")  # its progress is not the benchmark's
+    quiet = logging.getLogger("dflash_qaic.exporter")  # its progress is not the benchmark's
     level, quiet.level = quiet.level, logging.WARNING
     try:
         build_artifacts(*f["sources"].values(), out, opts)

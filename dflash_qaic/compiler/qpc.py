@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_qaic import contract
-from dflash_qaic.compile.profiles import (
+from dflash_qaic.compiler.profiles import (
     KV_DTYPES,
     SPECIALIZATION_FORMATS,
     CompileProfile,
@@ -691,7 +691,7 @@ def compile_program(
     `draft_specializations`). Reuses a finished QPC (`status="cached"`), rebuilds a
     half-finished one, and without a compiler writes the inputs and returns `skipped=True`.
     Raises `CompileError` when the compiler fails (its stderr tail and the command included).
-    Logs each step (the `dflash_qaic.compile.qpc` logger); `timeout` bounds each compiler run in seconds
+    Logs each step (the `dflash_qaic.compiler.qpc` logger); `timeout` bounds each compiler run in seconds
     (default: the profile's `compile_timeout_s`). `root` is the artifacts directory the paths
     of compile.cmd are relative to (default: `program_dir`'s parent).
     """

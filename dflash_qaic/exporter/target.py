@@ -11,8 +11,8 @@ import torch
 
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract, families
-from dflash_qaic.export import weights
-from dflash_qaic.export.onnx_export import export_and_check, program_facts
+from dflash_qaic.exporter import weights
+from dflash_qaic.exporter.onnx_export import export_and_check, program_facts
 from dflash_qaic.modeling.sampler import SAMPLING_CANDIDATES
 from dflash_qaic.modeling.target import ExportTarget
 

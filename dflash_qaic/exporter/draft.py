@@ -9,9 +9,9 @@ import torch
 
 from dflash_qaic import contract
 from dflash_qaic.checkpoints import DraftConfig, Pair
-from dflash_qaic.export import weights
-from dflash_qaic.export.onnx_export import export_and_check, program_facts
-from dflash_qaic.export.target import batch_index_feed, check_sizes, window_feed
+from dflash_qaic.exporter import weights
+from dflash_qaic.exporter.onnx_export import export_and_check, program_facts
+from dflash_qaic.exporter.target import batch_index_feed, check_sizes, window_feed
 from dflash_qaic.modeling.draft import DFlashDraft, ExportDraft
 
 

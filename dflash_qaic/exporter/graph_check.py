@@ -31,13 +31,13 @@ import onnx
 from onnx import helper
 
 from dflash_qaic.contract import TensorSpec
-from dflash_qaic.export.fp16_check import (
+from dflash_qaic.exporter.fp16_check import (
     FAITHFUL_MAX_BYTES,
     FaithfulSession,
     convert_to_fp16,
     fp16_feed,
 )
-from dflash_qaic.export.onnx_export import initializer_bytes
+from dflash_qaic.exporter.onnx_export import initializer_bytes
 from dflash_qaic.modeling.ops import QAIC_DOMAIN
 
 CUSTOM_FUNCTIONS = frozenset({(QAIC_DOMAIN, "CtxScatter"), (QAIC_DOMAIN, "CtxScatterCB")})

@@ -16,7 +16,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from dflash_qaic import contract
-from dflash_qaic.compile.profiles import MAX_CORES_PER_DEVICE, MAX_DEVICES, CompileOverrides
+from dflash_qaic.compiler.profiles import MAX_CORES_PER_DEVICE, MAX_DEVICES, CompileOverrides
 
 MAX_CTX_LEN = 1 << 18  # 262144 slots: beyond any supported model's context
 MAX_BLOCK_SIZE = 1024

@@ -129,7 +129,7 @@ def _write_in_memory(raw: Path, final: Path, data_name: str, inputs, outputs, ex
 def _write_streamed(raw: Path, final: Path, data_name, inputs, outputs, external, sources) -> bool:
     """The traced graph (weights as inputs) with its initializers written from the checkpoints
     tensor by tensor (export/weights.py). Returns whether they went to external data."""
-    from dflash_qaic.export import weights
+    from dflash_qaic.exporter import weights
 
     model = onnx.load(str(raw))  # the graph alone: no weights in it
     _check_weight_inputs(model.graph, inputs, sources)
@@ -283,8 +283,8 @@ def export_and_check(
     values on fewer slots or rows).
     The fp16 run is skipped above `weights.GRAPH_RUN_MAX_BYTES` of streamed weights, and the
     report says why. Returns (path, graph-check report)."""
-    from dflash_qaic.export import weights
-    from dflash_qaic.export.graph_check import check_graph
+    from dflash_qaic.exporter import weights
+    from dflash_qaic.exporter.graph_check import check_graph
 
     sym = specializations[0]["symbols"]
     trace = {contract.BATCH: sym[contract.BATCH], contract.SEQ: trace_rows}

@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from dflash_qaic import contract
-from dflash_qaic.export.options import RECIPE_OPTIONS
+from dflash_qaic.exporter.options import RECIPE_OPTIONS
 
 RECIPE_KEYS = {"name", "description", "target", "draft", *RECIPE_OPTIONS}
 # Shipped recipes are package data (the repository's `export/` links here).
@@ -98,7 +98,7 @@ def load_recipe(name_or_path: str) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    from dflash_qaic.export.options import add_arguments
+    from dflash_qaic.exporter.options import add_arguments
 
     p = argparse.ArgumentParser(
         prog="dflash-export",
@@ -110,7 +110,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", help="DFlash draft directory (published z-lab format)")
     p.add_argument("--out", required=True, help="artifacts directory to write")
     p.add_argument("--recipe", help="export/<name>.yaml (or a name); default: the built-in pair")
-    add_arguments(p)  # every export and compile option (dflash_qaic/export/options.py)
+    add_arguments(p)  # every export and compile option (dflash_qaic/exporter/options.py)
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     return p
@@ -118,7 +118,7 @@ def parser() -> argparse.ArgumentParser:
 
 def resolve(args):
     """(target, draft, ExportOptions) from CLI > recipe > defaults."""
-    from dflash_qaic.export.options import from_cli
+    from dflash_qaic.exporter.options import from_cli
 
     if bool(args.target) != bool(args.draft):
         raise SystemExit("dflash-export: give both --target and --draft, or neither")
@@ -188,8 +188,8 @@ def _run(args) -> int:
     from dflash_qaic.artifacts.build import ExportError, build_artifacts
     from dflash_qaic.artifacts.manifest import ArtifactsError
     from dflash_qaic.checkpoints import CheckpointError
-    from dflash_qaic.compile.profiles import ProfileError
-    from dflash_qaic.compile.qpc import CompileError
+    from dflash_qaic.compiler.profiles import ProfileError
+    from dflash_qaic.compiler.qpc import CompileError
     from dflash_qaic.logs import show
 
     if args.quiet:

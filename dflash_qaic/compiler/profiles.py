@@ -313,7 +313,7 @@ def profile_from_dict(
 class CompileOverrides:
     """Compile options given on the command line or to `dflash_qaic.export` / `compile`, with
     QEfficient's names; each one that is not None replaces the profile's value (declared and
-    checked once, in dflash_qaic/export/options.py).
+    checked once, in dflash_qaic/exporter/options.py).
 
     num_cores: the target's cores per device (the draft keeps its profile's);
     mxfp6_matmul; mxint8_kv_cache: True -> kv_dtype mxint8, False -> float16;
