@@ -1,7 +1,7 @@
 """Checkpoint facts of the targets with layer kinds (Gemma 4; docs/DESIGN.md, Layer kinds): what
 their config.json may hold, their text model's config and tensor prefix, every tensor the target
 program reads with its shape, the checkpoint tensors no program uses, and the program parameters
-whose checkpoint names differ. dflash_qaic/checkpoints.py and export/weights.py ask here.
+whose checkpoint names differ. dflash_qaic/checkpoints.py and exporter/weights.py ask here.
 """
 
 from __future__ import annotations

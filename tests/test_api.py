@@ -83,7 +83,11 @@ def test_no_stage_imports_one_after_it():
     """checkpoints → modeling → export → compile → artifacts → runtime → serve/bench: each
     module imports only stages before its own (lazy imports included)."""
     later = ("dflash_qaic.api", "dflash_qaic.runtime", "dflash_qaic.serve", "dflash_qaic.bench")
-    for path in [*PKG.glob("exporter/*.py"), *PKG.glob("compiler/*.py"), *PKG.glob("artifacts/*.py")]:
+    for path in [
+        *PKG.glob("exporter/*.py"),
+        *PKG.glob("compiler/*.py"),
+        *PKG.glob("artifacts/*.py"),
+    ]:
         for m in _imports(path):
             assert not m.startswith(later) and m != "dflash_qaic.load", (path, m)
     for path in PKG.glob("compiler/*.py"):

@@ -1,4 +1,4 @@
-"""The streaming export (export/weights.py): programs written from the safetensors files tensor by
+"""The streaming export (exporter/weights.py): programs written from the safetensors files tensor by
 tensor are the in-memory export's programs, output for output, on bf16 / fp16, sharded / single,
 tied / untied pairs; every parameter has a checkpoint tensor; damaged weights are refused."""
 

@@ -166,7 +166,7 @@ class FileRecord:
 class QpcRecord:
     """A program's QPC, as the compile step built (or would build) it: the specializations it
     serves, where it is (paths relative to the artifacts directory), how it is built
-    (compile/qpc.py: `CompileResult` carries the same fields)."""
+    (compiler/qpc.py: `CompileResult` carries the same fields)."""
 
     specializations: tuple[str, ...]  # names, in specializations.json order
     key: str  # 16 hex digits

@@ -2,7 +2,7 @@
 (the tokenizer, the target's config.json), and describe the result as a `Manifest` (its files
 still unrecorded: `artifacts/build.py` records them after the compile step).
 
-The export streams (export/weights.py): placeholder modules are traced, and the weights go from
+The export streams (exporter/weights.py): placeholder modules are traced, and the weights go from
 the safetensors files to the programs one tensor at a time. The shape plan is the one the
 preflight made (`artifacts/preflight.py`): both programs are exported for it and the manifest
 stores it.

@@ -118,7 +118,7 @@ def export_draft(
     """Export the draft program to `out_path` and check it; returns facts for the manifest.
 
     `embed_weight` / `head_weight` are the target's (pass the same tensor twice for a tied head).
-    stream_from: the streaming export (export/weights.py): `draft_state` is None, the embedding
+    stream_from: the streaming export (exporter/weights.py): `draft_state` is None, the embedding
     and head are placeholders (`weights.placeholder_head`), and the program's weights are written
     from this pair's checkpoints tensor by tensor.
     full_batch_size: continuous batching with this many cache rows (contract.py).

@@ -69,7 +69,7 @@ def export_onnx(
     does so only when the weights exceed EXTERNAL_DATA_THRESHOLD.
     sources: parameter name -> `weights.Source`: the streaming export. The module's weights are
     placeholders, traced as graph inputs and written from the checkpoints tensor by tensor
-    (see export/weights.py); None: the module's own weights are exported (in memory).
+    (see exporter/weights.py); None: the module's own weights are exported (in memory).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -128,7 +128,7 @@ def _write_in_memory(raw: Path, final: Path, data_name: str, inputs, outputs, ex
 
 def _write_streamed(raw: Path, final: Path, data_name, inputs, outputs, external, sources) -> bool:
     """The traced graph (weights as inputs) with its initializers written from the checkpoints
-    tensor by tensor (export/weights.py). Returns whether they went to external data."""
+    tensor by tensor (exporter/weights.py). Returns whether they went to external data."""
     from dflash_qaic.exporter import weights
 
     model = onnx.load(str(raw))  # the graph alone: no weights in it
@@ -193,7 +193,7 @@ def _check_weight_inputs(graph, inputs, sources) -> None:
         raise RuntimeError(
             f"streaming export: graph inputs {stray[:5]} are neither contract inputs nor "
             "weights with a checkpoint source (the module uses a weight through an op the "
-            "exporter constant-folds; see export/weights.py)"
+            "exporter constant-folds; see exporter/weights.py)"
         )
 
 
@@ -276,7 +276,7 @@ def export_and_check(
     fp16_check: bool,
 ) -> tuple[Path, dict]:
     """Trace `module` at `trace_rows` rows of the first specialization, write the program (its
-    weights streamed from `sources` when given, see export/weights.py) and run the graph check.
+    weights streamed from `sources` when given, see exporter/weights.py) and run the graph check.
     feeds_for(specs) -> one input feed per specialization (the exporter's `check_feeds`);
     check_specs: the specializations the fp16 run feeds (the plan's longest shapes,
     `ShapePlan.longest`: a smaller window, a shorter verify or prefill computes the same

@@ -216,7 +216,7 @@ def export_target(
 ) -> dict:
     """Export the target program to `out_path` and check it; returns facts for the manifest.
 
-    stream_from: the streaming export (export/weights.py): `hf_model` holds placeholder weights
+    stream_from: the streaming export (exporter/weights.py): `hf_model` holds placeholder weights
     and the program's weights are written from this pair's checkpoints tensor by tensor.
     sampling: the program takes temperature / top_k / top_p / random_u and returns the lossless
     speculative-sampling choice; False: argmax only. sampling_candidates: the largest top_k

@@ -388,7 +388,7 @@ def _plan(graph: onnx.GraphProto, sources: dict[str, Source]):
         raise RuntimeError(
             f"streaming export: weights {merged[:5]} are not graph inputs of their own (the "
             "exporter merged them with an equal placeholder); this is a bug in "
-            "export/weights.py, please report it"
+            "exporter/weights.py, please report it"
         )
     plan, dropped, rename = [], set(), {}
     for inp in graph.input:

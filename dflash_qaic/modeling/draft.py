@@ -459,7 +459,7 @@ class ExportDraft(nn.Module):
 
     def forward(self, *inputs: torch.Tensor):
         # the contract's inputs (DraftIO), bound by the names the exporter gives them
-        # (export/onnx_export.py sets input_names and output_names):
+        # (exporter/onnx_export.py sets input_names and output_names):
         # target_hidden [b, s, H], position_ids_target [b, s], input_ids, position_ids [b, B];
         # batch_index [b, 1] with continuous batching (caches [N, n_kv, ctx, hd]);
         # comp_ctx_lengths = 0 … L-1, the cached slots attention reads; past_key.i, past_value.i

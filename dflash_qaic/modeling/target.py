@@ -318,7 +318,7 @@ class ExportTarget(nn.Module):
 
     def forward(self, *inputs: torch.Tensor):
         # the contract's inputs (TargetIO), bound by the names the exporter gives them
-        # (export/onnx_export.py sets input_names and output_names):
+        # (exporter/onnx_export.py sets input_names and output_names):
         # input_ids, position_ids [b, s] int64 (position -1 = padding); with continuous
         # batching, batch_index [b, 1]; comp_ctx_lengths [L] = 0 … L-1, the slots attention
         # reads; with sampling, temperature, top_k, top_p [b] and random_u [b, sample_len, 2];

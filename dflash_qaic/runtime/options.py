@@ -1,6 +1,6 @@
 """The load options, each declared once (its default, values, check and help).
 
-`LoadOptions` is the table, as `export/options.py` is for the export: one dataclass field per
+`LoadOptions` is the table, as `exporter/options.py` is for the export: one dataclass field per
 option, its `LoadOption` in the field's metadata. From it come the keyword arguments of
 `dflash_qaic.load(...)` (their defaults and the checks of their values: a bad value is a
 `BackendError` naming the keyword) and the flags of the commands that load artifacts
