@@ -271,9 +271,10 @@ def test_reduced_vocabulary_draft_is_lossless_end_to_end(tiny_pair, tmp_path):
     """dflash-export's streamed export of a pair whose draft has `draft_vocab_size` with its
     `d2t` map and own head, run by the runtime on ONNX Runtime: tokens equal HF greedy
     `generate`, and the draft's proposals (target ids through the map) are accepted."""
+    from spec_loop import hf_greedy
+
     import dflash_qaic
     from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
-    from spec_loop import hf_greedy
 
     t, base = tiny_pair(
         vocab_size=V, tie_word_embeddings=False, target_layer_ids=[1, 3], block_size=4, agree=1.25
