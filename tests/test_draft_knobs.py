@@ -269,8 +269,10 @@ def test_knob_tensors_are_required(tiny_pair, tmp_path):
 @pytest.mark.slow
 def test_reduced_vocabulary_draft_is_lossless_end_to_end(tiny_pair, tmp_path):
     """dflash-export's streamed export of a pair whose draft has `draft_vocab_size` with its
-    `d2t` map and own head, run by the runtime on ONNX Runtime: tokens equal HF greedy
-    `generate`, and the draft's proposals (target ids through the map) are accepted."""
+    `d2t` map and own head (and the sink logits, a mask embedding and interleaved RoPE, each
+    streamed from its checkpoint tensor or file), run by the runtime on ONNX Runtime: tokens
+    equal HF greedy `generate`, and the draft's proposals (target ids through the map) are
+    accepted."""
     from spec_loop import hf_greedy
 
     import dflash_qaic
@@ -279,6 +281,8 @@ def test_reduced_vocabulary_draft_is_lossless_end_to_end(tiny_pair, tmp_path):
     t, base = tiny_pair(
         vocab_size=V, tie_word_embeddings=False, target_layer_ids=[1, 3], block_size=4, agree=1.25
     )
+    for knob in ("attention_sink_bias", "mask_embedding", "is_neox_style"):
+        base = _knob_draft(base, tmp_path / knob, knob)
     d = tmp_path / "draft"
     shutil.copytree(base, d)
     cfg = json.loads((d / "config.json").read_text())

@@ -152,8 +152,11 @@ class DraftAttention(nn.Module):
             s_blk = s_blk + blk_mask  # a causal / windowed layer
         parts = [s_ctx, s_blk]
         if self.attention_sink_bias is not None:  # the sink column of row (head, t), then
-            g = nh // kvh  # dropped: a row's weights sum to 1 − p_sink
-            sink = self.attention_sink_bias.view(1, kvh, g, 1, 1).expand(b, kvh, g, B, 1)
+            g = nh // kvh  # dropped: a row's weights sum to 1 − p_sink. The weight enters by an
+            # Add with a batch-shaped zero (a Reshape of it alone would be constant-folded by the
+            # exporter into a tensor with no checkpoint source)
+            sink = x.new_zeros(b, 1) + self.attention_sink_bias  # [b, nh]
+            sink = sink.view(b, kvh, g, 1).expand(b, kvh, g, B)
             parts.append(sink.reshape(b, kvh, g * B, 1))
         scores = torch.cat(parts, dim=-1)  # [b, kvh, g*B, n + B (+ 1)]
         if scores.dtype == torch.float32:  # a Python branch: an fp32 graph gets no Casts
