@@ -745,9 +745,7 @@ def target_specializations(plan: ShapePlan) -> list[dict]:
     steps = plan.step_lengths  # a tree of n rows is a verify call of n rows
     specs += [_spec(plan, VERIFY, _sized(VERIFY, n, B), n, greedy) for n in steps]
     if plan.sampling:
-        specs += [
-            _spec(plan, VERIFY_SAMPLED, _sized(VERIFY_SAMPLED, n, B), n, n) for n in steps
-        ]
+        specs += [_spec(plan, VERIFY_SAMPLED, _sized(VERIFY_SAMPLED, n, B), n, n) for n in steps]
     specs.append(_spec(plan, DECODE, DECODE, 1, greedy))
     return windowed(specs, plan.windows, plan.ctx_len)
 

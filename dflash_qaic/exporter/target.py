@@ -61,7 +61,9 @@ def check_feeds(io: contract.TargetIO, specializations: list[dict], seed: int = 
             q = rng.random((b, rows, k)).astype(np.float32)
             feed[contract.DRAFT_Q_PROBS] = q / q.sum(-1, keepdims=True)
         if io.tree:  # a verify: a random tree of s rows at start + depth; else the chain's
-            layout = random_tree(s, rng) if name in (contract.VERIFY, contract.VERIFY_SAMPLED) else None
+            layout = (
+                random_tree(s, rng) if name in (contract.VERIFY, contract.VERIFY_SAMPLED) else None
+            )
             layout = layout or contract.RowLayout.chain(s)
             mask = np.array(layout.mask(), np.int32)
             feed[contract.TREE_MASK] = np.broadcast_to(mask, (b, s, s)).copy()

@@ -179,7 +179,9 @@ def read_cache(cache, rows, reads) -> torch.Tensor:
 
 def write_cache(cache, rows, slots, new) -> torch.Tensor:
     """`new` [b, h, s, d] written at `slots` [b, s] (cache rows `rows`, or None): the cache."""
-    return ctx_scatter(cache, slots, new) if rows is None else ctx_scatter_cb(cache, rows, slots, new)
+    return (
+        ctx_scatter(cache, slots, new) if rows is None else ctx_scatter_cb(cache, rows, slots, new)
+    )
 
 
 def update_cache(cache, rows, slots, new, reads=None) -> tuple[torch.Tensor, torch.Tensor]:
