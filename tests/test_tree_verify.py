@@ -426,3 +426,30 @@ def test_hybrid_and_structured_tree_exports_are_refused(tiny_pair, tmp_path):
             ),
         )
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_bench_measures_each_tree_budget(exported, tmp_path, capsys):
+    import json
+
+    from dflash_qaic.bench.cli import main
+
+    e = build(exported, "qwen3")
+    out = tmp_path / "bench"
+    args = [str(e.artifacts), "--out", str(out), "--num-prompts", "2", "--repeats", "1"]
+    args += ["--warmup", "0", "--max-new-tokens", "12", "--threads", "1", "--no-peers"]
+    assert main([*args, "--no-profile", "--temperatures", "0", "--tree-budgets", "0,16,auto"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    trees = res["trees"]
+    assert [t["budget"] for t in trees] == [0, 16, None]
+    for t in trees:
+        (s,) = t["temperatures"]
+        assert s["check"]["passed"] and s["tau"] >= 1 and s["steps"] > 0
+    assert "tree budgets" in capsys.readouterr().out
+    assert "## Tree verification" in (out / "report.md").read_text()
+    chain = exported("qwen3", "dflash", pair={**UNTIED, **CASES["qwen3"][0]}, prefill_seq_len=8,
+                     ctx_len=160)  # fmt: skip
+    bad = [str(chain.artifacts), "--out", str(tmp_path / "o"), "--no-peers", "--no-profile"]
+    assert main([*bad, "--tree-budgets", "16"]) == 2
+    assert "no tree budgets" in capsys.readouterr().err
+    assert main([str(e.artifacts), "--out", str(tmp_path / "p"), "--tree-budgets", "x"]) == 2
+    assert "--tree-budgets takes integers" in capsys.readouterr().err
