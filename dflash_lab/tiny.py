@@ -380,7 +380,9 @@ def random_draft_state(s: TinySpec, gen: torch.Generator) -> dict[str, torch.Ten
     if s.attention_bias:  # q/k/v/o biases (the published gpt-oss drafts')
         for i in range(s.draft_layers):
             p = f"layers.{i}.self_attn."
-            for proj, n in zip("qkvo", (s.num_heads * hd, s.num_kv_heads * hd, s.num_kv_heads * hd, H)):
+            for proj, n in zip(
+                "qkvo", (s.num_heads * hd, s.num_kv_heads * hd, s.num_kv_heads * hd, H)
+            ):
                 state[p + f"{proj}_proj.bias"] = 0.1 * torch.randn(n, generator=gen)
     if s.draft_form == "dflash2":  # codebooks without `.weight`, as the reference's loader
         r = s.selector_rank  # maps them; pair scores of the size of logit gaps

@@ -68,6 +68,7 @@ class Stacked:
     shape: tuple[int, ...]
     transpose: bool = False
     scale: float = 1.0
+    transpose_parts: bool = False  # each 2-D part transposed (experts stored [E, in, out])
 
     def __post_init__(self):
         numel = sum(math.prod(p.shape) for p in self.parts)
@@ -155,7 +156,7 @@ def stored_source(info: ck.TensorInfo, name: str, shape: tuple, inverted: bool) 
             f"checkpoint tensor `{info.name}` has shape {list(have)}; the program's `{name}` "
             f"{list(shape)} needs it as [{shape[0]}, {shape[2]}, {shape[1]}]"
         )
-    return Stacked(expert_slices(info), tuple(shape), transpose=True)
+    return Stacked(expert_slices(info), tuple(shape), transpose_parts=True)
 
 
 def source_chunks(src: Source | Stacked | Mxfp4, transpose: bool):
@@ -167,7 +168,7 @@ def source_chunks(src: Source | Stacked | Mxfp4, transpose: bool):
             yield block
     elif isinstance(src, Stacked):
         for part in src.parts:
-            yield from fp32_chunks(Source(part, scale=src.scale), src.transpose)
+            yield from fp32_chunks(Source(part, scale=src.scale), src.transpose_parts)
     else:
         yield from fp32_chunks(src, transpose)
 

@@ -34,8 +34,7 @@ from dflash_qaic.families.qwen3_5_moe import QWEN3_5_MOE
 from dflash_qaic.families.qwen3_moe import QWEN3_MOE
 
 FAMILIES: dict[str, Family] = {
-    f.name: f
-    for f in (QWEN3, LLAMA, QWEN3_5, QWEN3_MOE, QWEN3_5_MOE, GEMMA4, GEMMA4_MOE, GPT_OSS)
+    f.name: f for f in (QWEN3, LLAMA, QWEN3_5, QWEN3_MOE, QWEN3_5_MOE, GEMMA4, GEMMA4_MOE, GPT_OSS)
 }
 
 
