@@ -421,7 +421,6 @@ def test_preset_layout_is_the_published_one(tmp_path):
     layers and the draft's taps among them."""
     from dflash_lab.tiny import _target_config, preset_spec
     from dflash_lab.tiny_writer import draft_layout, target_layout
-
     from dflash_qaic import families
 
     s = preset_spec("gpt-oss-20b", target_layers=3)
