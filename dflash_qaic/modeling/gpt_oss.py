@@ -1,8 +1,9 @@
 """gpt-oss targets: attention sinks, alternating sliding and full layers, a biased top-4 router and
 the clamped SwiGLU experts. See docs/DESIGN.md, gpt-oss targets.
 
-Built from a loaded Hugging Face `GptOssForCausalLM` (its weights and rotary tables only; the
-forward is ours, the same program contract as the dense target, modeling/target.py).
+Built from a Hugging Face `GptOssForCausalLM` (its weights and rotary tables only; the forward is
+ours, the same program contract as the dense target, modeling/target.py): a loaded model, or the
+streaming export's placeholder model of a checkpoint (families/gpt_oss.py, exporter/weights.py).
 
     x = embed(input_ids)                                                       # [b, s, H]
     per layer i (`layer_types`: sliding_attention (window W = 128) and full_attention, alternating):
