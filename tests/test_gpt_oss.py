@@ -148,6 +148,26 @@ def test_prefill_verify_decode_match_hf(exported, prompt_len):
     assert e["facts"]["model_type"] == "gpt_oss"
 
 
+def test_cost_profile_counts_each_calls_experts(exported):
+    """The AI100 cost profile (bench/project.py count_graph) sees a call's experts as gathered
+    rows: a call of n rows reads U = min(n·k, E) experts per layer (their weights and biases),
+    never all E, which a verify-length choice then weighs (docs/DESIGN.md, A verify's experts;
+    the union arithmetic E·(1 − (1 − k/E)^n) is what independently routed rows touch)."""
+    import onnx
+
+    from dflash_qaic.bench.project import count_graph
+
+    model = onnx.load(str(exported["path"]), load_external_data=False)
+    per_expert = 2 * INTER * H + H * INTER + 2 * INTER + H  # gate_up, down and their biases
+    ctx = {contract.BATCH: 1, contract.CTX: CTX, contract.CCL: CTX, contract.SAMPLE: 1}
+    for n in (1, 2, 4):
+        g = count_graph(model, {**ctx, contract.SEQ: n})
+        assert len(g.layers) == 4
+        for part in g.layers.values():
+            assert part.gathered == min(n * K, E) * per_expert
+        assert E * (1 - (1 - K / E) ** n) <= min(n * K, E)  # the union never exceeds U
+
+
 @torch.no_grad()
 def test_window_hides_old_keys(gpt_oss_model):
     """A sliding layer's output does not depend on keys W or more positions back; a full layer's
