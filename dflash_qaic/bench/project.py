@@ -307,9 +307,41 @@ class _Counts:
             ):
                 table = self.inits[n.input[0]]
                 idx = self.shapes.get(n.input[1])
-                nrows = _numel(idx) if idx is not None else rows
+                nrows = _numel(idx) if idx is not None else self.gathered_rows(n, rows, table)
                 self.part_of_init(n.input[0]).gathered += nrows * _numel(table[1:])
         return uncounted
+
+    def gathered_rows(self, node, rows: int, table: list[int]) -> int:
+        """Rows a Gather reads when shape inference left its index count unknown: a MoE layer's
+        union of experts, U = min(rows · k, E) (modeling/moe.py: a TopK whose k the call's shape
+        sets), k the layer's routing TopK (the one with a constant k), E the table's first axis;
+        else one per call row (docs/DESIGN.md, A verify's experts)."""
+        mt = _LAYER_NODE.match(node.name)
+        k = self.route_k().get(int(mt.group(1))) if mt else None
+        producer = self.producers.get(node.input[1])
+        if k is None or producer is None or producer.op_type != "TopK":
+            return rows
+        return min(rows * k, table[0])
+
+    def route_k(self) -> dict[int, int]:
+        """Per layer, the k of its routing TopK (a constant k), for MoE layers."""
+        if not hasattr(self, "_route_k"):
+            from onnx import numpy_helper
+
+            self.producers = {o: n for n in self.g.node for o in n.output}
+            const = {i.name: i for i in self.g.initializer}
+            self._route_k = {}
+            for n in self.g.node:
+                mt = _LAYER_NODE.match(n.name)
+                if n.op_type != "TopK" or not mt:
+                    continue
+                src = self.producers.get(n.input[1])
+                value = const.get(n.input[1])
+                if value is None and src is not None and src.op_type == "Constant":
+                    value = next((a.t for a in src.attribute if a.name == "value"), None)
+                if value is not None:
+                    self._route_k[int(mt.group(1))] = int(numpy_helper.to_array(value).item())
+        return self._route_k
 
 
 def _infer(model):

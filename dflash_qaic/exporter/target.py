@@ -146,19 +146,11 @@ def target_io(
     )
 
 
-# gpt-oss: its program is built from a loaded GptOssForCausalLM (modeling/gpt_oss.py); its
-# checkpoint directories (MXFP4 experts) are not read yet, so it is not a registry family
-GPT_OSS = "gpt_oss"
-
-
 def program_class(hf_model, prefill_seq_len: int, block_size: int, options: dict):
     """(module class, options) of the target: a family with layer kinds has its own program
     (modeling/kinds.py: gpt-oss, Gemma 4), whose sliding layers keep rings sized by the longest
     call; every other family the skeleton's."""
-    if hf_model.config.model_type == GPT_OSS:  # built from a loaded model only (no family)
-        program = "gpt_oss"
-    else:
-        program = getattr(families.for_hf(hf_model.config), "program", None)
+    program = getattr(families.for_hf(hf_model.config), "program", None)
     if program is None:
         return ExportTarget, options
     from dflash_qaic.modeling.gemma4 import ExportGemma4Target
@@ -179,8 +171,7 @@ def program_options(
     DeltaNet layers tell a prefill chunk from a verify call by its rows; q-aware verification
     is not built for hybrids yet."""
     mask = {"token_bitmask": True} if token_bitmask else {}
-    gpt_oss = hf_model.config.model_type == GPT_OSS
-    if gpt_oss or not families.for_hf(hf_model.config).hybrid:
+    if not families.for_hf(hf_model.config).hybrid:
         return mask
     if prefill_seq_len <= block_size:
         raise ValueError(
