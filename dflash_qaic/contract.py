@@ -396,9 +396,9 @@ class TargetIO:
 @dataclass(frozen=True)
 class RowLayout:
     """Where each row of a verify call sits: its parent row (−1: the committed prefix) and its
-    cache slot, apart from its position (docs/DESIGN.md, Seams: verifiers). Today's programs
-    take the chain layout implicitly (`chain`); a layout that is not a chain (a tree's rows share
-    depths, so positions repeat while slots do not) is what a tree verify would pass."""
+    depth, apart from its row (docs/DESIGN.md, Seams: verifiers). Chain programs take the chain
+    layout implicitly (`chain`); a tree program takes any layout as TREE_MASK (`mask`) and its
+    rows' positions start + depth (a tree's rows share depths, so positions repeat)."""
 
     parents: tuple[int, ...]
     depths: tuple[int, ...]
@@ -416,7 +416,8 @@ class RowLayout:
         return [start + d for d in self.depths]
 
     def slots(self, start: int) -> list[int]:
-        """Cache slots: start + row index (distinct, consecutive; a chain's are its positions)."""
+        """The slots a tree program writes the rows' K/V to when none is accepted past the root:
+        start + row (a chain's are its positions); the accepted path's go to start + depth."""
         return [start + r for r in range(len(self.parents))]
 
     def mask(self) -> list[list[int]]:
@@ -731,7 +732,8 @@ def target_specializations(plan: ShapePlan) -> list[dict]:
     block that sample every row (the greedy Prefill and Verify run the sampler on one row only,
     at temperature 0 the argmax).
     Both prefill chunks exist once per prefill length n (`Prefill` at the chunk, `Prefill[n]`
-    below), both verify blocks once per verify length n (`Verify` at B rows, `Verify[n]` below).
+    below), both verify blocks once per verify length n (`Verify` at B rows, `Verify[n]` below) and
+    once per tree budget n of a tree program (a tree of n rows is a verify call of n rows).
     With `full_batch_size` N (continuous batching) prefill is at batch 1, the others at N.
     With windows, each of them once per attention window (`windowed`).
     Each is `{"name", "kind", "symbols"}`; the compiler's file takes the name and symbols."""
