@@ -453,3 +453,23 @@ def test_bench_measures_each_tree_budget(exported, tmp_path, capsys):
     assert "no tree budgets" in capsys.readouterr().err
     assert main([str(e.artifacts), "--out", str(tmp_path / "p"), "--tree-budgets", "x"]) == 2
     assert "--tree-budgets takes integers" in capsys.readouterr().err
+
+
+def test_projection_reads_tau_per_budget_from_a_tree_bench(tmp_path):
+    import json
+
+    from dflash_qaic.bench.project import ProjectionError, tau_from
+
+    def sec(T, tau):
+        return {"temperature": T, "status": "measured", "tau": tau}
+
+    trees = [
+        {"draft": "DFlash (a)", "budget": b, "temperatures": [sec(0.0, t), sec(1.0, 2.0)]}
+        for b, t in ((0, 8.876), (32, 10.9), (None, 9.5))
+    ] + [{"draft": "DFlash-2 (b)", "budget": 32, "temperatures": [sec(0.0, 12.0)]}]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"trees": trees}))
+    assert tau_from(str(path)) == {"chain": 8.88, 32: 10.9}
+    path.write_text(json.dumps({"temperatures": []}))
+    with pytest.raises(ProjectionError, match="no tree budgets measured"):
+        tau_from(str(path))

@@ -683,6 +683,30 @@ def count_programs(
     return out
 
 
+def tau_from(path: str | None) -> dict:
+    """τ per mode from a `dflash-bench --tree-budgets` results.json: the benchmarked draft's
+    T = 0 τ at each budget (0: the chain; the per-step choice, auto, is left out)."""
+    if not path:
+        return {}
+    try:
+        trees = json.loads(Path(path).read_text(encoding="utf-8")).get("trees")
+    except (OSError, ValueError) as e:
+        raise ProjectionError(f"--tau-from {path}: {e}") from None
+    if not trees:
+        raise ProjectionError(
+            f"--tau-from {path}: no tree budgets measured in it (dflash-bench TREE_ARTIFACTS "
+            "--tree-budgets 0,16,32,64 writes them)"
+        )
+    out = {}
+    for t in trees:
+        if t["draft"] != trees[0]["draft"] or t["budget"] is None:
+            continue
+        for s in t["temperatures"]:
+            if s["temperature"] == 0 and s["status"] == "measured":
+                out["chain" if t["budget"] == 0 else int(t["budget"])] = round(s["tau"], 2)
+    return out
+
+
 def parse_tau(text: str | None) -> dict:
     """'chain=8.88,32=10.83' -> {"chain": 8.88, 32: 10.83} (each τ ≥ 1)."""
     out: dict = {}
@@ -990,6 +1014,12 @@ def parser() -> argparse.ArgumentParser:
         help="τ per mode, e.g. chain=8.88,32=10.83,64=11.5 (default: chain 8.88 measured, "
         "budget 32 the published DDTree +22%%; others: none)",
     )
+    p.add_argument(
+        "--tau-from",
+        metavar="RESULTS_JSON",
+        help="τ per budget from a `dflash-bench … --tree-budgets 0,16,32,64` results.json (the "
+        "benchmarked draft at T = 0; budget 0 is the chain); --tau overrides single entries",
+    )
     p.add_argument("--out", default="bench/projection", help="output directory")
     p.add_argument(
         "--work",
@@ -1019,7 +1049,7 @@ def run(args) -> int:
         raise ProjectionError(str(e)) from e
     card = CARDS[args.card]
     budgets = _budgets(args.tree_budgets)
-    tau = {**DEFAULT_TAU, **parse_tau(args.tau)}
+    tau = {**DEFAULT_TAU, **tau_from(args.tau_from), **parse_tau(args.tau)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work)
