@@ -229,7 +229,7 @@ _TARGET_IO = ("n_layers", "n_kv_heads", "head_dim", "hidden_size", "vocab_size")
 #: what an exporter says of a program that the manifest stores once, at the top (the shape plan,
 #: the mask id and layer ids): not kept in the program's record
 PLAN_COPIES = {"batch_size", "ctx_len", "prefill_seq_len", "comp_ctx_lengths", "verify_lengths"}
-PLAN_COPIES |= {"mask_token_id", "target_layer_ids", "specializations"}
+PLAN_COPIES |= {"mask_token_id", "target_layer_ids", "specializations", "tree_budgets"}
 
 
 def _int_tuple(c: _Check, name: str, lo: int, hi: int) -> tuple[int, ...]:
@@ -404,6 +404,7 @@ class Manifest:
     draft_prefill_rows: tuple[int, ...]
     full_batch_size: int | None = None  # continuous batching: cache rows of both programs
     comp_ctx_lengths: tuple[int, ...] | None = None  # attention windows (contract.py), ascending
+    tree_budgets: tuple[int, ...] = ()  # a tree program's tree verify rows (contract.ShapePlan)
     files: tuple[FileRecord, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     tokenizer: str | None = None  # relative directory holding the target's tokenizer files
@@ -429,6 +430,7 @@ class Manifest:
             full_batch_size=self.full_batch_size,
             sampling=self.target.io.sampling,
             batch_size=self.batch_size,
+            tree_budgets=self.tree_budgets,
         )
 
     @property
@@ -518,6 +520,7 @@ class Manifest:
             prefill_lengths=c.ints("prefill_lengths", 1, 1 << 20),
             verify_lengths=c.ints("verify_lengths", 1, 4096),
             draft_prefill_rows=c.ints("draft_prefill_rows", 1, 1 << 22),
+            tree_budgets=c.ints("tree_budgets", 2, contract.MAX_TREE_BUDGET, default=[]),
             files=tuple(FileRecord.from_json(c.sub(f, "files[]")) for f in c.list("files")),
             eos_token_ids=c.ints("eos_token_ids", 0, INT64_MAX, default=[]),
             tokenizer=c.relpath("tokenizer", None, optional=True),
