@@ -65,6 +65,9 @@ _DFLASH_FIELDS = {
     "attention_sink_bias": BOOLEAN,
     "draft_vocab_size": POSITIVE_INT,
     "mask_embedding": STRING,
+    "use_swa": BOOLEAN,  # every layer sliding (vLLM's reading; MiMo drafts)
+    "swa_window_size": POSITIVE_INT,
+    "causal": BOOLEAN,  # causality of every layer, below a top-level `is_causal`
 }
 DRAFT_FIELDS = (
     DECODER_FIELDS
@@ -351,7 +354,9 @@ DRAFT_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 def _draft_attention(cfg: dict, cpath: Path, n_layers: int):
     """`layer_types`, `sliding_window` and `is_causal` of a draft config (top level, where the
-    reference reads them), checked. A sliding layer's window is `sliding_window` as written:
+    reference reads them; then, as vLLM reads them, `dflash_config.use_swa` making every layer
+    sliding, `dflash_config.swa_window_size` its window and `dflash_config.causal` below
+    `is_causal`), checked. A sliding layer's window is `sliding_window` as written:
     Hugging Face's Qwen3Config drops it unless `use_sliding_window` is true, so the reference
     run through transformers agrees only with configs that set it (docs/DESIGN.md, Sliding drafts)."""
     types = cfg.get("layer_types") or ()
@@ -362,14 +367,19 @@ def _draft_attention(cfg: dict, cpath: Path, n_layers: int):
             f"{cpath}: `layer_types` must list one of {list(DRAFT_LAYER_TYPES)} per draft layer "
             f"({n_layers}), got {types!r}"
         )
+    dc = cfg.get("dflash_config") or {}
+    if dc.get("use_swa") and "sliding_attention" not in types:  # every layer slides
+        types = ["sliding_attention"] * n_layers
     types = tuple(types) if "sliding_attention" in types else ()
-    window = cfg.get("sliding_window") if types else None
+    window = dc.get("swa_window_size", cfg.get("sliding_window")) if types else None
     if types and (not isinstance(window, int) or isinstance(window, bool) or window < 2):
         raise CheckpointError(
             f"{cpath}: `sliding_attention` layers need an integer `sliding_window` of at least 2 "
             f"(the keys a query sees, itself included), got {window!r}"
         )
     causal = cfg.get("is_causal")
+    if causal is None:
+        causal = dc.get("causal")
     if causal is not None and not isinstance(causal, bool):
         raise CheckpointError(f"{cpath}: `is_causal` must be true, false or absent, got {causal!r}")
     return types, window, causal

@@ -306,3 +306,26 @@ def test_reduced_vocabulary_draft_is_lossless_end_to_end(tiny_pair, tmp_path):
         assert res.tokens == hf_greedy(model, ids, new), (n, new)
         lengths += res.acceptance_lengths
     assert min(lengths) == 1 and max(lengths) > 1, lengths
+
+
+@pytest.mark.parametrize(
+    "dflash,top,want",
+    [
+        ({"use_swa": True, "swa_window_size": 6}, {}, [(True, 6), (True, 6)]),
+        ({"use_swa": True, "causal": False}, {"sliding_window": 5}, [(False, 5), (False, 5)]),
+        ({"causal": True}, {}, [(True, None), (True, None)]),
+        ({"causal": True}, {"is_causal": False}, [(False, None), (False, None)]),
+    ],
+)
+def test_swa_and_causal_in_dflash_config(tiny_pair, tmp_path, dflash, top, want):
+    """`dflash_config.use_swa` / `swa_window_size` / `causal` as vLLM reads them: every layer
+    sliding with that window; causality below a top-level `is_causal`."""
+    _, base = _base(tiny_pair)
+    d = tmp_path / "draft"
+    shutil.copytree(base, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["dflash_config"] |= dflash
+    cfg |= top
+    (d / "config.json").write_text(json.dumps(cfg))
+    c = ck.read_draft_config(d)
+    assert [c.layer_attention(i) for i in range(c.num_layers)] == want
