@@ -9,7 +9,7 @@ each node's time, summed per decoder layer (`/layers.i/…` nodes) and over the 
 embedding, rope tables). The layer kinds come from the artifacts' config.json `layer_types`.
 Then the weights' bytes (bench.run.weight_bytes: every initializer but Gather-only tables) and
 the seconds numpy takes to sum a buffer of that size (single thread, median of 3 after one
-touch): the time to stream them once.
+touch; above 4 GiB a 4 GiB buffer, the time scaled): the time to stream them once.
 """
 
 from __future__ import annotations
@@ -25,16 +25,18 @@ from pathlib import Path
 import numpy as np
 
 
-def stream_seconds(nbytes: int, reps: int = 3) -> float:
-    """Median seconds numpy takes to read `nbytes` once (a sum over an fp32 buffer)."""
-    buf = np.ones(nbytes // 4, np.float32)
+def stream_seconds(nbytes: int, reps: int = 3, cap: int = 4 << 30) -> float:
+    """Median seconds numpy takes to read `nbytes` once (a sum over an fp32 buffer); above `cap`
+    bytes a buffer of `cap` is read and the time scaled (memory beside a large program)."""
+    n = min(nbytes, cap)
+    buf = np.ones(n // 4, np.float32)
     buf.sum()  # touch every page first
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         buf.sum()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(times) * nbytes / n
 
 
 def layer_kinds(artifacts: Path) -> list[str]:
