@@ -108,7 +108,11 @@ class TreeVerifier(ChainVerifier):
             r = seq.slot
             room = s.max_pos - int(st.start[r])  # rows whose positions and slots stay below
             size = min(self.sizes[-1], room)
-            pair = st.top_pair[r] if st.top_pair is not None else None
+            # a DFlash-2 draft's selector ranks a sampled row's branches (its q predicts a
+            # draw); a greedy row's by the marginals, which predict the argmax better
+            # (docs/DESIGN.md, Tree verification)
+            sampled = st.top_pair is not None and seq.uniforms is not None
+            pair = st.top_pair[r] if sampled else None
             tree = build_tree(st.top_ids[r], st.top_logprobs[r], size, int(st.anchor[r]), pair)
             trees[r] = tree
         n = self.size(trees)
