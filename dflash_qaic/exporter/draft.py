@@ -140,7 +140,8 @@ def export_draft(
     module = ExportDraft(draft, embed_weight, head_weight, ctx_len, emit_logits, cb).eval()
     rings = module.cache_slots()  # sliding layers: a ring of their window's slots
     V = embed_weight.shape[0]
-    q_top_k, top_k = _outputs_k(module, draft_cfg, V, sampling, sample_top_k, top_k)
+    Vd = draft_cfg.draft_vocab_size or V  # a reduced draft vocabulary bounds its top-k
+    q_top_k, top_k = _outputs_k(module, draft_cfg, Vd, sampling, sample_top_k, top_k)
     io = draft_io(
         draft_cfg, V, block_size, emit_logits, cb, ring_slots=rings, q_top_k=q_top_k, top_k=top_k,
         pair_k=module.pair_k,
