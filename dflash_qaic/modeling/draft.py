@@ -165,7 +165,11 @@ class DraftAttention(nn.Module):
         else:  # training below fp32: the softmax in fp32
             probs = scores.float().softmax(dim=-1).to(scores.dtype)
         n = ctx_k.shape[2]
-        out = probs[..., :n] @ ctx_v + probs[..., n : n + B] @ blk_v  # [b, kvh, g*B, hd]
+        ctx = probs[..., :n] @ ctx_v
+        # the block's columns (before the sink's, when there is one: without, the plain slice
+        # keeps a sink-less draft's graph as it was)
+        blk = probs[..., n:] if self.attention_sink_bias is None else probs[..., n : n + B]
+        out = ctx + blk @ blk_v  # [b, kvh, g*B, hd]
         out = out.reshape(b, nh, B, hd).transpose(1, 2).reshape(b, B, nh * hd)
         return self.o_proj(out)
 
