@@ -107,6 +107,10 @@ class TinySpec:
     # biases (`attention_bias`, as the published gpt-oss drafts have)
     target_sliding_window: int = 8
     attention_bias: bool = False
+    # family "gemma4" real shapes (None: the tiny ones, kind_checkpoints.gemma4_tiny_config):
+    # the full layers' head size and KV heads (V = K there); the window: target_sliding_window
+    global_head_dim: int | None = None
+    num_global_kv_heads: int | None = None
 
 
 # Published shapes (Qwen3-0.6B / Qwen3-4B and z-lab's 5-layer b16 drafts for them): bf16, the
@@ -173,6 +177,31 @@ PRESETS: dict[str, dict] = {
         tie_word_embeddings=False,
         shards=3,
     ),
+    # Gemma 4 31B-it's text model in its published form (Gemma4ForConditionalGeneration, text
+    # tensors under model.language_model.*, bf16, sharded, tied head; REFERENCE facts in
+    # docs/DESIGN.md, Layer kinds): 60 layers, 5 sliding : 1 full, the last full; a Qwen3-shaped
+    # draft of the sliding layers' attention shape with Gemma's √H input scale and soft-cap 30.
+    # `--num-layers N` keeps the first N layers (the pattern, the last made full)
+    "gemma-4-31b": dict(
+        family="gemma4",
+        hidden_size=5376,
+        target_layers=60,
+        intermediate_size=21504,
+        num_heads=32,
+        num_kv_heads=16,
+        head_dim=256,
+        global_head_dim=512,
+        num_global_kv_heads=4,
+        target_sliding_window=512,
+        vocab_size=262144,
+        mask_token_id=4,
+        multimodal=True,
+        shards=4,
+        max_position_embeddings=262144,
+        rope_theta=1000000.0,
+        input_embedding_scale=5376**0.5,
+        final_logit_softcapping=30.0,
+    ),
     # gpt-oss-20b: 24 layers of H 2880, 32 experts of 2880 (top-4) in MXFP4, alternating
     # sliding (128) and full attention, untied head, vocabulary 201,088; its DFlash draft as
     # z-lab's (block 8, mask token 200000, target layers 1, 6, 11, 16, 21, attention biases).
@@ -223,8 +252,9 @@ def preset_spec(name: str, **overrides) -> TinySpec:
         L = kw["target_layers"]  # layers 1, 6, …, 21 (those of a shortened target that exist)
         ids = [i for i in range(1, min(L, 24), 5)] or [0]
         kw["target_layer_ids"] = ids
-    if kw["target_layer_ids"] is None:
-        kw["target_layer_ids"] = default_target_layer_ids(kw["target_layers"], kw["draft_layers"])
+    if kw["target_layer_ids"] is None:  # the default rule; spread by _layer_ids when it repeats
+        ids = default_target_layer_ids(kw["target_layers"], kw["draft_layers"])
+        kw["target_layer_ids"] = ids if len(set(ids)) == len(ids) else None
     return TinySpec(**kw)
 
 
@@ -533,6 +563,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--untied", action="store_true", help="untie the target's lm_head")
     p.add_argument("--agree", type=float, default=0.0, help="bias toward agreement (see docs)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--num-layers",
+        type=int,
+        dest="target_layers",
+        help="--preset gemma-4-31b: keep the first N target layers (5 sliding : 1 full, the "
+        "last full), e.g. 6 for the layers that fit",
+    )
     d = p.add_argument_group("newer draft forms")
     d.add_argument(
         "--layer-types",

@@ -130,6 +130,28 @@ def _hybrid_layout(s) -> list[tuple[str, tuple, str]]:
     return out
 
 
+def _gemma4_layout(s) -> list[tuple[str, tuple, str]]:
+    """A Gemma 4 target (tiny.py's gemma4 family, e.g. --preset gemma-4-31b): every tensor its
+    program reads (kind_checkpoints.gemma4_shapes), in the published form when s.multimodal
+    (text tensors under model.language_model.*; the towers, which no program reads, left out).
+    Norms and layer scalars near 1 (Gemma's RMSNorm is x̂·w)."""
+    from dflash_qaic.kind_checkpoints import gemma4_shapes
+
+    cfg = families.get(s.family).tiny_config(s)
+    text = getattr(cfg, "text_config", cfg).to_dict()
+    prefix = "model.language_model." if s.multimodal else "model."
+    out = []
+    for name, shape in gemma4_shapes(text, prefix, s.tie_word_embeddings).items():
+        if name.endswith("embed_tokens.weight"):
+            kind = "embed"
+        elif name.endswith(("norm.weight", "layer_scalar", "router.scale")) or len(shape) == 1:
+            kind = "norm"
+        else:
+            kind = "experts" if len(shape) == 3 else "linear"
+        out.append((name, tuple(shape), kind))
+    return out
+
+
 def _gpt_oss_layout(s) -> list[tuple[str, tuple, str]]:
     """A gpt-oss target in its published form: experts MXFP4 (`…_blocks` / `…_scales`, uint8),
     everything else in s.dtype (families/gpt_oss.py)."""
@@ -220,6 +242,8 @@ def target_layout(s) -> list[tuple[str, tuple, str]]:
     """(name, shape, kind) of every tensor of the target checkpoint, in Hugging Face's order."""
     if s.family == "qwen3_5":
         return _hybrid_layout(s)
+    if s.family in ("gemma4", "gemma4_moe"):
+        return _gemma4_layout(s)
     if s.family == "gpt_oss":
         return _gpt_oss_layout(s)
     V, H = s.vocab_size, s.hidden_size
@@ -333,6 +357,8 @@ def write_pair_streamed(s, tdir: Path, ddir: Path, target_config) -> None:
     target_config.dtype = s.dtype
     if getattr(s, "multimodal", False):
         target_config.architectures = ["Qwen3_5ForConditionalGeneration"]
+        if s.family in ("gemma4", "gemma4_moe"):  # the published Gemma 4 form
+            target_config.architectures = ["Gemma4ForConditionalGeneration"]
     target_config.save_pretrained(tdir)
     shards = _shard(t_layout, s.shards, itemsize) if s.shards > 1 else [t_layout]
     if len(shards) == 1:

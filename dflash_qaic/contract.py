@@ -118,6 +118,10 @@ DRAFT_SAMPLE_TOP_K = 8
 # B·k small values to the host, never logits)
 DRAFT_TOP_IDS = "draft_top_ids"  # int64 [batch, B − 1, k]
 DRAFT_TOP_LOGPROBS = "draft_top_logprobs"  # float [batch, B − 1, k], descending
+# a DFlash-2 draft with --draft-top-k: its selector's log q of each of row j's first k' candidates
+# after each of row j − 1's (row 0: after the anchor, the same for every i), what a tree's
+# branches are ranked by (docs/DESIGN.md, Tree verification)
+DRAFT_PAIR_LOGPROBS = "draft_pair_logprobs"  # float [batch, B − 1, k', k']
 MAX_DRAFT_TOP_K = 8
 CONFIDENCE_TOPK = 16
 # Structured output (docs/DESIGN.md, Structured output): int32 [batch, seq_len, ceil(V / 32)], the
@@ -396,9 +400,9 @@ class TargetIO:
 @dataclass(frozen=True)
 class RowLayout:
     """Where each row of a verify call sits: its parent row (−1: the committed prefix) and its
-    cache slot, apart from its position (docs/DESIGN.md, Seams: verifiers). Today's programs
-    take the chain layout implicitly (`chain`); a layout that is not a chain (a tree's rows share
-    depths, so positions repeat while slots do not) is what a tree verify would pass."""
+    depth, apart from its row (docs/DESIGN.md, Seams: verifiers). Chain programs take the chain
+    layout implicitly (`chain`); a tree program takes any layout as TREE_MASK (`mask`) and its
+    rows' positions start + depth (a tree's rows share depths, so positions repeat)."""
 
     parents: tuple[int, ...]
     depths: tuple[int, ...]
@@ -416,7 +420,8 @@ class RowLayout:
         return [start + d for d in self.depths]
 
     def slots(self, start: int) -> list[int]:
-        """Cache slots: start + row index (distinct, consecutive; a chain's are its positions)."""
+        """The slots a tree program writes the rows' K/V to when none is accepted past the root:
+        start + row (a chain's are its positions); the accepted path's go to start + depth."""
         return [start + r for r in range(len(self.parents))]
 
     def mask(self) -> list[list[int]]:
@@ -454,6 +459,8 @@ class DraftIO:
     q_top_k: int = 0
     # each proposal row's top-k ids and log-probabilities as outputs (0: none)
     top_k: int = 0
+    # a DFlash-2 draft's pairwise log q over its first pair_k candidates (0: none)
+    pair_k: int = 0
 
     @property
     def kv(self) -> list[TensorSpec]:
@@ -505,6 +512,9 @@ class DraftIO:
                 TensorSpec(DRAFT_TOP_IDS, "int64", shape),
                 TensorSpec(DRAFT_TOP_LOGPROBS, "float32", shape),
             ]
+        if self.pair_k:
+            pair = (BATCH, self.block_size - 1, self.pair_k, self.pair_k)
+            out.append(TensorSpec(DRAFT_PAIR_LOGPROBS, "float32", pair))
         if self.emit_logits:
             out.append(TensorSpec(LOGITS, "float32", (BATCH, self.block_size - 1, self.vocab_size)))
         out += [TensorSpec(retained(s.name), s.dtype, s.shape) for s in self.kv]
@@ -731,7 +741,8 @@ def target_specializations(plan: ShapePlan) -> list[dict]:
     block that sample every row (the greedy Prefill and Verify run the sampler on one row only,
     at temperature 0 the argmax).
     Both prefill chunks exist once per prefill length n (`Prefill` at the chunk, `Prefill[n]`
-    below), both verify blocks once per verify length n (`Verify` at B rows, `Verify[n]` below).
+    below), both verify blocks once per verify length n (`Verify` at B rows, `Verify[n]` below) and
+    once per tree budget n of a tree program (a tree of n rows is a verify call of n rows).
     With `full_batch_size` N (continuous batching) prefill is at batch 1, the others at N.
     With windows, each of them once per attention window (`windowed`).
     Each is `{"name", "kind", "symbols"}`; the compiler's file takes the name and symbols."""

@@ -87,6 +87,13 @@ def parser() -> argparse.ArgumentParser:
         "same run, the same way (prompts, temperatures, rounds, seeds), τ and speedup side by "
         "side in the report (no cost profile or peers for it)",
     )
+    p.add_argument(
+        "--tree-budgets",
+        metavar="N,…",
+        help="artifacts exported with --tree-budgets: DFlash measured again with each tree "
+        "budget (0: chains on the same program; auto: the size picked per step), the --compare "
+        "artifacts too; a table of τ and speedup per budget (docs/DESIGN.md, Tree verification)",
+    )
     return p
 
 
@@ -283,7 +290,8 @@ def _decode(pipe, f: dict, args, other: dict | None = None) -> tuple[dict, dict]
     parts = {"temperatures": sections, "profile": profile, "bandwidth": bandwidth, "peers": peers}
     if args.tree_budgets:
         parts["trees"] = [
-            {"draft": report.draft_label(f), **t} for t in _trees(pipe, prompts, args)
+            {"draft": report.draft_label(report.draft_summary(f, [])), **t}
+            for t in _trees(pipe, prompts, args)
         ]
     if other is not None:
         c = parts["compare"] = _compare(prompts, args)
@@ -307,7 +315,7 @@ def _compare(prompts, args) -> dict:
     f = run.facts(pipe, args.compare)
     sections, _ = _measure(pipe, prompts, args, f["block_size"])
     skipped = {"skipped": "measured for the benchmarked artifacts only"}
-    label = report.draft_label(f)
+    label = report.draft_label(report.draft_summary(f, []))
     trees = (
         [{"draft": label, **t} for t in _trees(pipe, prompts, args)] if args.tree_budgets else []
     )

@@ -362,7 +362,13 @@ def draft_sources(module: torch.nn.Module, pair: ck.Pair) -> dict[str, Source]:
     """Every parameter of an `ExportDraft` -> its checkpoint tensor (the draft's own, or the
     target's embedding / head) and transform."""
     dt = pair.draft_tensors
-    fixed = {"norm.weight": Source(dt["norm.weight"]), **_head_sources(pair, module.tied)}
+    fixed = {"norm.weight": Source(dt["norm.weight"])}
+    if getattr(module, "own_head", False):  # a reduced vocabulary: the draft's head (drafts.py)
+        tt, p = pair.target_tensors, pair.target.prefix
+        fixed["head_t"] = Source(dt["lm_head.weight"], transpose=True)
+        fixed["embed"] = Source(tt[p + "embed_tokens.weight"])
+    else:
+        fixed.update(_head_sources(pair, module.tied))
     out = {}
     for name, _ in module.named_parameters():
         if name in fixed:
