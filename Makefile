@@ -80,9 +80,9 @@ bench: setup
 	$(VENV)/bin/dflash-export --out $(OUT) --quiet
 	$(VENV)/bin/dflash-export --recipe default-dflash2 --out $(D2_OUT) --quiet
 	$(VENV)/bin/dflash-bench $(OUT) --compare $(D2_OUT) --out bench/latest
-	$(VENV)/bin/dflash-export --out $(TREE_OUT) --tree-budgets 16,32,64 --quiet
-	$(VENV)/bin/dflash-export --recipe default-dflash2 --out $(D2_TREE_OUT) --tree-budgets 16,32,64 --quiet
-	$(VENV)/bin/dflash-bench $(TREE_OUT) --compare $(D2_TREE_OUT) --tree-budgets 0,16,32,64,auto \
+	$(VENV)/bin/dflash-export --out $(TREE_OUT) --tree-budgets 16,32,64,128 --quiet
+	$(VENV)/bin/dflash-export --recipe default-dflash2 --out $(D2_TREE_OUT) --tree-budgets 16,32,64,128 --quiet
+	$(VENV)/bin/dflash-bench $(TREE_OUT) --compare $(D2_TREE_OUT) --tree-budgets 0,16,32,64,128,auto \
 		--no-peers --no-profile --repeats 2 --out bench/latest-tree
 
 # Continuous batching: the default pair exported with 8 cache rows (reused if present), DFlash

@@ -118,6 +118,10 @@ DRAFT_SAMPLE_TOP_K = 8
 # B·k small values to the host, never logits)
 DRAFT_TOP_IDS = "draft_top_ids"  # int64 [batch, B − 1, k]
 DRAFT_TOP_LOGPROBS = "draft_top_logprobs"  # float [batch, B − 1, k], descending
+# a DFlash-2 draft with --draft-top-k: its selector's log q of each of row j's first k' candidates
+# after each of row j − 1's (row 0: after the anchor, the same for every i), what a tree's
+# branches are ranked by (docs/DESIGN.md, Tree verification)
+DRAFT_PAIR_LOGPROBS = "draft_pair_logprobs"  # float [batch, B − 1, k', k']
 MAX_DRAFT_TOP_K = 8
 CONFIDENCE_TOPK = 16
 # Structured output (docs/DESIGN.md, Structured output): int32 [batch, seq_len, ceil(V / 32)], the
@@ -455,6 +459,8 @@ class DraftIO:
     q_top_k: int = 0
     # each proposal row's top-k ids and log-probabilities as outputs (0: none)
     top_k: int = 0
+    # a DFlash-2 draft's pairwise log q over its first pair_k candidates (0: none)
+    pair_k: int = 0
 
     @property
     def kv(self) -> list[TensorSpec]:
@@ -506,6 +512,9 @@ class DraftIO:
                 TensorSpec(DRAFT_TOP_IDS, "int64", shape),
                 TensorSpec(DRAFT_TOP_LOGPROBS, "float32", shape),
             ]
+        if self.pair_k:
+            pair = (BATCH, self.block_size - 1, self.pair_k, self.pair_k)
+            out.append(TensorSpec(DRAFT_PAIR_LOGPROBS, "float32", pair))
         if self.emit_logits:
             out.append(TensorSpec(LOGITS, "float32", (BATCH, self.block_size - 1, self.vocab_size)))
         out += [TensorSpec(retained(s.name), s.dtype, s.shape) for s in self.kv]

@@ -473,3 +473,43 @@ def test_projection_reads_tau_per_budget_from_a_tree_bench(tmp_path):
     path.write_text(json.dumps({"temperatures": []}))
     with pytest.raises(ProjectionError, match="no tree budgets measured"):
         tau_from(str(path))
+
+
+def test_build_tree_ranks_branches_by_the_selectors_pairs():
+    """A DFlash-2 draft's pairwise log q: each node's children ordered and scored after the
+    node's own candidate, the root's after the anchor (row 0 of the table)."""
+    rng = np.random.default_rng(5)
+    depth, k = 4, 3
+    ids = np.stack([rng.permutation(30)[:k] for _ in range(depth)])
+    pair = np.log(rng.dirichlet(np.ones(k), size=(depth, k)))  # [depth, k(prev), k]
+    t = host_tree.build_tree(ids, np.zeros((depth, k)), 25, root=1, pair=pair)
+    cand = [0]
+    for r in range(1, len(t.parents)):
+        cand.append(list(ids[t.depths[r] - 1]).index(t.tokens[r]))
+    scores = [0.0]
+    for r in range(1, len(t.parents)):
+        p, d = t.parents[r], t.depths[r]
+        scores.append(scores[p] + pair[d - 1, cand[p] if d > 1 else 0, cand[r]])
+        kids = [c for c in range(len(t.parents)) if t.parents[c] == p]
+        got = [pair[d - 1, cand[p] if d > 1 else 0, cand[c]] for c in kids]
+        assert got == sorted(got, reverse=True)  # siblings in their parent's order
+    assert all(a >= b - 1e-12 for a, b in zip(scores, scores[1:]))
+    np.testing.assert_allclose(t.gains, np.cumsum(np.exp(scores)))
+
+
+def test_dflash2_tree_tokens_equal_hf_greedy(exported):
+    """The DFlash-2 draft returns its selector's pairwise log q for the tree (pair_k); tokens
+    stay Hugging Face greedy, and seeded sampling the target alone's."""
+    pair = {**UNTIED, **dict(block_size=8, vocab_size=24, agree=2.0)}
+    e = exported("qwen3", "dflash2", pair=pair, prefill_seq_len=16, ctx_len=160,
+                 tree_budgets=BUDGETS)  # fmt: skip
+    pipe = e.load()
+    io = pipe.artifacts.draft.io
+    assert io.top_k == contract.MAX_DRAFT_TOP_K and 0 < io.pair_k <= io.top_k  # the selector's k
+    ids = [int(x) % 24 for x in prompt(11, 8)]
+    want = hf_greedy(e.model(), ids, 36)
+    for budget in (16, None):
+        pipe.configure(tree_budget=budget)
+        assert pipe.generate(ids, max_new_tokens=36, stop_token_ids=[]).tokens == want
+    alone = pipe.generate_baseline(ids, 24, temperature=1.0, seed=3, stop_token_ids=[])
+    assert pipe.generate(ids, 24, temperature=1.0, seed=3, stop_token_ids=[]).tokens == alone.tokens

@@ -272,6 +272,7 @@ class ProgramRecord:
         rings = io.pop("ring_slots", ())  # a draft with ring caches only (b16: absent)
         q_top_k = io.pop("q_top_k", 0)  # a DFlash-2 draft exported for sampling only
         top_k = io.pop("top_k", 0)  # a draft exported with --draft-top-k only
+        pair_k = io.pop("pair_k", 0)  # a DFlash-2 draft exported with --draft-top-k only
         draft_q = io.pop("draft_q", ())  # a target verifying with a DFlash-2 draft's q only
         bitmask = io.pop("token_bitmask", False)  # a target exported for structured output only
         rule = io.pop("verify_rule", contract.CHAIN)  # a target exported with block verify only
@@ -282,6 +283,7 @@ class ProgramRecord:
             **({"ring_slots": list(rings)} if rings else {}),
             **({"q_top_k": q_top_k} if q_top_k else {}),
             **({"top_k": top_k} if top_k else {}),
+            **({"pair_k": pair_k} if pair_k else {}),
             **({"draft_q": list(draft_q)} if draft_q else {}),
             **({"token_bitmask": True} if bitmask else {}),
             **({"verify_rule": rule} if rule != contract.CHAIN else {}),
@@ -344,6 +346,7 @@ class ProgramRecord:
                 ring_slots=c.ints("ring_slots", 0, 1 << 22, default=[]),
                 q_top_k=c.int("q_top_k", 0, 1 << 24, default=0),
                 top_k=c.int("top_k", 0, contract.MAX_DRAFT_TOP_K, default=0),
+                pair_k=c.int("pair_k", 0, contract.MAX_DRAFT_TOP_K, default=0),
             )
         for which, specs in (("inputs", io.inputs), ("outputs", io.outputs)):
             want = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]
@@ -356,6 +359,7 @@ class ProgramRecord:
         )
         known |= {"linear_layers", "state_dims", "draft_q", "token_bitmask", "verify_rule"}
         known |= {"confidence", "ring_slots", "q_top_k", "top_k", "inputs", "outputs", "qpc"}
+        known |= {"pair_k"}
         known |= PLAN_COPIES
         return cls(
             io=io,

@@ -36,6 +36,7 @@ from dflash_qaic.contract import (
     COMP_CTX_LENGTHS,
     CONFIDENCE_TOPK,
     DRAFT_CONFIDENCE,
+    DRAFT_PAIR_LOGPROBS,
     DRAFT_Q_IDS,
     DRAFT_Q_PROBS,
     DRAFT_RANDOM_U,
@@ -164,7 +165,11 @@ class DraftAttention(nn.Module):
         else:  # training below fp32: the softmax in fp32
             probs = scores.float().softmax(dim=-1).to(scores.dtype)
         n = ctx_k.shape[2]
-        out = probs[..., :n] @ ctx_v + probs[..., n : n + B] @ blk_v  # [b, kvh, g*B, hd]
+        ctx = probs[..., :n] @ ctx_v
+        # the block's columns (before the sink's, when there is one: without, the plain slice
+        # keeps a sink-less draft's graph as it was)
+        blk = probs[..., n:] if self.attention_sink_bias is None else probs[..., n : n + B]
+        out = ctx + blk @ blk_v  # [b, kvh, g*B, hd]
         out = out.reshape(b, nh, B, hd).transpose(1, 2).reshape(b, B, nh * hd)
         return self.o_proj(out)
 
@@ -270,19 +275,9 @@ class CandidateSelector(nn.Module):
         self.predecessor_codebook = nn.Embedding(V, r)
         self.successor_codebook = nn.Embedding(V, r)
 
-    def forward(self, hidden, logits, anchor, temperature=None, random_u=None):
-        """hidden [b, n, H] (normed draft rows 1 … B−1), logits [b, n, V], anchor [b] ->
-        the greedy path [b, n]. With temperature [b] and random_u [b, n] (uniforms in [0, 1)):
-        rows of temperature > 0 draw each step from q = softmax(scores / T) (the inverse CDF
-        over the k candidates), the others take the argmax (q one-hot there); returns
-        (path [b, n], candidates [b, n, k], q [b, n, k]).
-
-        The walk is sequential only through the chosen index: every row's scores for every
-        predecessor among the previous row's candidates are one batched product, so is the
-        choice each predecessor leads to (argmax, or the draw with that row's uniform); the walk
-        itself composes those choices (`walk`): few graph nodes, each of which costs a fixed
-        time on a device."""
-        k = min(self.top_k, int(logits.shape[-1]))  # a plain int: static dims in the graph
+    def scores(self, hidden, logits, anchor, k: int):
+        """(cand [b, n, k]: each row's k most likely ids, scores [b, n, k(prev), k]: each
+        candidate's score after each of the previous row's, row 0's after the anchor)."""
         unary, cand = logits.topk(k, dim=-1)  # [b, n, k]
         proj = self.hidden_projection(hidden)  # [b, n, r]
         succ = self.successor_codebook(cand)  # [b, n, k, r]
@@ -297,6 +292,27 @@ class CandidateSelector(nn.Module):
         )  # [b, n, k, r] (row 0: k copies of the anchor's)
         query = pred * proj[:, :, None, :]  # [b, n, k, r]
         scores = unary[:, :, None, :] + query @ succ.transpose(-1, -2)  # [b, n, k(prev), k]
+        return cand, scores
+
+    def pair_logprobs(self, hidden, logits, anchor, k: int):
+        """log q of each of a row's first k candidates after each of the previous row's
+        [b, n, k, k] (contract.DRAFT_PAIR_LOGPROBS; fp16-safe: log_softmax subtracts the max)."""
+        return self.scores(hidden, logits, anchor, k)[1].log_softmax(-1)
+
+    def forward(self, hidden, logits, anchor, temperature=None, random_u=None):
+        """hidden [b, n, H] (normed draft rows 1 … B−1), logits [b, n, V], anchor [b] ->
+        the greedy path [b, n]. With temperature [b] and random_u [b, n] (uniforms in [0, 1)):
+        rows of temperature > 0 draw each step from q = softmax(scores / T) (the inverse CDF
+        over the k candidates), the others take the argmax (q one-hot there); returns
+        (path [b, n], candidates [b, n, k], q [b, n, k]).
+
+        The walk is sequential only through the chosen index: every row's scores for every
+        predecessor among the previous row's candidates are one batched product, so is the
+        choice each predecessor leads to (argmax, or the draw with that row's uniform); the walk
+        itself composes those choices (`walk`): few graph nodes, each of which costs a fixed
+        time on a device."""
+        k = min(self.top_k, int(logits.shape[-1]))  # a plain int: static dims in the graph
+        cand, scores = self.scores(hidden, logits, anchor, k)  # [b, n, k], [b, n, k(prev), k]
         choice = scores.argmax(-1)  # [b, n, k]: the greedy candidate after each predecessor
         sampling = temperature is not None
         if sampling:
@@ -484,6 +500,7 @@ class ExportDraft(nn.Module):
     q_top_k = 0
     #: top-k ids and log-probabilities returned per proposal row (set by the exporter; 0: none)
     top_k = 0
+    pair_k = 0  # a DFlash-2 draft with top_k: its selector's pairwise log q (contract.py)
 
     def __init__(
         self,
@@ -612,6 +629,11 @@ class ExportDraft(nn.Module):
             conf = 1.0 / torch.exp(top - top[..., :1]).sum(-1)  # [b, B−1]
         if self.top_k:  # the tree's candidates: top-k ids and log-probabilities
             q[DRAFT_TOP_IDS], q[DRAFT_TOP_LOGPROBS] = top_logprobs(logits, self.top_k)
+            if self.pair_k:  # DFlash-2: its selector ranks each branch after its parent
+                anchor = input_ids[:, 0]
+                q[DRAFT_PAIR_LOGPROBS] = self.candidate_selector.pair_logprobs(
+                    hidden, logits, anchor, self.pair_k
+                )
         if self.vocab_map is not None:  # a reduced vocabulary: every id out is a target id
             draft_tokens = self.vocab_map[draft_tokens]
             for name in (DRAFT_Q_IDS, DRAFT_TOP_IDS):

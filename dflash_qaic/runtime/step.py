@@ -95,6 +95,7 @@ class SlotState:
         # (contract.DRAFT_TOP_IDS / DRAFT_TOP_LOGPROBS), what a tree verifier builds from
         self.top_ids: np.ndarray | None = None
         self.top_logprobs: np.ndarray | None = None
+        self.top_pair: np.ndarray | None = None  # a DFlash-2 draft's (DRAFT_PAIR_LOGPROBS)
 
     def keep_q(self, out: dict, rows) -> None:
         """Store the q (and top-k) a draft call returned for `rows` (allocated at the first)."""
@@ -106,6 +107,11 @@ class SlotState:
                 self.top_logprobs = np.zeros((n, *top.shape[1:]), np.float32)
             self.top_ids[rows] = top
             self.top_logprobs[rows] = out[contract.DRAFT_TOP_LOGPROBS]
+            pair = out.get(contract.DRAFT_PAIR_LOGPROBS)
+            if pair is not None:
+                if self.top_pair is None:
+                    self.top_pair = np.zeros((len(self.alive), *pair.shape[1:]), np.float32)
+                self.top_pair[rows] = pair
         ids = out.get(contract.DRAFT_Q_IDS)
         if ids is None:
             return

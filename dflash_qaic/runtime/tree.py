@@ -36,24 +36,49 @@ class Tree:
     gains: np.ndarray  # [rows]: expected committed tokens of the tree of the first i + 1 rows
 
 
-def build_tree(top_ids: np.ndarray, top_logprobs: np.ndarray, size: int, root: int) -> Tree:
+def build_tree(
+    top_ids: np.ndarray,
+    top_logprobs: np.ndarray,
+    size: int,
+    root: int,
+    pair: np.ndarray | None = None,
+) -> Tree:
     """The best-first tree of at most `size` rows over the draft's top-k per depth: top_ids,
-    top_logprobs [B − 1, k] (row d − 1: the candidates for depth d, most likely first)."""
-    ids, lp = top_ids.tolist(), top_logprobs.tolist()
-    depth_max, k = len(ids), len(ids[0])
-    parents, depths, tokens, scores = [-1], [0], [root], [0.0]
-    heap = [(-lp[0][0], 1, 0, 0)] if depth_max and size > 1 else []  # (−score, depth, rank, parent)
+    top_logprobs [B − 1, k] (row d − 1: the candidates for depth d, most likely first).
+    pair [B − 1, k', k'] (a DFlash-2 draft's, contract.DRAFT_PAIR_LOGPROBS): a node's children
+    are its depth's first k' candidates, ranked and scored by their log q after the node's own
+    candidate (the root's: after the anchor) instead of by their marginal."""
+    ids = top_ids.tolist()
+    depth_max = len(ids)
+    if pair is None:  # every parent ranks its children alike: the marginal order
+        k = len(ids[0])
+        lp = [[row] for row in top_logprobs.tolist()]  # [d][0][rank]
+        order = [[list(range(k))] for _ in range(depth_max)]
+        same = True
+    else:
+        k = pair.shape[-1]
+        order_np = np.argsort(-pair, axis=-1, kind="stable")  # [B − 1, k, k]: ranks per parent
+        lp = np.take_along_axis(pair, order_np, -1).tolist()  # [d][parent's candidate][rank]
+        order = order_np.tolist()
+        same = False
+    # a node: its row, its candidate index at its depth (its children's conditional); heap
+    # entries (−score, depth, rank, parent row)
+    parents, depths, tokens, scores, cands = [-1], [0], [root], [0.0], [0]
+    heap = [(-lp[0][0][0], 1, 0, 0)] if depth_max and size > 1 else []
     while heap and len(parents) < size:
         neg, d, r, p = heapq.heappop(heap)
+        pc = 0 if same else cands[p]
+        c = order[d - 1][pc][r]
         row = len(parents)
         parents.append(p)
         depths.append(d)
-        tokens.append(ids[d - 1][r])
+        tokens.append(ids[d - 1][c])
         scores.append(-neg)
+        cands.append(c)
         if r + 1 < k:  # the next sibling
-            heapq.heappush(heap, (-(scores[p] + lp[d - 1][r + 1]), d, r + 1, p))
+            heapq.heappush(heap, (-(scores[p] + lp[d - 1][pc][r + 1]), d, r + 1, p))
         if d < depth_max:  # the first child
-            heapq.heappush(heap, (neg - lp[d][0], d + 1, 0, row))
+            heapq.heappush(heap, (neg - lp[d][0 if same else c][0], d + 1, 0, row))
     return Tree(parents, depths, tokens, np.cumsum(np.exp(scores)))
 
 
@@ -83,7 +108,13 @@ class TreeVerifier(ChainVerifier):
             r = seq.slot
             room = s.max_pos - int(st.start[r])  # rows whose positions and slots stay below
             size = min(self.sizes[-1], room)
-            trees[r] = build_tree(st.top_ids[r], st.top_logprobs[r], size, int(st.anchor[r]))
+            # a DFlash-2 draft's selector ranks a sampled row's branches (its q predicts a
+            # draw); a greedy row's by the marginals, which predict the argmax better
+            # (docs/DESIGN.md, Tree verification)
+            sampled = st.top_pair is not None and seq.uniforms is not None
+            pair = st.top_pair[r] if sampled else None
+            tree = build_tree(st.top_ids[r], st.top_logprobs[r], size, int(st.anchor[r]), pair)
+            trees[r] = tree
         n = self.size(trees)
         c = s.bufs.verify[n]  # ids, pos [N, n]; tree [N, n, n]
         c.pos.fill(contract.PAD_POSITION)  # rows without a sequence, and past each tree
