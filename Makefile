@@ -9,6 +9,8 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 OUT    ?= artifacts/default
 D2_OUT ?= artifacts/default-dflash2
 CB_OUT ?= artifacts/default-cb8
+TREE_OUT ?= artifacts/default-tree
+D2_TREE_OUT ?= artifacts/default-dflash2-tree
 
 .PHONY: setup setup-vllm test test-slow lint format demo bench bench-batch clean
 
@@ -72,11 +74,16 @@ demo: setup
 
 # The benchmark runs on the default pair's artifacts and, with --compare, on the same target with
 # its DFlash-2 draft (both exported here if missing; reused if not), and writes bench/latest/
-# (untracked): report.md, report.png, results.json.
+# (untracked): report.md, report.png, results.json; then both drafts' tree programs at each tree
+# budget (0: chains on the tree program), into bench/latest-tree/.
 bench: setup
 	$(VENV)/bin/dflash-export --out $(OUT) --quiet
 	$(VENV)/bin/dflash-export --recipe default-dflash2 --out $(D2_OUT) --quiet
 	$(VENV)/bin/dflash-bench $(OUT) --compare $(D2_OUT) --out bench/latest
+	$(VENV)/bin/dflash-export --out $(TREE_OUT) --tree-budgets 16,32,64,128 --quiet
+	$(VENV)/bin/dflash-export --recipe default-dflash2 --out $(D2_TREE_OUT) --tree-budgets 16,32,64,128 --quiet
+	$(VENV)/bin/dflash-bench $(TREE_OUT) --compare $(D2_TREE_OUT) --tree-budgets 0,16,32,64,128,auto \
+		--no-peers --no-profile --repeats 2 --out bench/latest-tree
 
 # Continuous batching: the default pair exported with 8 cache rows (reused if present), DFlash
 # against the target alone at 1, 2, 4 and 8 concurrent requests; writes bench/latest-batch/.

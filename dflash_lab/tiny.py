@@ -9,6 +9,8 @@
 
     dflash-make-tiny-pair OUT --family qwen3_moe       # 8 experts, top-2, layer 1 dense
     dflash-make-tiny-pair OUT --preset qwen3-30b-a3b   # Qwen3-30B-A3B layers (4 of them), bf16
+    dflash-make-tiny-pair OUT --family gpt_oss         # MXFP4 experts, sinks, sliding + full
+    dflash-make-tiny-pair OUT --preset gpt-oss-20b --target-layers 4   # its first 4 layers
 
 `OUT/target` is a Hugging Face directory (config.json + model.safetensors, or shards
 model-0000i-of-0000n.safetensors with model.safetensors.index.json), `OUT/draft` a DFlash draft
@@ -100,6 +102,15 @@ class TinySpec:
     # family "qwen3_5_moe": the hybrid with every MLP a MoE block (num_experts, top-k,
     # moe_intermediate_size above) plus a gated shared expert of this size
     shared_expert_intermediate_size: int = 48
+    # family "gpt_oss": the target's sliding window (its layers alternate sliding and full; the
+    # experts num_experts × moe_intermediate_size, MXFP4 on disk), and the draft's q/k/v/o
+    # biases (`attention_bias`, as the published gpt-oss drafts have)
+    target_sliding_window: int = 8
+    attention_bias: bool = False
+    # family "gemma4" real shapes (None: the tiny ones, kind_checkpoints.gemma4_tiny_config):
+    # the full layers' head size and KV heads (V = K there); the window: target_sliding_window
+    global_head_dim: int | None = None
+    num_global_kv_heads: int | None = None
 
 
 # Published shapes (Qwen3-0.6B / Qwen3-4B and z-lab's 5-layer b16 drafts for them): bf16, the
@@ -166,6 +177,57 @@ PRESETS: dict[str, dict] = {
         tie_word_embeddings=False,
         shards=3,
     ),
+    # Gemma 4 31B-it's text model in its published form (Gemma4ForConditionalGeneration, text
+    # tensors under model.language_model.*, bf16, sharded, tied head; REFERENCE facts in
+    # docs/DESIGN.md, Layer kinds): 60 layers, 5 sliding : 1 full, the last full; a Qwen3-shaped
+    # draft of the sliding layers' attention shape with Gemma's √H input scale and soft-cap 30.
+    # `--num-layers N` keeps the first N layers (the pattern, the last made full)
+    "gemma-4-31b": dict(
+        family="gemma4",
+        hidden_size=5376,
+        target_layers=60,
+        intermediate_size=21504,
+        num_heads=32,
+        num_kv_heads=16,
+        head_dim=256,
+        global_head_dim=512,
+        num_global_kv_heads=4,
+        target_sliding_window=512,
+        vocab_size=262144,
+        mask_token_id=4,
+        multimodal=True,
+        shards=4,
+        max_position_embeddings=262144,
+        rope_theta=1000000.0,
+        input_embedding_scale=5376**0.5,
+        final_logit_softcapping=30.0,
+    ),
+    # gpt-oss-20b: 24 layers of H 2880, 32 experts of 2880 (top-4) in MXFP4, alternating
+    # sliding (128) and full attention, untied head, vocabulary 201,088; its DFlash draft as
+    # z-lab's (block 8, mask token 200000, target layers 1, 6, 11, 16, 21, attention biases).
+    # `--target-layers N` keeps the first N layers (the layers that fit).
+    "gpt-oss-20b": dict(
+        family="gpt_oss",
+        hidden_size=2880,
+        target_layers=24,
+        draft_layers=5,
+        intermediate_size=7680,  # the draft's MLP (the target's experts: moe_intermediate_size)
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=64,
+        num_experts=32,
+        num_experts_per_tok=4,
+        moe_intermediate_size=2880,
+        target_sliding_window=128,
+        attention_bias=True,
+        vocab_size=201088,
+        mask_token_id=200000,
+        block_size=8,
+        tie_word_embeddings=False,
+        rope_theta=150000.0,
+        max_position_embeddings=131072,
+        shards=3,
+    ),
 }
 _PRESET_COMMON = dict(
     family="qwen3",
@@ -186,8 +248,13 @@ def preset_spec(name: str, **overrides) -> TinySpec:
         raise ValueError(f"unknown preset {name!r}: choose from {', '.join(PRESETS)}")
     kw = {**_PRESET_COMMON, **PRESETS[name], **overrides}
     kw.setdefault("target_layer_ids", None)
-    if kw["target_layer_ids"] is None:
-        kw["target_layer_ids"] = default_target_layer_ids(kw["target_layers"], kw["draft_layers"])
+    if kw["target_layer_ids"] is None and kw["family"] == "gpt_oss":  # z-lab's gpt-oss draft:
+        L = kw["target_layers"]  # layers 1, 6, …, 21 (those of a shortened target that exist)
+        ids = [i for i in range(1, min(L, 24), 5)] or [0]
+        kw["target_layer_ids"] = ids
+    if kw["target_layer_ids"] is None:  # the default rule; spread by _layer_ids when it repeats
+        ids = default_target_layer_ids(kw["target_layers"], kw["draft_layers"])
+        kw["target_layer_ids"] = ids if len(set(ids)) == len(ids) else None
     return TinySpec(**kw)
 
 
@@ -283,7 +350,7 @@ def draft_config_dict(s: TinySpec) -> dict:
         "rms_norm_eps": 1e-6,
         "rope_theta": s.rope_theta,  # the published drafts' (pre-5.x) spelling
         "max_position_embeddings": s.max_position_embeddings,
-        "attention_bias": False,
+        "attention_bias": s.attention_bias,
         "tie_word_embeddings": False,
         "num_target_layers": s.target_layers,
         "block_size": s.block_size,
@@ -340,6 +407,13 @@ def random_draft_state(s: TinySpec, gen: torch.Generator) -> dict[str, torch.Ten
                 state[p + f"{conv}.kernel_projection.weight"] = w(
                     2 * s.conv_kernel_size * groups, H, scale=0.3 * H**-0.5
                 )
+    if s.attention_bias:  # q/k/v/o biases (the published gpt-oss drafts')
+        for i in range(s.draft_layers):
+            p = f"layers.{i}.self_attn."
+            for proj, n in zip(
+                "qkvo", (s.num_heads * hd, s.num_kv_heads * hd, s.num_kv_heads * hd, H)
+            ):
+                state[p + f"{proj}_proj.bias"] = 0.1 * torch.randn(n, generator=gen)
     if s.draft_form == "dflash2":  # codebooks without `.weight`, as the reference's loader
         r = s.selector_rank  # maps them; pair scores of the size of logit gaps
         state["candidate_selector.hidden_projection.weight"] = w(r, H)
@@ -394,6 +468,12 @@ def make_tiny_pair(
     ddir.mkdir(parents=True, exist_ok=True)
     if families.get(s.family).hybrid and not preset:
         _make_hybrid(s, tdir, ddir)
+        return tdir, ddir
+    if s.family == "gpt_oss" and not preset:
+        from dflash_lab.tiny_writer import make_gpt_oss
+
+        make_gpt_oss(s, tdir, ddir, _target_config(s), random_draft_state)
+        (ddir / "config.json").write_text(json.dumps(draft_config_dict(s), indent=2) + "\n")
         return tdir, ddir
     if preset or s.dtype != "float32" or s.shards > 1 or s.fused_experts:
         if s.draft_form != "dflash":
@@ -483,6 +563,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--untied", action="store_true", help="untie the target's lm_head")
     p.add_argument("--agree", type=float, default=0.0, help="bias toward agreement (see docs)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--num-layers",
+        type=int,
+        dest="target_layers",
+        help="--preset gemma-4-31b: keep the first N target layers (5 sliding : 1 full, the "
+        "last full), e.g. 6 for the layers that fit",
+    )
     d = p.add_argument_group("newer draft forms")
     d.add_argument(
         "--layer-types",

@@ -130,10 +130,122 @@ def _hybrid_layout(s) -> list[tuple[str, tuple, str]]:
     return out
 
 
+def _gemma4_layout(s) -> list[tuple[str, tuple, str]]:
+    """A Gemma 4 target (tiny.py's gemma4 family, e.g. --preset gemma-4-31b): every tensor its
+    program reads (kind_checkpoints.gemma4_shapes), in the published form when s.multimodal
+    (text tensors under model.language_model.*; the towers, which no program reads, left out).
+    Norms and layer scalars near 1 (Gemma's RMSNorm is x̂·w)."""
+    from dflash_qaic.kind_checkpoints import gemma4_shapes
+
+    cfg = families.get(s.family).tiny_config(s)
+    text = getattr(cfg, "text_config", cfg).to_dict()
+    prefix = "model.language_model." if s.multimodal else "model."
+    out = []
+    for name, shape in gemma4_shapes(text, prefix, s.tie_word_embeddings).items():
+        if name.endswith("embed_tokens.weight"):
+            kind = "embed"
+        elif name.endswith(("norm.weight", "layer_scalar", "router.scale")) or len(shape) == 1:
+            kind = "norm"
+        else:
+            kind = "experts" if len(shape) == 3 else "linear"
+        out.append((name, tuple(shape), kind))
+    return out
+
+
+def _gpt_oss_layout(s) -> list[tuple[str, tuple, str]]:
+    """A gpt-oss target in its published form: experts MXFP4 (`…_blocks` / `…_scales`, uint8),
+    everything else in s.dtype (families/gpt_oss.py)."""
+    V, H, hd, E = s.vocab_size, s.hidden_size, s.head_dim, s.num_experts
+    q, kv, inter, g = s.num_heads * hd, s.num_kv_heads * hd, s.moe_intermediate_size, 32
+    out = [("model.embed_tokens.weight", (V, H), "embed")]
+    for i in range(s.target_layers):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (H,), "norm")]
+        for proj, n, k in (("q", q, H), ("k", kv, H), ("v", kv, H), ("o", H, q)):
+            out += [(p + f"self_attn.{proj}_proj.weight", (n, k), "linear")]
+            out += [(p + f"self_attn.{proj}_proj.bias", (n,), "bias")]
+        out += [(p + "self_attn.sinks", (s.num_heads,), "bias")]
+        out += [(p + "post_attention_layernorm.weight", (H,), "norm")]
+        out += [(p + "mlp.router.weight", (E, H), "linear"), (p + "mlp.router.bias", (E,), "bias")]
+        for proj, rows, cols in (("gate_up", 2 * inter, H), ("down", H, inter)):
+            x = p + f"mlp.experts.{proj}_proj"
+            out += [(x + "_blocks", (E, rows, cols // g, g // 2), "blocks")]
+            out += [(x + "_scales", (E, rows, cols // g), "scales")]
+            out += [(x + "_bias", (E, rows), "bias")]
+    out += [("model.norm.weight", (H,), "norm"), ("lm_head.weight", (V, H), "linear")]
+    return out
+
+
+# MXFP4 (dflash_qaic/mxfp4.py): uniform random E2M1 codes have an RMS of about 2.93; the block
+# scale 2^(s − 127) then gives the values about the N(0, 1/in) of a Linear weight, ± 1 octave
+E2M1_RMS = 2.93
+MX_KINDS = ("blocks", "scales")
+
+
+def mxfp4_exponent(cols: int) -> int:
+    """The E8M0 exponent whose block values have about cols^-½ RMS."""
+    return 127 + round(math.log2(cols**-0.5 / E2M1_RMS))
+
+
+def random_mxfp4(E: int, rows: int, cols: int, gen: torch.Generator):
+    """(blocks uint8 [E, rows, cols/32, 16], scales uint8 [E, rows, cols/32]) of random
+    N(0, 1/cols)-like expert weights [E, rows, cols]."""
+    G = cols // 32
+    blocks = torch.randint(0, 256, (E, rows, G, 16), dtype=torch.uint8, generator=gen)
+    scales = mxfp4_exponent(cols) + torch.randint(-1, 2, (E, rows, G), generator=gen)
+    return blocks, scales.to(torch.uint8)
+
+
+def make_gpt_oss(s, tdir: Path, ddir: Path, cfg, draft_state) -> None:
+    """A tiny gpt-oss pair in memory, in the published on-disk form: the experts drawn as MXFP4
+    codes and scales (so the model is exactly what the checkpoint dequantizes to), written as
+    `…_blocks` / `…_scales` beside the other tensors in s.dtype; `quantization_config` mxfp4."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from dflash_qaic.mxfp4 import dequantize
+
+    torch.manual_seed(s.seed)
+    gen = torch.Generator().manual_seed(s.seed + 1)
+    target = AutoModelForCausalLM.from_config(cfg).float().eval()  # experts unquantized
+    packed = {}
+    with torch.no_grad():
+        for name, p in target.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(("bias", "sinks")):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                E, cols, rows = p.shape  # Hugging Face holds [E, in, out]
+                packed[name] = random_mxfp4(E, rows, cols, gen)
+                p.copy_(dequantize(*packed[name]).transpose(1, 2))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+        emb = target.get_input_embeddings().weight
+        emb.mul_(4.0)
+        if s.agree > 0:  # as tiny.py's default writer
+            emb[:, 0] = 4.0
+            head = target.get_output_embeddings().weight
+            head[0, 0] += s.agree * head.norm(dim=1).mean()
+    dtype = DTYPES[s.dtype][1]
+    state = {k: v.to(dtype).contiguous() for k, v in target.state_dict().items() if k not in packed}
+    for name, (blocks, scales) in packed.items():
+        state[name + "_blocks"], state[name + "_scales"] = blocks, scales
+    cfg.architectures, cfg.dtype = ["GptOssForCausalLM"], s.dtype
+    cfg.save_pretrained(tdir)
+    save_file(state, str(tdir / "model.safetensors"), metadata={"format": "pt"})
+    draft = {k: v.to(dtype) for k, v in draft_state(s, gen).items()}
+    save_file(draft, str(ddir / "model.safetensors"), metadata={"format": "pt"})
+
+
 def target_layout(s) -> list[tuple[str, tuple, str]]:
     """(name, shape, kind) of every tensor of the target checkpoint, in Hugging Face's order."""
     if s.family == "qwen3_5":
         return _hybrid_layout(s)
+    if s.family in ("gemma4", "gemma4_moe"):
+        return _gemma4_layout(s)
+    if s.family == "gpt_oss":
+        return _gpt_oss_layout(s)
     V, H = s.vocab_size, s.hidden_size
     out = [("model.embed_tokens.weight", (V, H), "embed")]
     family = families.get(s.family)
@@ -157,10 +269,26 @@ def draft_layout(s) -> list[tuple[str, tuple, str]]:
     ]
     for i in range(s.draft_layers):
         out += _layer_tensors(f"layers.{i}.", s)
+        if getattr(s, "attention_bias", False):  # the published gpt-oss drafts' q/k/v/o biases
+            hd, p = s.head_dim, f"layers.{i}.self_attn."
+            sizes = (s.num_heads * hd, s.num_kv_heads * hd, s.num_kv_heads * hd, H)
+            out += [(p + f"{x}_proj.bias", (n,), "bias") for x, n in zip("qkvo", sizes)]
     return out
 
 
 def _blocks(shape: tuple, kind: str, gen: torch.Generator):
+    if kind in MX_KINDS:  # MXFP4 codes [E, R, G, 16] or scales [E, R, G], uint8, by rows
+        rows = math.prod(shape[:2])
+        cols = math.prod(shape[2:])
+        step = max(1, BLOCK_ELEMS // cols)
+        for r0 in range(0, rows, step):
+            n = (min(step, rows - r0), cols)
+            if kind == "blocks":
+                yield torch.randint(0, 256, n, dtype=torch.uint8, generator=gen)
+            else:  # the block exponents of N(0, 1/in)-like values, in = 32 · G
+                e = mxfp4_exponent(32 * shape[2]) + torch.randint(-1, 2, n, generator=gen)
+                yield e.to(torch.uint8)
+        return
     if kind == "experts":  # stacked [E, out, in] matrices: each an N(0, 1/in) Linear weight
         for _ in range(shape[0]):
             yield from _blocks(shape[1:], "linear", gen)
@@ -171,6 +299,8 @@ def _blocks(shape: tuple, kind: str, gen: torch.Generator):
         x = torch.randn(min(step, rows - r0), cols, generator=gen)
         if kind == "norm":
             yield 1.0 + 0.1 * x
+        elif kind == "bias":
+            yield 0.1 * x
         elif kind == "znorm":  # zero-centred norm weights: the scale is 1 + w
             yield 0.1 * x
         elif kind == "alog":  # log A with A in about [1, 16], as Hugging Face initialises it
@@ -181,10 +311,10 @@ def _blocks(shape: tuple, kind: str, gen: torch.Generator):
 
 def write_safetensors(path: Path, layout, dtype: str, gen: torch.Generator, bar=None) -> int:
     """Write one safetensors file of random tensors; returns its data bytes."""
-    code, tdtype = DTYPES[dtype]
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for name, shape, _ in layout:
+    for name, shape, kind in layout:
+        code, tdtype = ("U8", torch.uint8) if kind in MX_KINDS else DTYPES[dtype]
         n = math.prod(shape) * tdtype.itemsize
         header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
@@ -193,6 +323,7 @@ def write_safetensors(path: Path, layout, dtype: str, gen: torch.Generator, bar=
     with open(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little") + raw)
         for _, shape, kind in layout:
+            tdtype = torch.uint8 if kind in MX_KINDS else DTYPES[dtype][1]
             for block in _blocks(shape, kind, gen):
                 data = block.to(tdtype).contiguous()
                 f.write(memoryview(data.view(torch.uint8).numpy()))
@@ -220,11 +351,14 @@ def write_pair_streamed(s, tdir: Path, ddir: Path, target_config) -> None:
     gen = torch.Generator().manual_seed(s.seed + 1)
     itemsize = DTYPES[s.dtype][1].itemsize
     t_layout, d_layout = target_layout(s), draft_layout(s)
-    total = sum(math.prod(sh) * itemsize for _, sh, _ in t_layout + d_layout)
+    total = sum(math.prod(sh) * (1 if k in MX_KINDS else itemsize) for _, sh, k in t_layout)
+    total += sum(math.prod(sh) * itemsize for _, sh, _ in d_layout)
     bar = tqdm(total=total, desc="writing random pair", unit="B", unit_scale=True, leave=False)
     target_config.dtype = s.dtype
     if getattr(s, "multimodal", False):
         target_config.architectures = ["Qwen3_5ForConditionalGeneration"]
+        if s.family in ("gemma4", "gemma4_moe"):  # the published Gemma 4 form
+            target_config.architectures = ["Gemma4ForConditionalGeneration"]
     target_config.save_pretrained(tdir)
     shards = _shard(t_layout, s.shards, itemsize) if s.shards > 1 else [t_layout]
     if len(shards) == 1:

@@ -176,10 +176,16 @@ def load_target_model(t: TargetConfig | str | Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     path = t.path if isinstance(t, TargetConfig) else Path(t)
+    quant = (read_config(path, "target").get("quantization_config") or {}).get("quant_method")
+    extra = {}
+    if quant == "mxfp4":  # gpt-oss's MXFP4 experts, dequantized on load (exact: mxfp4.py)
+        from transformers import Mxfp4Config
+
+        extra["quantization_config"] = Mxfp4Config(dequantize=True)
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, local_files_only=True, attn_implementation="eager"
+        path, dtype=torch.float32, local_files_only=True, attn_implementation="eager", **extra
     )
-    return model.eval()
+    return model.float().eval()
 
 
 def load_draft_state(d: DraftConfig) -> dict[str, torch.Tensor]:

@@ -82,10 +82,21 @@ NUM_COMMITTED = "num_committed"
 # and its slot is its position, so neither needs an input; every program exported so far is a
 # chain. BLOCK: the same rows, but the program decides the accepted count jointly over the
 # block (Sun et al. 2024) and returns it as NUM_ACCEPTED int64 [batch].
+# TREE: the rows are a tree's nodes (docs/DESIGN.md, Tree verification): row r sits at position
+# start + depth (start: row 0's, the root's), sees the committed prefix (slots < start) and the
+# rows TREE_MASK marks (its ancestors and itself); the program picks a token at every node
+# (argmax, or a plain sample of p), accepts the path that follows those choices from the root,
+# writes the path's K/V into slots start … start + accepted and returns next_tokens and
+# hidden_states in path order (row d: the accepted node at depth d; past the path, row d
+# itself), and NUM_ACCEPTED. A chain is the tree whose mask is lower-triangular, a prefill
+# chunk too, so a tree program takes every call through the same rule.
 CHAIN = "chain"
 BLOCK = "block"
-VERIFY_RULES = (CHAIN, BLOCK)
+TREE = "tree"
+VERIFY_RULES = (CHAIN, BLOCK, TREE)
 NUM_ACCEPTED = "num_accepted"
+TREE_MASK = "tree_mask"  # int32 [batch, seq_len, seq_len]: 1 where row r sees row c of the call
+MAX_TREE_BUDGET = 128  # rows of a tree verify (TensorRT-Edge-LLM's bound)
 # Draft inputs / outputs.
 TARGET_HIDDEN = "target_hidden"
 POSITION_IDS_TARGET = "position_ids_target"
@@ -107,6 +118,10 @@ DRAFT_SAMPLE_TOP_K = 8
 # B·k small values to the host, never logits)
 DRAFT_TOP_IDS = "draft_top_ids"  # int64 [batch, B − 1, k]
 DRAFT_TOP_LOGPROBS = "draft_top_logprobs"  # float [batch, B − 1, k], descending
+# a DFlash-2 draft with --draft-top-k: its selector's log q of each of row j's first k' candidates
+# after each of row j − 1's (row 0: after the anchor, the same for every i), what a tree's
+# branches are ranked by (docs/DESIGN.md, Tree verification)
+DRAFT_PAIR_LOGPROBS = "draft_pair_logprobs"  # float [batch, B − 1, k', k']
 MAX_DRAFT_TOP_K = 8
 CONFIDENCE_TOPK = 16
 # Structured output (docs/DESIGN.md, Structured output): int32 [batch, seq_len, ceil(V / 32)], the
@@ -320,6 +335,11 @@ class TargetIO:
         return self.sampling and self.verify_rule == BLOCK
 
     @property
+    def tree(self) -> bool:
+        """Tree verification (TREE): takes TREE_MASK, returns NUM_ACCEPTED and path order."""
+        return self.verify_rule == TREE
+
+    @property
     def kv(self) -> list[TensorSpec]:
         """Every retained buffer (KV caches, and a hybrid's states and conv windows)."""
         if self.hybrid:
@@ -350,6 +370,7 @@ class TargetIO:
             *(sampling_specs() if self.sampling else ()),
             *(q_specs(*self.draft_q) if self.sampling and self.draft_q else ()),
             *self.bitmask,
+            *([TensorSpec(TREE_MASK, "int32", (BATCH, SEQ, SEQ))] if self.tree else ()),
             *self.kv,
         ]
 
@@ -370,7 +391,7 @@ class TargetIO:
             out.append(TensorSpec(LOGITS, "float32", (BATCH, SEQ, self.vocab_size)))
         if self.hybrid:
             out.append(TensorSpec(NUM_COMMITTED, "int64", (BATCH,)))
-        if self.block_verify:
+        if self.block_verify or self.tree:
             out.append(TensorSpec(NUM_ACCEPTED, "int64", (BATCH,)))
         out += [TensorSpec(retained(s.name), s.dtype, s.shape) for s in self.kv]
         return out
@@ -379,9 +400,9 @@ class TargetIO:
 @dataclass(frozen=True)
 class RowLayout:
     """Where each row of a verify call sits: its parent row (−1: the committed prefix) and its
-    cache slot, apart from its position (docs/DESIGN.md, Seams: verifiers). Today's programs
-    take the chain layout implicitly (`chain`); a layout that is not a chain (a tree's rows share
-    depths, so positions repeat while slots do not) is what a tree verify would pass."""
+    depth, apart from its row (docs/DESIGN.md, Seams: verifiers). Chain programs take the chain
+    layout implicitly (`chain`); a tree program takes any layout as TREE_MASK (`mask`) and its
+    rows' positions start + depth (a tree's rows share depths, so positions repeat)."""
 
     parents: tuple[int, ...]
     depths: tuple[int, ...]
@@ -399,8 +420,14 @@ class RowLayout:
         return [start + d for d in self.depths]
 
     def slots(self, start: int) -> list[int]:
-        """Cache slots: start + row index (distinct, consecutive; a chain's are its positions)."""
+        """The slots a tree program writes the rows' K/V to when none is accepted past the root:
+        start + row (a chain's are its positions); the accepted path's go to start + depth."""
         return [start + r for r in range(len(self.parents))]
+
+    def mask(self) -> list[list[int]]:
+        """TREE_MASK of this layout: [r][c] = 1 where row r sees row c (ancestors and itself)."""
+        n = len(self.parents)
+        return [[int(self.visible(r, c)) for c in range(n)] for r in range(n)]
 
     def visible(self, r: int, c: int) -> bool:
         """Whether row r attends to row c of the same call: c is r or one of its ancestors
@@ -432,6 +459,8 @@ class DraftIO:
     q_top_k: int = 0
     # each proposal row's top-k ids and log-probabilities as outputs (0: none)
     top_k: int = 0
+    # a DFlash-2 draft's pairwise log q over its first pair_k candidates (0: none)
+    pair_k: int = 0
 
     @property
     def kv(self) -> list[TensorSpec]:
@@ -483,6 +512,9 @@ class DraftIO:
                 TensorSpec(DRAFT_TOP_IDS, "int64", shape),
                 TensorSpec(DRAFT_TOP_LOGPROBS, "float32", shape),
             ]
+        if self.pair_k:
+            pair = (BATCH, self.block_size - 1, self.pair_k, self.pair_k)
+            out.append(TensorSpec(DRAFT_PAIR_LOGPROBS, "float32", pair))
         if self.emit_logits:
             out.append(TensorSpec(LOGITS, "float32", (BATCH, self.block_size - 1, self.vocab_size)))
         out += [TensorSpec(retained(s.name), s.dtype, s.shape) for s in self.kv]
@@ -582,6 +614,7 @@ class ShapePlan:
     prefill_lengths: the target's prompt-chunk row counts, ascending, the last one the chunk;
     verify_lengths: the verify blocks' row counts, ascending, the last one the block size;
     draft_prefill_rows: the draft's prompt-context row counts, ascending;
+    tree_budgets: the rows of tree verify calls (a tree program's; () for others), ascending;
     windows: the attention windows (comp_ctx_lengths), ascending, the last one ctx_len;
     full_batch_size: continuous batching's cache rows (None: off);
     sampling: the target takes the sampling inputs (greedy calls run the sampler on one row);
@@ -597,6 +630,12 @@ class ShapePlan:
     full_batch_size: int | None = None
     sampling: bool = True
     batch_size: int = 1
+    tree_budgets: tuple[int, ...] = ()
+
+    @property
+    def step_lengths(self) -> tuple[int, ...]:
+        """Row counts of a step's verify calls: the verify lengths and the tree budgets."""
+        return tuple(sorted({*self.verify_lengths, *self.tree_budgets}))
 
     def sample_len(self, seq: int, greedy: bool) -> int:
         """`sample_len` of the target specialization a call of `seq` rows takes: 1 when no row
@@ -615,6 +654,7 @@ class ShapePlan:
             self,
             prefill_lengths=self.prefill_lengths[-1:],
             verify_lengths=self.verify_lengths[-1:],
+            tree_budgets=self.tree_budgets[-1:],
             draft_prefill_rows=self.draft_prefill_rows[-1:],
             windows=(self.ctx_len,) if self.windows else None,
         )
@@ -632,6 +672,19 @@ class ShapePlan:
         w = list(self.windows) if self.windows is not None else None
         if w is not None and (not w or w != sorted(set(w)) or w[0] < 1 or w[-1] != self.ctx_len):
             raise ValueError(f"windows must ascend and end at ctx_len {self.ctx_len}, got {w}")
+        check_tree_budgets(list(self.tree_budgets), self.ctx_len)
+
+
+def check_tree_budgets(budgets: list[int], ctx_len: int) -> list[int]:
+    """Tree budgets as an export takes them: distinct, ascending, each in 2 … MAX_TREE_BUDGET
+    and below ctx_len − 1."""
+    top = min(MAX_TREE_BUDGET, max_positions(ctx_len) - 1)
+    if budgets != sorted(set(budgets)) or any(not 2 <= n <= top for n in budgets):
+        raise ValueError(
+            f"tree budgets must be distinct ascending row counts in 2 … {top}, got {budgets} "
+            "(e.g. 16,32,64)"
+        )
+    return budgets
 
 
 def shape_plan(
@@ -644,6 +697,7 @@ def shape_plan(
     windows: list[int] | None = None,
     verify_lengths: list[int] | None = None,
     sampling: bool = True,
+    tree_budgets: list[int] | None = None,
 ) -> ShapePlan:
     """The plan an export makes from its options: the prefill lengths (`prefill_lengths`), the
     verify lengths (None: `default_verify_lengths`), the draft's prefill rows (the prefill
@@ -662,6 +716,7 @@ def shape_plan(
         full_batch_size=full_batch_size,
         sampling=sampling,
         batch_size=batch_size,
+        tree_budgets=tuple(check_tree_budgets(list(tree_budgets or ()), ctx_len)),
     )
 
 
@@ -686,7 +741,8 @@ def target_specializations(plan: ShapePlan) -> list[dict]:
     block that sample every row (the greedy Prefill and Verify run the sampler on one row only,
     at temperature 0 the argmax).
     Both prefill chunks exist once per prefill length n (`Prefill` at the chunk, `Prefill[n]`
-    below), both verify blocks once per verify length n (`Verify` at B rows, `Verify[n]` below).
+    below), both verify blocks once per verify length n (`Verify` at B rows, `Verify[n]` below) and
+    once per tree budget n of a tree program (a tree of n rows is a verify call of n rows).
     With `full_batch_size` N (continuous batching) prefill is at batch 1, the others at N.
     With windows, each of them once per attention window (`windowed`).
     Each is `{"name", "kind", "symbols"}`; the compiler's file takes the name and symbols."""
@@ -697,12 +753,10 @@ def target_specializations(plan: ShapePlan) -> list[dict]:
         specs.append(_spec(plan, PREFILL, _sized(PREFILL, n, C), n, greedy))
         if plan.sampling:
             specs.append(_spec(plan, PREFILL_SAMPLED, _sized(PREFILL_SAMPLED, n, C), n, n))
-    specs += [_spec(plan, VERIFY, _sized(VERIFY, n, B), n, greedy) for n in plan.verify_lengths]
+    steps = plan.step_lengths  # a tree of n rows is a verify call of n rows
+    specs += [_spec(plan, VERIFY, _sized(VERIFY, n, B), n, greedy) for n in steps]
     if plan.sampling:
-        specs += [
-            _spec(plan, VERIFY_SAMPLED, _sized(VERIFY_SAMPLED, n, B), n, n)
-            for n in plan.verify_lengths
-        ]
+        specs += [_spec(plan, VERIFY_SAMPLED, _sized(VERIFY_SAMPLED, n, B), n, n) for n in steps]
     specs.append(_spec(plan, DECODE, DECODE, 1, greedy))
     return windowed(specs, plan.windows, plan.ctx_len)
 

@@ -14,6 +14,7 @@ from dflash_qaic.checkpoint_files.config import (
     LAYER_IDS,
     NUMBER,
     POSITIVE_INT,
+    STRING,
     STRINGS,
     TOKEN_ID,
     CheckpointError,
@@ -60,13 +61,27 @@ _DFLASH_FIELDS = {
     "final_logit_softcapping": NUMBER,
     **dict.fromkeys(("conv_kernel_size", "conv_group_size"), POSITIVE_INT),  # DFlash-2
     **dict.fromkeys(("selector_rank", "selector_top_k"), POSITIVE_INT),
+    # draft knobs of published drafts (docs/DESIGN.md, Draft knobs)
+    "attention_sink_bias": BOOLEAN,
+    "draft_vocab_size": POSITIVE_INT,
+    "mask_embedding": STRING,
+    "use_swa": BOOLEAN,  # every layer sliding (vLLM's reading; MiMo drafts)
+    "swa_window_size": POSITIVE_INT,
+    "causal": BOOLEAN,  # causality of every layer, below a top-level `is_causal`
 }
 DRAFT_FIELDS = (
     DECODER_FIELDS
     | {"num_target_layers": POSITIVE_INT, "is_causal": BOOLEAN}
+    | {"is_neox_style": BOOLEAN, "add_swa_attention_sink_bias": BOOLEAN}
     | _DFLASH_FIELDS
     | {"dflash_config": _DFLASH_FIELDS}
 )
+# A reduced draft vocabulary's map (`d2t`: target id = draft id + d2t[draft id]) and its inverse
+# (`t2d`, a mask over the target vocabulary, unused: the map alone defines the draft's tokens).
+VOCAB_MAP_KEYS = ("d2t", "t2d")
+# The separate mask embedding's default file names, as published (a tensor [H] or a dict with
+# `embedding` and `mask_token_id`), when `dflash_config.mask_embedding` names none.
+MASK_EMBEDDING_FILES = ("mask_embedding.pt", "mask_embedding.safetensors")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -106,6 +121,13 @@ class DraftConfig:
     selector_rank: int | None = None
     selector_top_k: int | None = None
     attention_bias: bool = False  # q/k/v/o biases (drafts for gpt-oss / Gemma 4 targets)
+    # docs/DESIGN.md, Draft knobs: a learned per-head sink logit in every layer's softmax
+    attention_sink_bias: bool = False
+    # a reduced draft vocabulary: the draft's own `lm_head` [draft_vocab_size, H] and its `d2t`
+    # map (target id = d + d2t[d]); None: the target's head and vocabulary
+    draft_vocab_size: int | None = None
+    mask_embedding_file: Path | None = None  # replaces embed[mask_token_id] in the block
+    is_neox_style: bool = True  # False: RoPE rotates interleaved pairs (2i, 2i + 1)
     raw: dict = field(default=None, repr=False, compare=False)
 
     def layer_attention(self, i: int) -> tuple[bool, int | None]:
@@ -161,9 +183,9 @@ def read_draft_config(directory: str | Path) -> DraftConfig:
             f"{inner}; the draft was trained with one block size: keep one of them"
         )
     layer_types, window, causal = _draft_attention(cfg, cpath, n_layers)
-    _refuse_draft_knobs(cfg, d)
     softcap = _dflash_value(cfg, "final_logit_softcapping")
     dflash2 = _dflash2_fields(cfg, cpath, hidden) if arch == DRAFT2_ARCH else {}
+    knobs = _draft_knobs(cfg, d, arch)
     return DraftConfig(
         path=d,
         hidden_size=hidden,
@@ -187,33 +209,119 @@ def read_draft_config(directory: str | Path) -> DraftConfig:
         is_causal=causal,
         **dflash2,
         attention_bias=bool(cfg.get("attention_bias", False)),
+        **knobs,
         raw=cfg,
     )
 
 
-# Draft knobs of published drafts that the draft program does not build yet, each refused by its
-# field (docs/DESIGN.md, Layer kinds): the value that would need it, and what it is.
-_UNBUILT_DRAFT_KNOBS = {
-    "attention_sink_bias": (lambda v: bool(v), "a learned per-head attention-sink logit"),
-    "draft_vocab_size": (lambda v: v is not None, "a reduced draft vocabulary with its d2t map"),
-    "mask_embedding": (lambda v: v is not None, "a separate mask-embedding file"),
-    "is_neox_style": (lambda v: v is False, "the interleaved (GPT-J) RoPE layout"),
-}
-
-
-def _refuse_draft_knobs(cfg: dict, d: Path) -> None:
-    for key, (used, what) in _UNBUILT_DRAFT_KNOBS.items():
-        v = _dflash_value(cfg, key)
-        if used(v):
+def _draft_knobs(cfg: dict, d: Path, arch: str) -> dict:
+    """The draft knobs read as the reference readers read them (docs/DESIGN.md, Draft knobs):
+    the sink flag in `dflash_config.attention_sink_bias` (top level: `attention_sink_bias` or
+    `add_swa_attention_sink_bias`), `draft_vocab_size` (equal to `vocab_size`: no reduction),
+    the mask embedding file (`dflash_config.mask_embedding`, else a default file name present),
+    `is_neox_style` at the top level (absent: true)."""
+    cpath = d / "config.json"
+    sink = _dflash_value(cfg, "attention_sink_bias")
+    if sink is None:
+        sink = cfg.get("add_swa_attention_sink_bias", False)
+    vocab = cfg.get("vocab_size")
+    dv = _dflash_value(cfg, "draft_vocab_size")
+    if dv is not None and dv == vocab:
+        dv = None  # the full vocabulary: no map
+    if dv is not None:
+        if not isinstance(vocab, int) or isinstance(vocab, bool) or dv > vocab:
             raise CheckpointError(
-                f"{d / 'config.json'}: draft field `{key}` = {v!r} ({what}) is not supported by "
-                "the draft program yet; export a draft without it"
+                f"{cpath}: `draft_vocab_size` {dv} needs `vocab_size` (the target's vocabulary, "
+                f"which its `d2t` map points into) of at least that, got {vocab!r}"
             )
-    if any(p.name.startswith("mask_embedding") for p in d.glob("*.safetensors")):
+        if arch == DRAFT2_ARCH:
+            raise CheckpointError(
+                f"{cpath}: `draft_vocab_size` with a {DRAFT2_ARCH} (a candidate selector over a "
+                "reduced vocabulary) is not supported; export a draft without it"
+            )
+    named = _dflash_value(cfg, "mask_embedding")
+    if named is not None:
+        mask_file = d / named
+        if not mask_file.is_file():
+            raise CheckpointError(
+                f"{cpath}: `mask_embedding` names {named!r}, which is not a file of {d}; "
+                "download the draft's complete directory"
+            )
+    else:
+        found = [d / n for n in MASK_EMBEDDING_FILES if (d / n).is_file()]
+        if len(found) > 1:
+            raise CheckpointError(
+                f"{d}: both {found[0].name} and {found[1].name} are present; keep the one the "
+                "draft was trained with"
+            )
+        mask_file = found[0] if found else None
+    return {
+        "attention_sink_bias": bool(sink),
+        "draft_vocab_size": dv,
+        "mask_embedding_file": mask_file,
+        "is_neox_style": cfg.get("is_neox_style", True) is not False,
+    }
+
+
+def read_vocab_map(c: DraftConfig):
+    """A reduced-vocabulary draft's target id of every draft id, d + d2t[d] ([draft_vocab_size]
+    int64), checked to name distinct ids of the target's vocabulary; None without one."""
+    if c.draft_vocab_size is None:
+        return None
+    import torch
+    from safetensors import safe_open
+
+    info = checkpoint_tensors(c.path, "draft").get("d2t")
+    if info is None:
+        raise CheckpointError(f"{c.path}: a draft with `draft_vocab_size` needs its `d2t` tensor")
+    with safe_open(str(info.file), "pt") as f:
+        d2t = f.get_tensor("d2t")
+    if d2t.is_floating_point() or list(d2t.shape) != [c.draft_vocab_size]:
         raise CheckpointError(
-            f"{d}: a separate mask-embedding file (a mask embedding replacing the target's "
-            "embedding row of mask_token_id) is not supported by the draft program yet"
+            f"{info.file}: `d2t` must be integers of shape [{c.draft_vocab_size}] "
+            f"(draft_vocab_size), got {d2t.dtype} {list(d2t.shape)}"
         )
+    ids = torch.arange(c.draft_vocab_size) + d2t.long()
+    if int(ids.min()) < 0 or int(ids.max()) >= c.vocab_size or ids.unique().numel() != ids.numel():
+        raise CheckpointError(
+            f"{info.file}: `d2t` maps draft ids to target ids d + d2t[d] outside 0 … "
+            f"{c.vocab_size - 1} or not distinct; this map is not for this draft's vocabulary"
+        )
+    return ids
+
+
+def read_mask_embedding(c: DraftConfig):
+    """The separate mask embedding [H] (fp32), or None: a tensor, or a dict of `embedding` and
+    `mask_token_id` (which must be the config's), in a .pt file (read with weights_only) or a
+    .safetensors file of one tensor."""
+    if c.mask_embedding_file is None:
+        return None
+    import torch
+
+    f = c.mask_embedding_file
+    try:
+        if f.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(f))
+            state = state.get("embedding", next(iter(state.values()), None))
+        else:
+            state = torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:  # a pickle or header error of any kind: name the file
+        raise CheckpointError(f"{f}: not a readable mask embedding ({e})") from e
+    if isinstance(state, dict):
+        if state.get("mask_token_id", c.mask_token_id) != c.mask_token_id:
+            raise CheckpointError(
+                f"{f}: its `mask_token_id` {state['mask_token_id']} is not the config's "
+                f"dflash_config.mask_token_id {c.mask_token_id}"
+            )
+        state = state.get("embedding")
+    if not isinstance(state, torch.Tensor) or state.numel() != c.hidden_size:
+        raise CheckpointError(
+            f"{f}: expected one embedding row of {c.hidden_size} values (hidden_size), got "
+            f"{getattr(state, 'shape', type(state).__name__)}"
+        )
+    return state.reshape(-1).float()
 
 
 def _dflash2_fields(cfg: dict, cpath: Path, hidden: int) -> dict:
@@ -246,7 +354,9 @@ DRAFT_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 def _draft_attention(cfg: dict, cpath: Path, n_layers: int):
     """`layer_types`, `sliding_window` and `is_causal` of a draft config (top level, where the
-    reference reads them), checked. A sliding layer's window is `sliding_window` as written:
+    reference reads them; then, as vLLM reads them, `dflash_config.use_swa` making every layer
+    sliding, `dflash_config.swa_window_size` its window and `dflash_config.causal` below
+    `is_causal`), checked. A sliding layer's window is `sliding_window` as written:
     Hugging Face's Qwen3Config drops it unless `use_sliding_window` is true, so the reference
     run through transformers agrees only with configs that set it (docs/DESIGN.md, Sliding drafts)."""
     types = cfg.get("layer_types") or ()
@@ -257,14 +367,19 @@ def _draft_attention(cfg: dict, cpath: Path, n_layers: int):
             f"{cpath}: `layer_types` must list one of {list(DRAFT_LAYER_TYPES)} per draft layer "
             f"({n_layers}), got {types!r}"
         )
+    dc = cfg.get("dflash_config") or {}
+    if dc.get("use_swa") and "sliding_attention" not in types:  # every layer slides
+        types = ["sliding_attention"] * n_layers
     types = tuple(types) if "sliding_attention" in types else ()
-    window = cfg.get("sliding_window") if types else None
+    window = dc.get("swa_window_size", cfg.get("sliding_window")) if types else None
     if types and (not isinstance(window, int) or isinstance(window, bool) or window < 2):
         raise CheckpointError(
             f"{cpath}: `sliding_attention` layers need an integer `sliding_window` of at least 2 "
             f"(the keys a query sees, itself included), got {window!r}"
         )
     causal = cfg.get("is_causal")
+    if causal is None:
+        causal = dc.get("causal")
     if causal is not None and not isinstance(causal, bool):
         raise CheckpointError(f"{cpath}: `is_causal` must be true, false or absent, got {causal!r}")
     return types, window, causal
@@ -297,6 +412,11 @@ def expected_draft_shapes(c: DraftConfig) -> dict[str, list[int]]:
     if c.attention_bias:
         q, kv = c.num_heads * hd, c.num_kv_heads * hd
         per_layer |= {f"self_attn.{p}_proj.bias": [n] for p, n in zip("qkvo", (q, kv, kv, H))}
+    if c.attention_sink_bias:
+        per_layer["self_attn.attention_sink_bias"] = [c.num_heads]
+    if c.draft_vocab_size is not None:
+        shapes["lm_head.weight"] = [c.draft_vocab_size, H]
+        shapes["d2t"] = [c.draft_vocab_size]
     for i in range(c.num_layers):
         shapes.update({f"layers.{i}.{name}": s for name, s in per_layer.items()})
     return shapes
@@ -331,5 +451,9 @@ def check_draft_tensors(c: DraftConfig) -> dict[str, TensorInfo]:
         hint += " (a DFlash-2 checkpoint with attention_conv / candidate_selector says so in "
         hint += f"`architectures`: [{DRAFT2_ARCH!r}])"
     shapes = {k: list(v.shape) for k, v in tensors.items()}
-    check_layout(where, shapes, expected_draft_shapes(c), set(), hint)
-    return tensors
+    expected = expected_draft_shapes(c)
+    if c.draft_vocab_size is not None and "t2d" in shapes:  # unused (VOCAB_MAP_KEYS)
+        expected["t2d"] = [int(c.vocab_size)]
+    check_layout(where, shapes, expected, set(), hint)
+    # the map is read apart (read_vocab_map): the tensors returned are the programs' weights
+    return {k: v for k, v in tensors.items() if k not in VOCAB_MAP_KEYS}

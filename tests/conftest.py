@@ -146,6 +146,7 @@ FAMILIES: dict[str, dict] = {
     "qwen3_5_moe": dict(family="qwen3_5_moe"),
     "gemma4": dict(family="gemma4"),
     "gemma4_moe": dict(family="gemma4_moe"),
+    "gpt_oss": dict(family="gpt_oss"),
 }
 #: The draft forms: name -> TinySpec fields ("sliding": one sliding and one full layer).
 DRAFT_FORMS: dict[str, dict] = {

@@ -35,6 +35,7 @@ CASES = {
     "qwen3_5_moe": ("qwen3_5_moe", "dflash", dict(block_size=4, agree=1.0), 16, 112),
     "gemma4": ("gemma4", "dflash", dict(block_size=4, agree=0.9), 8, 160),
     "gemma4_moe": ("gemma4_moe", "dflash", dict(block_size=4, agree=0.9), 8, 160),
+    "gpt_oss": ("gpt_oss", "dflash", dict(block_size=4, agree=3.0), 8, 160),
     "qwen3-dflash2": ("qwen3", "dflash2", dict(block_size=8, vocab_size=24, agree=2.0), 16, 160),
     "qwen3-sliding": ("qwen3", "sliding", dict(block_size=8, vocab_size=24), 16, 160),
 }
@@ -47,6 +48,7 @@ HF_CLASS = {
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
     "gemma4": "Gemma4ForCausalLM",
     "gemma4_moe": "Gemma4ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 assert (
     {c[0] for c in CASES.values()} == set(FAMILIES) == set(HF_CLASS)

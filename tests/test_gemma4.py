@@ -304,3 +304,29 @@ def test_streamed_program_equals_in_memory(tmp_path):
     for feed in check_feeds(io, tf_a["specializations"]):
         for x, y, spec in zip(a.run(None, feed), b.run(None, feed), a.get_outputs()):
             assert np.array_equal(x, y), f"output {spec.name} differs"
+
+
+def test_preset_gemma_4_31b_layout():
+    """`dflash-make-tiny-pair --preset gemma-4-31b --num-layers 6` (no bytes written here): the
+    published form's config and every tensor at the 31B's shapes, 5 sliding : 1 full with the
+    last layer full (head 512, 4 KV heads, V = K, no v_proj), the draft Gemma's √H and soft-cap."""
+    from dflash_lab.tiny import _layer_ids, _target_config, draft_config_dict, preset_spec
+    from dflash_lab.tiny_writer import target_layout
+
+    s = _layer_ids(preset_spec("gemma-4-31b", target_layers=6, draft_layers=5))
+    assert len(set(s.target_layer_ids)) == 5 and max(s.target_layer_ids) < 6
+    text = _target_config(s).text_config
+    assert text.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    assert (text.sliding_window, text.vocab_size, text.hidden_size) == (512, 262144, 5376)
+    shapes = {n: shape for n, shape, _ in target_layout(s)}
+    p = "model.language_model.layers."
+    assert shapes[p + "0.self_attn.k_proj.weight"] == (16 * 256, 5376)
+    assert shapes[p + "0.self_attn.v_proj.weight"] == (16 * 256, 5376)
+    assert shapes[p + "5.self_attn.q_proj.weight"] == (32 * 512, 5376)
+    assert shapes[p + "5.self_attn.k_proj.weight"] == (4 * 512, 5376)
+    assert p + "5.self_attn.v_proj.weight" not in shapes and "lm_head.weight" not in shapes
+    assert shapes[p + "3.mlp.down_proj.weight"] == (5376, 21504)
+    d = draft_config_dict(s)["dflash_config"]
+    assert (
+        d["final_logit_softcapping"] == 30.0 and abs(d["input_embedding_scale"] ** 2 - 5376) < 1e-6
+    )

@@ -3,10 +3,15 @@
 A tiny random `GptOssForCausalLM` (hidden 64, 4 layers alternating sliding (window 4) and full,
 8 experts top-4 with router and expert biases, attention biases and sinks, YaRN): the exported
 program on ONNX Runtime against Hugging Face over chunked prefill, a verify block and a decode;
-MXFP4 dequantization against transformers' own, in memory and streamed from a safetensors file.
+MXFP4 dequantization against transformers' own, in memory and streamed from a safetensors file;
+the family (dflash_qaic/families/gpt_oss.py) from its checkpoints: the published MXFP4 form and
+the bf16 form, streamed export = in-memory export. The conformance ladder's `gpt_oss` case
+(tests/test_conformance.py) runs the tiny MXFP4 pair end to end.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -141,6 +146,26 @@ def test_prefill_verify_decode_match_hf(exported, prompt_len):
     np.testing.assert_array_equal(got[contract.NEXT_TOKENS][clear], ref_logits.argmax(-1)[clear])
     np.testing.assert_allclose(got[contract.HIDDEN_STATES], ref_hidden, atol=1e-4, rtol=1e-4)
     assert e["facts"]["model_type"] == "gpt_oss"
+
+
+def test_cost_profile_counts_each_calls_experts(exported):
+    """The AI100 cost profile (bench/project.py count_graph) sees a call's experts as gathered
+    rows: a call of n rows reads U = min(n·k, E) experts per layer (their weights and biases),
+    never all E, which a verify-length choice then weighs (docs/DESIGN.md, A verify's experts;
+    the union arithmetic E·(1 − (1 − k/E)^n) is what independently routed rows touch)."""
+    import onnx
+
+    from dflash_qaic.bench.project import count_graph
+
+    model = onnx.load(str(exported["path"]), load_external_data=False)
+    per_expert = 2 * INTER * H + H * INTER + 2 * INTER + H  # gate_up, down and their biases
+    ctx = {contract.BATCH: 1, contract.CTX: CTX, contract.CCL: CTX, contract.SAMPLE: 1}
+    for n in (1, 2, 4):
+        g = count_graph(model, {**ctx, contract.SEQ: n})
+        assert len(g.layers) == 4
+        for part in g.layers.values():
+            assert part.gathered == min(n * K, E) * per_expert
+        assert E * (1 - (1 - K / E) ** n) <= min(n * K, E)  # the union never exceeds U
 
 
 @torch.no_grad()
@@ -327,24 +352,138 @@ def test_draft_attention_bias_equals_reference(tiny_pair, tmp_path):
     assert (ours(ours.fuse(feats), pos[:, :n], emb, pos[:, n:]) - a).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize(
-    "edit,field",
-    [
-        ({"dflash_config": {"attention_sink_bias": True}}, "attention_sink_bias"),
-        ({"draft_vocab_size": 32}, "draft_vocab_size"),
-        ({"dflash_config": {"mask_embedding": "mask_embedding.safetensors"}}, "mask_embedding"),
-        ({"is_neox_style": False}, "is_neox_style"),
-    ],
-)
-def test_unbuilt_draft_knobs_are_refused_by_name(tiny_pair, tmp_path, edit, field):
-    d = _draft_copy(tiny_pair, tmp_path, **edit)
-    with pytest.raises(ck.CheckpointError, match=f"`{field}`"):
-        ck.read_draft_config(d)
+# ---------------------------------------------------------------- from the checkpoints
 
 
-def test_checkpoint_directories_are_refused_by_name(tmp_path, gpt_oss_model):
-    """The program is built from a loaded model; a gpt-oss checkpoint directory (MXFP4 experts)
-    is not read by dflash-export yet, and says so."""
-    gpt_oss_model.config.save_pretrained(tmp_path)
-    with pytest.raises(ck.CheckpointError, match="`model_type` 'gpt_oss' is not supported"):
-        ck.read_target_config(tmp_path)
+@pytest.fixture(scope="module")
+def mxfp4_pair(tmp_path_factory):
+    """The tiny gpt-oss pair in the published on-disk form (dflash-make-tiny-pair --family
+    gpt_oss: MXFP4 experts, a draft with attention biases)."""
+    from dflash_lab.tiny import make_tiny_pair
+
+    return make_tiny_pair(tmp_path_factory.mktemp("gpt_oss_pair"), family="gpt_oss", agree=3.0)
+
+
+def _copy_target(src, dst, drop=(), edit=None, config=None):
+    """A copy of target directory `src` without the tensors `drop`, each tensor through `edit`
+    (name, tensor) -> tensor, and `config` merged into its config.json."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    state = load_file(str(dst / "model.safetensors"))
+    state = {k: (edit(k, v) if edit else v) for k, v in state.items() if k not in drop}
+    save_file(state, str(dst / "model.safetensors"))
+    if config is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        for k, v in config.items():
+            if v is None:
+                cfg.pop(k, None)
+            else:
+                cfg[k] = v
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_checkpoint_reads_as_gpt_oss(mxfp4_pair, tmp_path):
+    """The published form reads as the gpt_oss family (MXFP4 experts, sinks, router biases);
+    an incomplete checkpoint, an unknown quantization and an E8M0 NaN scale are refused by
+    name before any tracing."""
+    from dflash_qaic import families
+
+    t, d = mxfp4_pair
+    pair = ck.read_pair(t, d)
+    assert pair.target.spec is families.get("gpt_oss") and pair.target.moe.top_k == 4
+    assert pair.draft.attention_bias and pair.draft.block_size == 8
+    blocks = "model.layers.2.mlp.experts.down_proj_blocks"
+    assert pair.target_tensors[blocks].dtype == "U8"
+    assert list(pair.target_tensors[blocks].shape) == [8, 64, 2, 16]  # [E, H, I/32, 16]
+    ck.check_weight_values(pair)
+    scales = "model.layers.1.mlp.experts.gate_up_proj_scales"
+    cut = _copy_target(t, tmp_path / "cut", drop=(scales,))
+    with pytest.raises(ck.CheckpointError, match=f"missing.*{scales}"):
+        ck.read_pair(cut, d)
+    fp8 = _copy_target(t, tmp_path / "fp8", config={"quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(ck.CheckpointError, match="quant_method` 'fp8' is not supported"):
+        ck.read_pair(fp8, d)
+
+    def nan_scale(name, v):
+        if name == scales:
+            v = v.clone()
+            v[0, 0, 0] = 255  # E8M0's NaN
+        return v
+
+    bad = _copy_target(t, tmp_path / "nan", edit=nan_scale)
+    with pytest.raises(ck.CheckpointError, match=f"`{scales}`.*inf/NaN|`{scales}`"):
+        ck.check_weight_values(ck.read_pair(bad, d))
+
+
+def test_preset_layout_is_the_published_one(tmp_path):
+    """--preset gpt-oss-20b (shapes only, nothing written): every tensor the family expects
+    at the published shapes, MXFP4 experts, nothing else; --target-layers keeps the first
+    layers and the draft's taps among them."""
+    from dflash_lab.tiny import _target_config, preset_spec
+    from dflash_lab.tiny_writer import draft_layout, target_layout
+    from dflash_qaic import families
+
+    s = preset_spec("gpt-oss-20b", target_layers=3)
+    assert s.target_layer_ids == [1] and s.attention_bias and s.block_size == 8
+    full = preset_spec("gpt-oss-20b")
+    assert full.target_layer_ids == [1, 6, 11, 16, 21] and full.mask_token_id == 200000
+    _target_config(s).save_pretrained(tmp_path)
+    import json
+
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    fam = families.for_config(cfg, tmp_path / "config.json")
+    t = fam.read(tmp_path, cfg)
+    fam.check_supported(cfg, tmp_path / "config.json")
+    layout = {n: list(shape) for n, shape, _ in target_layout(s)}
+    assert layout == fam.expected_shapes(t, fused=True)
+    assert layout["model.layers.0.mlp.experts.gate_up_proj_blocks"] == [32, 5760, 90, 16]
+    assert cfg["layer_types"][:2] == ["sliding_attention", "full_attention"]
+    assert cfg["sliding_window"] == 128 and cfg["vocab_size"] == 201088
+    assert "layers.0.self_attn.o_proj.bias" in {n for n, _, _ in draft_layout(s)}
+
+
+def _bf16_form(model, src, dst):
+    """The dequantized form of target `src` (what save_pretrained of the loaded model writes:
+    experts [E, in, out], no quantization_config), the experts in bf16 (every MXFP4 value is
+    exact there), the rest as it was (fp32)."""
+    from safetensors.torch import save_file
+
+    _copy_target(src, dst, config={"quantization_config": None})
+    state = {
+        k: (v.to(torch.bfloat16) if k.endswith(("_proj", "down_proj")) else v).contiguous()
+        for k, v in model.state_dict().items()
+    }
+    save_file(state, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.slow
+def test_streamed_program_equals_in_memory_both_forms(mxfp4_pair, tmp_path):
+    """The streamed export of the MXFP4 checkpoint (experts dequantized a row block at a time),
+    and of its bf16 form (experts transposed per expert on the way), equal the in-memory export
+    from Hugging Face's loaded model, output for output."""
+    import onnxruntime as ort
+    from test_streaming_export import _in_memory, _streamed
+
+    from dflash_qaic.exporter.target import check_feeds
+
+    t, d = mxfp4_pair
+    pair = ck.read_pair(t, d)
+    _, tf_a, _ = _in_memory(pair, tmp_path / "a")
+    tf_b, _ = _streamed(pair, tmp_path / "b")
+    bf16 = ck.read_pair(_bf16_form(ck.load_target_model(t), t, tmp_path / "bf16"), d)
+    assert not bf16.target.spec.experts_fused(bf16.target_tensors)  # the plain 3-D form
+    tf_c, _ = _streamed(bf16, tmp_path / "c")
+    runs = [ort.InferenceSession(tf["path"], providers=["CPUExecutionProvider"])
+            for tf in (tf_a, tf_b, tf_c)]  # fmt: skip
+    io = program_io(tf_a, Path(tf_a["path"]))
+    assert io.ring_slots
+    for feed in check_feeds(io, tf_a["specializations"]):
+        a, b, c = (r.run(None, feed) for r in runs)
+        for x, y, z, spec in zip(a, b, c, runs[0].get_outputs()):
+            assert np.array_equal(x, y) and np.array_equal(x, z), f"output {spec.name} differs"

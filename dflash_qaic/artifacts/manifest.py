@@ -229,7 +229,7 @@ _TARGET_IO = ("n_layers", "n_kv_heads", "head_dim", "hidden_size", "vocab_size")
 #: what an exporter says of a program that the manifest stores once, at the top (the shape plan,
 #: the mask id and layer ids): not kept in the program's record
 PLAN_COPIES = {"batch_size", "ctx_len", "prefill_seq_len", "comp_ctx_lengths", "verify_lengths"}
-PLAN_COPIES |= {"mask_token_id", "target_layer_ids", "specializations"}
+PLAN_COPIES |= {"mask_token_id", "target_layer_ids", "specializations", "tree_budgets"}
 
 
 def _int_tuple(c: _Check, name: str, lo: int, hi: int) -> tuple[int, ...]:
@@ -272,6 +272,7 @@ class ProgramRecord:
         rings = io.pop("ring_slots", ())  # a draft with ring caches only (b16: absent)
         q_top_k = io.pop("q_top_k", 0)  # a DFlash-2 draft exported for sampling only
         top_k = io.pop("top_k", 0)  # a draft exported with --draft-top-k only
+        pair_k = io.pop("pair_k", 0)  # a DFlash-2 draft exported with --draft-top-k only
         draft_q = io.pop("draft_q", ())  # a target verifying with a DFlash-2 draft's q only
         bitmask = io.pop("token_bitmask", False)  # a target exported for structured output only
         rule = io.pop("verify_rule", contract.CHAIN)  # a target exported with block verify only
@@ -282,6 +283,7 @@ class ProgramRecord:
             **({"ring_slots": list(rings)} if rings else {}),
             **({"q_top_k": q_top_k} if q_top_k else {}),
             **({"top_k": top_k} if top_k else {}),
+            **({"pair_k": pair_k} if pair_k else {}),
             **({"draft_q": list(draft_q)} if draft_q else {}),
             **({"token_bitmask": True} if bitmask else {}),
             **({"verify_rule": rule} if rule != contract.CHAIN else {}),
@@ -344,6 +346,7 @@ class ProgramRecord:
                 ring_slots=c.ints("ring_slots", 0, 1 << 22, default=[]),
                 q_top_k=c.int("q_top_k", 0, 1 << 24, default=0),
                 top_k=c.int("top_k", 0, contract.MAX_DRAFT_TOP_K, default=0),
+                pair_k=c.int("pair_k", 0, contract.MAX_DRAFT_TOP_K, default=0),
             )
         for which, specs in (("inputs", io.inputs), ("outputs", io.outputs)):
             want = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]
@@ -356,6 +359,7 @@ class ProgramRecord:
         )
         known |= {"linear_layers", "state_dims", "draft_q", "token_bitmask", "verify_rule"}
         known |= {"confidence", "ring_slots", "q_top_k", "top_k", "inputs", "outputs", "qpc"}
+        known |= {"pair_k"}
         known |= PLAN_COPIES
         return cls(
             io=io,
@@ -404,6 +408,7 @@ class Manifest:
     draft_prefill_rows: tuple[int, ...]
     full_batch_size: int | None = None  # continuous batching: cache rows of both programs
     comp_ctx_lengths: tuple[int, ...] | None = None  # attention windows (contract.py), ascending
+    tree_budgets: tuple[int, ...] = ()  # a tree program's tree verify rows (contract.ShapePlan)
     files: tuple[FileRecord, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     tokenizer: str | None = None  # relative directory holding the target's tokenizer files
@@ -429,6 +434,7 @@ class Manifest:
             full_batch_size=self.full_batch_size,
             sampling=self.target.io.sampling,
             batch_size=self.batch_size,
+            tree_budgets=self.tree_budgets,
         )
 
     @property
@@ -518,6 +524,7 @@ class Manifest:
             prefill_lengths=c.ints("prefill_lengths", 1, 1 << 20),
             verify_lengths=c.ints("verify_lengths", 1, 4096),
             draft_prefill_rows=c.ints("draft_prefill_rows", 1, 1 << 22),
+            tree_budgets=c.ints("tree_budgets", 2, contract.MAX_TREE_BUDGET, default=[]),
             files=tuple(FileRecord.from_json(c.sub(f, "files[]")) for f in c.list("files")),
             eos_token_ids=c.ints("eos_token_ids", 0, INT64_MAX, default=[]),
             tokenizer=c.relpath("tokenizer", None, optional=True),

@@ -108,7 +108,8 @@ def _q_aware(pair: ck.Pair, o: ExportOptions) -> bool:
     """A DFlash-2 draft, or any draft under --verify-rule block, sampling, a dense target: the
     draft samples its path and returns its q (a DFlash draft from its top-k), and the target
     verifies q-aware (docs/DESIGN.md, DFlash-2 drafts; Block verification)."""
-    return (pair.draft.dflash2 or _block(o)) and o.sampling and not pair.target.hybrid
+    tree = o.verify_rule == contract.TREE  # a tree samples every node from p: no q
+    return (pair.draft.dflash2 or _block(o)) and o.sampling and not pair.target.hybrid and not tree
 
 
 def _q_top_k(pair: ck.Pair) -> int:
@@ -198,6 +199,7 @@ def export_programs(pre: Preflight, out: Path, o: ExportOptions, key: str, steps
         draft=ProgramRecord.from_facts("draft", dfacts, out),
         prefill_lengths=plan.prefill_lengths,
         verify_lengths=plan.verify_lengths,
+        tree_budgets=plan.tree_budgets,
         draft_prefill_rows=plan.draft_prefill_rows,
         full_batch_size=plan.full_batch_size,
         comp_ctx_lengths=plan.windows,

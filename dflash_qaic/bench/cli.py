@@ -87,6 +87,13 @@ def parser() -> argparse.ArgumentParser:
         "same run, the same way (prompts, temperatures, rounds, seeds), τ and speedup side by "
         "side in the report (no cost profile or peers for it)",
     )
+    p.add_argument(
+        "--tree-budgets",
+        metavar="N,…",
+        help="artifacts exported with --tree-budgets: DFlash measured again with each tree "
+        "budget (0: chains on the same program; auto: the size picked per step), the --compare "
+        "artifacts too; a table of τ and speedup per budget (docs/DESIGN.md, Tree verification)",
+    )
     return p
 
 
@@ -243,6 +250,7 @@ def _main(args, command: str) -> int:
         )
     check_common(args, ("num_prompts", "max_new_tokens", "repeats"))
     args.temperatures = parse_list("--temperatures", args.temperatures)
+    args.tree_budgets = tree_budgets(args.tree_budgets)
     other = run.same_target(args.artifacts, args.compare) if args.compare else None
     return bench(args, command, report, lambda pipe, f: _decode(pipe, f, args, other))
 
@@ -280,11 +288,17 @@ def _decode(pipe, f: dict, args, other: dict | None = None) -> tuple[dict, dict]
         peers = run_peers(f, prompts, args.max_new_tokens, rounds, args.threads, ours, _log)
     bandwidth = {"copy_Bps": copy_Bps, "weight_bytes": weights}  # the LLC: in "machine"
     parts = {"temperatures": sections, "profile": profile, "bandwidth": bandwidth, "peers": peers}
+    if args.tree_budgets:
+        parts["trees"] = [
+            {"draft": report.draft_label(report.draft_summary(f, [])), **t}
+            for t in _trees(pipe, prompts, args)
+        ]
     if other is not None:
         c = parts["compare"] = _compare(prompts, args)
         parts["drafts"] = [
             report.draft_summary(*x) for x in ((f, sections), (c["artifacts"], c["temperatures"]))
         ]
+        parts["trees"] = parts.get("trees", []) + c.pop("trees", [])
     return parts, {"prompts_source": source, "num_prompts": len(prompts)}
 
 
@@ -292,7 +306,7 @@ def _compare(prompts, args) -> dict:
     """The --compare artifacts loaded after ours and measured the same way: same prompts,
     temperatures, rounds and seeds, each DFlash run against the target alone of its round."""
     import dflash_qaic
-    from dflash_qaic.bench import run
+    from dflash_qaic.bench import report, run
 
     pipe = dflash_qaic.load(
         args.compare, backend=args.backend, threads=args.ort_threads, check_files=args.check_files
@@ -301,12 +315,60 @@ def _compare(prompts, args) -> dict:
     f = run.facts(pipe, args.compare)
     sections, _ = _measure(pipe, prompts, args, f["block_size"])
     skipped = {"skipped": "measured for the benchmarked artifacts only"}
+    label = report.draft_label(report.draft_summary(f, []))
+    trees = (
+        [{"draft": label, **t} for t in _trees(pipe, prompts, args)] if args.tree_budgets else []
+    )
     return {
+        "trees": trees,
         "artifacts": {**f, "backend": pipe.backend},
         "temperatures": sections,
         "profile": skipped,
         "peers": skipped,
     }
+
+
+def tree_budgets(text: str | None) -> list:
+    """--tree-budgets: integers ≥ 0 and `auto` (None: the size picked per step)."""
+    from dflash_qaic.bench.run import BenchError
+
+    if not text:
+        return []
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if part == "auto":
+            out.append(None)
+        elif part.isdigit():
+            out.append(int(part))
+        else:
+            raise BenchError(f"--tree-budgets takes integers ≥ 0 and auto, got {part!r}")
+    return out
+
+
+def _trees(pipe, prompts, args) -> list[dict]:
+    """DFlash at each tree budget (the target alone beside it in each round, as everywhere)."""
+    from dflash_qaic.bench.run import BenchError
+
+    if not pipe.plan.tree_budgets:
+        raise BenchError(
+            "--tree-budgets: these artifacts have no tree budgets: export them with "
+            "--tree-budgets (e.g. 16,32,64)"
+        )
+    out = []
+    old = pipe.configure()
+    try:
+        for budget in args.tree_budgets:
+            try:
+                pipe.configure(tree_budget=budget)
+            except ValueError as e:
+                raise BenchError(f"--tree-budgets: {e}") from None
+            _log(f"tree budget {'auto' if budget is None else budget}:")
+            sections, _ = _measure(pipe, prompts, args, pipe.B)
+            out.append({"budget": budget, "temperatures": sections})
+    finally:
+        pipe.configure(old)
+    return out
 
 
 def _measure(pipe, prompts, args, B: int) -> tuple[list[dict], list | None]:

@@ -125,6 +125,7 @@ def summary_screen(res: dict) -> str:
             grid.append([draft_label(d), *(f"τ {t} · {x.split()[0]} · {c}" for t, x, c in cells)])
         widths = [max(len(r[i]) for r in grid) + 2 for i in range(len(grid[0]))]
         out += ["".join(f"{c:<{w}}" for c, w in zip(r, widths)).rstrip() for r in grid]
+    out += _trees_grid(res)
     for L in (s["loop"] for s in secs if s["temperature"] == 0):
         out.append(
             f"a DFlash step (T = 0): verify {ms(L['verify_s'])}"
@@ -153,6 +154,49 @@ def summary_screen(res: dict) -> str:
         terms = " + ".join(ms(c[k]) for k in keys)
         out.append(f"  {kind:<7}{ms(c['sampled_s']):>7} = {terms}")
     return "\n".join(out)
+
+
+def budget_label(budget) -> str:
+    return "auto" if budget is None else ("chain" if budget == 0 else str(budget))
+
+
+def _tree_cells(t: dict) -> list[str]:
+    return [f"τ {a} · {x.split()[0]} · {c}" for a, x, c in map(_side, t["temperatures"])]
+
+
+def _trees_grid(res: dict) -> list[str]:
+    """--tree-budgets: per draft and budget, τ · speedup · check at each temperature."""
+    trees = res.get("trees")
+    if not trees:
+        return []
+    grid = [["tree budgets", "", *(temp(s) for s in trees[0]["temperatures"])]]
+    grid += [[t["draft"], budget_label(t["budget"]), *_tree_cells(t)] for t in trees]
+    widths = [max(len(r[i]) for r in grid) + 2 for i in range(len(grid[0]))]
+    return ["".join(f"{c:<{w}}" for c, w in zip(r, widths)).rstrip() for r in grid]
+
+
+def trees_md(res: dict) -> str:
+    """The --tree-budgets section ("" without it)."""
+    trees = res.get("trees")
+    if not trees:
+        return ""
+    head = ["draft", "tree budget"]
+    for s in trees[0]["temperatures"]:
+        head += [f"{temp(s)} τ", f"{temp(s)} speedup", f"{temp(s)} verify rows", f"{temp(s)} check"]
+    rows = []
+    for t in trees:
+        cells = []
+        for s in t["temperatures"]:
+            tau, x, check = _side(s)
+            rows_ = s.get("loop", {}).get("verify_rows")
+            cells += [tau, x, f"{rows_:.1f}" if rows_ else "—", check]
+        rows.append([t["draft"], budget_label(t["budget"]), *cells])
+    return (
+        f"## Tree verification\n\n{table(head, rows)}\n\nDFlash on the tree programs at each "
+        "budget (chain: the same program verifying chains; auto: the size picked per step from "
+        "the trees' expected tokens and the measured call costs), each run against the target "
+        "alone of its own round (docs/DESIGN.md, Tree verification).\n"
+    )
 
 
 def speed_md(res: dict) -> str:
@@ -189,7 +233,7 @@ def drafts_md(res: dict) -> str:
     """The --compare section: both drafts' τ, speedup and check side by side, then the compared
     draft's speed table ("" without --compare)."""
     if "drafts" not in res:
-        return ""
+        return trees_md(res)
     drafts, c = res["drafts"], res["compare"]
     head = ["draft", "block"]
     for s in drafts[0]["temperatures"]:
@@ -205,7 +249,7 @@ def drafts_md(res: dict) -> str:
         "in this process, and every DFlash run is against the target alone of its own round "
         "(a speedup is a ratio within one draft's runs). The sections after this one are of "
         f"`{res['artifacts']['path']}` only (no cost profile or peers for the compared draft). "
-        f"`{c['artifacts']['path']}`, speed:\n\n{speed_md(other)}\n"
+        f"`{c['artifacts']['path']}`, speed:\n\n{speed_md(other)}\n{trees_md(res)}"
     )
 
 

@@ -16,6 +16,10 @@ from dflash_qaic.checkpoint_files.config import CheckpointError
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # MXFP4 expert weights (gpt-oss): uint8 codes and exponents, read only by dflash_qaic/mxfp4.py
 MXFP4_SUFFIXES = ("_blocks", "_scales")
+# A reduced draft vocabulary's maps (`d2t`, `t2d`; dflash_qaic/drafts.py): integer or bool
+# tensors, read only by drafts.read_vocab_map
+INDEX_DTYPES = {"I64": 8, "I32": 4, "BOOL": 1}
+INDEX_TENSORS = ("d2t", "t2d")
 INDEX_NAME = "model.safetensors.index.json"
 HEADER_MAX = 100 * 1024 * 1024  # the safetensors format's own limit on the JSON header
 # Tensors a checkpoint may carry that no program uses (Hugging Face ignores them too).
@@ -75,12 +79,16 @@ def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
         except (KeyError, TypeError, ValueError) as err:
             raise _corrupt(path, f"the entry of tensor `{name}` is malformed ({err!r})") from err
         mxfp4 = dtype == "U8" and name.endswith(MXFP4_SUFFIXES)  # dflash_qaic/mxfp4.py
-        if dtype not in SAFETENSORS_DTYPES and not mxfp4:
+        index = dtype in INDEX_DTYPES and name in INDEX_TENSORS
+        if dtype not in SAFETENSORS_DTYPES and not mxfp4 and not index:
             raise CheckpointError(
                 f"{path}: tensor `{name}` has dtype {dtype}; supported: "
                 f"{', '.join(SAFETENSORS_DTYPES)} (convert the checkpoint to bf16, fp16 or fp32)"
             )
-        itemsize = 1 if mxfp4 else SAFETENSORS_DTYPES[dtype].itemsize
+        if index:
+            itemsize = INDEX_DTYPES[dtype]
+        else:
+            itemsize = 1 if mxfp4 else SAFETENSORS_DTYPES[dtype].itemsize
         if not 0 <= begin <= end or end - begin != numel * itemsize:
             raise _corrupt(
                 path, f"tensor `{name}` declares {end - begin} bytes for shape {list(shape)}"

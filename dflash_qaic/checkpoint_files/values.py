@@ -199,6 +199,8 @@ class _Scan:
         (inf or NaN when it holds a non-finite value)."""
         import numpy as np
 
+        if info.dtype == "U8":  # MXFP4 (dflash_qaic/mxfp4.py): codes are always finite
+            return self._mxfp4_peak(fh, info)
         unsigned, signed, sign, inf, decode = _PEAK_BITS[info.dtype]
         size = np.dtype(unsigned).itemsize
         peak, left = 0, info.nbytes
@@ -218,6 +220,26 @@ class _Scan:
         if peak > inf:
             return math.nan
         return math.inf if peak == inf else decode(peak)
+
+    def _mxfp4_peak(self, fh, info: TensorInfo) -> float:
+        """An MXFP4 tensor's largest possible |value|: `…_blocks` hold E2M1 codes (at most 6,
+        never inf or NaN), so 0 here; `…_scales` the E8M0 exponents, 6 · 2^(max − 127) of
+        them (255, E8M0's NaN, reads as NaN)."""
+        import numpy as np
+
+        top, left = 0, info.nbytes
+        while left:
+            block = self.read(fh, min(_SCAN_CHUNK, left))
+            if not block:
+                raise CheckpointError(
+                    f"{info.file}: tensor `{info.name}` is cut short; the file changed or is "
+                    "truncated; download it again"
+                )
+            top = max(top, int(np.frombuffer(block, np.uint8).max()))
+            left -= len(block)
+        if not info.name.endswith("_scales"):
+            return 0.0
+        return math.nan if top == 255 else math.ldexp(6.0, top - 127)
 
     def hexdigest(self) -> str:
         if self._pending is not None:

@@ -26,6 +26,7 @@ def draft_io(
     ring_slots: tuple[int, ...] = (),
     q_top_k: int = 0,
     top_k: int = 0,
+    pair_k: int = 0,
 ) -> contract.DraftIO:
     return contract.DraftIO(
         n_layers=c.num_layers,
@@ -41,6 +42,7 @@ def draft_io(
         ring_slots=tuple(ring_slots),
         q_top_k=q_top_k,
         top_k=top_k,
+        pair_k=pair_k,
     )
 
 
@@ -90,6 +92,8 @@ def _outputs_k(module, draft_cfg, V: int, sampling: bool, sample_top_k: int, top
     if not 0 <= top_k <= contract.MAX_DRAFT_TOP_K:
         raise ValueError(f"--draft-top-k must be in [0, {contract.MAX_DRAFT_TOP_K}], got {top_k}")
     module.top_k = top_k = min(top_k, V)
+    if draft_cfg.dflash2 and top_k:  # the selector ranks a tree's branches after their parents
+        module.pair_k = min(top_k, draft_cfg.selector_top_k)
     return q_top_k, top_k
 
 
@@ -136,10 +140,12 @@ def export_draft(
     module = ExportDraft(draft, embed_weight, head_weight, ctx_len, emit_logits, cb).eval()
     rings = module.cache_slots()  # sliding layers: a ring of their window's slots
     V = embed_weight.shape[0]
-    q_top_k, top_k = _outputs_k(module, draft_cfg, V, sampling, sample_top_k, top_k)
+    Vd = draft_cfg.draft_vocab_size or V  # a reduced draft vocabulary bounds its top-k
+    q_top_k, top_k = _outputs_k(module, draft_cfg, Vd, sampling, sample_top_k, top_k)
     io = draft_io(
-        draft_cfg, V, block_size, emit_logits, cb, ring_slots=rings, q_top_k=q_top_k, top_k=top_k
-    )
+        draft_cfg, V, block_size, emit_logits, cb, ring_slots=rings, q_top_k=q_top_k, top_k=top_k,
+        pair_k=module.pair_k,
+    )  # fmt: skip
     if plan is None:
         windows = contract.windows_or_default(
             comp_ctx_lengths, ctx_len, prefill_seq_len, block_size

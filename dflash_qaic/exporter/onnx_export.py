@@ -249,9 +249,14 @@ def program_facts(path: Path, io, specializations: list[dict], report: dict) -> 
         **({"layer_kv": list(io.layer_kv)} if getattr(io, "layer_kv", ()) else {}),
         **({"q_top_k": io.q_top_k} if getattr(io, "q_top_k", 0) else {}),  # DFlash-2 draft's q
         **({"top_k": io.top_k} if getattr(io, "top_k", 0) else {}),  # --draft-top-k
+        **({"pair_k": io.pair_k} if getattr(io, "pair_k", 0) else {}),  # … of a DFlash-2 draft
         **({"draft_q": list(io.draft_q)} if getattr(io, "draft_q", ()) else {}),
         **({"token_bitmask": True} if getattr(io, "token_bitmask", False) else {}),
-        **({"verify_rule": io.verify_rule} if getattr(io, "block_verify", False) else {}),
+        **(
+            {"verify_rule": io.verify_rule}
+            if getattr(io, "verify_rule", "chain") != "chain"
+            else {}
+        ),
         "n_layers": io.n_layers,
         "n_kv_heads": io.n_kv_heads,
         "head_dim": io.head_dim,

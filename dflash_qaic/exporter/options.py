@@ -130,6 +130,17 @@ class ExportOptions:
         "verification)",
         recipe=True,
     )
+    tree_budgets: tuple[int, ...] | None = _opt(
+        None,
+        "ints",
+        "tree verification: the rows of the tree verify calls, e.g. 16,32,64 (a best-first tree "
+        "over the draft's top-k per position, verified in one call; dense targets; the draft "
+        "then returns its top-k, 8 unless --draft-top-k says; docs/DESIGN.md, Tree "
+        "verification); default: none (chains only)",
+        lo=2,
+        hi=contract.MAX_TREE_BUDGET,
+        recipe=True,
+    )
     draft_top_k: int = _opt(
         0,
         "int",
@@ -191,9 +202,10 @@ class ExportOptions:
             object.__setattr__(self, "num_speculative_tokens", None)
         if self.verify_rule not in contract.VERIFY_RULES:
             raise ExportError(
-                f"--verify-rule must be chain or block, got {self.verify_rule!r} "
+                f"--verify-rule must be chain, block or tree, got {self.verify_rule!r} "
                 "(`verify_rule=` in Python)"
             )
+        self._check_tree()
         w = self.comp_ctx_lengths
         if w is not None and (list(w) != sorted(set(w)) or w[-1] != self.ctx_len):
             raise ExportError(
@@ -201,6 +213,21 @@ class ExportOptions:
                 f"{self.ctx_len}, got {list(w)!r}: e.g. {self.ctx_len // 4},{self.ctx_len // 2},"
                 f"{self.ctx_len}"
             )
+
+    def _check_tree(self) -> None:
+        """--tree-budgets makes the verify rule `tree` and the draft return its top-k."""
+        if not self.tree_budgets:
+            if self.verify_rule == contract.TREE:
+                raise ExportError("--verify-rule tree needs --tree-budgets, e.g. 16,32,64")
+            return
+        if self.verify_rule == contract.BLOCK:
+            raise ExportError(
+                "--tree-budgets and --verify-rule block are two verifiers: give one of them "
+                "(a tree program verifies chains too)"
+            )
+        object.__setattr__(self, "verify_rule", contract.TREE)
+        if not self.draft_top_k:
+            object.__setattr__(self, "draft_top_k", contract.MAX_DRAFT_TOP_K)
 
     @classmethod
     def from_kwargs(cls, kwargs: dict, groups=("program", "run", "compile", "alias")):
@@ -218,6 +245,10 @@ class ExportOptions:
         d.update(block_size=block_size)
         for k in ("comp_ctx_lengths", "verify_lengths"):  # as JSON has them (the reuse key)
             d[k] = list(d[k]) if d[k] is not None else None
+        if d["tree_budgets"] is None:  # absent: keys of programs exported before it existed
+            del d["tree_budgets"]
+        else:
+            d["tree_budgets"] = list(d["tree_budgets"])
         return d
 
     def to_json(self) -> dict:
@@ -247,6 +278,7 @@ class ExportOptions:
             windows=windows,
             verify_lengths=self.verify_lengths and list(self.verify_lengths),
             sampling=self.sampling,
+            tree_budgets=list(self.tree_budgets or ()),
         )
 
 

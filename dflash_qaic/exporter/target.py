@@ -60,6 +60,16 @@ def check_feeds(io: contract.TargetIO, specializations: list[dict], seed: int = 
             feed[contract.DRAFT_Q_IDS] = ids.reshape(b, rows, k).astype(np.int64)
             q = rng.random((b, rows, k)).astype(np.float32)
             feed[contract.DRAFT_Q_PROBS] = q / q.sum(-1, keepdims=True)
+        if io.tree:  # a verify: a random tree of s rows at start + depth; else the chain's
+            layout = (
+                random_tree(s, rng) if name in (contract.VERIFY, contract.VERIFY_SAMPLED) else None
+            )
+            layout = layout or contract.RowLayout.chain(s)
+            mask = np.array(layout.mask(), np.int32)
+            feed[contract.TREE_MASK] = np.broadcast_to(mask, (b, s, s)).copy()
+            depth = np.array(layout.depths, np.int64)
+            real = pos >= 0
+            pos[real] = (pos[:, :1] + depth[None, :])[real]
         if io.token_bitmask:  # a grammar's mask: random bits, token 0 always allowed
             words = contract.bitmask_words(io.vocab_size)
             bits = rng.integers(-(2**31), 2**31, (b, s, words), dtype=np.int64)
@@ -68,6 +78,18 @@ def check_feeds(io: contract.TargetIO, specializations: list[dict], seed: int = 
             feed[kv.name] = np.zeros(kv.bind(**sym), dtype=np.float32)
         feeds.append(feed)
     return feeds
+
+
+def random_tree(n: int, rng) -> contract.RowLayout | None:
+    """A random tree of n rows (row r's parent drawn from rows before it), or None for n < 3."""
+    if n < 3:
+        return None
+    parents, depths = [-1], [0]
+    for r in range(1, n):
+        p = int(rng.integers(0, r))
+        parents.append(p)
+        depths.append(depths[p] + 1)
+    return contract.RowLayout(tuple(parents), tuple(depths))
 
 
 def batch_index_feed(io, sym: dict, pos: np.ndarray) -> dict:
@@ -124,19 +146,11 @@ def target_io(
     )
 
 
-# gpt-oss: its program is built from a loaded GptOssForCausalLM (modeling/gpt_oss.py); its
-# checkpoint directories (MXFP4 experts) are not read yet, so it is not a registry family
-GPT_OSS = "gpt_oss"
-
-
 def program_class(hf_model, prefill_seq_len: int, block_size: int, options: dict):
     """(module class, options) of the target: a family with layer kinds has its own program
     (modeling/kinds.py: gpt-oss, Gemma 4), whose sliding layers keep rings sized by the longest
     call; every other family the skeleton's."""
-    if hf_model.config.model_type == GPT_OSS:  # built from a loaded model only (no family)
-        program = "gpt_oss"
-    else:
-        program = getattr(families.for_hf(hf_model.config), "program", None)
+    program = getattr(families.for_hf(hf_model.config), "program", None)
     if program is None:
         return ExportTarget, options
     from dflash_qaic.modeling.gemma4 import ExportGemma4Target
@@ -157,8 +171,7 @@ def program_options(
     DeltaNet layers tell a prefill chunk from a verify call by its rows; q-aware verification
     is not built for hybrids yet."""
     mask = {"token_bitmask": True} if token_bitmask else {}
-    gpt_oss = hf_model.config.model_type == GPT_OSS
-    if gpt_oss or not families.for_hf(hf_model.config).hybrid:
+    if not families.for_hf(hf_model.config).hybrid:
         return mask
     if prefill_seq_len <= block_size:
         raise ValueError(
@@ -170,22 +183,40 @@ def program_options(
     return dict(block_size=block_size, max_rows=prefill_seq_len, **mask)
 
 
-def block_rule(module, hf_model, verify_rule: str, sampling: bool) -> None:
-    """contract.BLOCK on a sampling program: the target decides its accepted count in the graph
-    (hybrid targets refuse it: their recurrent state commits by the chain's count)."""
-    if verify_rule != contract.BLOCK or not sampling:
+def effective_rule(verify_rule: str, sampling: bool) -> str:
+    """The rule a program is exported with: block verification only decides sampled verifies
+    (a greedy program is a chain); a tree program is one with or without its sampler."""
+    return verify_rule if sampling or verify_rule == contract.TREE else contract.CHAIN
+
+
+def set_rule(module, hf_model, verify_rule: str, sampling: bool, token_bitmask: bool) -> None:
+    """contract.BLOCK on a sampling program: the target decides its accepted count in the graph;
+    contract.TREE: it verifies trees (docs/DESIGN.md, Tree verification). Hybrid targets refuse
+    both (their recurrent state commits by the chain's count), as do the programs of layer-kind
+    families (Gemma 4, gpt-oss) for now."""
+    rule = effective_rule(verify_rule, sampling)
+    if rule == contract.CHAIN:
         return
+    what = {
+        contract.BLOCK: "block verification (--verify-rule block)",
+        contract.TREE: "tree verification (--tree-budgets)",
+    }[rule]
     if families.for_hf(hf_model.config).hybrid:
         raise ValueError(
-            "block verification (--verify-rule block) is not built for hybrid targets (their "
-            "recurrent state commits by the chain's count): export with --verify-rule chain"
+            f"{what} is not built for hybrid targets (their recurrent state commits by the "
+            "chain's count): export without it (hybrid targets verify chains)"
         )
     if not isinstance(module, ExportTarget):
         raise ValueError(
-            f"block verification (--verify-rule block) is not built for {type(module).__name__} "
-            "programs yet: export with --verify-rule chain"
+            f"{what} is not built for {type(module).__name__} programs yet: export without it"
         )
-    module.block_verify = True
+    if rule == contract.TREE and token_bitmask:
+        raise ValueError(
+            "tree verification (--tree-budgets) with --structured-output is not built (a grammar "
+            "state per tree node): export one or the other"
+        )
+    module.block_verify = rule == contract.BLOCK
+    module.tree = rule == contract.TREE
 
 
 def export_target(
@@ -225,7 +256,8 @@ def export_target(
     draft_q: (B − 1, k), q-aware verification of a DFlash-2 draft's q (not for a hybrid).
     token_bitmask: structured output (docs/DESIGN.md, Structured output).
     verify_rule: contract.BLOCK, block verification of sampled verifies (docs/DESIGN.md, Block
-    verification; the program also returns num_accepted; not for a hybrid target).
+    verification; the program also returns num_accepted; not for a hybrid target);
+    contract.TREE, tree verification (docs/DESIGN.md, Tree verification; plan.tree_budgets).
     plan: the export's shape plan (artifacts/preflight.py), made here from the sizes when None.
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=1)
@@ -244,7 +276,7 @@ def export_target(
         continuous_batching=full_batch_size is not None,
         **options,
     ).eval()
-    block_rule(module, hf_model, verify_rule, sampling)
+    set_rule(module, hf_model, verify_rule, sampling, token_bitmask)
     cfg = hf_model.config
     io = target_io(
         module,
@@ -253,7 +285,7 @@ def export_target(
         sampling,
         draft_q if sampling else (),
         token_bitmask,
-        verify_rule if sampling else contract.CHAIN,
+        effective_rule(verify_rule, sampling),
     )
     if plan is None:
         sizes = (batch_size, full_batch_size, comp_ctx_lengths, verify_lengths, sampling)

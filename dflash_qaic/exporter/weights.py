@@ -39,6 +39,7 @@ from onnx import TensorProto
 from tqdm.auto import tqdm
 
 from dflash_qaic import checkpoints as ck
+from dflash_qaic import mxfp4
 
 # External data layout: tensors of ≥ 1 MiB start on a 64 KiB boundary (what onnx's own writer
 # does, so ONNX Runtime can map them), smaller ones on 64 bytes.
@@ -67,6 +68,7 @@ class Stacked:
     shape: tuple[int, ...]
     transpose: bool = False
     scale: float = 1.0
+    transpose_parts: bool = False  # each 2-D part transposed (experts stored [E, in, out])
 
     def __post_init__(self):
         numel = sum(math.prod(p.shape) for p in self.parts)
@@ -99,11 +101,74 @@ def expert_source(tt: dict, name: str, shape: tuple[int, ...]) -> Source | Stack
     return Stacked(tuple(tt[k] for k in keys), tuple(shape))
 
 
-def source_chunks(src: Source | Stacked, transpose: bool):
-    """`fp32_chunks` of a Source, or of each part of a Stacked one in order."""
-    if isinstance(src, Stacked):
+@dataclass(frozen=True)
+class Mxfp4:
+    """One program weight stored as MXFP4 (gpt-oss experts): a `…_blocks` / `…_scales` pair,
+    dequantized exactly a row block at a time (dflash_qaic/mxfp4.py) into `shape`, the
+    checkpoint's [E, rows, cols] layout (no transpose)."""
+
+    blocks: ck.TensorInfo
+    scales: ck.TensorInfo
+    shape: tuple[int, ...]
+    transpose: bool = False
+    scale: float = 1.0
+    fp16: bool = True
+
+    def __post_init__(self):
+        rows, groups = mxfp4.check_pair(self.blocks, self.scales)
+        if rows * groups * mxfp4.BLOCK != math.prod(self.shape):
+            raise ck.CheckpointError(
+                f"MXFP4 tensors `{self.blocks.name}` {list(self.blocks.shape)} do not hold the "
+                f"program's {list(self.shape)}; the checkpoint does not match its config.json"
+            )
+
+    @property
+    def info(self) -> ck.TensorInfo:
+        """A stand-in TensorInfo of the dequantized fp32 whole (its name and shape)."""
+        b, n = self.blocks, 4 * math.prod(self.shape)
+        name = b.name.removesuffix("_blocks")
+        return ck.TensorInfo(b.file, name, "F32", self.shape, b.offset, n)
+
+
+def expert_slices(info: ck.TensorInfo) -> tuple[ck.TensorInfo, ...]:
+    """A 3-D checkpoint tensor [E, a, b] as E 2-D tensors [a, b] (byte ranges of one file)."""
+    E = info.shape[0]
+    per = info.nbytes // E
+    return tuple(
+        ck.TensorInfo(info.file, f"{info.name}[{e}]", info.dtype, tuple(info.shape[1:]),
+                      info.offset + e * per, per)
+        for e in range(E)
+    )  # fmt: skip
+
+
+def stored_source(info: ck.TensorInfo, name: str, shape: tuple, inverted: bool) -> Source | Stacked:
+    """The source of program weight `name` of `shape` from checkpoint tensor `info`: as stored,
+    or (`inverted`: the family stores it [E, in, out], Hugging Face's in-memory layout, as
+    gpt-oss's dequantized form does) a stack of its experts, each transposed on the way into the
+    program's [E, out, in]."""
+    if not inverted:
+        if len(info.shape) != len(shape) and math.prod(info.shape) == math.prod(shape):
+            return Stacked((info,), tuple(shape))  # the module holds it reshaped (gpt-oss sinks)
+        return Source(info)
+    have = tuple(info.shape)
+    if len(shape) != 3 or have != (shape[0], shape[2], shape[1]):
+        raise ck.CheckpointError(
+            f"checkpoint tensor `{info.name}` has shape {list(have)}; the program's `{name}` "
+            f"{list(shape)} needs it as [{shape[0]}, {shape[2]}, {shape[1]}]"
+        )
+    return Stacked(expert_slices(info), tuple(shape), transpose_parts=True)
+
+
+def source_chunks(src: Source | Stacked | Mxfp4, transpose: bool):
+    """`fp32_chunks` of a Source, or of each part of a Stacked one in order (each transposed
+    when the Stacked one says so), or an MXFP4 pair's dequantized row blocks."""
+    if isinstance(src, Mxfp4):
+        for block in mxfp4.mxfp4_chunks(src.blocks, src.scales):
+            _check_block(block, src)
+            yield block
+    elif isinstance(src, Stacked):
         for part in src.parts:
-            yield from fp32_chunks(Source(part, scale=src.scale), False)
+            yield from fp32_chunks(Source(part, scale=src.scale), src.transpose_parts)
     else:
         yield from fp32_chunks(src, transpose)
 
@@ -143,15 +208,16 @@ class _ZeroArena:
 
 def _materialize(module: torch.nn.Module, transposed: set[str] = frozenset()) -> None:
     """Replace every (meta) parameter by a zero placeholder, keeping tied parameters tied.
-    Names in `transposed` ([out, in] weights) become transposed views of [in, out] storage,
-    so the export module's `.t().contiguous()` of them copies nothing."""
+    Names in `transposed` ([out, in] weights, or [E, in, out] experts) become views of storage
+    with the last two axes swapped, so the export module's transpose of them copies nothing."""
     unique = dict(module.named_parameters())  # tied parameters appear once, by either name
     flip = {id(p) for n, p in module.named_parameters(remove_duplicate=False) if n in transposed}
     arena = _ZeroArena(sum(-(-p.numel() // 16) * 16 for p in unique.values()))
     new: dict[int, torch.nn.Parameter] = {}
     for p in unique.values():
-        if id(p) in flip:
-            data = arena.take(tuple(reversed(p.shape))).t()
+        if id(p) in flip:  # [..., a, b] held as a view of [..., b, a] storage
+            *lead, a, b = p.shape
+            data = arena.take((*lead, b, a)).transpose(-1, -2)
         else:
             data = arena.take(tuple(p.shape))
         new[id(p)] = torch.nn.Parameter(data, requires_grad=False)
@@ -180,7 +246,9 @@ def placeholder_target(t: ck.TargetConfig) -> torch.nn.Module:
                 z = torch.zeros(b.shape, dtype=b.dtype)
                 z.view(-1)[:1] = next(_MARKS)  # distinct, as every placeholder (never merged)
                 m._buffers[k] = z
-    _materialize(model, transposed={"lm_head.weight"})
+    flip = getattr(t.spec, "transposed_params", ())  # gpt-oss's [E, in, out] experts
+    names = {n for n, _ in model.named_parameters() if flip and n.endswith(flip)}
+    _materialize(model, transposed={"lm_head.weight"} | names)
     return model.eval()
 
 
@@ -265,12 +333,17 @@ def target_sources(module: torch.nn.Module, pair: ck.Pair) -> dict[str, Source]:
         "hidden_norm.weight": Source(dt["hidden_norm.weight"]),
         **_head_sources(pair, module.tied),
     }
+    flip = getattr(t.spec, "transposed_params", ())  # stored [E, in, out] (gpt-oss, bf16 form)
     out = {}
     for name, param in module.named_parameters():
+        cname = t.spec.checkpoint_name(t, name) if name.startswith("layers.") else None
         if name in fixed:
             out[name] = fixed[name]
-        elif name.startswith("layers.") and t.spec.checkpoint_name(t, name) in tt:
-            out[name] = Source(tt[t.spec.checkpoint_name(t, name)])
+        elif cname in tt:
+            inverted = bool(flip) and cname.endswith(flip)
+            out[name] = stored_source(tt[cname], name, tuple(param.shape), inverted)
+        elif f"{cname}_blocks" in tt and f"{cname}_scales" in tt:  # MXFP4 (gpt-oss experts)
+            out[name] = Mxfp4(tt[f"{cname}_blocks"], tt[f"{cname}_scales"], tuple(param.shape))
         elif name.startswith("layers.") and name.endswith((".mlp.gate_up", ".mlp.down")):
             out[name] = expert_source(tt, t.spec.checkpoint_name(t, name), tuple(param.shape))
         else:
@@ -289,7 +362,13 @@ def draft_sources(module: torch.nn.Module, pair: ck.Pair) -> dict[str, Source]:
     """Every parameter of an `ExportDraft` -> its checkpoint tensor (the draft's own, or the
     target's embedding / head) and transform."""
     dt = pair.draft_tensors
-    fixed = {"norm.weight": Source(dt["norm.weight"]), **_head_sources(pair, module.tied)}
+    fixed = {"norm.weight": Source(dt["norm.weight"])}
+    if getattr(module, "own_head", False):  # a reduced vocabulary: the draft's head (drafts.py)
+        tt, p = pair.target_tensors, pair.target.prefix
+        fixed["head_t"] = Source(dt["lm_head.weight"], transpose=True)
+        fixed["embed"] = Source(tt[p + "embed_tokens.weight"])
+    else:
+        fixed.update(_head_sources(pair, module.tied))
     out = {}
     for name, _ in module.named_parameters():
         if name in fixed:

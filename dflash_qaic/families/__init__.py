@@ -28,12 +28,13 @@ from dflash_qaic.families.base import (  # noqa: F401
 )
 from dflash_qaic.families.dense import LLAMA, QWEN3
 from dflash_qaic.families.gemma4 import GEMMA4, GEMMA4_MOE
+from dflash_qaic.families.gpt_oss import GPT_OSS
 from dflash_qaic.families.qwen3_5 import QWEN3_5
 from dflash_qaic.families.qwen3_5_moe import QWEN3_5_MOE
 from dflash_qaic.families.qwen3_moe import QWEN3_MOE
 
 FAMILIES: dict[str, Family] = {
-    f.name: f for f in (QWEN3, LLAMA, QWEN3_5, QWEN3_MOE, QWEN3_5_MOE, GEMMA4, GEMMA4_MOE)
+    f.name: f for f in (QWEN3, LLAMA, QWEN3_5, QWEN3_MOE, QWEN3_5_MOE, GEMMA4, GEMMA4_MOE, GPT_OSS)
 }
 
 

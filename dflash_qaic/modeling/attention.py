@@ -14,7 +14,7 @@ from torch import nn
 
 from dflash_qaic.contract import past_key, past_value
 from dflash_qaic.modeling.layers import RMSNorm, apply_rope, frozen_linear
-from dflash_qaic.modeling.ops import update_cache
+from dflash_qaic.modeling.ops import read_cache, update_cache
 
 
 class Attention(nn.Module):
@@ -52,10 +52,15 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin, hd)  # [b, nh, s, hd]
         k = apply_rope(k.transpose(1, 2), cos, sin, hd)  # [b, kvh, s, hd]
         dims = (b, s, nh, kvh, hd)
-        out, cache_k, cache_v = attend(
-            q, k, v, dims, self.scale, slots, rows, reads, mask, cache_k, cache_v
-        )
-        return self.o_proj(out), cache_k, cache_v, None
+        if call.tree:  # tree verification: written after the call accepts (target.py)
+            out = attend_tree(q, k, v, dims, self.scale, rows, reads, mask, cache_k, cache_v)
+            pending = (k, v)
+        else:
+            out, cache_k, cache_v = attend(
+                q, k, v, dims, self.scale, slots, rows, reads, mask, cache_k, cache_v
+            )
+            pending = None
+        return self.o_proj(out), cache_k, cache_v, pending
 
 
 def attend(q, k, v, dims, scale, slots, rows, reads, mask, cache_k, cache_v):
@@ -76,6 +81,22 @@ def attend(q, k, v, dims, scale, slots, rows, reads, mask, cache_k, cache_v):
     probs = (q @ keys.transpose(2, 3) + mask).softmax(dim=-1)  # [b, kvh, g*s, L]
     out = (probs @ values).view(b, nh, s, hd)  # [b, nh, s, hd]
     return out.transpose(1, 2).reshape(b, s, nh * hd), cache_k, cache_v
+
+
+def attend_tree(q, k, v, dims, scale, rows, reads, mask, cache_k, cache_v):
+    """Attention of a tree program (docs/DESIGN.md, Tree verification): the keys are the
+    committed prefix read from the caches as they came in, then the call's own rows; the
+    caches are written once, after the call has accepted its path (`write_path`). mask
+    [b, 1, g*s, L + s]: the prefix part by position, the call's part the tree mask. Returns
+    out [b, s, nh*hd]."""
+    b, s, nh, kvh, hd = dims
+    keys = torch.cat([read_cache(cache_k, rows, reads), k], dim=2)  # [b, kvh, L + s, hd]
+    values = torch.cat([read_cache(cache_v, rows, reads), v], dim=2)
+    g = nh // kvh
+    q = q.reshape(b, kvh, g * s, hd) * scale
+    probs = (q @ keys.transpose(2, 3) + mask).softmax(dim=-1)  # [b, kvh, g*s, L + s]
+    out = (probs @ values).view(b, nh, s, hd)
+    return out.transpose(1, 2).reshape(b, s, nh * hd)
 
 
 class GatedAttention(nn.Module):
@@ -105,11 +126,16 @@ class GatedAttention(nn.Module):
         q = torch.cat([apply_rope(q[..., :rd], cos, sin, rd), q[..., rd:]], dim=-1)
         k = torch.cat([apply_rope(k[..., :rd], cos, sin, rd), k[..., rd:]], dim=-1)
         dims = (b, s, nh, kvh, hd)
-        out, cache_k, cache_v = attend(
-            q, k, v, dims, self.scale, slots, rows, reads, mask, cache_k, cache_v
-        )
+        if call.tree:  # tree verification: written after the call accepts (target.py)
+            out = attend_tree(q, k, v, dims, self.scale, rows, reads, mask, cache_k, cache_v)
+            pending = (k, v)
+        else:
+            out, cache_k, cache_v = attend(
+                q, k, v, dims, self.scale, slots, rows, reads, mask, cache_k, cache_v
+            )
+            pending = None
         out = out * torch.sigmoid(gate.reshape(b, s, nh * hd))
-        return self.o_proj(out), cache_k, cache_v, None
+        return self.o_proj(out), cache_k, cache_v, pending
 
 
 def rotary_dim(cfg) -> int:

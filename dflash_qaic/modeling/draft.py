@@ -11,6 +11,12 @@ checkpoint format.
         h      = h + mlp(post_attention_layernorm(h))
     logits = lm_head(norm(h)) · output_multiplier (softcapped); row j predicts position start + j.
 
+The draft knobs of published drafts (docs/DESIGN.md, Draft knobs) change a few of these lines:
+q/k/v/o biases (`attention_bias`); a learned per-head sink logit joining each softmax and then
+dropped (`attention_sink_bias`); RoPE on interleaved pairs (`is_neox_style: false`); a separate
+mask embedding replacing embed[MASK]; a reduced draft vocabulary: the draft's own head over
+`draft_vocab_size` tokens, its proposals mapped to target ids d + d2t[d] in the program.
+
 Layers follow the config (`DraftConfig.layer_attention`): a sliding layer is causal inside the
 block (unless `is_causal` says otherwise) and sees a key only within `sliding_window` of the
 query; in the program its cache is a ring of `sliding_window` slots (docs/DESIGN.md, Sliding
@@ -30,6 +36,7 @@ from dflash_qaic.contract import (
     COMP_CTX_LENGTHS,
     CONFIDENCE_TOPK,
     DRAFT_CONFIDENCE,
+    DRAFT_PAIR_LOGPROBS,
     DRAFT_Q_IDS,
     DRAFT_Q_PROBS,
     DRAFT_RANDOM_U,
@@ -46,6 +53,7 @@ from dflash_qaic.contract import (
     past_value,
 )
 from dflash_qaic.contract import retained as retained_name
+from dflash_qaic.drafts import read_mask_embedding, read_vocab_map
 from dflash_qaic.modeling.layers import (
     MASK_VALUE,
     MLP,
@@ -54,6 +62,7 @@ from dflash_qaic.modeling.layers import (
     RopeTable,
     apply_rope,
     embed_rows,
+    frozen,
     vocab_tables,
 )
 from dflash_qaic.modeling.ops import (
@@ -73,7 +82,28 @@ __all__ = [
     "DynamicCausalConv",
     "ExportDraft",
     "apply_rope",
+    "interleaved_table",
 ]
+
+
+def interleaved_table(t: torch.Tensor) -> torch.Tensor:
+    """A half-split cos/sin table [..., hd] (frequency i at i and hd/2 + i) -> the interleaved
+    layout's (frequency i at 2i and 2i + 1), for `is_neox_style: false`."""
+    hd = int(t.shape[-1])
+    return t[..., : hd // 2].repeat_interleave(2, dim=-1)
+
+
+def rotate_pairs(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The interleaved layout's rotate_half: (x0, x1, x2, x3, …) -> (−x1, x0, −x3, x2, …)."""
+    pairs = x.unflatten(-1, (head_dim // 2, 2))
+    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+
+
+def rope(x: torch.Tensor, cos, sin, head_dim: int, interleaved: bool) -> torch.Tensor:
+    """RoPE of x [b, heads, s, hd] in either layout (cos/sin already in that layout)."""
+    if not interleaved:
+        return apply_rope(x, cos, sin, head_dim)
+    return x * cos[:, None] + rotate_pairs(x, head_dim) * sin[:, None]
 
 
 class DraftAttention(nn.Module):
@@ -88,13 +118,17 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(c.num_heads * hd, H, bias=bias)
         self.q_norm = RMSNorm(hd, c.rms_norm_eps)
         self.k_norm = RMSNorm(hd, c.rms_norm_eps)
+        self.interleaved = not getattr(c, "is_neox_style", True)  # a plain attribute
+        self.attention_sink_bias = None  # `attention_sink_bias`: one logit per query head
+        if getattr(c, "attention_sink_bias", False):
+            self.attention_sink_bias = nn.Parameter(torch.zeros(c.num_heads))
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """K/V rows of x [b, n, H] at the positions of cos/sin -> k, v [b, n_kv, n, hd]."""
         b, n, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(b, n, self.n_kv, self.hd)).transpose(1, 2)
         v = self.v_proj(x).view(b, n, self.n_kv, self.hd).transpose(1, 2)
-        return apply_rope(k, cos, sin, self.hd), v
+        return rope(k, cos, sin, self.hd, self.interleaved), v
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_mask=None, blk_mask=None):
         """x [b, B, H] (normed block); ctx_k/ctx_v [b, n_kv, n, hd] already roped;
@@ -103,7 +137,7 @@ class DraftAttention(nn.Module):
         b, B, _ = x.shape
         nh, kvh, hd = self.n_heads, self.n_kv, self.hd
         q = self.q_norm(self.q_proj(x).view(b, B, nh, hd)).transpose(1, 2)
-        q = apply_rope(q, cos, sin, hd)  # [b, nh, B, hd]
+        q = rope(q, cos, sin, hd, self.interleaved)  # [b, nh, B, hd]
         blk_k, blk_v = self.kv(x, cos, sin)  # the block's own K/V: used here, never cached
         # GQA without repeating K/V: query head h uses kv head h // g, so each kv head's g query
         # heads are folded into the row axis, [b, nh, B, hd] -> [b, kvh, g*B, hd]. The context
@@ -117,13 +151,21 @@ class DraftAttention(nn.Module):
         s_blk = q @ blk_k.transpose(-1, -2)  # [b, kvh, g*B, B]
         if blk_mask is not None:
             s_blk = s_blk + blk_mask  # a causal / windowed layer
-        scores = torch.cat([s_ctx, s_blk], dim=-1)  # [b, kvh, g*B, n + B]
+        parts = [s_ctx, s_blk]
+        if self.attention_sink_bias is not None:  # the sink column of row (head, t), then
+            g = nh // kvh  # dropped: a row's weights sum to 1 − p_sink. The weight enters by an
+            # Add with a batch-shaped zero (a Reshape of it alone would be constant-folded by the
+            # exporter into a tensor with no checkpoint source)
+            sink = x.new_zeros(b, 1) + self.attention_sink_bias  # [b, nh]
+            sink = sink.view(b, kvh, g, 1).expand(b, kvh, g, B)
+            parts.append(sink.reshape(b, kvh, g * B, 1))
+        scores = torch.cat(parts, dim=-1)  # [b, kvh, g*B, n + B (+ 1)]
         if scores.dtype == torch.float32:  # a Python branch: an fp32 graph gets no Casts
             probs = scores.softmax(dim=-1)
         else:  # training below fp32: the softmax in fp32
             probs = scores.float().softmax(dim=-1).to(scores.dtype)
         n = ctx_k.shape[2]
-        out = probs[..., :n] @ ctx_v + probs[..., n:] @ blk_v  # [b, kvh, g*B, hd]
+        out = probs[..., :n] @ ctx_v + probs[..., n : n + B] @ blk_v  # [b, kvh, g*B, hd]
         out = out.reshape(b, nh, B, hd).transpose(1, 2).reshape(b, B, nh * hd)
         return self.o_proj(out)
 
@@ -229,19 +271,9 @@ class CandidateSelector(nn.Module):
         self.predecessor_codebook = nn.Embedding(V, r)
         self.successor_codebook = nn.Embedding(V, r)
 
-    def forward(self, hidden, logits, anchor, temperature=None, random_u=None):
-        """hidden [b, n, H] (normed draft rows 1 … B−1), logits [b, n, V], anchor [b] ->
-        the greedy path [b, n]. With temperature [b] and random_u [b, n] (uniforms in [0, 1)):
-        rows of temperature > 0 draw each step from q = softmax(scores / T) (the inverse CDF
-        over the k candidates), the others take the argmax (q one-hot there); returns
-        (path [b, n], candidates [b, n, k], q [b, n, k]).
-
-        The walk is sequential only through the chosen index: every row's scores for every
-        predecessor among the previous row's candidates are one batched product, so is the
-        choice each predecessor leads to (argmax, or the draw with that row's uniform); the walk
-        itself composes those choices (`walk`): few graph nodes, each of which costs a fixed
-        time on a device."""
-        k = min(self.top_k, int(logits.shape[-1]))  # a plain int: static dims in the graph
+    def scores(self, hidden, logits, anchor, k: int):
+        """(cand [b, n, k]: each row's k most likely ids, scores [b, n, k(prev), k]: each
+        candidate's score after each of the previous row's, row 0's after the anchor)."""
         unary, cand = logits.topk(k, dim=-1)  # [b, n, k]
         proj = self.hidden_projection(hidden)  # [b, n, r]
         succ = self.successor_codebook(cand)  # [b, n, k, r]
@@ -256,6 +288,27 @@ class CandidateSelector(nn.Module):
         )  # [b, n, k, r] (row 0: k copies of the anchor's)
         query = pred * proj[:, :, None, :]  # [b, n, k, r]
         scores = unary[:, :, None, :] + query @ succ.transpose(-1, -2)  # [b, n, k(prev), k]
+        return cand, scores
+
+    def pair_logprobs(self, hidden, logits, anchor, k: int):
+        """log q of each of a row's first k candidates after each of the previous row's
+        [b, n, k, k] (contract.DRAFT_PAIR_LOGPROBS; fp16-safe: log_softmax subtracts the max)."""
+        return self.scores(hidden, logits, anchor, k)[1].log_softmax(-1)
+
+    def forward(self, hidden, logits, anchor, temperature=None, random_u=None):
+        """hidden [b, n, H] (normed draft rows 1 … B−1), logits [b, n, V], anchor [b] ->
+        the greedy path [b, n]. With temperature [b] and random_u [b, n] (uniforms in [0, 1)):
+        rows of temperature > 0 draw each step from q = softmax(scores / T) (the inverse CDF
+        over the k candidates), the others take the argmax (q one-hot there); returns
+        (path [b, n], candidates [b, n, k], q [b, n, k]).
+
+        The walk is sequential only through the chosen index: every row's scores for every
+        predecessor among the previous row's candidates are one batched product, so is the
+        choice each predecessor leads to (argmax, or the draw with that row's uniform); the walk
+        itself composes those choices (`walk`): few graph nodes, each of which costs a fixed
+        time on a device."""
+        k = min(self.top_k, int(logits.shape[-1]))  # a plain int: static dims in the graph
+        cand, scores = self.scores(hidden, logits, anchor, k)  # [b, n, k], [b, n, k(prev), k]
         choice = scores.argmax(-1)  # [b, n, k]: the greedy candidate after each predecessor
         sampling = temperature is not None
         if sampling:
@@ -352,10 +405,22 @@ class DFlashDraft(nn.Module):
         self.norm = RMSNorm(H, c.rms_norm_eps)
         self.rope = Rope.from_config(c.raw)
         self.candidate_selector = CandidateSelector(c) if c.dflash2 else None
+        # a reduced draft vocabulary: the draft's own head (its ids mapped by `vocab_map`)
+        dv = getattr(c, "draft_vocab_size", None)
+        self.lm_head = nn.Linear(H, dv, bias=False) if dv is not None else None
+        self._extras = None
+
+    def extras(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(target id of every draft id [draft_vocab_size] or None, the separate mask embedding
+        [H] or None), read from the checkpoint's files once (drafts.py)."""
+        if self._extras is None:
+            self._extras = (read_vocab_map(self.config), read_mask_embedding(self.config))
+        return self._extras
 
     @classmethod
     def from_checkpoint(cls, c: DraftConfig, state: dict[str, torch.Tensor]) -> DFlashDraft:
         model = cls(c)
+        state = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}  # read_vocab_map
         model.load_state_dict(state, strict=True)
         return model.float().eval()
 
@@ -364,12 +429,18 @@ class DFlashDraft(nn.Module):
         return self.hidden_norm(self.fc(features))
 
     def embed(self, block_ids: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
-        return F.embedding(block_ids, embed_weight) * self.config.input_embedding_scale
+        e = F.embedding(block_ids, embed_weight)
+        mask_row = self.extras()[1]
+        if mask_row is not None:  # the separate mask embedding replaces embed[MASK]
+            e = torch.where((block_ids == self.config.mask_token_id)[..., None], mask_row, e)
+        return e * self.config.input_embedding_scale
 
     def forward(self, ctx, ctx_positions, block_emb, block_positions) -> torch.Tensor:
         """ctx [b, n, H] fused features; block_emb [b, B, H] -> normed block hidden [b, B, H]."""
         ccos, csin = self.rope(ctx_positions)
         cos, sin = self.rope(block_positions)
+        if not self.config.is_neox_style:
+            ccos, csin, cos, sin = map(interleaved_table, (ccos, csin, cos, sin))
         B, g = block_emb.shape[1], self.config.num_heads // self.config.num_kv_heads
         h = block_emb
         for layer in self.layers:
@@ -381,6 +452,9 @@ class DFlashDraft(nn.Module):
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft's vocabulary (reduced: its own head, `head_weight` unused)."""
+        if self.lm_head is not None:
+            head_weight = self.lm_head.weight
         logits = F.linear(hidden, head_weight) * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         if cap:
@@ -396,7 +470,9 @@ class DFlashDraft(nn.Module):
         logits = self.logits(h[:, 1:], head_w)
         if self.candidate_selector is not None:  # DFlash-2: the selector's path
             return self.candidate_selector(h[:, 1:], logits, block_ids[:, 0])
-        return logits.argmax(-1)
+        vocab_map = self.extras()[0]
+        tokens = logits.argmax(-1)
+        return tokens if vocab_map is None else vocab_map[tokens]  # target ids
 
 
 class ExportDraft(nn.Module):
@@ -420,6 +496,7 @@ class ExportDraft(nn.Module):
     q_top_k = 0
     #: top-k ids and log-probabilities returned per proposal row (set by the exporter; 0: none)
     top_k = 0
+    pair_k = 0  # a DFlash-2 draft with top_k: its selector's pairwise log q (contract.py)
 
     def __init__(
         self,
@@ -440,8 +517,27 @@ class ExportDraft(nn.Module):
         self.layers, self.norm = draft.layers, draft.norm
         self.candidate_selector = draft.candidate_selector  # DFlash-2 (None: argmax)
         self.rope = RopeTable.from_rope(draft.rope, ctx_len)
+        if not self.c.is_neox_style:  # interleaved RoPE: the same tables, laid out by pairs
+            self.rope = RopeTable(
+                interleaved_table(self.rope.cos), interleaved_table(self.rope.sin)
+            )
         # head_t [H, V]; a tied head is also the embedding table (embed is then None)
-        self.tied, self.head_t, self.embed = vocab_tables(embed_weight, head_weight)
+        self.own_head = draft.lm_head is not None  # a reduced vocabulary: the draft's own head
+        if self.own_head:  # head_t [H, Vd]; the embedding stays the target's
+            self.tied = False
+            self.head_t = frozen(draft.lm_head.weight.detach().float().t().contiguous())
+            self.embed = frozen(embed_weight)
+        else:
+            self.tied, self.head_t, self.embed = vocab_tables(embed_weight, head_weight)
+        vocab_map, mask_row = draft.extras()
+        inverse = None
+        if vocab_map is not None:  # draft id -> target id, and target id -> draft id (or Vd)
+            V, Vd = int(embed_weight.shape[0]), int(vocab_map.shape[0])
+            inverse = torch.full((V,), Vd, dtype=torch.int64)
+            inverse[vocab_map] = torch.arange(Vd)
+        self.register_buffer("vocab_map", vocab_map, persistent=False)  # None: no map
+        self.register_buffer("vocab_inverse", inverse, persistent=False)
+        self.register_buffer("mask_row", mask_row, persistent=False)  # None: embed[MASK]
         self.ctx_len = ctx_len
         self.emit_logits = emit_logits
         # a sliding layer's cache is a ring of its window's slots when that is below ctx_len
@@ -488,6 +584,8 @@ class ExportDraft(nn.Module):
             r_reads = cache_reads(rows, r_index, self.c.num_kv_heads, self.ring)
             r_mask = window_mask(ring_held(start, r_index, M), position_ids, self.ring, g)
         h = embed_rows(input_ids, self.head_t, self.embed)
+        if self.mask_row is not None:  # a separate mask embedding replaces embed[MASK]
+            h = torch.where((input_ids == self.c.mask_token_id)[..., None], self.mask_row, h)
         h = h * self.c.input_embedding_scale  # [b, B, H]
         retained = []
         for i, layer in enumerate(self.layers):
@@ -527,6 +625,19 @@ class ExportDraft(nn.Module):
             conf = 1.0 / torch.exp(top - top[..., :1]).sum(-1)  # [b, B−1]
         if self.top_k:  # the tree's candidates: top-k ids and log-probabilities
             q[DRAFT_TOP_IDS], q[DRAFT_TOP_LOGPROBS] = top_logprobs(logits, self.top_k)
+            if self.pair_k:  # DFlash-2: its selector ranks each branch after its parent
+                anchor = input_ids[:, 0]
+                q[DRAFT_PAIR_LOGPROBS] = self.candidate_selector.pair_logprobs(
+                    hidden, logits, anchor, self.pair_k
+                )
+        if self.vocab_map is not None:  # a reduced vocabulary: every id out is a target id
+            draft_tokens = self.vocab_map[draft_tokens]
+            for name in (DRAFT_Q_IDS, DRAFT_TOP_IDS):
+                if name in q:
+                    q[name] = self.vocab_map[q[name]]
+            if LOGITS in self.output_names:  # over the target's vocabulary, MASK_VALUE elsewhere
+                hidden_col = torch.full_like(logits[..., :1], MASK_VALUE)
+                logits = torch.cat([logits, hidden_col], dim=-1)[..., self.vocab_inverse]
         out = {DRAFT_TOKENS: draft_tokens, DRAFT_CONFIDENCE: conf, LOGITS: logits, **q}
         out.update((retained_name(n), t) for n, t in zip(kv, retained, strict=True))
         return tuple(out[n] for n in self.output_names)  # the contract's outputs, by name

@@ -1,8 +1,9 @@
 """gpt-oss targets: attention sinks, alternating sliding and full layers, a biased top-4 router and
 the clamped SwiGLU experts. See docs/DESIGN.md, gpt-oss targets.
 
-Built from a loaded Hugging Face `GptOssForCausalLM` (its weights and rotary tables only; the
-forward is ours, the same program contract as the dense target, modeling/target.py).
+Built from a Hugging Face `GptOssForCausalLM` (its weights and rotary tables only; the forward is
+ours, the same program contract as the dense target, modeling/target.py): a loaded model, or the
+streaming export's placeholder model of a checkpoint (families/gpt_oss.py, exporter/weights.py).
 
     x = embed(input_ids)                                                       # [b, s, H]
     per layer i (`layer_types`: sliding_attention (window W = 128) and full_attention, alternating):
@@ -59,7 +60,7 @@ from dflash_qaic.modeling.target import fp16_safe_fc_weight
 
 def attend_with_sinks(q, k, v, sinks, dims, scale, slots, rows, reads, mask, cache_k, cache_v):
     """`modeling.target.attend` with a per-head sink logit: q [b, nh, s, hd]; k, v [b, kvh, s, hd];
-    sinks [nh]; the rest as `attend` takes them. The softmax runs over the keys and the sink
+    sinks [1, kvh, nh / kvh, 1, 1]; the rest as `attend` takes them. The softmax runs over the keys and the sink
     together, and the sink's share is dropped: out = Σ_j p_j v_j with Σ_j p_j = 1 − p_sink."""
     b, s, nh, kvh, hd = dims
     cache_k, keys = update_cache(cache_k, rows, slots, k, reads)  # [b, kvh, L, hd]
@@ -67,8 +68,10 @@ def attend_with_sinks(q, k, v, sinks, dims, scale, slots, rows, reads, mask, cac
     g = nh // kvh
     q = q.reshape(b, kvh, g * s, hd) * scale  # query head h = kv head h // g (see `attend`)
     scores = q @ keys.transpose(2, 3) + mask  # [b, kvh, g*s, L]
-    # the sink column of row (head, t): head = kvh·g + its group index, g blocks of s rows
-    sink = sinks.view(1, kvh, g, 1, 1).expand(b, kvh, g, s, 1).reshape(b, kvh, g * s, 1)
+    # the sink column of row (head, t): head = kvh·g + its group index, g blocks of s rows;
+    # sinks [1, kvh, g, 1, 1] as held (a view of the checkpoint's [nh]: a weight the exporter
+    # would constant-fold if the module reshaped it)
+    sink = sinks.expand(b, kvh, g, s, 1).reshape(b, kvh, g * s, 1)
     probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]  # [b, kvh, g*s, L]
     out = (probs @ values).view(b, nh, s, hd)
     return out.transpose(1, 2).reshape(b, s, nh * hd), cache_k, cache_v
@@ -83,7 +86,8 @@ class SinkAttention(nn.Module):
         self.k_proj = frozen_linear(hf.k_proj)
         self.v_proj = frozen_linear(hf.v_proj)
         self.o_proj = frozen_linear(hf.o_proj)
-        self.sinks = frozen(hf.sinks)  # [nh]
+        g = n_heads // n_kv_heads
+        self.sinks = frozen(hf.sinks.view(1, n_kv_heads, g, 1, 1))  # [nh] by kv head and group
 
     def forward(self, x, cos, sin, slots, rows, reads, mask, cache_k, cache_v):
         # as modeling/target.py Attention.forward; mask is this layer kind's (modeling/kinds.py)

@@ -169,6 +169,21 @@ def ctx_scatter_cb(cache, rows, slots, updates) -> torch.Tensor:
     return CtxScatterCB.apply(cache, rows, slots, updates)
 
 
+def read_cache(cache, rows, reads) -> torch.Tensor:
+    """The call's view [b, h, L, d] of a cache as it came in (a tree program reads the prefix
+    before it writes: `attention.attend_tree`); rows, reads as `update_cache` takes them."""
+    if rows is None:
+        return cache if reads is None else cache[:, :, reads]
+    return F.embedding(reads, cache.flatten(0, 2))
+
+
+def write_cache(cache, rows, slots, new) -> torch.Tensor:
+    """`new` [b, h, s, d] written at `slots` [b, s] (cache rows `rows`, or None): the cache."""
+    return (
+        ctx_scatter(cache, slots, new) if rows is None else ctx_scatter_cb(cache, rows, slots, new)
+    )
+
+
 def update_cache(cache, rows, slots, new, reads=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Write `new` [b, h, s, d] at `slots` [b, s] and return (the updated cache, the call's view
     of it [b, h, L, d]). rows [b, 1] (from `cache_rows`) with continuous batching, else None (the

@@ -240,6 +240,7 @@ def sample_next_tokens(
     q_probs: torch.Tensor | None = None,
     floor: torch.Tensor | None = None,
     block: bool = False,
+    plain: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The token committed at every row under the lossless rule (docs/DESIGN.md, Sampling).
 
@@ -264,6 +265,9 @@ def sample_next_tokens(
 
     block: block verification (`_block`, docs/DESIGN.md, Block verification): returns
     (tokens [b, s], accepted [b]): a row commits its first accepted + 1 tokens.
+
+    plain: no row has a proposal: every sampling row draws from p (tree verification, where a
+    node's children are only checked against its draw; docs/DESIGN.md, Tree verification).
     """
     greedy = logits.argmax(dim=-1)  # [b, s]
     rows = _leading_rows(random_u)  # [n]: 0 … n−1
@@ -276,6 +280,8 @@ def sample_next_tokens(
     proposal = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).index_select(1, rows)
     next_pos = torch.cat([position_ids[:, 1:], position_ids[:, :1] * 0 - 1], dim=1)
     has = next_pos.index_select(1, rows) >= 0  # [b, n]
+    if plain:
+        has = torch.zeros_like(has)
     w_d = torch.where(has, w.gather(-1, proposal[..., None])[..., 0], 0.0)  # [b, n]
     total = _tree_total(w, vocab)  # [b, n]
     if block:

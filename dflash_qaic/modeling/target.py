@@ -55,6 +55,7 @@ from dflash_qaic.contract import (
     POSITION_IDS,
     SAMPLING_INPUTS,
     TOKEN_BITMASK,
+    TREE_MASK,
 )
 from dflash_qaic.contract import retained as retained_name
 from dflash_qaic.families import base as kinds
@@ -77,7 +78,7 @@ from dflash_qaic.modeling.layers import (
     vocab_tables,
 )
 from dflash_qaic.modeling.moe import SparseMoeBlock
-from dflash_qaic.modeling.ops import cache_reads, cache_rows, cache_slots
+from dflash_qaic.modeling.ops import cache_reads, cache_rows, cache_slots, write_cache
 from dflash_qaic.modeling.sampler import (
     SAMPLING_CANDIDATES,
     mask_logits,
@@ -153,6 +154,7 @@ class Call:
 
     attention: tuple
     deltanet: tuple | None = None
+    tree: bool = False  # a tree program (contract.TREE): layers write their caches after it
     ones: torch.Tensor | None = None  # [b, s] ones, idx [s] = 0 … s-1 (DeltaNet's commit)
     idx: torch.Tensor | None = None
 
@@ -172,6 +174,9 @@ class ExportTarget(nn.Module):
 
     #: block verification (contract.BLOCK; set by the exporter): also returns num_accepted
     block_verify = False
+    #: tree verification (contract.TREE; set by the exporter): takes tree_mask, returns
+    #: num_accepted and its outputs in path order (`accept_path`)
+    tree = False
 
     def __init__(
         self,
@@ -290,7 +295,7 @@ class ExportTarget(nn.Module):
             **options,
         )
 
-    def call(self, position_ids, batch_index, window) -> Call:
+    def call(self, position_ids, batch_index, window, tree_mask=None) -> Call:
         """What every layer of a call shares (see `Call`)."""
         ctx_len = self.ctx_len
         rows = cache_rows(batch_index) if batch_index is not None else None  # -1 -> row 0
@@ -300,6 +305,10 @@ class ExportTarget(nn.Module):
         # slots after a rejection hidden, and a padding row (position -1) sees nothing.
         kv_index = window if window is not None else torch.arange(ctx_len)  # [L]
         visible = kv_index <= position_ids[..., None]  # [b, s, L]
+        if tree_mask is not None:  # the prefix below the root's position, then the tree's rows
+            prefix = kv_index < position_ids[:, :1, None]  # [b, 1, L]
+            prefix = prefix & (position_ids[..., None] >= 0)  # [b, s, L]
+            visible = torch.cat([prefix, tree_mask != 0], dim=-1)  # [b, s, L + s]
         # the additive mask, once per call, laid out as attention's rows (kv head's g query
         # heads folded into the row axis, see attention.attend): [b, 1, g*s, L]
         attn = self.attention
@@ -307,7 +316,7 @@ class ExportTarget(nn.Module):
         mask = (~visible).to(torch.float32) * MASK_VALUE  # [b, s, L]: 0 or MASK_VALUE
         mask = torch.cat([mask] * g, dim=1)[:, None]
         reads = cache_reads(rows, window, attn.n_kv_heads, ctx_len)  # shared by every layer
-        call = Call((cos, sin, slots, rows, reads, mask))
+        call = Call((cos, sin, slots, rows, reads, mask), tree=tree_mask is not None)
         if self.linear_layers:
             call.ones = position_ids * 0 + 1  # [b, s]
             call.idx = call.ones[0].cumsum(0) - 1  # [s]: 0 … s-1
@@ -332,7 +341,8 @@ class ExportTarget(nn.Module):
         q = {"q_ids": x[DRAFT_Q_IDS], "q_probs": x[DRAFT_Q_PROBS]} if DRAFT_Q_IDS in x else {}
         names = self.retained_inputs
         past = [x[n] for n in names]
-        call = self.call(position_ids, batch_index, window)
+        tree_mask = x[TREE_MASK] if self.tree else None  # [b, s, s]
+        call = self.call(position_ids, batch_index, window, tree_mask)
 
         x = embed_rows(input_ids, self.head_t, self.embed)  # [b, s, H]
         last = len(self.layers) - 1
@@ -341,7 +351,7 @@ class ExportTarget(nn.Module):
             x, retained[2 * i], retained[2 * i + 1], pend = layer(
                 x, call, past[2 * i], past[2 * i + 1]
             )
-            if pend is not None:
+            if pend is not None:  # a DeltaNet layer's commit, a tree layer's K/V rows
                 pending[i] = pend
             if i in self.target_layer_ids and i != last:
                 taps[i] = x  # raw decoder-layer output = HF hidden_states[i + 1]
@@ -360,12 +370,25 @@ class ExportTarget(nn.Module):
             next_tokens = sample_next_tokens(
                 logits, input_ids, position_ids, *sampling, vocab, self.sampling_candidates, **q,
                 **({"block": True} if self.block_verify else {}),
+                **({"plain": True} if self.tree else {}),
             )  # fmt: skip
             if self.block_verify:  # contract.BLOCK: the accepted count decided in the graph
                 next_tokens, accepted[NUM_ACCEPTED] = next_tokens
         else:
             next_tokens = logits.argmax(dim=-1)  # [b, s] int64
         out = {NEXT_TOKENS: next_tokens, LOGITS: logits, **accepted}
+        hidden = self.fuse(torch.cat([taps[j] for j in self.target_layer_ids], dim=-1))
+        if self.tree:  # the accepted path: its K/V written, the outputs in its order
+            path, slots, out[NUM_ACCEPTED] = accept_path(
+                input_ids, position_ids, next_tokens, tree_mask, self.ctx_len
+            )
+            rows = call.attention[3]
+            for i, (k, v) in pending.items():
+                retained[2 * i] = write_cache(retained[2 * i], rows, slots, k)
+                retained[2 * i + 1] = write_cache(retained[2 * i + 1], rows, slots, v)
+            pending = {}
+            out[NEXT_TOKENS] = next_tokens.gather(1, path)
+            hidden = hidden.gather(1, path[..., None].expand_as(hidden))
         if pending:  # DeltaNet layers: the state after the committed positions only
             count = committed_count(
                 input_ids, position_ids, next_tokens, call.ones, self.block_size
@@ -374,7 +397,7 @@ class ExportTarget(nn.Module):
                 net = self.layers[i].linear_attn
                 retained[2 * i], retained[2 * i + 1] = net.commit(pend, count, call.idx)
             out[NUM_COMMITTED] = count
-        out[HIDDEN_STATES] = self.fuse(torch.cat([taps[j] for j in self.target_layer_ids], dim=-1))
+        out[HIDDEN_STATES] = hidden
         out.update((retained_name(n), t) for n, t in zip(names, retained, strict=True))
         return tuple(out[n] for n in self.output_names)  # the contract's outputs, by name
 
@@ -390,6 +413,38 @@ class ExportTarget(nn.Module):
         m = feats.abs().amax(-1, keepdim=True).clamp(min=1.0)  # [b, s, 1]
         eps_root = math.sqrt(self.hidden_norm.eps) / self.fc_scale
         return self.hidden_norm(self.fc(feats / m), (eps_root / m).clamp(min=2.0**-24))
+
+
+def accept_path(input_ids, position_ids, choice, tree_mask, ctx_len: int):
+    """Tree verification's acceptance (docs/DESIGN.md, Tree verification), every row at once.
+
+    input_ids, position_ids, choice (the token picked at each node) [b, s]; tree_mask [b, s, s]
+    (row r sees row c: c is r or an ancestor; ancestors come before their descendants). Node r
+    is accepted when every node on its path from the root carries the token picked at its
+    parent; siblings carry distinct tokens, so the accepted nodes form one path. Returns
+    (path [b, s]: the accepted node at depth d for d ≤ accepted, d itself past it;
+    slots [b, s]: where each row's K/V goes, its position on the path, row r's own slot
+    start + r past the path (a prefill chunk's rows), the padding slot otherwise;
+    accepted [b]: the path's nodes after the root)."""
+    idx = (input_ids[0] * 0 + 1).cumsum(0) - 1  # [s]: 0 … s−1 (a Range would lose the dim)
+    mask = tree_mask != 0  # [b, s, s]
+    parent = torch.where(mask & (idx[None, :] < idx[:, None]), idx + 1, 0).amax(-1) - 1  # [b, s]
+    picked = choice.gather(1, parent.clamp(min=0))  # the token chosen at each row's parent
+    # (bool Where and bool reductions are written as And/Or and integer sums: ONNX Runtime
+    # has no kernels for them)
+    ok = ((parent < 0) & (idx == 0)) | ((parent >= 0) & (input_ids == picked))
+    ok = ok & (position_ids >= 0)
+    bad = (mask & ~ok[:, None, :]).to(torch.int64).sum(-1)  # [b, s]: ancestors-or-self not ok
+    on_path = bad == 0
+    accepted = (on_path.to(torch.int64).sum(-1) - 1).clamp(min=0)  # [b]
+    start = position_ids[:, :1]  # [b, 1]: the root's position
+    depth = position_ids - start  # [b, s]
+    at = (on_path[:, :, None] & (depth[:, :, None] == idx)).to(torch.int64)  # [b, node, depth]
+    path = torch.where(at.sum(1) > 0, (at * idx[None, :, None]).sum(1), idx)  # [b, s]
+    beyond = idx > accepted[:, None]
+    slots = torch.where(on_path, position_ids, torch.where(beyond, start + idx, ctx_len - 1))
+    slots = torch.where(position_ids < 0, ctx_len - 1, slots)
+    return path, slots, accepted
 
 
 def _config_path(cfg) -> Path:

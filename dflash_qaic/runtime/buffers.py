@@ -74,6 +74,9 @@ class TargetCall:
     # structured output: int32 [rows, n, words], the grammar's allowed tokens per row (all
     # ones, -1, on a row without a grammar); None when the program has no token bitmask
     mask: np.ndarray | None = None
+    # a tree program (contract.TREE_MASK): int32 [rows, n, n], row r sees row c; lower-
+    # triangular (a chain) unless a tree step writes a tree (runtime/tree.py)
+    tree: np.ndarray | None = None
 
 
 @dataclass
@@ -122,16 +125,22 @@ class _Shared:
         if mask is None and self.target_io.token_bitmask:
             words = contract.bitmask_words(self.target_io.vocab_size)
             mask = np.full((*ids.shape, words), -1, np.int32)
+        tree = None
+        if self.target_io.tree:
+            rows, n = ids.shape
+            tree = np.broadcast_to(np.tri(n, dtype=np.int32), (rows, n, n)).copy()
         feeds = {}
         for s in sample_lens:
             arrays = {contract.INPUT_IDS: ids, contract.POSITION_IDS: pos, **self._common()}
+            if tree is not None:
+                arrays[contract.TREE_MASK] = tree
             if self.plan.sampling:
                 arrays.update(self.sampling.arrays(s))
                 arrays.update(self.q)
             if mask is not None:
                 arrays[contract.TOKEN_BITMASK] = mask
             feeds[s] = bind(self.target_io, arrays)
-        return TargetCall(ids, pos, feeds, mask)
+        return TargetCall(ids, pos, feeds, mask, tree)
 
     def draft_call(self, ctx, ctx_pos, blk_ids, blk_pos) -> DraftCall:
         arrays = {

@@ -76,6 +76,10 @@ class EngineConfig:
         vLLM's scheduler expects this (a step either prefills a request or decodes it; the
         plugin's worker, dflash_qaic/vllm/, sets it).
     fill_forced_tokens: structured output fills the tokens its grammar forces (runtime/grammar.py).
+    tree_budget: a tree program's steps (docs/DESIGN.md, Tree verification): None picks the
+        tree's size each step from its expected tokens and the measured call costs, over the
+        verify lengths and the exported tree budgets; N verifies a tree of N rows every step
+        (an exported budget); 0 verifies chains only.
     """
 
     mode: str = "dflash"
@@ -86,6 +90,7 @@ class EngineConfig:
     # structured output: where the grammar allows one token, it replaces the draft's proposal
     # (False: the proposals as drafted, to measure what filling gains)
     fill_forced_tokens: bool = True
+    tree_budget: int | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -110,6 +115,25 @@ class EngineConfig:
                 )
             lengths = sorted(set(chosen))
         return lengths if confidence else [B]
+
+    def tree_sizes(self, plan: contract.ShapePlan, lengths: list[int]) -> list[int]:
+        """The row counts a tree step picks from ([] : chains only), checked against the plan."""
+        n = self.tree_budget
+        if not plan.tree_budgets or n == 0:
+            if n:
+                raise ValueError(
+                    f"tree_budget {n}: these artifacts have no tree budgets (export with "
+                    "--tree-budgets, e.g. 16,32,64); 0 or None verifies chains"
+                )
+            return []
+        if n is None:
+            return sorted({*lengths, *plan.tree_budgets})
+        if isinstance(n, bool) or n not in plan.tree_budgets:
+            raise ValueError(
+                f"tree_budget {n!r}: the target has tree budgets {list(plan.tree_budgets)}; pick "
+                "one of them, 0 (chains) or None (chosen per step)"
+            )
+        return [n]
 
 
 class BatchEngine:
@@ -142,19 +166,22 @@ class BatchEngine:
         self.config, self.plan = config, plan
         N, B, dflash = plan.cache_rows, plan.block_size, config.mode == "dflash"
         lengths = config.step_lengths(plan, draft_io.confidence)
+        trees = config.tree_sizes(plan, lengths) if config.mode == "dflash" else []
         self.per_step = False  # block verification: each step its own uniforms (sequence.py)
         self.max_running = min(config.max_running or N, N)
         self.block_size = B
         state = SlotState(N, B)
-        bufs = StepBuffers(plan, lengths, target_io, draft_io, mask_token_id)
+        bufs = StepBuffers(plan, sorted({*lengths, *trees}), target_io, draft_io, mask_token_id)
         self.sampling = bufs.sampling  # the step calls' per-slot settings
         prefill_bufs = PrefillBuffers(plan, target_io, draft_io, mask_token_id)
         self.prefill = Prefill(plan, target, draft, prefill_bufs, state, dflash)
         if dflash:
             costs = costs if costs is not None else StepCosts()
             rule = target_io.verify_rule if target_io.block_verify else contract.CHAIN
+            if trees:
+                rule = contract.TREE
             self.per_step = rule == contract.BLOCK
-            self.spec = DFlashStep(plan, target, draft, bufs, state, lengths, costs, rule)
+            self.spec = DFlashStep(plan, target, draft, bufs, state, lengths, costs, rule, trees)
         else:
             self.spec = DecodeStep(plan, target, draft, bufs, state)
         self.spec.masks.fill = config.fill_forced_tokens

@@ -95,12 +95,14 @@ class Pipeline(RequestChecks):
         `pipe.configure(verify_lengths=[pipe.B])`), checked against these artifacts; engines
         made afterwards use it. Returns the config it replaced."""
         new = dataclasses.replace(config or self.config, **changes)
-        new.step_lengths(self.plan, self.artifacts.draft.io.confidence)  # ValueError if unfit
+        lengths = new.step_lengths(self.plan, self.artifacts.draft.io.confidence)  # ValueError
+        new.tree_sizes(self.plan, lengths)  # if unfit
         old, self.config = self.config, new
         return old
 
     # read-only views of the config (assigning one is an error: use configure)
     verify_lengths = property(lambda self: self.config.verify_lengths)
+    tree_budget = property(lambda self: self.config.tree_budget)
     max_running = property(lambda self: self.config.max_running)
     prefill_chunks_per_step = property(lambda self: self.config.prefill_chunks_per_step)
 

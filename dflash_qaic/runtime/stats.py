@@ -101,6 +101,16 @@ class StepCosts:
             np.copyto(out, n, where=lost < self.LOSS)
         return out
 
+    def best_rows(self, sizes: list[int], gains: np.ndarray) -> int:
+        """The row count of most expected tokens per second: gains[i], the expected tokens a
+        call of sizes[i] rows commits. Until every size and a draft call have been timed, the
+        largest untimed size (each is tried before it can be compared)."""
+        untimed = [n for n in sizes if n not in self.verify_s]
+        if untimed or self.draft_s is None:
+            return max(untimed or sizes)
+        rates = [g / (self.verify_s[n] + self.draft_s) for n, g in zip(sizes, gains, strict=True)]
+        return sizes[int(np.argmax(rates))]
+
     def best_length(self, lengths: list[int], confidences: list[np.ndarray] | np.ndarray) -> int:
         """The verify length of a greedy call for rows with these confidences ([rows, B−1]):
         the most expected committed tokens per second (the longest until a call of it and a

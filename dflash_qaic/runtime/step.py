@@ -95,6 +95,7 @@ class SlotState:
         # (contract.DRAFT_TOP_IDS / DRAFT_TOP_LOGPROBS), what a tree verifier builds from
         self.top_ids: np.ndarray | None = None
         self.top_logprobs: np.ndarray | None = None
+        self.top_pair: np.ndarray | None = None  # a DFlash-2 draft's (DRAFT_PAIR_LOGPROBS)
 
     def keep_q(self, out: dict, rows) -> None:
         """Store the q (and top-k) a draft call returned for `rows` (allocated at the first)."""
@@ -106,6 +107,11 @@ class SlotState:
                 self.top_logprobs = np.zeros((n, *top.shape[1:]), np.float32)
             self.top_ids[rows] = top
             self.top_logprobs[rows] = out[contract.DRAFT_TOP_LOGPROBS]
+            pair = out.get(contract.DRAFT_PAIR_LOGPROBS)
+            if pair is not None:
+                if self.top_pair is None:
+                    self.top_pair = np.zeros((len(self.alive), *pair.shape[1:]), np.float32)
+                self.top_pair[rows] = pair
         ids = out.get(contract.DRAFT_Q_IDS)
         if ids is None:
             return
@@ -312,7 +318,8 @@ class ChainVerifier:
             check_committed("verify", out, rows, acc[rows] + 1, seqs)
         k = acc + 1  # committed tokens per row: the draft's context rows
         k *= st.alive
-        d.ctx[:, :n] = out[contract.HIDDEN_STATES]
+        m = min(n, s.plan.block_size)  # a tree's path is at most B rows (its depths < B)
+        d.ctx[:, :m] = out[contract.HIDDEN_STATES][:, :m]
         np.add(st.start[:, None], s._arange_b, out=d.ctx_pos)  # from the anchor's position
         np.copyto(d.ctx_pos, contract.PAD_POSITION, where=s._arange_b >= k[:, None])
         st.start += k
@@ -348,6 +355,10 @@ class BlockVerifier(ChainVerifier):
 
 def verifier(step: DFlashStep, rule: str) -> ChainVerifier:
     """The verifier of a target program's verify rule (contract.TargetIO.verify_rule)."""
+    if rule == contract.TREE:
+        from dflash_qaic.runtime.tree import TreeVerifier
+
+        return TreeVerifier(step)
     return {contract.CHAIN: ChainVerifier, contract.BLOCK: BlockVerifier}[rule](step)
 
 
@@ -362,9 +373,13 @@ class DFlashStep(_Step):
     are padding (-1), so it accepts at most the proposals before them and commits up to the
     last position the context holds (docs/DESIGN.md, Runtime: the end of the context)."""
 
-    def __init__(self, plan, target, draft, bufs, state, lengths, costs: StepCosts, rule=None):
+    def __init__(
+        self, plan, target, draft, bufs, state, lengths, costs: StepCosts, rule=None, trees=()
+    ):
+        """lengths: the chain verify lengths a step picks from; trees: a tree step's row
+        counts (EngineConfig.tree_sizes; rule contract.TREE)."""
         super().__init__(plan, target, draft, bufs, state)
-        self.lengths, self.costs = list(lengths), costs
+        self.lengths, self.costs, self.trees = list(lengths), costs, list(trees)
         self.furthest = 0  # the largest start after the last verify
         self.verifier = verifier(self, rule or contract.CHAIN)
 
