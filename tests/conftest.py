@@ -15,7 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from dflash_lab.tiny import make_tiny_pair
+# One thread per test process, set before torch is imported (subprocesses inherit it): the fast
+# tier runs two workers on two cores, and torch's default of a thread per core puts 4 spinning
+# OpenMP threads on 2 cores, which made the tiny models' matmuls ~4x slower than one thread
+# (the conformance ladder's reference rung: 60 s -> 13 s). ONNX Runtime sessions do not spin
+# (runtime/backends.py) and keep their own thread count.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from dflash_lab.tiny import make_tiny_pair  # noqa: E402
 
 # the cache of checked artifact files (dflash_qaic/artifacts/files.py): one per test run, not the user's
 os.environ.setdefault("DFLASH_QAIC_CACHE_DIR", tempfile.mkdtemp(prefix="dflash-qaic-cache-"))
@@ -74,6 +81,14 @@ def planned_chunks():
         return out
 
     return plan
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """torch.set_num_threads as OMP_NUM_THREADS above says (torch may be imported already)."""
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -203,9 +218,33 @@ def exported(tiny_pair, tmp_path_factory):
 
 # ---------------------------------------------------------------- xdist: what shares a worker
 
-#: the test files that take longest (real servers, the ladder): started first, so that no
-#: worker picks one of them up last while the other sits idle
-LONGEST_FIRST = ("test_vllm.py", "test_replicas.py", "test_conformance.py")
+#: the test files that take longest, longest first (per-file totals of a measured `make test`;
+#: the ladder's cases are its own units), so that no worker picks one of them up last while the
+#: other sits idle; the files not named are each shorter and follow in name order
+LONGEST_FIRST = (
+    "test_conformance.py",
+    "test_sliding.py",
+    "test_reliability.py",
+    "test_batching.py",
+    "test_vllm.py",  # its server starts in its own process: the worker mostly waits
+    "test_sampling.py",
+    "test_bench.py",
+    "test_hybrid.py",
+    "test_fp16.py",
+    "test_default_pair.py",
+    "test_verify_lengths.py",
+    "test_runtime.py",
+    "test_streaming_export.py",
+    "test_export_cli.py",
+    "test_target_export.py",
+    "test_integrity.py",
+    "test_seeded_batches.py",
+    "test_moe_runtime.py",
+    "test_train.py",
+    "test_serve_batching.py",
+    "test_serve.py",
+    "test_replicas.py",
+)
 
 
 def _scope(nodeid: str) -> str:
