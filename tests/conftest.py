@@ -229,6 +229,7 @@ LONGEST_FIRST = (
     "test_vllm.py",  # its server starts in its own process: the worker mostly waits
     "test_sampling.py",
     "test_bench.py",
+    "test_tree_verify.py",
     "test_hybrid.py",
     "test_fp16.py",
     "test_default_pair.py",
