@@ -289,10 +289,7 @@ def _decode(pipe, f: dict, args, other: dict | None = None) -> tuple[dict, dict]
     bandwidth = {"copy_Bps": copy_Bps, "weight_bytes": weights}  # the LLC: in "machine"
     parts = {"temperatures": sections, "profile": profile, "bandwidth": bandwidth, "peers": peers}
     if args.tree_budgets:
-        parts["trees"] = [
-            {"draft": report.draft_label(report.draft_summary(f, [])), **t}
-            for t in _trees(pipe, prompts, args)
-        ]
+        parts["trees"] = _trees(pipe, prompts, args, f)
     if other is not None:
         c = parts["compare"] = _compare(prompts, args)
         parts["drafts"] = [
@@ -306,7 +303,7 @@ def _compare(prompts, args) -> dict:
     """The --compare artifacts loaded after ours and measured the same way: same prompts,
     temperatures, rounds and seeds, each DFlash run against the target alone of its round."""
     import dflash_qaic
-    from dflash_qaic.bench import report, run
+    from dflash_qaic.bench import run
 
     pipe = dflash_qaic.load(
         args.compare, backend=args.backend, threads=args.ort_threads, check_files=args.check_files
@@ -315,12 +312,8 @@ def _compare(prompts, args) -> dict:
     f = run.facts(pipe, args.compare)
     sections, _ = _measure(pipe, prompts, args, f["block_size"])
     skipped = {"skipped": "measured for the benchmarked artifacts only"}
-    label = report.draft_label(report.draft_summary(f, []))
-    trees = (
-        [{"draft": label, **t} for t in _trees(pipe, prompts, args)] if args.tree_budgets else []
-    )
     return {
-        "trees": trees,
+        "trees": _trees(pipe, prompts, args, f) if args.tree_budgets else [],
         "artifacts": {**f, "backend": pipe.backend},
         "temperatures": sections,
         "profile": skipped,
@@ -346,8 +339,10 @@ def tree_budgets(text: str | None) -> list:
     return out
 
 
-def _trees(pipe, prompts, args) -> list[dict]:
-    """DFlash at each tree budget (the target alone beside it in each round, as everywhere)."""
+def _trees(pipe, prompts, args, f: dict) -> list[dict]:
+    """DFlash at each tree budget (the target alone beside it in each round, as everywhere),
+    each entry labelled with the draft of `f` (run.facts)."""
+    from dflash_qaic.bench.report import draft_label
     from dflash_qaic.bench.run import BenchError
 
     if not pipe.plan.tree_budgets:
@@ -365,7 +360,8 @@ def _trees(pipe, prompts, args) -> list[dict]:
                 raise BenchError(f"--tree-budgets: {e}") from None
             _log(f"tree budget {'auto' if budget is None else budget}:")
             sections, _ = _measure(pipe, prompts, args, pipe.B)
-            out.append({"budget": budget, "temperatures": sections})
+            label = draft_label({"form": f["draft_form"], "path": f["path"]})
+            out.append({"draft": label, "budget": budget, "temperatures": sections})
     finally:
         pipe.configure(old)
     return out

@@ -41,7 +41,7 @@ class Attention(nn.Module):
         # x [b, s, H]; call: the call's cos/sin [b, s, hd], slots [b, s], rows [b, 1] or None,
         # reads (ops.cache_reads) and additive mask [b, 1, g*s, L] (modeling/target.py, Call);
         # cache_k/cache_v [b, kvh, ctx, hd], or [N, kvh, ctx, hd] with continuous batching
-        cos, sin, slots, rows, reads, mask = call.attention
+        cos, sin = call.attention[:2]
         b, s, _ = x.shape
         nh, kvh, hd = self.n_heads, self.n_kv_heads, self.head_dim
         q = self.q_proj(x).view(b, s, nh, hd)
@@ -52,14 +52,9 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin, hd)  # [b, nh, s, hd]
         k = apply_rope(k.transpose(1, 2), cos, sin, hd)  # [b, kvh, s, hd]
         dims = (b, s, nh, kvh, hd)
-        if call.tree:  # tree verification: written after the call accepts (target.py)
-            out = attend_tree(q, k, v, dims, self.scale, rows, reads, mask, cache_k, cache_v)
-            pending = (k, v)
-        else:
-            out, cache_k, cache_v = attend(
-                q, k, v, dims, self.scale, slots, rows, reads, mask, cache_k, cache_v
-            )
-            pending = None
+        out, cache_k, cache_v, pending = attend_call(
+            q, k, v, dims, self.scale, call, cache_k, cache_v
+        )
         return self.o_proj(out), cache_k, cache_v, pending
 
 
@@ -67,10 +62,30 @@ def attend(q, k, v, dims, scale, slots, rows, reads, mask, cache_k, cache_v):
     """Write k, v into the caches and attend: q [b, nh, s, hd]; k, v [b, kvh, s, hd]; dims
     (b, s, nh, kvh, hd); the rest as `Attention.forward` takes them. Returns
     (out [b, s, nh*hd], cache_k, cache_v). Shared by every attention layer of a target."""
-    b, s, nh, kvh, hd = dims
     cache_k, keys = update_cache(cache_k, rows, slots, k, reads)  # keys [b, kvh, L, hd]
     cache_v, values = update_cache(cache_v, rows, slots, v, reads)
+    return softmax_attention(q, keys, values, dims, scale, mask), cache_k, cache_v
 
+
+def attend_call(q, k, v, dims, scale, call, cache_k, cache_v):
+    """`attend` with the call's slots, rows, reads and mask (modeling/target.py, Call) ->
+    (out, cache_k, cache_v, pending). A tree program's call (docs/DESIGN.md, Tree
+    verification) attends to the committed prefix read from the caches as they came in, then
+    to its own rows (mask [b, 1, g*s, L + s]: the prefix by position, the rows by the tree
+    mask), and leaves the caches unwritten: `pending` (k, v) is written once the call has
+    accepted its path (target.py, `accept_path`)."""
+    _, _, slots, rows, reads, mask = call.attention
+    if not call.tree:
+        return (*attend(q, k, v, dims, scale, slots, rows, reads, mask, cache_k, cache_v), None)
+    keys = torch.cat([read_cache(cache_k, rows, reads), k], dim=2)  # [b, kvh, L + s, hd]
+    values = torch.cat([read_cache(cache_v, rows, reads), v], dim=2)
+    return softmax_attention(q, keys, values, dims, scale, mask), cache_k, cache_v, (k, v)
+
+
+def softmax_attention(q, keys, values, dims, scale, mask):
+    """softmax(q·kᵀ · scale + mask) · v: q [b, nh, s, hd]; keys, values [b, kvh, L, hd]; mask
+    additive, [b, 1, g*s, L] -> [b, s, nh*hd]."""
+    b, s, nh, kvh, hd = dims
     # GQA without repeating the cache: query head h uses kv head h // g, so fold each kv
     # head's g query heads into the row axis: [b, nh, s, hd] -> [b, kvh, g*s, hd].
     g = nh // kvh
@@ -80,22 +95,6 @@ def attend(q, k, v, dims, scale, slots, rows, reads, mask, cache_k, cache_v):
     # whose exp is exactly 0 in fp16 and fp32 whenever the row sees any key
     probs = (q @ keys.transpose(2, 3) + mask).softmax(dim=-1)  # [b, kvh, g*s, L]
     out = (probs @ values).view(b, nh, s, hd)  # [b, nh, s, hd]
-    return out.transpose(1, 2).reshape(b, s, nh * hd), cache_k, cache_v
-
-
-def attend_tree(q, k, v, dims, scale, rows, reads, mask, cache_k, cache_v):
-    """Attention of a tree program (docs/DESIGN.md, Tree verification): the keys are the
-    committed prefix read from the caches as they came in, then the call's own rows; the
-    caches are written once, after the call has accepted its path (`write_path`). mask
-    [b, 1, g*s, L + s]: the prefix part by position, the call's part the tree mask. Returns
-    out [b, s, nh*hd]."""
-    b, s, nh, kvh, hd = dims
-    keys = torch.cat([read_cache(cache_k, rows, reads), k], dim=2)  # [b, kvh, L + s, hd]
-    values = torch.cat([read_cache(cache_v, rows, reads), v], dim=2)
-    g = nh // kvh
-    q = q.reshape(b, kvh, g * s, hd) * scale
-    probs = (q @ keys.transpose(2, 3) + mask).softmax(dim=-1)  # [b, kvh, g*s, L + s]
-    out = (probs @ values).view(b, nh, s, hd)
     return out.transpose(1, 2).reshape(b, s, nh * hd)
 
 
@@ -116,7 +115,7 @@ class GatedAttention(nn.Module):
     retained = staticmethod(Attention.retained)
 
     def forward(self, h, call, cache_k, cache_v):
-        cos, sin, slots, rows, reads, mask = call.attention
+        cos, sin = call.attention[:2]
         b, s, _ = h.shape
         nh, kvh, hd, rd = self.n_heads, self.n_kv_heads, self.head_dim, self.rotary_dim
         q, gate = self.q_proj(h).view(b, s, nh, 2 * hd).split([hd, hd], dim=-1)
@@ -126,14 +125,9 @@ class GatedAttention(nn.Module):
         q = torch.cat([apply_rope(q[..., :rd], cos, sin, rd), q[..., rd:]], dim=-1)
         k = torch.cat([apply_rope(k[..., :rd], cos, sin, rd), k[..., rd:]], dim=-1)
         dims = (b, s, nh, kvh, hd)
-        if call.tree:  # tree verification: written after the call accepts (target.py)
-            out = attend_tree(q, k, v, dims, self.scale, rows, reads, mask, cache_k, cache_v)
-            pending = (k, v)
-        else:
-            out, cache_k, cache_v = attend(
-                q, k, v, dims, self.scale, slots, rows, reads, mask, cache_k, cache_v
-            )
-            pending = None
+        out, cache_k, cache_v, pending = attend_call(
+            q, k, v, dims, self.scale, call, cache_k, cache_v
+        )
         out = out * torch.sigmoid(gate.reshape(b, s, nh * hd))
         return self.o_proj(out), cache_k, cache_v, pending
 

@@ -170,11 +170,11 @@ def ctx_scatter_cb(cache, rows, slots, updates) -> torch.Tensor:
 
 
 def read_cache(cache, rows, reads) -> torch.Tensor:
-    """The call's view [b, h, L, d] of a cache as it came in (a tree program reads the prefix
-    before it writes: `attention.attend_tree`); rows, reads as `update_cache` takes them."""
+    """The call's view [b, h, L, d] of `cache` (a tree program reads the prefix before it
+    writes: `attention.attend_call`); rows, reads as `update_cache` takes them."""
     if rows is None:
         return cache if reads is None else cache[:, :, reads]
-    return F.embedding(reads, cache.flatten(0, 2))
+    return F.embedding(reads, cache.flatten(0, 2))  # [N·h·ctx, d] gathered -> [b, h, L, d]
 
 
 def write_cache(cache, rows, slots, new) -> torch.Tensor:
@@ -190,8 +190,5 @@ def update_cache(cache, rows, slots, new, reads=None) -> tuple[torch.Tensor, tor
     cache has one row per call row). reads: from `cache_reads` (None: every slot). The view is
     read from the updated cache, never from the input: that is what makes the in-place update
     safe (runtime/backends.py)."""
-    if rows is None:
-        cache = ctx_scatter(cache, slots, new)
-        return cache, (cache if reads is None else cache[:, :, reads])
-    cache = ctx_scatter_cb(cache, rows, slots, new)
-    return cache, F.embedding(reads, cache.flatten(0, 2))  # [N·h·ctx, d] gathered -> [b, h, L, d]
+    cache = write_cache(cache, rows, slots, new)
+    return cache, read_cache(cache, rows, reads)

@@ -235,14 +235,19 @@ class _Step:
         st.start[slot] = contract.PAD_POSITION
         self.bufs.bidx[slot, 0] = contract.INACTIVE_ROW
 
-    def _target(self, kind, n: int, c, seqs, costs=None) -> dict:
+    def _target(self, kind, n: int, c, seqs, costs=None, fill=None) -> dict:
         """The target call `c` ([N, n] ids and positions filled) with each sampled row's
-        uniforms; reads every slot up to the furthest row's last position."""
+        uniforms (`fill(seq, its rows of random_u)`; by default those of positions start + 1
+        …); reads every slot up to the furthest row's last position."""
         sampled = [s for s in seqs if s.uniforms is not None]
         s = self.plan.sample_len(n, not sampled)
         u = self.bufs.sampling.u[s]
         for seq in sampled:
-            seq.fill_uniforms(u[seq.slot], int(self.state.start[seq.slot]) + 1, kind == "verify")
+            if fill is not None:
+                fill(seq, u[seq.slot])
+            else:
+                start = int(self.state.start[seq.slot]) + 1
+                seq.fill_uniforms(u[seq.slot], start, kind == "verify")
         needed = min(int(self.state.start.max()) + n, self.max_pos)  # rows past it are padding
         return call(kind, self.target, self.bufs.window(c.feeds[s], needed), seqs, costs, n)
 

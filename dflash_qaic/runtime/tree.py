@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash_qaic import contract
-from dflash_qaic.runtime.step import ChainVerifier, call
+from dflash_qaic.runtime.step import ChainVerifier
 
 
 @dataclass
@@ -149,15 +149,12 @@ class TreeVerifier(ChainVerifier):
         """The verify call; a sampled row's node of depth d draws with the uniforms of the token
         at start + d + 1, so the tokens a seed gives do not depend on the tree's shape."""
         s = self.step
-        sampled = [q for q in seqs if q.uniforms is not None]
-        k = s.plan.sample_len(n, not sampled)
-        u = s.bufs.sampling.u[k]
-        for seq in sampled:
-            r = seq.slot
-            seq.fill_uniforms(self._u[:n], int(s.state.start[r]) + 1)
-            np.take(self._u, self._depth[r, :n], axis=0, out=u[r])
-        needed = min(int(s.state.start.max()) + n, s.max_pos)
-        return call("verify", s.target, s.bufs.window(c.feeds[k], needed), seqs, s.costs, n)
+
+        def by_depth(seq, u: np.ndarray) -> None:  # u: the row's [n, 2] of random_u
+            seq.fill_uniforms(self._u[:n], int(s.state.start[seq.slot]) + 1)
+            np.take(self._u, self._depth[seq.slot, :n], axis=0, out=u)
+
+        return s._target("verify", n, c, seqs, s.costs, by_depth)
 
     def accept(self, n: int, c, out: dict) -> np.ndarray:
         return out[contract.NUM_ACCEPTED].astype(np.int64, copy=False)
