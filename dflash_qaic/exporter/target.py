@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from dflash_qaic import checkpoints as ck
-from dflash_qaic import contract, families
+from dflash_qaic import contract, families, verify_rules
 from dflash_qaic.exporter import weights
 from dflash_qaic.exporter.onnx_export import export_and_check, program_facts
 from dflash_qaic.modeling.sampler import SAMPLING_CANDIDATES
@@ -60,7 +60,7 @@ def check_feeds(io: contract.TargetIO, specializations: list[dict], seed: int = 
             feed[contract.DRAFT_Q_IDS] = ids.reshape(b, rows, k).astype(np.int64)
             q = rng.random((b, rows, k)).astype(np.float32)
             feed[contract.DRAFT_Q_PROBS] = q / q.sum(-1, keepdims=True)
-        if io.tree:  # a verify: a random tree of s rows at start + depth; else the chain's
+        if verify_rules.get(io.verify_rule).takes_tree:  # a verify: a random tree of s rows at start + depth; else the chain's
             layout = (
                 random_tree(s, rng) if name in (contract.VERIFY, contract.VERIFY_SAMPLED) else None
             )
@@ -146,20 +146,6 @@ def target_io(
     )
 
 
-def program_class(hf_model, prefill_seq_len: int, block_size: int, options: dict):
-    """(module class, options) of the target: a family with layer kinds has its own program
-    (modeling/kinds.py: gpt-oss, Gemma 4), whose sliding layers keep rings sized by the longest
-    call; every other family the skeleton's."""
-    program = getattr(families.for_hf(hf_model.config), "program", None)
-    if program is None:
-        return ExportTarget, options
-    from dflash_qaic.modeling.gemma4 import ExportGemma4Target
-    from dflash_qaic.modeling.gpt_oss import ExportGptOssTarget
-
-    cls = {"gemma4": ExportGemma4Target, "gpt_oss": ExportGptOssTarget}[program]
-    return cls, {**options, "max_rows": max(prefill_seq_len, block_size)}
-
-
 def program_options(
     hf_model: torch.nn.Module,
     prefill_seq_len: int,
@@ -167,12 +153,13 @@ def program_options(
     draft_q: tuple[int, ...],
     token_bitmask: bool,
 ) -> dict:
-    """The module options a target needs beyond the common ones, and its refusals: a hybrid's
-    DeltaNet layers tell a prefill chunk from a verify call by its rows; q-aware verification
-    is not built for hybrids yet."""
-    mask = {"token_bitmask": True} if token_bitmask else {}
+    """The module options a target needs beyond the common ones: the longest call (a sliding
+    layer's ring, a hybrid's doubling levels); a hybrid's DeltaNet layers tell a prefill chunk
+    from a verify call by its rows, and q-aware verification is not built for hybrids yet."""
+    options = {"max_rows": max(prefill_seq_len, block_size)}
+    options |= {"token_bitmask": True} if token_bitmask else {}
     if not families.for_hf(hf_model.config).hybrid:
-        return mask
+        return options
     if prefill_seq_len <= block_size:
         raise ValueError(
             f"a hybrid target needs prefill_seq_len > block_size (the program tells a prefill "
@@ -180,43 +167,27 @@ def program_options(
         )
     if draft_q:
         raise ValueError("q-aware verification (draft_q) is not built for hybrid targets")
-    return dict(block_size=block_size, max_rows=prefill_seq_len, **mask)
+    return dict(block_size=block_size, **options)
 
 
-def effective_rule(verify_rule: str, sampling: bool) -> str:
-    """The rule a program is exported with: block verification only decides sampled verifies
-    (a greedy program is a chain); a tree program is one with or without its sampler."""
-    return verify_rule if sampling or verify_rule == contract.TREE else contract.CHAIN
-
-
-def set_rule(module, hf_model, verify_rule: str, sampling: bool, token_bitmask: bool) -> None:
-    """contract.BLOCK on a sampling program: the target decides its accepted count in the graph;
-    contract.TREE: it verifies trees (docs/DESIGN.md, Tree verification). Hybrid targets refuse
-    both (their recurrent state commits by the chain's count), as do the programs of layer-kind
-    families (Gemma 4, gpt-oss) for now."""
-    rule = effective_rule(verify_rule, sampling)
-    if rule == contract.CHAIN:
-        return
-    what = {
-        contract.BLOCK: "block verification (--verify-rule block)",
-        contract.TREE: "tree verification (--tree-budgets)",
-    }[rule]
-    if families.for_hf(hf_model.config).hybrid:
+def set_rule(module: ExportTarget, verify_rule: str, sampling: bool, token_bitmask: bool):
+    """The program's verification rule (verify_rules.py), the effective one for its sampling
+    (block verification only decides sampled verifies); a rule the program does not support
+    (`ExportTarget.unsupported`) is refused by name. Returns the rule."""
+    rule = verify_rules.get(verify_rule).effective(sampling)
+    why = module.unsupported(rule)
+    if why is not None:
         raise ValueError(
-            f"{what} is not built for hybrid targets (their recurrent state commits by the "
-            "chain's count): export without it (hybrid targets verify chains)"
+            f"{rule.describe} is not supported by this target ({why}); it supports "
+            f"{', '.join(module.verify_rules)}: export without {rule.flag}"
         )
-    if not isinstance(module, ExportTarget):
-        raise ValueError(
-            f"{what} is not built for {type(module).__name__} programs yet: export without it"
-        )
-    if rule == contract.TREE and token_bitmask:
+    if rule.takes_tree and token_bitmask:
         raise ValueError(
             "tree verification (--tree-budgets) with --structured-output is not built (a grammar "
             "state per tree node): export one or the other"
         )
-    module.block_verify = rule == contract.BLOCK
-    module.tree = rule == contract.TREE
+    module.rule = rule
+    return rule
 
 
 def export_target(
@@ -262,8 +233,7 @@ def export_target(
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=1)
     options = program_options(hf_model, prefill_seq_len, block_size, draft_q, token_bitmask)
-    cls, options = program_class(hf_model, prefill_seq_len, block_size, options)
-    module = cls.from_hf(
+    module = ExportTarget.from_hf(
         hf_model,
         fc_weight,
         hidden_norm_weight,
@@ -276,7 +246,7 @@ def export_target(
         continuous_batching=full_batch_size is not None,
         **options,
     ).eval()
-    set_rule(module, hf_model, verify_rule, sampling, token_bitmask)
+    rule = set_rule(module, verify_rule, sampling, token_bitmask)
     cfg = hf_model.config
     io = target_io(
         module,
@@ -285,7 +255,7 @@ def export_target(
         sampling,
         draft_q if sampling else (),
         token_bitmask,
-        effective_rule(verify_rule, sampling),
+        rule.name,
     )
     if plan is None:
         sizes = (batch_size, full_batch_size, comp_ctx_lengths, verify_lengths, sampling)

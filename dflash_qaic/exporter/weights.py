@@ -246,7 +246,7 @@ def placeholder_target(t: ck.TargetConfig) -> torch.nn.Module:
                 z = torch.zeros(b.shape, dtype=b.dtype)
                 z.view(-1)[:1] = next(_MARKS)  # distinct, as every placeholder (never merged)
                 m._buffers[k] = z
-    flip = getattr(t.spec, "transposed_params", ())  # gpt-oss's [E, in, out] experts
+    flip = t.spec.transposed_params  # gpt-oss's [E, in, out] experts
     names = {n for n, _ in model.named_parameters() if flip and n.endswith(flip)}
     _materialize(model, transposed={"lm_head.weight"} | names)
     return model.eval()
@@ -333,7 +333,7 @@ def target_sources(module: torch.nn.Module, pair: ck.Pair) -> dict[str, Source]:
         "hidden_norm.weight": Source(dt["hidden_norm.weight"]),
         **_head_sources(pair, module.tied),
     }
-    flip = getattr(t.spec, "transposed_params", ())  # stored [E, in, out] (gpt-oss, bf16 form)
+    flip = t.spec.transposed_params  # stored [E, in, out] (gpt-oss, bf16 form)
     out = {}
     for name, param in module.named_parameters():
         cname = t.spec.checkpoint_name(t, name) if name.startswith("layers.") else None

@@ -8,7 +8,7 @@ A family answers, from a config.json (a dict: the checkpoint's, or a loaded mode
     text_config(cfg)                the text model's fields and where its tensors live
     read(directory, cfg)            -> TargetConfig (its own fields: `read_fields`)
     check_supported(text, path)     what the modules refuse (the one place)
-    layer_kinds(text)               per layer: its token mixer and its MLP (modeling builds them)
+    layer_kinds(text)               per layer a `LayerKind` (modeling/target.py builds from it)
     expected_shapes(t, fused)       every tensor the programs read, with its shape
     checkpoint_name(t, param)       the checkpoint tensor of a module parameter (weight sources)
     tiny / tiny_config(spec)        its tiny preset (dflash-make-tiny-pair --family NAME)
@@ -28,11 +28,29 @@ from dflash_qaic.checkpoint_files.config import (
 )
 
 # Token mixers and MLPs a layer may have (modeling/target.py builds one module per kind).
-ATTENTION = "attention"  # softmax attention over a KV cache (Qwen3, Llama)
+ATTENTION = "attention"  # softmax attention over a KV cache (Qwen3, Llama, Gemma 4, gpt-oss)
 GATED_ATTENTION = "gated_attention"  # the same, output-gated, partial RoPE (Qwen3.5)
 DELTANET = "deltanet"  # Gated DeltaNet: a recurrent state and a conv window (Qwen3.5)
-MLP = "mlp"
-MOE = "moe"
+MLP = "mlp"  # silu (or, in a SANDWICH layer, gelu-tanh) gated MLP
+MOE = "moe"  # routed experts (modeling/moe.py)
+CLAMPED_MOE = "clamped_moe"  # routed experts with biases and the clamped SwiGLU (gpt-oss)
+# An attention layer's kind: its window, RoPE table and head shape (docs/DESIGN.md, Layer kinds)
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+# How a layer wires its mixer and MLP into the residual stream
+PRE_NORM = "pre_norm"  # x += mixer(norm(x)); x += mlp(norm(x))
+SANDWICH = "sandwich"  # Gemma 4: norms before and after each, experts beside the MLP, a scalar
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """What a family says one layer is; modeling/target.py builds it from this alone."""
+
+    mixer: str  # ATTENTION, GATED_ATTENTION, DELTANET
+    mlp: str  # MLP, MOE, CLAMPED_MOE
+    attention: str = FULL_ATTENTION  # an attention mixer's kind (FULL / SLIDING_ATTENTION)
+    window: int | None = None  # a sliding kind's window (keys W or more positions back hidden)
+    block: str = PRE_NORM  # PRE_NORM or SANDWICH
 
 
 @dataclass(frozen=True)
@@ -86,6 +104,11 @@ class Family:
     moe = False  # experts in (some) MLPs
     qk_norm = True  # per-head q_norm / k_norm before RoPE
     zero_centred_norms = False  # RMSNorm weights stored as w - 1 (x̂ · (1 + w))
+    scaled_embeddings = False  # embeddings multiplied by √H (Gemma 4)
+    # weight layout: module parameters Hugging Face holds [E, in, out] in memory while the
+    # program reads [E, out, in] (gpt-oss's experts); their placeholders are laid out transposed
+    # (exporter/weights.py), so the program's view is free
+    transposed_params: tuple[str, ...] = ()
     fields: Mapping = {}  # config fields it reads beyond DECODER_FIELDS (typed before use)
     # its tiny preset: TinySpec fields (dflash_lab/tiny.py) over the defaults; a tiny pair of
     # this family is `make_tiny_pair(out, family=NAME, **tiny)`
@@ -147,9 +170,9 @@ class Family:
                 f"(layer_types {sorted(set(types))})"
             )
 
-    def layer_kinds(self, text: Mapping) -> list[tuple[str, str]]:
-        """(token mixer, MLP) of each layer."""
-        return [(ATTENTION, MLP)] * int(text["num_hidden_layers"])
+    def layer_kinds(self, text: Mapping) -> list[LayerKind]:
+        """What each layer is: its token mixer, its MLP, its attention kind and wiring."""
+        return [LayerKind(ATTENTION, MLP)] * int(text["num_hidden_layers"])
 
     # ------------------------------------------------------------ tensors
 

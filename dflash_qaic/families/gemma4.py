@@ -2,13 +2,22 @@
 layers of their own shapes, four norms and a scalar per layer, routed experts beside the MLP in
 the MoE. Published as `Gemma4ForConditionalGeneration` (the text model's fields under
 `text_config`, its tensors under model.language_model.*, vision and audio towers ignored), or in
-the text-only form. Its program is modeling/gemma4.py's (`program_class`)."""
+the text-only form. Its layers are SANDWICH layers (modeling/gemma4.py) of the sliding and full
+attention kinds, built by the one target skeleton (modeling/target.py)."""
 
 from __future__ import annotations
 
 from dflash_qaic import kind_checkpoints as kinds
 from dflash_qaic.checkpoint_files.config import CheckpointError
-from dflash_qaic.families.base import ATTENTION, MLP, MOE, Family
+from dflash_qaic.families.base import (
+    ATTENTION,
+    MLP,
+    MOE,
+    SANDWICH,
+    SLIDING_ATTENTION,
+    Family,
+    LayerKind,
+)
 
 
 class Gemma4(Family):
@@ -18,7 +27,7 @@ class Gemma4(Family):
     ignored_prefixes = kinds.GEMMA4_IGNORED
     tiny = dict(target_layers=4, block_size=4, input_embedding_scale=8.0)
     tiny |= dict(final_logit_softcapping=30.0)
-    program = "gemma4"  # modeling/gemma4.py ExportGemma4Target
+    scaled_embeddings = True
 
     def text_config(self, cfg, cpath):
         try:
@@ -31,10 +40,19 @@ class Gemma4(Family):
             kinds.check_supported(dict(text), path)
         except kinds.KindCheckpointError as e:
             raise CheckpointError(str(e)) from None
+        if not text.get("tie_word_embeddings", True):
+            raise CheckpointError(
+                f"{path}: Gemma 4 with `tie_word_embeddings` false is not a published form; "
+                "not supported"
+            )
 
     def layer_kinds(self, text):
         mlp = MOE if text.get("enable_moe_block") else MLP
-        return [(ATTENTION, mlp)] * int(text["num_hidden_layers"])
+        window = text.get("sliding_window")
+        return [
+            LayerKind(ATTENTION, mlp, k, window if k == SLIDING_ATTENTION else None, SANDWICH)
+            for k in kinds.layer_types(dict(text))
+        ]
 
     def expected_shapes(self, t, fused=False):
         return kinds.gemma4_shapes(t.text, t.prefix, t.tie_word_embeddings)

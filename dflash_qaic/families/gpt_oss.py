@@ -1,7 +1,7 @@
 """gpt-oss (20b, 120b; docs/DESIGN.md, Layer kinds): attention with biases and per-head sinks,
 alternating sliding (window 128) and full layers, YaRN RoPE, and in every layer a biased top-k
-router over experts with biases, interleaved gate/up rows and the clamped SwiGLU. Its program is
-modeling/gpt_oss.py's (`program`).
+router over experts with biases, interleaved gate/up rows and the clamped SwiGLU. Its layers are
+the skeleton's (modeling/target.py): attention with sinks, experts of modeling/gpt_oss.py.
 
 Checkpoints come in two forms, both read:
 - the published one: experts in MXFP4, `mlp.experts.{gate_up,down}_proj_blocks` (uint8
@@ -27,9 +27,17 @@ from dflash_qaic.checkpoint_files.config import (
     check_decoder_supported,
     positive,
 )
-from dflash_qaic.families.base import ATTENTION, MOE, Family, MoeSpec
+from dflash_qaic.families.base import (
+    ATTENTION,
+    CLAMPED_MOE,
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    Family,
+    LayerKind,
+    MoeSpec,
+)
 
-SLIDING, FULL = "sliding_attention", "full_attention"
+SLIDING, FULL = SLIDING_ATTENTION, FULL_ATTENTION
 MXFP4_BLOCK = 32  # values per E8M0 scale (dflash_qaic/mxfp4.py)
 # program parameter (under `layers.{i}.`) -> its checkpoint name (under `{prefix}layers.{i}.`)
 RENAMES = {
@@ -62,9 +70,6 @@ class GptOss(Family):
     moe = True
     qk_norm = False
     fields = FIELDS
-    program = "gpt_oss"  # modeling/gpt_oss.py ExportGptOssTarget
-    # HF parameters held [E, in, out] in memory while the program reads [E, out, in]: their
-    # placeholders are laid out transposed (exporter/weights.py), so the program's view is free
     transposed_params = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
     # the tiny preset: 4 layers alternating sliding (window 8) and full, 8 experts top-4, its
     # experts MXFP4 on disk; a Qwen3-shaped draft with attention biases, block 8
@@ -114,7 +119,9 @@ class GptOss(Family):
             )
 
     def layer_kinds(self, text):
-        return [(ATTENTION, MOE)] * int(text["num_hidden_layers"])
+        n, window = int(text["num_hidden_layers"]), text.get("sliding_window")
+        types = text.get("layer_types") or [FULL] * n
+        return [LayerKind(ATTENTION, CLAMPED_MOE, k, window if k == SLIDING else None) for k in types]
 
     def experts_fused(self, names) -> bool:
         """True: the experts are MXFP4 (`…_blocks` / `…_scales`); False: plain 3-D tensors."""

@@ -15,7 +15,7 @@ from dflash_qaic.checkpoint_files.config import (
     check_decoder_supported,
     positive,
 )
-from dflash_qaic.families.base import DELTANET, GATED_ATTENTION, MLP, MOE, Family
+from dflash_qaic.families.base import DELTANET, GATED_ATTENTION, MLP, MOE, Family, LayerKind
 
 DELTANET_FIELDS = {
     "full_attention_interval": POSITIVE_INT,
@@ -102,7 +102,7 @@ class Qwen3_5(Family):
     def layer_kinds(self, text):
         types = hybrid_layer_types(text, Path("config.json"))
         mixer = {"linear_attention": DELTANET, "full_attention": GATED_ATTENTION}
-        return [(mixer[k], MOE if self.moe else MLP) for k in types]
+        return [LayerKind(mixer[k], MOE if self.moe else MLP) for k in types]
 
     def attention_shapes(self, t):
         out = super().attention_shapes(t)  # q_proj twice as wide: the query and its gate

@@ -21,6 +21,7 @@ from dflash_qaic.families.base import (
     MLP,
     MOE,
     Family,
+    LayerKind,
     MoeSpec,
     TargetConfig,
     decoder_common,
@@ -110,7 +111,7 @@ class Qwen3Moe(Family):
 
     def layer_kinds(self, text):
         sparse = sparse_layers(text, Path("config.json"), int(text["num_hidden_layers"]))
-        return [(ATTENTION, MOE if s else MLP) for s in sparse]
+        return [LayerKind(ATTENTION, MOE if s else MLP) for s in sparse]
 
     def experts_fused(self, names) -> bool:
         return experts_fused(names)

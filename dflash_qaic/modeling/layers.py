@@ -117,8 +117,13 @@ class Rope(nn.Module):
         self.scaling = float(scaling)
 
     @classmethod
-    def from_hf(cls, rotary: nn.Module) -> Rope:
-        """From a model's rotary embedding (its inv_freq / attention_scaling hold the scaling)."""
+    def from_hf(cls, rotary: nn.Module, kind: str | None = None) -> Rope:
+        """From a model's rotary embedding (its inv_freq / attention_scaling hold the scaling);
+        `kind`: the attention kind's own table where the model keeps one per kind (Gemma 4's
+        `{kind}_inv_freq`), else the shared one."""
+        if kind is not None and hasattr(rotary, f"{kind}_inv_freq"):
+            inv_freq = getattr(rotary, f"{kind}_inv_freq")
+            return cls(inv_freq, getattr(rotary, f"{kind}_attention_scaling"))
         return cls(rotary.inv_freq, rotary.attention_scaling)
 
     @classmethod
@@ -157,25 +162,34 @@ class RopeTable(nn.Module):
         return self.cos[p], self.sin[p]
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """gelu with the tanh approximation (Hugging Face's gelu_pytorch_tanh: Gemma 4)."""
+    return F.gelu(x, approximate="tanh")
+
+
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, bias: bool = False):
+    """down(act(gate(x)) * up(x)); act silu, or gelu_tanh (Gemma 4)."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool = False, act=F.silu):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.act = act
 
     @classmethod
-    def from_hf(cls, hf: nn.Module) -> MLP:
+    def from_hf(cls, hf: nn.Module, act=F.silu) -> MLP:
         """Sharing `hf`'s (frozen) weights, without building throwaway ones first."""
         mlp = cls.__new__(cls)
         nn.Module.__init__(mlp)
         mlp.gate_proj = frozen_linear(hf.gate_proj)
         mlp.up_proj = frozen_linear(hf.up_proj)
         mlp.down_proj = frozen_linear(hf.down_proj)
+        mlp.act = act
         return mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 def vocab_tables(embed: torch.Tensor, head: torch.Tensor):

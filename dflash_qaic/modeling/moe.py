@@ -50,6 +50,7 @@ class SparseMoeBlock(nn.Module):
         self.norm_topk_prob = bool(norm_topk_prob)
         self.shared_expert = shared_expert
         self.shared_expert_gate = shared_expert_gate
+        self.act = F.silu  # the experts' gate activation
 
     @classmethod
     def from_hf(cls, hf: nn.Module) -> SparseMoeBlock:
@@ -92,27 +93,41 @@ class SparseMoeBlock(nn.Module):
         score = chosen * E + (E - 1 - torch.arange(E)).to(chosen.dtype)  # [E]
         return score.topk(u).indices
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, route_from: torch.Tensor | None = None) -> torch.Tensor:
+        """x [b, s, H] -> [b, s, H]; route_from [b, s, H]: what the router reads (x if None).
+        The one MoE forward: a family differs in `route` and `experts` only."""
         b, s, H = x.shape
-        E, inter = self.num_experts, self.inter
+        E = self.num_experts
         xt = x.reshape(-1, H)  # [T, H]
-        top_p, top_i = self.route(xt)  # [T, k]
+        top_p, top_i = self.route(xt if route_from is None else route_from.reshape(-1, H))
         experts = torch.arange(E)
         onehot = (top_i[..., None] == experts).to(x.dtype)  # [T, k, E]
         chosen = onehot.amax(1)  # [T, E]: 1 where the token chose the expert
         weight = (onehot * top_p[..., None]).sum(1)  # [T, E]: its routing weight, else 0
 
         union = self.union(chosen.amax(0), shape_as_tensor(xt)[0])  # [U], U traced from T
-        w_gu = self.gate_up[union]  # [U, 2I, H]: the only expert weights read
-        w_d = self.down[union]  # [U, H, I]
-        h = w_gu @ xt.t()  # [U, 2I, T]
-        a = F.silu(h[:, :inter]) * h[:, inter:]  # [U, I, T]
-        r = weight[:, union].t()[:, None]  # [U, 1, T]
-        hit = chosen[:, union].t()[:, None] > 0  # [U, 1, T]
-        # an unchosen (expert, token) pair contributes exactly 0, even were its activation inf
-        a = torch.where(hit, a * r, 0.0)
-        y = (w_d @ a).sum(0).t()  # [U, H, T] -> [T, H]
+        y = self.experts(xt, union, weight, chosen)  # [T, H]
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(xt))  # [T, 1]
             y = y + gate * self.shared_expert(xt)
         return y.reshape(b, s, H)
+
+    def experts(self, xt, union, weight, chosen) -> torch.Tensor:
+        """Σ_u route[t, u] · down_u(act(gate_u(x_t)) · up_u(x_t)) over the union's experts:
+        xt [T, H]; union [U]; weight, chosen [T, E] -> [T, H]."""
+        inter = self.inter
+        w_gu = self.gate_up[union]  # [U, 2I, H]: the only expert weights read
+        w_d = self.down[union]  # [U, H, I]
+        h = w_gu @ xt.t()  # [U, 2I, T]
+        a = self.act(h[:, :inter]) * h[:, inter:]  # [U, I, T]
+        r, hit = routed(weight, chosen, union)
+        # an unchosen (expert, token) pair contributes exactly 0, even were its activation inf
+        a = torch.where(hit, a * r, 0.0)
+        return (w_d @ a).sum(0).t()  # [U, H, T] -> [T, H]
+
+
+def routed(weight: torch.Tensor, chosen: torch.Tensor, union: torch.Tensor):
+    """(r [U, 1, T]: each union expert's routing weight per token, hit [U, 1, T]: chosen)."""
+    r = weight[:, union].t()[:, None]  # [U, 1, T]
+    hit = chosen[:, union].t()[:, None] > 0  # [U, 1, T]
+    return r, hit

@@ -1,12 +1,14 @@
 """The target program's on-device sampler: the lossless speculative-sampling choice per row.
 
 See docs/DESIGN.md, Sampling. Used by `modeling.target.ExportTarget`; every function works on
-[b, s, V] logits and is traced into the target graph.
+[b, s, V] logits and is traced into the target graph. One acceptance function per verification
+rule (dflash_qaic/verify_rules.py): `sample_chain`, `sample_block`, `sample_tree` (`ACCEPTANCE`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -226,7 +228,49 @@ def sampling_weights(
     return torch.where((logits >= threshold) | keep_all, w_all, 0.0)
 
 
-def sample_next_tokens(
+@dataclass
+class _Verify:
+    """What every rule's acceptance starts from (`_verify_rows`): greedy [b, s], the sampling
+    rows 0 … n−1 [n], their weights w [b, n, V], uniforms u [b, n, 2], proposals [b, n], has
+    (a proposal) [b, n], w(d) [b, n] and sum(w) [b, n]."""
+
+    greedy: torch.Tensor
+    rows: torch.Tensor
+    w: torch.Tensor
+    u: torch.Tensor
+    u_accept: torch.Tensor
+    u_sample: torch.Tensor
+    proposal: torch.Tensor
+    has: torch.Tensor
+    w_d: torch.Tensor
+    total: torch.Tensor
+
+
+def _verify_rows(
+    logits, input_ids, position_ids, temperature, top_k, top_p, random_u, vocab, candidates,
+    floor, proposals: bool = True,
+) -> _Verify:  # fmt: skip
+    """The sampling rows' distributions and proposals (see `sample_chain`); proposals False:
+    no row has one (a tree's nodes are only checked against their parent's draw)."""
+    greedy = logits.argmax(dim=-1)  # [b, s]
+    rows = _leading_rows(random_u)  # [n]: 0 … n−1
+    head = logits.index_select(1, rows)  # [b, n, V]: the rows that sample
+    head_floor = floor.index_select(1, rows) if floor is not None else None
+    w = sampling_weights(head, temperature, top_k, top_p, vocab, candidates, head_floor)
+    u = random_u.clamp(0.0, U_MAX)
+    u_accept, u_sample = u[..., 0], u[..., 1]  # [b, n]
+    # proposal of row j: the next row's input token, if that row exists and is not padding
+    proposal = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).index_select(1, rows)
+    next_pos = torch.cat([position_ids[:, 1:], position_ids[:, :1] * 0 - 1], dim=1)
+    has = next_pos.index_select(1, rows) >= 0  # [b, n]
+    if not proposals:
+        has = torch.zeros_like(has)
+    w_d = torch.where(has, w.gather(-1, proposal[..., None])[..., 0], 0.0)  # [b, n]
+    total = _tree_total(w, vocab)  # [b, n]
+    return _Verify(greedy, rows, w, u, u_accept, u_sample, proposal, has, w_d, total)
+
+
+def sample_chain(
     logits: torch.Tensor,
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
@@ -239,10 +283,9 @@ def sample_next_tokens(
     q_ids: torch.Tensor | None = None,
     q_probs: torch.Tensor | None = None,
     floor: torch.Tensor | None = None,
-    block: bool = False,
-    plain: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The token committed at every row under the lossless rule (docs/DESIGN.md, Sampling).
+) -> torch.Tensor:
+    """The chain rule's acceptance (verify_rules.CHAIN): the token committed at every row under
+    the lossless rule (docs/DESIGN.md, Sampling) -> [b, s].
 
     logits [b, s, V]; input_ids, position_ids [b, s]; temperature, top_k, top_p [b];
     random_u [b, n, 2] uniforms in [0, 1) for the first n <= s rows (n = `sample_len`).
@@ -262,46 +305,69 @@ def sample_next_tokens(
     floor [b, s, 1] (structured output): logits already masked by `mask_logits`; p is then the
     target's distribution restricted to the grammar's tokens, and a disallowed proposal has
     p(d) = 0 (always rejected).
-
-    block: block verification (`_block`, docs/DESIGN.md, Block verification): returns
-    (tokens [b, s], accepted [b]): a row commits its first accepted + 1 tokens.
-
-    plain: no row has a proposal: every sampling row draws from p (tree verification, where a
-    node's children are only checked against its draw; docs/DESIGN.md, Tree verification).
     """
-    greedy = logits.argmax(dim=-1)  # [b, s]
-    rows = _leading_rows(random_u)  # [n]: 0 … n−1
-    head = logits.index_select(1, rows)  # [b, n, V]: the rows that sample
-    head_floor = floor.index_select(1, rows) if floor is not None else None
-    w = sampling_weights(head, temperature, top_k, top_p, vocab, candidates, head_floor)
-    u = random_u.clamp(0.0, U_MAX)
-    u_accept, u_sample = u[..., 0], u[..., 1]  # [b, n]
-    # proposal of row j: the next row's input token, if that row exists and is not padding
-    proposal = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).index_select(1, rows)
-    next_pos = torch.cat([position_ids[:, 1:], position_ids[:, :1] * 0 - 1], dim=1)
-    has = next_pos.index_select(1, rows) >= 0  # [b, n]
-    if plain:
-        has = torch.zeros_like(has)
-    w_d = torch.where(has, w.gather(-1, proposal[..., None])[..., 0], 0.0)  # [b, n]
-    total = _tree_total(w, vocab)  # [b, n]
-    if block:
-        q = _q_vocab(w, rows, proposal, q_ids, q_probs) if q_ids is not None else None
-        chosen, tau = _block(w, w_d, total, proposal, has, u, q, rows)
-        hot = temperature > 0
-        chosen = torch.where(hot[:, None], chosen, greedy.index_select(1, rows))
-        accepted = torch.where(hot, tau, _leading_equal(greedy, input_ids, position_ids))
-        return greedy.scatter(1, rows + chosen * 0, chosen), accepted
+    v = _verify_rows(
+        logits, input_ids, position_ids, temperature, top_k, top_p, random_u, vocab, candidates,
+        floor,
+    )  # fmt: skip
     if q_ids is not None:
-        return _q_aware(greedy, rows, w, w_d, total, proposal, has, u, temperature, q_ids, q_probs)
-    hit = (torch.arange(vocab, device=logits.device) == proposal[..., None]) & has[..., None]
+        return _q_aware(
+            v.greedy, v.rows, v.w, v.w_d, v.total, v.proposal, v.has, v.u, temperature, q_ids,
+            q_probs,
+        )  # fmt: skip
+    return _token_rule(v, temperature, vocab)
+
+
+def sample_tree(
+    logits, input_ids, position_ids, temperature, top_k, top_p, random_u, vocab: int,
+    candidates: int = SAMPLING_CANDIDATES, floor: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The tree rule's acceptance (verify_rules.TREE): no row has a proposal, every sampling
+    row draws from p (a node's children are only checked against its draw; docs/DESIGN.md,
+    Tree verification; `accept_path` then picks the path). Arguments as `sample_chain`'s."""
+    v = _verify_rows(
+        logits, input_ids, position_ids, temperature, top_k, top_p, random_u, vocab, candidates,
+        floor, proposals=False,
+    )  # fmt: skip
+    return _token_rule(v, temperature, vocab)
+
+
+def sample_block(
+    logits, input_ids, position_ids, temperature, top_k, top_p, random_u, vocab: int,
+    candidates: int = SAMPLING_CANDIDATES, q_ids=None, q_probs=None, floor=None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The block rule's acceptance (verify_rules.BLOCK; `_block`, docs/DESIGN.md, Block
+    verification): (tokens [b, s], accepted [b]): a row commits its first accepted + 1 tokens.
+    Arguments as `sample_chain`'s."""
+    v = _verify_rows(
+        logits, input_ids, position_ids, temperature, top_k, top_p, random_u, vocab, candidates,
+        floor,
+    )  # fmt: skip
+    q = _q_vocab(v.w, v.rows, v.proposal, q_ids, q_probs) if q_ids is not None else None
+    chosen, tau = _block(v.w, v.w_d, v.total, v.proposal, v.has, v.u, q, v.rows)
+    hot = temperature > 0
+    chosen = torch.where(hot[:, None], chosen, v.greedy.index_select(1, v.rows))
+    accepted = torch.where(hot, tau, _leading_equal(v.greedy, input_ids, position_ids))
+    return v.greedy.scatter(1, v.rows + chosen * 0, chosen), accepted
+
+
+def _token_rule(v: _Verify, temperature, vocab: int) -> torch.Tensor:
+    """Token by token: keep the proposal d with probability p(d), else sample p without d."""
+    hit = (torch.arange(vocab, device=v.w.device) == v.proposal[..., None]) & v.has[..., None]
     # a sample from p with d removed (from p itself where there is no proposal)
-    sampled, mass = inverse_cdf(torch.where(hit, 0.0, w), u_sample, vocab)
+    sampled, mass = inverse_cdf(torch.where(hit, 0.0, v.w), v.u_sample, vocab)
     # an empty residual (all of p on d) can only mean d: accept it
-    accept = has & ((u_accept * total < w_d) | (mass <= 0))
-    chosen = torch.where(accept, proposal, sampled)  # [b, n]
-    chosen = torch.where(temperature[:, None] == 0, greedy.index_select(1, rows), chosen)
+    accept = v.has & ((v.u_accept * v.total < v.w_d) | (mass <= 0))
+    chosen = torch.where(accept, v.proposal, sampled)  # [b, n]
+    chosen = torch.where(temperature[:, None] == 0, v.greedy.index_select(1, v.rows), chosen)
     # rows 0 … n−1 get their choice, the rest keep the argmax
-    return greedy.scatter(1, rows + chosen * 0, chosen)  # [b, s]
+    return v.greedy.scatter(1, v.rows + chosen * 0, chosen)  # [b, s]
+
+
+# the chain rule under its older name (the lossless speculative-sampling choice per row)
+sample_next_tokens = sample_chain
+# each rule's in-graph acceptance, by `verify_rules.VerifyRule.acceptance`
+ACCEPTANCE = {f.__name__: f for f in (sample_chain, sample_block, sample_tree)}
 
 
 def _leading_rows(random_u: torch.Tensor) -> torch.Tensor:

@@ -2,28 +2,32 @@
 
 One skeleton for every family (docs/DESIGN.md, Seams): built from a loaded Hugging Face model,
 whose weights and rotary tables only are used (the forward is ours: static buffers, masks from
-positions only). Each layer is a token mixer and an MLP of the kinds its family names
-(`families.Family.layer_kinds`): attention or gated attention (modeling/attention.py, a KV cache
-per layer), Gated DeltaNet (modeling/hybrid.py, a state and a conv window), a dense MLP or a MoE
-block (modeling/moe.py). Each mixer declares the buffers it retains, so the program's inputs and
+positions only). Each layer is what its family names (`families.Family.layer_kinds`, a
+`LayerKind`): a token mixer, attention (full or sliding, with the variants of
+modeling/attention.py; a KV cache or ring per layer), gated attention or Gated DeltaNet
+(modeling/hybrid.py, a state and a conv window); an MLP, dense or routed experts
+(modeling/moe.py, modeling/gpt_oss.py); wired PRE_NORM (`DecoderLayer`) or SANDWICH (Gemma 4,
+modeling/gemma4.py). Each mixer declares the buffers it retains, so the program's inputs and
 outputs follow from the layers.
 
-    call   = slots, RoPE, mask, reads of the call (+ DeltaNet's rows and masks)  # once per call
-    x      = embed(input_ids)                                                  # [b, s, H]
+    call   = per attention kind: RoPE, slots, mask, reads (+ DeltaNet's rows and masks)  # once
+    x      = embed(input_ids) (· √H, Gemma 4)                                  # [b, s, H]
     per layer i:
         x += mixer_i(input_layernorm(x), call, buffers_i)       # attention / Gated DeltaNet
         x += mlp_i(post_attention_layernorm(x))                 # dense MLP / MoE
-    logits      = lm_head(norm(x))                                                 # [b, s, V]
-    next_tokens = argmax(logits) where temperature == 0, else the lossless sample  # [b, s]
+    logits      = lm_head(norm(x)) (soft-capped when the config says so)           # [b, s, V]
+    next_tokens = argmax(logits) where temperature == 0, else the rule's acceptance  # [b, s]
     count       = committed positions; DeltaNet layers commit their state there  # hybrids
     hidden      = hidden_norm(fc(concat(taps)))      # [b, s, H], the draft's context feature
 
-Sampling (`sample_next_tokens`, docs/DESIGN.md, Sampling): p = softmax(logits / T) restricted by top-k and
-top-p. Row j's proposal d is the next row's input token (when that row exists and is not
-padding); it is kept with probability p(d), else row j samples from p with d removed; a row
-without a proposal samples from p. The host's "accept while next_tokens[j] == proposal" then
-commits exactly the lossless speculative-sampling output, and a decode call (no proposal) is
-plain sampling from p. The random numbers come from the host (`random_u`).
+Verification (dflash_qaic/verify_rules.py): the program verifies by one rule (`rule`), among
+those it supports (`verify_rules`); the rule names its acceptance in modeling/sampler.py. The
+chain's (docs/DESIGN.md, Sampling): p = softmax(logits / T) restricted by top-k and top-p. Row
+j's proposal d is the next row's input token (when that row exists and is not padding); it is
+kept with probability p(d), else row j samples from p with d removed; a row without a proposal
+samples from p. The host's "accept while next_tokens[j] == proposal" then commits exactly the
+lossless speculative-sampling output, and a decode call (no proposal) is plain sampling from p.
+The random numbers come from the host (`random_u`).
 
 Taps follow Hugging Face's `output_hidden_states`: layer id j is `hidden_states[j + 1]`, the raw
 output of decoder layer j, except the last layer, whose entry is taken after the final norm.
@@ -39,7 +43,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_qaic import families
+from dflash_qaic import families, verify_rules
 from dflash_qaic.checkpoint_files.values import fp16_fc_scale
 from dflash_qaic.contract import (
     BATCH_INDEX,
@@ -59,7 +63,17 @@ from dflash_qaic.contract import (
 )
 from dflash_qaic.contract import retained as retained_name
 from dflash_qaic.families import base as kinds
-from dflash_qaic.modeling.attention import Attention, GatedAttention, rotary_dim
+from dflash_qaic.modeling.attention import (
+    Attention,
+    AttentionCall,
+    AttentionKind,
+    GatedAttention,
+    ring_mask,
+    ring_size,
+    rotary_dim,
+)
+from dflash_qaic.modeling.gemma4 import Gemma4DecoderLayer
+from dflash_qaic.modeling.gpt_oss import GptOssMoE
 from dflash_qaic.modeling.hybrid import (
     DeltaContext,
     GatedDeltaNet,
@@ -80,11 +94,12 @@ from dflash_qaic.modeling.layers import (
 from dflash_qaic.modeling.moe import SparseMoeBlock
 from dflash_qaic.modeling.ops import cache_reads, cache_rows, cache_slots, write_cache
 from dflash_qaic.modeling.sampler import (
+    ACCEPTANCE,
     SAMPLING_CANDIDATES,
     mask_logits,
-    sample_next_tokens,
     token_allowed,
 )
+from dflash_qaic.verify_rules import VerifyRule
 
 
 def fp16_safe_fc_weight(fc_weight: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -100,37 +115,38 @@ def fp16_safe_fc_weight(fc_weight: torch.Tensor) -> tuple[torch.Tensor, float]:
     return (w / s if s > 1.0 else w), s
 
 
-# The module of each layer kind, built from the Hugging Face decoder layer and its config.
+# The module of each layer kind (families.base.LayerKind), from the Hugging Face decoder layer
+# and its (text) config.
 MIXERS = {
-    kinds.ATTENTION: lambda hf, cfg: Attention(
-        hf.self_attn, cfg.num_attention_heads, cfg.num_key_value_heads
+    kinds.ATTENTION: lambda hf, cfg, kind: Attention(
+        hf.self_attn, cfg.num_attention_heads, kind.attention
     ),
-    kinds.GATED_ATTENTION: lambda hf, cfg: GatedAttention(
+    kinds.GATED_ATTENTION: lambda hf, cfg, kind: GatedAttention(
         hf.self_attn, cfg.num_attention_heads, cfg.num_key_value_heads, rotary_dim(cfg)
     ),
-    kinds.DELTANET: lambda hf, cfg: GatedDeltaNet(hf.linear_attn),
+    kinds.DELTANET: lambda hf, cfg, kind: GatedDeltaNet(hf.linear_attn),
 }
 MLPS = {
     kinds.MLP: lambda hf: MLP.from_hf(hf.mlp),
     kinds.MOE: lambda hf: SparseMoeBlock.from_hf(hf.mlp),
+    kinds.CLAMPED_MOE: lambda hf: GptOssMoE.from_hf(hf.mlp),
 }
 
 
 class DecoderLayer(nn.Module):
-    """A token mixer and an MLP, each behind an RMSNorm (zero-centred in Qwen3.5), each added
-    to the residual stream. The mixer is `self_attn` (attention kinds) or `linear_attn` (Gated
-    DeltaNet), as Hugging Face names them."""
+    """A PRE_NORM layer: a token mixer and an MLP, each behind an RMSNorm (zero-centred in
+    Qwen3.5), each added to the residual stream. The mixer is `self_attn` (attention kinds) or
+    `linear_attn` (Gated DeltaNet), as Hugging Face names them."""
 
-    def __init__(self, hf: nn.Module, cfg, kind: tuple[str, str], zero_centred: bool):
+    def __init__(self, hf: nn.Module, cfg, kind: kinds.LayerKind, zero_centred: bool):
         super().__init__()
-        mixer, mlp = kind  # families.Family.layer_kinds
         self.input_layernorm = RMSNorm.from_hf(hf.input_layernorm, zero_centred=zero_centred)
-        self.mixer_name = "linear_attn" if mixer == kinds.DELTANET else "self_attn"
-        setattr(self, self.mixer_name, MIXERS[mixer](hf, cfg))
+        self.mixer_name = "linear_attn" if kind.mixer == kinds.DELTANET else "self_attn"
+        setattr(self, self.mixer_name, MIXERS[kind.mixer](hf, cfg, kind))
         self.post_attention_layernorm = RMSNorm.from_hf(
             hf.post_attention_layernorm, zero_centred=zero_centred
         )
-        self.mlp = MLPS[mlp](hf)
+        self.mlp = MLPS[kind.mlp](hf)
 
     @property
     def mixer(self) -> nn.Module:
@@ -139,22 +155,25 @@ class DecoderLayer(nn.Module):
     def forward(self, x, call: Call, past_a, past_b):
         """x [b, s, H]; past_a, past_b: the mixer's retained pair (key / value caches, or state /
         conv window). -> (x, past_a, past_b, pending): a DeltaNet layer returns its buffers
-        unchanged and `pending` for `GatedDeltaNet.commit`."""
+        unchanged and `pending` for `GatedDeltaNet.commit`; a tree call's attention its K/V."""
         h, past_a, past_b, pending = self.mixer(self.input_layernorm(x), call, past_a, past_b)
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, past_a, past_b, pending
 
 
+# How each layer wires its mixer and MLP (families.base.LayerKind.block)
+BLOCKS = {kinds.PRE_NORM: DecoderLayer, kinds.SANDWICH: Gemma4DecoderLayer}
+
+
 @dataclass
 class Call:
-    """What every layer of one call shares, computed once per call: the attention kinds'
-    (cos, sin [b, s, rotary dim], slots [b, s], rows [b, 1] or None, reads, mask [b, 1, g*s, L])
-    and Gated DeltaNet's (state rows [b, 1], fresh [b, 1, 1], DeltaContext; None without)."""
+    """What every layer of one call shares, computed once per call: each attention kind's
+    `AttentionCall` (by kind name) and Gated DeltaNet's (state rows [b, 1], fresh [b, 1, 1],
+    DeltaContext; None without)."""
 
-    attention: tuple
+    attention: dict[str, AttentionCall]
     deltanet: tuple | None = None
-    tree: bool = False  # a tree program (contract.TREE): layers write their caches after it
     ones: torch.Tensor | None = None  # [b, s] ones, idx [s] = 0 … s-1 (DeltaNet's commit)
     idx: torch.Tensor | None = None
 
@@ -162,30 +181,33 @@ class Call:
 class ExportTarget(nn.Module):
     """forward(*inputs) -> outputs, both as contract.TargetIO lists them and bound by name:
     input_ids, position_ids, [batch_index], [comp_ctx_lengths], [temperature, top_k, top_p,
-    random_u], [draft q], [token_bitmask], each layer's retained pair -> next_tokens,
-    hidden_states, [logits], [num_committed], the retained buffers. The sampling inputs are there
-    when `sampling` (the default), batch_index with `continuous_batching`, comp_ctx_lengths with
-    `comp_ctx` (the default); num_committed when a layer is Gated DeltaNet.
+    random_u], [draft q], [token_bitmask], [the rule's inputs], each layer's retained pair ->
+    next_tokens, hidden_states, [logits], [num_committed], [the rule's outputs], the retained
+    buffers. The sampling inputs are there when `sampling` (the default), batch_index with
+    `continuous_batching`, comp_ctx_lengths with `comp_ctx` (the default); num_committed when a
+    layer is Gated DeltaNet. The verification rule is `rule` (verify_rules.py; set by the
+    exporter among `verify_rules`).
 
-    block_size, max_rows (a model with Gated DeltaNet layers): a call of at most block_size rows
-    is a verify (or decode) call, a longer one a prefill chunk (every prefill length exceeds it);
-    max_rows, the longest call, sets the doubling levels of `hybrid.unit_lower_inverse`.
+    kinds: the attention kinds (modeling/attention.py, AttentionKind) by name; ropes: their
+    RoPE tables by module name ("rope" first). embed_scale multiplies the embeddings (Gemma 4:
+    √H); final_logit_softcapping c: logits = c · tanh(logits / c).
+
+    block_size, max_rows: a call of at most block_size rows is a verify (or decode) call, a
+    longer one a prefill chunk (a model with Gated DeltaNet layers: every prefill length exceeds
+    it); max_rows, the longest call, sets the doubling levels of `hybrid.unit_lower_inverse`
+    and the sliding kinds' rings (the caller's `kinds`).
     """
 
-    #: block verification (contract.BLOCK; set by the exporter): also returns num_accepted
-    block_verify = False
-    #: tree verification (contract.TREE; set by the exporter): takes tree_mask, returns
-    #: num_accepted and its outputs in path order (`accept_path`)
-    tree = False
+    rule: VerifyRule = verify_rules.CHAIN_RULE
 
     def __init__(
         self,
         embed: torch.Tensor,
-        layers: Sequence[DecoderLayer],
+        layers: Sequence[nn.Module],
         norm: RMSNorm,
         lm_head: nn.Linear,
-        rope_cos: torch.Tensor,
-        rope_sin: torch.Tensor,
+        ropes: dict[str, RopeTable],
+        kinds: dict[str, AttentionKind],
         fc_weight: torch.Tensor,
         hidden_norm: RMSNorm,
         target_layer_ids: Sequence[int],
@@ -198,6 +220,8 @@ class ExportTarget(nn.Module):
         token_bitmask: bool = False,
         block_size: int | None = None,
         max_rows: int | None = None,
+        embed_scale: float = 1.0,
+        final_logit_softcapping: float | None = None,
     ):
         super().__init__()
         self.continuous_batching = continuous_batching
@@ -210,7 +234,9 @@ class ExportTarget(nn.Module):
         self.tied, self.head_t, self.embed = vocab_tables(embed, lm_head.weight)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
-        self.rope = RopeTable(rope_cos, rope_sin)  # [ctx_len, hd] each
+        for name, table in ropes.items():  # [ctx_len, hd] each
+            self.add_module(name, table)
+        self.kinds = dict(kinds)
         self.fc = nn.Linear(fc_weight.shape[1], fc_weight.shape[0], bias=False, device="meta")
         self.fc.weight = frozen(fc_weight)
         self.hidden_norm = hidden_norm
@@ -223,6 +249,8 @@ class ExportTarget(nn.Module):
             raise ValueError("a target with Gated DeltaNet layers needs block_size and max_rows")
         self.block_size = None if block_size is None else int(block_size)
         self.n_levels = None if max_rows is None else delta_levels(max_rows)
+        self.embed_scale = float(embed_scale)
+        self.softcap = float(final_logit_softcapping) if final_logit_softcapping else None
 
     @property
     def ctx_len(self) -> int:
@@ -234,23 +262,45 @@ class ExportTarget(nn.Module):
         return [i for i, layer in enumerate(self.layers) if layer.mixer_name == "linear_attn"]
 
     @property
-    def attention(self) -> Attention | GatedAttention:
-        """The first attention layer (every attention layer of a target has its shape)."""
-        return next(layer.self_attn for layer in self.layers if layer.mixer_name == "self_attn")
+    def attention_layers(self) -> list[nn.Module]:
+        """Every attention layer's mixer, in layer order."""
+        return [layer.self_attn for layer in self.layers if layer.mixer_name == "self_attn"]
 
     @property
     def retained_inputs(self) -> list[str]:
         """Every layer's retained pair, in layer order, as its mixer names them."""
         return [n for i, layer in enumerate(self.layers) for n in layer.mixer.retained(i)]
 
+    def unsupported(self, rule: VerifyRule) -> str | None:
+        """Why this program cannot verify by `rule` (None: it can; `verify_rules`)."""
+        if rule.name == verify_rules.CHAIN:
+            return None
+        if self.linear_layers:
+            return "hybrid targets verify chains: their recurrent state commits by the chain's count"
+        if any(k.window is not None for k in self.kinds.values()):
+            return "not built for targets with sliding-window layers (Gemma 4, gpt-oss)"
+        return None
+
+    @property
+    def verify_rules(self) -> tuple[str, ...]:
+        """The verification rules this program supports, by name."""
+        return tuple(n for n, r in verify_rules.RULES.items() if self.unsupported(r) is None)
+
     def io_dims(self) -> dict:
-        """The contract.TargetIO fields the layers decide."""
-        attn, dims = self.attention, {}
+        """The contract.TargetIO fields the layers decide: the attention layers' cache shape
+        (each layer's, `layer_kv`, when they differ), the sliding layers' rings (`ring_slots`),
+        a hybrid's DeltaNet layers and their state dims."""
+        shapes = [(a.n_kv_heads, a.head_dim) for a in self.attention_layers]
+        (kvh, hd), dims = shapes[0], {}
         if self.linear_layers:
             net = self.layers[self.linear_layers[0]].linear_attn
             dims = dict(linear_layers=tuple(self.linear_layers), state_dims=net.state_dims)
-        n_layers, n_kv_heads, head_dim = len(self.layers), attn.n_kv_heads, attn.head_dim
-        return dict(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim, **dims)
+        elif len(set(shapes)) > 1:
+            dims["layer_kv"] = tuple(d for shape in shapes for d in shape)
+        rings = [self.kinds[a.kind].ring for a in self.attention_layers]
+        if any(rings) and not self.linear_layers:
+            dims["ring_slots"] = tuple(0 if r is None else r + 1 for r in rings)
+        return dict(n_layers=len(self.layers), n_kv_heads=kvh, head_dim=hd, **dims)
 
     @classmethod
     def from_hf(
@@ -263,22 +313,26 @@ class ExportTarget(nn.Module):
         ctx_len: int,
         **options,
     ) -> ExportTarget:
-        """The program of `hf_model`, its layers of the kinds its family names. options: the
-        constructor's (emit_logits, sampling, sampling_candidates, continuous_batching,
-        token_bitmask, block_size, max_rows)."""
-        cfg = hf_model.config
-        family = families.for_hf(cfg)
+        """The program of `hf_model` (its text model: weights and rotary tables), its layers of
+        the kinds its family names; the family refuses what it does not support
+        (`Family.check_supported`). options: the constructor's (emit_logits, sampling,
+        sampling_candidates, continuous_batching, token_bitmask, block_size, max_rows)."""
+        family = families.for_hf(hf_model.config)
+        cfg = hf_model.config.get_text_config()
         text = cfg.to_dict()
         family.check_supported(text, _config_path(cfg))
         _check_taps(cfg, fc_weight, target_layer_ids)
         base = hf_model.model
+        base = getattr(base, "language_model", base)  # a multimodal form's text model
         zc = family.zero_centred_norms
         layer_kinds = family.layer_kinds(text)
         layers = [
-            DecoderLayer(hf, cfg, kind, zc)
+            BLOCKS[kind.block](hf, cfg, kind, zc)
             for hf, kind in zip(base.layers, layer_kinds, strict=True)
         ]
-        rope = RopeTable.from_rope(Rope.from_hf(base.rotary_emb), ctx_len)  # [ctx, rotary dim]
+        ropes, attn_kinds = attention_kinds(
+            base.rotary_emb, layers, layer_kinds, ctx_len, options.get("max_rows")
+        )
         fc_w, fc_scale = fp16_safe_fc_weight(fc_weight)
         hidden_norm = RMSNorm(hidden_norm_weight.shape[-1], hidden_norm_eps, hidden_norm_weight)
         return cls(
@@ -286,37 +340,32 @@ class ExportTarget(nn.Module):
             layers=layers,
             norm=RMSNorm.from_hf(base.norm, zero_centred=zc),
             lm_head=hf_model.lm_head,  # tied or not: whatever HF's head holds
-            rope_cos=rope.cos,
-            rope_sin=rope.sin,
+            ropes=ropes,
+            kinds=attn_kinds,
             fc_weight=fc_w,
             hidden_norm=hidden_norm,
             target_layer_ids=target_layer_ids,
             fc_scale=fc_scale,
+            embed_scale=math.sqrt(cfg.hidden_size) if family.scaled_embeddings else 1.0,
+            final_logit_softcapping=text.get("final_logit_softcapping"),
             **options,
         )
 
     def call(self, position_ids, batch_index, window, tree_mask=None) -> Call:
         """What every layer of a call shares (see `Call`)."""
-        ctx_len = self.ctx_len
         rows = cache_rows(batch_index) if batch_index is not None else None  # -1 -> row 0
-        slots = cache_slots(position_ids, ctx_len)  # [b, s]; -1 -> padding slot ctx_len - 1
-        cos, sin = self.rope(position_ids)  # [b, s, rotary dim]
-        # key slot j is visible to a query iff j <= its position: causal within the call, stale
-        # slots after a rejection hidden, and a padding row (position -1) sees nothing.
-        kv_index = window if window is not None else torch.arange(ctx_len)  # [L]
-        visible = kv_index <= position_ids[..., None]  # [b, s, L]
-        if tree_mask is not None:  # the prefix below the root's position, then the tree's rows
-            prefix = kv_index < position_ids[:, :1, None]  # [b, 1, L]
-            prefix = prefix & (position_ids[..., None] >= 0)  # [b, s, L]
-            visible = torch.cat([prefix, tree_mask != 0], dim=-1)  # [b, s, L + s]
-        # the additive mask, once per call, laid out as attention's rows (kv head's g query
-        # heads folded into the row axis, see attention.attend): [b, 1, g*s, L]
-        attn = self.attention
-        g = attn.n_heads // attn.n_kv_heads
-        mask = (~visible).to(torch.float32) * MASK_VALUE  # [b, s, L]: 0 or MASK_VALUE
-        mask = torch.cat([mask] * g, dim=1)[:, None]
-        reads = cache_reads(rows, window, attn.n_kv_heads, ctx_len)  # shared by every layer
-        call = Call((cos, sin, slots, rows, reads, mask), tree=tree_mask is not None)
+        slots = cache_slots(position_ids, self.ctx_len)  # [b, s]; -1 -> padding slot ctx_len - 1
+        tables, visible, attention = {}, None, {}
+        for name, kind in self.kinds.items():
+            if kind.rope not in tables:
+                tables[kind.rope] = getattr(self, kind.rope)(position_ids)  # [b, s, rotary dim]
+            if visible is None:
+                visible = self.visible(position_ids, window, tree_mask)
+            attention[name] = self.kind_call(
+                kind, *tables[kind.rope], slots, rows, position_ids, window, visible
+            )
+            attention[name].tree = tree_mask is not None
+        call = Call(attention)
         if self.linear_layers:
             call.ones = position_ids * 0 + 1  # [b, s]
             call.idx = call.ones[0].cumsum(0) - 1  # [s]: 0 … s-1
@@ -325,73 +374,85 @@ class ExportTarget(nn.Module):
             call.deltanet = (state_rows(batch_index, call.ones), fresh, dc)
         return call
 
+    def visible(self, position_ids, window, tree_mask):
+        """(kv_index [L], visible [b, s, L] bool): key slot j is visible to a query iff j <= its
+        position: causal within the call, stale slots after a rejection hidden, and a padding
+        row (position -1) sees nothing. A tree call: the prefix below the root's position, then
+        the tree's rows ([b, s, L + s])."""
+        kv_index = window if window is not None else torch.arange(self.ctx_len)  # [L]
+        visible = kv_index <= position_ids[..., None]  # [b, s, L]
+        if tree_mask is not None:
+            prefix = kv_index < position_ids[:, :1, None]  # [b, 1, L]
+            prefix = prefix & (position_ids[..., None] >= 0)  # [b, s, L]
+            visible = torch.cat([prefix, tree_mask != 0], dim=-1)  # [b, s, L + s]
+        return kv_index, visible
+
+    def kind_call(self, kind, cos, sin, slots, rows, position_ids, window, visible):
+        """One attention kind's AttentionCall: a full kind sees `visible`; a sliding kind also
+        hides keys W or more positions back (HF's sliding_window_causal), from a ring of R + 1
+        slots when it has one (modeling/attention.py, Ring caches)."""
+        kv_index, v = visible
+        width = self.ctx_len
+        if kind.ring is not None:  # slot = position mod R; −1 -> the ring's padding slot R
+            R = kind.ring
+            v = ring_mask(position_ids, R, kind.window)  # [b, s, R]
+            slots = torch.where(position_ids < 0, R, torch.remainder(position_ids, R))
+            window, width = torch.arange(R), R + 1
+        elif kind.window is not None:
+            v = v & (kv_index > position_ids[..., None] - kind.window)
+        # the additive mask, once per call, laid out as attention's rows (kv head's g query
+        # heads folded into the row axis, see attention.softmax_attention): [b, 1, g*s, L]
+        g = kind.n_heads // kind.n_kv_heads
+        mask = (~v).to(torch.float32) * MASK_VALUE  # [b, s, L]: 0 or MASK_VALUE
+        mask = torch.cat([mask] * g, dim=1)[:, None]
+        reads = cache_reads(rows, window, kind.n_kv_heads, width)  # shared by the kind's layers
+        return AttentionCall(cos, sin, slots, rows, reads, mask)
+
     def forward(self, *inputs: torch.Tensor):
         # the contract's inputs (TargetIO), bound by the names the exporter gives them
         # (exporter/onnx_export.py sets input_names and output_names):
         # input_ids, position_ids [b, s] int64 (position -1 = padding); with continuous
         # batching, batch_index [b, 1]; comp_ctx_lengths [L] = 0 … L-1, the slots attention
         # reads; with sampling, temperature, top_k, top_p [b] and random_u [b, sample_len, 2];
-        # each layer's retained pair (key / value caches [b or N, kvh, ctx, hd], or a DeltaNet
-        # layer's state [b or N, hv, dk, dv] and conv window [b or N, C, K-1])
-        x = x_in = dict(zip(self.input_names, inputs, strict=True))
+        # the rule's inputs (a tree's tree_mask [b, s, s]); each layer's retained pair (key /
+        # value caches [b or N, kvh, L, hd], or a DeltaNet layer's state [b or N, hv, dk, dv]
+        # and conv window [b or N, C, K-1])
+        x = dict(zip(self.input_names, inputs, strict=True))
         input_ids, position_ids = x[INPUT_IDS], x[POSITION_IDS]
         batch_index = x[BATCH_INDEX] if self.continuous_batching else None
         window = x[COMP_CTX_LENGTHS] if self.comp_ctx else None  # [L]
-        sampling = [x[n] for n in SAMPLING_INPUTS] if self.sampling else []
-        q = {"q_ids": x[DRAFT_Q_IDS], "q_probs": x[DRAFT_Q_PROBS]} if DRAFT_Q_IDS in x else {}
         names = self.retained_inputs
         past = [x[n] for n in names]
-        tree_mask = x[TREE_MASK] if self.tree else None  # [b, s, s]
+        tree_mask = x[TREE_MASK] if self.rule.takes_tree else None  # [b, s, s]
         call = self.call(position_ids, batch_index, window, tree_mask)
 
-        x = embed_rows(input_ids, self.head_t, self.embed)  # [b, s, H]
+        h = embed_rows(input_ids, self.head_t, self.embed)  # [b, s, H]
+        if self.embed_scale != 1.0:
+            h = h * self.embed_scale
         last = len(self.layers) - 1
         taps, retained, pending = {}, list(past), {}
         for i, layer in enumerate(self.layers):
-            x, retained[2 * i], retained[2 * i + 1], pend = layer(
-                x, call, past[2 * i], past[2 * i + 1]
+            h, retained[2 * i], retained[2 * i + 1], pend = layer(
+                h, call, past[2 * i], past[2 * i + 1]
             )
             if pend is not None:  # a DeltaNet layer's commit, a tree layer's K/V rows
                 pending[i] = pend
             if i in self.target_layer_ids and i != last:
-                taps[i] = x  # raw decoder-layer output = HF hidden_states[i + 1]
-        x = self.norm(x)  # [b, s, H]
+                taps[i] = h  # raw decoder-layer output = HF hidden_states[i + 1]
+        h = self.norm(h)  # [b, s, H]
         if last in self.target_layer_ids:
-            taps[last] = x  # HF's last hidden_states entry is taken after the final norm
+            taps[last] = h  # HF's last hidden_states entry is taken after the final norm
 
-        logits = x @ self.head_t  # [b, s, V]
-        if self.token_bitmask:  # structured output: only the grammar's tokens can be chosen
-            allowed = token_allowed(x_in[TOKEN_BITMASK], self.vocab_size)
-            logits, floor = mask_logits(logits, allowed)
-            q["floor"] = floor
-        accepted = {}
-        if self.sampling:
-            vocab = self.vocab_size
-            next_tokens = sample_next_tokens(
-                logits, input_ids, position_ids, *sampling, vocab, self.sampling_candidates, **q,
-                **({"block": True} if self.block_verify else {}),
-                **({"plain": True} if self.tree else {}),
-            )  # fmt: skip
-            if self.block_verify:  # contract.BLOCK: the accepted count decided in the graph
-                next_tokens, accepted[NUM_ACCEPTED] = next_tokens
-        else:
-            next_tokens = logits.argmax(dim=-1)  # [b, s] int64
-        out = {NEXT_TOKENS: next_tokens, LOGITS: logits, **accepted}
+        logits = h @ self.head_t  # [b, s, V]
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        out = self.choose(logits, h, x)
         hidden = self.fuse(torch.cat([taps[j] for j in self.target_layer_ids], dim=-1))
-        if self.tree:  # the accepted path: its K/V written, the outputs in its order
-            path, slots, out[NUM_ACCEPTED] = accept_path(
-                input_ids, position_ids, next_tokens, tree_mask, self.ctx_len
-            )
-            rows = call.attention[3]
-            for i, (k, v) in pending.items():
-                retained[2 * i] = write_cache(retained[2 * i], rows, slots, k)
-                retained[2 * i + 1] = write_cache(retained[2 * i + 1], rows, slots, v)
-            pending = {}
-            out[NEXT_TOKENS] = next_tokens.gather(1, path)
-            hidden = hidden.gather(1, path[..., None].expand_as(hidden))
+        if self.rule.path_order:  # the accepted path: its K/V written, the outputs in its order
+            hidden = self.accept_tree(out, hidden, call, tree_mask, retained, pending, x)
         if pending:  # DeltaNet layers: the state after the committed positions only
             count = committed_count(
-                input_ids, position_ids, next_tokens, call.ones, self.block_size
+                input_ids, position_ids, out[NEXT_TOKENS], call.ones, self.block_size
             )
             for i, pend in pending.items():
                 net = self.layers[i].linear_attn
@@ -400,6 +461,43 @@ class ExportTarget(nn.Module):
         out[HIDDEN_STATES] = hidden
         out.update((retained_name(n), t) for n, t in zip(names, retained, strict=True))
         return tuple(out[n] for n in self.output_names)  # the contract's outputs, by name
+
+    def choose(self, logits, h, x: dict) -> dict:
+        """{next_tokens, logits[, num_accepted]}: the argmax, or the rule's acceptance
+        (modeling/sampler.py, `ACCEPTANCE`) with the draft's q and the grammar's mask."""
+        q = {"q_ids": x[DRAFT_Q_IDS], "q_probs": x[DRAFT_Q_PROBS]} if DRAFT_Q_IDS in x else {}
+        if self.token_bitmask:  # structured output: only the grammar's tokens can be chosen
+            allowed = token_allowed(x[TOKEN_BITMASK], self.vocab_size)
+            logits, floor = mask_logits(logits, allowed)
+            q["floor"] = floor
+        out = {LOGITS: logits}
+        if not self.sampling:
+            out[NEXT_TOKENS] = logits.argmax(dim=-1)  # [b, s] int64
+            return out
+        sampling = [x[n] for n in SAMPLING_INPUTS]
+        accept = ACCEPTANCE[self.rule.acceptance]
+        picked = accept(
+            logits, x[INPUT_IDS], x[POSITION_IDS], *sampling, self.vocab_size,
+            self.sampling_candidates, **q,
+        )  # fmt: skip
+        if isinstance(picked, tuple):  # the accepted count decided in the graph (BLOCK)
+            picked, out[NUM_ACCEPTED] = picked
+        out[NEXT_TOKENS] = picked
+        return out
+
+    def accept_tree(self, out, hidden, call, tree_mask, retained, pending, x):
+        """The tree rule: the accepted path's K/V written into the caches, next_tokens (in
+        `out`) and the returned hidden states in path order; num_accepted."""
+        path, slots, out[NUM_ACCEPTED] = accept_path(
+            x[INPUT_IDS], x[POSITION_IDS], out[NEXT_TOKENS], tree_mask, self.ctx_len
+        )
+        rows = next(iter(call.attention.values())).rows
+        for i, (k, v) in pending.items():
+            retained[2 * i] = write_cache(retained[2 * i], rows, slots, k)
+            retained[2 * i + 1] = write_cache(retained[2 * i + 1], rows, slots, v)
+        pending.clear()
+        out[NEXT_TOKENS] = out[NEXT_TOKENS].gather(1, path)
+        return hidden.gather(1, path[..., None].expand_as(hidden))
 
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
         """hidden_norm(fc(feats)), safe in fp16: feats [b, s, k*H] -> [b, s, H].
@@ -445,6 +543,29 @@ def accept_path(input_ids, position_ids, choice, tree_mask, ctx_len: int):
     slots = torch.where(on_path, position_ids, torch.where(beyond, start + idx, ctx_len - 1))
     slots = torch.where(position_ids < 0, ctx_len - 1, slots)
     return path, slots, accepted
+
+
+def attention_kinds(rotary, layers, layer_kinds, ctx_len: int, max_rows: int | None):
+    """(RoPE tables by module name, AttentionKind by kind name) of the layers' attention kinds,
+    in name order. A kind's table is its own where the model keeps one per kind (Gemma 4's
+    `{kind}_inv_freq`), else the shared one; the first layer's kind's table is "rope", another
+    kind's own table "rope_{kind}". Its head shape is its first layer's, its ring sized by
+    max_rows (attention.ring_size)."""
+    first = {}
+    for layer, kind in zip(layers, layer_kinds, strict=True):
+        if layer.mixer_name == "self_attn":
+            first.setdefault(kind.attention, (layer.self_attn, kind))
+    lead = next(iter(first))
+    ropes, out = {}, {}
+    for name in sorted(first):
+        attn, kind = first[name]
+        own = hasattr(rotary, f"{name}_inv_freq")
+        table = f"rope_{name}" if own and name != lead else "rope"
+        if table not in ropes:
+            ropes[table] = RopeTable.from_rope(Rope.from_hf(rotary, name if own else None), ctx_len)
+        ring = ring_size(kind.window, max_rows, ctx_len)
+        out[name] = AttentionKind(kind.window, table, attn.n_heads, attn.n_kv_heads, ring)
+    return dict(sorted(ropes.items(), key=lambda item: item[0] != "rope")), out
 
 
 def _config_path(cfg) -> Path:
