@@ -1,5 +1,5 @@
 """Block verification (docs/DESIGN.md, Block verification): the target graph's sampler with
-`block=True` is distributed as the target's own sampling (chi-square against the exact joint of
+`sample_block` is distributed as the target's own sampling (chi-square against the exact joint of
 the first tokens, on a tiny vocabulary with prefix-dependent target and draft distributions),
 for a sampling draft (its q given) and a greedy draft (q one-hot); the same test rejects a
 deliberately wrong rule (the draft sampled, another q verified); its mean accepted count is not below
@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dflash_qaic.modeling.sampler import sample_next_tokens
+from dflash_qaic.modeling.sampler import sample_block, sample_chain
 
 V, GAMMA, DEPTH, SAMPLES = 5, 3, 3, 40_000
 
@@ -64,9 +64,9 @@ def run(target, draft, greedy_draft: bool, block: bool, seed: int, q_rule="draft
             q_probs=torch.tensor(told),
         )
     one = torch.ones(SAMPLES)
-    out = sample_next_tokens(
+    out = (sample_block if block else sample_chain)(
         torch.tensor(logits), torch.tensor(ids), torch.tensor(pos), one,
-        torch.zeros(SAMPLES, dtype=torch.int64), one, torch.tensor(u), V, block=block, **kw,
+        torch.zeros(SAMPLES, dtype=torch.int64), one, torch.tensor(u), V, **kw,
     )  # fmt: skip
     if block:
         tokens, acc = out[0].numpy(), out[1].numpy()
@@ -248,9 +248,7 @@ def test_a_prefill_chunk_samples_its_last_row_from_p():
     u = torch.zeros(b, s, 2)
     u[:, n - 1] = torch.rand(b, 2, generator=gen)
     one = torch.ones(b)
-    tokens, acc = sample_next_tokens(
-        logits, ids, pos, one, torch.zeros(b, dtype=torch.int64), one, u, V, block=True
-    )
+    tokens, acc = sample_block(logits, ids, pos, one, torch.zeros(b, dtype=torch.int64), one, u, V)
     assert (acc <= n - 1).all()
     p = torch.softmax(logits[:, n - 1], -1)  # the inverse CDF of p at the row's second uniform
     want = (p.cumsum(-1) <= u[:, n - 1, 1:]).sum(-1).clamp(max=V - 1)

@@ -31,7 +31,7 @@ from test_target_export import (
 
 from dflash_qaic import contract
 from dflash_qaic.exporter.target import export_target
-from dflash_qaic.modeling.gemma4 import ExportGemma4Target
+from dflash_qaic.modeling.target import ExportTarget
 
 H, WINDOW = 64, 4
 LAYER_TYPES = ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2
@@ -159,7 +159,23 @@ def test_refuses_unsupported_fields(field, value):
     setattr(model.config, field, value)
     fc, hn_w, hn_eps = make_draft_side(len(LAYER_IDS))
     with pytest.raises(ValueError, match=field):
-        ExportGemma4Target.from_hf(model, fc, hn_w, hn_eps, LAYER_IDS, ctx_len=CTX)
+        ExportTarget.from_hf(model, fc, hn_w, hn_eps, LAYER_IDS, ctx_len=CTX)
+
+
+@pytest.mark.parametrize("rule", ["tree", "block"])
+def test_unsupported_verify_rules_are_refused_by_name(rule, tmp_path):
+    """Tree and block verification are not built for sliding-window targets: the export refuses
+    them by name before tracing anything (the program declares the rules it supports)."""
+    model = make_gemma4("text")
+    fc, hn_w, hn_eps = make_draft_side(len(LAYER_IDS))
+    with pytest.raises(ValueError, match=rf"^{rule} verification .*sliding-window.* by chain"):
+        export_target(
+            model, fc, hn_w, hn_eps, LAYER_IDS, tmp_path / "target.onnx", ctx_len=CTX,
+            prefill_seq_len=CHUNK, block_size=BLOCK, verify_rule=rule,
+        )  # fmt: skip
+    assert not (tmp_path / "target.onnx").exists()
+    module = ExportTarget.from_hf(model, fc, hn_w, hn_eps, LAYER_IDS, ctx_len=CTX)
+    assert module.verify_rules == ("chain",)
 
 
 # ---------------------------------------------------------------- fp16 with a massive channel

@@ -33,7 +33,8 @@ from test_target_export import (
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
 from dflash_qaic.exporter.target import export_target
-from dflash_qaic.modeling.gpt_oss import ExportGptOssTarget, GptOssMoE
+from dflash_qaic.modeling.gpt_oss import GptOssMoE
+from dflash_qaic.modeling.target import ExportTarget
 from dflash_qaic.mxfp4 import dequantize, dequantize_file, mxfp4_chunks
 
 H, E, K, INTER, WINDOW = 64, 8, 4, 32, 4
@@ -173,10 +174,10 @@ def test_window_hides_old_keys(gpt_oss_model):
     """A sliding layer's output does not depend on keys W or more positions back; a full layer's
     does (so the mask, not luck, makes the comparison with HF pass)."""
     fc, hn_w, hn_eps = make_draft_side(len(LAYER_IDS))
-    t = ExportGptOssTarget.from_hf(
+    t = ExportTarget.from_hf(
         gpt_oss_model, fc, hn_w, hn_eps, LAYER_IDS, ctx_len=CTX, sampling=False
     )
-    calls = t.calls(torch.arange(10)[None], None, torch.arange(CTX))
+    calls = t.call(torch.arange(10)[None], None, torch.arange(CTX)).attention
     sliding, full = calls["sliding_attention"].mask, calls["full_attention"].mask
     assert sliding.shape == full.shape == (1, 1, 2 * 10, CTX)
     row = 9  # position 9 sees 6 … 9 (sliding) and 0 … 9 (full)
@@ -191,9 +192,22 @@ def test_refuses_unknown_layer_kind(gpt_oss_model):
     cfg.layer_types = ["chunked_attention"] + saved[1:]
     try:
         with pytest.raises(ValueError, match="layer_types"):
-            ExportGptOssTarget.from_hf(gpt_oss_model, fc, hn_w, hn_eps, LAYER_IDS, ctx_len=CTX)
+            ExportTarget.from_hf(gpt_oss_model, fc, hn_w, hn_eps, LAYER_IDS, ctx_len=CTX)
     finally:
         cfg.layer_types = saved
+
+
+@pytest.mark.parametrize("rule", ["tree", "block"])
+def test_unsupported_verify_rules_are_refused_by_name(gpt_oss_model, rule, tmp_path):
+    """`--tree-budgets` / `--verify-rule block` on a gpt-oss target: refused at export, by name
+    (a greedy block export is a chain program, so the block case samples)."""
+    fc, hn_w, hn_eps = make_draft_side(len(LAYER_IDS))
+    with pytest.raises(ValueError, match=rf"^{rule} verification .*sliding-window"):
+        export_target(
+            gpt_oss_model, fc, hn_w, hn_eps, LAYER_IDS, tmp_path / "target.onnx", ctx_len=CTX,
+            prefill_seq_len=CHUNK, block_size=BLOCK, verify_rule=rule,
+        )  # fmt: skip
+    assert not (tmp_path / "target.onnx").exists()
 
 
 # ---------------------------------------------------------------- MXFP4

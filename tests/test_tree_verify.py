@@ -22,7 +22,7 @@ import torch
 from scipy.stats import chisquare
 
 from dflash_qaic import contract
-from dflash_qaic.modeling.sampler import sample_next_tokens
+from dflash_qaic.modeling.sampler import sample_tree
 from dflash_qaic.modeling.target import accept_path
 from dflash_qaic.runtime import tree as host_tree
 
@@ -99,9 +99,9 @@ def test_tree_rule_is_the_targets_distribution(rule_tables):
     u_depth = rng.random((SAMPLES, 3, 2), dtype=np.float32)  # one uniform pair per depth
     u = torch.tensor(u_depth[:, depth_of])
     one = torch.ones(SAMPLES)
-    choice = sample_next_tokens(
+    choice = sample_tree(
         torch.tensor(np.tile(logits, (SAMPLES, 1, 1)), dtype=torch.float32), ids, pos, one,
-        torch.zeros(SAMPLES, dtype=torch.int64), one, u, V, plain=True,
+        torch.zeros(SAMPLES, dtype=torch.int64), one, u, V,
     )  # fmt: skip
     mask = torch.tensor(
         np.tile(

@@ -178,8 +178,8 @@ def set_rule(module: ExportTarget, verify_rule: str, sampling: bool, token_bitma
     why = module.unsupported(rule)
     if why is not None:
         raise ValueError(
-            f"{rule.describe} is not supported by this target ({why}); it supports "
-            f"{', '.join(module.verify_rules)}: export without {rule.flag}"
+            f"{rule.describe} is {why}; this target verifies by "
+            f"{' or '.join(module.verify_rules)}: export without {rule.flag}"
         )
     if rule.takes_tree and token_bitmask:
         raise ValueError(
