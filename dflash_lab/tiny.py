@@ -39,6 +39,7 @@ import torch
 
 from dflash_qaic import families
 from dflash_qaic.drafts import default_target_layer_ids
+from dflash_qaic.families.base import TinyFields
 from dflash_qaic.families.qwen3_5 import TINY_VISION_TENSORS
 
 
@@ -79,38 +80,42 @@ class TinySpec:
     conv_group_size: int = 16
     selector_rank: int = 4
     selector_top_k: int = 4
-    # family "qwen3_moe": experts of moe_intermediate_size, top-k routing, dense mlp_only_layers
-    num_experts: int = 8
-    num_experts_per_tok: int = 2
-    moe_intermediate_size: int = 32
-    norm_topk_prob: bool = True
-    mlp_only_layers: list[int] | None = None  # None: [1] (one dense layer)
-    decoder_sparse_step: int = 1
-    fused_experts: bool = False  # write mlp.experts.gate_up_proj / down_proj (streamed writer)
-    # family "qwen3_5" (hybrid: Gated DeltaNet + gated full attention, every
-    # full_attention_interval-th layer full). num_heads / num_kv_heads / head_dim are the
-    # draft's; the target's full attention takes attn_* (None: the same).
-    linear_key_heads: int = 2
-    linear_value_heads: int = 4
-    linear_head_dim: int = 16
-    conv_kernel: int = 4
-    full_attention_interval: int = 4
-    attn_heads: int | None = None
-    attn_kv_heads: int | None = None
-    attn_head_dim: int | None = None
-    multimodal: bool = False  # the published form: Qwen3_5ForConditionalGeneration, text_config
-    # family "qwen3_5_moe": the hybrid with every MLP a MoE block (num_experts, top-k,
-    # moe_intermediate_size above) plus a gated shared expert of this size
-    shared_expert_intermediate_size: int = 48
-    # family "gpt_oss": the target's sliding window (its layers alternate sliding and full; the
-    # experts num_experts × moe_intermediate_size, MXFP4 on disk), and the draft's q/k/v/o
-    # biases (`attention_bias`, as the published gpt-oss drafts have)
-    target_sliding_window: int = 8
+    # the draft's q/k/v/o biases (`attention_bias`, as the published gpt-oss drafts have)
     attention_bias: bool = False
-    # family "gemma4" real shapes (None: the tiny ones, kind_checkpoints.gemma4_tiny_config):
-    # the full layers' head size and KV heads (V = K there); the window: target_sliding_window
-    global_head_dim: int | None = None
-    num_global_kv_heads: int | None = None
+    # the fields only the family's tiny pairs have (families/: `Family.tiny_fields`), read as
+    # the spec's own (s.num_experts); None: the family's defaults
+    fields: TinyFields | None = None
+
+    def __post_init__(self):
+        if self.fields is None:
+            self.fields = families.get(self.family).tiny_fields()
+
+    def __getattr__(self, name: str):
+        fields = self.__dict__.get("fields")
+        if fields is not None and name in {f.name for f in dataclasses.fields(fields)}:
+            return getattr(fields, name)
+        raise AttributeError(f"a {self.__dict__.get('family')} tiny pair has no field {name!r}")
+
+    @classmethod
+    def of(cls, family: str = "qwen3", **kw) -> TinySpec:
+        """The spec of a `family` tiny pair from keyword fields: TinySpec's and the family's
+        own (`Family.tiny_fields`); a field of neither is refused, naming the family's."""
+        own_type = families.get(family).tiny_fields
+        own = {f.name for f in dataclasses.fields(own_type)}
+        common = {f.name for f in dataclasses.fields(cls)} - {"fields"}
+        unknown = sorted(set(kw) - own - common)
+        if unknown:
+            raise ValueError(
+                f"{', '.join(unknown)}: not a field of a {family} tiny pair (its own fields: "
+                f"{', '.join(sorted(own)) or 'none'})"
+            )
+        fields = own_type(**{k: v for k, v in kw.items() if k in own})
+        return cls(family=family, fields=fields, **{k: v for k, v in kw.items() if k in common})
+
+    @property
+    def streamed(self) -> bool:
+        """Written tensor by tensor (dflash_lab/tiny_writer.py) rather than save_pretrained."""
+        return self.dtype != "float32" or self.shards > 1 or self.fields.streamed()
 
 
 # Published shapes (Qwen3-0.6B / Qwen3-4B and z-lab's 5-layer b16 drafts for them): bf16, the
@@ -248,14 +253,12 @@ def preset_spec(name: str, **overrides) -> TinySpec:
         raise ValueError(f"unknown preset {name!r}: choose from {', '.join(PRESETS)}")
     kw = {**_PRESET_COMMON, **PRESETS[name], **overrides}
     kw.setdefault("target_layer_ids", None)
-    if kw["target_layer_ids"] is None and kw["family"] == "gpt_oss":  # z-lab's gpt-oss draft:
-        L = kw["target_layers"]  # layers 1, 6, …, 21 (those of a shortened target that exist)
-        ids = [i for i in range(1, min(L, 24), 5)] or [0]
-        kw["target_layer_ids"] = ids
+    if kw["target_layer_ids"] is None:  # the published drafts' layers (gpt-oss), else the rule
+        kw["target_layer_ids"] = families.get(kw["family"]).draft_layer_ids(kw["target_layers"])
     if kw["target_layer_ids"] is None:  # the default rule; spread by _layer_ids when it repeats
         ids = default_target_layer_ids(kw["target_layers"], kw["draft_layers"])
         kw["target_layer_ids"] = ids if len(set(ids)) == len(ids) else None
-    return TinySpec(**kw)
+    return TinySpec.of(**kw)
 
 
 def _target_config(s: TinySpec):
@@ -460,22 +463,23 @@ def make_tiny_pair(
     if preset:
         s = preset_spec(preset, **kw)
     else:  # the family's tiny preset (families/: Family.tiny) under the caller's fields
-        s = TinySpec(family=family, **{**families.get(family).tiny, **kw})
+        s = TinySpec.of(family, **{**families.get(family).tiny, **kw})
     s = _layer_ids(s)
     out = Path(out_dir)
     tdir, ddir = out / "target", out / "draft"
     tdir.mkdir(parents=True, exist_ok=True)
     ddir.mkdir(parents=True, exist_ok=True)
-    if families.get(s.family).hybrid and not preset:
+    layout = families.get(s.family).tiny_layout
+    if layout == "hybrid" and not preset:
         _make_hybrid(s, tdir, ddir)
         return tdir, ddir
-    if s.family == "gpt_oss" and not preset:
+    if layout == "mxfp4" and not preset:
         from dflash_lab.tiny_writer import make_gpt_oss
 
         make_gpt_oss(s, tdir, ddir, _target_config(s), random_draft_state)
         (ddir / "config.json").write_text(json.dumps(draft_config_dict(s), indent=2) + "\n")
         return tdir, ddir
-    if preset or s.dtype != "float32" or s.shards > 1 or s.fused_experts:
+    if preset or s.streamed:
         if s.draft_form != "dflash":
             raise ValueError(f"draft form {s.draft_form!r} is written only as a tiny fp32 pair")
         from dflash_lab.tiny_writer import write_pair_streamed

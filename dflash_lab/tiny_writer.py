@@ -240,15 +240,12 @@ def make_gpt_oss(s, tdir: Path, ddir: Path, cfg, draft_state) -> None:
 
 def target_layout(s) -> list[tuple[str, tuple, str]]:
     """(name, shape, kind) of every tensor of the target checkpoint, in Hugging Face's order."""
-    if s.family == "qwen3_5":
-        return _hybrid_layout(s)
-    if s.family in ("gemma4", "gemma4_moe"):
-        return _gemma4_layout(s)
-    if s.family == "gpt_oss":
-        return _gpt_oss_layout(s)
+    family = families.get(s.family)
+    special = {"hybrid": _hybrid_layout, "gemma4": _gemma4_layout, "mxfp4": _gpt_oss_layout}
+    if family.tiny_layout in special:
+        return special[family.tiny_layout](s)
     V, H = s.vocab_size, s.hidden_size
     out = [("model.embed_tokens.weight", (V, H), "embed")]
-    family = families.get(s.family)
     for i in range(s.target_layers):
         sparse = family.moe and _sparse(s, i)
         out += _layer_tensors(f"model.layers.{i}.", s, qk_norm=family.qk_norm, sparse=sparse)
@@ -357,7 +354,7 @@ def write_pair_streamed(s, tdir: Path, ddir: Path, target_config) -> None:
     target_config.dtype = s.dtype
     if getattr(s, "multimodal", False):
         target_config.architectures = ["Qwen3_5ForConditionalGeneration"]
-        if s.family in ("gemma4", "gemma4_moe"):  # the published Gemma 4 form
+        if families.get(s.family).tiny_layout == "gemma4":  # the published Gemma 4 form
             target_config.architectures = ["Gemma4ForConditionalGeneration"]
     target_config.save_pretrained(tdir)
     shards = _shard(t_layout, s.shards, itemsize) if s.shards > 1 else [t_layout]

@@ -60,7 +60,9 @@ def check_feeds(io: contract.TargetIO, specializations: list[dict], seed: int = 
             feed[contract.DRAFT_Q_IDS] = ids.reshape(b, rows, k).astype(np.int64)
             q = rng.random((b, rows, k)).astype(np.float32)
             feed[contract.DRAFT_Q_PROBS] = q / q.sum(-1, keepdims=True)
-        if verify_rules.get(io.verify_rule).takes_tree:  # a verify: a random tree of s rows at start + depth; else the chain's
+        if verify_rules.get(
+            io.verify_rule
+        ).takes_tree:  # a verify: a random tree of s rows at start + depth; else the chain's
             layout = (
                 random_tree(s, rng) if name in (contract.VERIFY, contract.VERIFY_SAMPLED) else None
             )

@@ -94,6 +94,31 @@ class TargetConfig:
         return self.spec.hybrid
 
 
+@dataclass(frozen=True)
+class TinyFields:
+    """The fields of a tiny pair (dflash_lab/tiny.py, TinySpec) only some families have; a
+    family module declares its own as a subclass (`Family.tiny_fields`). A dense family has
+    none."""
+
+    def streamed(self) -> bool:
+        """Whether the pair must be written tensor by tensor (dflash_lab/tiny_writer.py)."""
+        return False
+
+
+@dataclass(frozen=True)
+class MoeTiny(TinyFields):
+    """A tiny MoE target's experts: num_experts of moe_intermediate_size, top-k routing;
+    fused_experts: written as mlp.experts.gate_up_proj / down_proj (the streamed writer)."""
+
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    fused_experts: bool = False
+
+    def streamed(self) -> bool:
+        return self.fused_experts
+
+
 class Family:
     """A dense decoder (every layer attention + MLP); family modules override what differs."""
 
@@ -110,10 +135,13 @@ class Family:
     # (exporter/weights.py), so the program's view is free
     transposed_params: tuple[str, ...] = ()
     fields: Mapping = {}  # config fields it reads beyond DECODER_FIELDS (typed before use)
-    # its tiny preset: TinySpec fields (dflash_lab/tiny.py) over the defaults; a tiny pair of
-    # this family is `make_tiny_pair(out, family=NAME, **tiny)`
+    # its tiny preset: TinySpec fields (dflash_lab/tiny.py, its own `tiny_fields` among them)
+    # over the defaults; a tiny pair of this family is `make_tiny_pair(out, family=NAME)`
     tiny: Mapping = {}
+    # tiny_fields: the dataclass of the fields of a tiny pair only this family has (below)
+    tiny_layout = ""  # how dflash_lab writes its tiny target ("": Hugging Face's save_pretrained)
     ignored_prefixes: tuple[str, ...] = ()  # tensors the checkpoint may carry that no program uses
+    tiny_fields = TinyFields
 
     def __repr__(self) -> str:
         return f"<family {self.name}>"
@@ -230,13 +258,18 @@ class Family:
 
     # ------------------------------------------------------------ tiny preset
 
+    def draft_layer_ids(self, target_layers: int) -> list[int] | None:
+        """The target layers a real-shape preset's draft reads, when its published drafts fix
+        them (None: the default rule, drafts.default_target_layer_ids)."""
+        return None
+
     def tiny_config(self, s):
         """The transformers config of a tiny target of this family (s: dflash_lab's TinySpec)."""
         raise NotImplementedError
 
 
-def decoder_common(s) -> dict:
-    """The config fields every tiny dense / MoE target shares (s: a TinySpec)."""
+def decoder_dims(s) -> dict:
+    """The shape fields of every tiny target's config (s: a TinySpec)."""
     return dict(
         vocab_size=s.vocab_size,
         hidden_size=s.hidden_size,
@@ -246,6 +279,13 @@ def decoder_common(s) -> dict:
         num_key_value_heads=s.num_kv_heads,
         head_dim=s.head_dim,
         max_position_embeddings=s.max_position_embeddings,
+    )
+
+
+def decoder_common(s) -> dict:
+    """The config fields every tiny dense / MoE target shares (s: a TinySpec)."""
+    return dict(
+        **decoder_dims(s),
         rms_norm_eps=1e-6,
         tie_word_embeddings=s.tie_word_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta},

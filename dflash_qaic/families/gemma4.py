@@ -7,6 +7,8 @@ attention kinds, built by the one target skeleton (modeling/target.py)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from dflash_qaic import kind_checkpoints as kinds
 from dflash_qaic.checkpoint_files.config import CheckpointError
 from dflash_qaic.families.base import (
@@ -17,7 +19,27 @@ from dflash_qaic.families.base import (
     SLIDING_ATTENTION,
     Family,
     LayerKind,
+    MoeTiny,
+    TinyFields,
+    decoder_dims,
 )
+
+
+@dataclass(frozen=True)
+class Gemma4Tiny(TinyFields):
+    """A tiny Gemma 4 target's fields (None: the tiny shapes of kind_checkpoints'
+    `gemma4_tiny_config`): its sliding window, the full layers' head size and KV heads (V = K
+    there); multimodal: the published Gemma4ForConditionalGeneration form."""
+
+    target_sliding_window: int | None = None
+    global_head_dim: int | None = None
+    num_global_kv_heads: int | None = None
+    multimodal: bool = False
+
+
+@dataclass(frozen=True)
+class Gemma4MoeTiny(Gemma4Tiny, MoeTiny):
+    """Gemma 4's with routed experts beside every MLP."""
 
 
 class Gemma4(Family):
@@ -28,6 +50,8 @@ class Gemma4(Family):
     tiny = dict(target_layers=4, block_size=4, input_embedding_scale=8.0)
     tiny |= dict(final_logit_softcapping=30.0)
     scaled_embeddings = True
+    tiny_fields = Gemma4Tiny
+    tiny_layout = "gemma4"
 
     def text_config(self, cfg, cpath):
         try:
@@ -62,7 +86,7 @@ class Gemma4(Family):
         return f"{t.prefix}layers.{i}.{kinds.GEMMA4_RENAMES.get(rest, rest)}"
 
     def tiny_config(self, s):
-        return kinds.gemma4_tiny_config(s, moe=False)
+        return gemma4_tiny_config(s, moe=False)
 
 
 class Gemma4Moe(Gemma4):
@@ -72,10 +96,45 @@ class Gemma4Moe(Gemma4):
     name = "gemma4_moe"
     architectures = ()
     model_types = ()
+    tiny_fields = Gemma4MoeTiny
 
     def tiny_config(self, s):
-        return kinds.gemma4_tiny_config(s, moe=True)
+        return gemma4_tiny_config(s, moe=True)
 
 
 GEMMA4 = Gemma4()
 GEMMA4_MOE = Gemma4Moe()
+
+
+def gemma4_tiny_config(s, moe: bool):
+    """A tiny Gemma 4 target (s: dflash_lab's TinySpec): sliding layers of window 8 and the last
+    layer full (head_dim 2x and one KV head, V = K), √H embeddings, soft-capped logits; `moe`:
+    routed experts beside every MLP; `s.multimodal`: the published Gemma4ForConditionalGeneration
+    form with a one-layer vision tower."""
+    from transformers import Gemma4Config, Gemma4TextConfig
+
+    extra = {}
+    if moe:
+        extra = dict(enable_moe_block=True, num_experts=s.num_experts)
+        extra |= dict(top_k_experts=s.num_experts_per_tok)
+        extra |= dict(moe_intermediate_size=s.moe_intermediate_size)
+    text = Gemma4TextConfig(
+        **decoder_dims(s),
+        # the tiny defaults, or a real-shape preset's (dflash_lab.tiny PRESETS["gemma-4-31b"])
+        global_head_dim=getattr(s, "global_head_dim", None) or 2 * s.head_dim,
+        num_global_key_value_heads=getattr(s, "num_global_kv_heads", None) or 1,
+        attention_k_eq_v=True,
+        sliding_window=getattr(s, "target_sliding_window", None) or 8,
+        hidden_size_per_layer_input=0,
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,  # the multimodal model's forward reads it
+        **extra,
+    )
+    if not s.multimodal:
+        return text
+    vision = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1)
+    vision |= dict(num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    return Gemma4Config(text_config=text.to_dict(), vision_config=vision, audio_config=None)

@@ -17,6 +17,7 @@ norms are plain tensors in both.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_qaic.checkpoint_files.config import (
@@ -35,6 +36,8 @@ from dflash_qaic.families.base import (
     Family,
     LayerKind,
     MoeSpec,
+    MoeTiny,
+    decoder_dims,
 )
 
 SLIDING, FULL = SLIDING_ATTENTION, FULL_ATTENTION
@@ -63,6 +66,13 @@ def experts_mxfp4(names) -> bool:
     return any(n.endswith("mlp.experts.gate_up_proj_blocks") for n in names)
 
 
+@dataclass(frozen=True)
+class GptOssTiny(MoeTiny):
+    """A tiny gpt-oss target's fields: its experts (MXFP4 on disk) and its sliding window."""
+
+    target_sliding_window: int = 8
+
+
 class GptOss(Family):
     name = "gpt_oss"
     architectures = ("GptOssForCausalLM",)
@@ -75,6 +85,13 @@ class GptOss(Family):
     # experts MXFP4 on disk; a Qwen3-shaped draft with attention biases, block 8
     tiny = dict(target_layers=4, block_size=8, num_experts=8, num_experts_per_tok=4)
     tiny |= dict(moe_intermediate_size=64, tie_word_embeddings=False, attention_bias=True)
+    tiny_fields = GptOssTiny
+    tiny_layout = "mxfp4"  # dflash_lab/tiny_writer.py make_gpt_oss
+
+    def draft_layer_ids(self, target_layers: int) -> list[int]:
+        """The published gpt-oss drafts' target layers (z-lab's: 1, 6, 11, 16, 21), those of a
+        shortened target that exist (a real-shape tiny preset's draft)."""
+        return [i for i in range(1, min(target_layers, 24), 5)] or [0]
 
     def read_fields(self, text, cpath, n_layers):
         E = positive(text, "num_local_experts", cpath)
@@ -121,7 +138,9 @@ class GptOss(Family):
     def layer_kinds(self, text):
         n, window = int(text["num_hidden_layers"]), text.get("sliding_window")
         types = text.get("layer_types") or [FULL] * n
-        return [LayerKind(ATTENTION, CLAMPED_MOE, k, window if k == SLIDING else None) for k in types]
+        return [
+            LayerKind(ATTENTION, CLAMPED_MOE, k, window if k == SLIDING else None) for k in types
+        ]
 
     def experts_fused(self, names) -> bool:
         """True: the experts are MXFP4 (`…_blocks` / `…_scales`); False: plain 3-D tensors."""
@@ -170,18 +189,11 @@ class GptOss(Family):
         yarn = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0)
         yarn |= dict(truncate=False, original_max_position_embeddings=4096)
         return GptOssConfig(
-            vocab_size=s.vocab_size,
-            hidden_size=s.hidden_size,
-            intermediate_size=s.moe_intermediate_size,
-            num_hidden_layers=s.target_layers,
-            num_attention_heads=s.num_heads,
-            num_key_value_heads=s.num_kv_heads,
-            head_dim=s.head_dim,
+            **(decoder_dims(s) | {"intermediate_size": s.moe_intermediate_size}),
             num_local_experts=s.num_experts,
             num_experts_per_tok=s.num_experts_per_tok,
             sliding_window=s.target_sliding_window,
             layer_types=types,
-            max_position_embeddings=s.max_position_embeddings,
             rms_norm_eps=1e-5,
             rope_parameters={**yarn, "rope_theta": 150000.0},
             tie_word_embeddings=False,

@@ -7,6 +7,7 @@ program uses) or text-only (`Qwen3_5ForCausalLM`)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_qaic.checkpoint_files.config import (
@@ -15,7 +16,15 @@ from dflash_qaic.checkpoint_files.config import (
     check_decoder_supported,
     positive,
 )
-from dflash_qaic.families.base import DELTANET, GATED_ATTENTION, MLP, MOE, Family, LayerKind
+from dflash_qaic.families.base import (
+    DELTANET,
+    GATED_ATTENTION,
+    MLP,
+    MOE,
+    Family,
+    LayerKind,
+    TinyFields,
+)
 
 DELTANET_FIELDS = {
     "full_attention_interval": POSITIVE_INT,
@@ -70,6 +79,24 @@ def deltanet_dims(cfg: Mapping, cpath: Path) -> dict:
     return {"layer_types": types, **dims}
 
 
+@dataclass(frozen=True)
+class HybridTiny(TinyFields):
+    """A tiny Qwen3.5 target's fields: its Gated DeltaNet heads, conv kernel and full-attention
+    interval (every full_attention_interval-th layer full); its full attention's heads (None:
+    the draft's num_heads / num_kv_heads / head_dim); multimodal: the published
+    Qwen3_5ForConditionalGeneration form (text_config, a token vision tower)."""
+
+    linear_key_heads: int = 2
+    linear_value_heads: int = 4
+    linear_head_dim: int = 16
+    conv_kernel: int = 4
+    full_attention_interval: int = 4
+    attn_heads: int | None = None
+    attn_kv_heads: int | None = None
+    attn_head_dim: int | None = None
+    multimodal: bool = False
+
+
 class Qwen3_5(Family):
     name = "qwen3_5"
     architectures = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM")
@@ -79,6 +106,8 @@ class Qwen3_5(Family):
     fields = DELTANET_FIELDS
     # the vision tower and the multi-token-prediction head (Hugging Face ignores them too)
     ignored_prefixes = ("model.visual.", "mtp.")
+    tiny_fields = HybridTiny
+    tiny_layout = "hybrid"
 
     def text_config(self, cfg, cpath):
         if "text_config" not in cfg:  # the text-only form

@@ -3,10 +3,20 @@ always renormalised, plus a sigmoid-gated shared expert."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from dflash_qaic.checkpoint_files.config import positive
-from dflash_qaic.families.base import MoeSpec
-from dflash_qaic.families.qwen3_5 import Qwen3_5, deltanet_dims, hybrid_tiny_config
+from dflash_qaic.families.base import MoeSpec, MoeTiny
+from dflash_qaic.families.qwen3_5 import HybridTiny, Qwen3_5, deltanet_dims, hybrid_tiny_config
 from dflash_qaic.families.qwen3_moe import MOE_FIELDS, expert_shapes, experts_fused, read_experts
+
+
+@dataclass(frozen=True)
+class HybridMoeTiny(HybridTiny, MoeTiny):
+    """A tiny Qwen3.5-MoE target's fields: the hybrid's, its experts, and a gated shared expert
+    of shared_expert_intermediate_size."""
+
+    shared_expert_intermediate_size: int = 48
 
 
 class Qwen3_5Moe(Qwen3_5):
@@ -15,6 +25,7 @@ class Qwen3_5Moe(Qwen3_5):
     model_types = ("qwen3_5_moe", "qwen3_5_moe_text")
     moe = True
     fields = Qwen3_5.fields | MOE_FIELDS
+    tiny_fields = HybridMoeTiny
 
     def read_fields(self, text, cpath, n_layers):
         experts, top_k, inter = read_experts(text, cpath)

@@ -7,6 +7,7 @@ expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`, the published form) or fus
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_qaic.checkpoint_files.config import (
@@ -23,6 +24,7 @@ from dflash_qaic.families.base import (
     Family,
     LayerKind,
     MoeSpec,
+    MoeTiny,
     TargetConfig,
     decoder_common,
 )
@@ -90,13 +92,24 @@ def experts_fused(names) -> bool:
     return any(n.endswith("mlp.experts.gate_up_proj") for n in names)
 
 
+@dataclass(frozen=True)
+class Qwen3MoeTiny(MoeTiny):
+    """A tiny Qwen3-MoE target's fields: its experts (MoeTiny), renormalised top-k, the dense
+    mlp_only_layers (None: [1], one dense layer) and the sparse step."""
+
+    norm_topk_prob: bool = True
+    mlp_only_layers: list[int] | None = None
+    decoder_sparse_step: int = 1
+
+
 class Qwen3Moe(Family):
     name = "qwen3_moe"
     architectures = ("Qwen3MoeForCausalLM",)
     model_types = ("qwen3_moe",)
     moe = True
     fields = MOE_FIELDS
-    tiny = {}  # 8 experts, top-2, layer 1 dense (TinySpec's defaults)
+    tiny = {}  # 8 experts, top-2, layer 1 dense (Qwen3MoeTiny's defaults)
+    tiny_fields = Qwen3MoeTiny
 
     def read_fields(self, text, cpath, n_layers):
         experts, top_k, inter = read_experts(text, cpath)

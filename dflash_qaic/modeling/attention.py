@@ -208,9 +208,7 @@ class GatedAttention(nn.Module):
         q = torch.cat([apply_rope(q[..., :rd], c.cos, c.sin, rd), q[..., rd:]], dim=-1)
         k = torch.cat([apply_rope(k[..., :rd], c.cos, c.sin, rd), k[..., rd:]], dim=-1)
         dims = (b, s, nh, kvh, hd)
-        out, cache_k, cache_v, pending = attend_call(
-            q, k, v, dims, self.scale, c, cache_k, cache_v
-        )
+        out, cache_k, cache_v, pending = attend_call(q, k, v, dims, self.scale, c, cache_k, cache_v)
         out = out * torch.sigmoid(gate.reshape(b, s, nh * hd))
         return self.o_proj(out), cache_k, cache_v, pending
 

@@ -276,7 +276,9 @@ class ExportTarget(nn.Module):
         if rule.name == verify_rules.CHAIN:
             return None
         if self.linear_layers:
-            return "not built for hybrid targets (their recurrent state commits by the chain's count)"
+            return (
+                "not built for hybrid targets (their recurrent state commits by the chain's count)"
+            )
         if any(k.window is not None for k in self.kinds.values()):
             return "not built for targets with sliding-window layers (Gemma 4, gpt-oss) yet"
         return None
