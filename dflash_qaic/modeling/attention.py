@@ -31,8 +31,8 @@ from torch import nn
 
 from dflash_qaic.contract import past_key, past_value
 from dflash_qaic.families.base import FULL_ATTENTION
-from dflash_qaic.modeling.layers import RMSNorm, apply_rope, frozen, frozen_linear
-from dflash_qaic.modeling.ops import read_cache, update_cache
+from dflash_qaic.modeling.layers import MASK_VALUE, RMSNorm, apply_rope, frozen, frozen_linear
+from dflash_qaic.modeling.ops import cache_reads, read_cache, update_cache
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,42 @@ def ring_mask(position_ids: torch.Tensor, R: int, window: int) -> torch.Tensor:
     pos = position_ids[..., None]  # [b, s, 1]
     held = pos - torch.remainder(pos - torch.arange(R), R)  # [b, s, R]
     return (held > pos - window) & (held >= 0)
+
+
+def visible_keys(position_ids, window, tree_mask, ctx_len: int):
+    """(kv_index [L], visible [b, s, L] bool), shared by every attention kind of a call: key
+    slot j is visible to a query iff j <= its position: causal within the call, stale slots
+    after a rejection hidden, and a padding row (position -1) sees nothing. A tree call: the
+    prefix below the root's position, then the tree's rows ([b, s, L + s])."""
+    kv_index = window if window is not None else torch.arange(ctx_len)  # [L]
+    visible = kv_index <= position_ids[..., None]  # [b, s, L]
+    if tree_mask is not None:
+        prefix = kv_index < position_ids[:, :1, None]  # [b, 1, L]
+        prefix = prefix & (position_ids[..., None] >= 0)  # [b, s, L]
+        visible = torch.cat([prefix, tree_mask != 0], dim=-1)  # [b, s, L + s]
+    return kv_index, visible
+
+
+def kind_call(kind, cos, sin, slots, rows, position_ids, window, visible, ctx_len: int):
+    """One attention kind's AttentionCall: a full kind sees `visible` (`visible_keys`); a
+    sliding kind also hides keys W or more positions back (HF's sliding_window_causal), from a
+    ring of R + 1 slots when it has one (module docstring, Ring caches)."""
+    kv_index, v = visible
+    width = ctx_len
+    if kind.ring is not None:  # slot = position mod R; −1 -> the ring's padding slot R
+        R = kind.ring
+        v = ring_mask(position_ids, R, kind.window)  # [b, s, R]
+        slots = torch.where(position_ids < 0, R, torch.remainder(position_ids, R))
+        window, width = torch.arange(R), R + 1
+    elif kind.window is not None:
+        v = v & (kv_index > position_ids[..., None] - kind.window)
+    # the additive mask, once per call, laid out as attention's rows (kv head's g query heads
+    # folded into the row axis, see `softmax_attention`): [b, 1, g*s, L]
+    g = kind.n_heads // kind.n_kv_heads
+    mask = (~v).to(torch.float32) * MASK_VALUE  # [b, s, L]: 0 or MASK_VALUE
+    mask = torch.cat([mask] * g, dim=1)[:, None]
+    reads = cache_reads(rows, window, kind.n_kv_heads, width)  # shared by the kind's layers
+    return AttentionCall(cos, sin, slots, rows, reads, mask)
 
 
 class Attention(nn.Module):

@@ -609,6 +609,14 @@ class ExportDraft(nn.Module):
         if self.c.final_logit_softcapping:
             cap = self.c.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
+        draft_tokens, conf, logits, q = self.propose(x, hidden, logits, input_ids)
+        out = {DRAFT_TOKENS: draft_tokens, DRAFT_CONFIDENCE: conf, LOGITS: logits, **q}
+        out.update((retained_name(n), t) for n, t in zip(kv, retained, strict=True))
+        return tuple(out[n] for n in self.output_names)  # the contract's outputs, by name
+
+    def propose(self, x: dict, hidden, logits, input_ids):
+        """(draft_tokens [b, B−1], confidence or None, logits, q: the sampled path's q, the
+        tree's candidates) from the block's hidden states and logits [b, B−1, V]."""
         q = {}
         if self.candidate_selector is None and TEMPERATURE in x:  # sampled: block verification
             draft_tokens, q[DRAFT_Q_IDS], q[DRAFT_Q_PROBS] = sample_top_k(
@@ -642,6 +650,4 @@ class ExportDraft(nn.Module):
             if LOGITS in self.output_names:  # over the target's vocabulary, MASK_VALUE elsewhere
                 hidden_col = torch.full_like(logits[..., :1], MASK_VALUE)
                 logits = torch.cat([logits, hidden_col], dim=-1)[..., self.vocab_inverse]
-        out = {DRAFT_TOKENS: draft_tokens, DRAFT_CONFIDENCE: conf, LOGITS: logits, **q}
-        out.update((retained_name(n), t) for n, t in zip(kv, retained, strict=True))
-        return tuple(out[n] for n in self.output_names)  # the contract's outputs, by name
+        return draft_tokens, conf, logits, q

@@ -68,9 +68,10 @@ from dflash_qaic.modeling.attention import (
     AttentionCall,
     AttentionKind,
     GatedAttention,
-    ring_mask,
+    kind_call,
     ring_size,
     rotary_dim,
+    visible_keys,
 )
 from dflash_qaic.modeling.gemma4 import Gemma4DecoderLayer
 from dflash_qaic.modeling.gpt_oss import GptOssMoE
@@ -82,7 +83,6 @@ from dflash_qaic.modeling.hybrid import (
     state_rows,
 )
 from dflash_qaic.modeling.layers import (
-    MASK_VALUE,
     MLP,
     RMSNorm,
     Rope,
@@ -92,7 +92,7 @@ from dflash_qaic.modeling.layers import (
     vocab_tables,
 )
 from dflash_qaic.modeling.moe import SparseMoeBlock
-from dflash_qaic.modeling.ops import cache_reads, cache_rows, cache_slots, write_cache
+from dflash_qaic.modeling.ops import cache_rows, cache_slots, write_cache
 from dflash_qaic.modeling.sampler import (
     ACCEPTANCE,
     SAMPLING_CANDIDATES,
@@ -362,9 +362,9 @@ class ExportTarget(nn.Module):
             if kind.rope not in tables:
                 tables[kind.rope] = getattr(self, kind.rope)(position_ids)  # [b, s, rotary dim]
             if visible is None:
-                visible = self.visible(position_ids, window, tree_mask)
-            attention[name] = self.kind_call(
-                kind, *tables[kind.rope], slots, rows, position_ids, window, visible
+                visible = visible_keys(position_ids, window, tree_mask, self.ctx_len)
+            attention[name] = kind_call(
+                kind, *tables[kind.rope], slots, rows, position_ids, window, visible, self.ctx_len
             )
             attention[name].tree = tree_mask is not None
         call = Call(attention)
@@ -375,40 +375,6 @@ class ExportTarget(nn.Module):
             dc = DeltaContext.build(call.idx, self.n_levels)
             call.deltanet = (state_rows(batch_index, call.ones), fresh, dc)
         return call
-
-    def visible(self, position_ids, window, tree_mask):
-        """(kv_index [L], visible [b, s, L] bool): key slot j is visible to a query iff j <= its
-        position: causal within the call, stale slots after a rejection hidden, and a padding
-        row (position -1) sees nothing. A tree call: the prefix below the root's position, then
-        the tree's rows ([b, s, L + s])."""
-        kv_index = window if window is not None else torch.arange(self.ctx_len)  # [L]
-        visible = kv_index <= position_ids[..., None]  # [b, s, L]
-        if tree_mask is not None:
-            prefix = kv_index < position_ids[:, :1, None]  # [b, 1, L]
-            prefix = prefix & (position_ids[..., None] >= 0)  # [b, s, L]
-            visible = torch.cat([prefix, tree_mask != 0], dim=-1)  # [b, s, L + s]
-        return kv_index, visible
-
-    def kind_call(self, kind, cos, sin, slots, rows, position_ids, window, visible):
-        """One attention kind's AttentionCall: a full kind sees `visible`; a sliding kind also
-        hides keys W or more positions back (HF's sliding_window_causal), from a ring of R + 1
-        slots when it has one (modeling/attention.py, Ring caches)."""
-        kv_index, v = visible
-        width = self.ctx_len
-        if kind.ring is not None:  # slot = position mod R; −1 -> the ring's padding slot R
-            R = kind.ring
-            v = ring_mask(position_ids, R, kind.window)  # [b, s, R]
-            slots = torch.where(position_ids < 0, R, torch.remainder(position_ids, R))
-            window, width = torch.arange(R), R + 1
-        elif kind.window is not None:
-            v = v & (kv_index > position_ids[..., None] - kind.window)
-        # the additive mask, once per call, laid out as attention's rows (kv head's g query
-        # heads folded into the row axis, see attention.softmax_attention): [b, 1, g*s, L]
-        g = kind.n_heads // kind.n_kv_heads
-        mask = (~v).to(torch.float32) * MASK_VALUE  # [b, s, L]: 0 or MASK_VALUE
-        mask = torch.cat([mask] * g, dim=1)[:, None]
-        reads = cache_reads(rows, window, kind.n_kv_heads, width)  # shared by the kind's layers
-        return AttentionCall(cos, sin, slots, rows, reads, mask)
 
     def forward(self, *inputs: torch.Tensor):
         # the contract's inputs (TargetIO), bound by the names the exporter gives them
@@ -451,7 +417,8 @@ class ExportTarget(nn.Module):
         out = self.choose(logits, h, x)
         hidden = self.fuse(torch.cat([taps[j] for j in self.target_layer_ids], dim=-1))
         if self.rule.path_order:  # the accepted path: its K/V written, the outputs in its order
-            hidden = self.accept_tree(out, hidden, call, tree_mask, retained, pending, x)
+            rows = next(iter(call.attention.values())).rows
+            hidden = commit_tree(out, hidden, rows, tree_mask, retained, pending, x, self.ctx_len)
         if pending:  # DeltaNet layers: the state after the committed positions only
             count = committed_count(
                 input_ids, position_ids, out[NEXT_TOKENS], call.ones, self.block_size
@@ -487,20 +454,6 @@ class ExportTarget(nn.Module):
         out[NEXT_TOKENS] = picked
         return out
 
-    def accept_tree(self, out, hidden, call, tree_mask, retained, pending, x):
-        """The tree rule: the accepted path's K/V written into the caches, next_tokens (in
-        `out`) and the returned hidden states in path order; num_accepted."""
-        path, slots, out[NUM_ACCEPTED] = accept_path(
-            x[INPUT_IDS], x[POSITION_IDS], out[NEXT_TOKENS], tree_mask, self.ctx_len
-        )
-        rows = next(iter(call.attention.values())).rows
-        for i, (k, v) in pending.items():
-            retained[2 * i] = write_cache(retained[2 * i], rows, slots, k)
-            retained[2 * i + 1] = write_cache(retained[2 * i + 1], rows, slots, v)
-        pending.clear()
-        out[NEXT_TOKENS] = out[NEXT_TOKENS].gather(1, path)
-        return hidden.gather(1, path[..., None].expand_as(hidden))
-
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
         """hidden_norm(fc(feats)), safe in fp16: feats [b, s, k*H] -> [b, s, H].
 
@@ -513,6 +466,21 @@ class ExportTarget(nn.Module):
         m = feats.abs().amax(-1, keepdim=True).clamp(min=1.0)  # [b, s, 1]
         eps_root = math.sqrt(self.hidden_norm.eps) / self.fc_scale
         return self.hidden_norm(self.fc(feats / m), (eps_root / m).clamp(min=2.0**-24))
+
+
+def commit_tree(out, hidden, rows, tree_mask, retained, pending, x, ctx_len: int):
+    """The tree rule after the call: the accepted path's K/V (`pending`, per layer) written into
+    the caches (`retained`), next_tokens (in `out`) and the returned hidden states in path
+    order; num_accepted. Returns the hidden states."""
+    path, slots, out[NUM_ACCEPTED] = accept_path(
+        x[INPUT_IDS], x[POSITION_IDS], out[NEXT_TOKENS], tree_mask, ctx_len
+    )
+    for i, (k, v) in pending.items():
+        retained[2 * i] = write_cache(retained[2 * i], rows, slots, k)
+        retained[2 * i + 1] = write_cache(retained[2 * i + 1], rows, slots, v)
+    pending.clear()
+    out[NEXT_TOKENS] = out[NEXT_TOKENS].gather(1, path)
+    return hidden.gather(1, path[..., None].expand_as(hidden))
 
 
 def accept_path(input_ids, position_ids, choice, tree_mask, ctx_len: int):
