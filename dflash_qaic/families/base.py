@@ -268,18 +268,22 @@ class Family:
         raise NotImplementedError
 
 
+# config field of a tiny target <- its TinySpec field (dflash_lab/tiny.py)
+TINY_DIMS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size",
+    "num_hidden_layers": "target_layers",
+    "num_attention_heads": "num_heads",
+    "num_key_value_heads": "num_kv_heads",
+    "head_dim": "head_dim",
+    "max_position_embeddings": "max_position_embeddings",
+}
+
+
 def decoder_dims(s) -> dict:
     """The shape fields of every tiny target's config (s: a TinySpec)."""
-    return dict(
-        vocab_size=s.vocab_size,
-        hidden_size=s.hidden_size,
-        intermediate_size=s.intermediate_size,
-        num_hidden_layers=s.target_layers,
-        num_attention_heads=s.num_heads,
-        num_key_value_heads=s.num_kv_heads,
-        head_dim=s.head_dim,
-        max_position_embeddings=s.max_position_embeddings,
-    )
+    return {field: getattr(s, name) for field, name in TINY_DIMS.items()}
 
 
 def decoder_common(s) -> dict:

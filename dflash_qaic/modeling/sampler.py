@@ -271,19 +271,9 @@ def _verify_rows(
 
 
 def sample_chain(
-    logits: torch.Tensor,
-    input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    random_u: torch.Tensor,
-    vocab: int,
-    candidates: int = SAMPLING_CANDIDATES,
-    q_ids: torch.Tensor | None = None,
-    q_probs: torch.Tensor | None = None,
-    floor: torch.Tensor | None = None,
-) -> torch.Tensor:
+    logits, input_ids, position_ids, temperature, top_k, top_p, random_u, vocab: int,
+    candidates: int = SAMPLING_CANDIDATES, q_ids=None, q_probs=None, floor=None,
+) -> torch.Tensor:  # fmt: skip
     """The chain rule's acceptance (verify_rules.CHAIN): the token committed at every row under
     the lossless rule (docs/DESIGN.md, Sampling) -> [b, s].
 
