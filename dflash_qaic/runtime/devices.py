@@ -32,11 +32,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from dflash_qaic import contract
 from dflash_qaic.runtime.backends import BackendError
 
 log = logging.getLogger(__name__)
 
-PROGRAMS = ("target", "draft")
+PROGRAMS = contract.ROLE_NAMES  # a Placement field per program role
 #: the AI100 Platform SDK's device query tool (`qaic-util -q` lists each device as "QID n")
 QAIC_UTIL = Path("/opt/qti-aic/tools/qaic-util")
 _QID = re.compile(r"^\s*QID\s+(\d+)\b", re.M)
