@@ -84,25 +84,27 @@ def past_rope(i: int) -> str:
 
 @dataclass(frozen=True)
 class Buffer:
-    """One retained tensor: its name, shape (rows first) and host dtype; `slot_axis` is the
-    axis indexed by absolute position (a row reads and writes up to a position along it), None
-    for a buffer read and written whole (a ring, a recurrent state)."""
+    """One retained tensor: its name, shape (rows first) and host dtype; `slot_axis` is its
+    axis of slots (None: a recurrent state, read and written whole); a row reads and writes the
+    slots below a position along it, or, for a ring, its `window` live slots whatever the
+    position (the ring's padding slot after them is never read)."""
 
     name: str
     shape: tuple[int | str, ...]
     dtype: str = "float32"
     slot_axis: int | None = None
+    window: int | None = None
 
     def bind(self, symbols: dict) -> tuple[int, ...]:
         return tuple(symbols[d] if isinstance(d, str) else d for d in self.shape)
 
     def row(self, array: np.ndarray, row: int, upto: int) -> np.ndarray:
-        """A view of `row` of `array` (this buffer, all rows): up to `upto` along the slot axis
-        of a positional buffer, else the whole row."""
+        """A view of `row` of `array` (this buffer, all rows): its slots below `upto` (a ring:
+        its live window), or the whole row of a buffer without slots."""
         if self.slot_axis is None:
             return array[row]
         index = [row] + [slice(None)] * (array.ndim - 1)
-        index[self.slot_axis] = slice(0, upto)
+        index[self.slot_axis] = slice(0, upto if self.window is None else self.window)
         return array[tuple(index)]
 
 
@@ -136,7 +138,13 @@ class StateSpec:
             "layer": self.layer,
             "rolls": self.rolls,
             "buffers": [
-                {"name": b.name, "shape": list(b.shape), "dtype": b.dtype, "slot_axis": b.slot_axis}
+                {
+                    "name": b.name,
+                    "shape": list(b.shape),
+                    "dtype": b.dtype,
+                    "slot_axis": b.slot_axis,
+                    **({"window": b.window} if b.window is not None else {}),
+                }
                 for b in self.buffers
             ],
         }
@@ -163,9 +171,9 @@ class FullAttentionSpec(StateSpec):
 @dataclass(frozen=True)
 class SlidingWindowSpec(StateSpec):
     """A sliding layer's ring: key and value [rows, kv_heads, slots, head_dim], `slots` = the
-    window's R live slots + the ring's padding slot (position mod R; docs/DESIGN.md, Sliding
-    drafts). Only the window is live, and the ring is the window: a row is read and written
-    whole."""
+    window's R live slots (position mod R) + the ring's padding slot (docs/DESIGN.md, Sliding
+    drafts). Only the window is live: a row reads and writes its R slots, whatever the
+    position."""
 
     kv_heads: int = 1
     head_dim: int = 1
@@ -176,7 +184,11 @@ class SlidingWindowSpec(StateSpec):
     @property
     def buffers(self) -> tuple[Buffer, ...]:
         shape = (self.rows, self.kv_heads, self.slots, self.head_dim)
-        return (Buffer(past_key(self.layer), shape), Buffer(past_value(self.layer), shape))
+        live = self.slots - 1
+        return (
+            Buffer(past_key(self.layer), shape, slot_axis=2, window=live),
+            Buffer(past_value(self.layer), shape, slot_axis=2, window=live),
+        )
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ def test_specs_per_layer_kind():
     assert [b.shape for b in full.buffers] == [(ROWS, 2, contract.CTX, 16)] * 2
     assert [b.slot_axis for b in full.buffers] == [2, 2] and not full.rolls
     assert [b.shape for b in ring.buffers] == [(ROWS, 2, 9, 16)] * 2 and ring.rolls
-    assert [b.slot_axis for b in ring.buffers] == [None, None]  # the ring is the window: whole
+    assert [(b.slot_axis, b.window) for b in ring.buffers] == [(2, 8)] * 2  # its live slots
     assert [b.name for b in gdn.buffers] == [contract.past_state(2), contract.past_conv(2)]
     assert [b.shape for b in gdn.buffers] == [(ROWS, 4, 8, 8), (ROWS, 40, 3)] and gdn.rolls
     assert [b.shape for b in mla.buffers] == [(ROWS, contract.CTX, 32), (ROWS, contract.CTX, 8)]
@@ -130,19 +130,21 @@ def test_rows_read_and_write_per_kind():
     }
     slot = SlotState(4, state.read_rows(specs, arrays, 0, 4))
     assert slot.arrays["past_key.0"].shape == (1, 4, 2)  # up to position 4
-    assert slot.arrays["past_key.1"].shape == (1, 3, 2)  # the whole ring
+    assert slot.arrays["past_key.1"].shape == (1, 2, 2)  # the ring's window, not its padding
     before = arrays["past_key.0"][2, :, 4:].copy()
     state.write_rows(specs, arrays, 2, slot)
     for name in arrays:
         a = arrays[name]
-        if name == "past_key.0" or name == "past_value.0":
+        if name in ("past_key.0", "past_value.0"):
             assert np.array_equal(a[2, :, :4], a[0, :, :4])
+        elif name in ("past_key.1", "past_value.1"):
+            assert np.array_equal(a[2, :, :2], a[0, :, :2]) and not np.array_equal(a[2], a[0])
         else:
             assert np.array_equal(a[2], a[0])
     assert np.array_equal(arrays["past_key.0"][2, :, 4:], before)  # past the position: as was
     with pytest.raises(SlotStateError, match="another shape"):
         state.write_rows(specs[:1], arrays, 1, slot)
-    slot.arrays["past_key.1"] = slot.arrays["past_key.1"][:, :2]
+    slot.arrays["past_key.1"] = slot.arrays["past_key.1"][:, :1]
     with pytest.raises(SlotStateError, match="past_key.1"):
         state.write_rows(specs, arrays, 1, slot)
 

@@ -273,10 +273,10 @@ class _Counts:
                 p.kind = "full_attention"
             for b in spec.buffers:
                 dims = list(b.bind(symbols))
-                if b.slot_axis is None and not spec.quantizable:
+                if b.slot_axis is None:
                     p.state += _numel(dims)
                     continue
-                if b.slot_axis is None:  # a ring: every slot read and written
+                if b.window is not None:  # a ring: every slot read and written
                     p.kv_read += _numel(dims)
                     p.kv_write += _numel(dims)
                     continue
