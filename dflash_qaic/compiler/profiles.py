@@ -367,8 +367,8 @@ class CompileOverrides:
 
 
 def placements(profile: CompileProfile) -> list[tuple[str, ProgramProfile]]:
-    """Every QPC the profile produces, as (label, program profile): the target and the draft."""
-    return [("target", profile.target), ("draft", profile.draft)]
+    """Every QPC the profile produces, as (label, program profile): one per program role."""
+    return [(role, profile.program(role)) for role in PROGRAMS]
 
 
 def _refuse_disaggregated(target: Any, source: str) -> None:

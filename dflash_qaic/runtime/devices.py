@@ -43,19 +43,16 @@ QAIC_UTIL = Path("/opt/qti-aic/tools/qaic-util")
 _QID = re.compile(r"^\s*QID\s+(\d+)\b", re.M)
 
 
-class Placement(NamedTuple):
-    """The devices of a replica's target and draft programs."""
-
-    target: tuple[int, ...]
-    draft: tuple[int, ...]
+class Placement(NamedTuple("_Placement", [(role, tuple[int, ...]) for role in PROGRAMS])):
+    """The devices of a replica's programs, a field per program role (target, draft)."""
 
     @property
     def devices(self) -> tuple[int, ...]:
         """Every device the replica uses, in increasing order."""
-        return tuple(sorted(set(self.target) | set(self.draft)))
+        return tuple(sorted({d for ids in self for d in ids}))
 
     def to_json(self) -> dict:
-        return {"target": list(self.target), "draft": list(self.draft)}
+        return {role: list(ids) for role, ids in zip(self._fields, self)}
 
 
 def profile_placement(manifest) -> Placement:
