@@ -515,7 +515,13 @@ class StrictStandinSession:
             self._buffers[name] = arr
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        self.set_buffers({n: a for n, a in inputs.items() if n in self._retained})
+        sent = [n for n in inputs if n in self._retained]
+        if sent and sorted(sent) != sorted(self.kv_in):
+            raise BackendError(
+                f"retained-state buffers {sent} sent from the host: a call takes none of them, "
+                "or (an exchange) every one, whole"
+            )
+        self.set_buffers({n: inputs[n] for n in sent})
         loose = [n for n in self._retained if n not in self._skipped and n not in self._buffers]
         if loose:
             raise BackendError(f"retained-state buffers {loose} neither skipped nor bound")
