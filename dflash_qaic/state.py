@@ -337,13 +337,20 @@ class SlotState:
         except ValueError as e:
             raise SlotStateError(f"slot state header is not JSON: {e}") from e
         body = memoryview(data)[_HEADER.size + n :]
-        out = cls(int(header["upto"]), {}, {}, dict(header.get("meta", {})))
-        for e in header["arrays"]:
-            lo, hi = e["offset"], e["offset"] + e["nbytes"]
-            if hi > len(body):
-                raise SlotStateError(f"slot state truncated in {e['name']}")
-            a = np.frombuffer(body[lo:hi], np.dtype(e["dtype"])).reshape(e["shape"])
-            getattr(out, e["group"])[e["name"]] = a.astype(a.dtype.newbyteorder("="))
+        try:
+            out = cls(int(header["upto"]), {}, {}, dict(header.get("meta", {})))
+            for e in header["arrays"]:
+                lo, hi = e["offset"], e["offset"] + e["nbytes"]
+                if hi > len(body):
+                    raise SlotStateError(f"slot state truncated in {e['name']}")
+                if e["group"] not in ("arrays", "context"):
+                    raise SlotStateError(f"slot state array {e['name']} in group {e['group']!r}")
+                a = np.frombuffer(body[lo:hi], np.dtype(e["dtype"])).reshape(e["shape"])
+                getattr(out, e["group"])[e["name"]] = a.astype(a.dtype.newbyteorder("="))
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, SlotStateError):
+                raise
+            raise SlotStateError(f"slot state header is malformed: {e!r}") from e
         return out
 
     def same(self, other: SlotState) -> bool:

@@ -3,6 +3,8 @@ compiler and the manifest derive from them, and SlotState's byte form."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -98,6 +100,15 @@ def test_slot_state_bytes_round_trip():
     assert not changed.same(s)
 
 
+def _header(data: bytes, change) -> bytes:
+    """`data` with its JSON header changed by `change(header)` (and re-packed)."""
+    magic, version, n = state._HEADER.unpack_from(data)
+    header = json.loads(data[state._HEADER.size : state._HEADER.size + n])
+    change(header)
+    text = json.dumps(header).encode()
+    return state._HEADER.pack(magic, version, len(text)) + text + data[state._HEADER.size + n :]
+
+
 @pytest.mark.parametrize(
     "mangle, match",
     [
@@ -105,6 +116,8 @@ def test_slot_state_bytes_round_trip():
         (lambda d: d[:7] + bytes([9]) + d[8:], "format version 9"),
         (lambda d: d[:-4], "truncated"),
         (lambda d: d[:5], "shorter than its header"),
+        (lambda d: _header(d, lambda h: h["arrays"][-1].update(group="meta")), "group 'meta'"),
+        (lambda d: _header(d, lambda h: h.pop("upto")), "malformed"),
     ],
 )
 def test_slot_state_bad_bytes_are_refused(mangle, match):
