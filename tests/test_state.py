@@ -167,3 +167,29 @@ def test_roles_declared_once():
     assert contract.ROLES["target"].io is contract.TargetIO
     plan = contract.shape_plan(4, 16, 128)
     assert contract.ROLES["draft"].specializations(plan) == contract.draft_specializations(plan)
+
+
+def test_manifest_lists_roles_and_state(exported):
+    """The manifest lists its programs by role and records each one's state specs; a manifest
+    written before either still reads, an unknown role or a state that disagrees is refused."""
+    from dflash_qaic.artifacts.manifest import ArtifactsError, Manifest, load_json
+
+    e = exported("qwen3", pair=dict(block_size=4), prefill_seq_len=8, ctx_len=64)
+    raw = load_json(e.artifacts)
+    assert raw["programs"] == ["target", "draft"]
+    assert raw["draft"]["state"][0]["kind"] == "full_attention"
+    m = Manifest.from_json(raw)
+    assert m.roles == ("target", "draft") and m.program("draft") is m.draft
+    old = json.loads(json.dumps(raw))
+    del old["programs"]
+    for role in ("target", "draft"):
+        del old[role]["state"]
+    assert Manifest.from_json(old) == m
+    bad = json.loads(json.dumps(raw))
+    bad["programs"] = ["target", "draft", "prefill"]
+    with pytest.raises(ArtifactsError, match="`programs` must list distinct roles"):
+        Manifest.from_json(bad)
+    bad = json.loads(json.dumps(raw))
+    bad["target"]["state"][0]["buffers"][0]["slot_axis"] = None
+    with pytest.raises(ArtifactsError, match="target.state"):
+        Manifest.from_json(bad)
