@@ -44,11 +44,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-BATCH = "batch_size"
+from dflash_qaic import state
+from dflash_qaic.state import (  # noqa: F401  (the buffer names, re-exported)
+    BATCH,
+    CTX,
+    FULL_BATCH,
+    RETAINED_SUFFIX,
+    past_conv,
+    past_key,
+    past_state,
+    past_value,
+    retained,
+)
+
 SEQ = "seq_len"
-CTX = "ctx_len"
 SAMPLE = "sample_len"  # target rows per call that run the sampler (the first ones), 1 <= it <= seq
-FULL_BATCH = "full_batch_size"  # continuous batching: cache rows (slots for concurrent sequences)
 CCL = "comp_ctx_lengths"  # compute context length: cache slots a call's attention reads
 SYMBOLS = (BATCH, SEQ, CTX, SAMPLE, FULL_BATCH, CCL)
 
@@ -129,7 +139,6 @@ CONFIDENCE_TOPK = 16
 # xgrammar's layout); the program sets every other logit out of reach before its token choice
 TOKEN_BITMASK = "token_bitmask"
 
-RETAINED_SUFFIX = "_RetainedState"
 PAD_POSITION = -1
 
 # Specialization names (the named form of specializations.json).
@@ -157,73 +166,39 @@ class TensorSpec:
         return tuple(symbols[d] if isinstance(d, str) else d for d in self.shape)
 
 
-def past_key(i: int) -> str:
-    return f"past_key.{i}"
-
-
-def past_value(i: int) -> str:
-    return f"past_value.{i}"
-
-
-def retained(name: str) -> str:
-    return name + RETAINED_SUFFIX
-
-
-def past_state(i: int) -> str:
-    """Gated DeltaNet layer i's recurrent state [rows, v_heads, k_head_dim, v_head_dim]."""
-    return f"past_state.{i}"
-
-
-def past_conv(i: int) -> str:
-    """Gated DeltaNet layer i's conv window [rows, conv_dim, kernel - 1]: its last inputs."""
-    return f"past_conv.{i}"
-
-
-def hybrid_specs(
-    n_layers: int,
-    linear_layers: tuple[int, ...],
-    n_kv_heads: int,
-    head_dim: int,
-    state_dims: tuple[int, ...],
-    continuous_batching: bool = False,
-) -> list[TensorSpec]:
-    """The retained buffers of a hybrid target, layer by layer: past_state.{i}, past_conv.{i} for
-    a Gated DeltaNet layer (state_dims = v_heads, k_head_dim, v_head_dim, conv_dim, kernel - 1),
-    past_key.{i}, past_value.{i} for a full-attention layer; rows as `kv_specs`."""
-    rows = FULL_BATCH if continuous_batching else BATCH
-    hv, dk, dv, conv, window = state_dims
-    kv = (rows, n_kv_heads, CTX, head_dim)
-    out = []
-    for i in range(n_layers):
-        if i in linear_layers:
-            out.append(TensorSpec(past_state(i), "float32", (rows, hv, dk, dv)))
-            out.append(TensorSpec(past_conv(i), "float32", (rows, conv, window)))
-        else:
-            out.append(TensorSpec(past_key(i), "float32", kv))
-            out.append(TensorSpec(past_value(i), "float32", kv))
-    return out
-
-
-def kv_specs(
+def layer_states(
     n_layers: int,
     n_kv_heads: int,
     head_dim: int,
     continuous_batching: bool = False,
     layer_kv: tuple[int, ...] = (),
     ring_slots: tuple[int, ...] = (),
-) -> list[TensorSpec]:
-    """past_key.{i}, past_value.{i} for every layer, interleaved as QEfficient orders them;
-    `full_batch_size` rows with continuous batching, else one per call row. layer_kv: layer i's
-    (kv heads, head dim) at [2i], [2i + 1] when layers differ (Gemma 4), else () for all alike;
-    ring_slots: per layer the slots of a target's sliding-layer ring, 0 for a ctx_len cache."""
-    rows = FULL_BATCH if continuous_batching else BATCH
-    out = []
+    linear_layers: tuple[int, ...] = (),
+    state_dims: tuple[int, ...] = (),
+) -> list[state.StateSpec]:
+    """The state spec of every layer (state.py): a Gated DeltaNet layer's (`linear_layers`,
+    state_dims = v_heads, k_head_dim, v_head_dim, conv_dim, kernel - 1), a sliding layer's ring
+    (`ring_slots`: per layer its slots, 0 for a ctx_len cache), else full attention; layer_kv:
+    layer i's (kv heads, head dim) at [2i], [2i + 1] when layers differ (Gemma 4), else () for
+    all alike. `full_batch_size` rows with continuous batching, else one per call row."""
+    rows = state.rows_symbol(continuous_batching)
+    out: list[state.StateSpec] = []
     for i in range(n_layers):
         kvh, hd = layer_kv[2 * i : 2 * i + 2] if layer_kv else (n_kv_heads, head_dim)
-        slots = (ring_slots[i] if ring_slots else 0) or CTX
-        out.append(TensorSpec(past_key(i), "float32", (rows, kvh, slots, hd)))
-        out.append(TensorSpec(past_value(i), "float32", (rows, kvh, slots, hd)))
+        ring = ring_slots[i] if ring_slots else 0
+        if i in linear_layers:
+            out.append(state.GatedDeltaNetSpec.of(i, rows, state_dims))
+        elif ring:
+            out.append(state.SlidingWindowSpec(i, rows, kvh, hd, ring))
+        else:
+            out.append(state.FullAttentionSpec(i, rows, kvh, hd))
     return out
+
+
+def retained_specs(specs) -> list[TensorSpec]:
+    """The retained inputs the state specs declare, in layer order (past_key.{i}, past_value.{i}
+    interleaved as QEfficient orders them; a hybrid's past_state.{i}, past_conv.{i})."""
+    return [TensorSpec(b.name, b.dtype, b.shape) for b in state.buffers_of(specs)]
 
 
 def batch_index_specs(continuous_batching: bool) -> list[TensorSpec]:
@@ -308,8 +283,8 @@ class TargetIO:
     sampling: bool = True
     continuous_batching: bool = False
     comp_ctx: bool = False  # takes `comp_ctx_lengths` (every export since it existed does)
-    # Hybrid targets: the Gated DeltaNet layers (no KV cache: a state and a conv window, see
-    # `hybrid_specs`) and their state dims; the program also returns NUM_COMMITTED.
+    # Hybrid targets: the Gated DeltaNet layers (no KV cache: a state and a conv window,
+    # state.GatedDeltaNetSpec) and their state dims; the program also returns NUM_COMMITTED.
     linear_layers: tuple[int, ...] = ()
     state_dims: tuple[int, ...] = ()
     # (B − 1, k) for a DFlash-2 draft exported for sampling: the draft's q (DRAFT_Q_IDS,
@@ -340,25 +315,24 @@ class TargetIO:
         return self.verify_rule == TREE
 
     @property
-    def kv(self) -> list[TensorSpec]:
-        """Every retained buffer (KV caches, and a hybrid's states and conv windows)."""
-        if self.hybrid:
-            return hybrid_specs(
-                self.n_layers,
-                self.linear_layers,
-                self.n_kv_heads,
-                self.head_dim,
-                self.state_dims,
-                self.continuous_batching,
-            )
-        return kv_specs(
+    def state(self) -> list[state.StateSpec]:
+        """The retained state of every layer (state.py): full attention, a sliding layer's ring,
+        a Gated DeltaNet layer's state and conv window."""
+        return layer_states(
             self.n_layers,
             self.n_kv_heads,
             self.head_dim,
             self.continuous_batching,
             self.layer_kv,
             self.ring_slots,
+            self.linear_layers,
+            self.state_dims,
         )
+
+    @property
+    def kv(self) -> list[TensorSpec]:
+        """Every retained buffer, as the state specs declare them."""
+        return retained_specs(self.state)
 
     @property
     def inputs(self) -> list[TensorSpec]:
@@ -463,14 +437,20 @@ class DraftIO:
     pair_k: int = 0
 
     @property
+    def state(self) -> list[state.StateSpec]:
+        """The retained state of every layer: the injected context's K/V, a ring on a sliding
+        layer (state.py)."""
+        return layer_states(
+            self.n_layers,
+            self.n_kv_heads,
+            self.head_dim,
+            self.continuous_batching,
+            ring_slots=self.ring_slots,
+        )
+
+    @property
     def kv(self) -> list[TensorSpec]:
-        specs = kv_specs(self.n_layers, self.n_kv_heads, self.head_dim, self.continuous_batching)
-        if not self.ring_slots:
-            return specs
-        return [  # a ring layer's slot axis is static: its window
-            TensorSpec(s.name, s.dtype, (*s.shape[:2], self.ring_slots[i // 2] or CTX, s.shape[3]))
-            for i, s in enumerate(specs)
-        ]
+        return retained_specs(self.state)
 
     @property
     def inputs(self) -> list[TensorSpec]:
@@ -787,3 +767,29 @@ def windowed(specs: list[dict], lengths, ctx_len: int) -> list[dict]:
         for n in lengths
         for s in specs
     ]
+
+
+@dataclass(frozen=True)
+class Role:
+    """A program an artifacts directory holds, by the part it plays: its name (the manifest's
+    key and the program's directory), its I/O contract class and the specializations a shape
+    plan gives it. A new role (a prefill program) is one more entry in ROLES."""
+
+    name: str
+    io: type
+    specializations: object  # ShapePlan -> list[dict]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+TARGET, DRAFT = "target", "draft"
+#: every program role, in the order the manifest and the runtime list them
+ROLES: dict[str, Role] = {
+    r.name: r
+    for r in (
+        Role(TARGET, TargetIO, target_specializations),
+        Role(DRAFT, DraftIO, draft_specializations),
+    )
+}
+ROLE_NAMES = tuple(ROLES)

@@ -241,8 +241,10 @@ class AutoDFlashModel:
         if compile_dir is not None:
             return Path(compile_dir)
         if onnx_path is not None:
+            from dflash_qaic.contract import ROLE_NAMES  # a directory per program role
+
             p = Path(onnx_path)
-            while p.suffix == ".onnx" or (p.name in ("target", "draft") and p.parent != p):
+            while p.suffix == ".onnx" or (p.name in ROLE_NAMES and p.parent != p):
                 p = p.parent  # OUT/target/target.onnx -> OUT
             return p
         return self.export_dir or _default_dir(self.target, self.draft)

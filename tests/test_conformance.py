@@ -8,7 +8,11 @@ per session (the `exported` fixture):
    on hybrids only up to where the reference leaves HF greedy, REFERENCE.md §9);
 4. batched = solo: continuous-batching artifacts, more requests than cache rows;
 5. stand-in = ORT: the strict AI100 stand-in runs the same steps, greedy and sampled;
-6. fp16-faithful: the export's fp16 run of every specialization flagged nothing.
+6. fp16-faithful: the export's fp16 run of every specialization flagged nothing;
+7. slot round trip: a sequence's retained state read from its cache row (`read_slot`, through
+   SlotState's bytes) and written into another (`write_slot`), target and draft, on ONNX
+   Runtime and on the strict stand-in: both rows go on to the same tokens, acceptance and
+   cache bytes (what a prefill/decode hand-off moves).
 
 Streamed export = in-memory export per family lives in tests/test_streaming_export.py (dense
 families), tests/test_moe_runtime.py (MoE forms) and tests/test_hybrid.py (the published
@@ -17,12 +21,16 @@ hybrid form), beside each family's edge cases.
 
 from __future__ import annotations
 
+import copy
+import heapq
+
 import numpy as np
 import pytest
 import torch
 from conftest import DRAFT_FORMS, FAMILIES, REFERENCE_LEAVES_HF
 
 from dflash_qaic import contract
+from dflash_qaic.state import SlotState
 
 UNTIED = dict(tie_word_embeddings=False, target_layer_ids=[1, 3])
 # case -> (family, draft form, TinySpec fields, prefill chunk, ctx_len); a biased pair (`agree`,
@@ -265,6 +273,60 @@ def test_standin_equals_ort(exported, case):
     y = s.generate(ids, 40, temperature=1.0, seed=5, stop_token_ids=[])
     assert x.tokens == y.tokens and x.acceptance_lengths == y.acceptance_lengths
     assert len(set(x.acceptance_lengths)) >= 2  # the sampled steps accepted differently
+    # no retained state crossed to the host in any call
+    assert s.target.session.exchanges == s.draft.session.exchanges == 0
+
+
+def fork(engine, seq, row: int, programs) -> object:
+    """A copy of `seq` (stepping in its cache row) in the free row `row`: each program's slot
+    state moved through SlotState's bytes (read_slot, write_slot), and the host's per-slot
+    step state and the sequence copied. Returns the copy."""
+    a = seq.slot
+    upto = int(engine.spec.state.start[a])  # the anchor's position: slots below it committed
+    for p in programs:
+        moved = SlotState.from_bytes(p.read_slot(a, upto).to_bytes())
+        assert not p.read_slot(row, upto).same(moved)  # the row held none of it before
+        p.write_slot(row, moved)
+        assert p.read_slot(row, upto).same(moved)
+    st, N = engine.spec.state, len(engine.slots)
+    for value in vars(st).values():  # every per-slot array of the step state
+        if isinstance(value, np.ndarray) and value.shape[:1] == (N,):
+            value[row] = value[a]
+    twin = copy.deepcopy(seq)
+    twin.slot, engine.slots[row] = row, twin
+    engine.free.remove(row)
+    heapq.heapify(engine.free)
+    engine.sampling.set_row(row, twin.req.sampling)
+    engine.spec.join(row)
+    engine._changed = True
+    return twin
+
+
+@parametrize
+def test_slot_round_trip(exported, case):
+    """Generate on row 0 for a few steps, move the sequence's state (target and draft) into
+    row 2, continue both: the same tokens and acceptance as each other and as the sequence
+    alone, and the same cache bytes, on ONNX Runtime and on the strict AI100 stand-in."""
+    B, chunk = CASES[case][2]["block_size"], CASES[case][3]
+    ids, new = prompt(case, chunk + 3, 21), 30
+    solo = build(exported, case).load(verify_lengths=B).generate(ids, new, stop_token_ids=[])
+    for backend in ("ort", "qaic-standin"):
+        pipe = build(exported, case, full_batch_size=3).load(verify_lengths=B, backend=backend)
+        engine = pipe.engine()
+        seq = engine.add(pipe.request(ids, new, stop_token_ids=[]))
+        while len(seq.lengths) < 2:
+            engine.step()
+        assert seq.slot == 0 and seq.decoding
+        twin = fork(engine, seq, 2, (pipe.target, pipe.draft))
+        while engine.busy:
+            engine.step()
+        assert seq.result.tokens == twin.result.tokens == solo.tokens, backend
+        assert (
+            twin.lengths == seq.lengths and seq.result.acceptance_lengths == solo.acceptance_lengths
+        )
+        upto = len(ids) + new - 1  # every position committed and written in both rows
+        for p in (pipe.target, pipe.draft):
+            assert p.read_slot(0, upto).same(p.read_slot(2, upto)), (backend, case)
 
 
 @parametrize

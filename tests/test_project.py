@@ -45,7 +45,7 @@ def test_counts_match_hand_arithmetic(target_graph):
     )
     B, W = 16, 512
     sym = {"batch_size": 1, "seq_len": B, "ctx_len": m.ctx_len, "sample_len": 1}
-    g = P.count_graph(model, {**sym, "comp_ctx_lengths": W})
+    g = P.count_graph(model, {**sym, "comp_ctx_lengths": W}, state=m.target.state)
     c = g.total()
     per_layer = H * nq * hd + 2 * H * nkv * hd + nq * hd * H + 3 * H * inter
     rest = H * V + taps * H * H  # the (tied) head and fc

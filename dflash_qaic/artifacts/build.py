@@ -93,7 +93,7 @@ def _build(target_dir, draft_dir, out_dir, options: ExportOptions) -> ExportResu
         if old is not None:
             log.info("reusing the exported programs in %s (inputs unchanged, hash %s)", out, key)
             steps.append(("export", "reused", 0.0))
-            for prog in ("target", "draft"):
+            for prog in old.roles:
                 link_tree(out / prog, staging / prog)
             m = old.replace(tokenizer=copy_tokenizer(pair.target.path, staging))
             copy_model_config(pair.target.path, staging)
@@ -203,9 +203,7 @@ def _reusable(out: Path, key: str) -> Manifest | None:
 
 def _stage(m: Manifest, staging: Path, old_root, old, profile, steps) -> Manifest:
     """Compile in the staging directory, record every file, write the manifest there."""
-    m = m.replace(
-        target=replace(m.target, qpc=None, compiler=None),
-        draft=replace(m.draft, qpc=None, compiler=None),
+    m = m.with_programs(lambda p: replace(p, qpc=None, compiler=None)).replace(
         compile_skipped=None,
         files=(),
         qpc_config=None,
@@ -244,7 +242,7 @@ def _compile(m: Manifest, root: Path, profile, steps) -> Manifest:
     from dflash_qaic.compiler.qpc import compile_program
 
     programs, skipped = {}, None
-    for prog in (m.target, m.draft):
+    for prog in m.programs.values():
         t = time.perf_counter()
         res = compile_program(
             root / prog.onnx,
@@ -270,8 +268,7 @@ def _compile(m: Manifest, root: Path, profile, steps) -> Manifest:
             " ; ".join(skipped["commands"]),
         )
     return m.replace(
-        target=programs["target"],
-        draft=programs["draft"],
+        programs=programs,
         qpc_config=profile.name,
         compile_skipped=skipped,
     )

@@ -257,10 +257,19 @@ class ProgramRecord:
     compiler: str | None = None
     check: dict = field(default_factory=dict)  # the graph check's report (free-form)
     facts: dict = field(default_factory=dict)  # other exporter facts (free-form, informative)
+    role: str = ""  # its role (contract.ROLES); "" from an I/O object alone: by its class
 
     @property
     def kind(self) -> str:
-        return "target" if isinstance(self.io, contract.TargetIO) else "draft"
+        """The program's role (contract.ROLES)."""
+        if self.role:
+            return self.role
+        return contract.TARGET if isinstance(self.io, contract.TargetIO) else contract.DRAFT
+
+    @property
+    def state(self) -> list:
+        """The program's retained state, layer by layer (state.py specs)."""
+        return self.io.state
 
     @property
     def files(self) -> list[str]:
@@ -293,6 +302,7 @@ class ProgramRecord:
             "onnx_bytes": self.onnx_bytes,
             "inputs": [spec(s) for s in self.io.inputs],
             "outputs": [spec(s) for s in self.io.outputs],
+            "state": [s.to_json() for s in self.io.state],
             "sampling_candidates": self.sampling_candidates,
             "qpc": [self.qpc.to_json()] if self.qpc else [],
             "compiler": self.compiler,
@@ -314,7 +324,7 @@ class ProgramRecord:
         dims = {k: c.int(k, 1, 1 << 24) for k in _TARGET_IO}
         cb = c.bool("continuous_batching")
         window = c.bool("comp_ctx")
-        if kind == "target":
+        if contract.ROLES[kind].io is contract.TargetIO:
             io = contract.TargetIO(
                 **dims,
                 emit_logits=c.bool("emit_logits"),
@@ -352,6 +362,9 @@ class ProgramRecord:
             want = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]
             if c.get(which, want) != want:
                 c.fail(c.key(which), "do not match the I/O contract of this dflash-qaic version")
+        state = [s.to_json() for s in io.state]  # absent before the state specs
+        if c.get("state", state) != state:
+            c.fail(c.key("state"), "does not match the state specs of this dflash-qaic version")
         known = (
             {f.name for f in fields(cls)}
             | set(dims)
@@ -359,7 +372,7 @@ class ProgramRecord:
         )
         known |= {"linear_layers", "state_dims", "draft_q", "token_bitmask", "verify_rule"}
         known |= {"confidence", "ring_slots", "q_top_k", "top_k", "inputs", "outputs", "qpc"}
-        known |= {"pair_k"}
+        known |= {"pair_k", "state"}
         known |= PLAN_COPIES
         return cls(
             io=io,
@@ -373,6 +386,7 @@ class ProgramRecord:
             compiler=c.str("compiler", None, optional=True),
             check=c.obj("check", {}),
             facts={k: v for k, v in c.data.items() if k not in known},
+            role=kind,
         )
 
 
@@ -400,8 +414,8 @@ class Manifest:
     batch_size: int
     vocab_size: int
     hidden_size: int
-    target: ProgramRecord
-    draft: ProgramRecord
+    # the programs by role (contract.ROLES, in its order): today "target" and "draft"
+    programs: dict[str, ProgramRecord]
     # the shape plan's lists (contract.ShapePlan; the other plan fields are the ones above)
     prefill_lengths: tuple[int, ...]
     verify_lengths: tuple[int, ...]
@@ -438,26 +452,39 @@ class Manifest:
         )
 
     @property
+    def target(self) -> ProgramRecord:
+        return self.programs[contract.TARGET]
+
+    @property
+    def draft(self) -> ProgramRecord:
+        return self.programs[contract.DRAFT]
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return tuple(self.programs)
+
+    @property
     def specialization_count(self) -> dict[str, int]:
         """Specializations per program (each one is compiled: fewer compile faster)."""
-        return {
-            "target": len(self.target.specializations),
-            "draft": len(self.draft.specializations),
-        }
+        return {role: len(p.specializations) for role, p in self.programs.items()}
 
     def program(self, name: str) -> ProgramRecord:
-        if name not in ("target", "draft"):
-            raise ValueError(f"program must be 'target' or 'draft', got {name!r}")
-        return self.target if name == "target" else self.draft
+        if name not in self.programs:
+            raise ValueError(f"program must be one of {list(self.programs)}, got {name!r}")
+        return self.programs[name]
+
+    def with_programs(self, change) -> Manifest:
+        """The manifest with `change(record)` in place of every program record."""
+        return replace(self, programs={r: change(p) for r, p in self.programs.items()})
 
     @property
     def compiled(self) -> bool:
-        return all(p.qpc is not None and p.qpc.ready for p in (self.target, self.draft))
+        return all(p.qpc is not None and p.qpc.ready for p in self.programs.values())
 
     def named_files(self) -> list[str]:
         """Every file the manifest must record: the programs' files and their QPC binaries."""
-        out = self.target.files + self.draft.files
-        for p in (self.target, self.draft):
+        out = [f for p in self.programs.values() for f in p.files]
+        for p in self.programs.values():
             if p.qpc is not None and p.qpc.ready:
                 out.append(f"{p.qpc.qpc}/programqpc.bin")
         return out
@@ -476,8 +503,9 @@ class Manifest:
         d = {"format": FORMAT, "version": VERSION}
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, ProgramRecord):
-                v = v.to_json()
+            if f.name == "programs":  # each role at the top level, as before; and their list
+                d.update({role: p.to_json() for role, p in v.items()})
+                v = list(v)
             elif f.name == "files":
                 v = [r.to_json() for r in v]
             elif isinstance(v, tuple):
@@ -519,8 +547,7 @@ class Manifest:
             comp_ctx_lengths=_windows(c),
             vocab_size=vocab,
             hidden_size=c.int("hidden_size", 1, 1 << 20),
-            target=ProgramRecord.from_json(c.sub(c.obj("target"), "target"), "target"),
-            draft=ProgramRecord.from_json(c.sub(c.obj("draft"), "draft"), "draft"),
+            programs={r: ProgramRecord.from_json(c.sub(c.obj(r), r), r) for r in _roles(c)},
             prefill_lengths=c.ints("prefill_lengths", 1, 1 << 20),
             verify_lengths=c.ints("verify_lengths", 1, 4096),
             draft_prefill_rows=c.ints("draft_prefill_rows", 1, 1 << 22),
@@ -540,6 +567,20 @@ class Manifest:
         return m
 
 
+def _roles(c: _Check) -> list[str]:
+    """The manifest's program roles (absent: the target and the draft, every manifest before
+    the list); each a declared role (contract.ROLES), the target and draft among them."""
+    roles = c.get("programs", list(contract.ROLE_NAMES[:2]))
+    if (
+        not isinstance(roles, list)
+        or any(r not in contract.ROLES for r in roles)
+        or len(set(roles)) != len(roles)
+        or not {contract.TARGET, contract.DRAFT} <= set(roles)
+    ):
+        c.fail("programs", f"must list distinct roles of {list(contract.ROLES)}, got {roles!r}")
+    return sorted(roles, key=contract.ROLE_NAMES.index)
+
+
 def _windows(c: _Check) -> tuple[int, ...] | None:
     if c.get("comp_ctx_lengths", None) is None:
         return None
@@ -557,19 +598,17 @@ def _with_specializations(m: Manifest, c: _Check) -> Manifest:
     except ValueError as e:
         c.fail("prefill_lengths/verify_lengths/draft_prefill_rows", str(e))
     programs = {}
-    for prog, want in (
-        (m.target, contract.target_specializations(m.plan)),
-        (m.draft, contract.draft_specializations(m.plan)),
-    ):
+    for role, prog in m.programs.items():
+        want = contract.ROLES[role].specializations(m.plan)
         if prog.specializations is not None and list(prog.specializations) != want:
-            c.fail(f"{prog.kind}.specializations", f"must be {want} for the shape plan")
-        programs[prog.kind] = replace(prog, specializations=tuple(want))
-    return replace(m, **programs)
+            c.fail(f"{role}.specializations", f"must be {want} for the shape plan")
+        programs[role] = replace(prog, specializations=tuple(want))
+    return replace(m, programs=programs)
 
 
 def _consistent(m: Manifest, c: _Check, complete: bool) -> None:
     """Cross-field checks: the values the runtime sizes its buffers from agree everywhere."""
-    for prog in (m.target, m.draft):
+    for prog in m.programs.values():
         if (prog.io.hidden_size, prog.io.vocab_size) != (m.hidden_size, m.vocab_size):
             c.fail(f"{prog.kind}.hidden_size/vocab_size", "disagree with the top-level values")
     if m.draft.io.block_size != m.block_size:
@@ -577,7 +616,7 @@ def _consistent(m: Manifest, c: _Check, complete: bool) -> None:
     if m.block_size > m.prefill_seq_len or m.ctx_len < m.prefill_seq_len + m.block_size + 2:
         c.fail("ctx_len", "is too small for prefill_seq_len and block_size")
     fbs, w = m.full_batch_size, (list(m.comp_ctx_lengths) if m.comp_ctx_lengths else None)
-    for prog in (m.target, m.draft):
+    for prog in m.programs.values():
         if prog.io.continuous_batching != (fbs is not None):
             c.fail(f"{prog.kind}.continuous_batching", f"disagrees with full_batch_size {fbs}")
         if prog.io.comp_ctx != (w is not None):
@@ -643,7 +682,7 @@ def read_manifest(artifacts_dir: str | os.PathLike, check_files: str = "fast") -
     m = Manifest.from_json(load_json(d), str(d / NAME))
     refuse_merged_weights(m, d)
     paths = [("tokenizer", m.tokenizer)] if m.tokenizer else []
-    for p in (m.target, m.draft):
+    for p in m.programs.values():
         if p.qpc is not None:
             paths += [(f"{p.kind}.qpc", p.qpc.qpc), (f"{p.kind}.qpc", p.qpc.dir)]
     for what, rel in paths:

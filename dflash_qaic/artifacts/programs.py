@@ -195,8 +195,10 @@ def export_programs(pre: Preflight, out: Path, o: ExportOptions, key: str, steps
         batch_size=plan.batch_size,
         vocab_size=pair.target.vocab_size,
         hidden_size=pair.target.hidden_size,
-        target=ProgramRecord.from_facts("target", tfacts, out),
-        draft=ProgramRecord.from_facts("draft", dfacts, out),
+        programs={
+            contract.TARGET: ProgramRecord.from_facts(contract.TARGET, tfacts, out),
+            contract.DRAFT: ProgramRecord.from_facts(contract.DRAFT, dfacts, out),
+        },
         prefill_lengths=plan.prefill_lengths,
         verify_lengths=plan.verify_lengths,
         tree_budgets=plan.tree_budgets,

@@ -30,6 +30,7 @@ import stat
 import tempfile
 from pathlib import Path
 
+from dflash_qaic import contract
 from dflash_qaic.artifacts.files import fix_mode
 from dflash_qaic.artifacts.manifest import FORMAT, NAME
 
@@ -40,7 +41,7 @@ except ImportError:  # pragma: no cover - Linux only
 
 RENAME_EXCHANGE = 2  # linux/fs.h
 AT_FDCWD = -100
-LAYOUT = ("manifest.json", "target", "draft", "tokenizer")
+LAYOUT = ("manifest.json", *contract.ROLE_NAMES, "tokenizer")  # a directory per program role
 
 
 class TransactionError(ValueError):

@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_qaic.state import BATCH, GatedDeltaNetSpec
+
 log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------------------------
@@ -81,9 +83,9 @@ class PartCounts:
     matmul_weights: float = 0.0  # initializers a MatMul/Gemm reads: streamed whole every call
     gathered: float = 0.0  # elements read from Gather-only initializers (embedding rows)
     other_weights: float = 0.0  # every other initializer (norm weights, …), read every call
-    kv_read: float = 0.0  # past_key/past_value elements the call's window reads
-    kv_write: float = 0.0  # past_key/past_value elements the call's rows write
-    state: float = 0.0  # past_state/past_conv elements: read and rewritten every call
+    kv_read: float = 0.0  # positional cache elements the call's window reads (state.py)
+    kv_write: float = 0.0  # positional cache elements the call's rows write
+    state: float = 0.0  # whole-row state elements (a ring, a recurrent state): read, rewritten
     flops: float = 0.0  # 2·M·K·N of every MatMul/Gemm
     nodes: int = 0  # graph nodes (the compile work model)
     kind: str = "other"
@@ -139,7 +141,6 @@ class GraphCounts:
 
 _LAYER_INIT = re.compile(r"^(?:model\.)?(?:language_model\.)?layers\.(\d+)\.")
 _LAYER_NODE = re.compile(r"^/(?:model/)?(?:language_model/)?layers\.(\d+)/")
-_PAST = re.compile(r"^past_(key|value|state|conv)\.(\d+)$")
 
 
 def _bind(model, symbols: dict[str, int]) -> None:
@@ -176,10 +177,13 @@ def count_graph(
     *,
     window: int | None = None,
     weight_scale=None,
+    state=(),
 ) -> GraphCounts:
     """Counts of one call of `model` (an onnx ModelProto, not modified) with its symbols bound.
 
-    window: the KV slots the call reads (default: the `comp_ctx_lengths` symbol, else ctx_len);
+    state: the program's state specs (state.py; the manifest's `io.state`), what its caches
+    cost; window: the KV slots the call reads (default: the `comp_ctx_lengths` symbol, else
+    ctx_len);
     weight_scale(name, dims) -> factor: scales an initializer's elements and the FLOPs of the
     MatMuls reading it (a reduced export's vocabulary or draft taps to the real ones)."""
     import onnx
@@ -192,7 +196,7 @@ def count_graph(
     c.weights()
     if window is None:
         window = symbols.get("comp_ctx_lengths", symbols.get("ctx_len"))
-    c.caches(model, symbols, window)
+    c.caches(state, symbols, window)
     uncounted = c.nodes(symbols.get("seq_len", 1) * symbols.get("batch_size", 1))
     for p in c.layers.values():  # a layer's own kind from what it holds (its cache or state)
         if p.kind == "other":
@@ -255,32 +259,30 @@ class _Counts:
             elif "self_attn" in name and p.kind == "other":
                 p.kind = "full_attention"
 
-    def caches(self, model, symbols: dict[str, int], window: int) -> None:
-        """KV read over `window` slots and written for the call's rows; recurrent states read
-        and rewritten whole."""
-        for i in self.g.input:
-            mt = _PAST.match(i.name)
-            if not mt:
-                continue
-            dims = [d.dim_value for d in model_input_dims(model, i.name)]
-            sym = [d.dim_param for d in model_input_dims(model, i.name)]
-            p = self.layers[int(mt.group(2))]
-            if mt.group(1) not in ("key", "value"):
+    def caches(self, specs, symbols: dict[str, int], window: int) -> None:
+        """Per state spec (state.py): a positional buffer read over `window` slots and written
+        for the call's rows; a ring read and written whole (at the KV format); a recurrent
+        state read and rewritten whole (`state`, at its own format). A Gated DeltaNet layer is
+        a linear-attention layer."""
+        seq = symbols.get("seq_len", 1)
+        for spec in specs:
+            p = self.layers[spec.layer]
+            if isinstance(spec, GatedDeltaNetSpec):
                 p.kind = "linear_attention"
-                p.state += _numel([symbols[s] if s else v for s, v in zip(sym, dims)])
-                continue
-            if mt.group(1) == "key" and p.kind == "other":
+            elif p.kind == "other":
                 p.kind = "full_attention"
-            read = [
-                window if s == "ctx_len" else (symbols[s] if s else v) for s, v in zip(sym, dims)
-            ]
-            # a call writes its rows of every cache row it runs (batch_size rows of seq_len)
-            write = [
-                symbols.get("seq_len", 1) if s == "ctx_len" else (symbols[s] if s else v)
-                for s, v in zip(sym, dims)
-            ]
-            p.kv_read += _numel(read)
-            p.kv_write += _numel(write)
+            for b in spec.buffers:
+                dims = list(b.bind(symbols))
+                if b.slot_axis is None:
+                    p.state += _numel(dims)
+                    continue
+                if b.window is not None:  # a ring: every slot read and written
+                    p.kv_read += _numel(dims)
+                    p.kv_write += _numel(dims)
+                    continue
+                # a call writes its rows of every cache row it runs (batch_size rows of seq_len)
+                p.kv_read += _numel(dims[: b.slot_axis] + [window] + dims[b.slot_axis + 1 :])
+                p.kv_write += _numel(dims[: b.slot_axis] + [seq] + dims[b.slot_axis + 1 :])
 
     def nodes(self, rows: int) -> int:
         """MatMul FLOPs (2·M·K·N, scaled with their weights) and gathered rows; returns how
@@ -378,13 +380,6 @@ def _infer(model):
         return out
 
 
-def model_input_dims(model, name: str):
-    for i in model.graph.input:
-        if i.name == name:
-            return list(i.type.tensor_type.shape.dim)
-    raise KeyError(name)
-
-
 def _attr(node, name: str) -> int:
     for a in node.attribute:
         if a.name == name:
@@ -407,15 +402,13 @@ class Formats:
 
     @classmethod
     def of(cls, profile) -> Formats:
-        from dflash_qaic.compiler.qpc import _precision
-
         weights = "mxfp6" if profile.mxfp6_matmul else "float16"
         fp16 = BITS["float16"] / 8
         return cls(
             matmul_weights=BITS[weights] / 8,
             other_weights=fp16,
             kv=BITS[profile.kv_dtype] / 8,
-            state=BITS[_precision("past_state.0", profile.kv_dtype)] / 8,
+            state=BITS[GatedDeltaNetSpec(0, BATCH).card_dtype(profile.kv_dtype)] / 8,
         )
 
     def bytes(self, c: PartCounts) -> dict[str, float]:
@@ -648,7 +641,7 @@ def count_programs(
                 f *= taps_ratio
             return f
 
-    graphs = {p: load_graph(Path(artifacts) / m.program(p).onnx) for p in ("target", "draft")}
+    graphs = {p: load_graph(Path(artifacts) / m.program(p).onnx) for p in m.roles}
     out = Programs(
         title=shape.title if shape else str(artifacts),
         hybrid=hybrid,
@@ -662,7 +655,13 @@ def count_programs(
     )
 
     def counted(program: str, symbols: dict, kinds: dict[str, int] | None) -> PartCounts:
-        g = count_graph(graphs[program], symbols, window=window, weight_scale=weight_scale)
+        g = count_graph(
+            graphs[program],
+            symbols,
+            window=window,
+            weight_scale=weight_scale,
+            state=m.program(program).state,
+        )
         if g.uncounted_matmuls:
             notes.append(
                 f"{program}: {g.uncounted_matmuls} MatMul(s) without inferred shapes, not counted"

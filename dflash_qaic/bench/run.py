@@ -48,7 +48,7 @@ def facts(pipe, artifacts) -> dict:
         "sampling": bool(pipe.can_sample),
         **{
             p: {"onnx": str(d / m[p]["onnx"]), "n_layers": m[p]["n_layers"]}
-            for p in ("target", "draft")
+            for p in pipe.artifacts.roles
         },
         "sources": {k: (src.get(k) or {}).get("path") for k in ("target", "draft")},
         "target_sha256": (src.get("target") or {}).get("sha256"),

@@ -54,11 +54,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from dflash_qaic import contract
+
 HW_VERSIONS = ("ai100",)
 KV_DTYPES = ("float16", "bfloat16", "mxint8")
 SPECIALIZATION_FORMATS = ("named", "flat")
 COMPILERS = ("qaic-compile", "qaic-exec")
-PROGRAMS = ("target", "draft")
+PROGRAMS = contract.ROLE_NAMES  # a section per program role
 MAX_CORES_PER_DEVICE = 16  # an AI 100 SoC has up to 16 NSP cores
 DEFAULT_COMPILE_TIMEOUT_S = 3 * 3600  # an 8B target compiles in well under an hour
 MAX_DEVICES = 64
@@ -165,12 +167,10 @@ class CompileProfile:
     source: str = field(default="<profile>", compare=False)
 
     def program(self, program: str) -> ProgramProfile:
-        """The section of `program` ("target" | "draft")."""
-        if program == "target":
-            return self.target
-        if program == "draft":
-            return self.draft
-        raise ValueError(f"program must be one of {PROGRAMS}, got {program!r}")
+        """The section of `program` (a role of PROGRAMS)."""
+        if program not in PROGRAMS:
+            raise ValueError(f"program must be one of {PROGRAMS}, got {program!r}")
+        return getattr(self, program)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for the manifest (round-trips through `profile_from_dict`)."""
@@ -264,7 +264,7 @@ def profile_from_dict(
     """
     v = _Validator(source)
     top = v.mapping(data, "", _TOP_KEYS)
-    for key in ("kv_dtype", "target", "draft"):
+    for key in ("kv_dtype", *PROGRAMS):
         v.require(top, key, "")
 
     name = top.get("name", default_name)
@@ -367,8 +367,8 @@ class CompileOverrides:
 
 
 def placements(profile: CompileProfile) -> list[tuple[str, ProgramProfile]]:
-    """Every QPC the profile produces, as (label, program profile): the target and the draft."""
-    return [("target", profile.target), ("draft", profile.draft)]
+    """Every QPC the profile produces, as (label, program profile): one per program role."""
+    return [(role, profile.program(role)) for role in PROGRAMS]
 
 
 def _refuse_disaggregated(target: Any, source: str) -> None:

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_qaic import contract
+from dflash_qaic import contract, state
 from dflash_qaic.compiler.profiles import (
     KV_DTYPES,
     SPECIALIZATION_FORMATS,
@@ -179,25 +179,19 @@ def specializations_text(specs: Sequence[Mapping[str, Any]], fmt: str = "named")
 
 
 def custom_io(io: contract.TargetIO | contract.DraftIO, kv_dtype: str) -> list[dict[str, str]]:
-    """The custom IO entries: every `past_*` input, then every `_RetainedState` output."""
+    """The custom IO entries: every retained input the program's state specs declare, then its
+    `_RetainedState` output, each at its spec's on-card precision (state.py: the profile's KV
+    dtype; a recurrent state, rewritten whole by every call, stays fp16 under MXINT8, where
+    re-rounding the whole state each step would compound)."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
-    past = [spec.name for spec in io.kv]
-    retained = [o.name for o in io.outputs if o.name.endswith(contract.RETAINED_SUFFIX)]
-    missing = [contract.retained(n) for n in past if contract.retained(n) not in retained]
+    precision = state.card_dtypes(io.state, kv_dtype)
+    outputs = {o.name for o in io.outputs}
+    missing = [contract.retained(n) for n in precision if contract.retained(n) not in outputs]
     if missing:
         raise ValueError(f"the I/O contract has no retained output for {missing}")
-    return [{"IOName": name, "Precision": _precision(name, kv_dtype)} for name in past + retained]
-
-
-# A hybrid's recurrent state and conv window (contract.past_state / past_conv) are rewritten by
-# every call, not appended to: a block-quantised format (MXINT8) would re-round the whole state
-# each step and compound; they stay fp16 whatever the KV caches use.
-_STATE_PREFIXES = (contract.past_state(0)[:-1], contract.past_conv(0)[:-1])
-
-
-def _precision(name: str, kv_dtype: str) -> str:
-    return "float16" if kv_dtype == "mxint8" and name.startswith(_STATE_PREFIXES) else kv_dtype
+    pairs = [*precision.items(), *((contract.retained(n), p) for n, p in precision.items())]
+    return [{"IOName": n, "Precision": p} for n, p in pairs]
 
 
 def custom_io_yaml(io: contract.TargetIO | contract.DraftIO, kv_dtype: str) -> str:
@@ -663,9 +657,9 @@ def _build(job: _Job, profile: CompileProfile, timeout: float) -> str:
 
 
 def _check_program(program: str, io, onnx_path) -> Path:
-    if program not in ("target", "draft"):
-        raise ValueError(f"program must be 'target' or 'draft', got {program!r}")
-    expected = contract.TargetIO if program == "target" else contract.DraftIO
+    if program not in contract.ROLES:
+        raise ValueError(f"program must be one of {list(contract.ROLES)}, got {program!r}")
+    expected = contract.ROLES[program].io
     if not isinstance(io, expected):
         raise TypeError(f"program {program!r} needs a {expected.__name__}, got {type(io).__name__}")
     onnx = Path(onnx_path).absolute()
@@ -685,7 +679,7 @@ def compile_program(
     timeout: float | None = None,
     root: str | os.PathLike[str] | None = None,
 ) -> CompileResult:
-    """Compile one program (`"target"` or `"draft"`) into `program_dir/qpc-<key>/qpc`.
+    """Compile one program (a role of contract.ROLES: `"target"`, `"draft"`) into `program_dir/qpc-<key>/qpc`.
 
     `specs` are named specializations (`contract.target_specializations` /
     `draft_specializations`). Reuses a finished QPC (`status="cached"`), rebuilds a

@@ -33,6 +33,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from dflash_qaic import contract
+from dflash_qaic.state import retained_inputs
 
 FP16_MAX = 65504.0  # largest finite fp16 value
 MARGIN = 16.0  # flag any intermediate above FP16_MAX / MARGIN (4094)
@@ -233,18 +234,19 @@ def faithful_check(model: onnx.ModelProto, feeds: list[Mapping], name: str) -> F
 
 class FaithfulProgram:
     """The runtime's Program interface (`run(feeds) -> outputs`) over a FaithfulSession: the
-    `past_*` caches are kept inside in fp16 and fed back call after call, float outputs come
-    back as float32. Arguments as `runtime.backends.OrtProgram` (a manifest program's specs)."""
+    retained buffers (the state specs', state.py) are kept inside in fp16 and fed back call
+    after call, float outputs come back as float32. Arguments as `runtime.backends.OrtProgram`
+    (a manifest program's specs; `state`: its state specs, None for the I/O's pairing)."""
 
-    def __init__(self, onnx_path: str | os.PathLike, inputs: list[dict], outputs, symbols: dict):
+    def __init__(
+        self, onnx_path: str | os.PathLike, inputs: list[dict], outputs, symbols: dict, state=None
+    ):
         self.session = FaithfulSession(onnx.load(str(onnx_path)), os.path.basename(onnx_path))
-        kv = [i for i in inputs if i["name"].startswith("past_")]
-        self.kv = {
-            i["name"]: np.zeros([symbols.get(d, d) for d in i["shape"]], np.float16) for i in kv
-        }
-        self.out_names = [
-            o["name"] for o in outputs if not o["name"].endswith(contract.RETAINED_SUFFIX)
-        ]
+        names = retained_inputs([i["name"] for i in inputs], [o["name"] for o in outputs], state)
+        shapes = {i["name"]: i["shape"] for i in inputs}
+        self.kv = {n: np.zeros([symbols.get(d, d) for d in shapes[n]], np.float16) for n in names}
+        kept = {*names, *map(contract.retained, names)}
+        self.out_names = [o["name"] for o in outputs if o["name"] not in kept]
         self.device_s, self.calls = 0.0, 0
 
     @property

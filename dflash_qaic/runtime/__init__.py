@@ -21,6 +21,7 @@ from dflash_qaic.artifacts.manifest import (
 from dflash_qaic.runtime import devices, options
 from dflash_qaic.runtime.backends import (
     BackendError,
+    Capabilities,
     OrtProgram,
     QaicProgram,
     StrictStandinSession,
@@ -92,26 +93,27 @@ def _hub_id_hint(given, d: Path) -> None:
 
 
 def _programs(d: Path, m: Manifest, backend: str, threads, placement) -> dict:
-    """Both programs on `backend` (name → the runtime's program object, runtime/backends.py)."""
+    """Every program on `backend` (role → the runtime's program object, runtime/backends.py),
+    each with its state specs and capabilities."""
     symbols = {"batch_size": m.batch_size, "ctx_len": m.ctx_len}
     if m.full_batch_size is not None:  # continuous batching: the caches have this many rows
         symbols["full_batch_size"] = m.full_batch_size
     programs = {}
-    for name in ("target", "draft"):
-        prog = m.program(name)
+    for name, prog in m.programs.items():
         inputs, outputs = _io(prog)
         specs = [dict(s) for s in prog.specializations]
         onnx_path = inside(d, prog.onnx, f"{name}.onnx")
+        declared = {"state": prog.state, "capabilities": Capabilities.of(name, prog.io)}
         if backend == "ort":
-            programs[name] = OrtProgram(onnx_path, inputs, outputs, symbols, threads)
+            programs[name] = OrtProgram(onnx_path, inputs, outputs, symbols, threads, **declared)
         elif backend == "qaic-standin":
-            session = StrictStandinSession(onnx_path, inputs, outputs, specs)
-            programs[name] = QaicProgram(session, inputs, outputs, specs)
+            session = StrictStandinSession(onnx_path, inputs, outputs, specs, prog.state)
+            programs[name] = QaicProgram(session, inputs, outputs, specs, **declared)
         else:
             factory = qaic_session_factory()
             qpc = _qpc_path(d, prog, name)
             session = factory(str(qpc), device_ids=list(getattr(placement, name)))
-            programs[name] = QaicProgram(session, inputs, outputs, specs)
+            programs[name] = QaicProgram(session, inputs, outputs, specs, **declared)
     return programs
 
 
@@ -164,7 +166,7 @@ def load(
         else:
             devices.check_present(placement, devices.host_devices())
 
-    small = m.target.onnx_bytes + m.draft.onnx_bytes <= SMALL_PROGRAMS_BYTES
+    small = sum(p.onnx_bytes for p in m.programs.values()) <= SMALL_PROGRAMS_BYTES
     if threads is None and small and m.full_batch_size is None:
         threads = 1
     programs = _programs(d, m, backend, threads, placement)

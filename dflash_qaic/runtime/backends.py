@@ -1,20 +1,29 @@
-"""Program backends: one interface, the KV caches kept where the program runs.
+"""Program backends: one interface, the retained state kept where the program runs.
 
-A `Program` runs one exported program (target or draft) call after call. Callers pass only the
-small per-call inputs (ids, positions, feature rows) and get only the small outputs back; the
-`past_*` caches are retained state that never crosses to the host:
+A `Program` runs one exported program (a role: target, draft) call after call. Callers pass
+only the small per-call inputs (ids, positions, feature rows) and get only the small outputs
+back; the retained buffers its state specs declare (state.py: caches, rings, recurrent states)
+never cross to the host in a call. `read_slot(row, upto)` / `write_slot(row, SlotState)` copy
+one cache row's state out and in (a sequence moving between rows; later a prefill/decode
+hand-off or a prefix cache), outside the per-step loop:
 
 - `OrtProgram`: ONNX Runtime. The caches are `OrtValue`s bound with IOBinding, each one bound
-  as both the `past_*` input and its `*_RetainedState` output, so the cache update writes only
-  the new rows in place (see `inplace_cache_safe`); nothing crosses numpy and nothing per call
-  is proportional to ctx_len but attention reading the cache.
+  as both its input and its `*_RetainedState` output, so the cache update writes only the new
+  rows in place (see `inplace_cache_safe`); nothing crosses numpy and nothing per call is
+  proportional to ctx_len but attention reading the cache. A slot read or write is a copy out
+  of or into the arrays backing those OrtValues.
 - `QaicProgram`: AI100 through a QAICInferenceSession-like session (QEfficient's, over qaicrt).
   Retained-state buffers are skipped (zero-size on the host, the cache stays on the card) and
   output buffers are pre-sized per specialization, which the card picks from the input shapes.
+  A slot read or write is an *exchange*: one idle call (every row inactive) with the retained
+  buffers not skipped, as QEfficient's disaggregated example hands a KV cache over: their
+  `_RetainedState` outputs come back to the host (read), or the host sends the inputs (write);
+  then they are skipped again.
 - `StrictStandinSession`: a QAICInferenceSession stand-in that runs the ONNX in ONNX Runtime
   but refuses what the card would refuse: an input shape that is not a compiled
-  specialization, a retained-state buffer sent from the host, an output buffer of the wrong
-  size. It tests QaicProgram's buffer logic without a card.
+  specialization, a retained buffer that is neither skipped nor bound whole, an output buffer
+  of the wrong size. It counts the exchanges (a generation makes none) and tests
+  QaicProgram's buffer logic without a card.
 """
 
 from __future__ import annotations
@@ -23,18 +32,83 @@ import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from dflash_qaic import contract
+from dflash_qaic import contract, state
+from dflash_qaic.state import SlotState, StateSpec
 
 
 class BackendError(RuntimeError):
     """A backend cannot be created or a call breaks its contract."""
 
 
-def _is_kv(name: str) -> bool:
-    return name.startswith("past_")
+@dataclass(frozen=True)
+class Capabilities:
+    """What a program declares: its role, the verify rules it runs (contract.VERIFY_RULES; a
+    draft none), the inputs it takes and outputs it returns (the retained buffers apart) and its
+    state specs."""
+
+    role: str
+    rules: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    state: tuple[StateSpec, ...]
+
+    @classmethod
+    def of(cls, role: str, io) -> Capabilities:
+        """From a program's contract I/O (contract.TargetIO / DraftIO)."""
+        kept = {b.name for b in state.buffers_of(io.state)}
+        kept |= {contract.retained(n) for n in kept}
+        rules = ()
+        if isinstance(io, contract.TargetIO):
+            rules = tuple(r for r in contract.VERIFY_RULES if r in (contract.CHAIN, io.verify_rule))
+        return cls(
+            role,
+            rules,
+            tuple(s.name for s in io.inputs if s.name not in kept),
+            tuple(s.name for s in io.outputs if s.name not in kept),
+            tuple(io.state),
+        )
+
+
+@runtime_checkable
+class Program(Protocol):
+    """One exported program on a backend (module docstring)."""
+
+    capabilities: Capabilities | None
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One call: the small inputs by name in, the small outputs by name out."""
+        ...
+
+    def read_slot(self, row: int, upto: int) -> SlotState:
+        """A copy of cache row `row`'s retained state: positional caches up to `upto`."""
+        ...
+
+    def write_slot(self, row: int, slot: SlotState) -> None:
+        """`slot` into cache row `row` (shapes checked against the state specs)."""
+        ...
+
+
+def retained_names(inputs: list[dict], outputs: list[dict], specs) -> list[str]:
+    """The retained inputs of a program (state.retained_inputs), or a BackendError."""
+    try:
+        return state.retained_inputs(
+            [i["name"] for i in inputs], [o["name"] for o in outputs], specs
+        )
+    except ValueError as e:
+        raise BackendError(str(e)) from e
+
+
+def _slot_specs(program) -> list:
+    if program.state is None:
+        raise BackendError(
+            "this program was created without its state specs (state.py): pass state=io.state "
+            "to read or write a slot"
+        )
+    return program.state
 
 
 def inplace_cache_safe(onnx_path, kv_names: list[str]) -> bool:
@@ -183,6 +257,9 @@ class OrtProgram:
         symbols: dict,
         threads: int | None = None,
         inplace: bool | None = None,
+        *,
+        state: list[StateSpec] | None = None,
+        capabilities: Capabilities | None = None,
     ):
         import onnxruntime as ort
 
@@ -194,20 +271,25 @@ class OrtProgram:
             so.intra_op_num_threads = threads
             so.inter_op_num_threads = 1
         self.sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
-        self.kv_names = [i["name"] for i in inputs if _is_kv(i["name"])]
-        self.inputs = [i for i in inputs if not _is_kv(i["name"])]
-        self.outputs = [o for o in outputs if not o["name"].endswith(contract.RETAINED_SUFFIX)]
+        self.state, self.capabilities = state, capabilities
+        self.kv_names = retained_names(inputs, outputs, state)
+        kept = {*self.kv_names, *map(contract.retained, self.kv_names)}
+        self.inputs = [i for i in inputs if i["name"] not in kept]
+        self.outputs = [o for o in outputs if o["name"] not in kept]
         self.out_names = [o["name"] for o in self.outputs]
         self.symbols = dict(symbols)
         safe = inplace_cache_safe(onnx_path, self.kv_names)
         if inplace and not safe:
             raise BackendError(f"{onnx_path}: a cache has readers besides its update, in place")
         self.inplace = safe if inplace is None else inplace
-        kv_shapes = [_bind(i["shape"], self.symbols) for i in inputs if _is_kv(i["name"])]
-        self._kv = [  # one OrtValue per cache, each of its own shape, in kv_names' order
-            [ort.OrtValue.ortvalue_from_numpy(_touched_zeros(shape)) for shape in kv_shapes]
+        shapes = {i["name"]: i["shape"] for i in inputs}
+        # per buffer set, the arrays backing the OrtValues (the same memory: a slot read or
+        # write is a copy out of or into them), in kv_names' order
+        self._host = [
+            [_touched_zeros(_bind(shapes[n], self.symbols)) for n in self.kv_names]
             for _ in range(1 if self.inplace else 2)
         ]
+        self._kv = [[ort.OrtValue.ortvalue_from_numpy(a) for a in arrays] for arrays in self._host]
         self._cur = 0
         self._bindings: dict[tuple, tuple] = {}  # input shapes -> (IOBinding, output arrays)
         self.device_s = 0.0
@@ -257,6 +339,21 @@ class OrtProgram:
         """The cache OrtValues the next call reads (for tests and inspection)."""
         return self._kv[self._cur]
 
+    def _arrays(self) -> dict[str, np.ndarray]:
+        """The retained buffers the next call reads, by name (every row)."""
+        return dict(zip(self.kv_names, self._host[self._cur]))
+
+    def read_slot(self, row: int, upto: int) -> SlotState:
+        arrays = state.read_rows(_slot_specs(self), self._arrays(), row, upto)
+        return SlotState(upto, arrays, meta=_meta(self))
+
+    def write_slot(self, row: int, slot: SlotState) -> None:
+        state.write_rows(_slot_specs(self), self._arrays(), row, slot)
+
+
+def _meta(program) -> dict:
+    return {"role": program.capabilities.role} if program.capabilities else {}
+
 
 def _touched_zeros(shape) -> np.ndarray:
     """A zero cache whose pages are already mapped: np.zeros maps pages lazily, so the first
@@ -274,16 +371,31 @@ def _bind(shape, symbols: dict) -> tuple[int, ...]:
 class QaicProgram:
     """A program on a QAICInferenceSession-like `session` (QEfficient's API)."""
 
-    def __init__(self, session, inputs: list[dict], outputs: list[dict], specializations):
+    def __init__(
+        self,
+        session,
+        inputs: list[dict],
+        outputs: list[dict],
+        specializations,
+        *,
+        state: list[StateSpec] | None = None,
+        capabilities: Capabilities | None = None,
+    ):
         self.session = session
-        retained = [o["name"] for o in outputs if o["name"].endswith(contract.RETAINED_SUFFIX)]
-        session.skip_buffers([i["name"] for i in inputs if _is_kv(i["name"])] + retained)
-        self.outputs = [o for o in outputs if o["name"] not in retained]
+        self.state, self.capabilities = state, capabilities
+        self.kv_names = retained_names(inputs, outputs, state)
+        self.retained_out = [contract.retained(n) for n in self.kv_names]
+        session.skip_buffers(self.kv_names + self.retained_out)
+        kept = {*self.kv_names, *self.retained_out}
+        self.inputs = [i for i in inputs if i["name"] not in kept]
+        self.outputs = [o for o in outputs if o["name"] not in kept]
+        self._shapes = {i["name"]: i["shape"] for i in inputs}
+        self._dtypes = {i["name"]: i["dtype"] for i in inputs}
+        self._specs = [s["symbols"] for s in specializations]
         # Output buffers pre-sized per specialization, keyed by (batch_size, seq_len): the card
         # picks the specialization from the input shapes (sample_len changes no output).
         self._buffers = {}
-        for spec in specializations:
-            sym = spec["symbols"]
+        for sym in self._specs:
             self._buffers[sym[contract.BATCH], sym[contract.SEQ]] = {
                 o["name"]: np.zeros(_bind(o["shape"], sym), np.dtype(o["dtype"]))
                 for o in self.outputs
@@ -306,11 +418,62 @@ class QaicProgram:
         self.calls += 1
         return {o["name"]: out[o["name"]] for o in self.outputs}
 
+    def read_slot(self, row: int, upto: int) -> SlotState:
+        arrays = state.read_rows(_slot_specs(self), self._exchange(), row, upto)
+        return SlotState(upto, arrays, meta=_meta(self))
+
+    def write_slot(self, row: int, slot: SlotState) -> None:
+        full = self._exchange()
+        state.write_rows(_slot_specs(self), full, row, slot)
+        self._exchange(full)
+
+    def _exchange(self, send: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """One idle call with the retained state crossing: every buffer comes back whole to the
+        host (send None), or `send` (every buffer, whole) goes to the card; then they are
+        skipped again. An idle call's rows are all inactive (batch_index and positions -1):
+        its writes go to padding slots, which nothing reads (contract.py)."""
+        sym = min(
+            self._specs, key=lambda s: (s[contract.BATCH] * s[contract.SEQ], s.get(contract.CCL, 0))
+        )
+        feeds = idle_feeds(self.inputs, sym)
+        back = {}
+        if send is None:
+            back = {
+                contract.retained(n): np.zeros(_bind(self._shapes[n], sym), self._dtypes[n])
+                for n in self.kv_names
+            }
+            self.session.set_buffers(back)
+        self.run({**feeds, **(send or {})})
+        self.session.skip_buffers(self.kv_names + self.retained_out)
+        return {n: back[contract.retained(n)] for n in self.kv_names} if send is None else send
+
+
+def idle_feeds(inputs: list[dict], symbols: dict) -> dict[str, np.ndarray]:
+    """The inputs of a call that changes no state a query reads: every row inactive (batch_index
+    and positions -1, contract.py), windows 0 … n − 1, greedy, every token allowed."""
+    fill = {
+        contract.BATCH_INDEX: contract.INACTIVE_ROW,
+        contract.POSITION_IDS: contract.PAD_POSITION,
+        contract.POSITION_IDS_TARGET: contract.PAD_POSITION,
+        contract.TOP_P: 1,
+        contract.TOKEN_BITMASK: -1,
+    }
+    out = {}
+    for i in inputs:
+        shape = _bind(i["shape"], symbols)
+        if i["name"] == contract.COMP_CTX_LENGTHS:
+            out[i["name"]] = np.arange(shape[0], dtype=np.int64)
+        else:
+            out[i["name"]] = np.full(shape, fill.get(i["name"], 0), np.dtype(i["dtype"]))
+    return out
+
 
 class StrictStandinSession:
     """QAICInferenceSession stand-in over ONNX Runtime that refuses what the card refuses."""
 
-    def __init__(self, onnx_path, inputs: list[dict], outputs: list[dict], specializations):
+    def __init__(
+        self, onnx_path, inputs: list[dict], outputs: list[dict], specializations, state=None
+    ):
         import onnxruntime as ort
 
         so = ort.SessionOptions()
@@ -323,64 +486,82 @@ class StrictStandinSession:
         self._specs = [s["symbols"] for s in specializations]
         self._names = [s["name"] for s in specializations]
         self.used: list[str] = []  # the specialization of every run, in order
+        self.exchanges = 0  # runs in which retained state crossed to or from the host
         self._skipped: set[str] = set()
         self._buffers: dict[str, np.ndarray] = {}
+        self.kv_in = retained_names(inputs, outputs, state)
+        self.kv_out = [contract.retained(n) for n in self.kv_in]
+        self._retained = {*self.kv_in, *self.kv_out}
         sym0 = self._specs[0]
-        self._state = {
-            n: np.zeros(_bind(i["shape"], sym0), np.float32)
-            for n, i in self._in.items()
-            if _is_kv(n)
-        }
+        self._full = {n: _bind((self._in | self._out)[n]["shape"], sym0) for n in self._retained}
+        self._state = {n: np.zeros(self._full[n], np.float32) for n in self.kv_in}
 
     def skip_buffers(self, names):
         self._skipped.update(names)
+        for n in names:
+            self._buffers.pop(n, None)
 
     def set_buffers(self, buffers: dict[str, np.ndarray]):
         for name, arr in buffers.items():
             if name not in self._out and name not in self._in:
                 raise BackendError(f"set_buffers: no binding named {name}")
-            if name.endswith(contract.RETAINED_SUFFIX) or _is_kv(name):
-                raise BackendError(f"set_buffers: {name} is retained state, it stays on device")
+            if name in self._retained:  # an exchange: the whole buffer or nothing
+                if arr.shape != self._full[name] or arr.dtype != np.float32:
+                    raise BackendError(
+                        f"set_buffers: {name} is retained state: only the whole buffer "
+                        f"float32{list(self._full[name])} crosses, got {arr.dtype}{list(arr.shape)}"
+                    )
+                self._skipped.discard(name)
             self._buffers[name] = arr
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        kv_in = [n for n in self._in if _is_kv(n)]
-        kv_out = [n for n in self._out if n.endswith(contract.RETAINED_SUFFIX)]
-        if not set(kv_in + kv_out) <= self._skipped:
-            raise BackendError("retained-state buffers were not skipped before run()")
-        for n in inputs:
-            if _is_kv(n):
-                raise BackendError(f"retained-state buffer {n} sent from the host")
-        spec = next(
-            (
-                s
-                for s in self._specs
-                if all(tuple(inputs[n].shape) == _bind(self._in[n]["shape"], s) for n in inputs)
-            ),
-            None,
-        )
-        if spec is None or set(inputs) != {n for n in self._in if not _is_kv(n)}:
-            shapes = {n: a.shape for n, a in inputs.items()}
-            raise BackendError(f"input shapes {shapes} match no compiled specialization")
+        sent = [n for n in inputs if n in self._retained]
+        if sent and sorted(sent) != sorted(self.kv_in):
+            raise BackendError(
+                f"retained-state buffers {sent} sent from the host: a call takes none of them, "
+                "or (an exchange) every one, whole"
+            )
+        self.set_buffers({n: inputs[n] for n in sent})
+        loose = [n for n in self._retained if n not in self._skipped and n not in self._buffers]
+        if loose:
+            raise BackendError(f"retained-state buffers {loose} neither skipped nor bound")
+        feeds = {n: a for n, a in inputs.items() if n not in self._retained}
+        spec = self._spec(feeds)
         for name, o in self._out.items():
-            if name in kv_out:
+            if name in self._retained:
                 continue
             buf = self._buffers.get(name)
             if buf is None or buf.shape != _bind(o["shape"], spec):
                 raise BackendError(f"output buffer {name} is not sized for specialization {spec}")
         self.used.append(self._names[self._specs.index(spec)])
+        crossing = [n for n in self._retained if n not in self._skipped]
+        self.exchanges += bool(crossing)
+        kv = {n: self._buffers[n] if n in crossing else self._state[n] for n in self.kv_in}
         # outputs requested by name: the graph's order is never relied on
-        res = dict(
-            zip(self.output_names, self.sess.run(self.output_names, {**inputs, **self._state}))
-        )
-        for n in kv_in:
+        res = dict(zip(self.output_names, self.sess.run(self.output_names, {**feeds, **kv})))
+        for n in self.kv_in:
             self._state[n] = res[contract.retained(n)]
         out = {}
         for name in self._out:
-            if name not in kv_out:
+            if name in crossing or name not in self._retained:
                 self._buffers[name][...] = res[name]
                 out[name] = self._buffers[name]
         return out
+
+    def _spec(self, feeds: dict[str, np.ndarray]) -> dict:
+        """The compiled specialization the feeds' shapes select (BackendError: none)."""
+        spec = next(
+            (
+                s
+                for s in self._specs
+                if all(tuple(feeds[n].shape) == _bind(self._in[n]["shape"], s) for n in feeds)
+            ),
+            None,
+        )
+        if spec is None or set(feeds) != {n for n in self._in if n not in self._retained}:
+            shapes = {n: a.shape for n, a in feeds.items()}
+            raise BackendError(f"input shapes {shapes} match no compiled specialization")
+        return spec
 
 
 QAICRT_PATHS = (f"/opt/qti-aic/dev/lib/{platform.machine()}", "/opt/qti-aic/dev/python")

@@ -32,29 +32,27 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from dflash_qaic import contract
 from dflash_qaic.runtime.backends import BackendError
 
 log = logging.getLogger(__name__)
 
-PROGRAMS = ("target", "draft")
+PROGRAMS = contract.ROLE_NAMES  # a Placement field per program role
 #: the AI100 Platform SDK's device query tool (`qaic-util -q` lists each device as "QID n")
 QAIC_UTIL = Path("/opt/qti-aic/tools/qaic-util")
 _QID = re.compile(r"^\s*QID\s+(\d+)\b", re.M)
 
 
-class Placement(NamedTuple):
-    """The devices of a replica's target and draft programs."""
-
-    target: tuple[int, ...]
-    draft: tuple[int, ...]
+class Placement(NamedTuple("_Placement", [(role, tuple[int, ...]) for role in PROGRAMS])):
+    """The devices of a replica's programs, a field per program role (target, draft)."""
 
     @property
     def devices(self) -> tuple[int, ...]:
         """Every device the replica uses, in increasing order."""
-        return tuple(sorted(set(self.target) | set(self.draft)))
+        return tuple(sorted({d for ids in self for d in ids}))
 
     def to_json(self) -> dict:
-        return {"target": list(self.target), "draft": list(self.draft)}
+        return {role: list(ids) for role, ids in zip(self._fields, self)}
 
 
 def profile_placement(manifest) -> Placement:
