@@ -47,10 +47,16 @@ def expected(confidence: np.ndarray) -> np.ndarray:
 class StepPolicy:
     """Per slot: the running estimate `est`, the decode steps since it last drafted (`idle`),
     the steps it waits before its next probe (`wait`), and whether its last draft was a probe.
-    All arrays over every slot; a step passes the slots it decides for."""
+    A step passes the slots it decides for; the work is per sequence, a few scalar operations
+    (a decoding step of one row costs well under a millisecond, so this stays off numpy's
+    per-call overhead). What every sequence taught (the proposals kept per drafted step and
+    what the confidences promised for them) is kept in the pipeline's `StepCosts` (`kept`,
+    `promised`), so a new sequence starts from it, and the draft's confidences are read
+    through that calibration."""
 
-    WEIGHT = 0.5  # of the newest observation in the running estimate
-    PROBE_FIRST = 4  # decode steps before a row's first probe
+    WEIGHT = 0.5  # of the newest observation in a running estimate
+    PROBE_FIRST = 8  # decode steps before a row's first probe, when drafting paid so far
+    PROBE_LATE = 32  # the same when the pair's acceptance so far says drafting does not pay
     PROBE_MAX = 128  # the longest wait between two probes
 
     def __init__(self, mode: str, slots: int, block_size: int, confidence: bool = True):
@@ -58,65 +64,89 @@ class StepPolicy:
         if mode not in POLICIES:
             raise ValueError(f"spec_policy must be one of {', '.join(POLICIES)}, got {mode!r}")
         self.mode, self.B, self.confidence = mode, block_size, confidence
-        self.est = np.full(slots, float(block_size - 1))
-        self.idle = np.zeros(slots, np.int64)
-        self.wait = np.full(slots, self.PROBE_FIRST, np.int64)
-        self.probing = np.zeros(slots, bool)
+        self.est = [block_size - 1.0] * slots
+        self.idle = [0] * slots
+        self.wait = [self.PROBE_FIRST] * slots
+        self.probing = [False] * slots
 
-    def join(self, slot: int, confidence: np.ndarray | None = None) -> None:
-        """A sequence starts stepping in `slot`, its first proposals' confidences given."""
-        prior = self.B - 1.0
+    def promise(self, confidence, costs) -> list[float] | None:
+        """The proposals the draft's confidences ([rows, B − 1]) promise, calibrated by what
+        such promises kept so far (`StepCosts.kept` / `promised`); None without confidences."""
+        if not self.confidence or confidence is None:
+            return None
+        e = expected(confidence)
+        if costs.kept is not None and costs.promised:
+            e *= costs.kept / costs.promised
+        return e.tolist()
+
+    def join(self, slot: int, confidence: np.ndarray | None, costs) -> None:
+        """A sequence starts stepping in `slot`; `confidence` [B − 1]: its first proposals'."""
+        e = self.promise(None if confidence is None else confidence[None], costs)
+        if e is not None:
+            prior = e[0]
+        else:
+            prior = self.B - 1.0 if costs.kept is None else costs.kept
+        self.est[slot], self.idle[slot], self.probing[slot] = prior, 0, False
+        paid = costs.kept is None or costs.kept >= self.threshold(costs)
+        self.wait[slot] = self.PROBE_FIRST if paid else self.PROBE_LATE
+
+    def observe(self, slots, accepted, confidence, costs) -> None:
+        """The drafted rows `slots` kept `accepted` proposals of a block the draft gave
+        `confidence` ([rows, B − 1]) in: their estimates, and the pipeline's."""
+        w, obs = self.WEIGHT, [float(a) for a in accepted]
+        for r, a in zip(slots.tolist() if hasattr(slots, "tolist") else slots, obs):
+            self.est[r] += w * (a - self.est[r])
+        costs.kept = _mean(costs.kept, sum(obs) / len(obs), w)
         if self.confidence and confidence is not None:
-            prior = float(expected(confidence[None])[0])
-        self.est[slot], self.idle[slot] = prior, 0
-        self.wait[slot], self.probing[slot] = self.PROBE_FIRST, False
+            costs.promised = _mean(costs.promised, float(expected(confidence).mean()), w)
 
-    def observe(self, slots: np.ndarray, accepted: np.ndarray, confidence=None) -> None:
-        """The drafted rows `slots` kept `accepted` proposals; `confidence` ([rows, B − 1]: what
-        the draft expected of those proposals) joins the observation when the draft has one."""
-        obs = np.asarray(accepted, np.float64)
-        if self.confidence and confidence is not None:
-            obs = 0.5 * (obs + expected(confidence))
-        self.est[slots] += self.WEIGHT * (obs - self.est[slots])
-
-    def pays(self, est: np.ndarray, costs, draft: bool = True) -> np.ndarray:
-        """Whether rows of estimate `est` commit more tokens per second drafting than decoding,
-        by the measured costs (draft False: the draft call already ran, its cost spent). Until
-        a verify and a draft call have been timed, every row drafts (they must be measured to
-        be compared); until a decode call has, the cheapest verify stands for it."""
-        est = np.asarray(est, np.float64)
+    @staticmethod
+    def threshold(costs, draft: bool = True) -> float:
+        """The least estimate at which drafting pays (draft False: the draft call already ran,
+        its cost spent): some verify length n with (1 + min(est, n − 1)) / (verify(n) +
+        draft) ≥ 1 / decode. Until a verify and a draft call have been timed, −inf (every row
+        drafts: they must be measured to be compared); until a decode call has, the cheapest
+        verify stands for it."""
         if costs.draft_s is None or not costs.verify_s:
-            return np.ones(est.shape, bool)
+            return -np.inf
         t_dec = costs.decode_s if costs.decode_s is not None else min(costs.verify_s.values())
         extra = costs.draft_s if draft else 0.0
-        best = np.zeros(est.shape)
+        best = np.inf
         for n, t in costs.verify_s.items():
-            best = np.maximum(best, (1.0 + np.minimum(est, n - 1)) / (t + extra))
-        return best * t_dec >= 1.0
+            need = (t + extra) / t_dec - 1.0  # the proposals a step of n rows must keep
+            if need <= n - 1:
+                best = min(best, need)
+        return best
 
-    def want(self, slots: np.ndarray, costs) -> np.ndarray:
+    def want(self, slots, costs) -> list[bool]:
         """Which of `slots` (the rows going on after this step) draft for their next step: the
-        ones it pays for, and the ones due a probe."""
+        ones it pays for, and the ones due a probe. A probe that did not pay doubles the row's
+        wait, one that did resets it."""
         if self.mode != "auto":
-            return np.full(len(slots), self.mode == "always")
-        pays = self.pays(self.est[slots], costs)
-        was = self.probing[slots]  # a probe's outcome sets the next wait
-        self.wait[slots[was & pays]] = self.PROBE_FIRST
-        failed = slots[was & ~pays]
-        self.wait[failed] = np.minimum(2 * self.wait[failed], self.PROBE_MAX)
-        due = self.idle[slots] >= self.wait[slots]
-        want = pays | due
-        self.probing[slots] = want & ~pays
-        self.idle[slots] = np.where(want, 0, self.idle[slots] + 1)
-        return want
+            return [self.mode == "always"] * len(slots)
+        thr, out = self.threshold(costs), []
+        for r in slots:
+            pays = self.est[r] >= thr
+            if self.probing[r]:  # the last draft was a probe: its outcome sets the wait
+                self.wait[r] = self.PROBE_FIRST if pays else min(2 * self.wait[r], self.PROBE_MAX)
+            want = pays or self.idle[r] >= self.wait[r]
+            self.probing[r] = want and not pays
+            self.idle[r] = 0 if want else self.idle[r] + 1
+            out.append(want)
+        return out
 
-    def use(self, slots: np.ndarray, confidence: np.ndarray | None, costs) -> np.ndarray:
+    def use(self, slots, confidence: np.ndarray | None, costs) -> list[bool]:
         """Which of `slots`, whose draft call just ran, verify its proposals (confidence
-        [rows, B − 1], theirs): those whose proposals pay for the verify alone, by the running
-        estimate and the confidences (a probe by its confidences alone). Without confidences,
-        every one."""
-        if self.mode != "auto" or not self.confidence or confidence is None:
-            return np.full(len(slots), self.mode != "never")
-        fresh = expected(confidence)
-        mix = np.where(self.probing[slots], fresh, 0.5 * (self.est[slots] + fresh))
-        return self.pays(mix, costs, draft=False)
+        [rows, B − 1], theirs): those whose proposals pay for the verify alone (the draft's
+        cost is spent), by the running estimate and what the confidences promise (a probe by
+        the promise alone). Without confidences, every one."""
+        e = self.promise(confidence, costs) if self.mode == "auto" else None
+        if e is None:
+            return [self.mode != "never"] * len(slots)
+        thr = self.threshold(costs, draft=False)
+        mix = [p if self.probing[r] else 0.5 * (self.est[r] + p) for r, p in zip(slots, e)]
+        return [m >= thr for m in mix]
+
+
+def _mean(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else old + weight * (new - old)

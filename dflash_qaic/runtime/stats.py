@@ -73,6 +73,10 @@ class StepCosts:
         self.verify_s: dict[int, float] = {}
         self.draft_s: float | None = None
         self.decode_s: float | None = None
+        # the step policy's memory across sequences (runtime/policy.py): proposals kept per
+        # drafted step, and what the draft's confidences promised for them (running means)
+        self.kept: float | None = None
+        self.promised: float | None = None
         self.warmup_calls = warmup_calls
         self._seen: collections.Counter = collections.Counter()
 

@@ -51,7 +51,7 @@ from dflash_qaic.runtime.grammar import StepMasks
 from dflash_qaic.runtime.policy import StepPolicy
 from dflash_qaic.runtime.stats import StepCosts
 from dflash_qaic.runtime.tree import TreeVerifier
-from dflash_qaic.runtime.verifiers import BlockVerifier, ChainVerifier, Verifier, commit
+from dflash_qaic.runtime.verifiers import BlockVerifier, ChainVerifier, Verifier
 
 __all__ = ["VERIFIERS", "CallFailed", "DFlashStep", "DecodeStep", "Prefill", "SlotBook"]
 
@@ -325,15 +325,14 @@ class DFlashStep(_Step):
         self.context = context
         self._zeros = np.zeros(plan.cache_rows, np.int64)  # a decode call's acc
         self._ones = np.ones(plan.cache_rows, np.int64)  # and its rows
+        self._queued = False  # the last step decoded every row: its context already waits
 
     def join(self, slot: int) -> None:
         """The slot steps from now on; the policy sees its first proposals' confidences."""
         super().join(slot)
         st, one = self.state, slice(slot, slot + 1)
-        self.policy.join(slot, st.confidence[slot])
-        st.decoding[slot] = not self.policy.use(
-            self._ones[one] * slot, st.confidence[one], self.costs
-        )[0]
+        self.policy.join(slot, st.confidence[slot], self.costs)
+        st.decoding[slot] = not self.policy.use([slot], st.confidence[one], self.costs)[0]
 
     def leave(self, slot: int) -> None:
         super().leave(slot)
@@ -348,9 +347,9 @@ class DFlashStep(_Step):
         """The verify call (or, when every row decodes, the decode call) and the commits;
         returns the sequences that go on, whose committed rows are now the draft's context."""
         v, st, d = self.verifier, self.state, self.bufs.draft
-        if st.decoding[rows].all():
-            out = self._decode(seqs, self.costs)
-            going = commit(self, self._ones, rows, seqs, 1, out, self._zeros)
+        self._queued = bool(st.decoding[rows].all())
+        if self._queued:  # every row decodes: the decode call
+            going = self._decode_all(rows, seqs)
         else:
             n, c = v.fill(rows, seqs)
             out = v.call(n, c, seqs)
@@ -365,12 +364,38 @@ class DFlashStep(_Step):
         np.minimum(d.blk_pos, self.max_pos - 1, out=d.blk_pos)
         return going
 
+    def _decode_all(self, rows: np.ndarray, seqs: list) -> list:
+        """The decode call over every slot, one token per row; each row's feature waits in its
+        context for the draft (`Prefill.queue`). Returns the sequences that go on."""
+        st = self.state
+        out = self._decode(seqs, self.costs)
+        check_committed("decode", out, rows, 1, seqs)
+        token, hidden = out[contract.NEXT_TOKENS][:, 0], out[contract.HIDDEN_STATES]  # [N]
+        going, tokens = [], token.tolist()
+        for seq in seqs:
+            r = seq.slot
+            self.context.queue(seq, hidden[r, :1], int(st.start[r]), 1)
+        st.anchor[:] = token
+        st.start += st.alive
+        self.furthest = int(st.start.max())
+        for seq in seqs:
+            r = seq.slot
+            seq.verified.append(1)
+            seq.commit([tokens[r]], step=True)
+            if seq.reason is None and st.start[r] >= self.max_pos:
+                seq.reason = "ctx_len"  # positions ≥ ctx_len − 1 have no slot (contract.py)
+            if seq.reason is None:
+                going.append(seq)
+            else:
+                self.leave(r)
+        return going
+
     def _observe(self, rows: np.ndarray, acc: np.ndarray, lens: np.ndarray) -> None:
         """The drafted rows' acceptance (and what the draft's confidences promised) to the
         policy's running estimates."""
         drafted = rows[lens[rows] > 1]
         if len(drafted):
-            self.policy.observe(drafted, acc[drafted], self.state.confidence[drafted])
+            self.policy.observe(drafted, acc[drafted], self.state.confidence[drafted], self.costs)
 
     def propose(self, seqs: list) -> None:
         """The next proposals of every row going on that drafts (context filled by verify):
@@ -382,27 +407,28 @@ class DFlashStep(_Step):
         if pol.mode == "always":
             return self._draft(seqs)
         st, d, ctx = self.state, self.bufs.draft, self.context
-        rows = np.fromiter((q.slot for q in seqs), np.int64, len(seqs))
-        want, batched, fresh = pol.want(rows, self.costs), [], []
-        for seq, w in zip(seqs, want.tolist()):
+        slots = [q.slot for q in seqs]
+        batched, fresh = [], []
+        for seq, w in zip(seqs, pol.want(slots, self.costs)):
             r = seq.slot
             if w and seq.pending == 0:
                 batched.append(seq)
                 continue
-            k = int(np.count_nonzero(d.ctx_pos[r] >= 0))  # this step's committed rows
-            ctx.queue(seq, d.ctx[r, :k], int(d.ctx_pos[r, 0]), k)
-            d.ctx_pos[r] = d.blk_pos[r] = contract.PAD_POSITION  # not in the draft call
+            if not self._queued:  # this step's committed rows wait in its context
+                k = int(np.count_nonzero(d.ctx_pos[r] >= 0))
+                ctx.queue(seq, d.ctx[r, :k], int(d.ctx_pos[r, 0]), k)
+                d.ctx_pos[r] = contract.PAD_POSITION  # not in the draft call
+            d.blk_pos[r] = contract.PAD_POSITION
             if w or seq.pending + self.plan.block_size > ctx.context_rows:
                 ctx.flush(seq, int(st.start[r]), int(st.anchor[r]))  # proposes its block
             if w:
                 fresh.append(r)
-        st.decoding[rows] = True
+        st.decoding[slots] = True
         if batched:
             self._draft(batched, part=len(batched) < len(seqs))
             fresh += [q.slot for q in batched]
         if fresh:
-            fresh = np.asarray(fresh, np.int64)
-            st.decoding[fresh] = ~pol.use(fresh, st.confidence[fresh], self.costs)
+            st.decoding[fresh] = np.logical_not(pol.use(fresh, st.confidence[fresh], self.costs))
 
     def _draft(self, seqs: list, part: bool = False) -> None:
         """The draft call over every row (part: only `seqs`' rows are kept; the others sat out
