@@ -259,3 +259,68 @@ def test_a_resumed_row_proposes_from_its_whole_context(default_artifacts, monkey
         assert seq.tokens == [res.tokens[end - len(ids)]]
         same.append(np.mean(engine.proposals(seq) == proposals))
     assert np.mean(same) > 0.95, same
+
+
+# ------------------------------------------------------------------ the option, declared once
+
+
+def test_the_flag_on_every_command(default_artifacts, capsys):
+    """--spec-policy on dflash-run, dflash-serve and dflash-bench: one declaration (its
+    default, values and help), a bad value refused by argparse; dflash-run reports the path."""
+    import json
+
+    from dflash_qaic.bench.cli import parser as bench_parser
+    from dflash_qaic.runtime.cli import main as run_main
+    from dflash_qaic.runtime.cli import parser as run_parser
+    from dflash_qaic.runtime.options import SPEC_POLICY
+    from dflash_qaic.serve.cli import parser as serve_parser
+
+    assert EngineConfig().spec_policy == SPEC_POLICY.default == "always"
+    for make in (run_parser, serve_parser, bench_parser):
+        p = make()
+        extra = ["--prompt", "x"] if make is run_parser else []
+        assert p.parse_args(["a", *extra]).spec_policy == SPEC_POLICY.default
+        assert p.parse_args(["a", *extra, "--spec-policy", "auto"]).spec_policy == "auto"
+        with pytest.raises(SystemExit):
+            p.parse_args(["a", *extra, "--spec-policy", "sometimes"])
+    capsys.readouterr()
+    argv = [str(default_artifacts), "--prompt-ids", "1,2,3", "--max-new-tokens", "20", "--json"]
+    assert run_main([*argv, "--spec-policy", "never", "--stop-token-ids", ""]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["decode_steps"] == stats["steps"] == 19 and stats["drafted_steps"] == 0
+
+
+def test_metrics_count_each_path():
+    """/metrics: a one-row step (decoded) counts under path="decode" and not as a draft."""
+    import prometheus_client
+
+    from dflash_qaic.serve.metrics import Metrics
+
+    m = Metrics("m", 8)
+    for committed, verified in ((3, 4), (1, 1), (1, 1), (8, None)):
+        m.step(committed, verified)
+    text = prometheus_client.generate_latest(m.registry).decode()
+    assert 'dflash:spec_policy_steps_total{model_name="m",path="draft"} 2.0' in text
+    assert 'dflash:spec_policy_steps_total{model_name="m",path="decode"} 2.0' in text
+    assert 'vllm:spec_decode_num_drafts_total{model_name="m"} 2.0' in text
+    assert 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 10.0' in text  # 3 + 7
+
+
+def test_the_engine_reports_no_proposals_for_a_row_that_decodes(random_pair):
+    """What the vLLM worker schedules as drafts (`engine.proposals`) is empty for a row whose
+    next step decodes."""
+    pipe = random_pair.load()
+    pipe.configure(spec_policy="never")
+    pipe.generate(prompt(5, 2), 4, stop_token_ids=[])
+    pipe.configure(spec_policy="auto")
+    engine = pipe.engine()
+    seq = engine.add(pipe.request(prompt(7, 3), 30, [], "dflash"))
+    lengths = []
+    while not seq.finished:
+        engine.step()
+        if not seq.finished:
+            lengths.append(len(engine.proposals(seq)))
+            assert lengths[-1] == (
+                0 if engine.spec.state.decoding[seq.slot] else PAIR["block_size"] - 1
+            )
+    assert 0 in lengths

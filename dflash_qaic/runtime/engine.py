@@ -330,11 +330,13 @@ class BatchEngine:
 
     def proposals(self, seq: Sequence) -> np.ndarray:
         """The draft's proposals for the positions after `seq`'s last token (the block its next
-        step verifies), also while it waits to join (first_token_alone)."""
+        step verifies), also while it waits to join (first_token_alone); none when its next
+        step decodes (the step policy's choice)."""
         for waiting, held in self.joining:
             if waiting is seq:
                 return held[2]
-        return self.spec.state.proposals[seq.slot]
+        st = self.spec.state
+        return st.proposals[seq.slot, : 0 if st.decoding[seq.slot] else None]
 
     def _fail(self, seqs: list[Sequence], e: BaseException) -> None:
         log.warning("%d request(s) failed: %s: %s", len(seqs), type(e).__name__, e, exc_info=e)

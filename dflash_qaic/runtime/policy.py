@@ -24,10 +24,10 @@ pays resets it, so a sequence that becomes predictable again gets its drafts bac
 bounded number of steps while a hopeless one costs one draft call per PROBE_MAX tokens.
 
 Decisions depend on measured times, so under `auto` which steps draft varies from run to run;
-greedy tokens never do (both paths commit the target's own argmax). A sampled row's tokens are
-the target's own samples on a chain program (each position's uniforms, whatever the path);
-under q-aware or block verification they are exactly distributed but depend on the proposals
-verified, so `always` is the setting that reproduces a seeded run's tokens there.
+greedy tokens never do (both paths commit the target's own argmax). Sampled tokens are exactly
+distributed on either path, but the tokens a seed gives depend on the proposals a step verified
+(the rejection rule reads them), so `always` (or `never`) is the setting that reproduces a
+seeded run's tokens.
 """
 
 from __future__ import annotations
