@@ -65,6 +65,7 @@ def common_parser(doc: str, artifacts: str, options) -> argparse.ArgumentParser:
     )
     p.add_argument("artifacts", help=artifacts)
     load_options.add_arguments(p, "backend", "check_files")
+    load_options.SPEC_POLICY.add(p)
     for flag, typ, default, text in options:
         p.add_argument(flag, type=typ, default=default, help=f"{text} (default %(default)s)")
     p.add_argument("--debug", action="store_true", help="tracebacks on errors")
@@ -204,6 +205,7 @@ def bench(args, command: str, out, body) -> int:
     `out.problems` finds tokens that differ."""
     import dflash_qaic
     from dflash_qaic.bench import run
+    from dflash_qaic.runtime.options import SPEC_POLICY
 
     t0, started = time.perf_counter(), datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     machine = run.machine(args.threads)
@@ -214,6 +216,7 @@ def bench(args, command: str, out, body) -> int:
         args.artifacts, backend=args.backend, threads=args.ort_threads, check_files=args.check_files
     )
     machine["ort_threads"] = pipe.threads  # None: ONNX Runtime's default
+    pipe.configure(spec_policy=SPEC_POLICY.value(args))  # the step policy of every DFlash run
     _log(
         f"dflash-bench: loaded {args.artifacts} on {args.backend} ({pipe.threads or 'default'} threads)"
     )
@@ -304,11 +307,13 @@ def _compare(prompts, args) -> dict:
     temperatures, rounds and seeds, each DFlash run against the target alone of its round."""
     import dflash_qaic
     from dflash_qaic.bench import run
+    from dflash_qaic.runtime.options import SPEC_POLICY
 
     pipe = dflash_qaic.load(
         args.compare, backend=args.backend, threads=args.ort_threads, check_files=args.check_files
     )
     _log(f"dflash-bench: loaded {args.compare} (--compare) on {args.backend}")
+    pipe.configure(spec_policy=SPEC_POLICY.value(args))
     f = run.facts(pipe, args.compare)
     sections, _ = _measure(pipe, prompts, args, f["block_size"])
     skipped = {"skipped": "measured for the benchmarked artifacts only"}
@@ -367,6 +372,13 @@ def _trees(pipe, prompts, args, f: dict) -> list[dict]:
     return out
 
 
+def drafted_share(runs) -> float:
+    """The share of DFlash steps that drafted (the others decoded: the step policy's choice)."""
+    st = [pair["dflash"].stats for per in runs for pair in per]
+    steps = sum(s["steps"] for s in st)
+    return sum(s["drafted_steps"] for s in st) / steps if steps else 0.0
+
+
 def _measure(pipe, prompts, args, B: int) -> tuple[list[dict], list | None]:
     """One section per temperature (T > 0 skipped, with a note, without a sampler), and our
     DFlash tokens per prompt at T = 0 (None when T = 0 was not measured)."""
@@ -384,6 +396,7 @@ def _measure(pipe, prompts, args, B: int) -> tuple[list[dict], list | None]:
             args.top_k, args.top_p, args.seed, _log,
         )  # fmt: skip
         out.append(stats.section(T, runs, problems, prompts, B, args.seed))
+        out[-1]["drafted_share"] = drafted_share(runs)
         ours = [per[0]["dflash"].tokens for per in runs] if T == 0 else ours
     return out, ours
 

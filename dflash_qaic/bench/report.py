@@ -105,6 +105,9 @@ def summary_screen(res: dict) -> str:
         "": temp,
         "speedup (decode)": lambda s: sp(s["speedup"], x_),
         "τ": lambda s: f"{s['tau']:.2f}",
+        "steps drafted": lambda s: (  # the step policy's choices (--spec-policy)
+            f"{s['drafted_share']:.0%}" if s.get("drafted_share") is not None else "—"
+        ),
         "verify rows per step": lambda s: (
             f"{s['loop']['verify_rows']:.1f}" if s["loop"].get("verify_rows") else "—"
         ),

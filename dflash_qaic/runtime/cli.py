@@ -25,6 +25,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     p.add_argument("--max-new-tokens", type=int, default=64)
     options.add_arguments(p, "backend", "threads", "check_files")
+    options.SPEC_POLICY.add(p)
     p.add_argument(
         "--stop-token-ids",
         default=None,
@@ -101,8 +102,11 @@ def _check_args(args) -> None:
 
 
 def format_stats(s: dict) -> str:
+    drafted = ""
+    if s.get("decode_steps"):  # the step policy decoded some steps
+        drafted = f" ({s['drafted_steps']} drafted, {s['decode_steps']} decoded)"
     return (
-        f"τ {s['tau']:.2f} over {s['steps']} steps · {s['new_tokens']} tokens · "
+        f"τ {s['tau']:.2f} over {s['steps']} steps{drafted} · {s['new_tokens']} tokens · "
         f"TTFT {s['ttft_s'] * 1e3:.1f} ms · {s['tpot_s'] * 1e3:.2f} ms/token · "
         f"{s['tokens_per_s']:.1f} tok/s · host {s['host_s'] / max(s['decode_s'], 1e-12):.0%} · "
         f"{s['bytes_per_step'] / 1e3:.1f} kB/step"
@@ -147,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         pipe = dflash_qaic.load(
             args.artifacts, **options.from_args(args, "backend", "threads", "check_files")
         )
+        pipe.configure(spec_policy=options.SPEC_POLICY.value(args))
         stream, flush = None, None
         if args.stream and not args.json:
             stream, flush = _printer(pipe.tokenizer)

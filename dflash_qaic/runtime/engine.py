@@ -7,6 +7,7 @@ Continuous batching; the algorithm is docs/DESIGN.md, Algorithm). Three parts:
     runtime/buffers.py  the host buffers of every call, typed and allocated once
     runtime/step.py     the calls: a prompt's prefill, the speculative step (verify length,
                         acceptance, draft context) or the target alone
+    runtime/policy.py   per row and step, drafting or plain decoding (the step policy)
 
 built from one frozen `EngineConfig`, the two programs and the artifacts' `contract.ShapePlan`;
 the statistics are runtime/stats.py.
@@ -50,9 +51,11 @@ import numpy as np
 
 from dflash_qaic import contract
 from dflash_qaic.runtime.buffers import PrefillBuffers, StepBuffers
+from dflash_qaic.runtime.options import SPEC_POLICY
+from dflash_qaic.runtime.policy import POLICIES, StepPolicy
 from dflash_qaic.runtime.sequence import Request, Sequence
 from dflash_qaic.runtime.stats import GenerationResult, StepCosts, result
-from dflash_qaic.runtime.step import CallFailed, DecodeStep, DFlashStep, Prefill, SlotState
+from dflash_qaic.runtime.step import CallFailed, DecodeStep, DFlashStep, Prefill, SlotBook
 
 __all__ = ["MODES", "BatchEngine", "EngineConfig", "GenerationResult", "Request", "Sequence"]
 
@@ -80,6 +83,9 @@ class EngineConfig:
         tree's size each step from its expected tokens and the measured call costs, over the
         verify lengths and the exported tree budgets; N verifies a tree of N rows every step
         (an exported budget); 0 verifies chains only.
+    spec_policy: per sequence and step, drafting or plain decoding (runtime/policy.py):
+        "always" drafts every step, "never" decodes every step (the draft never runs), "auto"
+        drafts while the measured costs and the sequence's acceptance say it pays.
     """
 
     mode: str = "dflash"
@@ -91,10 +97,15 @@ class EngineConfig:
     # (False: the proposals as drafted, to measure what filling gains)
     fill_forced_tokens: bool = True
     tree_budget: int | None = None
+    spec_policy: str = SPEC_POLICY.default
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.spec_policy not in POLICIES:
+            raise ValueError(
+                f"spec_policy must be one of {', '.join(POLICIES)}, got {self.spec_policy!r}"
+            )
         for name in ("max_running", "prefill_chunks_per_step"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -164,26 +175,32 @@ class BatchEngine:
         names their inputs are bound by; costs: the timings that pick verify lengths (a
         Pipeline passes its own, kept across engines)."""
         self.config, self.plan = config, plan
-        N, B, dflash = plan.cache_rows, plan.block_size, config.mode == "dflash"
+        N, B = plan.cache_rows, plan.block_size
+        # the draft runs unless the target alone steps ("never": every step decodes)
+        dflash = config.mode == "dflash" and config.spec_policy != "never"
         lengths = config.step_lengths(plan, draft_io.confidence)
-        trees = config.tree_sizes(plan, lengths) if config.mode == "dflash" else []
+        trees = config.tree_sizes(plan, lengths) if dflash else []
         self.per_step = False  # block verification: each step its own uniforms (sequence.py)
         self.max_running = min(config.max_running or N, N)
         self.block_size = B
-        state = SlotState(N, B)
+        state = SlotBook(N, B)
         bufs = StepBuffers(plan, sorted({*lengths, *trees}), target_io, draft_io, mask_token_id)
         self.sampling = bufs.sampling  # the step calls' per-slot settings
         prefill_bufs = PrefillBuffers(plan, target_io, draft_io, mask_token_id)
         self.prefill = Prefill(plan, target, draft, prefill_bufs, state, dflash)
+        costs = costs if costs is not None else StepCosts()
         if dflash:
-            costs = costs if costs is not None else StepCosts()
             rule = target_io.verify_rule if target_io.block_verify else contract.CHAIN
             if trees:
                 rule = contract.TREE
             self.per_step = rule == contract.BLOCK
-            self.spec = DFlashStep(plan, target, draft, bufs, state, lengths, costs, rule, trees)
+            policy = StepPolicy(config.spec_policy, N, B, draft_io.confidence)
+            self.spec = DFlashStep(
+                plan, target, draft, bufs, state, lengths, costs, rule, trees,
+                policy=policy, context=self.prefill,
+            )  # fmt: skip
         else:
-            self.spec = DecodeStep(plan, target, draft, bufs, state)
+            self.spec = DecodeStep(plan, target, draft, bufs, state, costs)
         self.spec.masks.fill = config.fill_forced_tokens
         self.slots: list[Sequence | None] = [None] * N  # slot -> its sequence
         self.free = list(range(N))  # a heap: the lowest free slot first
@@ -313,11 +330,13 @@ class BatchEngine:
 
     def proposals(self, seq: Sequence) -> np.ndarray:
         """The draft's proposals for the positions after `seq`'s last token (the block its next
-        step verifies), also while it waits to join (first_token_alone)."""
+        step verifies), also while it waits to join (first_token_alone); none when its next
+        step decodes (the step policy's choice)."""
         for waiting, held in self.joining:
             if waiting is seq:
                 return held[2]
-        return self.spec.state.proposals[seq.slot]
+        st = self.spec.state
+        return st.proposals[seq.slot, : 0 if st.decoding[seq.slot] else None]
 
     def _fail(self, seqs: list[Sequence], e: BaseException) -> None:
         log.warning("%d request(s) failed: %s: %s", len(seqs), type(e).__name__, e, exc_info=e)

@@ -6,6 +6,10 @@ option, its `LoadOption` in the field's metadata. From it come the keyword argum
 `BackendError` naming the keyword) and the flags of the commands that load artifacts
 (`add_arguments`: dflash-run, dflash-serve, dflash-bench, dflash-serve-replicas).
 
+Engine options, set on a loaded pipeline with `pipe.configure(...)` rather than at load, are
+declared here too when a command takes them as flags (`EngineOption`: `SPEC_POLICY`, the step
+policy of runtime/policy.py); `EngineConfig`'s default is the declaration's.
+
 `check_files` was called `verify` (`--verify`) before "verify" came to mean speculative
 verification only; the old spelling is still taken, with a warning naming the new one.
 """
@@ -22,6 +26,7 @@ from typing import Any
 
 from dflash_qaic.artifacts.files import CHECK_MODES
 from dflash_qaic.runtime.backends import BackendError
+from dflash_qaic.runtime.policy import POLICIES
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +129,38 @@ def check(o: LoadOptions) -> None:
         raise BackendError(
             f"check_files must be one of {', '.join(CHECK_MODES)}, got {o.check_files!r}"
         )
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """An engine option a command takes as a flag: `add` declares it, `value` reads it back
+    (the `EngineConfig` field of the same name, set with `pipe.configure`)."""
+
+    name: str
+    default: Any
+    help: str
+    choices: tuple | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def add(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(self.flag, default=self.default, choices=self.choices, help=self.help)
+
+    def value(self, args: argparse.Namespace) -> Any:
+        return getattr(args, self.name, self.default)
+
+
+SPEC_POLICY = EngineOption(
+    "spec_policy",
+    "always",
+    "per sequence and step, a DFlash step or plain decoding: always (draft every step; a run's "
+    "acceptance counters reproducible), never (the target alone), auto (draft while the "
+    "measured call costs and the sequence's running acceptance say it pays, probing now and "
+    "then; tokens unchanged, docs/DESIGN.md, Step policy)",
+    POLICIES,
+)
 
 
 def names() -> list[str]:

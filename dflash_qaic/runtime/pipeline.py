@@ -92,8 +92,9 @@ class Pipeline(RequestChecks):
 
     def configure(self, config: EngineConfig | None = None, **changes) -> EngineConfig:
         """Replace the engine config (or change some of its fields, e.g.
-        `pipe.configure(verify_lengths=[pipe.B])`), checked against these artifacts; engines
-        made afterwards use it. Returns the config it replaced."""
+        `pipe.configure(verify_lengths=[pipe.B])` or `pipe.configure(spec_policy="auto")`, the
+        step policy: runtime/policy.py), checked against these artifacts; engines made
+        afterwards use it. Returns the config it replaced."""
         new = dataclasses.replace(config or self.config, **changes)
         lengths = new.step_lengths(self.plan, self.artifacts.draft.io.confidence)  # ValueError
         new.tree_sizes(self.plan, lengths)  # if unfit
@@ -103,6 +104,7 @@ class Pipeline(RequestChecks):
     # read-only views of the config (assigning one is an error: use configure)
     verify_lengths = property(lambda self: self.config.verify_lengths)
     tree_budget = property(lambda self: self.config.tree_budget)
+    spec_policy = property(lambda self: self.config.spec_policy)
     max_running = property(lambda self: self.config.max_running)
     prefill_chunks_per_step = property(lambda self: self.config.prefill_chunks_per_step)
 

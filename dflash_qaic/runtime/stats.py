@@ -59,9 +59,9 @@ def timed_call(kind: str, program, feeds: dict, seqs, costs=None, rows: int = 0)
 
 
 class StepCosts:
-    """Running means of a verify call's seconds by length and of a draft call's, and the verify
-    length they make best (docs/DESIGN.md, Verify length). A Pipeline keeps one for all its
-    engines."""
+    """Running means of a verify call's seconds by length, of a draft call's and of a decode
+    call's, and the verify length they make best (docs/DESIGN.md, Verify length); the step
+    policy reads them too (runtime/policy.py). A Pipeline keeps one for all its engines."""
 
     WEIGHT = 0.2  # of the newest call in the running mean
     LOSS = 0.1  # sampled steps: expected tokens per row a shorter verify may give up
@@ -72,6 +72,11 @@ class StepCosts:
         and a length that looks slow is never picked again to correct it)."""
         self.verify_s: dict[int, float] = {}
         self.draft_s: float | None = None
+        self.decode_s: float | None = None
+        # the step policy's memory across sequences (runtime/policy.py): proposals kept per
+        # drafted step, and what the draft's confidences promised for them (running means)
+        self.kept: float | None = None
+        self.promised: float | None = None
         self.warmup_calls = warmup_calls
         self._seen: collections.Counter = collections.Counter()
 
@@ -79,12 +84,13 @@ class StepCosts:
         self._seen[kind, n] += 1
         if self._seen[kind, n] <= self.warmup_calls:
             return
-        old = self.verify_s.get(n) if kind == "verify" else self.draft_s
-        new = seconds if old is None else old + self.WEIGHT * (seconds - old)
         if kind == "verify":
-            self.verify_s[n] = new
-        else:
-            self.draft_s = new
+            old = self.verify_s.get(n)
+            self.verify_s[n] = seconds if old is None else old + self.WEIGHT * (seconds - old)
+            return
+        name = f"{kind}_s"  # draft_s, decode_s
+        old = getattr(self, name)
+        setattr(self, name, seconds if old is None else old + self.WEIGHT * (seconds - old))
 
     def row_lengths(self, lengths: list[int], confidences: np.ndarray) -> np.ndarray:
         """Each sampled row's own verify length ([rows] int64) from its own confidences
@@ -144,13 +150,19 @@ def result(seq, mode: str) -> GenerationResult:
     t_dec = seq.t_dec if seq.t_dec is not None else now
     decode_s = now - t_dec
     n, log = len(seq.tokens), seq.log
-    kinds = ("verify", "draft") if mode == "dflash" else ("decode",)
+    # a DFlash run's steps may decode (the step policy) and send a decoding row's context
+    kinds = ("verify", "draft", "decode", "draft_context") if mode == "dflash" else ("decode",)
     step_device = sum(log.device.get(k, 0.0) for k in kinds)
     sp = seq.req.sampling
     steps = len(seq.lengths)
+    # a step that verified one row (its anchor alone) decoded; the others drafted
+    drafted = [n for n, v in zip(seq.lengths, seq.verified) if v > 1]
     stats = {
         "tau": float(np.mean(seq.lengths)) if steps else 0.0,
         "steps": steps,
+        "drafted_steps": len(drafted),
+        "decode_steps": steps - len(drafted),
+        "tau_drafted": float(np.mean(drafted)) if drafted else None,
         "verify_rows": float(np.mean(seq.verified)) if seq.verified else None,
         "ttft_s": (seq.t_first or now) - seq.t_arrival,
         "prefill_s": t_dec - seq.t_arrival,

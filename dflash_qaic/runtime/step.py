@@ -2,7 +2,7 @@
 slot, speculative (`DFlashStep`: verify, accept, draft) or the target alone (`DecodeStep`).
 docs/DESIGN.md, Algorithm and Runtime.
 
-What a step reads of each slot lives in `SlotState`, arrays with a row per slot (cache row),
+What a step reads of each slot lives in `SlotBook`, arrays with a row per slot (cache row),
 so a step fills its inputs and accepts with array operations over every row at once; Python
 work per step is per sequence (committing its tokens), never per slot × sequence. A slot that
 does not step is an *inactive row* (batch_index -1 and every position -1, contract.py) by
@@ -26,8 +26,16 @@ taken from the request's own table at the positions the row decides (`Sequence.f
 A greedy call takes the specialization that runs the sampler on one row only
 (`ShapePlan.sample_len`).
 
-A program call that raises is re-raised as `CallFailed`, naming the sequences of that call, so
-the engine fails those and no others.
+Step policy (runtime/policy.py): after each step, each row going on drafts its next step or
+decodes it. The rows that draft share one draft call; a row that decodes keeps its committed
+rows' features in its slot's prompt-context buffer (the draft's context stays whole, so its
+cache never holds a gap) and is a 1-row verify beside the drafting rows (its other rows
+padding), or, when no row drafts, the step is one decode call. A row that drafts again after
+decoding sends its waiting context and proposes its block with one DraftPrefill call, as at the
+end of a prompt.
+
+A program call that raises is re-raised as `CallFailed` (runtime/calls.py), naming the
+sequences of that call, so the engine fails those and no others.
 """
 
 from __future__ import annotations
@@ -38,45 +46,27 @@ import numpy as np
 
 from dflash_qaic import contract
 from dflash_qaic.runtime.buffers import PrefillBuffers, StepBuffers
+from dflash_qaic.runtime.calls import CallFailed, call, check_committed
 from dflash_qaic.runtime.grammar import StepMasks
-from dflash_qaic.runtime.stats import StepCosts, timed_call
+from dflash_qaic.runtime.policy import StepPolicy
+from dflash_qaic.runtime.stats import StepCosts
+from dflash_qaic.runtime.tree import TreeVerifier
+from dflash_qaic.runtime.verifiers import BlockVerifier, ChainVerifier, Verifier
+
+__all__ = ["VERIFIERS", "CallFailed", "DFlashStep", "DecodeStep", "Prefill", "SlotBook"]
+
+#: the verifier of each verify rule, by the rule's name (contract.VERIFY_RULES)
+VERIFIERS: dict[str, type] = {
+    contract.CHAIN: ChainVerifier,
+    contract.BLOCK: BlockVerifier,
+    contract.TREE: TreeVerifier,
+}
 
 
-class CallFailed(Exception):
-    """A program call raised: `seqs` are the sequences it served, `cause` what it raised."""
-
-    def __init__(self, kind: str, seqs: list, cause: BaseException):
-        super().__init__(f"the {kind} call failed: {type(cause).__name__}: {cause}")
-        self.seqs, self.cause = seqs, cause
-
-
-def call(kind: str, program, feeds: dict, seqs: list, costs=None, rows: int = 0) -> dict:
-    try:
-        return timed_call(kind, program, feeds, seqs, costs, rows)
-    except Exception as e:
-        raise CallFailed(kind, seqs, e) from e
-
-
-def check_committed(kind: str, out: dict, rows: np.ndarray, committed, seqs: list) -> None:
-    """A hybrid target commits its recurrent state inside the call and says how many positions
-    (`num_committed`, docs/DESIGN.md, Hybrid targets): it must be what the host commits, or the
-    state no longer matches the tokens. Program and host apply one rule, so this never fires
-    unless one of them is broken; then the call's sequences fail, not a silent divergence."""
-    count = out.get(contract.NUM_COMMITTED)
-    if count is not None and not np.array_equal(count[rows], committed + 0 * count[rows]):
-        raise CallFailed(
-            kind,
-            seqs,
-            RuntimeError(
-                f"the target committed {count[rows].tolist()} positions of its recurrent state, "
-                f"the host {np.broadcast_to(committed, count[rows].shape).tolist()}"
-            ),
-        )
-
-
-class SlotState:
-    """Per slot, what its next step reads: the anchor (the last committed token), its position,
-    the draft's proposals for the positions after it and their confidences. A slot that does
+class SlotBook:
+    """The host's book of every slot: what its next step reads, the anchor (the last committed
+    token), its position, the draft's proposals for the positions after it and their
+    confidences, and whether it decodes (`decoding`: the step policy's choice). A slot that does
     not step (`alive` False) has start -1 and offsets 0, so the positions a call computes for
     every row at once, start + offsets, are all -1 on its row: an inactive row by construction,
     set when a sequence joins or leaves the steps, never per step."""
@@ -88,6 +78,7 @@ class SlotState:
         self.offsets = np.zeros((slots, block_size), np.int64)  # 0 … B−1 on a live row
         self.proposals = np.zeros((slots, block_size - 1), np.int64)
         self.confidence = np.ones((slots, block_size - 1), np.float32)  # the draft's
+        self.decoding = np.zeros(slots, bool)  # the row verifies its anchor alone this step
         # a DFlash-2 draft's q of the proposals (candidates, probabilities), when it returns it
         self.q_ids: np.ndarray | None = None
         self.q_probs: np.ndarray | None = None
@@ -96,6 +87,15 @@ class SlotState:
         self.top_ids: np.ndarray | None = None
         self.top_logprobs: np.ndarray | None = None
         self.top_pair: np.ndarray | None = None  # a DFlash-2 draft's (DRAFT_PAIR_LOGPROBS)
+
+    def keep(self, out: dict, rows, take=slice(None)) -> None:
+        """Store the proposals, confidences and q a draft call returned: its rows `take` into
+        the slots `rows`."""
+        self.proposals[rows] = out[contract.DRAFT_TOKENS][take]
+        conf = out.get(contract.DRAFT_CONFIDENCE)
+        if conf is not None:
+            self.confidence[rows] = conf[take]
+        self.keep_q({k: v[take] for k, v in out.items() if k in _Q}, rows)
 
     def keep_q(self, out: dict, rows) -> None:
         """Store the q (and top-k) a draft call returned for `rows` (allocated at the first)."""
@@ -123,6 +123,15 @@ class SlotState:
         self.q_probs[rows] = out[contract.DRAFT_Q_PROBS]
 
 
+_Q = {
+    contract.DRAFT_TOP_IDS,
+    contract.DRAFT_TOP_LOGPROBS,
+    contract.DRAFT_PAIR_LOGPROBS,
+    contract.DRAFT_Q_IDS,
+    contract.DRAFT_Q_PROBS,
+}
+
+
 def out_of_room(start: int, rows: int, ctx_len: int) -> bool:
     """Whether a call of `rows` rows from `start` would need positions ≥ ctx_len − 1 (the padding
     slot's and beyond, contract.py)."""
@@ -135,7 +144,7 @@ class Prefill:
     (DFlash) the chunk's features to the draft. The first token is the target's choice at the
     last prompt row; the last draft call also proposes the first block."""
 
-    def __init__(self, plan, target, draft, bufs: PrefillBuffers, state: SlotState, dflash: bool):
+    def __init__(self, plan, target, draft, bufs: PrefillBuffers, state: SlotBook, dflash: bool):
         self.plan, self.target, self.draft, self.bufs, self.state = plan, target, draft, bufs, state
         self.dflash = dflash
         self._arange_b = np.arange(plan.block_size, dtype=np.int64)
@@ -183,37 +192,50 @@ class Prefill:
         also runs, wasted on every call but the last, runs ⌈P / D⌉ times, not once per chunk; a
         call takes the smallest DraftPrefill that holds its rows. The last call's block starts
         at the prompt's end: its proposals are the first step's."""
-        plan, b, slot = self.plan, self.bufs, seq.slot
-        ctx, ctx_pos = b.context(slot)  # [1, D, H], [1, D]
+        self.queue(seq, hidden, lo, n)
+        end, P, plan = lo + n, len(seq.req.ids), self.plan
+        if first is None and seq.pending + min(plan.prefill_seq_len, P - end) <= self.context_rows:
+            return  # the next chunk still fits
+        self.flush(seq, end, first)
+
+    @property
+    def context_rows(self) -> int:
+        """The most context rows one DraftPrefill call takes (D)."""
+        return self.plan.draft_prefill_rows[-1]
+
+    def queue(self, seq, hidden: np.ndarray, lo: int, n: int) -> None:
+        """The features of positions lo … lo+n-1 wait in the slot's context for the draft."""
+        ctx, ctx_pos = self.bufs.context(seq.slot)  # [1, D, H], [1, D]
         k = seq.pending
         ctx[0, k : k + n] = hidden
         ctx_pos[0, k : k + n] = np.arange(lo, lo + n)
-        seq.pending = k = k + n
-        end, P = lo + n, len(seq.req.ids)
-        if first is None and k + min(plan.prefill_seq_len, P - end) <= plan.draft_prefill_rows[-1]:
-            return  # the next chunk still fits
+        seq.pending = k + n
+
+    def flush(self, seq, end: int, first: int | None) -> None:
+        """One DraftPrefill call: the waiting context, then the block from `end` (its first id
+        `first`, the anchor at position end; None: MASK, proposals not kept)."""
+        plan, b, slot, k = self.plan, self.bufs, seq.slot, seq.pending
         rows = next(r for r in plan.draft_prefill_rows if r >= k)  # the smallest that holds them
+        _, ctx_pos = b.context(slot)
         ctx_pos[0, k:] = contract.PAD_POSITION
-        b.blk_ids[0, 0] = b.mask_id if first is None else first  # bidx: set by chunk()
+        b.bidx[0, 0] = slot
+        b.blk_ids[0, 0] = b.mask_id if first is None else first
         np.add(self._arange_b, end, out=b.blk_pos[0])
         d = b.draft_prefill(slot, rows)
         if b.draft_u is not None:  # the proposals for positions end + 1 … end + B − 1
             seq.fill_draft_uniforms(b.draft_u[0], end + 1)
-        out = call("draft_prefill", self.draft, b.window(d.feeds, end), [seq])
+        kind = "draft_prefill" if seq.prefilled < len(seq.req.ids) else "draft_context"
+        out = call(kind, self.draft, b.window(d.feeds, end), [seq])
         seq.pending = 0
         if first is not None:
-            self.state.keep_q(out, slice(slot, slot + 1))
-            self.state.proposals[slot] = out[contract.DRAFT_TOKENS][0]
-            conf = out.get(contract.DRAFT_CONFIDENCE)
-            if conf is not None:
-                self.state.confidence[slot] = conf[0]
+            self.state.keep(out, slice(slot, slot + 1))
 
 
 class _Step:
     """What the DFlash and decode steps share: the slot state, the buffers over every slot, and
     a slot joining or leaving the steps (its row turns live or inactive in every call)."""
 
-    def __init__(self, plan, target, draft, bufs: StepBuffers, state: SlotState):
+    def __init__(self, plan, target, draft, bufs: StepBuffers, state: SlotBook):
         self.plan, self.target, self.draft, self.bufs, self.state = plan, target, draft, bufs, state
         self._arange_b = np.arange(plan.block_size, dtype=np.int64)
         #: positions a sequence may hold: 0 … max_pos − 1 (the padding slot is the last one)
@@ -251,120 +273,14 @@ class _Step:
         needed = min(int(self.state.start.max()) + n, self.max_pos)  # rows past it are padding
         return call(kind, self.target, self.bufs.window(c.feeds[s], needed), seqs, costs, n)
 
-
-class ChainVerifier:
-    """The host's side of one verify call, chain-shaped (docs/DESIGN.md, Seams: verifiers):
-    `fill` writes the call's rows, `call` runs it, `accept` reads how many proposals each row
-    keeps, `commit` moves the slot state on and commits each sequence's tokens. Another
-    verification (a block rule, a tree) replaces this object, not the step.
-
-    Row r verifies [anchor_r, proposals_r[:n−1]] at start_r … start_r+n−1 (row j's parent is
-    row j − 1, its cache slot its position); acc_r = leading proposals equal to the target's
-    choice; it commits them and the target's token after them."""
-
-    def __init__(self, step: DFlashStep):
-        self.step = step
-        plan = step.plan
-        self._same = {n: np.zeros((plan.cache_rows, n), bool) for n in step.lengths}
-        self._lens = np.zeros(plan.cache_rows, np.int64)  # each row's verify length this step
-
-    def length(self, rows: np.ndarray, seqs: list) -> tuple[int, np.ndarray | None, list]:
-        """The call's verify length n; per sampled row its own (None when greedy), and the
-        sampled rows' slots."""
-        s, st = self.step, self.step.state
-        n, own, sampled = self.step.plan.block_size, None, []
-        if len(s.lengths) > 1:
-            sampled = [q.slot for q in seqs if q.uniforms is not None]
-            if sampled:  # each sampled row its own length, the call the longest of them
-                own = s.costs.row_lengths(s.lengths, st.confidence[sampled])
-                n = int(own.max())
-            else:
-                n = s.costs.best_length(s.lengths, st.confidence[rows])
-        return n, own, sampled
-
-    def fill(self, rows: np.ndarray, seqs: list):
-        """The verify call's inputs over every slot; returns (n, the call)."""
-        s, st, b = self.step, self.step.state, self.step.bufs
-        cons = s.masks.propose(seqs) if s.masks.on else ()  # fills and cuts proposals
-        n, own, sampled = self.length(rows, seqs)
-        c = b.verify[n]  # ids, pos: [N, n]
+    def _decode(self, seqs: list, costs=None) -> dict:
+        """The decode call: each row's anchor at its position (inactive rows: -1)."""
+        st, c = self.state, self.bufs.decode  # ids, pos: [N, 1]
         c.ids[:, 0] = st.anchor
-        c.ids[:, 1:] = st.proposals[:, : n - 1]
-        np.add(st.start[:, None], st.offsets[:, :n], out=c.pos)  # inactive rows: all -1
-        np.copyto(c.pos, contract.PAD_POSITION, where=c.pos >= s.max_pos)  # past the end
-        self._lens.fill(n)
-        if own is not None:  # a sampled row's rows past its own length are padding
-            self._lens[sampled] = own
-            np.copyto(c.pos, contract.PAD_POSITION, where=s._arange_b[:n] >= self._lens[:, None])
-        if cons:
-            s.masks.verify(cons, c, n)
-        if b.q and st.q_ids is not None:  # the draft's q of these proposals: q-aware verify
-            np.copyto(b.q[contract.DRAFT_Q_IDS], st.q_ids)
-            np.copyto(b.q[contract.DRAFT_Q_PROBS], st.q_probs)
-        return n, c
-
-    def call(self, n: int, c, seqs: list) -> dict:
-        return self.step._target("verify", n, c, seqs, self.step.costs)
-
-    def accept(self, n: int, c, out: dict) -> np.ndarray:
-        """acc [N]: the leading proposals equal to the target's choice (the first False of
-        `same`, whose last column is always False), every row at once."""
-        st, choice, same = self.step.state, out[contract.NEXT_TOKENS], self._same[n]
-        np.equal(st.proposals[:, : n - 1], choice[:, : n - 1], out=same[:, : n - 1])
-        same[:, : n - 1] &= c.pos[:, 1:] >= 0  # a proposal at a padding position is not taken
-        return same.argmin(axis=1)
-
-    def commit(self, rows, seqs: list, n: int, out: dict, acc: np.ndarray) -> list:
-        """Move every row on by its acc + 1 tokens, the draft's context to those rows, each
-        sequence's tokens committed; returns the sequences that go on."""
-        s, st, d = self.step, self.step.state, self.step.bufs.draft
-        choice = out[contract.NEXT_TOKENS]  # [N, n]
-        if contract.NUM_COMMITTED in out:  # a hybrid target's own count must agree
-            check_committed("verify", out, rows, acc[rows] + 1, seqs)
-        k = acc + 1  # committed tokens per row: the draft's context rows
-        k *= st.alive
-        m = min(n, s.plan.block_size)  # a tree's path is at most B rows (its depths < B)
-        d.ctx[:, :m] = out[contract.HIDDEN_STATES][:, :m]
-        np.add(st.start[:, None], s._arange_b, out=d.ctx_pos)  # from the anchor's position
-        np.copyto(d.ctx_pos, contract.PAD_POSITION, where=s._arange_b >= k[:, None])
-        st.start += k
-        st.anchor[:] = choice[s.bufs.slot_ids, acc]
-        tokens, accepted = choice.tolist(), acc.tolist()
-        s.furthest = int(st.start.max())
-        full = s.furthest >= s.max_pos  # some row has no slot left for its anchor
-        going = []
-        for seq in seqs:  # per sequence: its tokens (the accepted ones, then the target's)
-            r = seq.slot
-            seq.verified.append(int(self._lens[r]))
-            seq.commit(tokens[r][: accepted[r] + 1], step=True)
-            if seq.reason is None and full and st.start[r] >= s.max_pos:
-                seq.reason = "ctx_len"  # positions ≥ ctx_len − 1 have no slot (contract.py)
-            if seq.reason is None:
-                going.append(seq)
-            else:  # an inactive row in the draft call
-                s.leave(r)
-                d.ctx_pos[r] = contract.PAD_POSITION
-        if len(going) < len(seqs):
-            s.furthest = int(st.start.max())
-        return going
-
-
-class BlockVerifier(ChainVerifier):
-    """Block verification (docs/DESIGN.md, Block verification): the target program decides
-    how many proposals each row keeps jointly and returns it (contract.NUM_ACCEPTED); the
-    row's committed tokens are its first acc + 1 choices as in the chain."""
-
-    def accept(self, n: int, c, out: dict) -> np.ndarray:
-        return out[contract.NUM_ACCEPTED].astype(np.int64, copy=False)
-
-
-def verifier(step: DFlashStep, rule: str) -> ChainVerifier:
-    """The verifier of a target program's verify rule (contract.TargetIO.verify_rule)."""
-    if rule == contract.TREE:
-        from dflash_qaic.runtime.tree import TreeVerifier
-
-        return TreeVerifier(step)
-    return {contract.CHAIN: ChainVerifier, contract.BLOCK: BlockVerifier}[rule](step)
+        c.pos[:, 0] = st.start
+        if self.masks.on:
+            self.masks.decode(seqs, c)
+        return self._target("decode", 1, c, seqs, costs)
 
 
 class DFlashStep(_Step):
@@ -374,19 +290,53 @@ class DFlashStep(_Step):
     operation covers all rows at once (inactive rows compute harmless values that nothing
     reads); Python work is per sequence.
 
+    The step policy (`policy`, runtime/policy.py) picks, per row, drafting or decoding (module
+    docstring): a decoding row is a 1-row verify, and a step where every row decodes is one
+    decode call. Under "always" every row drafts every step.
+
     At the end of the context a row verifies what is left: its positions past the last slot
     are padding (-1), so it accepts at most the proposals before them and commits up to the
     last position the context holds (docs/DESIGN.md, Runtime: the end of the context)."""
 
     def __init__(
-        self, plan, target, draft, bufs, state, lengths, costs: StepCosts, rule=None, trees=()
+        self,
+        plan,
+        target,
+        draft,
+        bufs,
+        state,
+        lengths,
+        costs: StepCosts,
+        rule=None,
+        trees=(),
+        *,
+        policy: StepPolicy | None = None,
+        context: Prefill | None = None,
     ):
         """lengths: the chain verify lengths a step picks from; trees: a tree step's row
-        counts (EngineConfig.tree_sizes; rule contract.TREE)."""
+        counts (EngineConfig.tree_sizes; rule contract.TREE); policy: the step policy (None:
+        always draft); context: the prompt's calls, which also hold a decoding row's waiting
+        context and send it (needed unless the policy is "always")."""
         super().__init__(plan, target, draft, bufs, state)
         self.lengths, self.costs, self.trees = list(lengths), costs, list(trees)
         self.furthest = 0  # the largest start after the last verify
-        self.verifier = verifier(self, rule or contract.CHAIN)
+        self.verifier: Verifier = VERIFIERS[rule or contract.CHAIN](self)
+        self.policy = policy or StepPolicy("always", plan.cache_rows, plan.block_size)
+        self.context = context
+        self._zeros = np.zeros(plan.cache_rows, np.int64)  # a decode call's acc
+        self._ones = np.ones(plan.cache_rows, np.int64)  # and its rows
+        self._queued = False  # the last step decoded every row: its context already waits
+
+    def join(self, slot: int) -> None:
+        """The slot steps from now on; the policy sees its first proposals' confidences."""
+        super().join(slot)
+        st, one = self.state, slice(slot, slot + 1)
+        self.policy.join(slot, st.confidence[slot], self.costs)
+        st.decoding[slot] = not self.policy.use([slot], st.confidence[one], self.costs)[0]
+
+    def leave(self, slot: int) -> None:
+        super().leave(slot)
+        self.state.decoding[slot] = False
 
     def run(self, rows: np.ndarray, seqs: list) -> None:
         going = self.verify(rows, seqs)
@@ -394,12 +344,19 @@ class DFlashStep(_Step):
             self.propose(going)
 
     def verify(self, rows: np.ndarray, seqs: list) -> list:
-        """The verify call and the commits; returns the sequences that go on, whose committed
-        rows are now the draft's context."""
+        """The verify call (or, when every row decodes, the decode call) and the commits;
+        returns the sequences that go on, whose committed rows are now the draft's context."""
         v, st, d = self.verifier, self.state, self.bufs.draft
-        n, c = v.fill(rows, seqs)
-        out = v.call(n, c, seqs)
-        going = v.commit(rows, seqs, n, out, v.accept(n, c, out))
+        self._queued = bool(st.decoding[rows].all())
+        if self._queued:  # every row decodes: the decode call
+            going = self._decode_all(rows, seqs)
+        else:
+            n, c = v.fill(rows, seqs)
+            out = v.call(n, c, seqs)
+            acc = v.accept(n, c, out)
+            if self.policy.mode == "auto":
+                self._observe(rows, acc, v.lens)
+            going = v.commit(rows, seqs, n, out, acc)
         d.blk_ids[:, 0] = st.anchor
         np.add(st.start[:, None], st.offsets, out=d.blk_pos)  # inactive rows: all -1
         # near the end, block rows past the last slot propose what no verify will take: they
@@ -407,31 +364,98 @@ class DFlashStep(_Step):
         np.minimum(d.blk_pos, self.max_pos - 1, out=d.blk_pos)
         return going
 
+    def _decode_all(self, rows: np.ndarray, seqs: list) -> list:
+        """The decode call over every slot, one token per row; each row's feature waits in its
+        context for the draft (`Prefill.queue`). Returns the sequences that go on."""
+        st = self.state
+        out = self._decode(seqs, self.costs)
+        check_committed("decode", out, rows, 1, seqs)
+        token, hidden = out[contract.NEXT_TOKENS][:, 0], out[contract.HIDDEN_STATES]  # [N]
+        going, tokens = [], token.tolist()
+        for seq in seqs:
+            r = seq.slot
+            self.context.queue(seq, hidden[r, :1], int(st.start[r]), 1)
+        st.anchor[:] = token
+        st.start += st.alive
+        self.furthest = int(st.start.max())
+        for seq in seqs:
+            r = seq.slot
+            seq.verified.append(1)
+            seq.commit([tokens[r]], step=True)
+            if seq.reason is None and st.start[r] >= self.max_pos:
+                seq.reason = "ctx_len"  # positions ≥ ctx_len − 1 have no slot (contract.py)
+            if seq.reason is None:
+                going.append(seq)
+            else:
+                self.leave(r)
+        return going
+
+    def _observe(self, rows: np.ndarray, acc: np.ndarray, lens: np.ndarray) -> None:
+        """The drafted rows' acceptance (and what the draft's confidences promised) to the
+        policy's running estimates."""
+        drafted = rows[lens[rows] > 1]
+        if len(drafted):
+            self.policy.observe(drafted, acc[drafted], self.state.confidence[drafted], self.costs)
+
     def propose(self, seqs: list) -> None:
-        """The draft call (context filled by verify): the next proposals of every live row."""
+        """The next proposals of every row going on that drafts (context filled by verify):
+        one draft call over them. Under the policy, the rows that decode keep their context
+        waiting (`Prefill.queue`), and a row drafting again after decoding sends it with its
+        own DraftPrefill call, which proposes its block; then each row with fresh proposals
+        verifies them or decodes (`StepPolicy.use`)."""
+        pol = self.policy
+        if pol.mode == "always":
+            return self._draft(seqs)
+        st, d, ctx = self.state, self.bufs.draft, self.context
+        slots = [q.slot for q in seqs]
+        batched, fresh = [], []
+        for seq, w in zip(seqs, pol.want(slots, self.costs)):
+            r = seq.slot
+            if w and seq.pending == 0:
+                batched.append(seq)
+                continue
+            if not self._queued:  # this step's committed rows wait in its context
+                k = int(np.count_nonzero(d.ctx_pos[r] >= 0))
+                ctx.queue(seq, d.ctx[r, :k], int(d.ctx_pos[r, 0]), k)
+                d.ctx_pos[r] = contract.PAD_POSITION  # not in the draft call
+            d.blk_pos[r] = contract.PAD_POSITION
+            if w or seq.pending + self.plan.block_size > ctx.context_rows:
+                ctx.flush(seq, int(st.start[r]), int(st.anchor[r]))  # proposes its block
+            if w:
+                fresh.append(r)
+        st.decoding[slots] = True
+        if batched:
+            self._draft(batched, part=len(batched) < len(seqs))
+            fresh += [q.slot for q in batched]
+        if fresh:
+            st.decoding[fresh] = np.logical_not(pol.use(fresh, st.confidence[fresh], self.costs))
+
+    def _draft(self, seqs: list, part: bool = False) -> None:
+        """The draft call over every row (part: only `seqs`' rows are kept; the others sat out
+        with positions -1)."""
         st, d = self.state, self.bufs.draft
         feeds = self.bufs.window(d.feeds, self.furthest)  # the cached slots: below each block
         if self.bufs.draft_u is not None:  # each row's proposals: positions start + 1 …
             for seq in seqs:
                 seq.fill_draft_uniforms(self.bufs.draft_u[seq.slot], int(st.start[seq.slot]) + 1)
         out = call("draft", self.draft, feeds, seqs, self.costs)
-        st.keep_q(out, slice(None))
-        st.proposals[:] = out[contract.DRAFT_TOKENS]
-        conf = out.get(contract.DRAFT_CONFIDENCE)
-        if conf is not None:
-            st.confidence[:] = conf
+        if part:
+            rows = np.fromiter((q.slot for q in seqs), np.int64, len(seqs))
+            st.keep(out, rows, rows)
+        else:
+            st.keep(out, slice(None))
 
 
 class DecodeStep(_Step):
     """The target alone: one decode call over every slot, one token per row."""
 
+    def __init__(self, plan, target, draft, bufs, state, costs: StepCosts | None = None):
+        super().__init__(plan, target, draft, bufs, state)
+        self.costs = costs  # a decode call's seconds, for the step policy
+
     def run(self, rows: np.ndarray, seqs: list) -> None:
-        st, c = self.state, self.bufs.decode  # ids, pos: [N, 1]
-        c.ids[:, 0] = st.anchor
-        c.pos[:, 0] = st.start  # inactive rows: -1
-        if self.masks.on:
-            self.masks.decode(seqs, c)
-        out = self._target("decode", 1, c, seqs)
+        st = self.state
+        out = self._decode(seqs, self.costs)
         check_committed("decode", out, rows, 1, seqs)
         token = out[contract.NEXT_TOKENS][:, 0]  # [N]
         st.anchor[:] = token

@@ -12,7 +12,9 @@ draft's own, per-position, distributions).
 depth, and its ancestors in `tree_mask`. The program picks a token at every node (the argmax,
 or a plain sample from the target's p drawn with the uniform of the node's depth), accepts the
 path that follows those picks from the root, writes that path's K/V to consecutive slots and
-returns its tokens and features in path order (contract.TREE): the commit is the chain's.
+returns its tokens and features in path order (contract.TREE): the commit is the chain's
+(runtime/verifiers.py: commit), shared as a function; the tree verifier stands beside the chain
+on the `Verifier` interface, not on its internals.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash_qaic import contract
-from dflash_qaic.runtime.step import ChainVerifier
+from dflash_qaic.runtime import verifiers
 
 
 @dataclass
@@ -82,18 +84,19 @@ def build_tree(
     return Tree(parents, depths, tokens, np.cumsum(np.exp(scores)))
 
 
-class TreeVerifier(ChainVerifier):
+class TreeVerifier:
     """The verifier of a tree program (contract.TREE): each live row verifies the first n rows
     of its best-first tree, n picked per call by `StepCosts.best_rows` from the trees' expected
     tokens and the measured call costs (`EngineConfig.tree_sizes`: the verify lengths and the
     tree budgets, or one budget). Near the end of the context a row's tree is cut to the slots
-    left. The program returns the accepted count and the path in order, so `commit` is the
-    chain's."""
+    left, and a row that decodes this step (the step policy's choice) has the root alone. The
+    program returns the accepted count and the path in order, so `commit` is the chain's."""
 
     def __init__(self, step):
-        super().__init__(step)
+        self.step = step
         self.sizes = list(step.trees)
         big, rows = max(self.sizes), step.plan.cache_rows
+        self.lens = np.zeros(rows, np.int64)  # each row's tree rows this step
         self._depth = np.zeros((rows, big), np.int64)  # each row's node depths this step
         self._u = np.zeros((big, contract.N_RANDOM), np.float32)  # one row's uniforms by depth
 
@@ -107,7 +110,7 @@ class TreeVerifier(ChainVerifier):
         for seq in seqs:
             r = seq.slot
             room = s.max_pos - int(st.start[r])  # rows whose positions and slots stay below
-            size = min(self.sizes[-1], room)
+            size = 1 if st.decoding[r] else min(self.sizes[-1], room)
             # a DFlash-2 draft's selector ranks a sampled row's branches (its q predicts a
             # draw); a greedy row's by the marginals, which predict the argmax better
             # (docs/DESIGN.md, Tree verification)
@@ -118,7 +121,7 @@ class TreeVerifier(ChainVerifier):
         n = self.size(trees)
         c = s.bufs.verify[n]  # ids, pos [N, n]; tree [N, n, n]
         c.pos.fill(contract.PAD_POSITION)  # rows without a sequence, and past each tree
-        self._lens.fill(0)
+        self.lens.fill(0)
         for r, t in trees.items():
             m = min(n, len(t.parents))
             depth = self._depth[r, :n]
@@ -132,7 +135,7 @@ class TreeVerifier(ChainVerifier):
             for i in range(1, m):
                 mask[i] = mask[t.parents[i]]
                 mask[i, i] = 1
-            self._lens[r] = m
+            self.lens[r] = m
         return n, c
 
     def size(self, trees: dict) -> int:
@@ -158,3 +161,6 @@ class TreeVerifier(ChainVerifier):
 
     def accept(self, n: int, c, out: dict) -> np.ndarray:
         return out[contract.NUM_ACCEPTED].astype(np.int64, copy=False)
+
+    def commit(self, rows, seqs: list, n: int, out: dict, acc: np.ndarray) -> list:
+        return verifiers.commit(self.step, self.lens, rows, seqs, n, out, acc)

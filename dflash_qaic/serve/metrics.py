@@ -8,6 +8,10 @@ runtime/engine.py; the first token of a request comes from prefill and belongs t
     vllm:spec_decode_num_draft_tokens_total            Σ (v − 1)
     vllm:spec_decode_num_accepted_tokens_total         Σ (n − 1)
     vllm:spec_decode_num_accepted_tokens_per_pos_total{position="i"}   steps whose draft i was accepted
+    dflash:spec_policy_steps_total{path="draft"|"decode"}  steps by the step policy's choice
+
+A step the step policy decoded (`--spec-policy`, runtime/policy.py: one row, no draft) counts
+under path="decode" and in none of the vllm:spec_decode series; every other step is a draft.
 
 Requests: `vllm:request_success_total{finished_reason="stop"|"length"|"abort"}` (abort: the client
 went away or the server shut down), `dflash:request_errors_total{status=...}` (requests answered
@@ -68,6 +72,8 @@ class Metrics:
             ["position"],
         )
         self._per_pos = [per_pos.labels(model_name, str(i)) for i in range(block_size - 1)]
+        path = counter("dflash:spec_policy_steps", "Steps by the step policy's path", ["path"])
+        self._paths = {k: path.labels(model_name, k) for k in ("draft", "decode")}
         success = counter("vllm:request_success", "Finished requests", ["finished_reason"])
         self._success = {k: success.labels(model_name, k) for k in ("stop", "length", "abort")}
         self._errors = counter(
@@ -109,7 +115,12 @@ class Metrics:
             self.running_max.set(n)
 
     def step(self, committed: int, verified: int | None = None) -> None:
-        """One verify step of `verified` rows (None: B) that committed `committed` tokens."""
+        """One verify step of `verified` rows (None: B) that committed `committed` tokens; one
+        row is a step that decoded."""
+        if verified == 1:
+            self._paths["decode"].inc()
+            return
+        self._paths["draft"].inc()
         accepted = committed - 1
         self._drafts.inc()
         self._draft_tokens.inc(self.drafts_per_step if verified is None else verified - 1)

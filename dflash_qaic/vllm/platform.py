@@ -34,9 +34,9 @@ from vllm.platforms.interface import PlatformEnum
 log = logging.getLogger("dflash_qaic.vllm")
 
 #: the key of our block in vLLM's --additional-config, and the keys it takes (dflash-serve's
-#: options of the same names: --backend, --threads, --verify-lengths)
+#: options of the same names: --backend, --threads, --verify-lengths, --spec-policy)
 KEY = "dflash_qaic"
-KEYS = ("artifacts", "backend", "device_ids", "threads", "verify_lengths")
+KEYS = ("artifacts", "backend", "device_ids", "threads", "verify_lengths", "spec_policy")
 BACKENDS = ("ort", "qaic", "auto", "qaic-standin")
 #: our worker: vLLM's worker class, and the proposer its speculative config names
 WORKER = "dflash_qaic.vllm.worker.DFlashWorker"
@@ -60,6 +60,7 @@ class Settings:
     device_ids: tuple[int, ...] | None = None
     threads: int | None = None
     verify_lengths: tuple[int, ...] | None = None
+    spec_policy: str | None = None  # the step policy (None: the runtime's default)
 
     @classmethod
     def of(cls, vllm_config) -> Settings:
@@ -70,6 +71,7 @@ class Settings:
             device_ids=tuple(block["device_ids"]) if block.get("device_ids") else None,
             threads=block.get("threads"),
             verify_lengths=tuple(block["verify_lengths"]) if block.get("verify_lengths") else None,
+            spec_policy=block.get("spec_policy"),
         )
 
 
@@ -372,6 +374,13 @@ def _checked_backend(block: dict, m) -> str:
                 m.plan, m.draft.io.confidence
             )
         except (TypeError, ValueError) as e:
+            raise PluginConfigError(f"--additional-config {KEY}.{e}") from e
+    if block.get("spec_policy") is not None:
+        from dflash_qaic.runtime.engine import EngineConfig
+
+        try:
+            EngineConfig(spec_policy=block["spec_policy"])
+        except ValueError as e:
             raise PluginConfigError(f"--additional-config {KEY}.{e}") from e
     return backend
 

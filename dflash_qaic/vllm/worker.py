@@ -77,6 +77,8 @@ class DFlashWorker(WorkerBase):
         self.pipe = dflash_qaic.load(s.artifacts, **kw)
         if s.verify_lengths is not None:
             self.pipe.configure(verify_lengths=list(s.verify_lengths))
+        if s.spec_policy is not None:
+            self.pipe.configure(spec_policy=s.spec_policy)
         self.max_model_len = self.model_config.max_model_len
         self.engine = self.pipe.engine(
             "dflash", first_token_alone=True, max_running=self.scheduler_config.max_num_seqs

@@ -1,0 +1,152 @@
+"""The step policy: per sequence and per step, a DFlash step (draft, then verify the
+proposals) or plain decoding (docs/DESIGN.md, Step policy). Both paths are exact, so the
+choice changes speed only, never what the target would have chosen.
+
+    always   every step drafts (the behaviour before the policy: with fixed verify lengths a
+             run's acceptance counters are reproducible from run to run)
+    never    every step decodes (the target alone; the draft never runs)
+    auto     a row drafts while its expected tokens per second beat decoding's, from
+
+             - `est`, a running estimate of the proposals the row keeps per drafted step,
+               updated from each drafted step's acceptance (and the draft's own confidences in
+               its proposals, when the draft returns them), seeded from its first block's
+               confidences;
+             - the step's cost profile, `StepCosts`: the measured seconds of a verify call of
+               n rows, of a draft call and of a decode call, in this process on this backend.
+
+A drafted step of n rows costs verify(n) + draft and commits 1 + min(est, n − 1) tokens on
+average; a decode step costs decode and commits 1. A row drafts when some n makes the first
+rate at least the second (`pays`). Once the draft call has run (its cost spent), the row
+verifies the fresh proposals only if verify(n) alone pays for what their confidences promise
+(`use`). A row that decodes is probed after `wait` steps (a draft call and, if its confidences
+promise enough, a verify); a probe that does not pay doubles `wait` (up to PROBE_MAX), one that
+pays resets it, so a sequence that becomes predictable again gets its drafts back within a
+bounded number of steps while a hopeless one costs one draft call per PROBE_MAX tokens.
+
+Decisions depend on measured times, so under `auto` which steps draft varies from run to run;
+greedy tokens never do (both paths commit the target's own argmax). Sampled tokens are exactly
+distributed on either path, but the tokens a seed gives depend on the proposals a step verified
+(the rejection rule reads them), so `always` (or `never`) is the setting that reproduces a
+seeded run's tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+POLICIES = ("auto", "always", "never")
+
+
+def expected(confidence: np.ndarray) -> np.ndarray:
+    """Expected kept proposals per row from the draft's confidences ([rows, B − 1], the
+    probability the target takes proposal j given it took those before): Σ_j Π_{i ≤ j} c_i."""
+    c = np.asarray(confidence, np.float64)
+    return np.cumprod(c, axis=1).sum(axis=1)
+
+
+class StepPolicy:
+    """Per slot: the running estimate `est`, the decode steps since it last drafted (`idle`),
+    the steps it waits before its next probe (`wait`), and whether its last draft was a probe.
+    A step passes the slots it decides for; the work is per sequence, a few scalar operations
+    (a decoding step of one row costs well under a millisecond, so this stays off numpy's
+    per-call overhead). What every sequence taught (the proposals kept per drafted step and
+    what the confidences promised for them) is kept in the pipeline's `StepCosts` (`kept`,
+    `promised`), so a new sequence starts from it, and the draft's confidences are read
+    through that calibration."""
+
+    WEIGHT = 0.5  # of the newest observation in a running estimate
+    PROBE_FIRST = 8  # decode steps before a row's first probe, when drafting paid so far
+    PROBE_LATE = 32  # the same when the pair's acceptance so far says drafting does not pay
+    PROBE_MAX = 128  # the longest wait between two probes
+
+    def __init__(self, mode: str, slots: int, block_size: int, confidence: bool = True):
+        """confidence: the draft returns confidences in its proposals (contract.DraftIO)."""
+        if mode not in POLICIES:
+            raise ValueError(f"spec_policy must be one of {', '.join(POLICIES)}, got {mode!r}")
+        self.mode, self.B, self.confidence = mode, block_size, confidence
+        self.est = [block_size - 1.0] * slots
+        self.idle = [0] * slots
+        self.wait = [self.PROBE_FIRST] * slots
+        self.probing = [False] * slots
+
+    def promise(self, confidence, costs) -> list[float] | None:
+        """The proposals the draft's confidences ([rows, B − 1]) promise, calibrated by what
+        such promises kept so far (`StepCosts.kept` / `promised`); None without confidences."""
+        if not self.confidence or confidence is None:
+            return None
+        e = expected(confidence)
+        if costs.kept is not None and costs.promised:
+            e *= costs.kept / costs.promised
+        return e.tolist()
+
+    def join(self, slot: int, confidence: np.ndarray | None, costs) -> None:
+        """A sequence starts stepping in `slot`; `confidence` [B − 1]: its first proposals'."""
+        e = self.promise(None if confidence is None else confidence[None], costs)
+        if e is not None:
+            prior = e[0]
+        else:
+            prior = self.B - 1.0 if costs.kept is None else costs.kept
+        self.est[slot], self.idle[slot], self.probing[slot] = prior, 0, False
+        paid = costs.kept is None or costs.kept >= self.threshold(costs)
+        self.wait[slot] = self.PROBE_FIRST if paid else self.PROBE_LATE
+
+    def observe(self, slots, accepted, confidence, costs) -> None:
+        """The drafted rows `slots` kept `accepted` proposals of a block the draft gave
+        `confidence` ([rows, B − 1]) in: their estimates, and the pipeline's."""
+        w, obs = self.WEIGHT, [float(a) for a in accepted]
+        for r, a in zip(slots.tolist() if hasattr(slots, "tolist") else slots, obs):
+            self.est[r] += w * (a - self.est[r])
+        costs.kept = _mean(costs.kept, sum(obs) / len(obs), w)
+        if self.confidence and confidence is not None:
+            costs.promised = _mean(costs.promised, float(expected(confidence).mean()), w)
+
+    @staticmethod
+    def threshold(costs, draft: bool = True) -> float:
+        """The least estimate at which drafting pays (draft False: the draft call already ran,
+        its cost spent): some verify length n with (1 + min(est, n − 1)) / (verify(n) +
+        draft) ≥ 1 / decode. Until a verify and a draft call have been timed, −inf (every row
+        drafts: they must be measured to be compared); until a decode call has, the cheapest
+        verify stands for it."""
+        if costs.draft_s is None or not costs.verify_s:
+            return -np.inf
+        t_dec = costs.decode_s if costs.decode_s is not None else min(costs.verify_s.values())
+        extra = costs.draft_s if draft else 0.0
+        best = np.inf
+        for n, t in costs.verify_s.items():
+            need = (t + extra) / t_dec - 1.0  # the proposals a step of n rows must keep
+            if need <= n - 1:
+                best = min(best, need)
+        return best
+
+    def want(self, slots, costs) -> list[bool]:
+        """Which of `slots` (the rows going on after this step) draft for their next step: the
+        ones it pays for, and the ones due a probe. A probe that did not pay doubles the row's
+        wait, one that did resets it."""
+        if self.mode != "auto":
+            return [self.mode == "always"] * len(slots)
+        thr, out = self.threshold(costs), []
+        for r in slots:
+            pays = self.est[r] >= thr
+            if self.probing[r]:  # the last draft was a probe: its outcome sets the wait
+                self.wait[r] = self.PROBE_FIRST if pays else min(2 * self.wait[r], self.PROBE_MAX)
+            want = pays or self.idle[r] >= self.wait[r]
+            self.probing[r] = want and not pays
+            self.idle[r] = 0 if want else self.idle[r] + 1
+            out.append(want)
+        return out
+
+    def use(self, slots, confidence: np.ndarray | None, costs) -> list[bool]:
+        """Which of `slots`, whose draft call just ran, verify its proposals (confidence
+        [rows, B − 1], theirs): those whose proposals pay for the verify alone (the draft's
+        cost is spent), by the running estimate and what the confidences promise (a probe by
+        the promise alone). Without confidences, every one."""
+        e = self.promise(confidence, costs) if self.mode == "auto" else None
+        if e is None:
+            return [self.mode != "never"] * len(slots)
+        thr = self.threshold(costs, draft=False)
+        mix = [p if self.probing[r] else 0.5 * (self.est[r] + p) for r, p in zip(slots, e)]
+        return [m >= thr for m in mix]
+
+
+def _mean(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else old + weight * (new - old)

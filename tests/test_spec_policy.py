@@ -1,0 +1,326 @@
+"""The step policy (docs/DESIGN.md, Step policy; runtime/policy.py): per sequence and step, a
+DFlash step or plain decoding.
+
+- the decision logic on deterministic inputs (set costs and acceptances): the break-even
+  estimate, drafting while it pays, probes that back off and come back, the confidences read
+  through the pair's calibration, `always` and `never`;
+- `never` is the target alone (no draft call at all); `auto` gives `always`'s greedy tokens on
+  the built-in pair and on a random pair (where it decodes);
+- a continuous batch where some rows draft and others decode in the same step gives each
+  request the tokens it gets alone;
+- the option is checked by name, reaches `EngineConfig`, and its path per step is in
+  `res.stats` (`drafted_steps`, `decode_steps`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import dflash_qaic
+from dflash_qaic.runtime.engine import EngineConfig
+from dflash_qaic.runtime.policy import StepPolicy, expected
+from dflash_qaic.runtime.stats import StepCosts
+
+PAIR = dict(block_size=8, tie_word_embeddings=False, target_layer_ids=[1, 3])
+
+
+def costs(verify: dict, draft: float, decode: float | None) -> StepCosts:
+    c = StepCosts()
+    c.verify_s, c.draft_s, c.decode_s = dict(verify), draft, decode
+    return c
+
+
+def prompt(n, seed) -> list[int]:
+    return torch.randint(1, 200, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ------------------------------------------------------------------ the decision logic
+
+
+def test_threshold_is_the_break_even_estimate():
+    # verify(4) = 2, verify(8) = 3, draft 1, decode 1: n = 4 needs 2 kept proposals, n = 8 needs 3
+    c = costs({4: 2.0, 8: 3.0}, 1.0, 1.0)
+    assert StepPolicy.threshold(c) == pytest.approx(2.0)
+    assert StepPolicy.threshold(c, draft=False) == pytest.approx(1.0)  # the draft already ran
+    # a verify length that cannot keep what it needs does not count: n = 4 keeps at most 3
+    assert StepPolicy.threshold(costs({4: 5.0, 8: 5.0}, 1.0, 1.0)) == pytest.approx(5.0)
+    assert StepPolicy.threshold(costs({4: 9.0}, 1.0, 1.0)) == np.inf  # never pays
+    assert StepPolicy.threshold(StepCosts()) == -np.inf  # unmeasured: draft, to measure
+    # no decode timed yet: the cheapest verify stands for it
+    assert StepPolicy.threshold(costs({4: 2.0, 8: 4.0}, 2.0, None)) == pytest.approx(1.0)
+
+
+def test_auto_drafts_while_it_pays_then_decodes_and_probes():
+    c = costs({4: 2.0, 8: 3.0}, 1.0, 1.0)  # drafting pays at ≥ 2 kept proposals
+    p = StepPolicy("auto", slots=2, block_size=8, confidence=False)
+    p.join(0, None, c)
+    p.join(1, None, c)
+    assert p.est == [7.0, 7.0]  # no confidences, nothing kept yet: the block's worth
+    assert p.want([0, 1], c) == [True, True]
+    p.observe([0, 1], [7, 0], None, c)
+    p.observe([0, 1], [7, 0], None, c)
+    assert p.est[0] == 7.0 and p.est[1] == pytest.approx(1.75)
+    assert c.kept == pytest.approx(3.5)  # the pair's memory: both rows' means
+    assert p.want([0, 1], c) == [True, False]
+    # row 1 decodes until its probe is due (PROBE_FIRST decode steps), then probes once
+    decisions = [p.want([1], c)[0] for _ in range(StepPolicy.PROBE_FIRST + 1)]
+    assert decisions == [False] * (StepPolicy.PROBE_FIRST - 1) + [True, False]
+    assert p.probing[1] is False  # the step after the probe decided again
+    assert p.wait[1] == 2 * StepPolicy.PROBE_FIRST  # the probe did not pay: twice the wait
+
+
+def test_a_probe_that_pays_brings_the_drafts_back():
+    c = costs({4: 2.0, 8: 3.0}, 1.0, 1.0)
+    p = StepPolicy("auto", slots=1, block_size=8, confidence=False)
+    p.join(0, None, c)
+    p.est[0] = 0.0
+    while not p.want([0], c)[0]:  # decode until the probe
+        pass
+    assert p.probing[0]
+    p.observe([0], [7], None, c)  # the text became predictable
+    assert p.want([0], c) == [True] and not p.probing[0]
+    assert p.wait[0] == StepPolicy.PROBE_FIRST
+
+
+def test_the_wait_between_probes_is_bounded():
+    c = costs({4: 2.0}, 1.0, 1.0)
+    p = StepPolicy("auto", slots=1, block_size=8, confidence=False)
+    p.join(0, None, c)
+    p.est[0] = 0.0
+    gaps, gap = [], 0
+    for _ in range(2000):
+        gap += 1
+        if p.want([0], c)[0]:
+            gaps.append(gap)
+            gap = 0
+    assert gaps[:3] == [StepPolicy.PROBE_FIRST + 1, 2 * StepPolicy.PROBE_FIRST + 1, 33]
+    assert max(gaps) == StepPolicy.PROBE_MAX + 1
+
+
+def test_confidences_are_read_through_the_calibration():
+    c = costs({4: 2.0, 8: 3.0}, 1.0, 1.0)
+    sure = np.full((1, 7), 0.99, np.float32)  # promises ≈ 6.7 proposals
+    p = StepPolicy("auto", slots=1, block_size=8)
+    p.join(0, sure[0], c)
+    assert p.est[0] == pytest.approx(float(expected(sure)[0]), rel=1e-6)
+    assert p.use([0], sure, c) == [True]
+    # the draft promised ≈ 6.7 and kept none, again and again: its promises count for nothing
+    for _ in range(6):
+        p.observe([0], [0], sure, c)
+    assert c.kept < 0.2 < 6 < c.promised
+    assert p.use([0], sure, c) == [False]
+    p.join(0, sure[0], c)  # a new sequence starts from the pair's calibrated promise
+    assert p.est[0] < 0.2
+    assert p.wait[0] == StepPolicy.PROBE_LATE  # and probes late: drafting has not paid here
+
+
+def test_always_and_never():
+    c = costs({4: 9.0}, 9.0, 1.0)  # drafting never pays
+    for mode, want in (("always", True), ("never", False)):
+        p = StepPolicy(mode, slots=2, block_size=8)
+        p.join(0, np.ones(7, np.float32), c)
+        assert p.want([0, 1], c) == [want, want]
+        assert p.use([0, 1], np.ones((2, 7)), c) == [want, want]
+    with pytest.raises(ValueError, match="spec_policy must be one of auto, always, never"):
+        StepPolicy("sometimes", 1, 8)
+    with pytest.raises(ValueError, match="spec_policy must be one of auto, always, never"):
+        EngineConfig(spec_policy="sometimes")
+
+
+# ------------------------------------------------------------------ through the programs
+
+
+@pytest.fixture(scope="module")
+def random_pair(exported):
+    """A random tiny pair (τ ≈ 1) exported for 3 slots."""
+    return exported("qwen3", pair=PAIR, prefill_seq_len=16, ctx_len=160, full_batch_size=3)
+
+
+def test_never_is_the_target_alone(random_pair):
+    pipe = random_pair.load()
+    ids = prompt(9, 0)
+    alone = pipe.generate_baseline(ids, 40, stop_token_ids=[])
+    pipe.configure(spec_policy="never")
+    assert pipe.spec_policy == "never"
+    res = pipe.generate(ids, 40, stop_token_ids=[])
+    assert res.tokens == alone.tokens
+    assert res.stats["drafted_steps"] == 0 and res.stats["decode_steps"] == 39
+    assert set(res.call_times) == {"prefill", "decode"}  # the draft never ran
+    seeded = dict(temperature=1.0, seed=5, stop_token_ids=[])
+    assert (
+        pipe.generate(ids, 30, **seeded).tokens == pipe.generate_baseline(ids, 30, **seeded).tokens
+    )
+
+
+def test_auto_equals_always_on_a_random_pair(random_pair):
+    pipe = random_pair.load()
+    ids = prompt(11, 1)
+    want = pipe.generate(ids, 60, stop_token_ids=[])  # always: every step drafts
+    assert want.stats["decode_steps"] == 0 and want.stats["drafted_steps"] == want.stats["steps"]
+    pipe.generate_baseline(ids, 8, stop_token_ids=[])  # a decode call timed
+    pipe.configure(spec_policy="auto")
+    for _ in range(2):
+        res = pipe.generate(ids, 60, stop_token_ids=[])
+        assert res.tokens == want.tokens
+    assert res.stats["decode_steps"] > res.stats["drafted_steps"]  # τ ≈ 1: it decodes
+    assert res.stats["drafted_steps"] + res.stats["decode_steps"] == res.stats["steps"]
+
+
+def test_auto_equals_always_on_the_default_pair(default_artifacts):
+    pipe = dflash_qaic.load(default_artifacts)
+    text = "def fibonacci(n):"
+    want = pipe.generate(text, 96, stop_token_ids=[])
+    pipe.configure(spec_policy="auto")
+    for _ in range(2):
+        res = pipe.generate(text, 96, stop_token_ids=[])
+        assert res.tokens == want.tokens
+    assert res.stats["drafted_steps"] > 0  # it drafts where drafting pays
+    assert pipe.generate_baseline(text, 96, stop_token_ids=[]).tokens == want.tokens
+
+
+def force(monkeypatch, pattern):
+    """The policy's choice replaced by `pattern(slot, step) -> draft?` (every fresh block
+    verified), so a batch mixes drafting and decoding rows deterministically; records each
+    verify call's rows that decode and draft."""
+    steps, mixed = {}, []
+
+    def want(self, slots, costs):
+        out = []
+        for r in slots:
+            steps[r] = steps.get(r, 0) + 1
+            out.append(pattern(r, steps[r]))
+        return out
+
+    monkeypatch.setattr(StepPolicy, "want", want)
+    monkeypatch.setattr(StepPolicy, "use", lambda self, slots, conf, costs: [True] * len(slots))
+    from dflash_qaic.runtime import verifiers
+
+    real = verifiers.ChainVerifier.fill
+
+    def fill(self, rows, seqs):
+        dec = self.step.state.decoding[rows]
+        mixed.append(bool(dec.any() and not dec.all()))
+        return real(self, rows, seqs)
+
+    monkeypatch.setattr(verifiers.ChainVerifier, "fill", fill)
+    return mixed
+
+
+def test_a_mixed_batch_equals_each_alone(random_pair, monkeypatch):
+    """3 slots, 4 requests: rows draft on some steps and decode on others (each its own
+    rhythm, resuming after runs of decode steps), in the same verify calls; every request's
+    tokens equal its run alone and the target alone's."""
+    mixed = force(monkeypatch, lambda slot, step: (step + slot) % 3 == 0 or step % 7 < 2)
+    pipe = random_pair.load()
+    pipe.configure(spec_policy="auto")
+    ps = [prompt(n, 20 + n) for n in (5, 12, 30, 9)]
+    news = [25, 40, 18, 33]
+    batch = pipe.generate(ps, max_new_tokens=news, stop_token_ids=[])
+    assert any(mixed)  # some verify calls had drafting and decoding rows together
+    for ids, new, res in zip(ps, news, batch):
+        alone = pipe.generate(ids, max_new_tokens=new, stop_token_ids=[])
+        target = pipe.generate_baseline(ids, max_new_tokens=new, stop_token_ids=[])
+        assert res.tokens == alone.tokens == target.tokens
+        s = res.stats
+        assert s["drafted_steps"] > 0 and s["decode_steps"] > 0
+        assert len(res.verify_lengths) == s["steps"]
+        decoded = [n for n, v in zip(res.acceptance_lengths, res.verify_lengths) if v == 1]
+        assert set(decoded) <= {1}  # a decode step commits one token
+
+
+def test_a_resumed_row_proposes_from_its_whole_context(default_artifacts, monkeypatch):
+    """A row that decoded for a while sends its waiting context before it drafts again, so its
+    draft sees every position: each resumed block's proposals are the ones a fresh prompt of
+    the same tokens gets from its prefill (which sends the whole prompt to the draft)."""
+    from dflash_qaic.runtime.step import Prefill
+
+    pipe = dflash_qaic.load(default_artifacts)
+    ids = pipe.tokenizer.encode("def fibonacci(n):")
+    always = pipe.generate(ids, 100, stop_token_ids=[])
+    force(monkeypatch, lambda slot, step: step % 6 == 0)  # draft once after 5 decode steps
+    resumed, real = [], Prefill.flush
+
+    def flush(self, seq, end, first):
+        real(self, seq, end, first)
+        if seq.prefilled == len(seq.req.ids):  # a decoding row's context, not its prompt
+            resumed.append((end, self.state.proposals[seq.slot].copy()))
+
+    monkeypatch.setattr(Prefill, "flush", flush)
+    pipe.configure(spec_policy="auto")
+    res = pipe.generate(ids, 100, stop_token_ids=[])
+    assert res.tokens == always.tokens and len(resumed) >= 5
+    same = []
+    for end, proposals in resumed:
+        engine = pipe.engine(first_token_alone=True)
+        seq = engine.add(pipe.request(ids + res.tokens[: end - len(ids)], 1, [], "dflash"))
+        engine.step()  # its prefill, its first token: the block the draft proposes after it
+        assert seq.tokens == [res.tokens[end - len(ids)]]
+        same.append(np.mean(engine.proposals(seq) == proposals))
+    assert np.mean(same) > 0.95, same
+
+
+# ------------------------------------------------------------------ the option, declared once
+
+
+def test_the_flag_on_every_command(default_artifacts, capsys):
+    """--spec-policy on dflash-run, dflash-serve and dflash-bench: one declaration (its
+    default, values and help), a bad value refused by argparse; dflash-run reports the path."""
+    import json
+
+    from dflash_qaic.bench.cli import parser as bench_parser
+    from dflash_qaic.runtime.cli import main as run_main
+    from dflash_qaic.runtime.cli import parser as run_parser
+    from dflash_qaic.runtime.options import SPEC_POLICY
+    from dflash_qaic.serve.cli import parser as serve_parser
+
+    assert EngineConfig().spec_policy == SPEC_POLICY.default == "always"
+    for make in (run_parser, serve_parser, bench_parser):
+        p = make()
+        extra = ["--prompt", "x"] if make is run_parser else []
+        assert p.parse_args(["a", *extra]).spec_policy == SPEC_POLICY.default
+        assert p.parse_args(["a", *extra, "--spec-policy", "auto"]).spec_policy == "auto"
+        with pytest.raises(SystemExit):
+            p.parse_args(["a", *extra, "--spec-policy", "sometimes"])
+    capsys.readouterr()
+    argv = [str(default_artifacts), "--prompt-ids", "1,2,3", "--max-new-tokens", "20", "--json"]
+    assert run_main([*argv, "--spec-policy", "never", "--stop-token-ids", ""]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["decode_steps"] == stats["steps"] == 19 and stats["drafted_steps"] == 0
+
+
+def test_metrics_count_each_path():
+    """/metrics: a one-row step (decoded) counts under path="decode" and not as a draft."""
+    import prometheus_client
+
+    from dflash_qaic.serve.metrics import Metrics
+
+    m = Metrics("m", 8)
+    for committed, verified in ((3, 4), (1, 1), (1, 1), (8, None)):
+        m.step(committed, verified)
+    text = prometheus_client.generate_latest(m.registry).decode()
+    assert 'dflash:spec_policy_steps_total{model_name="m",path="draft"} 2.0' in text
+    assert 'dflash:spec_policy_steps_total{model_name="m",path="decode"} 2.0' in text
+    assert 'vllm:spec_decode_num_drafts_total{model_name="m"} 2.0' in text
+    assert 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 10.0' in text  # 3 + 7
+
+
+def test_the_engine_reports_no_proposals_for_a_row_that_decodes(random_pair):
+    """What the vLLM worker schedules as drafts (`engine.proposals`) is empty for a row whose
+    next step decodes."""
+    pipe = random_pair.load()
+    pipe.configure(spec_policy="never")
+    pipe.generate(prompt(5, 2), 4, stop_token_ids=[])
+    pipe.configure(spec_policy="auto")
+    engine = pipe.engine()
+    seq = engine.add(pipe.request(prompt(7, 3), 30, [], "dflash"))
+    lengths = []
+    while not seq.finished:
+        engine.step()
+        if not seq.finished:
+            lengths.append(len(engine.proposals(seq)))
+            assert lengths[-1] == (
+                0 if engine.spec.state.decoding[seq.slot] else PAIR["block_size"] - 1
+            )
+    assert 0 in lengths
