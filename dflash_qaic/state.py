@@ -53,33 +53,23 @@ def retained(name: str) -> str:
     return name + RETAINED_SUFFIX
 
 
-# Buffer names, per layer i (the graph's input names; the exporters take them from here).
-def past_key(i: int) -> str:
-    return f"past_key.{i}"
+def _per_layer(prefix: str):
+    """The name of a layer's buffer: `<prefix>.<i>` (the graph's input name)."""
+
+    def name(i: int) -> str:
+        return f"{prefix}.{i}"
+
+    name.__name__ = name.__qualname__ = prefix
+    return name
 
 
-def past_value(i: int) -> str:
-    return f"past_value.{i}"
-
-
-def past_state(i: int) -> str:
-    """Gated DeltaNet layer i's recurrent state [rows, v_heads, k_head_dim, v_head_dim]."""
-    return f"past_state.{i}"
-
-
-def past_conv(i: int) -> str:
-    """Gated DeltaNet layer i's conv window [rows, conv_dim, kernel - 1]: its last inputs."""
-    return f"past_conv.{i}"
-
-
-def past_latent(i: int) -> str:
-    """A latent (MLA) layer i's compressed KV [rows, ctx_len, kv_lora_rank]."""
-    return f"past_latent.{i}"
-
-
-def past_rope(i: int) -> str:
-    """A latent (MLA) layer i's decoupled rope key [rows, ctx_len, rope_dim]."""
-    return f"past_rope.{i}"
+# Buffer names, per layer i (the exporters take them from here, through the contract).
+past_key = _per_layer("past_key")  # attention keys [rows, kv_heads, slots, head_dim]
+past_value = _per_layer("past_value")  # attention values, the same shape
+past_state = _per_layer("past_state")  # Gated DeltaNet state [rows, v_heads, k_dim, v_dim]
+past_conv = _per_layer("past_conv")  # Gated DeltaNet conv window [rows, conv_dim, kernel - 1]
+past_latent = _per_layer("past_latent")  # MLA latent [rows, ctx_len, kv_lora_rank]
+past_rope = _per_layer("past_rope")  # MLA decoupled rope key [rows, ctx_len, rope_dim]
 
 
 @dataclass(frozen=True)
