@@ -1,4 +1,4 @@
-"""Checkpoint checks by name and in order (issue 36): config fields type-checked by name, weights
+"""Checkpoint checks by name and in order: config fields type-checked by name, weights
 beyond fp16's range refused while the checkpoint is read (before any tracing), and the root
 cause of a bad pair reported first (config before shapes before values)."""
 

@@ -226,7 +226,7 @@ def test_fp16_fc_scale():
     assert ck.fp16_fc_scale(torch.full((4, 16), 0.01)) == 1.0
 
 
-# ---------------------------------------------------------------- formats and damage (issue 17)
+# ---------------------------------------------------------------- formats and damage
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Nothing lost, nothing silently wrong (issue 17): export transactions, a manifest that is not
+"""Nothing lost, nothing silently wrong: export transactions, a manifest that is not
 trusted blindly, processes that are cleaned up, arguments that are checked.
 
 Every failure case asserts a clear error (exit 2 or an exception naming the problem) and that a

@@ -22,7 +22,7 @@ per replica and one for the router in --log-dir (default: a new temporary direct
 An API key (VLLM_API_KEY in the environment, or --api-key in --serve-args) is every replica's;
 the router passes clients' `Authorization` on. vllm-router's own endpoints (/workers,
 /add_worker, /remove_worker) need no key: keep --host on loopback or firewall the port.
-docs/DESIGN.md, Replicas; README, Serving.
+docs/DESIGN.md, Replicas; docs/serving.md.
 """
 
 from __future__ import annotations
