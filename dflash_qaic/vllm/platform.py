@@ -31,6 +31,8 @@ from pathlib import Path
 from vllm.platforms.cpu import CpuPlatform
 from vllm.platforms.interface import PlatformEnum
 
+from dflash_qaic import contract
+
 log = logging.getLogger("dflash_qaic.vllm")
 
 #: the key of our block in vLLM's --additional-config, and the keys it takes (dflash-serve's
@@ -191,7 +193,7 @@ class DFlashQaicPlatform(CpuPlatform):
             can_sample=m.target.io.sampling,
             max_top_k=m.target.sampling_candidates or m.vocab_size,
             vocab=m.vocab_size,
-            max_prompt=ctx_len - 1 - B,
+            max_prompt=contract.max_prompt(ctx_len, B),
             structured=m.target.io.token_bitmask,
         )
         log.info(
@@ -232,22 +234,13 @@ class DFlashQaicPlatform(CpuPlatform):
         if not isinstance(params, SamplingParams):
             refuse("pooling", "pooling (embeddings, scores)")
         p = params
-        if p.n != 1:
-            refuse("n", f"n={p.n}")
         if p.logprobs is not None or p.prompt_logprobs is not None:
             refuse("logprobs", "logprobs (and beam search, which needs them)")
-        for name, off in (
-            ("presence_penalty", 0.0),
-            ("frequency_penalty", 0.0),
-            ("repetition_penalty", 1.0),
-            ("min_p", 0.0),
-            ("min_tokens", 0),
-        ):
-            if getattr(p, name) != off:
-                refuse(name, f"{name}={getattr(p, name)}")
-        for name in ("logit_bias", "bad_words"):
-            if getattr(p, name, None):
-                refuse(name, name)
+        from dflash_qaic.runtime.requests import REFUSED_SAMPLING, refused_sampling
+
+        name = refused_sampling(lambda name, off: getattr(p, name, off))
+        if name is not None:
+            refuse(name, name if REFUSED_SAMPLING[name] is None else f"{name}={getattr(p, name)}")
         for name in ("structured_outputs", "allowed_token_ids"):
             if getattr(p, name, None) and cls.limits is not None and not cls.limits.structured:
                 raise VLLMValidationError(
@@ -397,7 +390,7 @@ def _fit_to_artifacts(vllm_config, artifacts: str, rows: int, ctx_len: int) -> i
             rows,
         )
         sched.max_num_seqs = rows
-    limit = ctx_len - 1  # vLLM ends a request at this many tokens, before our engine must
+    limit = contract.max_positions(ctx_len)  # vLLM ends a request here, before our engine must
     if model_config.max_model_len > limit:
         if _argv_value("--max-model-len") is not None:
             log.warning(
