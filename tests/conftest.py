@@ -23,6 +23,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from dflash_lab.tiny import make_tiny_pair  # noqa: E402
+from dflash_qaic import families  # noqa: E402
 
 # the cache of checked artifact files (dflash_qaic/artifacts/files.py): one per test run, not the user's
 os.environ.setdefault("DFLASH_QAIC_CACHE_DIR", tempfile.mkdtemp(prefix="dflash-qaic-cache-"))
@@ -136,18 +137,10 @@ def cb_artifacts(tmp_path_factory):
 
 # ---------------------------------------------------------------- families, draft forms, exports
 
-#: The model families the tests run over, in ONE place (the families registry,
-#: dflash_qaic/families/, can supply this list): name -> dflash_lab.tiny.TinySpec fields.
-FAMILIES: dict[str, dict] = {
-    "qwen3": dict(family="qwen3"),
-    "llama": dict(family="llama"),
-    "qwen3_moe": dict(family="qwen3_moe"),
-    "qwen3_5": dict(family="qwen3_5"),
-    "qwen3_5_moe": dict(family="qwen3_5_moe"),
-    "gemma4": dict(family="gemma4"),
-    "gemma4_moe": dict(family="gemma4_moe"),
-    "gpt_oss": dict(family="gpt_oss"),
-}
+#: The model families the tests run over: the families registry's (dflash_qaic/families/), so
+#: a family added there is in every test that iterates this: name -> dflash_lab.tiny.TinySpec
+#: fields.
+FAMILIES: dict[str, dict] = {name: dict(family=name) for name in families.names()}
 #: The draft forms: name -> TinySpec fields ("sliding": one sliding and one full layer).
 DRAFT_FORMS: dict[str, dict] = {
     "dflash": {},
