@@ -30,18 +30,8 @@ def export_program(model, layer_ids, path, io=None, emit_logits=True) -> dict:
     random draft side: dict(model, fc, hn, facts, io, path); `io` read from the program unless
     given."""
     fc, hn_w, hn_eps = make_draft_side(len(layer_ids))
-    facts = export_target(
-        model,
-        fc,
-        hn_w,
-        hn_eps,
-        layer_ids,
-        path,
-        ctx_len=CTX,
-        prefill_seq_len=CHUNK,
-        block_size=BLOCK,
-        emit_logits=emit_logits,
-    )
+    shapes = dict(ctx_len=CTX, prefill_seq_len=CHUNK, block_size=BLOCK, emit_logits=emit_logits)
+    facts = export_target(model, fc, hn_w, hn_eps, layer_ids, path, **shapes)
     io = program_io(facts, path) if io is None else io
     return dict(model=model, fc=fc, hn=(hn_w, hn_eps), facts=facts, io=io, path=path)
 

@@ -14,15 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import target_checks as checks
 import torch
 from spec_loop import hf_greedy, program_io
-from target_checks import (
-    check_against_hf,
-    check_batched_equals_solo,
-    check_speculation_equals_hf,
-    export_program,
-    faithful_export,
-)
 from test_target_export import (
     CHUNK,
     CTX,
@@ -108,7 +102,7 @@ FORMS += [pytest.param("multimodal", marks=pytest.mark.slow)]
 @pytest.fixture(scope="module", params=FORMS)
 def target_program(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"gemma4_{request.param}") / "target.onnx"
-    e = export_program(make_gemma4(request.param), LAYER_IDS, path)
+    e = checks.export_program(make_gemma4(request.param), LAYER_IDS, path)
     assert e["io"].layer_kv == LAYER_KV
     assert e["io"].ring_slots == tuple(
         WINDOW + CHUNK if t == "sliding_attention" else 0 for t in LAYER_TYPES
@@ -118,7 +112,7 @@ def target_program(request, tmp_path_factory):
 
 @pytest.mark.parametrize("prompt_len", [21, 13])
 def test_prefill_verify_decode_match_hf(target_program, prompt_len):
-    ref_logits = check_against_hf(target_program, LAYER_IDS, prompt_len)
+    ref_logits = checks.check_against_hf(target_program, LAYER_IDS, prompt_len)
     assert np.abs(ref_logits).max() < 30.0  # soft-capped
 
 
@@ -171,7 +165,7 @@ def test_fp16_faithful_with_a_massive_channel(tmp_path):
         norm[CH] *= 1800.0 / measure()
     assert 1500.0 < measure() < 2100.0  # 3600 before layer 0's scalar 0.5
     lm.norm.weight[CH] = 0.05  # as in real checkpoints, the final norm damps the channel
-    e, prog = faithful_export(model, LAYER_IDS, tmp_path / "target.onnx")
+    e, prog = checks.faithful_export(model, LAYER_IDS, tmp_path / "target.onnx")
     for p, seq in zip((16, 13), SEQS):
         got = target_flow(prog, seq, p)
         logits, hidden, _ = hf_reference(model, seq, LAYER_IDS, e["fc"], *e["hn"])
@@ -196,11 +190,11 @@ def test_fp16_faithful_with_a_massive_channel(tmp_path):
 def test_speculative_decoding_equals_hf_generate(target_program):
     """Whatever a block's acceptance (0 … B − 1 proposals kept), the committed tokens are
     Hugging Face's greedy `generate` (soft-capped logits, both layer kinds' caches rolled back)."""
-    check_speculation_equals_hf(target_program)
+    checks.check_speculation_equals_hf(target_program)
 
 
 def test_batched_equals_solo(target_program):
-    check_batched_equals_solo(target_program)
+    checks.check_batched_equals_solo(target_program)
 
 
 # ---------------------------------------------------------------- from the checkpoints

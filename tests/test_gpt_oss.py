@@ -15,15 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import target_checks as checks
 import torch
 from spec_loop import program_io
-from target_checks import (
-    check_against_hf,
-    check_batched_equals_solo,
-    check_speculation_equals_hf,
-    export_program,
-    faithful_export,
-)
 from test_target_export import (
     CHUNK,
     CTX,
@@ -116,14 +110,14 @@ def test_moe_block_matches_hf(gpt_oss_model):
 @pytest.fixture(scope="module")
 def target_program(gpt_oss_model, tmp_path_factory):
     path = tmp_path_factory.mktemp("gpt_oss") / "target.onnx"
-    e = export_program(gpt_oss_model, LAYER_IDS, path)
+    e = checks.export_program(gpt_oss_model, LAYER_IDS, path)
     assert e["io"].ring_slots == (WINDOW + CHUNK, 0, WINDOW + CHUNK, 0)  # sliding layers: rings
     return e
 
 
 @pytest.mark.parametrize("prompt_len", [21, 13])
 def test_prefill_verify_decode_match_hf(target_program, prompt_len):
-    check_against_hf(target_program, LAYER_IDS, prompt_len)
+    checks.check_against_hf(target_program, LAYER_IDS, prompt_len)
     assert target_program["facts"]["model_type"] == "gpt_oss"
 
 
@@ -235,7 +229,7 @@ def test_fp16_faithful_with_a_massive_channel(tmp_path):
     model = make_gpt_oss()
     model.model.embed_tokens.weight[TRIGGERS, CH] = 3000.0
     model.model.norm.weight[CH] = 0.05
-    e, prog = faithful_export(model, LAYER_IDS, tmp_path / "target.onnx")
+    e, prog = checks.faithful_export(model, LAYER_IDS, tmp_path / "target.onnx")
     for p, seq in zip((16, 13), SEQS):
         got = target_flow(prog, seq, p)
         logits, hidden, out = hf_reference(model, seq, LAYER_IDS, e["fc"], *e["hn"])
@@ -251,11 +245,11 @@ def test_fp16_faithful_with_a_massive_channel(tmp_path):
 def test_speculative_decoding_equals_hf_generate(target_program):
     """Whatever a block's acceptance (0 … B − 1 proposals kept), the committed tokens are
     Hugging Face's greedy `generate`, the sliding layers' windows crossing rolled-back slots."""
-    check_speculation_equals_hf(target_program)
+    checks.check_speculation_equals_hf(target_program)
 
 
 def test_batched_equals_solo(target_program):
-    check_batched_equals_solo(target_program)
+    checks.check_batched_equals_solo(target_program)
 
 
 # ---------------------------------------------------------------- draft knobs

@@ -15,8 +15,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import target_checks as checks
 import torch
-from target_checks import check_against_hf, export_program, faithful_export
 from test_fp16 import CH, SEQS, assert_same_tokens, plant_massive, target_flow
 from test_target_export import (
     BLOCK,
@@ -141,12 +141,12 @@ LAYER_IDS = [0, 2]
 def target_program(tmp_path_factory):
     path = tmp_path_factory.mktemp("moe") / "target.onnx"
     io = contract.TargetIO(3, 2, 16, H, VOCAB, emit_logits=True, comp_ctx=True)
-    return export_program(make_moe(), LAYER_IDS, path, io)
+    return checks.export_program(make_moe(), LAYER_IDS, path, io)
 
 
 @pytest.mark.parametrize("prompt_len", [16, 13])
 def test_prefill_verify_decode_match_hf(target_program, prompt_len):
-    check_against_hf(target_program, LAYER_IDS, prompt_len)
+    checks.check_against_hf(target_program, LAYER_IDS, prompt_len)
 
 
 def expert_gathers(path) -> tuple[onnx.ModelProto, list[str]]:
@@ -291,7 +291,7 @@ def test_fp16_faithful_gives_fp32_tokens(tmp_path, value):
     assert 0.9 * value < reached < value
     model.model.norm.weight[CH] = 0.05
     io = contract.TargetIO(3, 2, 16, H, VOCAB, comp_ctx=True)
-    e, prog = faithful_export(model, LAYER_IDS, tmp_path / "target.onnx", io)
+    e, prog = checks.faithful_export(model, LAYER_IDS, tmp_path / "target.onnx", io)
     for p, seq in zip((16, 13), SEQS):
         got = target_flow(prog, seq, p)
         logits, hidden, _ = hf_reference(model, seq, LAYER_IDS, e["fc"], *e["hn"])
