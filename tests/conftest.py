@@ -209,6 +209,36 @@ def exported(tiny_pair, tmp_path_factory):
     return make
 
 
+# ---------------------------------------------------------------- a module's dflash-serve
+
+
+def serving(artifacts, *args, **kw):
+    """A module's `server` fixture: `yield from serving(ARTIFACTS, *dflash-serve flags)`, a real
+    dflash-serve process (serve/process.py) for the module, stopped at its end: exit 0."""
+    from dflash_qaic.serve.process import ServerProcess
+
+    with ServerProcess(artifacts, *args, **kw) as s:
+        yield s
+        assert s.stop() == 0, s.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """An `openai` client of the module's `server` (no retries)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def http(server):
+    """An httpx client of the module's `server`."""
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=120, trust_env=False) as c:
+        yield c
+
+
 # ---------------------------------------------------------------- xdist: what shares a worker
 
 #: the test files that take longest, longest first (per-file totals of a measured `make test`;

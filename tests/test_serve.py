@@ -16,6 +16,7 @@ import httpx
 import openai
 import prometheus_client
 import pytest
+from conftest import serving
 from prometheus_client.parser import text_string_to_metric_families
 
 import dflash_qaic
@@ -45,20 +46,7 @@ def server(default_artifacts, tmp_path_factory):
     tpl.write_text(TEMPLATE)
     args = ["--threads", "1", "--served-model-name", MODEL, "--chat-template", str(tpl)]
     args += ["--verify-lengths", str(B)]
-    with ServerProcess(default_artifacts, *args) as s:
-        yield s
-        assert s.stop() == 0, s.log()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120, trust_env=False) as c:
-        yield c
+    yield from serving(default_artifacts, *args)
 
 
 def decode(pipe, ids) -> str:

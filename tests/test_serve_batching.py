@@ -10,8 +10,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import openai
 import pytest
+from conftest import serving
 
 import dflash_qaic
 from dflash_qaic import assets
@@ -32,20 +32,7 @@ def pipe(cb_artifacts):
 
 @pytest.fixture(scope="module")
 def server(cb_artifacts):
-    with ServerProcess(cb_artifacts, "--threads", "1", "--served-model-name", MODEL) as s:
-        yield s
-        assert s.stop() == 0, s.log()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120, trust_env=False) as c:
-        yield c
+    yield from serving(cb_artifacts, "--threads", "1", "--served-model-name", MODEL)
 
 
 def value(metrics: dict, name: str, **labels) -> float:
