@@ -239,6 +239,35 @@ def http(server):
         yield c
 
 
+def stream_lines(url: str, body: dict, each=None, timeout: float = 120) -> tuple[int, list[str]]:
+    """`body` streamed from url's /v1/completions on its own connection: (the status, the
+    lines); `each(line)` is called as each line arrives."""
+    import httpx
+
+    with httpx.Client(timeout=timeout, trust_env=False) as c:
+        with c.stream("POST", url + "/v1/completions", json=body) as r:
+            lines = []
+            for line in r.iter_lines():
+                lines.append(line)
+                if each is not None:
+                    each(line)
+            return r.status_code, lines
+
+
+def leave_mid_stream(http, prompt) -> None:
+    """A long streamed completion the client leaves after its second chunk, closing the
+    connection mid-stream."""
+    body = dict(prompt=prompt, max_tokens=700, ignore_eos=True, temperature=0, stream=True)
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: ")
+            if seen == 2:
+                break  # leaving the block closes the connection mid-stream
+    assert seen == 2
+
+
 # ---------------------------------------------------------------- xdist: what shares a worker
 
 #: the test files that take longest, longest first (per-file totals of a measured `make test`;

@@ -9,9 +9,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
-from conftest import serving
+from conftest import leave_mid_stream, serving, stream_lines
 
 import dflash_qaic
 from dflash_qaic import assets
@@ -75,12 +74,7 @@ def test_concurrent_requests_run_together_and_equal_their_solo_runs(client, http
 
 
 def _stream(url: str, body: dict, rec: dict, started: threading.Event) -> None:
-    with httpx.Client(timeout=120, trust_env=False) as c:
-        with c.stream("POST", url + "/v1/completions", json=body) as r:
-            lines = []
-            for line in r.iter_lines():
-                lines.append(line)
-                started.set()
+    _, lines = stream_lines(url, body, lambda _: started.set())
     rec["events"], rec["t_done"] = sse(lines), time.monotonic()
 
 
@@ -101,15 +95,7 @@ def test_disconnected_stream_frees_its_slot_while_others_go_on(server, http, pip
         t.start()
         threads.append(t)
         assert started.wait(120)
-    body = dict(prompt=PROMPTS[5], max_tokens=700, ignore_eos=True, temperature=0, stream=True)
-    with http.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        seen = 0
-        for line in r.iter_lines():
-            seen += line.startswith("data: ")
-            if seen == 2:
-                break  # leaving the block closes the connection mid-stream
-        assert seen == 2
+    leave_mid_stream(http, PROMPTS[5])
     r = http.post("/v1/completions", json=dict(prompt=[65, 66], max_tokens=8, temperature=0))
     t_answered = time.monotonic()
     assert r.json()["choices"][0]["text"] == decode(pipe, ref.tokens)

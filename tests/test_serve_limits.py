@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import serving
+from conftest import serving, stream_lines
 
 import dflash_qaic
 from dflash_qaic import assets
@@ -175,13 +175,7 @@ def _two_long_requests(server, stream_options=None) -> tuple[dict, list[threadin
         body = dict(long, stream=True)
         if stream_options:
             body["stream_options"] = stream_options
-        with httpx.Client(timeout=300, trust_env=False) as c:
-            with c.stream("POST", server.url + "/v1/completions", json=body) as r:
-                lines = []
-                for line in r.iter_lines():
-                    lines.append(line)
-                    streaming.set()
-                results["stream"] = (r.status_code, lines)
+        results["stream"] = stream_lines(server.url, body, lambda _: streaming.set(), 300)
 
     threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
     for t in threads:
