@@ -68,6 +68,16 @@ def tiny_pair(tmp_path_factory):
     return make
 
 
+@pytest.fixture
+def pair_copy(tiny_pair, tmp_path):
+    """A copy of the qwen3 tiny pair (target layers 0 and 3) under tmp_path, for a test to
+    damage: (target dir, draft dir)."""
+    t, d = tiny_pair(family="qwen3", target_layer_ids=[0, 3])
+    shutil.copytree(t, tmp_path / "target")
+    shutil.copytree(d, tmp_path / "draft")
+    return tmp_path / "target", tmp_path / "draft"
+
+
 @pytest.fixture(scope="session")
 def planned_chunks():
     """planned_chunks(n, lengths) -> the prefill call lengths of an n-token prompt, call by call
