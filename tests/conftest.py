@@ -219,6 +219,29 @@ def exported(tiny_pair, tmp_path_factory):
     return make
 
 
+def install_fake_compiler(tmp_path, monkeypatch, mode: str | None = None, log: str = "log"):
+    """tests/test_compile.py's stand-in qaic-compile at tmp_path/bin, installed as the compiler
+    an export finds (FAKE_QAIC_MODE `mode`, e.g. "hang"), its calls logged to tmp_path/log:
+    (the script, the log)."""
+    import sys
+
+    from test_compile import FAKE_COMPILER
+
+    from dflash_qaic.compiler import qpc
+
+    script = tmp_path / "bin" / "qaic-compile"
+    script.parent.mkdir()
+    script.write_text(FAKE_COMPILER.format(python=sys.executable))
+    script.chmod(0o755)
+    monkeypatch.setenv(qpc.COMPILER_ENV, str(script))
+    monkeypatch.setenv("FAKE_QAIC_LOG", str(tmp_path / log))
+    if mode is None:
+        monkeypatch.delenv("FAKE_QAIC_MODE", raising=False)
+    else:
+        monkeypatch.setenv("FAKE_QAIC_MODE", mode)
+    return script, tmp_path / log
+
+
 # ---------------------------------------------------------------- a module's dflash-serve
 
 

@@ -4,10 +4,9 @@ clear errors before heavy work, and nothing that looks complete after a failure.
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
-from test_compile import FAKE_COMPILER
+from conftest import install_fake_compiler
 
 import dflash_qaic
 from dflash_qaic.artifacts import build
@@ -82,14 +81,7 @@ def test_export_without_compiler_then_reuse(pair, tmp_path, capsys, no_compiler)
 
 def test_compile_with_stand_in_compiler(pair, tmp_path, capsys, monkeypatch):
     t, d = pair
-    script = tmp_path / "bin" / "qaic-compile"
-    script.parent.mkdir()
-    script.write_text(FAKE_COMPILER.format(python=sys.executable))
-    script.chmod(0o755)
-    log = tmp_path / "calls.jsonl"
-    monkeypatch.setenv(qpc.COMPILER_ENV, str(script))
-    monkeypatch.setenv("FAKE_QAIC_LOG", str(log))
-    monkeypatch.delenv("FAKE_QAIC_MODE", raising=False)
+    _, log = install_fake_compiler(tmp_path, monkeypatch, log="calls.jsonl")
     out = tmp_path / "art"
     rc, stdout, _ = run(capsys, "--target", t, "--draft", d, "--out", out, *SMALL)
     assert rc == 0 and "compilation skipped" not in stdout
