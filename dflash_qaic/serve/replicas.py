@@ -42,6 +42,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from dflash_qaic.commands import doc_parser
+
 log = logging.getLogger("dflash_qaic.serve.replicas")
 
 POLICIES = ("round_robin", "power_of_two", "random", "cache_aware", "consistent_hash")
@@ -314,13 +316,7 @@ class Replicas:
 def parser() -> argparse.ArgumentParser:
     from dflash_qaic.runtime import options
 
-    p = argparse.ArgumentParser(
-        prog="dflash-serve-replicas",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
-    p.add_argument("artifacts", help="artifacts directory written by dflash-export")
+    p = doc_parser("dflash-serve-replicas", __doc__)
     p.add_argument("--replicas", type=int, default=None, help="replicas on consecutive devices")
     options.add_arguments(p, "device_ids", repeat=True)
     p.add_argument("--host", default="127.0.0.1", help="the router's address (default 127.0.0.1)")
