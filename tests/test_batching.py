@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from test_runtime import hf_greedy, prompt
 from test_sampling import PROMPT as SAMPLING_PROMPT
 from test_sampling import V as SAMPLING_V
 from test_sampling import exact_first_two, gof, gof_pvalue
@@ -46,17 +47,6 @@ def built(exported):
         return e.target, e.draft, e.artifacts, e.model()
 
     return make
-
-
-def prompt(n, seed):
-    return torch.randint(1, 200, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def hf_greedy(model, ids, n, eos=None):
-    out = model.generate(
-        torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=0
-    )
-    return out[0, len(ids) :].tolist()
 
 
 # ---------------------------------------------------------------- the programs
