@@ -219,6 +219,18 @@ def exported(tiny_pair, tmp_path_factory):
     return make
 
 
+@pytest.fixture
+def no_compiler(tmp_path, monkeypatch):
+    """No qaic-compile to be found: not at $QAIC_COMPILER, the SDK's directory or on PATH."""
+    from dflash_qaic.compiler import qpc
+
+    monkeypatch.delenv(qpc.COMPILER_ENV, raising=False)
+    monkeypatch.setattr(qpc, "SDK_EXEC_DIR", tmp_path / "no-sdk")
+    empty = tmp_path / "empty-path"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+
+
 def install_fake_compiler(tmp_path, monkeypatch, mode: str | None = None, log: str = "log"):
     """tests/test_compile.py's stand-in qaic-compile at tmp_path/bin, installed as the compiler
     an export finds (FAKE_QAIC_MODE `mode`, e.g. "hang"), its calls logged to tmp_path/log:

@@ -10,7 +10,6 @@ from conftest import install_fake_compiler
 
 import dflash_qaic
 from dflash_qaic.artifacts import build
-from dflash_qaic.compiler import qpc
 from dflash_qaic.exporter.cli import main
 
 SMALL = ["--prefill-seq-len", "16", "--ctx-len", "64", "--no-fp16-check"]
@@ -19,15 +18,6 @@ SMALL = ["--prefill-seq-len", "16", "--ctx-len", "64", "--no-fp16-check"]
 @pytest.fixture
 def pair(tiny_pair):
     return tiny_pair(family="qwen3", target_layer_ids=[1, 3])
-
-
-@pytest.fixture
-def no_compiler(tmp_path, monkeypatch):
-    monkeypatch.delenv(qpc.COMPILER_ENV, raising=False)
-    monkeypatch.setattr(qpc, "SDK_EXEC_DIR", tmp_path / "no-sdk")
-    empty = tmp_path / "empty-path"
-    empty.mkdir()
-    monkeypatch.setenv("PATH", str(empty))
 
 
 def snapshot(root):

@@ -622,10 +622,7 @@ def test_files_get_the_umask_permissions(pair, tmp_path):
 # the Python export / compile API, compile overrides, relative compile.cmd
 
 
-def test_python_api_export_then_compile_elsewhere(pair, tmp_path, monkeypatch):
-    monkeypatch.delenv(qpc.COMPILER_ENV, raising=False)
-    monkeypatch.setattr(qpc, "SDK_EXEC_DIR", tmp_path / "no-sdk")
-    monkeypatch.setenv("PATH", str(tmp_path))
+def test_python_api_export_then_compile_elsewhere(pair, tmp_path, monkeypatch, no_compiler):
     built = tmp_path / "built"
     m = dflash_qaic.export(
         pair[0],
