@@ -18,7 +18,7 @@ import torch
 from test_runtime import hf_greedy, prompt
 from test_sampling import PROMPT as SAMPLING_PROMPT
 from test_sampling import V as SAMPLING_V
-from test_sampling import exact_first_two, gof, gof_pvalue
+from test_sampling import batched_first_two, gof, gof_pvalue
 
 import dflash_qaic
 from dflash_qaic import checkpoints as ck
@@ -359,14 +359,7 @@ def test_batched_sampling_follows_the_target_distribution(sampling_pipe):
     """Many seeded requests of one prompt in batches of 4: the first two tokens follow the exact
     distribution of the target's own sampling (chi-square, as tests/test_sampling.py)."""
     pipe, model = sampling_pipe
-    cfg, n = (1.0, 0, 1.0), 400
-    res = pipe.generate(
-        [SAMPLING_PROMPT] * n, 2, stop_token_ids=[], temperature=cfg[0], seed=list(range(n))
-    )
-    a = np.array([r.tokens for r in res])
-    p1, p2 = exact_first_two(model, cfg)
-    assert gof_pvalue([gof(a[:, 0], p1)]) > 1e-3 / 2
-    assert gof_pvalue([gof(a[:, 1], p2)]) > 1e-3 / 2
+    a, p1, p2 = batched_first_two(pipe, model)
     # a wrong rule is caught: the second token drawn as if it were the first
     assert gof_pvalue([gof(a[:, 1], p1)]) < 1e-3 or np.allclose(p1, p2, atol=0.02)
 
