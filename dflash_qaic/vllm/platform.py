@@ -15,7 +15,8 @@ them against what the user typed, and fixes vLLM's settings so its scheduler dri
 - synchronous scheduling, one engine-core process running our worker in-process;
 - max_model_len = min(its own, ctx_len − 1): vLLM ends a request (`length`) at that many
   tokens, before our engine runs out of cache positions (it holds ctx_len); a prompt longer than
-  ctx_len − 1 − B (room for one verify block) is refused in `validate_request`, as we refuse it.
+  ctx_len − 1 − B (room for one verify block: `contract.max_prompt`, the rule `Pipeline` and
+  dflash-serve apply) is refused in `validate_request`.
 
 `validate_request` refuses (HTTP 400) what the programs cannot do, in one sentence.
 """
