@@ -584,6 +584,13 @@ def max_positions(ctx_len: int) -> int:
     return ctx_len - 1
 
 
+def max_prompt(ctx_len: int, rows: int) -> int:
+    """The prompt-room rule, for every caller: the longest prompt that leaves room for a call of
+    `rows` rows after it (DFlash: rows = B, its first verify block; the target alone: rows = 1).
+    A call of `rows` rows from position `start` fits while start ≤ max_prompt(ctx_len, rows)."""
+    return max_positions(ctx_len) - rows
+
+
 @dataclass(frozen=True)
 class ShapePlan:
     """The shapes both programs are specialized for: what the exporter compiled them for and

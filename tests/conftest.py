@@ -23,6 +23,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from dflash_lab.tiny import make_tiny_pair  # noqa: E402
+from dflash_qaic import families  # noqa: E402
 
 # the cache of checked artifact files (dflash_qaic/artifacts/files.py): one per test run, not the user's
 os.environ.setdefault("DFLASH_QAIC_CACHE_DIR", tempfile.mkdtemp(prefix="dflash-qaic-cache-"))
@@ -65,6 +66,16 @@ def tiny_pair(tmp_path_factory):
         return cache[k]
 
     return make
+
+
+@pytest.fixture
+def pair_copy(tiny_pair, tmp_path):
+    """A copy of the qwen3 tiny pair (target layers 0 and 3) under tmp_path, for a test to
+    damage: (target dir, draft dir)."""
+    t, d = tiny_pair(family="qwen3", target_layer_ids=[0, 3])
+    shutil.copytree(t, tmp_path / "target")
+    shutil.copytree(d, tmp_path / "draft")
+    return tmp_path / "target", tmp_path / "draft"
 
 
 @pytest.fixture(scope="session")
@@ -136,18 +147,10 @@ def cb_artifacts(tmp_path_factory):
 
 # ---------------------------------------------------------------- families, draft forms, exports
 
-#: The model families the tests run over, in ONE place (the families registry,
-#: dflash_qaic/families/, can supply this list): name -> dflash_lab.tiny.TinySpec fields.
-FAMILIES: dict[str, dict] = {
-    "qwen3": dict(family="qwen3"),
-    "llama": dict(family="llama"),
-    "qwen3_moe": dict(family="qwen3_moe"),
-    "qwen3_5": dict(family="qwen3_5"),
-    "qwen3_5_moe": dict(family="qwen3_5_moe"),
-    "gemma4": dict(family="gemma4"),
-    "gemma4_moe": dict(family="gemma4_moe"),
-    "gpt_oss": dict(family="gpt_oss"),
-}
+#: The model families the tests run over: the families registry's (dflash_qaic/families/), so
+#: a family added there is in every test that iterates this: name -> dflash_lab.tiny.TinySpec
+#: fields.
+FAMILIES: dict[str, dict] = {name: dict(family=name) for name in families.names()}
 #: The draft forms: name -> TinySpec fields ("sliding": one sliding and one full layer).
 DRAFT_FORMS: dict[str, dict] = {
     "dflash": {},
@@ -214,6 +217,100 @@ def exported(tiny_pair, tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture
+def no_compiler(tmp_path, monkeypatch):
+    """No qaic-compile to be found: not at $QAIC_COMPILER, the SDK's directory or on PATH."""
+    from dflash_qaic.compiler import qpc
+
+    monkeypatch.delenv(qpc.COMPILER_ENV, raising=False)
+    monkeypatch.setattr(qpc, "SDK_EXEC_DIR", tmp_path / "no-sdk")
+    empty = tmp_path / "empty-path"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+
+
+def install_fake_compiler(tmp_path, monkeypatch, mode: str | None = None, log: str = "log"):
+    """tests/test_compile.py's stand-in qaic-compile at tmp_path/bin, installed as the compiler
+    an export finds (FAKE_QAIC_MODE `mode`, e.g. "hang"), its calls logged to tmp_path/log:
+    (the script, the log)."""
+    import sys
+
+    from test_compile import FAKE_COMPILER
+
+    from dflash_qaic.compiler import qpc
+
+    script = tmp_path / "bin" / "qaic-compile"
+    script.parent.mkdir()
+    script.write_text(FAKE_COMPILER.format(python=sys.executable))
+    script.chmod(0o755)
+    monkeypatch.setenv(qpc.COMPILER_ENV, str(script))
+    monkeypatch.setenv("FAKE_QAIC_LOG", str(tmp_path / log))
+    if mode is None:
+        monkeypatch.delenv("FAKE_QAIC_MODE", raising=False)
+    else:
+        monkeypatch.setenv("FAKE_QAIC_MODE", mode)
+    return script, tmp_path / log
+
+
+# ---------------------------------------------------------------- a module's dflash-serve
+
+
+def serving(artifacts, *args, **kw):
+    """A module's `server` fixture: `yield from serving(ARTIFACTS, *dflash-serve flags)`, a real
+    dflash-serve process (serve/process.py) for the module, stopped at its end: exit 0."""
+    from dflash_qaic.serve.process import ServerProcess
+
+    with ServerProcess(artifacts, *args, **kw) as s:
+        yield s
+        assert s.stop() == 0, s.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """An `openai` client of the module's `server` (no retries)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def http(server):
+    """An httpx client of the module's `server`."""
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=120, trust_env=False) as c:
+        yield c
+
+
+def stream_lines(url: str, body: dict, each=None, timeout: float = 120) -> tuple[int, list[str]]:
+    """`body` streamed from url's /v1/completions on its own connection: (the status, the
+    lines); `each(line)` is called as each line arrives."""
+    import httpx
+
+    with httpx.Client(timeout=timeout, trust_env=False) as c:
+        with c.stream("POST", url + "/v1/completions", json=body) as r:
+            lines = []
+            for line in r.iter_lines():
+                lines.append(line)
+                if each is not None:
+                    each(line)
+            return r.status_code, lines
+
+
+def leave_mid_stream(http, prompt) -> None:
+    """A long streamed completion the client leaves after its second chunk, closing the
+    connection mid-stream."""
+    body = dict(prompt=prompt, max_tokens=700, ignore_eos=True, temperature=0, stream=True)
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: ")
+            if seen == 2:
+                break  # leaving the block closes the connection mid-stream
+    assert seen == 2
 
 
 # ---------------------------------------------------------------- xdist: what shares a worker

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 import dflash_qaic
-from dflash_qaic.compiler import qpc
 from dflash_qaic.exporter import options as table
 from dflash_qaic.exporter.cli import RECIPE_KEYS, parser
 from dflash_qaic.exporter.options import ExportError, ExportOptions
@@ -21,7 +20,6 @@ SMALL = dict(prefill_seq_len=16, ctx_len=64, fp16_check=False)
 
 
 def test_export_and_compile_are_plain_functions():
-    from dflash_qaic.compiler import qpc  # noqa: F401  (the subpackages have their own names)
     from dflash_qaic.exporter import cli  # noqa: F401
 
     for fn in (dflash_qaic.export, dflash_qaic.compile):
@@ -105,14 +103,11 @@ def test_no_stage_imports_one_after_it():
 
 
 def test_python_export_and_compile_log_instead_of_printing(
-    tiny_pair, tmp_path, monkeypatch, caplog, capsys
+    tiny_pair, tmp_path, monkeypatch, caplog, capsys, no_compiler
 ):
     t, d = tiny_pair(family="qwen3", target_layer_ids=[1, 3])
     # a CLI run earlier in this process (logs.show) may have installed its console handler
     monkeypatch.setattr(logging.getLogger("dflash_qaic"), "handlers", [])
-    monkeypatch.delenv(qpc.COMPILER_ENV, raising=False)
-    monkeypatch.setattr(qpc, "SDK_EXEC_DIR", tmp_path / "no-sdk")
-    monkeypatch.setenv("PATH", str(tmp_path))
     caplog.set_level(logging.INFO, logger="dflash_qaic")
     m = dflash_qaic.export(t, d, tmp_path / "art", num_speculative_tokens=3, compile=False, **SMALL)
     assert m.block_size == 4 and m.options["compile"] is False

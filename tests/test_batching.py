@@ -15,9 +15,10 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from test_runtime import hf_greedy, prompt
 from test_sampling import PROMPT as SAMPLING_PROMPT
 from test_sampling import V as SAMPLING_V
-from test_sampling import exact_first_two, gof, gof_pvalue
+from test_sampling import batched_first_two, gof, gof_pvalue
 
 import dflash_qaic
 from dflash_qaic import checkpoints as ck
@@ -46,17 +47,6 @@ def built(exported):
         return e.target, e.draft, e.artifacts, e.model()
 
     return make
-
-
-def prompt(n, seed):
-    return torch.randint(1, 200, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def hf_greedy(model, ids, n, eos=None):
-    out = model.generate(
-        torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=0
-    )
-    return out[0, len(ids) :].tolist()
 
 
 # ---------------------------------------------------------------- the programs
@@ -369,14 +359,7 @@ def test_batched_sampling_follows_the_target_distribution(sampling_pipe):
     """Many seeded requests of one prompt in batches of 4: the first two tokens follow the exact
     distribution of the target's own sampling (chi-square, as tests/test_sampling.py)."""
     pipe, model = sampling_pipe
-    cfg, n = (1.0, 0, 1.0), 400
-    res = pipe.generate(
-        [SAMPLING_PROMPT] * n, 2, stop_token_ids=[], temperature=cfg[0], seed=list(range(n))
-    )
-    a = np.array([r.tokens for r in res])
-    p1, p2 = exact_first_two(model, cfg)
-    assert gof_pvalue([gof(a[:, 0], p1)]) > 1e-3 / 2
-    assert gof_pvalue([gof(a[:, 1], p2)]) > 1e-3 / 2
+    a, p1, p2 = batched_first_two(pipe, model)
     # a wrong rule is caught: the second token drawn as if it were the first
     assert gof_pvalue([gof(a[:, 1], p1)]) < 1e-3 or np.allclose(p1, p2, atol=0.02)
 

@@ -1,4 +1,4 @@
-"""Checkpoint checks by name and in order (issue 36): config fields type-checked by name, weights
+"""Checkpoint checks by name and in order: config fields type-checked by name, weights
 beyond fp16's range refused while the checkpoint is read (before any tracing), and the root
 cause of a bad pair reported first (config before shapes before values)."""
 
@@ -11,21 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+from test_checkpoints import edit_tensors
 
 from dflash_qaic import checkpoints as ck
 from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
 from dflash_qaic.exporter import weights
 
 OPTS = dict(ctx_len=48, prefill_seq_len=12, compile=False)
-
-
-@pytest.fixture
-def pair(tiny_pair, tmp_path):
-    t, d = tiny_pair(family="qwen3", target_layer_ids=[0, 3])
-    shutil.copytree(t, tmp_path / "target")
-    shutil.copytree(d, tmp_path / "draft")
-    return tmp_path / "target", tmp_path / "draft"
 
 
 def set_field(directory, dotted: str, value) -> None:
@@ -38,13 +31,6 @@ def set_field(directory, dotted: str, value) -> None:
         node = node.setdefault(k, {})
     node[key] = value
     path.write_text(json.dumps(cfg))
-
-
-def edit_tensors(directory, fn):
-    path = directory / "model.safetensors"
-    state = load_file(str(path))
-    fn(state)
-    save_file(state, str(path))
 
 
 def refused(fn, *args) -> str:
@@ -82,21 +68,23 @@ BAD_FIELDS = [
     BAD_FIELDS,
     ids=[f"{w}-{f}-{json.dumps(v)}" for w, f, v, _ in BAD_FIELDS],
 )
-def test_config_field_of_the_wrong_type_is_refused_by_name(pair, which, field, value, expected):
+def test_config_field_of_the_wrong_type_is_refused_by_name(
+    pair_copy, which, field, value, expected
+):
     """Not coerced ([1.5, 3] -> [1, 3], 255.7 -> 255), not a bare int() / transformers error:
     the message names the file, the field, the value found and the type expected."""
-    d = pair[0] if which == "target" else pair[1]
+    d = pair_copy[0] if which == "target" else pair_copy[1]
     set_field(d, field, value)
-    msg = refused(ck.read_pair, *pair)
+    msg = refused(ck.read_pair, *pair_copy)
     named = f"{field}.rope_theta" if isinstance(value, dict) else field
     assert str(d / "config.json") in msg and f"`{named}`" in msg, msg
     shown = json.dumps(value["rope_theta"] if isinstance(value, dict) else value)
     assert shown in msg and expected in msg, msg
 
 
-def test_null_fields_are_absent_fields(pair):
+def test_null_fields_are_absent_fields(pair_copy):
     """Published configs write null for unset optional fields: read as absent, not refused."""
-    t, d = pair
+    t, d = pair_copy
     for field in ("rope_scaling", "head_dim", "sliding_window"):
         set_field(t, field, None)
     set_field(d, "dflash_config.final_logit_softcapping", None)
@@ -117,38 +105,38 @@ def test_text_config_field_named_with_its_section(tiny_pair, tmp_path):
 # ---------------------------------------------------------------- root cause first
 
 
-def test_layer_ids_of_another_target_reported_before_the_fc_shape(pair):
+def test_layer_ids_of_another_target_reported_before_the_fc_shape(pair_copy):
     """A draft whose ids are out of the target's range and whose fc does not fit them: the id
     (a draft made for another target) is the root cause, reported first."""
-    t, d = pair
+    t, d = pair_copy
     set_field(d, "dflash_config.target_layer_ids", [0, 9])
     edit_tensors(d, lambda s: s.update({"fc.weight": torch.zeros(64, 192)}))
     msg = refused(ck.read_pair, t, d)
     assert "target_layer_ids` [0, 9] has ids out of range [9]" in msg, msg
 
 
-def test_pair_mismatch_reported_before_the_draft_shapes(pair):
+def test_pair_mismatch_reported_before_the_draft_shapes(pair_copy):
     """A draft config for another attention shape, its tensors of that shape: the mismatch with
     the target is reported, not the draft's q_proj shape."""
-    t, d = pair
+    t, d = pair_copy
     set_field(d, "num_attention_heads", 8)
     msg = refused(ck.read_pair, t, d)
     assert "`num_attention_heads` is 8 but the target" in msg, msg
 
 
-def test_unsupported_target_config_reported_before_tensor_shapes(pair):
-    t, _ = pair
+def test_unsupported_target_config_reported_before_tensor_shapes(pair_copy):
+    t, _ = pair_copy
     set_field(t, "hidden_act", "gelu")
     edit_tensors(t, lambda s: s.update({"model.norm.weight": torch.ones(3)}))
-    msg = refused(ck.read_pair, *pair)
+    msg = refused(ck.read_pair, *pair_copy)
     assert "hidden_act 'gelu' is not supported" in msg, msg
 
 
-def test_target_config_reported_before_its_missing_weights(pair):
-    t, _ = pair
+def test_target_config_reported_before_its_missing_weights(pair_copy):
+    t, _ = pair_copy
     set_field(t, "vocab_size", 0)
     (t / "model.safetensors").unlink()
-    msg = refused(ck.read_pair, *pair)
+    msg = refused(ck.read_pair, *pair_copy)
     assert "`vocab_size` is 0" in msg, msg
 
 
@@ -171,14 +159,16 @@ POKES = [
 
 
 @pytest.mark.parametrize("prog, name, value", POKES, ids=[f"{p}-{v:g}" for p, _, v in POKES])
-def test_weight_beyond_fp16_refused_before_tracing(pair, tmp_path, monkeypatch, prog, name, value):
-    p = ck.read_pair(*pair)
+def test_weight_beyond_fp16_refused_before_tracing(
+    pair_copy, tmp_path, monkeypatch, prog, name, value
+):
+    p = ck.read_pair(*pair_copy)
     info = (p.target_tensors if prog == "target" else p.draft_tensors)[name]
     _poke(info, value)
     traced = []
     monkeypatch.setattr(weights, "placeholder_target", lambda *a: traced.append(a))
     with pytest.raises(ck.CheckpointError) as e:
-        build_artifacts(*pair, tmp_path / "out", ExportOptions(**OPTS))
+        build_artifacts(*pair_copy, tmp_path / "out", ExportOptions(**OPTS))
     msg = str(e.value)
     assert not traced, "the weights are checked before any tracing"
     assert f"{info.file}: tensor `{info.name}`" in msg, msg
@@ -189,8 +179,8 @@ def test_weight_beyond_fp16_refused_before_tracing(pair, tmp_path, monkeypatch, 
     assert not (tmp_path / "out").exists()
 
 
-def test_fp16_limit_is_exact_and_unused_tensors_are_not_checked(pair):
-    t, d = pair
+def test_fp16_limit_is_exact_and_unused_tensors_are_not_checked(pair_copy):
+    t, d = pair_copy
     p = ck.read_pair(t, d)
     info = p.target_tensors["model.norm.weight"]
     _poke(info, 65504.0)  # fp16's largest finite value: fits
@@ -202,11 +192,11 @@ def test_fp16_limit_is_exact_and_unused_tensors_are_not_checked(pair):
     assert "65505" in refused(ck.check_weight_values, p)
 
 
-def test_fc_is_checked_as_the_card_sees_it_scaled(pair, tmp_path):
+def test_fc_is_checked_as_the_card_sees_it_scaled(pair_copy, tmp_path):
     """The export divides fc by its fp16 scale (docs/DESIGN.md, fp16): a raw fc element of 1e23
     is not refused; its scale is finite (its squares overflow fp32: the norm is taken in fp64),
     and the programs run finite in fp16."""
-    t, d = pair
+    t, d = pair_copy
     p = ck.read_pair(t, d)
     _poke(p.draft_tensors["fc.weight"], 1e23)
     res = build_artifacts(t, d, tmp_path / "out", ExportOptions(**OPTS, fp16_check=True))

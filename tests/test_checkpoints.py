@@ -12,14 +12,6 @@ from safetensors.torch import load_file, save_file
 from dflash_qaic import checkpoints as ck
 
 
-@pytest.fixture
-def pair(tiny_pair, tmp_path):
-    t, d = tiny_pair(family="qwen3", target_layer_ids=[0, 3])
-    shutil.copytree(t, tmp_path / "target")
-    shutil.copytree(d, tmp_path / "draft")
-    return tmp_path / "target", tmp_path / "draft"
-
-
 def edit_config(directory, **changes):
     path = directory / "config.json"
     cfg = json.loads(path.read_text())
@@ -44,8 +36,8 @@ def edit_tensors(directory, fn):
     save_file(state, str(path))
 
 
-def test_good_pair_reads(pair):
-    p = ck.read_pair(*pair)
+def test_good_pair_reads(pair_copy):
+    p = ck.read_pair(*pair_copy)
     assert p.target.family == "qwen3"
     assert p.draft.target_layer_ids == (0, 3)
     assert p.draft.block_size == 8 and p.draft.mask_token_id == 255
@@ -62,21 +54,21 @@ def test_default_layer_rule():
     assert ck.default_target_layer_ids(28, 3) == [1, 13, 25]
 
 
-def test_default_layer_ids_when_absent(pair):
-    _, d = pair
+def test_default_layer_ids_when_absent(pair_copy):
+    _, d = pair_copy
     edit_config(d, **{"dflash_config.target_layer_ids": None})
     cfg = ck.read_draft_config(d)
     assert cfg.target_layer_ids == tuple(ck.default_target_layer_ids(4, 2))
 
 
-def test_block_size_inside_dflash_config(pair):
-    _, d = pair
+def test_block_size_inside_dflash_config(pair_copy):
+    _, d = pair_copy
     edit_config(d, block_size=None, **{"dflash_config.block_size": 16})
     assert ck.read_draft_config(d).block_size == 16
 
 
-def test_rope_theta_both_spellings(pair):
-    t, d = pair
+def test_rope_theta_both_spellings(pair_copy):
+    t, d = pair_copy
     edit_config(d, rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
     assert ck.read_draft_config(d).rope_theta == 5e5
     assert ck.read_target_config(t).rope_theta == 10000.0
@@ -92,21 +84,21 @@ def test_missing_directory(tmp_path):
     _raises("does not exist", ck.read_target_config, tmp_path / "nope")
 
 
-def test_missing_config(pair):
-    t, d = pair
+def test_missing_config(pair_copy):
+    t, d = pair_copy
     (d / "config.json").unlink()
     msg = _raises("config.json is missing", ck.read_pair, t, d)
     assert str(d) in msg
 
 
-def test_missing_weights(pair):
-    t, d = pair
+def test_missing_weights(pair_copy):
+    t, d = pair_copy
     (t / "model.safetensors").unlink()
     _raises(r"no \*\.safetensors", ck.read_pair, t, d)
 
 
-def test_unknown_keys_dflash2(pair):
-    t, d = pair
+def test_unknown_keys_dflash2(pair_copy):
+    t, d = pair_copy
     edit_tensors(
         d, lambda s: s.update({"candidate_selector.hidden_projection.weight": torch.zeros(4, 64)})
     )
@@ -114,27 +106,27 @@ def test_unknown_keys_dflash2(pair):
     assert "candidate_selector.hidden_projection.weight" in msg and "model.safetensors" in msg
 
 
-def test_missing_keys(pair):
-    t, d = pair
+def test_missing_keys(pair_copy):
+    t, d = pair_copy
     edit_tensors(d, lambda s: s.pop("layers.1.mlp.up_proj.weight"))
     msg = _raises("missing tensor keys", ck.read_pair, t, d)
     assert "layers.1.mlp.up_proj.weight" in msg
 
 
-def test_wrong_tensor_shape(pair):
-    t, d = pair
+def test_wrong_tensor_shape(pair_copy):
+    t, d = pair_copy
     edit_tensors(d, lambda s: s.update({"fc.weight": torch.zeros(64, 192)}))
     _raises(r"`fc.weight` has shape \[64, 192\], expected \[64, 128\]", ck.read_pair, t, d)
 
 
-def test_wrong_architecture(pair):
-    t, d = pair
+def test_wrong_architecture(pair_copy):
+    t, d = pair_copy
     edit_config(d, architectures=["Qwen3ForCausalLM"])
     _raises("expected \\['DFlashDraftModel'\\]", ck.read_pair, t, d)
 
 
-def test_unsupported_target(pair):
-    t, d = pair
+def test_unsupported_target(pair_copy):
+    t, d = pair_copy
     edit_config(t, architectures=["GPT2LMHeadModel"], model_type="gpt2")
     _raises("not supported", ck.read_pair, t, d)
 
@@ -149,8 +141,8 @@ def test_unsupported_target(pair):
         ("num_target_layers", 6, "`num_target_layers` is 6 but the target has 4"),
     ],
 )
-def test_pair_mismatch(pair, field, value, match):
-    t, d = pair
+def test_pair_mismatch(pair_copy, field, value, match):
+    t, d = pair_copy
     edit_config(d, **{field: value})
     if field in ("num_attention_heads", "head_dim"):
         # keep the tensor layout consistent so the config mismatch is what is reported
@@ -168,56 +160,56 @@ def test_pair_mismatch(pair, field, value, match):
     assert str(d / "config.json") in msg
 
 
-def test_hidden_size_mismatch(pair):
-    t, d = pair
+def test_hidden_size_mismatch(pair_copy):
+    t, d = pair_copy
     edit_config(t, hidden_size=128, head_dim=16)
     _raises("`hidden_size` is 64 but the target", ck.read_pair, t, d)
 
 
-def test_layer_ids_out_of_range(pair):
-    t, d = pair
+def test_layer_ids_out_of_range(pair_copy):
+    t, d = pair_copy
     edit_config(d, **{"dflash_config.target_layer_ids": [0, 4]})
     msg = _raises(r"target_layer_ids` \[0, 4\] has ids out of range \[4\]", ck.read_pair, t, d)
     assert "0 … 3" in msg
 
 
-def test_mask_outside_vocab(pair):
-    t, d = pair
+def test_mask_outside_vocab(pair_copy):
+    t, d = pair_copy
     edit_config(d, **{"dflash_config.mask_token_id": 256})
     _raises("mask_token_id` 256 is outside the target's vocabulary", ck.read_pair, t, d)
 
 
-def test_mask_missing(pair):
-    t, d = pair
+def test_mask_missing(pair_copy):
+    t, d = pair_copy
     edit_config(d, **{"dflash_config.mask_token_id": None})
     _raises("mask_token_id` is missing", ck.read_pair, t, d)
 
 
-def test_block_size_too_small(pair):
-    t, d = pair
+def test_block_size_too_small(pair_copy):
+    t, d = pair_copy
     edit_config(d, block_size=1, **{"dflash_config.block_size": 1})
     _raises("`block_size` is 1", ck.read_pair, t, d)
 
 
-def test_block_size_missing(pair):
-    t, d = pair
+def test_block_size_missing(pair_copy):
+    t, d = pair_copy
     edit_config(d, block_size=None, **{"dflash_config.block_size": None})
     _raises("`block_size` is missing", ck.read_pair, t, d)
 
 
-def test_causal_draft_read(pair):
-    t, d = pair
+def test_causal_draft_read(pair_copy):
+    t, d = pair_copy
     edit_config(d, is_causal=True)  # causal in the block, every layer (tests/test_sliding.py)
     assert ck.read_pair(t, d).draft.layer_attention(0) == (True, None)
 
 
-def test_loads_weights(pair):
-    p = ck.read_pair(*pair)
+def test_loads_weights(pair_copy):
+    p = ck.read_pair(*pair_copy)
     model = ck.load_target_model(p.target)
     state = ck.load_draft_state(p.draft)
     assert model.config.num_hidden_layers == 4
     assert len(state) == 3 + 11 * 2 and all(v.dtype == torch.float32 for v in state.values())
-    assert len(ck.file_digest(pair[1])) == 64
+    assert len(ck.file_digest(pair_copy[1])) == 64
 
 
 def test_fp16_fc_scale():
@@ -226,7 +218,7 @@ def test_fp16_fc_scale():
     assert ck.fp16_fc_scale(torch.full((4, 16), 0.01)) == 1.0
 
 
-# ---------------------------------------------------------------- formats and damage (issue 17)
+# ---------------------------------------------------------------- formats and damage
 
 
 @pytest.fixture
@@ -295,53 +287,53 @@ def test_corrupt_safetensors(sharded, damage, match):
     assert str(f) in msg and "download or save it again" in msg
 
 
-def test_unsupported_dtype(pair):
-    t, d = pair
+def test_unsupported_dtype(pair_copy):
+    t, d = pair_copy
     edit_tensors(t, lambda s: s.update({"model.norm.weight": s["model.norm.weight"].double()}))
     _raises(
         r"tensor `model.norm.weight` has dtype F64; supported: F32, F16, BF16", ck.read_pair, t, d
     )
 
 
-def test_target_missing_one_tensor(pair):
-    t, d = pair
+def test_target_missing_one_tensor(pair_copy):
+    t, d = pair_copy
     edit_tensors(t, lambda s: s.pop("model.layers.2.mlp.down_proj.weight"))
     _raises(r"missing tensor keys \['model.layers.2.mlp.down_proj.weight'\]", ck.read_pair, t, d)
 
 
-def test_untied_target_without_lm_head(pair):
-    t, d = pair
+def test_untied_target_without_lm_head(pair_copy):
+    t, d = pair_copy
     edit_config(t, tie_word_embeddings=False)
     _raises(r"missing tensor keys \['lm_head.weight'\]", ck.read_pair, t, d)
 
 
-def test_target_unknown_tensor(pair):
-    t, d = pair
+def test_target_unknown_tensor(pair_copy):
+    t, d = pair_copy
     edit_tensors(t, lambda s: s.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)}))
     _raises("unknown tensor keys .*model.layers.0.mlp.extra.weight", ck.read_pair, t, d)
 
 
-def test_target_wrong_shape(pair):
-    t, d = pair
+def test_target_wrong_shape(pair_copy):
+    t, d = pair_copy
     edit_tensors(t, lambda s: s.update({"model.norm.weight": torch.ones(3)}))
     _raises(r"`model.norm.weight` has shape \[3\], expected \[64\]", ck.read_pair, t, d)
 
 
-def test_config_is_a_list(pair):
-    t, d = pair
+def test_config_is_a_list(pair_copy):
+    t, d = pair_copy
     (t / "config.json").write_text("[1, 2]")
     _raises("holds a JSON list, not an object", ck.read_pair, t, d)
 
 
-def test_config_not_utf8(pair):
-    t, d = pair
+def test_config_not_utf8(pair_copy):
+    t, d = pair_copy
     (d / "config.json").write_bytes(b'{"hidden_size": "\xff\xfe"}')
     _raises("is not UTF-8 text", ck.read_pair, t, d)
 
 
 @pytest.mark.parametrize("value", [None, 0, -2, 1.5, "64"])
-def test_config_bad_field(pair, value):
-    t, d = pair
+def test_config_bad_field(pair_copy, value):
+    t, d = pair_copy
     edit_config(t, num_hidden_layers=0)  # placeholder, replaced below (edit_config drops None)
     cfg = json.loads((t / "config.json").read_text())
     cfg["num_hidden_layers"] = value

@@ -235,15 +235,6 @@ if mode == "hang":
 
 
 @pytest.fixture
-def no_compiler(tmp_path, monkeypatch):
-    monkeypatch.delenv(qpc.COMPILER_ENV, raising=False)
-    monkeypatch.setattr(qpc, "SDK_EXEC_DIR", tmp_path / "no-sdk")
-    empty = tmp_path / "empty-path"
-    empty.mkdir()
-    monkeypatch.setenv("PATH", str(empty))
-
-
-@pytest.fixture
 def fake_compiler(tmp_path, monkeypatch):
     """A stand-in compiler; returns a function giving the recorded argv lists."""
     script = tmp_path / "bin" / "fake-qaic-compile"

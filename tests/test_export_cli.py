@@ -4,14 +4,12 @@ clear errors before heavy work, and nothing that looks complete after a failure.
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
-from test_compile import FAKE_COMPILER
+from conftest import install_fake_compiler
 
 import dflash_qaic
 from dflash_qaic.artifacts import build
-from dflash_qaic.compiler import qpc
 from dflash_qaic.exporter.cli import main
 
 SMALL = ["--prefill-seq-len", "16", "--ctx-len", "64", "--no-fp16-check"]
@@ -20,15 +18,6 @@ SMALL = ["--prefill-seq-len", "16", "--ctx-len", "64", "--no-fp16-check"]
 @pytest.fixture
 def pair(tiny_pair):
     return tiny_pair(family="qwen3", target_layer_ids=[1, 3])
-
-
-@pytest.fixture
-def no_compiler(tmp_path, monkeypatch):
-    monkeypatch.delenv(qpc.COMPILER_ENV, raising=False)
-    monkeypatch.setattr(qpc, "SDK_EXEC_DIR", tmp_path / "no-sdk")
-    empty = tmp_path / "empty-path"
-    empty.mkdir()
-    monkeypatch.setenv("PATH", str(empty))
 
 
 def snapshot(root):
@@ -82,14 +71,7 @@ def test_export_without_compiler_then_reuse(pair, tmp_path, capsys, no_compiler)
 
 def test_compile_with_stand_in_compiler(pair, tmp_path, capsys, monkeypatch):
     t, d = pair
-    script = tmp_path / "bin" / "qaic-compile"
-    script.parent.mkdir()
-    script.write_text(FAKE_COMPILER.format(python=sys.executable))
-    script.chmod(0o755)
-    log = tmp_path / "calls.jsonl"
-    monkeypatch.setenv(qpc.COMPILER_ENV, str(script))
-    monkeypatch.setenv("FAKE_QAIC_LOG", str(log))
-    monkeypatch.delenv("FAKE_QAIC_MODE", raising=False)
+    _, log = install_fake_compiler(tmp_path, monkeypatch, log="calls.jsonl")
     out = tmp_path / "art"
     rc, stdout, _ = run(capsys, "--target", t, "--draft", d, "--out", out, *SMALL)
     assert rc == 0 and "compilation skipped" not in stdout

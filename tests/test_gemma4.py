@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import target_checks as checks
 import torch
 from spec_loop import hf_greedy, program_io
 from test_target_export import (
@@ -21,12 +22,9 @@ from test_target_export import (
     CHUNK,
     CTX,
     VOCAB,
-    Runner,
     hf_reference,
     make_draft_side,
     margin_ok,
-    run_flow,
-    session,
 )
 
 from dflash_qaic import contract
@@ -104,47 +102,24 @@ FORMS += [pytest.param("multimodal", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module", params=FORMS)
-def exported(request, tmp_path_factory):
-    model = make_gemma4(request.param)
-    fc, hn_w, hn_eps = make_draft_side(len(LAYER_IDS))
+def target_program(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"gemma4_{request.param}") / "target.onnx"
-    facts = export_target(
-        model,
-        fc,
-        hn_w,
-        hn_eps,
-        LAYER_IDS,
-        path,
-        ctx_len=CTX,
-        prefill_seq_len=CHUNK,
-        block_size=BLOCK,
-        emit_logits=True,
-    )
-    io = program_io(facts, path)
-    assert io.layer_kv == LAYER_KV
-    assert io.ring_slots == tuple(
+    e = checks.export_program(make_gemma4(request.param), LAYER_IDS, path)
+    assert e["io"].layer_kv == LAYER_KV
+    assert e["io"].ring_slots == tuple(
         WINDOW + CHUNK if t == "sliding_attention" else 0 for t in LAYER_TYPES
     )
-    return dict(model=model, fc=fc, hn=(hn_w, hn_eps), facts=facts, io=io, path=path)
+    return e
 
 
 @pytest.mark.parametrize("prompt_len", [21, 13])
-def test_prefill_verify_decode_match_hf(exported, prompt_len):
-    e = exported
-    rng = np.random.default_rng(prompt_len)
-    seq = rng.integers(0, VOCAB, prompt_len + BLOCK + 1).tolist()
-    got = run_flow(Runner(session(str(e["path"])), e["io"]), seq, prompt_len)
-    ref_logits, ref_hidden, _ = hf_reference(e["model"], seq, LAYER_IDS, e["fc"], *e["hn"])
+def test_prefill_verify_decode_match_hf(target_program, prompt_len):
+    ref_logits = checks.check_against_hf(target_program, LAYER_IDS, prompt_len)
     assert np.abs(ref_logits).max() < 30.0  # soft-capped
-    np.testing.assert_allclose(got[contract.LOGITS], ref_logits, atol=2e-4, rtol=1e-4)
-    clear = margin_ok(ref_logits, 1e-3)
-    assert clear.sum() >= len(seq) - 2
-    np.testing.assert_array_equal(got[contract.NEXT_TOKENS][clear], ref_logits.argmax(-1)[clear])
-    np.testing.assert_allclose(got[contract.HIDDEN_STATES], ref_hidden, atol=1e-4, rtol=1e-4)
 
 
-def test_program_declares_each_layers_cache(exported):
-    shapes = {s["name"]: s["shape"] for s in exported["facts"]["inputs"]}
+def test_program_declares_each_layers_cache(target_program):
+    shapes = {s["name"]: s["shape"] for s in target_program["facts"]["inputs"]}
     ring = WINDOW + CHUNK  # R + 1 slots, R = W + S − 1
     assert shapes[contract.past_key(0)][1:] == [2, ring, 16]  # sliding: a ring, 2 heads of 16
     assert shapes[contract.past_value(2)][1:] == [1, contract.CTX, 32]  # full: 1 head of 32 (V = K)
@@ -188,7 +163,7 @@ def test_fp16_faithful_with_a_massive_channel(tmp_path):
     post_feedforward_layernorm weight, as Gemma's checkpoints have, then √H-scaled embeddings
     and soft-capped logits downstream); the fp16-faithful program gives the fp32 tokens with
     nothing near fp16's limit."""
-    from test_fp16 import CH, SEQS, TRIGGERS, faithful_program, plant_massive, target_flow
+    from test_fp16 import CH, SEQS, TRIGGERS, plant_massive, target_flow
 
     model = make_gemma4("text")
     lm = model.model
@@ -208,18 +183,10 @@ def test_fp16_faithful_with_a_massive_channel(tmp_path):
         norm[CH] *= 1800.0 / measure()
     assert 1500.0 < measure() < 2100.0  # 3600 before layer 0's scalar 0.5
     lm.norm.weight[CH] = 0.05  # as in real checkpoints, the final norm damps the channel
-    fc, hn_w, hn_eps = make_draft_side(len(LAYER_IDS))
-    path = tmp_path / "target.onnx"
-    facts = export_target(
-        model, fc, hn_w, hn_eps, LAYER_IDS, path, ctx_len=CTX, prefill_seq_len=CHUNK,
-        block_size=BLOCK,
-    )  # fmt: skip
-    faithful = facts["check"]["fp16_faithful"]
-    assert faithful["ran"] and faithful["flagged"] == [], faithful
-    prog = faithful_program(path, program_io(facts, path))
+    e, prog = checks.faithful_export(model, LAYER_IDS, tmp_path / "target.onnx")
     for p, seq in zip((16, 13), SEQS):
         got = target_flow(prog, seq, p)
-        logits, hidden, _ = hf_reference(model, seq, LAYER_IDS, fc, hn_w, hn_eps)
+        logits, hidden, _ = hf_reference(model, seq, LAYER_IDS, e["fc"], *e["hn"])
         # fp32's argmax wherever it is clear by 0.05 (fp16 rounding moves logits ~1e-2; this
         # tiny random model has near-ties), and a near-tie's pick within 0.05 of the best
         tokens, clear = got[contract.NEXT_TOKENS], margin_ok(logits, 0.05)
@@ -238,25 +205,14 @@ def test_fp16_faithful_with_a_massive_channel(tmp_path):
 # ---------------------------------------------------------------- lossless decoding
 
 
-def test_speculative_decoding_equals_hf_generate(exported):
+def test_speculative_decoding_equals_hf_generate(target_program):
     """Whatever a block's acceptance (0 … B − 1 proposals kept), the committed tokens are
     Hugging Face's greedy `generate` (soft-capped logits, both layer kinds' caches rolled back)."""
-    from spec_loop import hf_greedy, speculate
-
-    prompt = np.random.default_rng(7).integers(0, VOCAB, 11).tolist()
-    n = 24
-    ref = hf_greedy(exported["model"], prompt, n)
-    got, accepted = speculate(
-        Runner(session(str(exported["path"])), exported["io"]), prompt, ref, n
-    )
-    assert got == ref
-    assert set(accepted) == set(range(BLOCK))
+    checks.check_speculation_equals_hf(target_program)
 
 
-def test_batched_equals_solo(exported):
-    from spec_loop import assert_batched_equals_solo
-
-    assert_batched_equals_solo(session(str(exported["path"])), exported["io"])
+def test_batched_equals_solo(target_program):
+    checks.check_batched_equals_solo(target_program)
 
 
 # ---------------------------------------------------------------- from the checkpoints

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import target_checks as checks
 import torch
 from spec_loop import program_io
 from test_target_export import (
@@ -22,12 +23,8 @@ from test_target_export import (
     CHUNK,
     CTX,
     VOCAB,
-    Runner,
     hf_reference,
     make_draft_side,
-    margin_ok,
-    run_flow,
-    session,
 )
 
 from dflash_qaic import checkpoints as ck
@@ -114,42 +111,20 @@ def test_moe_block_matches_hf(gpt_oss_model):
 
 
 @pytest.fixture(scope="module")
-def exported(gpt_oss_model, tmp_path_factory):
-    fc, hn_w, hn_eps = make_draft_side(len(LAYER_IDS))
+def target_program(gpt_oss_model, tmp_path_factory):
     path = tmp_path_factory.mktemp("gpt_oss") / "target.onnx"
-    facts = export_target(
-        gpt_oss_model,
-        fc,
-        hn_w,
-        hn_eps,
-        LAYER_IDS,
-        path,
-        ctx_len=CTX,
-        prefill_seq_len=CHUNK,
-        block_size=BLOCK,
-        emit_logits=True,
-    )
-    io = program_io(facts, path)
-    assert io.ring_slots == (WINDOW + CHUNK, 0, WINDOW + CHUNK, 0)  # sliding layers: rings
-    return dict(model=gpt_oss_model, fc=fc, hn=(hn_w, hn_eps), facts=facts, io=io, path=path)
+    e = checks.export_program(gpt_oss_model, LAYER_IDS, path)
+    assert e["io"].ring_slots == (WINDOW + CHUNK, 0, WINDOW + CHUNK, 0)  # sliding layers: rings
+    return e
 
 
 @pytest.mark.parametrize("prompt_len", [21, 13])
-def test_prefill_verify_decode_match_hf(exported, prompt_len):
-    e = exported
-    rng = np.random.default_rng(prompt_len)
-    seq = rng.integers(0, VOCAB, prompt_len + BLOCK + 1).tolist()
-    got = run_flow(Runner(session(str(e["path"])), e["io"]), seq, prompt_len)
-    ref_logits, ref_hidden, _ = hf_reference(e["model"], seq, LAYER_IDS, e["fc"], *e["hn"])
-    np.testing.assert_allclose(got[contract.LOGITS], ref_logits, atol=2e-4, rtol=1e-4)
-    clear = margin_ok(ref_logits, 1e-3)
-    assert clear.sum() >= len(seq) - 2
-    np.testing.assert_array_equal(got[contract.NEXT_TOKENS][clear], ref_logits.argmax(-1)[clear])
-    np.testing.assert_allclose(got[contract.HIDDEN_STATES], ref_hidden, atol=1e-4, rtol=1e-4)
-    assert e["facts"]["model_type"] == "gpt_oss"
+def test_prefill_verify_decode_match_hf(target_program, prompt_len):
+    checks.check_against_hf(target_program, LAYER_IDS, prompt_len)
+    assert target_program["facts"]["model_type"] == "gpt_oss"
 
 
-def test_cost_profile_counts_each_calls_experts(exported):
+def test_cost_profile_counts_each_calls_experts(target_program):
     """The AI100 cost profile (bench/project.py count_graph) sees a call's experts as gathered
     rows: a call of n rows reads U = min(n·k, E) experts per layer (their weights and biases),
     never all E, which a verify-length choice then weighs (docs/DESIGN.md, A verify's experts;
@@ -158,7 +133,7 @@ def test_cost_profile_counts_each_calls_experts(exported):
 
     from dflash_qaic.bench.project import count_graph
 
-    model = onnx.load(str(exported["path"]), load_external_data=False)
+    model = onnx.load(str(target_program["path"]), load_external_data=False)
     per_expert = 2 * INTER * H + H * INTER + 2 * INTER + H  # gate_up, down and their biases
     ctx = {contract.BATCH: 1, contract.CTX: CTX, contract.CCL: CTX, contract.SAMPLE: 1}
     for n in (1, 2, 4):
@@ -265,23 +240,15 @@ def test_mxfp4_streamed_from_file(tmp_path):
 def test_fp16_faithful_with_a_massive_channel(tmp_path):
     """Trigger tokens carry ~3000 in one residual channel through sinks, routers and the clamped
     experts: the fp16-faithful program gives the fp32 tokens, nothing near fp16's limit."""
-    from test_fp16 import CH, SEQS, TRIGGERS, assert_same_tokens, faithful_program, target_flow
+    from test_fp16 import CH, SEQS, TRIGGERS, assert_same_tokens, target_flow
 
     model = make_gpt_oss()
     model.model.embed_tokens.weight[TRIGGERS, CH] = 3000.0
     model.model.norm.weight[CH] = 0.05
-    fc, hn_w, hn_eps = make_draft_side(len(LAYER_IDS))
-    path = tmp_path / "target.onnx"
-    facts = export_target(
-        model, fc, hn_w, hn_eps, LAYER_IDS, path, ctx_len=CTX, prefill_seq_len=CHUNK,
-        block_size=BLOCK,
-    )  # fmt: skip
-    faithful = facts["check"]["fp16_faithful"]
-    assert faithful["ran"] and faithful["flagged"] == [], faithful
-    prog = faithful_program(path, program_io(facts, path))
+    e, prog = checks.faithful_export(model, LAYER_IDS, tmp_path / "target.onnx")
     for p, seq in zip((16, 13), SEQS):
         got = target_flow(prog, seq, p)
-        logits, hidden, out = hf_reference(model, seq, LAYER_IDS, fc, hn_w, hn_eps)
+        logits, hidden, out = hf_reference(model, seq, LAYER_IDS, e["fc"], *e["hn"])
         assert float(out.hidden_states[2][0, :, CH].abs().max()) > 2000.0
         assert_same_tokens(got[contract.NEXT_TOKENS], logits)
         np.testing.assert_allclose(got[contract.HIDDEN_STATES], hidden, atol=0.05, rtol=0.02)
@@ -291,25 +258,14 @@ def test_fp16_faithful_with_a_massive_channel(tmp_path):
 # ---------------------------------------------------------------- lossless decoding
 
 
-def test_speculative_decoding_equals_hf_generate(exported):
+def test_speculative_decoding_equals_hf_generate(target_program):
     """Whatever a block's acceptance (0 … B − 1 proposals kept), the committed tokens are
     Hugging Face's greedy `generate`, the sliding layers' windows crossing rolled-back slots."""
-    from spec_loop import hf_greedy, speculate
-
-    prompt = np.random.default_rng(7).integers(0, VOCAB, 11).tolist()
-    n = 24
-    ref = hf_greedy(exported["model"], prompt, n)
-    got, accepted = speculate(
-        Runner(session(str(exported["path"])), exported["io"]), prompt, ref, n
-    )
-    assert got == ref
-    assert set(accepted) == set(range(BLOCK))  # every acceptance length occurred
+    checks.check_speculation_equals_hf(target_program)
 
 
-def test_batched_equals_solo(exported):
-    from spec_loop import assert_batched_equals_solo
-
-    assert_batched_equals_solo(session(str(exported["path"])), exported["io"])
+def test_batched_equals_solo(target_program):
+    checks.check_batched_equals_solo(target_program)
 
 
 # ---------------------------------------------------------------- draft knobs

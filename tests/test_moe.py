@@ -15,18 +15,15 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import target_checks as checks
 import torch
-from test_fp16 import CH, SEQS, assert_same_tokens, faithful_program, plant_massive, target_flow
+from test_fp16 import CH, SEQS, assert_same_tokens, plant_massive, target_flow
 from test_target_export import (
     BLOCK,
     CHUNK,
-    CTX,
     VOCAB,
     Runner,
     hf_reference,
-    make_draft_side,
-    margin_ok,
-    run_flow,
     session,
 )
 
@@ -34,7 +31,6 @@ from dflash_lab.tiny import make_tiny_pair, preset_spec
 from dflash_lab.tiny_writer import target_layout
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
-from dflash_qaic.exporter.target import export_target
 from dflash_qaic.modeling.moe import SparseMoeBlock
 
 H, E, K, INTER = 64, 8, 2, 32
@@ -143,36 +139,14 @@ LAYER_IDS = [0, 2]
 
 @pytest.fixture(scope="module")
 def target_program(tmp_path_factory):
-    model = make_moe()
-    fc, hn_w, hn_eps = make_draft_side(len(LAYER_IDS))
     path = tmp_path_factory.mktemp("moe") / "target.onnx"
-    facts = export_target(
-        model,
-        fc,
-        hn_w,
-        hn_eps,
-        LAYER_IDS,
-        path,
-        ctx_len=CTX,
-        prefill_seq_len=CHUNK,
-        block_size=BLOCK,
-        emit_logits=True,
-    )
     io = contract.TargetIO(3, 2, 16, H, VOCAB, emit_logits=True, comp_ctx=True)
-    return dict(model=model, fc=fc, hn=(hn_w, hn_eps), path=path, facts=facts, io=io)
+    return checks.export_program(make_moe(), LAYER_IDS, path, io)
 
 
 @pytest.mark.parametrize("prompt_len", [16, 13])
 def test_prefill_verify_decode_match_hf(target_program, prompt_len):
-    e = target_program
-    seq = np.random.default_rng(prompt_len).integers(0, VOCAB, prompt_len + BLOCK + 1).tolist()
-    got = run_flow(Runner(session(str(e["path"])), e["io"]), seq, prompt_len)
-    logits, hidden, _ = hf_reference(e["model"], seq, LAYER_IDS, e["fc"], *e["hn"])
-    np.testing.assert_allclose(got[contract.LOGITS], logits, atol=2e-4, rtol=1e-4)
-    clear = margin_ok(logits, 1e-3)
-    assert clear.sum() >= len(seq) - 2
-    np.testing.assert_array_equal(got[contract.NEXT_TOKENS][clear], logits.argmax(-1)[clear])
-    np.testing.assert_allclose(got[contract.HIDDEN_STATES], hidden, atol=1e-4, rtol=1e-4)
+    checks.check_against_hf(target_program, LAYER_IDS, prompt_len)
 
 
 def expert_gathers(path) -> tuple[onnx.ModelProto, list[str]]:
@@ -316,26 +290,11 @@ def test_fp16_faithful_gives_fp32_tokens(tmp_path, value):
     )
     assert 0.9 * value < reached < value
     model.model.norm.weight[CH] = 0.05
-    fc, hn_w, hn_eps = make_draft_side(len(LAYER_IDS))
-    path = tmp_path / "target.onnx"
-    facts = export_target(
-        model,
-        fc,
-        hn_w,
-        hn_eps,
-        LAYER_IDS,
-        path,
-        ctx_len=CTX,
-        prefill_seq_len=CHUNK,
-        block_size=BLOCK,
-    )
-    faithful = facts["check"]["fp16_faithful"]
-    assert faithful["ran"] and faithful["flagged"] == [], faithful
     io = contract.TargetIO(3, 2, 16, H, VOCAB, comp_ctx=True)
-    prog = faithful_program(path, io)
+    e, prog = checks.faithful_export(model, LAYER_IDS, tmp_path / "target.onnx", io)
     for p, seq in zip((16, 13), SEQS):
         got = target_flow(prog, seq, p)
-        logits, hidden, _ = hf_reference(model, seq, LAYER_IDS, fc, hn_w, hn_eps)
+        logits, hidden, _ = hf_reference(model, seq, LAYER_IDS, e["fc"], *e["hn"])
         assert_same_tokens(got[contract.NEXT_TOKENS], logits)
         np.testing.assert_allclose(got[contract.HIDDEN_STATES], hidden, atol=0.05, rtol=0.02)
     assert prog.report.flagged == [], prog.report.summary()

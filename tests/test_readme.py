@@ -1,4 +1,4 @@
-"""Every code block of README.md runs as written.
+"""Every code block of README.md and of the guides in docs/ it links (GUIDES) runs as written.
 
 A block is fenced with its language: ```python and ```bash blocks are code, ```text blocks are
 output or diagrams. A bash block whose first line is a comment starting with `# illustrative`
@@ -12,11 +12,13 @@ only the default pair's artifacts run, each on its own, in a directory holding
 code's.
 
 Slow tier: the README walked top to bottom in a copy of the repository, as a user would: bash
-blocks through bash (`make demo`, the exports, `dflash-run`, the tiny pairs, `make bench`),
-Python blocks in a fresh interpreter each, and a `dflash-serve` started by a block serving the
-`curl` and `openai` blocks after it, then stopped with SIGTERM (exit 0). Two substitutions, and
-only these: the server listens on a free port instead of 8000 (the blocks' URLs follow it), and
-`make test` is dry-run (`make -n test`), since it is the tier this walk belongs to.
+blocks through bash (`make demo`, the exports, `dflash-run`, `make bench`), Python blocks in a
+fresh interpreter each, and a `dflash-serve` started by a block serving the `curl` and `openai`
+blocks after it in the same document, then stopped with SIGTERM (exit 0); then each guide the same
+way, in the same copy (its blocks may use what the README's made, as a reader's would). Two
+substitutions, and only these: the server listens on a free port instead of 8000 (the blocks'
+URLs follow it), and `make test` is dry-run (`make -n test`), since it is the tier this walk
+belongs to.
 """
 
 from __future__ import annotations
@@ -43,6 +45,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+#: the guides in docs/ that hold the examples beyond the README's first steps: checked as it is
+GUIDES = tuple(
+    ROOT / "docs" / f"{name}.md"
+    for name in (
+        "export",
+        "python-api",
+        "serving",
+        "structured-output",
+        "vllm",
+        "benchmarking",
+        "testing",
+    )
+)
+DOCS = (README, *GUIDES)
 LANGUAGES = {"bash", "python", "text"}
 PORT = "8000"  # the port the README's server and clients use
 
@@ -51,6 +67,7 @@ class Block(NamedTuple):
     lang: str
     text: str
     line: int  # 1-based line of the opening fence
+    doc: Path = README
 
     @property
     def illustrative(self) -> bool:
@@ -67,11 +84,12 @@ class Block(NamedTuple):
         return self.lang == "bash" and any(c[0] == "dflash-serve" for c in commands(self.text))
 
     def __str__(self) -> str:
-        return f"README.md:{self.line} ({self.lang})"
+        return f"{self.doc.relative_to(ROOT)}:{self.line} ({self.lang})"
 
 
-def blocks(text: str | None = None) -> list[Block]:
-    text = README.read_text(encoding="utf-8") if text is None else text
+def blocks(text: str | None = None, doc: Path = README) -> list[Block]:
+    """The fenced blocks of `doc` (or of `text`, read as if it were `doc`)."""
+    text = doc.read_text(encoding="utf-8") if text is None else text
     out, lines, i = [], text.splitlines(), 0
     while i < len(lines):
         m = re.match(r"^(\s*)```(.*)$", lines[i])
@@ -83,10 +101,15 @@ def blocks(text: str | None = None) -> list[Block]:
         while i < len(lines) and lines[i].strip() != "```":
             body.append(lines[i])
             i += 1
-        assert i < len(lines), f"README.md:{start + 1}: the block is not closed"
-        out.append(Block(m.group(2).strip(), "\n".join(body) + "\n", start + 1))
+        assert i < len(lines), f"{doc.name}:{start + 1}: the block is not closed"
+        out.append(Block(m.group(2).strip(), "\n".join(body) + "\n", start + 1, doc))
         i += 1
     return out
+
+
+def all_blocks() -> list[Block]:
+    """The blocks of the README, then of each guide."""
+    return [b for doc in DOCS for b in blocks(doc=doc)]
 
 
 def commands(script: str) -> list[list[str]]:
@@ -120,14 +143,24 @@ def needs_slow(b: Block) -> bool:
 
 
 def test_every_block_has_a_known_language():
-    found = blocks()
-    assert len(found) >= 10, "the README's blocks were not found"
+    found = all_blocks()
+    assert len(found) >= 20, "the README's and the guides' blocks were not found"
     for b in found:
         assert b.lang in LANGUAGES, f"{b}: fence it as one of {sorted(LANGUAGES)}"
         assert b.text.strip(), f"{b}: empty block"
-    # the guide starts with the two commands of a fresh machine
-    first = [c for b in found if b.lang == "bash" for c in commands(b.text)][:2]
+    # the README starts with the two commands of a fresh machine
+    first = [c for b in blocks() if b.lang == "bash" for c in commands(b.text)][:2]
     assert first == [["make", "demo"], ["make", "test"]]
+
+
+def test_the_readme_is_an_entry_point():
+    """At most 300 lines; every guide linked from it; its test command what CI runs."""
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 300, "move the details into a guide under docs/"
+    for guide in GUIDES:
+        assert f"({guide.relative_to(ROOT)})" in text, f"the README does not link {guide.name}"
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert re.search(r"^make test$", ci, re.M), "CI no longer runs `make test`"
 
 
 def test_the_parser_of_blocks():
@@ -176,7 +209,7 @@ def _parse_only(entry: str, argv: list[str], monkeypatch) -> str | None:
 def test_every_command_exists_and_its_flags_parse(monkeypatch):
     entry, seen = scripts(), 0
     targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
-    for b in blocks():
+    for b in all_blocks():
         if b.lang != "bash":
             continue
         subprocess.run(["bash", "-n", "-c", b.text], check=True, capture_output=True)
@@ -197,30 +230,31 @@ def test_python_blocks_run(default_artifacts, tmp_path, monkeypatch, capsys):
     (tmp_path / "artifacts" / "default").symlink_to(default_artifacts)
     monkeypatch.chdir(tmp_path)
     ran = 0
-    for b in blocks():
+    for b in all_blocks():
         if b.lang != "python" or needs_slow(b):
             continue
         exec(compile(b.text, str(b), "exec"), {"__name__": "__readme__"})
         ran += 1
-    assert ran >= 2
+    assert ran >= 3
     out = capsys.readouterr().out
     assert "× speedup" in out and "16.0 [16, 16, 16, 16]" in out  # as the blocks' comments say
 
 
 def test_links_resolve():
-    text = README.read_text(encoding="utf-8")
-    links = re.findall(r"\]\(([^)#\s]+)[^)]*\)", text)
-    assert "docs/BENCHMARKS.md" in links
-    for link in links:
-        assert link.startswith("http") or (ROOT / link).exists(), f"README links to {link}"
+    for doc in DOCS:
+        links = re.findall(r"\]\(([^)#\s]+)[^)]*\)", doc.read_text(encoding="utf-8"))
+        assert doc != README or "docs/BENCHMARKS.md" in links
+        for link in links:
+            ok = link.startswith("http") or (doc.parent / link).exists()
+            assert ok, f"{doc.relative_to(ROOT)} links to {link}"
 
 
 def test_the_fp16_check_limits_are_the_codes():
     from dflash_qaic.exporter import fp16_check, weights
 
-    text = " ".join(README.read_text(encoding="utf-8").split())
+    text = " ".join(" ".join(d.read_text(encoding="utf-8").split()) for d in DOCS)
     m = re.search(r"programs up to (\d+) MiB of weights; up to (\d+) MiB", text)
-    assert m, "the README no longer states the fp16 check's limits"
+    assert m, "neither the README nor a guide states the fp16 check's limits any more"
     assert int(m.group(1)) << 20 == fp16_check.FAITHFUL_MAX_BYTES
     assert int(m.group(2)) << 20 == weights.GRAPH_RUN_MAX_BYTES
 
@@ -305,25 +339,29 @@ def test_readme_walkthrough(tmp_path):
         res = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=3600)
         assert res.returncode == 0, f"{b} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
 
-    try:
-        for b in blocks():
-            if b.lang == "text" or b.illustrative:
-                continue
-            if b.lang == "python":
-                run([sys.executable, "-c", sub(b.text)], b)
-            elif b.server:
-                for line in b.text.strip().splitlines():
-                    line = f"{line.split('#')[0].strip()} --port {port}"
-                    proc = subprocess.Popen(["bash", "-c", line], cwd=repo, env=env)  # execs it
-                    servers.append(proc)
-                    _wait_healthy(f"http://127.0.0.1:{port}", proc)
-            else:
-                script = re.sub(r"^make test\b", "make -n test", b.text, flags=re.M)
-                run(["bash", "-e", "-c", sub(script)], b)
-    finally:
-        for proc in servers:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
-    assert servers and all(p.returncode == 0 for p in servers)
+    stopped: list[subprocess.Popen] = []
+    for doc in DOCS:  # a document's servers serve its own clients, then stop
+        try:
+            for b in blocks(doc=doc):
+                if b.lang == "text" or b.illustrative:
+                    continue
+                if b.lang == "python":
+                    run([sys.executable, "-c", sub(b.text)], b)
+                elif b.server:
+                    for line in b.text.strip().splitlines():
+                        line = f"{line.split('#')[0].strip()} --port {port}"
+                        proc = subprocess.Popen(["bash", "-c", line], cwd=repo, env=env)  # execs it
+                        servers.append(proc)
+                        _wait_healthy(f"http://127.0.0.1:{port}", proc)
+                else:
+                    script = re.sub(r"^make test\b", "make -n test", b.text, flags=re.M)
+                    run(["bash", "-e", "-c", sub(script)], b)
+        finally:
+            while servers:
+                proc = servers.pop()
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=60)
+                stopped.append(proc)
+    assert stopped and all(p.returncode == 0 for p in stopped)
     assert (repo / "artifacts" / "default" / "manifest.json").is_file()
     assert (repo / "bench" / "latest" / "report.md").is_file()

@@ -1,4 +1,4 @@
-"""Nothing lost, nothing silently wrong (issue 17): export transactions, a manifest that is not
+"""Nothing lost, nothing silently wrong: export transactions, a manifest that is not
 trusted blindly, processes that are cleaned up, arguments that are checked.
 
 Every failure case asserts a clear error (exit 2 or an exception naming the problem) and that a
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import install_fake_compiler
 from test_compile import FAKE_COMPILER
 
 import dflash_qaic
@@ -369,13 +370,7 @@ def test_sigterm_kills_the_compiler_and_its_children(pair, good, tmp_path):
 
 
 def test_compile_timeout_flag(pair, tmp_path, capsys, monkeypatch):
-    script = tmp_path / "bin" / "qaic-compile"
-    script.parent.mkdir()
-    script.write_text(FAKE_COMPILER.format(python=sys.executable))
-    script.chmod(0o755)
-    monkeypatch.setenv(qpc.COMPILER_ENV, str(script))
-    monkeypatch.setenv("FAKE_QAIC_LOG", str(tmp_path / "log"))
-    monkeypatch.setenv("FAKE_QAIC_MODE", "hang")
+    install_fake_compiler(tmp_path, monkeypatch, mode="hang")
     out = tmp_path / "o"
     args = ["--target", pair[0], "--draft", pair[1], "--out", out, *SMALL[:-1]]
     rc, _, err = run(capsys, *args, "--compile-timeout", "0.5")
@@ -627,10 +622,7 @@ def test_files_get_the_umask_permissions(pair, tmp_path):
 # the Python export / compile API, compile overrides, relative compile.cmd
 
 
-def test_python_api_export_then_compile_elsewhere(pair, tmp_path, monkeypatch):
-    monkeypatch.delenv(qpc.COMPILER_ENV, raising=False)
-    monkeypatch.setattr(qpc, "SDK_EXEC_DIR", tmp_path / "no-sdk")
-    monkeypatch.setenv("PATH", str(tmp_path))
+def test_python_api_export_then_compile_elsewhere(pair, tmp_path, monkeypatch, no_compiler):
     built = tmp_path / "built"
     m = dflash_qaic.export(
         pair[0],
@@ -651,13 +643,7 @@ def test_python_api_export_then_compile_elsewhere(pair, tmp_path, monkeypatch):
     # copied to "an AI100 host", compiled there with QEfficient-named overrides
     host = tmp_path / "host" / "art"
     shutil.copytree(built, host)
-    script = tmp_path / "bin" / "qaic-compile"
-    script.parent.mkdir()
-    script.write_text(FAKE_COMPILER.format(python=sys.executable))
-    script.chmod(0o755)
-    monkeypatch.setenv(qpc.COMPILER_ENV, str(script))
-    monkeypatch.setenv("FAKE_QAIC_LOG", str(tmp_path / "log"))
-    monkeypatch.delenv("FAKE_QAIC_MODE", raising=False)
+    script, _ = install_fake_compiler(tmp_path, monkeypatch)
     m = dflash_qaic.compile(host, num_cores=8, mxint8_kv_cache=True, mos=2)
     assert m.compiled and "num_cores=8" in m.qpc_config
     target_qpc = m.target.qpc

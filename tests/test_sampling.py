@@ -494,6 +494,21 @@ def exact_first_two(model, cfg) -> tuple[np.ndarray, np.ndarray]:
     return p1, p2
 
 
+def batched_first_two(pipe, model, n: int = 400, cfg=(1.0, 0, 1.0)):
+    """n seeded requests of PROMPT in one call (batched as the artifacts allow): their first two
+    tokens follow the exact distribution of the target's own sampling at cfg (chi-square).
+    Returns the tokens [n, 2], p(t1) and p(t2)."""
+    T, k, p = cfg
+    res = pipe.generate(
+        [PROMPT] * n, 2, stop_token_ids=[], temperature=T, top_k=k, top_p=p, seed=list(range(n))
+    )
+    a = np.array([r.tokens for r in res])
+    p1, p2 = exact_first_two(model, cfg)
+    assert gof_pvalue([gof(a[:, 0], p1)]) > 1e-3 / 2
+    assert gof_pvalue([gof(a[:, 1], p2)]) > 1e-3 / 2
+    return a, p1, p2
+
+
 def end_to_end(pipe, model, cfg, n, n_negative=0):
     """DFlash vs the target alone vs the exact first two tokens; and (negative) a host loop
     whose target accepts every proposal, which the same tests must reject (n_negative runs)."""

@@ -16,6 +16,7 @@ import httpx
 import openai
 import prometheus_client
 import pytest
+from conftest import leave_mid_stream, serving, stream_lines
 from prometheus_client.parser import text_string_to_metric_families
 
 import dflash_qaic
@@ -45,20 +46,7 @@ def server(default_artifacts, tmp_path_factory):
     tpl.write_text(TEMPLATE)
     args = ["--threads", "1", "--served-model-name", MODEL, "--chat-template", str(tpl)]
     args += ["--verify-lengths", str(B)]
-    with ServerProcess(default_artifacts, *args) as s:
-        yield s
-        assert s.stop() == 0, s.log()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120, trust_env=False) as c:
-        yield c
+    yield from serving(default_artifacts, *args)
 
 
 def decode(pipe, ids) -> str:
@@ -292,14 +280,7 @@ def test_bad_requests_get_openai_errors_and_the_server_lives_on(http, client, pi
 
 def test_client_disconnect_frees_the_worker(http, pipe):
     before = scrape(http)
-    body = dict(prompt=PROMPTS[5], max_tokens=700, ignore_eos=True, temperature=0, stream=True)
-    with http.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        seen = 0
-        for line in r.iter_lines():
-            seen += line.startswith("data: ")
-            if seen == 2:
-                break  # leaving the block closes the connection mid-stream
+    leave_mid_stream(http, PROMPTS[5])
     # a client that gives up on a non-streamed answer
     body = dict(prompt="def f", max_tokens=1000, ignore_eos=True, temperature=0)
     with pytest.raises(httpx.ReadTimeout):
@@ -445,13 +426,8 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(default_artifacts):
         body["stream_options"] = {"include_usage": True}
 
         def client():
-            with httpx.Client(timeout=120, trust_env=False) as c:
-                with c.stream("POST", server.url + "/v1/completions", json=body) as r:
-                    lines = []
-                    for line in r.iter_lines():
-                        lines.append(line)
-                        started.set()
-                    result["events"] = sse(lines)
+            _, lines = stream_lines(server.url, body, lambda _: started.set())
+            result["events"] = sse(lines)
 
         t = threading.Thread(target=client)
         t.start()

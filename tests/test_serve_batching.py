@@ -9,9 +9,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
-import openai
 import pytest
+from conftest import leave_mid_stream, serving, stream_lines
 
 import dflash_qaic
 from dflash_qaic import assets
@@ -32,20 +31,7 @@ def pipe(cb_artifacts):
 
 @pytest.fixture(scope="module")
 def server(cb_artifacts):
-    with ServerProcess(cb_artifacts, "--threads", "1", "--served-model-name", MODEL) as s:
-        yield s
-        assert s.stop() == 0, s.log()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120, trust_env=False) as c:
-        yield c
+    yield from serving(cb_artifacts, "--threads", "1", "--served-model-name", MODEL)
 
 
 def value(metrics: dict, name: str, **labels) -> float:
@@ -88,12 +74,7 @@ def test_concurrent_requests_run_together_and_equal_their_solo_runs(client, http
 
 
 def _stream(url: str, body: dict, rec: dict, started: threading.Event) -> None:
-    with httpx.Client(timeout=120, trust_env=False) as c:
-        with c.stream("POST", url + "/v1/completions", json=body) as r:
-            lines = []
-            for line in r.iter_lines():
-                lines.append(line)
-                started.set()
+    _, lines = stream_lines(url, body, lambda _: started.set())
     rec["events"], rec["t_done"] = sse(lines), time.monotonic()
 
 
@@ -114,15 +95,7 @@ def test_disconnected_stream_frees_its_slot_while_others_go_on(server, http, pip
         t.start()
         threads.append(t)
         assert started.wait(120)
-    body = dict(prompt=PROMPTS[5], max_tokens=700, ignore_eos=True, temperature=0, stream=True)
-    with http.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        seen = 0
-        for line in r.iter_lines():
-            seen += line.startswith("data: ")
-            if seen == 2:
-                break  # leaving the block closes the connection mid-stream
-        assert seen == 2
+    leave_mid_stream(http, PROMPTS[5])
     r = http.post("/v1/completions", json=dict(prompt=[65, 66], max_tokens=8, temperature=0))
     t_answered = time.monotonic()
     assert r.json()["choices"][0]["text"] == decode(pipe, ref.tokens)

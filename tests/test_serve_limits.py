@@ -20,14 +20,17 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import serving, stream_lines
 
 import dflash_qaic
 from dflash_qaic import assets
+from dflash_qaic.runtime.requests import REFUSED_SAMPLING, refused_sampling
 from dflash_qaic.serve import app as app_module
 from dflash_qaic.serve.app import _CancelledAtShutdown, create_app
 from dflash_qaic.serve.engine import AsyncEngine
 from dflash_qaic.serve.limits import longest_token_chars
 from dflash_qaic.serve.process import ServerProcess
+from dflash_qaic.serve.protocol import ChatCompletionRequest, CompletionRequest
 from tests.test_serve import TEMPLATE, scrape, sse
 
 SLOTS = 4
@@ -41,15 +44,7 @@ def server(cb_artifacts, tmp_path_factory):
     tpl = tmp_path_factory.mktemp("template") / "chat.jinja"
     tpl.write_text(TEMPLATE)
     args = ["--threads", "1", "--max-queue", "2", "--max-request-bytes", str(LIMIT)]
-    with ServerProcess(cb_artifacts, *args, "--chat-template", str(tpl)) as s:
-        yield s
-        assert s.stop() == 0, s.log()
-
-
-@pytest.fixture
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120, trust_env=False) as c:
-        yield c
+    yield from serving(cb_artifacts, *args, "--chat-template", str(tpl))
 
 
 def test_huge_prompts_are_refused_without_tokenizing(server, http):
@@ -182,13 +177,7 @@ def _two_long_requests(server, stream_options=None) -> tuple[dict, list[threadin
         body = dict(long, stream=True)
         if stream_options:
             body["stream_options"] = stream_options
-        with httpx.Client(timeout=300, trust_env=False) as c:
-            with c.stream("POST", server.url + "/v1/completions", json=body) as r:
-                lines = []
-                for line in r.iter_lines():
-                    lines.append(line)
-                    streaming.set()
-                results["stream"] = (r.status_code, lines)
+        results["stream"] = stream_lines(server.url, body, lambda _: streaming.set(), 300)
 
     threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
     for t in threads:
@@ -337,6 +326,24 @@ def _gated_app(pipe, monkeypatch):
     return engine, app, started, release
 
 
+def in_process(engine, app, requests, finally_=None):
+    """`await requests(c)` with c an httpx client of `app` in this process, its engine running
+    meanwhile (then shut down; `finally_()` first, when given)."""
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
+            return await requests(c)
+
+    engine.start()
+    try:
+        return asyncio.run(main())
+    finally:
+        if finally_ is not None:
+            finally_()
+        engine.shutdown()
+
+
 def test_tokenizing_runs_off_the_event_loop(pipe, monkeypatch):
     """While a text prompt is provably being tokenized (the tokenizer is held inside its call
     until the test lets it go), /health and another client's request are answered; the long
@@ -344,25 +351,18 @@ def test_tokenizing_runs_off_the_event_loop(pipe, monkeypatch):
     engine, app, started, release = _gated_app(pipe, monkeypatch)
     text = "def f(x): return x + 1\n" * (600_000 // 24)
 
-    async def main():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
-            slow = asyncio.ensure_future(
-                c.post("/v1/completions", json={"prompt": text, "max_tokens": 2})
-            )
-            assert await asyncio.to_thread(started.wait, 120), "tokenizing never started"
-            health = await c.get("/health")
-            ids = await c.post("/v1/completions", json={"prompt": [65, 66], "max_tokens": 1})
-            in_flight = started.is_set() and not release.is_set() and not slow.done()
-            release.set()
-            return health, ids, in_flight, await slow
-
-    engine.start()
-    try:
-        health, ids, in_flight, r = asyncio.run(main())
-    finally:
+    async def requests(c):
+        slow = asyncio.ensure_future(
+            c.post("/v1/completions", json={"prompt": text, "max_tokens": 2})
+        )
+        assert await asyncio.to_thread(started.wait, 120), "tokenizing never started"
+        health = await c.get("/health")
+        ids = await c.post("/v1/completions", json={"prompt": [65, 66], "max_tokens": 1})
+        in_flight = started.is_set() and not release.is_set() and not slow.done()
         release.set()
-        engine.shutdown()
+        return health, ids, in_flight, await slow
+
+    health, ids, in_flight, r = in_process(engine, app, requests, release.set)
     assert in_flight  # both answers came while the tokenizer was held
     assert health.status_code == 200
     assert ids.status_code == 200 and ids.json()["usage"]["completion_tokens"] == 1, ids.text
@@ -378,20 +378,14 @@ def test_huge_prompts_never_reach_the_tokenizer(pipe, monkeypatch):
     real = app_module._encode_text
     monkeypatch.setattr(app_module, "_encode_text", lambda *a: calls.append(len(a[1])) or real(*a))
 
-    async def main():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
-            a = await c.post("/v1/completions", json={"prompt": HUGE, "max_tokens": 2})
-            msgs = [{"role": "user", "content": HUGE}]
-            b = await c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2})
-            ok = await c.post("/v1/completions", json={"prompt": "def f", "max_tokens": 1})
-            return a, b, ok
+    async def requests(c):
+        a = await c.post("/v1/completions", json={"prompt": HUGE, "max_tokens": 2})
+        msgs = [{"role": "user", "content": HUGE}]
+        b = await c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2})
+        ok = await c.post("/v1/completions", json={"prompt": "def f", "max_tokens": 1})
+        return a, b, ok
 
-    engine.start()
-    try:
-        a, b, ok = asyncio.run(main())
-    finally:
-        engine.shutdown()
+    a, b, ok = in_process(engine, app, requests)
     assert a.status_code == 400 and "characters" in a.text, a.text
     assert b.status_code == 400 and "characters" in b.text, b.text
     assert ok.status_code == 200
@@ -428,21 +422,34 @@ def test_the_fields_vllm_router_adds_are_accepted(pipe):
     chat_added = dict(added, logprobs=False, continue_final_message=False)
     chat_added |= dict(separate_reasoning=True, stream_reasoning=True, include_reasoning=True)
 
-    async def main():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
-            a = await c.post("/v1/completions", json=dict(prompt="def f", max_tokens=2, **added))
-            msgs = [{"role": "user", "content": "hi"}]
-            body = dict(messages=msgs, max_tokens=2, **chat_added)
-            b = await c.post("/v1/chat/completions", json=body)
-            bad = dict(prompt="def f", max_tokens=2, return_hidden_states=True)
-            c_ = await c.post("/v1/completions", json=bad)
-            return a, b, c_
+    async def requests(c):
+        a = await c.post("/v1/completions", json=dict(prompt="def f", max_tokens=2, **added))
+        msgs = [{"role": "user", "content": "hi"}]
+        body = dict(messages=msgs, max_tokens=2, **chat_added)
+        b = await c.post("/v1/chat/completions", json=body)
+        bad = dict(prompt="def f", max_tokens=2, return_hidden_states=True)
+        return a, b, await c.post("/v1/completions", json=bad)
 
-    engine.start()
-    try:
-        a, b, bad = asyncio.run(main())
-    finally:
-        engine.shutdown()
+    a, b, bad = in_process(engine, app, requests)
     assert a.status_code == 200 and b.status_code == 200, (a.text, b.text)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "return_hidden_states"
+
+
+#: a value that is not the off value, per refused sampling parameter
+ON = {"n": 2, "min_tokens": 3, "logit_bias": {"5": 1.0}, "bad_words": ["x"]}
+
+
+@pytest.mark.parametrize("name", list(REFUSED_SAMPLING))
+def test_the_refused_sampling_parameters_are_one_table(name):
+    """runtime/requests.py's REFUSED_SAMPLING is what dflash-serve refuses (on both endpoints)
+    and what the vLLM plugin's check finds, by name; at its off value each one is accepted."""
+    on = ON[name] if name in ON else REFUSED_SAMPLING[name] + 0.5  # a penalty, min_p
+    for cls, body in (
+        (CompletionRequest, {"prompt": "x"}),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}),
+    ):
+        assert cls.model_validate({**body, name: on}).unsupported() == name
+        assert cls.model_validate({**body, name: REFUSED_SAMPLING[name]}).unsupported() is None
+    params = types.SimpleNamespace(**{name: on})  # as vLLM's SamplingParams, unset fields off
+    assert refused_sampling(lambda n, off: getattr(params, n, off)) == name
+    assert refused_sampling(lambda n, off: off) is None

@@ -83,6 +83,24 @@ def _program_io(facts: dict, prog: str):
     return contract.DraftIO(block_size=facts["block_size"], comp_ctx=facts["comp_ctx"], **common)
 
 
+def assert_same_outputs(prog, fa, fb, pair):
+    """Program `prog` exported two ways (facts fa, fb) gives the same outputs, bit for bit, on
+    `_feeds`; returns the session of the second."""
+    a = ort.InferenceSession(fa["path"], providers=["CPUExecutionProvider"])
+    b = ort.InferenceSession(fb["path"], providers=["CPUExecutionProvider"])
+    for feed in _feeds(prog, fa, pair):
+        for x, y, spec in zip(a.run(None, feed), b.run(None, feed), a.get_outputs()):
+            assert np.array_equal(x, y), f"{prog} output {spec.name} differs"
+    return b
+
+
+def assert_same_graph_size(fa, fb):
+    """The two programs have as many nodes and initializers."""
+    ga = onnx.load(fa["path"], load_external_data=False).graph
+    gb = onnx.load(fb["path"], load_external_data=False).graph
+    assert len(ga.node) == len(gb.node) and len(ga.initializer) == len(gb.initializer)
+
+
 def _feeds(prog, facts, pair):
     io = _program_io(facts, prog)
     if prog == "target":
@@ -98,15 +116,8 @@ def test_streamed_programs_equal_in_memory_ones(pair, tmp_path):
             fa["fc_scale" if prog == "target" else "tied_head"]
             == (fb["fc_scale" if prog == "target" else "tied_head"])
         )
-        a = ort.InferenceSession(fa["path"], providers=["CPUExecutionProvider"])
-        b = ort.InferenceSession(fb["path"], providers=["CPUExecutionProvider"])
-        for feed in _feeds(prog, fa, pair):
-            for x, y, spec in zip(a.run(None, feed), b.run(None, feed), a.get_outputs()):
-                assert np.array_equal(x, y), f"{prog} output {spec.name} differs"
-    # same graph for the target (the draft may differ by a few folded constants)
-    ga = onnx.load(tf_a["path"], load_external_data=False).graph
-    gb = onnx.load(tf_b["path"], load_external_data=False).graph
-    assert len(ga.node) == len(gb.node) and len(ga.initializer) == len(gb.initializer)
+        assert_same_outputs(prog, fa, fb, pair)
+    assert_same_graph_size(tf_a, tf_b)  # the target's (the draft may fold a few constants)
 
     # and the target program's greedy tokens are Hugging Face's
     feed = _feeds("target", tf_b, pair)[0]

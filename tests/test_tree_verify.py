@@ -117,7 +117,7 @@ def test_tree_rule_is_the_targets_distribution(rule_tables):
 
 
 def naive_walk(t, target, draft, rng):
-    """The biased rule (REFERENCE: hipfire#483): at each node try its children in rank order,
+    """The biased rule (hipfire's first DDTree verifier): at each node try its children in rank order,
     accepting child c with min(1, p(c) / q(c)) (q: the draft's marginal at that depth), else
     p ← norm(max(p − q, 0)); the bonus from what is left."""
     q = [softmax(d) for d in draft]

@@ -7,7 +7,7 @@ from pathlib import Path
 from string import Template
 
 from dflash_qaic.bench import report, upstream
-from dflash_qaic.bench.report import chunks, load_note, machine_md, ms, sp, x_
+from dflash_qaic.bench.report import chunks, machine_md, ms, sp, x_
 
 SCHEMA = "dflash-bench-batch/1"
 TEMPLATE = Path(__file__).with_name("batch_report.md.tmpl")
@@ -111,16 +111,12 @@ def equality_md(res: dict) -> str:
 
 
 def render_markdown(res: dict) -> str:
-    a, c, m = res["artifacts"], res["config"], res["machine"]
+    a, c = res["artifacts"], res["config"]
     return Template(TEMPLATE.read_text(encoding="utf-8")).substitute(
         equality=equality_md(res),
         upstream=upstream.section_md(res),
         machine=machine_md(res),
-        summary=summary_screen(res),
-        load_note=load_note(m),
-        command=res["command"],
-        started=res["started"],
-        seconds=f"{res['seconds']:.0f}",
+        **report.run_fields(res, summary_screen(res)),
         artifacts=f"`{a['path']}` on `{a['backend']}`: full_batch_size {a['full_batch_size']}, "
         f"block {a['block_size']}, ctx_len {a['ctx_len']}, prefill chunks {chunks(a)}, "
         f"target {a['target']['n_layers']} layers, draft {a['draft']['n_layers']}",

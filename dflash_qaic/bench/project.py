@@ -533,16 +533,15 @@ DEFAULT_SHAPES = ("qwen3-4b", "qwen3-8b", "qwen3.5-9b")
 # τ (tokens committed per step, the bonus included) when --tau/--tau-from do not give one:
 # measured on the built-in pair's tree program (`make bench`'s artifacts/default-tree), T = 0,
 # the 12 held-out prompts × 128 tokens: the chain verifying whole blocks (as the card does) and
-# each tree budget fixed (issue 40; docs/BENCHMARKS.md, Tree verification)
+# each tree budget fixed (docs/BENCHMARKS.md, Tree verification)
 DEFAULT_TAU = {"chain": 9.29, 16: 9.47, 32: 10.30, 64: 10.89}
 TAU_SOURCES = {
     k: "measured: built-in pair, tree program, T = 0, "
     + ("whole-block chain" if k == "chain" else f"budget {k}")
-    + " (issue 40)"
     for k in DEFAULT_TAU
 }
 DEFAULT_BUDGETS = (16, 32, 64)
-GOAL_RATIO = 1.3  # issue 40: tree ≥ 1.3× chain at Qwen3-4B, MXFP6, one SoC
+GOAL_RATIO = 1.3  # the goal: tree ≥ 1.3× chain at Qwen3-4B, MXFP6, one SoC
 
 
 def make_reduced_pair(shape: Shape, work: Path) -> Path:

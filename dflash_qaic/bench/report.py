@@ -361,17 +361,13 @@ def machine_md(res: dict) -> str:
 
 def render_markdown(res: dict) -> str:
     """The template filled in: the run's settings, then one section function per section."""
-    a, c, m = res["artifacts"], res["config"], res["machine"]
+    a, c = res["artifacts"], res["config"]
     sections = (speed_md, drafts_md, acceptance_md, bound_md, profile_md, bandwidth_md, peers_md)
     # the settings first: a section of the same name (`peers`: the --peers flag) replaces it
     fields = dict(c) | {f.__name__[:-3]: f(res) for f in (*sections, distribution_md, machine_md)}
     return Template(TEMPLATE.read_text(encoding="utf-8")).substitute(
         fields,
-        summary=summary_screen(res),
-        load_note=load_note(m),
-        command=res["command"],
-        started=res["started"],
-        seconds=f"{res['seconds']:.0f}",
+        **run_fields(res, summary_screen(res)),
         artifacts=f"`{a['path']}` on `{a['backend']}`: block {a['block_size']}, ctx_len "
         f"{a['ctx_len']}, prefill chunks {chunks(a)}, H {a['hidden_size']}, vocab "
         f"{a['vocab_size']}, target {a['target']['n_layers']} layers, draft "
@@ -390,6 +386,18 @@ BUSY = (
 def chunks(artifacts: dict) -> str:
     """The prefill lengths, e.g. "64, 256" (results from before them: the chunk)."""
     return ", ".join(map(str, artifacts.get("prefill_lengths") or [artifacts["prefill_seq_len"]]))
+
+
+def run_fields(res: dict, summary: str) -> dict:
+    """The fields every report's template shares: its screen, the machine's load, and how, when
+    and for how long it ran."""
+    return dict(
+        summary=summary,
+        load_note=load_note(res["machine"]),
+        command=res["command"],
+        started=res["started"],
+        seconds=f"{res['seconds']:.0f}",
+    )
 
 
 def load_note(machine: dict) -> str:

@@ -17,7 +17,6 @@ request does not depend on how many replicas it fronts (it picks one per request
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -25,6 +24,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from dflash_qaic.commands import doc_parser
 
 PROMPTS = ["def fibonacci(n):", "class Stack:\n", "import numpy as np\n", "# sort a list\n"]
 
@@ -103,13 +104,7 @@ def summary(samples: list[list[tuple[str, float, float]]]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="dflash-bench --router",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
-    p.add_argument("artifacts", help="artifacts directory written by dflash-export")
+    p = doc_parser("dflash-bench --router", __doc__)
     p.add_argument(
         "--requests", type=int, default=200, help="requests per client count, both paths"
     )

@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from dflash_qaic.commands import doc_parser
 from dflash_qaic.runtime.grammar import KINDS
 
 
@@ -37,13 +38,7 @@ def read_format(path: str) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="dflash-bench",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("artifacts")
+    p = doc_parser("dflash-bench", __doc__)
     p.add_argument("--response-format", required=True, metavar="FILE")
     p.add_argument("--prompts", default=None, help="prompts file (as dflash-bench's --prompts)")
     p.add_argument("--num-prompts", type=int, default=12)

@@ -65,7 +65,7 @@ def fingerprint(directory: str | Path) -> str:
 
 
 def fp16_fc_scale(fc_weight: torch.Tensor, where: TensorInfo | None = None) -> float:
-    """QEfficient #995: divide fc by max(sqrt(in) · max_row_norm / 128, 1) so its output fits fp16.
+    """As QEfficient's DFlash export: divide fc by max(sqrt(in) · max_row_norm / 128, 1) so its output fits fp16.
 
     The scaled fc is what the card sees, at most 128 / sqrt(in) per element, so fc's raw weights
     may lie beyond fp16's range (docs/DESIGN.md, fp16). Only the scale must be a finite fp32

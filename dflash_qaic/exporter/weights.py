@@ -1,7 +1,7 @@
 """Streaming export: trace without the weights in memory, then write them tensor by tensor.
 
 A multi-GB target cannot be exported the plain way on a small host: Hugging Face loads it in
-fp32, `torch.onnx.export` keeps a second copy (PyTorch issue 61263) and the reload/re-save a
+fp32, `torch.onnx.export` keeps a second copy (its tracer holds the parameters it exports) and the reload/re-save a
 third. Here instead (docs/DESIGN.md, Artifacts):
 
 1. `placeholder_target` / `placeholder_draft` build the modules with *placeholder* weights:

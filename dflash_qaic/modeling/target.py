@@ -103,7 +103,7 @@ from dflash_qaic.verify_rules import VerifyRule
 
 
 def fp16_safe_fc_weight(fc_weight: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """fc.weight / s with s = max(sqrt(in_features) * max_row_norm / 128, 1) (QEfficient #995).
+    """fc.weight / s with s = max(sqrt(in_features) * max_row_norm / 128, 1) (as QEfficient's DFlash export).
 
     With inputs of |x| <= 1 (the taps are divided by their row's max |x| first, see
     `ExportTarget.fuse`), |fc(x)_i| <= |w_i| |x| / s <= 128 |x| / sqrt(in) <= 128: fc's output

@@ -19,6 +19,38 @@ class GenerationError(ValueError):
     """Bad input to generate(): says what is wrong and how to fix it."""
 
 
+#: The sampling parameters (OpenAI's and vLLM's names) the programs cannot honour, each with the
+#: value that turns it off, the only one accepted: the programs choose each token on the device
+#: from temperature, top_k, top_p and seed only. dflash-serve and the vLLM plugin refuse the
+#: others through `refused_sampling`.
+REFUSED_SAMPLING: dict[str, object] = {
+    "n": 1,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "min_tokens": 0,
+    "logit_bias": None,
+    "bad_words": None,
+}
+
+
+def first_set(offs: dict[str, object], get) -> str | None:
+    """The first name of `offs` (name -> the value that turns it off) that `get(name, off)` (a
+    request's value, `off` when it has none) sets to anything else, or None; for an off value
+    of None, an empty dict or list is off too."""
+    for name, off in offs.items():
+        value = get(name, off)
+        if value != off and not (off is None and value in ({}, [])):
+            return name
+    return None
+
+
+def refused_sampling(get) -> str | None:
+    """The first parameter of REFUSED_SAMPLING a request sets (`get` as `first_set` takes it)."""
+    return first_set(REFUSED_SAMPLING, get)
+
+
 @dataclass(frozen=True)
 class Sampling:
     """Validated sampling settings of one generation (temperature 0 = greedy)."""
@@ -141,9 +173,12 @@ class RequestChecks:
 
     def _check_room(self, n: int, mode: str, what: str) -> None:
         if mode == "dflash":
-            limit, who = self.ctx_len - 1 - self.B, "DFlash (prompt + one verify block)"
+            limit, who = (
+                contract.max_prompt(self.ctx_len, self.B),
+                "DFlash (prompt + one verify block)",
+            )
         else:
-            limit, who = contract.max_positions(self.ctx_len) - 1, "the target"
+            limit, who = contract.max_prompt(self.ctx_len, 1), "the target"
         if n > limit:
             raise GenerationError(
                 f"{what} has {n} tokens but {who} allows at most {limit} with ctx_len "

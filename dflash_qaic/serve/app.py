@@ -87,7 +87,7 @@ class Frontend:
         self.max_model_len = contract.max_positions(pipe.ctx_len)
         if max_model_len is not None:
             self.max_model_len = min(self.max_model_len, max_model_len)
-        self.max_prompt = pipe.ctx_len - 1 - pipe.B  # room for one verify block (Pipeline)
+        self.max_prompt = contract.max_prompt(pipe.ctx_len, pipe.B)  # room for one verify block
         self.max_prompt = min(self.max_prompt, self.max_model_len - 1)  # and one output token
         self.can_sample, self.max_top_k = pipe.can_sample, pipe.max_top_k
         #: --seed: seeds of sampling requests that bring none (vLLM's global seed)

@@ -45,17 +45,13 @@ import socket
 import sys
 from pathlib import Path
 
+from dflash_qaic.commands import doc_parser
+
 
 def parser() -> argparse.ArgumentParser:
     from dflash_qaic.runtime import options
 
-    p = argparse.ArgumentParser(
-        prog="dflash-serve",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
-    p.add_argument("artifacts", help="artifacts directory written by dflash-export")
+    p = doc_parser("dflash-serve", __doc__)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one)")
     options.add_arguments(p, "backend", "threads", "device_ids", "check_files")

@@ -18,6 +18,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from dflash_qaic.runtime.requests import REFUSED_SAMPLING, first_set
+
 
 class APIError(Exception):
     """An error answered with an OpenAI-style body: {"error": {message, type, param, code}}."""
@@ -49,11 +51,7 @@ class _Request(BaseModel):
 
     def unsupported(self) -> str | None:
         """The first field set to a value this server cannot honour (its default is fine)."""
-        for name, default in self.UNSUPPORTED.items():
-            value = getattr(self, name)
-            if value != default and not (default is None and value in ({}, [])):
-                return name
-        return None
+        return first_set(self.UNSUPPORTED, lambda name, off: getattr(self, name))
 
 
 class StreamOptions(_Request):
@@ -166,17 +164,10 @@ class _Sampling(_Request):
     UNSUPPORTED: ClassVar[dict] = {
         "no_stop_trim": False,
         "return_hidden_states": False,
-        "n": 1,
-        "presence_penalty": 0.0,
-        "frequency_penalty": 0.0,
-        "repetition_penalty": 1.0,
+        **REFUSED_SAMPLING,  # what the programs' sampler cannot do (runtime/requests.py)
         "length_penalty": 1.0,
-        "logit_bias": None,
-        "min_p": 0.0,
-        "min_tokens": 0,
         "use_beam_search": False,
         "best_of": None,
-        "bad_words": None,
         "include_stop_str_in_output": False,
         "spaces_between_special_tokens": True,
         "truncate_prompt_tokens": None,

@@ -22,7 +22,7 @@ per replica and one for the router in --log-dir (default: a new temporary direct
 An API key (VLLM_API_KEY in the environment, or --api-key in --serve-args) is every replica's;
 the router passes clients' `Authorization` on. vllm-router's own endpoints (/workers,
 /add_worker, /remove_worker) need no key: keep --host on loopback or firewall the port.
-docs/DESIGN.md, Replicas; README, Serving.
+docs/DESIGN.md, Replicas; docs/serving.md.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from dflash_qaic.commands import doc_parser
 
 log = logging.getLogger("dflash_qaic.serve.replicas")
 
@@ -314,13 +316,7 @@ class Replicas:
 def parser() -> argparse.ArgumentParser:
     from dflash_qaic.runtime import options
 
-    p = argparse.ArgumentParser(
-        prog="dflash-serve-replicas",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
-    p.add_argument("artifacts", help="artifacts directory written by dflash-export")
+    p = doc_parser("dflash-serve-replicas", __doc__)
     p.add_argument("--replicas", type=int, default=None, help="replicas on consecutive devices")
     options.add_arguments(p, "device_ids", repeat=True)
     p.add_argument("--host", default="127.0.0.1", help="the router's address (default 127.0.0.1)")

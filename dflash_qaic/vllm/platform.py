@@ -15,7 +15,8 @@ them against what the user typed, and fixes vLLM's settings so its scheduler dri
 - synchronous scheduling, one engine-core process running our worker in-process;
 - max_model_len = min(its own, ctx_len − 1): vLLM ends a request (`length`) at that many
   tokens, before our engine runs out of cache positions (it holds ctx_len); a prompt longer than
-  ctx_len − 1 − B (room for one verify block) is refused in `validate_request`, as we refuse it.
+  ctx_len − 1 − B (room for one verify block: `contract.max_prompt`, the rule `Pipeline` and
+  dflash-serve apply) is refused in `validate_request`.
 
 `validate_request` refuses (HTTP 400) what the programs cannot do, in one sentence.
 """
@@ -30,6 +31,8 @@ from pathlib import Path
 
 from vllm.platforms.cpu import CpuPlatform
 from vllm.platforms.interface import PlatformEnum
+
+from dflash_qaic import contract
 
 log = logging.getLogger("dflash_qaic.vllm")
 
@@ -193,7 +196,7 @@ class DFlashQaicPlatform(CpuPlatform):
             can_sample=m.target.io.sampling,
             max_top_k=m.target.sampling_candidates or m.vocab_size,
             vocab=m.vocab_size,
-            max_prompt=ctx_len - 1 - B,
+            max_prompt=contract.max_prompt(ctx_len, B),
             structured=m.target.io.token_bitmask,
         )
         log.info(
@@ -234,22 +237,13 @@ class DFlashQaicPlatform(CpuPlatform):
         if not isinstance(params, SamplingParams):
             refuse("pooling", "pooling (embeddings, scores)")
         p = params
-        if p.n != 1:
-            refuse("n", f"n={p.n}")
         if p.logprobs is not None or p.prompt_logprobs is not None:
             refuse("logprobs", "logprobs (and beam search, which needs them)")
-        for name, off in (
-            ("presence_penalty", 0.0),
-            ("frequency_penalty", 0.0),
-            ("repetition_penalty", 1.0),
-            ("min_p", 0.0),
-            ("min_tokens", 0),
-        ):
-            if getattr(p, name) != off:
-                refuse(name, f"{name}={getattr(p, name)}")
-        for name in ("logit_bias", "bad_words"):
-            if getattr(p, name, None):
-                refuse(name, name)
+        from dflash_qaic.runtime.requests import REFUSED_SAMPLING, refused_sampling
+
+        name = refused_sampling(lambda name, off: getattr(p, name, off))
+        if name is not None:
+            refuse(name, name if REFUSED_SAMPLING[name] is None else f"{name}={getattr(p, name)}")
         for name in ("structured_outputs", "allowed_token_ids"):
             if getattr(p, name, None) and cls.limits is not None and not cls.limits.structured:
                 raise VLLMValidationError(
@@ -406,7 +400,7 @@ def _fit_to_artifacts(vllm_config, artifacts: str, rows: int, ctx_len: int) -> i
             rows,
         )
         sched.max_num_seqs = rows
-    limit = ctx_len - 1  # vLLM ends a request at this many tokens, before our engine must
+    limit = contract.max_positions(ctx_len)  # vLLM ends a request here, before our engine must
     if model_config.max_model_len > limit:
         if _argv_value("--max-model-len") is not None:
             log.warning(
