@@ -162,22 +162,6 @@ def test_refuses_unsupported_fields(field, value):
         ExportTarget.from_hf(model, fc, hn_w, hn_eps, LAYER_IDS, ctx_len=CTX)
 
 
-@pytest.mark.parametrize("rule", ["tree", "block"])
-def test_unsupported_verify_rules_are_refused_by_name(rule, tmp_path):
-    """Tree and block verification are not built for sliding-window targets: the export refuses
-    them by name before tracing anything (the program declares the rules it supports)."""
-    model = make_gemma4("text")
-    fc, hn_w, hn_eps = make_draft_side(len(LAYER_IDS))
-    with pytest.raises(ValueError, match=rf"^{rule} verification .*sliding-window.* by chain"):
-        export_target(
-            model, fc, hn_w, hn_eps, LAYER_IDS, tmp_path / "target.onnx", ctx_len=CTX,
-            prefill_seq_len=CHUNK, block_size=BLOCK, verify_rule=rule,
-        )  # fmt: skip
-    assert not (tmp_path / "target.onnx").exists()
-    module = ExportTarget.from_hf(model, fc, hn_w, hn_eps, LAYER_IDS, ctx_len=CTX)
-    assert module.verify_rules == ("chain",)
-
-
 # ---------------------------------------------------------------- fp16 with a massive channel
 
 
