@@ -23,6 +23,9 @@ from test_target_export import (
     CTX,
     VOCAB,
     Runner,
+    export_program,
+    faithful_flows,
+    hf_dims,
     hf_reference,
     make_draft_side,
     margin_ok,
@@ -45,18 +48,10 @@ def gpt_oss_config(n_layers=4):
     from transformers import GptOssConfig
 
     cfg = GptOssConfig(
-        vocab_size=VOCAB,
-        hidden_size=H,
-        intermediate_size=INTER,
-        head_dim=16,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=n_layers,
+        **hf_dims(n_layers, intermediate_size=INTER, max_position_embeddings=256),
         num_local_experts=E,
         num_experts_per_tok=K,
         sliding_window=WINDOW,
-        max_position_embeddings=256,
-        initializer_range=0.1,
         rope_parameters=dict(
             rope_type="yarn",
             factor=4.0,
@@ -115,23 +110,11 @@ def test_moe_block_matches_hf(gpt_oss_model):
 
 @pytest.fixture(scope="module")
 def exported(gpt_oss_model, tmp_path_factory):
-    fc, hn_w, hn_eps = make_draft_side(len(LAYER_IDS))
     path = tmp_path_factory.mktemp("gpt_oss") / "target.onnx"
-    facts = export_target(
-        gpt_oss_model,
-        fc,
-        hn_w,
-        hn_eps,
-        LAYER_IDS,
-        path,
-        ctx_len=CTX,
-        prefill_seq_len=CHUNK,
-        block_size=BLOCK,
-        emit_logits=True,
-    )
-    io = program_io(facts, path)
+    e = export_program(gpt_oss_model, LAYER_IDS, path, emit_logits=True)
+    io = program_io(e["facts"], path)
     assert io.ring_slots == (WINDOW + CHUNK, 0, WINDOW + CHUNK, 0)  # sliding layers: rings
-    return dict(model=gpt_oss_model, fc=fc, hn=(hn_w, hn_eps), facts=facts, io=io, path=path)
+    return dict(e, io=io)
 
 
 @pytest.mark.parametrize("prompt_len", [21, 13])
@@ -265,27 +248,15 @@ def test_mxfp4_streamed_from_file(tmp_path):
 def test_fp16_faithful_with_a_massive_channel(tmp_path):
     """Trigger tokens carry ~3000 in one residual channel through sinks, routers and the clamped
     experts: the fp16-faithful program gives the fp32 tokens, nothing near fp16's limit."""
-    from test_fp16 import CH, SEQS, TRIGGERS, assert_same_tokens, faithful_program, target_flow
+    from test_fp16 import CH, TRIGGERS, assert_same_tokens
 
     model = make_gpt_oss()
     model.model.embed_tokens.weight[TRIGGERS, CH] = 3000.0
     model.model.norm.weight[CH] = 0.05
-    fc, hn_w, hn_eps = make_draft_side(len(LAYER_IDS))
-    path = tmp_path / "target.onnx"
-    facts = export_target(
-        model, fc, hn_w, hn_eps, LAYER_IDS, path, ctx_len=CTX, prefill_seq_len=CHUNK,
-        block_size=BLOCK,
-    )  # fmt: skip
-    faithful = facts["check"]["fp16_faithful"]
-    assert faithful["ran"] and faithful["flagged"] == [], faithful
-    prog = faithful_program(path, program_io(facts, path))
-    for p, seq in zip((16, 13), SEQS):
-        got = target_flow(prog, seq, p)
-        logits, hidden, out = hf_reference(model, seq, LAYER_IDS, fc, hn_w, hn_eps)
+    for got, (logits, hidden, out) in faithful_flows(model, LAYER_IDS, tmp_path / "target.onnx"):
         assert float(out.hidden_states[2][0, :, CH].abs().max()) > 2000.0
         assert_same_tokens(got[contract.NEXT_TOKENS], logits)
         np.testing.assert_allclose(got[contract.HIDDEN_STATES], hidden, atol=0.05, rtol=0.02)
-    assert prog.report.flagged == [], prog.report.summary()
 
 
 # ---------------------------------------------------------------- lossless decoding

@@ -16,15 +16,16 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from test_fp16 import CH, SEQS, assert_same_tokens, faithful_program, plant_massive, target_flow
+from test_fp16 import CH, SEQS, assert_same_tokens, plant_massive
 from test_target_export import (
     BLOCK,
     CHUNK,
-    CTX,
     VOCAB,
     Runner,
+    export_program,
+    faithful_flows,
+    hf_dims,
     hf_reference,
-    make_draft_side,
     margin_ok,
     run_flow,
     session,
@@ -34,7 +35,6 @@ from dflash_lab.tiny import make_tiny_pair, preset_spec
 from dflash_lab.tiny_writer import target_layout
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract
-from dflash_qaic.exporter.target import export_target
 from dflash_qaic.modeling.moe import SparseMoeBlock
 
 H, E, K, INTER = 64, 8, 2, 32
@@ -44,20 +44,12 @@ def moe_config(n_layers=3, dense=(1,), norm_topk_prob=True, **kw):
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=H,
-        intermediate_size=128,
+        **hf_dims(n_layers),
         moe_intermediate_size=INTER,
         num_experts=E,
         num_experts_per_tok=K,
         norm_topk_prob=norm_topk_prob,
         mlp_only_layers=list(dense),
-        num_hidden_layers=n_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        initializer_range=0.1,
         tie_word_embeddings=False,
         **kw,
     )
@@ -143,23 +135,9 @@ LAYER_IDS = [0, 2]
 
 @pytest.fixture(scope="module")
 def target_program(tmp_path_factory):
-    model = make_moe()
-    fc, hn_w, hn_eps = make_draft_side(len(LAYER_IDS))
     path = tmp_path_factory.mktemp("moe") / "target.onnx"
-    facts = export_target(
-        model,
-        fc,
-        hn_w,
-        hn_eps,
-        LAYER_IDS,
-        path,
-        ctx_len=CTX,
-        prefill_seq_len=CHUNK,
-        block_size=BLOCK,
-        emit_logits=True,
-    )
-    io = contract.TargetIO(3, 2, 16, H, VOCAB, emit_logits=True, comp_ctx=True)
-    return dict(model=model, fc=fc, hn=(hn_w, hn_eps), path=path, facts=facts, io=io)
+    e = export_program(make_moe(), LAYER_IDS, path, emit_logits=True)
+    return dict(e, io=contract.TargetIO(3, 2, 16, H, VOCAB, emit_logits=True, comp_ctx=True))
 
 
 @pytest.mark.parametrize("prompt_len", [16, 13])
@@ -316,29 +294,9 @@ def test_fp16_faithful_gives_fp32_tokens(tmp_path, value):
     )
     assert 0.9 * value < reached < value
     model.model.norm.weight[CH] = 0.05
-    fc, hn_w, hn_eps = make_draft_side(len(LAYER_IDS))
-    path = tmp_path / "target.onnx"
-    facts = export_target(
-        model,
-        fc,
-        hn_w,
-        hn_eps,
-        LAYER_IDS,
-        path,
-        ctx_len=CTX,
-        prefill_seq_len=CHUNK,
-        block_size=BLOCK,
-    )
-    faithful = facts["check"]["fp16_faithful"]
-    assert faithful["ran"] and faithful["flagged"] == [], faithful
-    io = contract.TargetIO(3, 2, 16, H, VOCAB, comp_ctx=True)
-    prog = faithful_program(path, io)
-    for p, seq in zip((16, 13), SEQS):
-        got = target_flow(prog, seq, p)
-        logits, hidden, _ = hf_reference(model, seq, LAYER_IDS, fc, hn_w, hn_eps)
+    for got, (logits, hidden, _) in faithful_flows(model, LAYER_IDS, tmp_path / "target.onnx"):
         assert_same_tokens(got[contract.NEXT_TOKENS], logits)
         np.testing.assert_allclose(got[contract.HIDDEN_STATES], hidden, atol=0.05, rtol=0.02)
-    assert prog.report.flagged == [], prog.report.summary()
 
 
 # ---------------------------------------------------------------- checkpoints
