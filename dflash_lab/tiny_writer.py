@@ -352,10 +352,8 @@ def write_pair_streamed(s, tdir: Path, ddir: Path, target_config) -> None:
     total += sum(math.prod(sh) * itemsize for _, sh, _ in d_layout)
     bar = tqdm(total=total, desc="writing random pair", unit="B", unit_scale=True, leave=False)
     target_config.dtype = s.dtype
-    if getattr(s, "multimodal", False):
-        target_config.architectures = ["Qwen3_5ForConditionalGeneration"]
-        if families.get(s.family).tiny_layout == "gemma4":  # the published Gemma 4 form
-            target_config.architectures = ["Gemma4ForConditionalGeneration"]
+    if getattr(s, "multimodal", False):  # the published form: the family's first architecture
+        target_config.architectures = [families.get(s.family).architectures[0]]
     target_config.save_pretrained(tdir)
     shards = _shard(t_layout, s.shards, itemsize) if s.shards > 1 else [t_layout]
     if len(shards) == 1:

@@ -9,7 +9,7 @@ import torch
 
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract, families
-from dflash_qaic.exporter.target import target_io
+from dflash_qaic.exporter.target import set_rule, target_io
 from dflash_qaic.families import base
 from dflash_qaic.modeling.moe import SparseMoeBlock
 from dflash_qaic.modeling.target import ExportTarget
@@ -17,6 +17,10 @@ from dflash_qaic.modeling.target import ExportTarget
 # every family's program is the one skeleton's; a tiny-preset-only name (gemma4_moe: a Gemma 4
 # checkpoint whose config enables the MoE block) reads back as the family it presets
 READ_AS = {"gemma4_moe": "gemma4"}
+# the verification rules a family's program supports (the others are refused at export by name):
+# hybrids verify chains; sliding-window targets chains and blocks (no trees yet)
+RULES = {"qwen3_5": ("chain",), "qwen3_5_moe": ("chain",)}
+RULES |= dict.fromkeys(("gemma4", "gemma4_moe", "gpt_oss"), ("chain", "block"))
 
 
 @pytest.mark.parametrize("family", families.all(), ids=families.names())
@@ -44,6 +48,11 @@ def test_tiny_preset_reads_back_and_builds(tiny_pair, family):
     attention = [la.self_attn.kind for la in module.layers if la.mixer_name == "self_attn"]
     assert attention == [k.attention for k in kinds if k.mixer != base.DELTANET]
     assert set(module.kinds) == set(attention)
+    rules = RULES.get(family.name, contract.VERIFY_RULES)
+    assert module.verify_rules == rules
+    for rule in sorted(set(contract.VERIFY_RULES) - set(rules)):
+        with pytest.raises(ValueError, match=rf"^{rule} verification .* not built for .* by chain"):
+            set_rule(module, rule, sampling=True, token_bitmask=False)
     io = target_io(module, H, emit_logits=False, sampling=True)
     assert module.retained_inputs == [s.name for s in io.kv]
     assert (contract.NUM_COMMITTED in [s.name for s in io.outputs]) == family.hybrid

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import target_checks as checks
 import torch
 from spec_loop import hf_greedy, program_io
 from test_target_export import (
@@ -22,13 +21,18 @@ from test_target_export import (
     CHUNK,
     CTX,
     VOCAB,
+    Runner,
+    export_program,
+    faithful_flows,
+    hf_dims,
     hf_reference,
     make_draft_side,
     margin_ok,
+    run_flow,
+    session,
 )
 
 from dflash_qaic import contract
-from dflash_qaic.exporter.target import export_target
 from dflash_qaic.modeling.target import ExportTarget
 
 H, WINDOW = 64, 4
@@ -43,13 +47,7 @@ def text_config(moe: bool):
 
     extra = dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32)
     return Gemma4TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=H,
-        intermediate_size=64,
-        num_hidden_layers=len(LAYER_TYPES),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        **hf_dims(len(LAYER_TYPES), intermediate_size=64, max_position_embeddings=256),
         global_head_dim=32,
         num_global_key_value_heads=1,
         attention_k_eq_v=True,
@@ -57,8 +55,6 @@ def text_config(moe: bool):
         sliding_window=WINDOW,
         hidden_size_per_layer_input=0,
         final_logit_softcapping=30.0,
-        max_position_embeddings=256,
-        initializer_range=0.1,
         **(extra if moe else {}),
     )
 
@@ -104,18 +100,28 @@ FORMS += [pytest.param("multimodal", marks=pytest.mark.slow)]
 @pytest.fixture(scope="module", params=FORMS)
 def target_program(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"gemma4_{request.param}") / "target.onnx"
-    e = checks.export_program(make_gemma4(request.param), LAYER_IDS, path)
-    assert e["io"].layer_kv == LAYER_KV
-    assert e["io"].ring_slots == tuple(
+    e = export_program(make_gemma4(request.param), LAYER_IDS, path, emit_logits=True)
+    io = program_io(e["facts"], path)
+    assert io.layer_kv == LAYER_KV
+    assert io.ring_slots == tuple(
         WINDOW + CHUNK if t == "sliding_attention" else 0 for t in LAYER_TYPES
     )
-    return e
+    return dict(e, io=io)
 
 
 @pytest.mark.parametrize("prompt_len", [21, 13])
 def test_prefill_verify_decode_match_hf(target_program, prompt_len):
-    ref_logits = checks.check_against_hf(target_program, LAYER_IDS, prompt_len)
+    e = target_program
+    rng = np.random.default_rng(prompt_len)
+    seq = rng.integers(0, VOCAB, prompt_len + BLOCK + 1).tolist()
+    got = run_flow(Runner(session(str(e["path"])), e["io"]), seq, prompt_len)
+    ref_logits, ref_hidden, _ = hf_reference(e["model"], seq, LAYER_IDS, e["fc"], *e["hn"])
     assert np.abs(ref_logits).max() < 30.0  # soft-capped
+    np.testing.assert_allclose(got[contract.LOGITS], ref_logits, atol=2e-4, rtol=1e-4)
+    clear = margin_ok(ref_logits, 1e-3)
+    assert clear.sum() >= len(seq) - 2
+    np.testing.assert_array_equal(got[contract.NEXT_TOKENS][clear], ref_logits.argmax(-1)[clear])
+    np.testing.assert_allclose(got[contract.HIDDEN_STATES], ref_hidden, atol=1e-4, rtol=1e-4)
 
 
 def test_program_declares_each_layers_cache(target_program):
@@ -137,22 +143,6 @@ def test_refuses_unsupported_fields(field, value):
         ExportTarget.from_hf(model, fc, hn_w, hn_eps, LAYER_IDS, ctx_len=CTX)
 
 
-@pytest.mark.parametrize("rule", ["tree", "block"])
-def test_unsupported_verify_rules_are_refused_by_name(rule, tmp_path):
-    """Tree and block verification are not built for sliding-window targets: the export refuses
-    them by name before tracing anything (the program declares the rules it supports)."""
-    model = make_gemma4("text")
-    fc, hn_w, hn_eps = make_draft_side(len(LAYER_IDS))
-    with pytest.raises(ValueError, match=rf"^{rule} verification .*sliding-window.* by chain"):
-        export_target(
-            model, fc, hn_w, hn_eps, LAYER_IDS, tmp_path / "target.onnx", ctx_len=CTX,
-            prefill_seq_len=CHUNK, block_size=BLOCK, verify_rule=rule,
-        )  # fmt: skip
-    assert not (tmp_path / "target.onnx").exists()
-    module = ExportTarget.from_hf(model, fc, hn_w, hn_eps, LAYER_IDS, ctx_len=CTX)
-    assert module.verify_rules == ("chain",)
-
-
 # ---------------------------------------------------------------- fp16 with a massive channel
 
 
@@ -163,7 +153,7 @@ def test_fp16_faithful_with_a_massive_channel(tmp_path):
     post_feedforward_layernorm weight, as Gemma's checkpoints have, then √H-scaled embeddings
     and soft-capped logits downstream); the fp16-faithful program gives the fp32 tokens with
     nothing near fp16's limit."""
-    from test_fp16 import CH, SEQS, TRIGGERS, plant_massive, target_flow
+    from test_fp16 import CH, SEQS, TRIGGERS, plant_massive
 
     model = make_gemma4("text")
     lm = model.model
@@ -183,14 +173,11 @@ def test_fp16_faithful_with_a_massive_channel(tmp_path):
         norm[CH] *= 1800.0 / measure()
     assert 1500.0 < measure() < 2100.0  # 3600 before layer 0's scalar 0.5
     lm.norm.weight[CH] = 0.05  # as in real checkpoints, the final norm damps the channel
-    e, prog = checks.faithful_export(model, LAYER_IDS, tmp_path / "target.onnx")
-    for p, seq in zip((16, 13), SEQS):
-        got = target_flow(prog, seq, p)
-        logits, hidden, _ = hf_reference(model, seq, LAYER_IDS, e["fc"], *e["hn"])
+    for got, (logits, hidden, _) in faithful_flows(model, LAYER_IDS, tmp_path / "target.onnx"):
         # fp32's argmax wherever it is clear by 0.05 (fp16 rounding moves logits ~1e-2; this
         # tiny random model has near-ties), and a near-tie's pick within 0.05 of the best
         tokens, clear = got[contract.NEXT_TOKENS], margin_ok(logits, 0.05)
-        assert clear.sum() >= 0.7 * len(seq)
+        assert clear.sum() >= 0.7 * len(logits)
         np.testing.assert_array_equal(tokens[clear], logits.argmax(-1)[clear])
         chosen = np.take_along_axis(logits, tokens[:, None], -1)[:, 0]
         assert (logits.max(-1) - chosen < 0.05).all()
@@ -199,7 +186,6 @@ def test_fp16_faithful_with_a_massive_channel(tmp_path):
         # (Gemma's unscaled scores: scaling 1.0; open, see docs/DESIGN.md, Gemma 4 targets)
         err = np.abs(got[contract.HIDDEN_STATES] - hidden).max(-1)  # per row
         assert (err < 0.05 + 0.02 * np.abs(hidden).max(-1)).mean() >= 0.9, err
-    assert prog.report.flagged == [], prog.report.summary()
 
 
 # ---------------------------------------------------------------- lossless decoding
@@ -208,11 +194,22 @@ def test_fp16_faithful_with_a_massive_channel(tmp_path):
 def test_speculative_decoding_equals_hf_generate(target_program):
     """Whatever a block's acceptance (0 … B − 1 proposals kept), the committed tokens are
     Hugging Face's greedy `generate` (soft-capped logits, both layer kinds' caches rolled back)."""
-    checks.check_speculation_equals_hf(target_program)
+    from spec_loop import hf_greedy, speculate
+
+    prompt = np.random.default_rng(7).integers(0, VOCAB, 11).tolist()
+    n = 24
+    ref = hf_greedy(target_program["model"], prompt, n)
+    got, accepted = speculate(
+        Runner(session(str(target_program["path"])), target_program["io"]), prompt, ref, n
+    )
+    assert got == ref
+    assert set(accepted) == set(range(BLOCK))
 
 
 def test_batched_equals_solo(target_program):
-    checks.check_batched_equals_solo(target_program)
+    from spec_loop import assert_batched_equals_solo
+
+    assert_batched_equals_solo(session(str(target_program["path"])), target_program["io"])
 
 
 # ---------------------------------------------------------------- from the checkpoints

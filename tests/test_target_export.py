@@ -27,21 +27,18 @@ VOCAB, H = 320, 64
 # ---------------------------------------------------------------- helpers
 
 
+def hf_dims(n_layers: int, **over) -> dict:
+    """The shape of every family's tiny test target (its config fields), with overrides."""
+    dims = dict(vocab_size=VOCAB, hidden_size=H, intermediate_size=128, head_dim=16)
+    dims |= dict(num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=2)
+    return dims | dict(max_position_embeddings=512, initializer_range=0.1) | over
+
+
 def make_hf(family: str, n_layers: int, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=H,
-        intermediate_size=128,
-        num_hidden_layers=n_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        initializer_range=0.1,
-    )
+    common = hf_dims(n_layers)
     if family == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common, tie_word_embeddings=True))
     else:
@@ -75,6 +72,36 @@ def make_draft_side(k: int, seed: int = 1):
     fc = torch.randn(H, k * H, generator=g) * 2.0  # large enough that the fp16 rescale kicks in
     hidden_norm = torch.rand(H, generator=g) + 0.5
     return fc, hidden_norm, 1e-6
+
+
+def export_program(model, layer_ids, path, **options) -> dict:
+    """`model`'s target program exported at the tests' sizes (CTX, CHUNK, BLOCK) with a random
+    draft side: dict(model, fc, hn=(hn_w, hn_eps), path, facts). options: export_target's."""
+    fc, hn_w, hn_eps = make_draft_side(len(layer_ids))
+    facts = export_target(
+        model, fc, hn_w, hn_eps, layer_ids, path, ctx_len=CTX, prefill_seq_len=CHUNK,
+        block_size=BLOCK, **options,
+    )  # fmt: skip
+    return dict(model=model, fc=fc, hn=(hn_w, hn_eps), path=path, facts=facts)
+
+
+def faithful_flows(model, layer_ids, path) -> list:
+    """The fp16-faithful evaluation of `model`'s program (exported clean of fp16 flags) over
+    test_fp16's SEQS: [(the program's flow, hf_reference's (logits, hidden, out))]; nothing
+    flagged on the way."""
+    from spec_loop import program_io
+    from test_fp16 import SEQS, faithful_program, target_flow
+
+    e = export_program(model, layer_ids, path)
+    faithful = e["facts"]["check"]["fp16_faithful"]
+    assert faithful["ran"] and faithful["flagged"] == [], faithful
+    prog = faithful_program(path, program_io(e["facts"], path))
+    flows = [
+        (target_flow(prog, seq, p), hf_reference(model, seq, layer_ids, e["fc"], *e["hn"]))
+        for p, seq in zip((16, 13), SEQS)
+    ]
+    assert prog.report.flagged == [], prog.report.summary()
+    return flows
 
 
 def hf_reference(model, tokens, layer_ids, fc, hn_w, hn_eps):
@@ -163,33 +190,10 @@ FAMILIES = {
 def target_program(request, tmp_path_factory):
     family = request.param
     n_layers, layer_ids = FAMILIES[family]
-    model = make_hf(family, n_layers)
-    fc, hn_w, hn_eps = make_draft_side(len(layer_ids))
     path = tmp_path_factory.mktemp(family) / "target.onnx"
-    facts = export_target(
-        model,
-        fc,
-        hn_w,
-        hn_eps,
-        layer_ids,
-        path,
-        ctx_len=CTX,
-        prefill_seq_len=CHUNK,
-        block_size=BLOCK,
-        emit_logits=True,
-    )
+    e = export_program(make_hf(family, n_layers), layer_ids, path, emit_logits=True)
     io = contract.TargetIO(n_layers, 2, 16, H, VOCAB, emit_logits=True, comp_ctx=True)
-    return dict(
-        family=family,
-        model=model,
-        layer_ids=layer_ids,
-        fc=fc,
-        hn=(hn_w, hn_eps),
-        path=path,
-        facts=facts,
-        io=io,
-        sess=session(str(path)),
-    )
+    return dict(e, family=family, layer_ids=layer_ids, io=io, sess=session(str(path)))
 
 
 def run_flow(runner: Runner, seq, prompt_len, pad_token=lambda i: 0):

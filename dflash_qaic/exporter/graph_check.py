@@ -37,7 +37,7 @@ from dflash_qaic.exporter.fp16_check import (
     convert_to_fp16,
     fp16_feed,
 )
-from dflash_qaic.exporter.onnx_export import initializer_bytes
+from dflash_qaic.exporter.weights import initializer_bytes
 from dflash_qaic.modeling.ops import QAIC_DOMAIN
 
 CUSTOM_FUNCTIONS = frozenset({(QAIC_DOMAIN, "CtxScatter"), (QAIC_DOMAIN, "CtxScatterCB")})

@@ -21,6 +21,7 @@ import torch
 
 from dflash_qaic import contract
 from dflash_qaic.contract import TensorSpec
+from dflash_qaic.exporter.weights import initializer_bytes
 
 # Above this many bytes of weights the model goes to external data (protobuf caps at 2 GB).
 EXTERNAL_DATA_THRESHOLD = int(1.5 * 1024**3)
@@ -39,17 +40,6 @@ def _dynamic_axes(specs: list[TensorSpec]) -> dict[str, dict[int, str]]:
         for s in specs
         if any(isinstance(d, str) for d in s.shape)
     }
-
-
-def initializer_bytes(model: onnx.ModelProto) -> int:
-    """Bytes of the main graph's initializers (from their dims, so external data need not be loaded)."""
-    total = 0
-    for t in model.graph.initializer:
-        n = 1
-        for d in t.dims:
-            n *= d
-        total += n * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-    return total
 
 
 def export_onnx(

@@ -617,3 +617,14 @@ def load_fp32(info: ck.TensorInfo) -> torch.Tensor:
     """One checkpoint tensor in fp32 (checked finite): for the few small tensors the export
     modules need real values of (the draft's fc, for its fp16 scale, and hidden_norm)."""
     return torch.cat(list(fp32_chunks(Source(info, fp16=False), False))).view(info.shape)
+
+
+def initializer_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the main graph's initializers (from their dims, so external data need not be loaded)."""
+    total = 0
+    for t in model.graph.initializer:
+        n = 1
+        for d in t.dims:
+            n *= d
+        total += n * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    return total

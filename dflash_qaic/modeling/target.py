@@ -279,7 +279,7 @@ class ExportTarget(nn.Module):
             return (
                 "not built for hybrid targets (their recurrent state commits by the chain's count)"
             )
-        if any(k.window is not None for k in self.kinds.values()):
+        if rule.takes_tree and any(k.window is not None for k in self.kinds.values()):
             return "not built for targets with sliding-window layers (Gemma 4, gpt-oss) yet"
         return None
 
