@@ -73,14 +73,20 @@ class StepCosts:
         self.verify_s: dict[int, float] = {}
         self.draft_s: float | None = None
         self.decode_s: float | None = None
+        self.draft_context_s: float | None = None  # a decoding row's context sent to the draft
         # the step policy's memory across sequences (runtime/policy.py): proposals kept per
         # drafted step, and what the draft's confidences promised for them (running means)
         self.kept: float | None = None
         self.promised: float | None = None
+        # the host's seconds per step outside its timed calls, by path ("draft", "decode"):
+        # Python, copies and, on a shared machine, waiting for a core
+        self.host_s: dict[str, float] = {}
+        self._in_calls = 0.0  # seconds of the timed calls of the step under way
         self.warmup_calls = warmup_calls
         self._seen: collections.Counter = collections.Counter()
 
     def observe(self, kind: str, seconds: float, n: int = 0) -> None:
+        self._in_calls += seconds
         self._seen[kind, n] += 1
         if self._seen[kind, n] <= self.warmup_calls:
             return
@@ -88,9 +94,16 @@ class StepCosts:
             old = self.verify_s.get(n)
             self.verify_s[n] = seconds if old is None else old + self.WEIGHT * (seconds - old)
             return
-        name = f"{kind}_s"  # draft_s, decode_s
+        name = f"{kind}_s"  # draft_s, decode_s, draft_context_s
         old = getattr(self, name)
         setattr(self, name, seconds if old is None else old + self.WEIGHT * (seconds - old))
+
+    def step(self, path: str, seconds: float) -> None:
+        """A step of `path` ("draft": it verified proposals; "decode") took `seconds` of wall
+        time: what its timed calls did not take goes to `host_s[path]` (a running mean)."""
+        host, self._in_calls = max(seconds - self._in_calls, 0.0), 0.0
+        old = self.host_s.get(path)
+        self.host_s[path] = host if old is None else old + self.WEIGHT * (host - old)
 
     def row_lengths(self, lengths: list[int], confidences: np.ndarray) -> np.ndarray:
         """Each sampled row's own verify length ([rows] int64) from its own confidences
