@@ -54,7 +54,12 @@ class StepPolicy:
     `promised`), so a new sequence starts from it, and the draft's confidences are read
     through that calibration."""
 
-    WEIGHT = 0.2  # of a row's newest drafted step in its running estimate
+    # of a row's newest drafted step in its running estimate: a greedy row's acceptance comes
+    # in long runs with short dips (a slow mean rides them out); a sampled row's is close to
+    # independent from step to step (a fast one follows it), and its first observation
+    # replaces its prior
+    WEIGHT = 0.1
+    WEIGHT_SAMPLED = 0.5
     MEMORY = 0.1  # of a drafted step in the pair's memory (kept, promised)
     PROBE_FIRST = 8  # decode steps before a row's first probe, when drafting paid so far
     PROBE_LATE = 32  # the same when the pair's acceptance so far says drafting does not pay
@@ -69,9 +74,7 @@ class StepPolicy:
         self.idle = [0] * slots
         self.wait = [self.PROBE_FIRST] * slots
         self.probing = [False] * slots
-        # a sampled row's first observation replaces its prior (greedy rows' acceptance comes
-        # in long runs, so their prior is averaged in like any observation)
-        self.fast = [False] * slots
+        self.fast = [False] * slots  # the row samples (WEIGHT_SAMPLED)
         self.seen = [0] * slots  # drafted steps observed since the sequence joined
 
     def promise(self, confidence, costs) -> list[float] | None:
@@ -100,8 +103,10 @@ class StepPolicy:
     def observe(self, slots, accepted, confidence, costs) -> None:
         """The drafted rows `slots` kept `accepted` proposals of a block the draft gave
         `confidence` ([rows, B − 1]) in: their estimates, and the pipeline's."""
-        w, obs = self.WEIGHT, [float(a) for a in accepted]
+        obs = [float(a) for a in accepted]
         for r, a in zip(slots.tolist() if hasattr(slots, "tolist") else slots, obs):
+            # a probe's step weighs as a sampled row's: the row's estimate is stale by then
+            w = self.WEIGHT_SAMPLED if self.fast[r] or self.probing[r] else self.WEIGHT
             first = self.seen[r] == 0 and self.fast[r]  # replaces the prior
             self.est[r] = a if first else self.est[r] + w * (a - self.est[r])
             self.seen[r] += 1
@@ -135,14 +140,17 @@ class StepPolicy:
     def want(self, slots, costs) -> list[bool]:
         """Which of `slots` (the rows going on after this step) draft for their next step: the
         ones it pays for, and the ones due a probe. A probe that did not pay doubles the row's
-        wait, one that did resets it."""
+        wait (to at most PROBE_MAX, or twice PROBE_FIRST while drafting pays on the pair's
+        memory), one that did resets it."""
         if self.mode != "auto":
             return [self.mode == "always"] * len(slots)
         thr, out = self.threshold(costs), []
+        # a pair whose drafts pay on the whole has dips, not deserts: its probes back off less
+        most = self.PROBE_MAX if costs.kept is None or costs.kept < thr else 2 * self.PROBE_FIRST
         for r in slots:
             pays = self.est[r] >= thr
             if self.probing[r]:  # the last draft was a probe: its outcome sets the wait
-                self.wait[r] = self.PROBE_FIRST if pays else min(2 * self.wait[r], self.PROBE_MAX)
+                self.wait[r] = self.PROBE_FIRST if pays else min(2 * self.wait[r], most)
             want = pays or self.idle[r] >= self.wait[r]
             self.probing[r] = want and not pays
             self.idle[r] = 0 if want else self.idle[r] + 1
