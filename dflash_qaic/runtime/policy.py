@@ -62,7 +62,7 @@ class StepPolicy:
     WEIGHT_SAMPLED = 0.5
     MEMORY = 0.1  # of a drafted step in the pair's memory (kept, promised)
     PROBE_FIRST = 8  # decode steps before a row's first probe, when drafting paid so far
-    PROBE_LATE = 32  # the same when the pair's acceptance so far says drafting does not pay
+    PROBE_LATE = 64  # the same when the pair's acceptance so far says drafting does not pay
     PROBE_MAX = 128  # the longest wait between two probes
 
     def __init__(self, mode: str, slots: int, block_size: int, confidence: bool = True):

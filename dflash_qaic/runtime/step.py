@@ -208,7 +208,10 @@ class Prefill:
         ctx, ctx_pos = self.bufs.context(seq.slot)  # [1, D, H], [1, D]
         k = seq.pending
         ctx[0, k : k + n] = hidden
-        ctx_pos[0, k : k + n] = np.arange(lo, lo + n)
+        if n == 1:  # a decode step's row
+            ctx_pos[0, k] = lo
+        else:
+            ctx_pos[0, k : k + n] = np.arange(lo, lo + n)
         seq.pending = k + n
 
     def flush(self, seq, end: int, first: int | None, costs=None) -> None:
