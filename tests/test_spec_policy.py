@@ -342,3 +342,23 @@ def test_a_preempted_call_moves_the_costs_by_a_bounded_step():
     for _ in range(30):  # a real change of cost gets through
         c.observe("decode", 3.0, 1)
     assert c.decode_s == pytest.approx(3.0, rel=1e-3)
+
+
+def test_drafting_again_at_the_end_of_the_context(exported, monkeypatch):
+    """Rows that decode and draft again up to the last position (ctx_len 40): the block a
+    resumed row proposes sits inside the context, and the sequence stops at the end with the
+    target alone's tokens, for every budget that fits."""
+    e = exported("qwen3", pair=PAIR, prefill_seq_len=8, ctx_len=40)
+    pipe = e.load()
+    ids = prompt(10, 3)
+    base = pipe.generate_baseline(ids, max_new_tokens=100, stop_token_ids=[])
+    assert base.stop_reason == "ctx_len" and len(ids) + len(base.tokens) == 40
+    for period in (2, 3, 5):
+        force(monkeypatch, lambda slot, step, p=period: step % p == 0)
+        pipe.configure(spec_policy="auto")
+        res = pipe.generate(ids, max_new_tokens=100, stop_token_ids=[])
+        assert res.stop_reason == "ctx_len" and res.tokens == base.tokens, period
+        assert res.stats["drafted_steps"] > 0 and "draft_context" in res.call_times
+        for new in range(len(base.tokens) - 6, len(base.tokens) + 1):
+            got = pipe.generate(ids, max_new_tokens=new, stop_token_ids=[])
+            assert got.tokens == base.tokens[:new] and got.error is None, (period, new)

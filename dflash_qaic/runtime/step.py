@@ -224,6 +224,9 @@ class Prefill:
         b.bidx[0, 0] = slot
         b.blk_ids[0, 0] = b.mask_id if first is None else first
         np.add(self._arange_b, end, out=b.blk_pos[0])
+        # near the end of the context (a decoding row drafting again), block rows past the last
+        # slot sit at the last position, as in the step's draft call
+        np.minimum(b.blk_pos[0], contract.max_positions(plan.ctx_len) - 1, out=b.blk_pos[0])
         d = b.draft_prefill(slot, rows)
         if b.draft_u is not None:  # the proposals for positions end + 1 … end + B − 1
             seq.fill_draft_uniforms(b.draft_u[0], end + 1)
