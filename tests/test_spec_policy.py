@@ -362,3 +362,22 @@ def test_drafting_again_at_the_end_of_the_context(exported, monkeypatch):
         for new in range(len(base.tokens) - 6, len(base.tokens) + 1):
             got = pipe.generate(ids, max_new_tokens=new, stop_token_ids=[])
             assert got.tokens == base.tokens[:new] and got.error is None, (period, new)
+
+
+def test_a_mixed_tree_batch_equals_each_alone(exported, monkeypatch):
+    """A tree program's batch where some rows decode (a tree of its root alone) beside rows
+    that verify trees: every request's tokens are its own alone."""
+    from test_tree_verify import build
+
+    force(monkeypatch, lambda slot, step: (step + slot) % 3 != 0)
+    pipe = build(exported, "qwen3", full_batch_size=3).load()
+    pipe.configure(tree_budget=16, spec_policy="auto")
+    ps = [prompt(n, 40 + n) for n in (5, 10, 38, 9)]
+    news = [20, 31, 17, 26]
+    batch = pipe.generate(ps, max_new_tokens=news, stop_token_ids=[])
+    for ids, new, res in zip(ps, news, batch):
+        assert res.error is None, res.error
+        assert (
+            res.tokens == pipe.generate_baseline(ids, max_new_tokens=new, stop_token_ids=[]).tokens
+        )
+        assert res.stats["drafted_steps"] > 0 and res.stats["decode_steps"] > 0
