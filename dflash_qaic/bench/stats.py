@@ -76,8 +76,10 @@ def loop_costs(baseline: list, dflash: list) -> dict:
     out = {
         "verify_rows": float(np.mean(rows)) if rows else None,
         "decode_s": total(baseline, "decode") / tokens,
-        "verify_s": total(dflash, "verify") / steps,
-        "draft_s": total(dflash, "draft") / steps,  # per step: the last step drafts nothing
+        # a step's target call: its verify, or its decode where the step policy decoded; its
+        # draft calls: the step's, and a decoding row's context sent when it drafts again
+        "verify_s": (total(dflash, "verify") + total(dflash, "decode")) / steps,
+        "draft_s": (total(dflash, "draft") + total(dflash, "draft_context")) / steps,
         "token_s": sum(r.stats["decode_s"] for r in baseline) / tokens,
         "step_s": sum(r.stats["decode_s"] for r in dflash) / steps,
         "tau": tau(lengths),

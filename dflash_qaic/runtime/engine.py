@@ -287,7 +287,7 @@ class BatchEngine:
                     self.joining.append((seq, self._hold(seq.slot)))
                     ended.append(seq)  # its first token is this step's
                 elif seq.decoding:
-                    self.spec.join(seq.slot)
+                    self.spec.join(seq.slot, seq.uniforms is not None)
                     self._changed = True
                 else:
                     ended.append(seq)
@@ -324,7 +324,7 @@ class BatchEngine:
                 st.proposals[slot], st.confidence[slot] = proposals, confidence
                 if q is not None:
                     st.q_ids[slot], st.q_probs[slot] = q
-                self.spec.join(slot)
+                self.spec.join(slot, seq.uniforms is not None)
                 self._changed = True
         self.joining.clear()
 

@@ -54,9 +54,15 @@ class StepPolicy:
     `promised`), so a new sequence starts from it, and the draft's confidences are read
     through that calibration."""
 
-    WEIGHT = 0.5  # of the newest observation in a running estimate
+    # of a row's newest drafted step in its running estimate: a greedy row's acceptance comes
+    # in long runs with short dips (a slow mean rides them out); a sampled row's is close to
+    # independent from step to step (a fast one follows it), and its first observation
+    # replaces its prior
+    WEIGHT = 0.1
+    WEIGHT_SAMPLED = 0.5
+    MEMORY = 0.1  # of a drafted step in the pair's memory (kept, promised)
     PROBE_FIRST = 8  # decode steps before a row's first probe, when drafting paid so far
-    PROBE_LATE = 32  # the same when the pair's acceptance so far says drafting does not pay
+    PROBE_LATE = 64  # the same when the pair's acceptance so far says drafting does not pay
     PROBE_MAX = 128  # the longest wait between two probes
 
     def __init__(self, mode: str, slots: int, block_size: int, confidence: bool = True):
@@ -68,6 +74,8 @@ class StepPolicy:
         self.idle = [0] * slots
         self.wait = [self.PROBE_FIRST] * slots
         self.probing = [False] * slots
+        self.fast = [False] * slots  # the row samples (WEIGHT_SAMPLED)
+        self.seen = [0] * slots  # drafted steps observed since the sequence joined
 
     def promise(self, confidence, costs) -> list[float] | None:
         """The proposals the draft's confidences ([rows, B − 1]) promise, calibrated by what
@@ -79,38 +87,49 @@ class StepPolicy:
             e *= costs.kept / costs.promised
         return e.tolist()
 
-    def join(self, slot: int, confidence: np.ndarray | None, costs) -> None:
-        """A sequence starts stepping in `slot`; `confidence` [B − 1]: its first proposals'."""
+    def join(self, slot: int, confidence: np.ndarray | None, costs, sampled: bool = False) -> None:
+        """A sequence starts stepping in `slot`; `confidence` [B − 1]: its first proposals';
+        `sampled`: it samples (T > 0)."""
         e = self.promise(None if confidence is None else confidence[None], costs)
         if e is not None:
             prior = e[0]
         else:
             prior = self.B - 1.0 if costs.kept is None else costs.kept
         self.est[slot], self.idle[slot], self.probing[slot] = prior, 0, False
+        self.seen[slot], self.fast[slot] = 0, sampled
         paid = costs.kept is None or costs.kept >= self.threshold(costs)
         self.wait[slot] = self.PROBE_FIRST if paid else self.PROBE_LATE
 
     def observe(self, slots, accepted, confidence, costs) -> None:
         """The drafted rows `slots` kept `accepted` proposals of a block the draft gave
         `confidence` ([rows, B − 1]) in: their estimates, and the pipeline's."""
-        w, obs = self.WEIGHT, [float(a) for a in accepted]
+        obs = [float(a) for a in accepted]
         for r, a in zip(slots.tolist() if hasattr(slots, "tolist") else slots, obs):
-            self.est[r] += w * (a - self.est[r])
-        costs.kept = _mean(costs.kept, sum(obs) / len(obs), w)
+            # a probe's step weighs as a sampled row's: the row's estimate is stale by then
+            w = self.WEIGHT_SAMPLED if self.fast[r] or self.probing[r] else self.WEIGHT
+            first = self.seen[r] == 0 and self.fast[r]  # replaces the prior
+            self.est[r] = a if first else self.est[r] + w * (a - self.est[r])
+            self.seen[r] += 1
+        costs.kept = _mean(costs.kept, sum(obs) / len(obs), self.MEMORY)
         if self.confidence and confidence is not None:
-            costs.promised = _mean(costs.promised, float(expected(confidence).mean()), w)
+            e = float(expected(confidence).mean())
+            costs.promised = _mean(costs.promised, e, self.MEMORY)
 
     @staticmethod
     def threshold(costs, draft: bool = True) -> float:
         """The least estimate at which drafting pays (draft False: the draft call already ran,
         its cost spent): some verify length n with (1 + min(est, n − 1)) / (verify(n) +
-        draft) ≥ 1 / decode. Until a verify and a draft call have been timed, −inf (every row
+        draft + host) ≥ 1 / (decode + host), each path's host seconds per step its own
+        (`StepCosts.host_s`; the other path's until measured). Until a verify and a draft call have been timed, −inf (every row
         drafts: they must be measured to be compared); until a decode call has, the cheapest
         verify stands for it."""
         if costs.draft_s is None or not costs.verify_s:
             return -np.inf
         t_dec = costs.decode_s if costs.decode_s is not None else min(costs.verify_s.values())
-        extra = costs.draft_s if draft else 0.0
+        host = costs.host_s
+        h_draft = host.get("draft", host.get("decode", 0.0))
+        t_dec += host.get("decode", h_draft)
+        extra = costs.draft_s + h_draft if draft else 0.0
         best = np.inf
         for n, t in costs.verify_s.items():
             need = (t + extra) / t_dec - 1.0  # the proposals a step of n rows must keep
@@ -121,14 +140,17 @@ class StepPolicy:
     def want(self, slots, costs) -> list[bool]:
         """Which of `slots` (the rows going on after this step) draft for their next step: the
         ones it pays for, and the ones due a probe. A probe that did not pay doubles the row's
-        wait, one that did resets it."""
+        wait (to at most PROBE_MAX, or twice PROBE_FIRST while drafting pays on the pair's
+        memory), one that did resets it."""
         if self.mode != "auto":
             return [self.mode == "always"] * len(slots)
         thr, out = self.threshold(costs), []
+        # a pair whose drafts pay on the whole has dips, not deserts: its probes back off less
+        most = self.PROBE_MAX if costs.kept is None or costs.kept < thr else 2 * self.PROBE_FIRST
         for r in slots:
             pays = self.est[r] >= thr
             if self.probing[r]:  # the last draft was a probe: its outcome sets the wait
-                self.wait[r] = self.PROBE_FIRST if pays else min(2 * self.wait[r], self.PROBE_MAX)
+                self.wait[r] = self.PROBE_FIRST if pays else min(2 * self.wait[r], most)
             want = pays or self.idle[r] >= self.wait[r]
             self.probing[r] = want and not pays
             self.idle[r] = 0 if want else self.idle[r] + 1

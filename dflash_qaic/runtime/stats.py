@@ -73,24 +73,43 @@ class StepCosts:
         self.verify_s: dict[int, float] = {}
         self.draft_s: float | None = None
         self.decode_s: float | None = None
+        self.draft_context_s: float | None = None  # a decoding row's context sent to the draft
         # the step policy's memory across sequences (runtime/policy.py): proposals kept per
         # drafted step, and what the draft's confidences promised for them (running means)
         self.kept: float | None = None
         self.promised: float | None = None
+        # the host's seconds per step outside its timed calls, by path ("draft", "decode"):
+        # Python, copies and, on a shared machine, waiting for a core
+        self.host_s: dict[str, float] = {}
+        self._in_calls = 0.0  # seconds of the timed calls of the step under way
         self.warmup_calls = warmup_calls
         self._seen: collections.Counter = collections.Counter()
 
     def observe(self, kind: str, seconds: float, n: int = 0) -> None:
+        self._in_calls += seconds
         self._seen[kind, n] += 1
         if self._seen[kind, n] <= self.warmup_calls:
             return
         if kind == "verify":
-            old = self.verify_s.get(n)
-            self.verify_s[n] = seconds if old is None else old + self.WEIGHT * (seconds - old)
+            self.verify_s[n] = self._mean(self.verify_s.get(n), seconds)
             return
-        name = f"{kind}_s"  # draft_s, decode_s
-        old = getattr(self, name)
-        setattr(self, name, seconds if old is None else old + self.WEIGHT * (seconds - old))
+        name = f"{kind}_s"  # draft_s, decode_s, draft_context_s
+        setattr(self, name, self._mean(getattr(self, name), seconds))
+
+    def _mean(self, old: float | None, seconds: float) -> float:
+        """The running mean after a call of `seconds`, counted as at most twice the mean: a call
+        the OS preempted (on a shared machine, tens of times its cost) moves the mean by one
+        WEIGHT of the mean, not by its own length, while a real change of cost still gets
+        through in a few calls."""
+        if old is None:
+            return seconds
+        return old + self.WEIGHT * (min(seconds, 2 * old) - old)
+
+    def step(self, path: str, seconds: float) -> None:
+        """A step of `path` ("draft": it verified proposals; "decode") took `seconds` of wall
+        time: what its timed calls did not take goes to `host_s[path]` (a running mean)."""
+        host, self._in_calls = max(seconds - self._in_calls, 0.0), 0.0
+        self.host_s[path] = self._mean(self.host_s.get(path), host)
 
     def row_lengths(self, lengths: list[int], confidences: np.ndarray) -> np.ndarray:
         """Each sampled row's own verify length ([rows] int64) from its own confidences

@@ -208,10 +208,13 @@ class Prefill:
         ctx, ctx_pos = self.bufs.context(seq.slot)  # [1, D, H], [1, D]
         k = seq.pending
         ctx[0, k : k + n] = hidden
-        ctx_pos[0, k : k + n] = np.arange(lo, lo + n)
+        if n == 1:  # a decode step's row
+            ctx_pos[0, k] = lo
+        else:
+            ctx_pos[0, k : k + n] = np.arange(lo, lo + n)
         seq.pending = k + n
 
-    def flush(self, seq, end: int, first: int | None) -> None:
+    def flush(self, seq, end: int, first: int | None, costs=None) -> None:
         """One DraftPrefill call: the waiting context, then the block from `end` (its first id
         `first`, the anchor at position end; None: MASK, proposals not kept)."""
         plan, b, slot, k = self.plan, self.bufs, seq.slot, seq.pending
@@ -221,11 +224,14 @@ class Prefill:
         b.bidx[0, 0] = slot
         b.blk_ids[0, 0] = b.mask_id if first is None else first
         np.add(self._arange_b, end, out=b.blk_pos[0])
+        # near the end of the context (a decoding row drafting again), block rows past the last
+        # slot sit at the last position, as in the step's draft call
+        np.minimum(b.blk_pos[0], contract.max_positions(plan.ctx_len) - 1, out=b.blk_pos[0])
         d = b.draft_prefill(slot, rows)
         if b.draft_u is not None:  # the proposals for positions end + 1 … end + B − 1
             seq.fill_draft_uniforms(b.draft_u[0], end + 1)
         kind = "draft_prefill" if seq.prefilled < len(seq.req.ids) else "draft_context"
-        out = call(kind, self.draft, b.window(d.feeds, end), [seq])
+        out = call(kind, self.draft, b.window(d.feeds, end), [seq], costs)
         seq.pending = 0
         if first is not None:
             self.state.keep(out, slice(slot, slot + 1))
@@ -244,8 +250,9 @@ class _Step:
         # structured output: the constrained rows' token masks (runtime/grammar.py)
         self.masks = StepMasks(state, [*bufs.verify.values(), bufs.decode], plan.block_size)
 
-    def join(self, slot: int) -> None:
-        """The slot's sequence steps from now on (its anchor and start set by its prefill)."""
+    def join(self, slot: int, sampled: bool = False) -> None:
+        """The slot's sequence steps from now on (its anchor and start set by its prefill;
+        `sampled`: it samples, for the step policy)."""
         self.state.alive[slot] = True
         self.state.offsets[slot] = self._arange_b
         self.bufs.bidx[slot, 0] = slot
@@ -327,11 +334,11 @@ class DFlashStep(_Step):
         self._ones = np.ones(plan.cache_rows, np.int64)  # and its rows
         self._queued = False  # the last step decoded every row: its context already waits
 
-    def join(self, slot: int) -> None:
+    def join(self, slot: int, sampled: bool = False) -> None:
         """The slot steps from now on; the policy sees its first proposals' confidences."""
         super().join(slot)
         st, one = self.state, slice(slot, slot + 1)
-        self.policy.join(slot, st.confidence[slot], self.costs)
+        self.policy.join(slot, st.confidence[slot], self.costs, sampled)
         st.decoding[slot] = not self.policy.use([slot], st.confidence[one], self.costs)[0]
 
     def leave(self, slot: int) -> None:
@@ -339,9 +346,11 @@ class DFlashStep(_Step):
         self.state.decoding[slot] = False
 
     def run(self, rows: np.ndarray, seqs: list) -> None:
+        t = time.perf_counter()
         going = self.verify(rows, seqs)
         if going:
             self.propose(going)
+        self.costs.step("decode" if self._queued else "draft", time.perf_counter() - t)
 
     def verify(self, rows: np.ndarray, seqs: list) -> list:
         """The verify call (or, when every row decodes, the decode call) and the commits;
@@ -420,7 +429,8 @@ class DFlashStep(_Step):
                 d.ctx_pos[r] = contract.PAD_POSITION  # not in the draft call
             d.blk_pos[r] = contract.PAD_POSITION
             if w or seq.pending + self.plan.block_size > ctx.context_rows:
-                ctx.flush(seq, int(st.start[r]), int(st.anchor[r]))  # proposes its block
+                # proposes its block; its seconds are a call's, not the host's (StepCosts.step)
+                ctx.flush(seq, int(st.start[r]), int(st.anchor[r]), self.costs)
             if w:
                 fresh.append(r)
         st.decoding[slots] = True
@@ -454,7 +464,7 @@ class DecodeStep(_Step):
         self.costs = costs  # a decode call's seconds, for the step policy
 
     def run(self, rows: np.ndarray, seqs: list) -> None:
-        st = self.state
+        st, t = self.state, time.perf_counter()
         out = self._decode(seqs, self.costs)
         check_committed("decode", out, rows, 1, seqs)
         token = out[contract.NEXT_TOKENS][:, 0]  # [N]
@@ -470,3 +480,5 @@ class DecodeStep(_Step):
                 and out_of_room(st.start[seq.slot], 1, self.plan.ctx_len)
             ):
                 seq.reason = "ctx_len"
+        if self.costs is not None:
+            self.costs.step("decode", time.perf_counter() - t)

@@ -131,7 +131,10 @@ class TreeVerifier:
             c.pos[r, :m] = st.start[r] + depth[:m]
             mask = c.tree[r]  # row i sees its ancestors and itself
             mask.fill(0)
-            mask[0, 0] = 1
+            # a padding row (past this row's tree: cut at the end of the context, or a row
+            # that decodes, its root alone) sees itself only: a row that sees nothing would
+            # count as on the accepted path (no ancestor of it fails)
+            np.fill_diagonal(mask, 1)
             for i in range(1, m):
                 mask[i] = mask[t.parents[i]]
                 mask[i, i] = 1
