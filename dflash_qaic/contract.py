@@ -166,6 +166,87 @@ class TensorSpec:
         return tuple(symbols[d] if isinstance(d, str) else d for d in self.shape)
 
 
+# ---------------------------------------------------------------- verification rules
+# One rule object per rule, asked by every side (docs/DESIGN.md, Seams: a verifier):
+#   rule(name).effective(sampling)      the rule a program of that sampling is exported with
+#   rule(name).inputs(io), .outputs(io) its extra program inputs / outputs (TargetIO asks it)
+#   rule(name).acceptance               its in-graph acceptance (a function of modeling/sampler.py)
+# A program declares the rules it supports (modeling/target.py: ExportTarget.verify_rules); the
+# exporter refuses any other by name; the runtime's verifier is the one registered for the rule
+# object (runtime/step.py: VERIFIERS).
+
+
+@dataclass(frozen=True)
+class VerifyRule:
+    """One verification rule (contract.py's comment on CHAIN / BLOCK / TREE gives the rows).
+
+    name: the rule's name in the manifest and on the command line.
+    acceptance: the in-graph acceptance, a function of modeling/sampler.py by this name.
+    sampled_only: the rule differs from the chain only when the program samples (a greedy
+    program with it is a chain program).
+    takes_tree: the program takes TREE_MASK (rows are a tree's nodes at start + depth).
+    counts_accepted: the program returns NUM_ACCEPTED (the accepted count decided in the graph).
+    path_order: outputs in the accepted path's order, caches written after acceptance.
+    flag: the export option that asks for it (for messages).
+    """
+
+    name: str
+    acceptance: str
+    sampled_only: bool = False
+    takes_tree: bool = False
+    counts_accepted: bool = False
+    path_order: bool = False
+    flag: str = ""
+
+    @property
+    def describe(self) -> str:
+        """The rule as a message names it: 'block verification (--verify-rule block)'."""
+        return f"{self.name} verification" + (f" ({self.flag})" if self.flag else "")
+
+    def effective(self, sampling: bool) -> VerifyRule:
+        """The rule a program of this sampling is exported with: a sampled-only rule on a
+        greedy program is the chain."""
+        return CHAIN_RULE if self.sampled_only and not sampling else self
+
+    def inputs(self, io) -> list[TensorSpec]:
+        """The program inputs this rule adds (io: the program's contract.TargetIO)."""
+        return [TensorSpec(TREE_MASK, "int32", (BATCH, SEQ, SEQ))] if self.takes_tree else []
+
+    def outputs(self, io) -> list[TensorSpec]:
+        """The program outputs this rule adds."""
+        counts = self.counts_accepted and (io.sampling or not self.sampled_only)
+        return [TensorSpec(NUM_ACCEPTED, "int64", (BATCH,))] if counts else []
+
+
+CHAIN_RULE = VerifyRule(CHAIN, acceptance="sample_chain")
+BLOCK_RULE = VerifyRule(
+    BLOCK,
+    acceptance="sample_block",
+    sampled_only=True,
+    counts_accepted=True,
+    flag="--verify-rule block",
+)
+TREE_RULE = VerifyRule(
+    TREE,
+    acceptance="sample_tree",
+    takes_tree=True,
+    counts_accepted=True,
+    path_order=True,
+    flag="--tree-budgets",
+)
+RULES: dict[str, VerifyRule] = {r.name: r for r in (CHAIN_RULE, BLOCK_RULE, TREE_RULE)}
+assert tuple(RULES) == VERIFY_RULES  # the rule names, in their order
+
+
+def rule(name: str | VerifyRule) -> VerifyRule:
+    """The rule of this name (a rule passes through); a clear error for any other."""
+    if isinstance(name, VerifyRule):
+        return name
+    if name not in RULES:
+        raise ValueError(f"unknown verify rule {name!r}: choose from {', '.join(RULES)}")
+    return RULES[name]
+
+
 def layer_states(
     n_layers: int,
     n_kv_heads: int,
@@ -306,6 +387,11 @@ class TargetIO:
         return bool(self.linear_layers)
 
     @property
+    def rule(self) -> VerifyRule:
+        """The program's verification rule object (`verify_rule` is its name)."""
+        return rule(self.verify_rule)
+
+    @property
     def block_verify(self) -> bool:
         return self.sampling and self.verify_rule == BLOCK
 
@@ -344,7 +430,7 @@ class TargetIO:
             *(sampling_specs() if self.sampling else ()),
             *(q_specs(*self.draft_q) if self.sampling and self.draft_q else ()),
             *self.bitmask,
-            *([TensorSpec(TREE_MASK, "int32", (BATCH, SEQ, SEQ))] if self.tree else ()),
+            *self.rule.inputs(self),
             *self.kv,
         ]
 
@@ -365,8 +451,7 @@ class TargetIO:
             out.append(TensorSpec(LOGITS, "float32", (BATCH, SEQ, self.vocab_size)))
         if self.hybrid:
             out.append(TensorSpec(NUM_COMMITTED, "int64", (BATCH,)))
-        if self.block_verify or self.tree:
-            out.append(TensorSpec(NUM_ACCEPTED, "int64", (BATCH,)))
+        out += self.rule.outputs(self)
         out += [TensorSpec(retained(s.name), s.dtype, s.shape) for s in self.kv]
         return out
 

@@ -244,7 +244,7 @@ def program_facts(path: Path, io, specializations: list[dict], report: dict) -> 
         **({"token_bitmask": True} if getattr(io, "token_bitmask", False) else {}),
         **(
             {"verify_rule": io.verify_rule}
-            if getattr(io, "verify_rule", "chain") != "chain"
+            if getattr(io, "verify_rule", contract.CHAIN) != contract.CHAIN
             else {}
         ),
         "n_layers": io.n_layers,

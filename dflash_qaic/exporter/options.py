@@ -15,7 +15,7 @@ import os
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
-from dflash_qaic import contract, verify_rules
+from dflash_qaic import contract
 from dflash_qaic.compiler.profiles import MAX_CORES_PER_DEVICE, MAX_DEVICES, CompileOverrides
 
 MAX_CTX_LEN = 1 << 18  # 262144 slots: beyond any supported model's context
@@ -200,9 +200,9 @@ class ExportOptions:
                 )
             object.__setattr__(self, "block_size", n + 1)
             object.__setattr__(self, "num_speculative_tokens", None)
-        if self.verify_rule not in verify_rules.RULES:
+        if self.verify_rule not in contract.RULES:
             raise ExportError(
-                f"--verify-rule must be one of {', '.join(verify_rules.RULES)}, got "
+                f"--verify-rule must be one of {', '.join(contract.RULES)}, got "
                 f"{self.verify_rule!r} (`verify_rule=` in Python)"
             )
         self._check_tree()

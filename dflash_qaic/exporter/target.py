@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from dflash_qaic import checkpoints as ck
-from dflash_qaic import contract, families, verify_rules
+from dflash_qaic import contract, families
 from dflash_qaic.exporter import weights
 from dflash_qaic.exporter.onnx_export import export_and_check, program_facts
 from dflash_qaic.modeling.sampler import SAMPLING_CANDIDATES
@@ -60,7 +60,7 @@ def check_feeds(io: contract.TargetIO, specializations: list[dict], seed: int = 
             feed[contract.DRAFT_Q_IDS] = ids.reshape(b, rows, k).astype(np.int64)
             q = rng.random((b, rows, k)).astype(np.float32)
             feed[contract.DRAFT_Q_PROBS] = q / q.sum(-1, keepdims=True)
-        if verify_rules.get(
+        if contract.rule(
             io.verify_rule
         ).takes_tree:  # a verify: a random tree of s rows at start + depth; else the chain's
             layout = (
@@ -173,10 +173,10 @@ def program_options(
 
 
 def set_rule(module: ExportTarget, verify_rule: str, sampling: bool, token_bitmask: bool):
-    """The program's verification rule (verify_rules.py), the effective one for its sampling
+    """The program's verification rule (contract.py), the effective one for its sampling
     (block verification only decides sampled verifies); a rule the program does not support
     (`ExportTarget.unsupported`) is refused by name. Returns the rule."""
-    rule = verify_rules.get(verify_rule).effective(sampling)
+    rule = contract.rule(verify_rule).effective(sampling)
     why = module.unsupported(rule)
     if why is not None:
         raise ValueError(

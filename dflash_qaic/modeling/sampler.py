@@ -2,7 +2,7 @@
 
 See docs/DESIGN.md, Sampling. Used by `modeling.target.ExportTarget`; every function works on
 [b, s, V] logits and is traced into the target graph. One acceptance function per verification
-rule (dflash_qaic/verify_rules.py): `sample_chain`, `sample_block`, `sample_tree` (`ACCEPTANCE`).
+rule (dflash_qaic/contract.py): `sample_chain`, `sample_block`, `sample_tree` (`ACCEPTANCE`).
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ def sample_chain(
     logits, input_ids, position_ids, temperature, top_k, top_p, random_u, vocab: int,
     candidates: int = SAMPLING_CANDIDATES, q_ids=None, q_probs=None, floor=None,
 ) -> torch.Tensor:  # fmt: skip
-    """The chain rule's acceptance (verify_rules.CHAIN): the token committed at every row under
+    """The chain rule's acceptance (contract.CHAIN): the token committed at every row under
     the lossless rule (docs/DESIGN.md, Sampling) -> [b, s].
 
     logits [b, s, V]; input_ids, position_ids [b, s]; temperature, top_k, top_p [b];
@@ -312,7 +312,7 @@ def sample_tree(
     logits, input_ids, position_ids, temperature, top_k, top_p, random_u, vocab: int,
     candidates: int = SAMPLING_CANDIDATES, floor: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """The tree rule's acceptance (verify_rules.TREE): no row has a proposal, every sampling
+    """The tree rule's acceptance (contract.TREE): no row has a proposal, every sampling
     row draws from p (a node's children are only checked against its draw; docs/DESIGN.md,
     Tree verification; `accept_path` then picks the path). Arguments as `sample_chain`'s."""
     v = _verify_rows(
@@ -326,7 +326,7 @@ def sample_block(
     logits, input_ids, position_ids, temperature, top_k, top_p, random_u, vocab: int,
     candidates: int = SAMPLING_CANDIDATES, q_ids=None, q_probs=None, floor=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The block rule's acceptance (verify_rules.BLOCK; `_block`, docs/DESIGN.md, Block
+    """The block rule's acceptance (contract.BLOCK; `_block`, docs/DESIGN.md, Block
     verification): (tokens [b, s], accepted [b]): a row commits its first accepted + 1 tokens.
     Arguments as `sample_chain`'s."""
     v = _verify_rows(
@@ -356,7 +356,7 @@ def _token_rule(v: _Verify, temperature, vocab: int) -> torch.Tensor:
 
 # the chain rule under its older name (the lossless speculative-sampling choice per row)
 sample_next_tokens = sample_chain
-# each rule's in-graph acceptance, by `verify_rules.VerifyRule.acceptance`
+# each rule's in-graph acceptance, by `contract.VerifyRule.acceptance`
 ACCEPTANCE = {f.__name__: f for f in (sample_chain, sample_block, sample_tree)}
 
 

@@ -20,7 +20,7 @@ outputs follow from the layers.
     count       = committed positions; DeltaNet layers commit their state there  # hybrids
     hidden      = hidden_norm(fc(concat(taps)))      # [b, s, H], the draft's context feature
 
-Verification (dflash_qaic/verify_rules.py): the program verifies by one rule (`rule`), among
+Verification (dflash_qaic/contract.py): the program verifies by one rule (`rule`), among
 those it supports (`verify_rules`); the rule names its acceptance in modeling/sampler.py. The
 chain's (docs/DESIGN.md, Sampling): p = softmax(logits / T) restricted by top-k and top-p. Row
 j's proposal d is the next row's input token (when that row exists and is not padding); it is
@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_qaic import families, verify_rules
+from dflash_qaic import contract, families
 from dflash_qaic.checkpoint_files.values import fp16_fc_scale
 from dflash_qaic.contract import (
     BATCH_INDEX,
@@ -60,6 +60,7 @@ from dflash_qaic.contract import (
     SAMPLING_INPUTS,
     TOKEN_BITMASK,
     TREE_MASK,
+    VerifyRule,
 )
 from dflash_qaic.contract import retained as retained_name
 from dflash_qaic.families import base as kinds
@@ -99,7 +100,6 @@ from dflash_qaic.modeling.sampler import (
     mask_logits,
     token_allowed,
 )
-from dflash_qaic.verify_rules import VerifyRule
 
 
 def fp16_safe_fc_weight(fc_weight: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -185,7 +185,7 @@ class ExportTarget(nn.Module):
     next_tokens, hidden_states, [logits], [num_committed], [the rule's outputs], the retained
     buffers. The sampling inputs are there when `sampling` (the default), batch_index with
     `continuous_batching`, comp_ctx_lengths with `comp_ctx` (the default); num_committed when a
-    layer is Gated DeltaNet. The verification rule is `rule` (verify_rules.py; set by the
+    layer is Gated DeltaNet. The verification rule is `rule` (contract.py; set by the
     exporter among `verify_rules`).
 
     kinds: the attention kinds (modeling/attention.py, AttentionKind) by name; ropes: their
@@ -198,7 +198,7 @@ class ExportTarget(nn.Module):
     and the sliding kinds' rings (the caller's `kinds`).
     """
 
-    rule: VerifyRule = verify_rules.CHAIN_RULE
+    rule: VerifyRule = contract.CHAIN_RULE
 
     def __init__(
         self,
@@ -273,7 +273,7 @@ class ExportTarget(nn.Module):
 
     def unsupported(self, rule: VerifyRule) -> str | None:
         """Why this program cannot verify by `rule` (None: it can; `verify_rules`)."""
-        if rule.name == verify_rules.CHAIN:
+        if rule.name == contract.CHAIN:
             return None
         if self.linear_layers:
             return (
@@ -286,7 +286,7 @@ class ExportTarget(nn.Module):
     @property
     def verify_rules(self) -> tuple[str, ...]:
         """The verification rules this program supports, by name."""
-        return tuple(n for n, r in verify_rules.RULES.items() if self.unsupported(r) is None)
+        return tuple(n for n, r in contract.RULES.items() if self.unsupported(r) is None)
 
     def io_dims(self) -> dict:
         """The contract.TargetIO fields the layers decide: the attention layers' cache shape

@@ -63,7 +63,7 @@ class Capabilities:
         kept |= {contract.retained(n) for n in kept}
         rules = ()
         if isinstance(io, contract.TargetIO):
-            rules = tuple(r for r in contract.VERIFY_RULES if r in (contract.CHAIN, io.verify_rule))
+            rules = tuple(dict.fromkeys((contract.CHAIN, io.rule.effective(io.sampling).name)))
         return cls(
             role,
             rules,

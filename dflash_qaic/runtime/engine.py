@@ -190,10 +190,10 @@ class BatchEngine:
         self.prefill = Prefill(plan, target, draft, prefill_bufs, state, dflash)
         costs = costs if costs is not None else StepCosts()
         if dflash:
-            rule = target_io.verify_rule if target_io.block_verify else contract.CHAIN
-            if trees:
-                rule = contract.TREE
-            self.per_step = rule == contract.BLOCK
+            rule = target_io.rule.effective(target_io.sampling)  # the program's, as exported
+            if rule is contract.TREE_RULE and not trees:  # budget 0: chains on a tree program
+                rule = contract.CHAIN_RULE
+            self.per_step = rule is contract.BLOCK_RULE
             policy = StepPolicy(config.spec_policy, N, B, draft_io.confidence)
             self.spec = DFlashStep(
                 plan, target, draft, bufs, state, lengths, costs, rule, trees,

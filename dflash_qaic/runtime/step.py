@@ -55,11 +55,11 @@ from dflash_qaic.runtime.verifiers import BlockVerifier, ChainVerifier, Verifier
 
 __all__ = ["VERIFIERS", "CallFailed", "DFlashStep", "DecodeStep", "Prefill", "SlotBook"]
 
-#: the verifier of each verify rule, by the rule's name (contract.VERIFY_RULES)
-VERIFIERS: dict[str, type] = {
-    contract.CHAIN: ChainVerifier,
-    contract.BLOCK: BlockVerifier,
-    contract.TREE: TreeVerifier,
+#: the verifier of each verification rule object (contract.RULES): the program's rule decides it
+VERIFIERS: dict[contract.VerifyRule, type] = {
+    contract.CHAIN_RULE: ChainVerifier,
+    contract.BLOCK_RULE: BlockVerifier,
+    contract.TREE_RULE: TreeVerifier,
 }
 
 
@@ -327,7 +327,7 @@ class DFlashStep(_Step):
         super().__init__(plan, target, draft, bufs, state)
         self.lengths, self.costs, self.trees = list(lengths), costs, list(trees)
         self.furthest = 0  # the largest start after the last verify
-        self.verifier: Verifier = VERIFIERS[rule or contract.CHAIN](self)
+        self.verifier: Verifier = VERIFIERS[contract.rule(rule or contract.CHAIN)](self)
         self.policy = policy or StepPolicy("always", plan.cache_rows, plan.block_size)
         self.context = context
         self._zeros = np.zeros(plan.cache_rows, np.int64)  # a decode call's acc
