@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_qaic import api, runtime
+
 log = logging.getLogger(__name__)
 
 __all__ = ["AutoDFlashModel", "DFlashExecInfo", "PerfMetrics", "QEffConfigError"]
@@ -250,7 +252,6 @@ class AutoDFlashModel:
         return self.export_dir or _default_dir(self.target, self.draft)
 
     def _run_export(self, out: Path, options: dict):
-        import dflash_qaic
 
         self._pipes.clear()  # a new export replaces the programs a loaded pipeline runs
         if options.get("num_speculative_tokens") is not None and "block_size" in options:
@@ -260,7 +261,7 @@ class AutoDFlashModel:
                     f"num_speculative_tokens {n} disagrees with the block size "
                     f"{options['block_size']} (block size = speculative tokens + 1): give one"
                 )
-        m = dflash_qaic.export(self.target, self.draft, out, **options)
+        m = api.export(self.target, self.draft, out, **options)
         self.manifest = m
         return m
 
@@ -334,13 +335,12 @@ class AutoDFlashModel:
         return DFlashExecInfo(at_once, texts, ids, perf, tau, list(results))
 
     def _pipeline(self, backend: str):
-        import dflash_qaic
 
         out = self.qpc_path or self.export_dir
         if out is None:
             raise TypeError("Please run export or compile first!")  # QEfficient's words
         if backend not in self._pipes:
-            pipe = dflash_qaic.load(out, backend=backend)
+            pipe = runtime.load(out, backend=backend)
             log.info("generate: %s on %s", out, pipe.backend)
             self._pipes[backend] = pipe
         return self._pipes[backend]

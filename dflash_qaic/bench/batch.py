@@ -60,7 +60,7 @@ def check_fits(full_batch_size: int | None, concurrency: list[int], artifacts) -
 
 def _main(args, command: str) -> int:
     from dflash_qaic.bench import batch_report, run
-    from dflash_qaic.bench.cli import _log, bench, check_common, parse_list
+    from dflash_qaic.bench.frame import _log, bench, check_common, parse_list
 
     args.concurrency = sorted(parse_list("--concurrency", args.concurrency, int))
     check_common(args, ("max_new_tokens", "repeats"))
