@@ -276,6 +276,30 @@ def layer_states(
     return out
 
 
+def state_fields(specs: list[state.StateSpec]) -> dict:
+    """The TargetIO fields that record these layer state specs (the inverse of `layer_states`):
+    n_layers, the attention cache shape (n_kv_heads, head_dim: the first attention layer's;
+    `layer_kv` when layers differ), `ring_slots` when a layer is a ring, a hybrid's
+    `linear_layers` and `state_dims`. A spec these fields cannot record is refused."""
+    attn = [s for s in specs if isinstance(s, state.FullAttentionSpec | state.SlidingWindowSpec)]
+    nets = [s for s in specs if isinstance(s, state.GatedDeltaNetSpec)]
+    if len(attn) + len(nets) != len(specs) or not attn:
+        kinds = sorted({s.kind for s in specs})
+        raise ValueError(f"the target contract records attention and DeltaNet state, not {kinds}")
+    shapes = [(s.kv_heads, s.head_dim) for s in attn]
+    out: dict = dict(n_layers=len(specs), n_kv_heads=shapes[0][0], head_dim=shapes[0][1])
+    if nets:
+        n = nets[0]
+        dims = (n.v_heads, n.k_head_dim, n.v_head_dim, n.conv_dim, n.conv_window)
+        out.update(linear_layers=tuple(s.layer for s in nets), state_dims=dims)
+    elif len(set(shapes)) > 1:
+        out["layer_kv"] = tuple(d for shape in shapes for d in shape)
+    rings = [s.slots if isinstance(s, state.SlidingWindowSpec) else 0 for s in attn]
+    if any(rings) and not nets:
+        out["ring_slots"] = tuple(rings)
+    return out
+
+
 def retained_specs(specs) -> list[TensorSpec]:
     """The retained inputs the state specs declare, in layer order (past_key.{i}, past_value.{i}
     interleaved as QEfficient orders them; a hybrid's past_state.{i}, past_conv.{i})."""

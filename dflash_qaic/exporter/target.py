@@ -133,8 +133,9 @@ def target_io(
     token_bitmask: bool = False,
     verify_rule: str = contract.CHAIN,
 ) -> contract.TargetIO:
-    """The contract of the program `module` exports to (its layers decide the buffers)."""
-    return contract.TargetIO(
+    """The contract of the program `module` exports to: its layers declare their state specs,
+    which the contract records (and must give back whole)."""
+    io = contract.TargetIO(
         **module.io_dims(),
         hidden_size=hidden_size,
         vocab_size=module.vocab_size,
@@ -146,6 +147,9 @@ def target_io(
         token_bitmask=token_bitmask,
         verify_rule=verify_rule,
     )
+    if io.state != module.state_specs():  # a layer kind the contract's record cannot carry
+        raise ValueError(f"the target contract cannot record these layers' state: {io.state}")
+    return io
 
 
 def program_options(

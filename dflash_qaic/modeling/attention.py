@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dflash_qaic.contract import past_key, past_value
+from dflash_qaic import state
 from dflash_qaic.families.base import FULL_ATTENTION
 from dflash_qaic.modeling.layers import MASK_VALUE, RMSNorm, apply_rope, frozen, frozen_linear
 from dflash_qaic.modeling.ops import cache_reads, read_cache, update_cache
@@ -146,10 +146,12 @@ class Attention(nn.Module):
             g = n_heads // self.n_kv_heads
             self.sinks = frozen(hf.sinks.view(1, self.n_kv_heads, g, 1, 1))
 
-    @staticmethod
-    def retained(i: int) -> tuple[str, str]:
-        """The buffers layer i keeps between calls: its key and value caches."""
-        return past_key(i), past_value(i)
+    def state(self, i: int, rows: str, ring: int | None) -> state.StateSpec:
+        """What layer i keeps between calls (state.py): key and value caches, a ring of R + 1
+        slots for a sliding kind with a ring (`ring` = R), else ctx_len slots."""
+        if ring:
+            return state.SlidingWindowSpec(i, rows, self.n_kv_heads, self.head_dim, ring + 1)
+        return state.FullAttentionSpec(i, rows, self.n_kv_heads, self.head_dim)
 
     def forward(self, x, call, cache_k, cache_v):
         # x [b, s, H]; call: the target's Call, of which this layer reads its kind's
@@ -231,7 +233,7 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm.from_hf(hf.q_norm, zero_centred=True)
         self.k_norm = RMSNorm.from_hf(hf.k_norm, zero_centred=True)
 
-    retained = staticmethod(Attention.retained)
+    state = Attention.state
 
     def forward(self, h, call, cache_k, cache_v):
         c = call.attention[self.kind]

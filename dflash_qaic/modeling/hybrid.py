@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dflash_qaic.contract import past_conv, past_state
+from dflash_qaic import state
 from dflash_qaic.modeling.layers import RMSNorm, frozen, frozen_linear
 
 # Floor of the per-position log decay: exp(-64) ≈ 1.6e-28, so a state decayed by it is gone in
@@ -180,10 +180,9 @@ class GatedDeltaNet(nn.Module):
         """(v_heads, k_head_dim, v_head_dim, conv_dim, kernel - 1): its buffers' dims."""
         return (self.hv, self.dk, self.dv, self.conv_dim, self.kernel - 1)
 
-    @staticmethod
-    def retained(i: int) -> tuple[str, str]:
-        """The buffers layer i keeps between calls: its state and its conv window."""
-        return past_state(i), past_conv(i)
+    def state(self, i: int, rows: str, ring: int | None = None) -> state.GatedDeltaNetSpec:
+        """What layer i keeps between calls (state.py): its recurrent state and conv window."""
+        return state.GatedDeltaNetSpec.of(i, rows, self.state_dims)
 
     def forward(self, h, call, past_state, past_conv):
         # call (modeling/target.py, Call): rows [b, 1] (`state_rows`); fresh [b, 1, 1] bool: the

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_qaic import contract, families
+from dflash_qaic import contract, families, state
 from dflash_qaic.checkpoint_files.values import fp16_fc_scale
 from dflash_qaic.contract import (
     BATCH_INDEX,
@@ -269,7 +269,21 @@ class ExportTarget(nn.Module):
     @property
     def retained_inputs(self) -> list[str]:
         """Every layer's retained pair, in layer order, as its mixer names them."""
-        return [n for i, layer in enumerate(self.layers) for n in layer.mixer.retained(i)]
+        return [b.name for b in state.buffers_of(self.state_specs())]
+
+    def state_specs(self) -> list[state.StateSpec]:
+        """Every layer's retained state as its mixer declares it (state.py): the layers own
+        their state, and the program's contract records it (`io_dims`)."""
+        rows = state.rows_symbol(self.continuous_batching)
+        return [
+            layer.mixer.state(i, rows, self._ring(layer.mixer))
+            for i, layer in enumerate(self.layers)
+        ]
+
+    def _ring(self, mixer: nn.Module) -> int | None:
+        """R of the mixer's attention kind's ring (None: a ctx_len cache, or no attention)."""
+        kind = getattr(mixer, "kind", None)
+        return self.kinds[kind].ring if kind in self.kinds else None
 
     def unsupported(self, rule: VerifyRule) -> str | None:
         """Why this program cannot verify by `rule` (None: it can; `verify_rules`)."""
@@ -289,20 +303,10 @@ class ExportTarget(nn.Module):
         return tuple(n for n, r in contract.RULES.items() if self.unsupported(r) is None)
 
     def io_dims(self) -> dict:
-        """The contract.TargetIO fields the layers decide: the attention layers' cache shape
-        (each layer's, `layer_kv`, when they differ), the sliding layers' rings (`ring_slots`),
-        a hybrid's DeltaNet layers and their state dims."""
-        shapes = [(a.n_kv_heads, a.head_dim) for a in self.attention_layers]
-        (kvh, hd), dims = shapes[0], {}
-        if self.linear_layers:
-            net = self.layers[self.linear_layers[0]].linear_attn
-            dims = dict(linear_layers=tuple(self.linear_layers), state_dims=net.state_dims)
-        elif len(set(shapes)) > 1:
-            dims["layer_kv"] = tuple(d for shape in shapes for d in shape)
-        rings = [self.kinds[a.kind].ring for a in self.attention_layers]
-        if any(rings) and not self.linear_layers:
-            dims["ring_slots"] = tuple(0 if r is None else r + 1 for r in rings)
-        return dict(n_layers=len(self.layers), n_kv_heads=kvh, head_dim=hd, **dims)
+        """The contract.TargetIO fields that record the layers' state specs (contract.state_fields):
+        the cache shape, each layer's when they differ (`layer_kv`), the sliding layers' rings
+        (`ring_slots`), a hybrid's DeltaNet layers and their state dims."""
+        return contract.state_fields(self.state_specs())
 
     @classmethod
     def from_hf(
