@@ -237,29 +237,30 @@ def hostile_body(n: int) -> dict:
 
 
 def test_hostile_compiles_do_not_stall_a_plain_completion(pipe, app, monkeypatch):
-    """Two requests whose grammars never finish compiling are in flight; a plain completion
-    (its prompt tokenized on the tokenizing threads) is answered meanwhile. The compiles run
-    one at a time on their own thread: the second has not even started."""
-    fe_app, client = app
+    """Two requests whose grammars never finish compiling are in flight; a plain request's
+    prompt is tokenized meanwhile (on the tokenizing threads, which the compiles used to
+    share). The compiles run one at a time on their own thread: the second has not even
+    started."""
+    fe = app[0].state.frontend
     gate = Gate(pipe, monkeypatch)
-    answers = {}
 
-    def send(n):
-        answers[n] = client.post("/v1/completions", json=hostile_body(n))
+    async def scenario():
+        compiles = [
+            asyncio.ensure_future(fe.grammar(hostile(n), "response_format")) for n in (1, 2)
+        ]
+        await asyncio.get_running_loop().run_in_executor(None, gate.first.wait, WAIT)
+        ids = await fe.prompt_ids("ab")
+        started = list(gate.started)
+        gate.release.set()
+        return ids, started, await asyncio.gather(*compiles)
 
-    threads = [threading.Thread(target=send, args=(n,)) for n in (1, 2)]
-    for t in threads:
-        t.start()
     try:
-        assert gate.first.wait(WAIT)
-        plain = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 4})
-        assert plain.status_code == 200 and plain.json()["choices"][0]["text"], plain.text
-        assert len(gate.started) == 1  # the other hostile compile waits its turn
+        ids, started, grammars = asyncio.run(scenario())
     finally:
         gate.release.set()
-        for t in threads:
-            t.join(WAIT)
-    assert [answers[n].status_code for n in (1, 2)] == [200, 200]
+    assert ids == pipe.tokenizer("ab")["input_ids"]
+    assert started == ["hostile-1"]  # the other hostile compile waited its turn
+    assert all(g is not None for g in grammars)
 
 
 def test_a_compile_over_its_budget_is_a_400_naming_the_limit(pipe, app, monkeypatch):
