@@ -148,15 +148,10 @@ class AutoDFlashModel:
         are exported in fp32; the compiler converts to fp16)."""
         from dflash_qaic.extras import require
 
+        _check_arguments(pretrained_model_name_or_path, draft, continuous_batching, qaic_config)
         require("export", "AutoDFlashModel.from_pretrained")
-        if not isinstance(continuous_batching, bool):
-            raise TypeError(
-                f"continuous_batching must be True or False, got {continuous_batching!r}"
-            )
         _check_dtype(kwargs)
         config = dict(qaic_config or {})
-        if qaic_config is not None and not isinstance(qaic_config, dict):
-            raise QEffConfigError(f"qaic_config must be a dict, got {type(qaic_config).__name__}")
         draft = _draft_argument(draft, config)
         from dflash_qaic import checkpoints as ck
 
@@ -412,6 +407,27 @@ def compile_options(kwargs: dict) -> dict:
         if value is not None:
             out[name] = value
     return out
+
+
+def _check_arguments(target, draft, continuous_batching, qaic_config) -> None:
+    """from_pretrained's argument types, before anything is converted: one sentence each."""
+    for name, value in (("pretrained_model_name_or_path", target), ("draft", draft)):
+        if not isinstance(value, (str, os.PathLike)) and not (name == "draft" and value is None):
+            raise TypeError(
+                f"{name} must be a checkpoint directory or hub id (a str or path), got "
+                f"{type(value).__name__} {value!r}"
+            )
+    if not isinstance(continuous_batching, bool):
+        raise TypeError(f"continuous_batching must be True or False, got {continuous_batching!r}")
+    if qaic_config is not None and not isinstance(qaic_config, dict):
+        raise QEffConfigError(
+            f"qaic_config must be a dict of QEfficient's DFlash keys such as "
+            f"{{'dflash_dlm_repo': draft, 'target_layer_ids': [...]}}, or None; got "
+            f"{type(qaic_config).__name__} {qaic_config!r}"
+        )
+    if qaic_config is not None and not all(isinstance(k, str) for k in qaic_config):
+        bad = next(k for k in qaic_config if not isinstance(k, str))
+        raise QEffConfigError(f"qaic_config keys must be strings (key names), got {bad!r}")
 
 
 def _draft_argument(draft, config: dict):

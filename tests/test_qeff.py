@@ -159,3 +159,21 @@ def test_clear_errors_for_what_cannot_be_honoured():
         model.compile(ctx_len=1024)
     with pytest.raises(TypeError, match="export or compile first"):
         model.generate(["x"])
+
+
+@pytest.mark.parametrize("bad", [[1], "str", 7, ("dflash_dlm_repo", "x"), {1: 2}])
+def test_qaic_config_of_the_wrong_type_is_named(bad):
+    """A qaic_config that is not a dict of key names: an error naming qaic_config and a dict,
+    before anything is converted (Python's own dict() error named neither)."""
+    target, draft = default_pair()
+    with pytest.raises(QEffConfigError, match=r"qaic_config (must be a dict|keys must be str)"):
+        AutoDFlashModel.from_pretrained(target, draft, qaic_config=bad)
+
+
+@pytest.mark.parametrize(
+    "args, name",
+    [((7, None), "pretrained_model_name_or_path"), (("t", 3.5), "draft")],
+)
+def test_checkpoint_arguments_of_the_wrong_type_are_named(args, name):
+    with pytest.raises(TypeError, match=f"{name} must be a checkpoint directory"):
+        AutoDFlashModel.from_pretrained(*args)

@@ -270,69 +270,6 @@ def test_tool_calls_required_and_named(client):
         assert pieces > 1  # the arguments came as they were generated, not whole
 
 
-def _streamed(plan, text, step, parallel=True):
-    """(content, calls) as a client assembles them from ToolStream's deltas."""
-    from dflash_qaic.serve.tools import ToolStream
-
-    st, content, calls = ToolStream(plan, parallel), "", {}
-    for i in range(0, len(text), step):
-        c, deltas = st.feed(text[i : i + step], i + step >= len(text))
-        content += c or ""
-        for d in deltas:
-            e = calls.setdefault(d["index"], {"name": None, "arguments": ""})
-            if "id" in d:
-                assert e["name"] is None and d["type"] == "function"  # announced once
-                e["name"] = d["function"]["name"]
-            e["arguments"] += d["function"]["arguments"]
-    return content, [calls[i] for i in sorted(calls)]
-
-
-@pytest.mark.parametrize("step", [1, 2, 7, 1000])
-def test_tool_calls_stream_as_they_are_written(step):
-    """Each call's name first, then its arguments piece by piece: assembled, they are the
-    calls the whole reply parses to; content before a hermes <tool_call> streams as content."""
-    from types import SimpleNamespace
-
-    from dflash_qaic.serve.tools import ToolPlan
-
-    def plan(mode, parser=None, name=None):
-        p = SimpleNamespace(mode=mode, parser=parser, name=name)
-        p.parse = lambda text, parallel=True: ToolPlan.parse(p, text, parallel)
-        return p
-
-    required = '[{"name": "get_weather", "parameters": {"city": "Pa\\"ris}", "days": [1, 2]}}, '
-    required += '{"name": "add", "parameters": {"a": 1}}]'
-    hermes = 'Let me <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": "}"}}\n</tool_call>'
-    hermes += '\n<tool_call>\n{"name": "sub", "arguments": {"a": 2}}\n</tool_call>'
-    cases = [
-        (plan("required"), required),
-        (plan("auto", "hermes"), hermes),
-        (plan("auto", "hermes"), "no calls, only a <tool that never opens"),
-        (plan("auto", "llama3_json"), '{"name": "add", "parameters": {"a": 2}}'),
-        (plan("named", name="f"), '{"x": [1, {"y": "}"}]}'),
-    ]
-    for p, text in cases:
-        content, calls = _streamed(p, text, step)
-        want_content, want = p.parse(text)
-        assert [c["name"] for c in calls] == [w["function"]["name"] for w in want], text
-        for c, w in zip(calls, want):
-            assert json.loads(c["arguments"]) == json.loads(w["function"]["arguments"])
-        assert content.strip() == (want_content or "").strip(), text
-    content, calls = _streamed(plan("required"), required, step, parallel=False)
-    assert [c["name"] for c in calls] == ["get_weather"]
-
-
-def test_hermes_parser_reads_tool_calls():
-    from dflash_qaic.serve.tools import _hermes, _llama3_json
-
-    text = 'ok\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
-    content, calls = _hermes(text)
-    assert content == "ok" and calls[0]["function"] == {"name": "add", "arguments": '{"a": 1}'}
-    content, calls = _llama3_json('{"name": "add", "parameters": {"a": 2}}')
-    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"a": 2}
-    assert _hermes("no calls here") == ("no calls here", [])
-
-
 @pytest.mark.parametrize(
     "body, param",
     [

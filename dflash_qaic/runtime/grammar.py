@@ -45,6 +45,149 @@ class GrammarError(ValueError):
     """A response format that cannot be compiled or satisfied: says which and why."""
 
 
+#: the most alternatives one constraint may hold (enum and const values, choices, anyOf and
+#: oneOf branches, a regex's or an EBNF grammar's `|`): xgrammar's compile time grows with
+#: their square (a 60,000-value enum: minutes), so more are refused before compiling
+MAX_ALTERNATIVES = 10_000
+
+#: JSON-Schema keywords xgrammar accepts but does not enforce (its output may break them),
+#: each with what to do instead; a schema using one is refused unless compiled leniently
+UNENFORCED = {
+    "not": "xgrammar does not enforce it: describe the allowed values positively",
+    "uniqueItems": "xgrammar does not enforce it (an array may repeat an item): drop it, or "
+    "check the answer",
+    "if": "conditional schemas are not enforced: use anyOf of the cases",
+    "then": "conditional schemas are not enforced: use anyOf of the cases",
+    "else": "conditional schemas are not enforced: use anyOf of the cases",
+    "dependentRequired": "it is not enforced: use anyOf of the object's forms",
+    "dependentSchemas": "it is not enforced: use anyOf of the object's forms",
+    "dependencies": "it is not enforced: use anyOf of the object's forms",
+    "contains": "it is not enforced: use prefixItems or items",
+    "minContains": "it is not enforced: use prefixItems or items",
+    "maxContains": "it is not enforced: use prefixItems or items",
+    "$dynamicRef": "it is not supported: use $ref",
+    "$recursiveRef": "it is not supported: use $ref",
+}
+#: keywords whose values are subschemas, a list of them, or a name -> subschema map
+_SUB = {
+    "items",
+    "additionalProperties",
+    "propertyNames",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "additionalItems",
+    "not",
+    "contains",
+    "if",
+    "then",
+    "else",
+}
+_SUBS = {"allOf", "anyOf", "oneOf", "prefixItems"}
+_SUBMAP = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+
+
+def schema_problems(schema) -> list[str]:
+    """What of a JSON schema xgrammar would not enforce, one sentence each naming the keyword
+    (empty: every keyword it holds is enforced, or is an annotation)."""
+    out: list[str] = []
+    _walk(schema, "#", out)
+    return out
+
+
+def _walk(node, where: str, out: list[str]) -> None:
+    if not isinstance(node, dict):
+        return
+    for key, value in node.items():
+        if key in UNENFORCED and not (key == "uniqueItems" and value is False):
+            out.append(
+                f"the JSON-Schema keyword {key!r} at {where} is not enforced: {UNENFORCED[key]}"
+            )
+        if key in _SUB:
+            _walk(value, f"{where}/{key}", out)
+        elif key in _SUBS and isinstance(value, list):
+            for i, sub in enumerate(value):
+                _walk(sub, f"{where}/{key}/{i}", out)
+        elif key in _SUBMAP and isinstance(value, dict):
+            for name, sub in value.items():
+                _walk(sub, f"{where}/{key}/{name}", out)
+    all_of = node.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        out.append(
+            f"the JSON-Schema keyword 'allOf' at {where} has {len(all_of)} schemas, and "
+            "xgrammar enforces only one: merge them into one schema"
+        )
+    one_of = node.get("oneOf")
+    if isinstance(one_of, list) and len(one_of) > 1 and not _disjoint_types(one_of):
+        out.append(
+            f"the JSON-Schema keyword 'oneOf' at {where} has branches that are not told "
+            "apart by their type, so exactly-one is not enforced: use anyOf"
+        )
+    out.extend(_required_forbidden(node, where))
+
+
+def _disjoint_types(branches: list) -> bool:
+    """Every branch declares its types and no value has two branches' types."""
+    seen: set[str] = set()
+    for b in branches:
+        t = b.get("type") if isinstance(b, dict) else None
+        types = {t} if isinstance(t, str) else set(t or ())
+        if "number" in types:
+            types.add("integer")  # an integer is a number
+        if not types or types & seen:
+            return False
+        seen |= types
+    return True
+
+
+def _required_forbidden(node: dict, where: str) -> list[str]:
+    """Required keys that additionalProperties: false forbids (no object can satisfy them)."""
+    if node.get("additionalProperties") is not False:
+        return []
+    props, patterns = node.get("properties") or {}, node.get("patternProperties") or {}
+    out = []
+    for key in node.get("required") or ():
+        if key in props or any(_search(p, key) for p in patterns):
+            continue
+        out.append(
+            f"the JSON-Schema keyword 'required' at {where} names {key!r}, which "
+            "'additionalProperties': false forbids (it is not among 'properties'): no "
+            "answer can satisfy both, so add it to 'properties' or drop it from 'required'"
+        )
+    return out
+
+
+def _search(pattern: str, key: str) -> bool:
+    try:
+        return re.search(pattern, key) is not None
+    except re.error:
+        return True  # xgrammar will say what is wrong with the pattern
+
+
+def alternatives(spec: dict) -> int:
+    """How many alternatives a normalized spec holds (see MAX_ALTERNATIVES)."""
+    kind = spec["type"]
+    if kind == "choice":
+        return len(spec["choice"])
+    if kind in ("regex", "grammar"):
+        return spec[kind].count("|") + 1
+    if kind != "json_schema":
+        return 1
+    count, stack = 0, [spec["schema"]]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            count += len(node["enum"]) if isinstance(node.get("enum"), list) else 0
+            count += "const" in node
+            for key in ("anyOf", "oneOf"):
+                count += len(node[key]) if isinstance(node.get(key), list) else 0
+            stack.extend(
+                v for k, v in node.items() if k not in ("enum", "const", "default", "examples")
+            )
+        elif isinstance(node, list):
+            stack.extend(node)
+    return count
+
+
 def _xgrammar():
     try:
         import xgrammar
@@ -141,23 +284,30 @@ class Grammars:
         self.compiler = self.xgr.GrammarCompiler(self.info, max_threads=1)
         self.vocab_size, self.words = vocab_size, contract.bitmask_words(vocab_size)
         self.stop_ids = frozenset(stop_ids)
+        self.json_row = _json_row(self.info, vocab_size)
         self._cache: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()  # the server compiles on its tokenizing threads
 
-    def compile(self, response_format) -> Grammar | None:
+    def compile(
+        self, response_format, lenient: bool = False, max_alternatives: int | None = None
+    ) -> Grammar | None:
         """The grammar of a response format (None: no constraint); GrammarError when it is
-        malformed, uses what xgrammar does not support, or the vocabulary cannot begin it."""
+        malformed, holds more than `max_alternatives`, uses a JSON-Schema keyword xgrammar does
+        not enforce (lenient: accepted, the reasons in `Grammar.warnings`), uses what xgrammar
+        does not support, or the vocabulary cannot begin it. max_alternatives: None for
+        MAX_ALTERNATIVES."""
         spec = normalize(response_format)
         if spec is None:
             return None
+        warnings = self.check(spec, lenient, max_alternatives or MAX_ALTERNATIVES)
         key = json.dumps(spec, sort_keys=True)
         with self._lock:
             compiled = self._cache.get(key)
             if compiled is not None:
                 self._cache.move_to_end(key)
-                return Grammar(self, compiled)
+                return Grammar(self, compiled, warnings, spec["type"])
         compiled = self._compile(spec)
-        grammar = Grammar(self, compiled)
+        grammar = Grammar(self, compiled, warnings, spec["type"])
         probe = np.zeros((1, self.words), np.int32)
         grammar.matcher().fill_next_token_bitmask(probe, 0)
         if not probe.any():
@@ -170,6 +320,26 @@ class Grammars:
             while len(self._cache) > self.CACHE:
                 self._cache.popitem(last=False)
         return grammar
+
+    @staticmethod
+    def check(spec: dict, lenient: bool = False, most: int = MAX_ALTERNATIVES) -> list[str]:
+        """Before compiling: the size bound (GrammarError) and the schema's keywords
+        (GrammarError naming the first one not enforced; lenient: their sentences returned)."""
+        n = alternatives(spec)
+        if n > most:
+            raise GrammarError(
+                f"the {spec['type']} constraint holds {n} alternatives (enum and const values, "
+                f"choices, anyOf/oneOf branches, '|'), more than the {most} "
+                "compiled here (compile time grows with their square): use fewer, or raise the "
+                "limit (dflash-serve --max-grammar-alternatives)"
+            )
+        problems = schema_problems(spec["schema"]) if spec["type"] == "json_schema" else []
+        if problems and not lenient:
+            raise GrammarError(
+                f"{problems[0]} (dflash-serve --structured-output-lenient accepts such schemas "
+                "unenforced)"
+            )
+        return problems
 
     def _compile(self, spec: dict):
         c, kind = self.compiler, spec["type"]
@@ -191,6 +361,17 @@ class Grammars:
             raise GrammarError(f"the {kind} constraint cannot be compiled: {reason}") from None
 
 
+def _json_row(info, vocab_size: int) -> np.ndarray:
+    """The mask row of the tokens JSON may hold: xgrammar's JSON strings admit raw control
+    characters (U+0000 to U+001F but the line ends), which strict JSON forbids (they are written
+    \\u00XX), and compact JSON has no whitespace outside strings; so no token with one."""
+    bits = np.ones(contract.bitmask_words(vocab_size) * 32, np.uint8)
+    for i, token in enumerate(info.decoded_vocab[:vocab_size]):
+        if token and min(token) < 0x20:
+            bits[i] = 0
+    return np.packbits(bits, bitorder="little").view(np.int32)
+
+
 def choice_grammar(choices: list[str]) -> str:
     """EBNF accepting exactly one of the strings (JSON string escapes are xgrammar's)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -199,22 +380,26 @@ def choice_grammar(choices: list[str]) -> str:
 class Grammar:
     """A compiled grammar: each sequence constrained by it gets its own matcher."""
 
-    def __init__(self, grammars: Grammars, compiled):
+    def __init__(self, grammars: Grammars, compiled, warnings=None, kind: str = "grammar"):
         self.grammars, self.compiled = grammars, compiled
+        self.warnings = warnings or []  # what of a leniently compiled schema is not enforced
+        self.json = kind in ("json_object", "json_schema")
 
     def matcher(self):
         return self.grammars.xgr.GrammarMatcher(self.compiled)
 
     def constraint(self) -> Constraint:
-        return Constraint(self.matcher(), self.grammars.words)
+        allowed = self.grammars.json_row if self.json else None
+        return Constraint(self.matcher(), self.grammars.words, allowed)
 
 
 class Constraint:
     """One sequence's grammar state: the matcher after its committed tokens, and counts of what
     it did (forced and cut proposals, host seconds)."""
 
-    def __init__(self, matcher, words: int):
+    def __init__(self, matcher, words: int, allowed: np.ndarray | None = None):
         self.m, self.words = matcher, words
+        self.allowed_row = allowed  # tokens the grammar may ever allow (None: all)
         self.advanced = 0  # proposals accepted into the matcher since the last commit
         self.forced = 0  # proposals replaced by the one token the grammar allowed
         self.cut = 0  # proposals cut because the grammar rejected them (or one before them)
@@ -234,7 +419,7 @@ class Constraint:
         if self.m.is_terminated():  # only a stop token was left, and it was taken
             masks[i] = -1
         else:
-            self.m.fill_next_token_bitmask(masks, i)
+            self._fill_row(masks, i)
 
     def propose(self, proposals: np.ndarray, confidence: np.ndarray, masks: np.ndarray, fill: bool):
         """Masks of the verify rows for these proposals ([B − 1] each, changed in place) into
@@ -244,7 +429,7 @@ class Constraint:
         row before them chooses an allowed token, which differs from the rejected one)."""
         t = time.thread_time()
         m, n = self.m, len(proposals)
-        fill_row, accept, ended = m.fill_next_token_bitmask, m.accept_token, m.is_terminated
+        accept, ended, fill_row = m.accept_token, m.is_terminated, self._fill_row
         accepted = 0
         for i, d in enumerate(proposals.tolist() + [None]):
             if ended():  # the grammar took its stop token: nothing can follow
@@ -269,6 +454,11 @@ class Constraint:
             accepted += 1
         self.advanced = accepted
         self.host_s += time.thread_time() - t
+
+    def _fill_row(self, masks: np.ndarray, i: int) -> None:
+        self.m.fill_next_token_bitmask(masks, i)
+        if self.allowed_row is not None:
+            masks[i] &= self.allowed_row
 
     def advance(self, tokens) -> None:
         """The tokens a step committed: undo the proposals, accept these."""

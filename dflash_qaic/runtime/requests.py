@@ -216,9 +216,10 @@ class RequestChecks:
         """The target program takes a token bitmask (exported with --structured-output)."""
         return self.artifacts.target.io.token_bitmask
 
-    def grammar(self, response_format):
+    def grammar(self, response_format, **limits):
         """The compiled grammar of a response format (runtime/grammar.py; cached per spec), or
-        None for none; GenerationError saying what is wrong with it."""
+        None for none; GenerationError saying what is wrong with it. limits: Grammars.compile's
+        lenient and max_alternatives."""
         if response_format is None:
             return None
         try:
@@ -231,7 +232,7 @@ class RequestChecks:
                 )
             if self._grammars is None:
                 self._grammars = Grammars(self.tokenizer, self.vocab, self.eos)
-            return self._grammars.compile(response_format)
+            return self._grammars.compile(response_format, **limits)
         except GrammarError as e:
             raise GenerationError(str(e)) from None
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -39,6 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from dflash_qaic import contract
+from dflash_qaic.runtime.grammar import MAX_ALTERNATIVES
 from dflash_qaic.runtime.pipeline import GenerationError, Sampling
 from dflash_qaic.serve import protocol as proto
 from dflash_qaic.serve.engine import AsyncEngine, EngineFull, Handle, Output, Params
@@ -58,6 +61,26 @@ NO_TEMPLATE = (
     "this model's tokenizer has no chat template: use /v1/completions, or start dflash-serve "
     "with --chat-template FILE (a Jinja chat template, as vLLM's --chat-template)"
 )
+
+
+@dataclass
+class GrammarLimits:
+    """How structured-output constraints are compiled (docs/DESIGN.md, Structured output):
+    compile_s, the longest a request waits for its grammar (--max-grammar-compile-s);
+    alternatives, the most enum values, choices and branches one may hold (checked before
+    compiling, --max-grammar-alternatives); lenient, accept JSON-Schema keywords xgrammar does
+    not enforce, with a warning header (--structured-output-lenient)."""
+
+    compile_s: float = 10.0
+    alternatives: int = MAX_ALTERNATIVES
+    lenient: bool = False
+
+
+WARNING_HEADER = "X-Structured-Output-Warning"
+
+
+class ClientGone(Exception):
+    """The client went away before its request was queued: nobody to answer (499)."""
 
 
 class Frontend:
@@ -98,6 +121,10 @@ class Frontend:
         self.chars_per_token = None if tokenizer is None else longest_token_chars(tokenizer)
         self._local = threading.local()
         self.pool = ThreadPoolExecutor(self.THREADS, "dflash-tokenize", self._own_tokenizer)
+        #: grammars compile on their own thread, never on the tokenizing pool: a costly one
+        #: delays other constrained requests only, never a plain one
+        self.compiles = ThreadPoolExecutor(1, "dflash-grammar")
+        self.grammar_limits = GrammarLimits()
         #: tool_choice "auto" (vLLM's --enable-auto-tool-choice, --tool-call-parser)
         self.enable_auto_tool_choice, self.tool_call_parser = (
             enable_auto_tool_choice,
@@ -140,14 +167,42 @@ class Frontend:
                 "these artifacts have no tokenizer: send the prompt as token ids", param=param
             )
 
-    async def grammar(self, constraint: dict | None, param: str):
-        """The compiled grammar of a request's constraint (compiling runs off the event loop;
-        cached per spec), or None; a 400 naming the field when it cannot be honoured."""
+    async def grammar(self, constraint: dict | None, param: str, request: Request | None = None):
+        """The compiled grammar of a request's constraint, or None; a 400 naming the field when
+        it cannot be honoured, or was not compiled within the limit. Compiles run one at a time
+        on their own thread (cached per spec); a compile still queued when its client leaves
+        or its time runs out never starts (one under way cannot be interrupted: it finishes
+        into the cache, and the alternatives bound keeps it short)."""
         if constraint is None:
             return None
         self._need_tokenizer(param)
+        lim = self.grammar_limits
+        compile_ = functools.partial(
+            self.pipe.grammar, constraint, lenient=lim.lenient, max_alternatives=lim.alternatives
+        )
+        job = asyncio.get_running_loop().run_in_executor(self.compiles, compile_)
+        gone = asyncio.ensure_future(_until_disconnect(request)) if request is not None else None
         try:
-            return await self._off_loop(self.pipe.grammar, constraint)
+            done, _ = await asyncio.wait(
+                {job} | ({gone} if gone else set()),
+                timeout=lim.compile_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            if gone is not None:
+                gone.cancel()
+        if job not in done:
+            job.cancel()
+            if gone is not None and gone in done:
+                raise ClientGone
+            raise APIError(
+                f"the {param} grammar was not compiled within {lim.compile_s:g} s (dflash-serve "
+                "--max-grammar-compile-s): simplify it (fewer enum values or branches, a smaller "
+                "schema), or raise --max-grammar-compile-s",
+                param=param,
+            )
+        try:
+            return job.result()
         except GenerationError as e:
             raise APIError(str(e), param=param) from None
 
@@ -435,7 +490,7 @@ async def answer(
         last = proto.chunk_body(rid, fe.model_name, created, chat, "", "abort")
         request.state.sse_tail = (_sse(last) + "data: [DONE]\n\n").encode()  # for the backstop
         events = _events(fe, first, handle, rid, chat, req, fe.engine.metrics, plan)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return StreamingResponse(events, media_type="text/event-stream", headers=_warned(params))
     outs = await _unless_gone(_collect(handle), request, handle)
     if outs is None:
         return Response(status_code=499)
@@ -453,7 +508,16 @@ async def answer(
         if calls and reason == "stop":
             reason = "tool_calls"
     body = proto.completion_body(rid, fe.model_name, text, reason, toks, use, chat, calls or None)
-    return JSONResponse(body)
+    return JSONResponse(body, headers=_warned(params))
+
+
+def _warned(params: Params) -> dict | None:
+    """The warning header of a leniently compiled schema: what of it is not enforced."""
+    warnings = getattr(params.grammar, "warnings", None)
+    if not warnings:
+        return None
+    text = "; ".join(warnings).encode("ascii", "backslashreplace").decode()
+    return {WARNING_HEADER: text}
 
 
 # ---------------------------------------------------------------------- the app
@@ -610,13 +674,15 @@ def create_app(
     max_request_bytes: int | None = None,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
+    grammar_limits: GrammarLimits | None = None,
 ) -> FastAPI:
     """The FastAPI app over a (not yet started) engine; the app's lifespan starts and stops it.
     api_key: required on every endpoint but /health (None: no authentication); max_model_len:
     caps prompt + output below the artifacts' positions; seed: seeds the sampling requests that
     bring no seed; log_requests: one info line per request; max_request_bytes: the body limit
     (None: serve/limits.py's default); enable_auto_tool_choice, tool_call_parser: tool_choice
-    "auto" and how replies are parsed for calls (serve/tools.py)."""
+    "auto" and how replies are parsed for calls (serve/tools.py); grammar_limits: how
+    structured-output constraints are compiled (GrammarLimits)."""
     fe = Frontend(
         engine,
         model_name,
@@ -629,6 +695,7 @@ def create_app(
         tool_call_parser,
     )
     fe.log_requests = log_requests
+    fe.grammar_limits = grammar_limits or GrammarLimits()
     app = FastAPI(
         title="dflash-serve", lifespan=_lifespan(engine, fe), docs_url=None, redoc_url=None
     )
@@ -652,6 +719,7 @@ def _lifespan(engine: AsyncEngine, fe: Frontend):
         yield
         engine.shutdown()
         fe.pool.shutdown(wait=False, cancel_futures=True)
+        fe.compiles.shutdown(wait=False, cancel_futures=True)
 
     return lifespan
 
@@ -662,6 +730,10 @@ def _add_error_handlers(app: FastAPI, metrics) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
         return _error_response(e, metrics)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request, e: ClientGone):
+        return Response(status_code=499)  # nobody is listening
 
     @app.exception_handler(HTTPException)
     async def _http_error(request, e: HTTPException):
@@ -707,7 +779,7 @@ async def _completions(request: Request):
     constraint = req.constraint()
     special = True if req.add_special_tokens is None else req.add_special_tokens
     ids = await fe.prompt_ids(req.prompt, special)
-    grammar = fe.allowed(req, await fe.grammar(constraint, "response_format"))
+    grammar = fe.allowed(req, await fe.grammar(constraint, "response_format", request))
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     params = fe.params(req, len(ids), max_tokens, grammar)
     return await answer(fe, request, req, ids, params, chat=False)
@@ -730,6 +802,6 @@ async def _chat_completions(request: Request):
         constraint = plan.constraint
     ids = await fe.chat_ids(req, plan.tools)
     param = "tool_choice" if plan.constraint is not None else "response_format"
-    grammar = fe.allowed(req, await fe.grammar(constraint, param))
+    grammar = fe.allowed(req, await fe.grammar(constraint, param, request))
     params = fe.params(req, len(ids), req.max_new, grammar)
     return await answer(fe, request, req, ids, params, chat=True, plan=plan)

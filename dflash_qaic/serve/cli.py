@@ -7,6 +7,8 @@
                  [--seed N] [--shutdown-timeout S] [--max-request-bytes N] [--log-level LEVEL]
                  [--uvicorn-log-level LEVEL] [--disable-log-requests]
                  [--enable-auto-tool-choice] [--tool-call-parser hermes|llama3_json]
+                 [--max-grammar-compile-s S] [--max-grammar-alternatives N]
+                 [--structured-output-lenient]
 
 vLLM's flags mean what they mean there: --api-key (or $VLLM_API_KEY) makes every endpoint but
 /health answer 401 without `Authorization: Bearer KEY`; --max-model-len caps prompt + output
@@ -17,6 +19,12 @@ same order give the same outputs; default: fresh entropy); --uvicorn-log-level s
 logging (default: --log-level's); --disable-log-requests drops the one info line per request;
 --enable-auto-tool-choice with --tool-call-parser serves tool_choice "auto" (artifacts exported
 with --structured-output also enforce "required", a named function and response_format).
+A constraint's grammar compiles on its own thread: one holding more than
+--max-grammar-alternatives enum values, choices or branches, or not compiled within
+--max-grammar-compile-s, is a 400 naming the limit; a JSON schema with a keyword xgrammar does
+not enforce (not, uniqueItems, allOf of several, ...) is a 400 naming it, unless
+--structured-output-lenient (then accepted, unenforced, with an X-Structured-Output-Warning
+header).
 --device-ids places this replica's programs on chosen AI100 devices (ONNX Runtime records them in
 /metrics, dflash:device_info); dflash-serve-replicas runs one server per device group behind
 vllm-router.
@@ -140,6 +148,25 @@ def _add_request_arguments(p: argparse.ArgumentParser) -> None:
         help="how replies are read for tool calls: hermes (Qwen3 <tool_call> JSON), "
         "llama3_json (Llama 3.1 JSON)",
     )
+    p.add_argument(
+        "--max-grammar-compile-s",
+        type=float,
+        default=10.0,
+        help="the longest a request waits for its grammar to compile, else a 400 (default 10)",
+    )
+    p.add_argument(
+        "--max-grammar-alternatives",
+        type=int,
+        default=None,
+        help="the most enum values, choices and anyOf/oneOf branches one constraint may hold "
+        "(default 10000: compile time grows with their square)",
+    )
+    p.add_argument(
+        "--structured-output-lenient",
+        action="store_true",
+        help="accept JSON-Schema keywords xgrammar does not enforce (with a warning header) "
+        "instead of a 400",
+    )
 
 
 def _add_logging_arguments(p: argparse.ArgumentParser) -> None:
@@ -183,6 +210,12 @@ def _check(args) -> str | None:
                 f"--verify-lengths must be integers separated by commas, e.g. 4,8,16 "
                 f"(got {args.verify_lengths!r})"
             ) from None
+    if not args.max_grammar_compile_s > 0:
+        raise UsageError(f"--max-grammar-compile-s must be > 0 (got {args.max_grammar_compile_s})")
+    if args.max_grammar_alternatives is not None and args.max_grammar_alternatives < 1:
+        raise UsageError(
+            f"--max-grammar-alternatives must be ≥ 1 (got {args.max_grammar_alternatives})"
+        )
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         raise UsageError(f"--max-request-bytes must be ≥ 1 (got {args.max_request_bytes})")
     if args.max_model_len is not None and args.max_model_len < 2:
@@ -229,7 +262,7 @@ def build_app(args, template: str | None):
 
     import dflash_qaic
     from dflash_qaic.runtime.options import SPEC_POLICY, from_args
-    from dflash_qaic.serve.app import create_app
+    from dflash_qaic.serve.app import GrammarLimits, create_app
     from dflash_qaic.serve.engine import AsyncEngine
     from dflash_qaic.serve.metrics import Metrics
 
@@ -263,6 +296,11 @@ def build_app(args, template: str | None):
         max_request_bytes=args.max_request_bytes,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        grammar_limits=GrammarLimits(
+            args.max_grammar_compile_s,
+            args.max_grammar_alternatives or GrammarLimits.alternatives,
+            args.structured_output_lenient,
+        ),
     )
     return app, engine, pipe
 

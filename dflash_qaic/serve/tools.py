@@ -100,123 +100,201 @@ class ToolPlan:
         return self.mode != "none"
 
     def parse(self, text: str, parallel: bool = True) -> tuple[str | None, list[dict]]:
-        """(content, tool_calls) of a finished reply's text."""
-        if self.mode == "named":
-            return None, [_call(self.name, text)]
-        if self.mode == "required":
-            try:
-                items = json.loads(text)
-            except json.JSONDecodeError:
-                return text, []  # cut short (length): no complete call
-            return None, [
-                _call(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items
-            ]
-        if self.mode == "auto":
-            content, calls = (_hermes if self.parser == "hermes" else _llama3_json)(text)
-            if not parallel:
-                calls = calls[:1]
-            return content, calls
-        return text, []
-
-
-def _call(name: str, arguments: str) -> dict:
-    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def _from_json(obj) -> dict | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return _call(
-        obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-    )
-
-
-def _hermes(text: str) -> tuple[str | None, list[dict]]:
-    if "<tool_call>" not in text:
-        return text, []
-    calls = []
-    for m in _HERMES.finditer(text):
-        try:
-            call = _from_json(json.loads(m.group(1)))
-        except json.JSONDecodeError:
-            call = None
-        if call is not None:
-            calls.append(call)
-    if not calls:
-        return text, []
-    content = text[: text.index("<tool_call>")].strip()
-    return content or None, calls
-
-
-def _llama3_json(text: str) -> tuple[str | None, list[dict]]:
-    body = text.strip()
-    if body.startswith("<|python_tag|>"):
-        body = body[len("<|python_tag|>") :]
-    if not body.startswith("{"):
-        return text, []
-    calls = []
-    decoder = json.JSONDecoder()
-    i = 0
-    while i < len(body):
-        try:
-            obj, end = decoder.raw_decode(body, i)
-        except json.JSONDecodeError:
+        """(content, tool_calls) of a finished reply's text: the streamed parser fed the whole
+        text at once, its deltas assembled as a client assembles them (so a stream and a whole
+        answer cannot differ)."""
+        if self.mode == "none":
             return text, []
-        call = _from_json(obj)
-        if call is None:
-            return text, []
-        calls.append(call)
-        i = end
-        while i < len(body) and body[i] in " \n\t;":
-            i += 1
-    return None, calls
+        stream = ToolStream(self, parallel)
+        return assemble([stream.feed(text, final=True)])
 
 
-_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
-_ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+def assemble(pieces) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) from ToolStream.feed's (content, deltas) pairs, as a client joins
+    them: the content pieces, and per call index its id, name and arguments pieces."""
+    content, calls = "", {}
+    for text, deltas in pieces:
+        content += text or ""
+        for d in deltas:
+            call = calls.setdefault(d["index"], {"arguments": ""})
+            if "id" in d:
+                call.update(id=d["id"], name=d["function"]["name"])
+            call["arguments"] += d["function"]["arguments"]
+    out = [
+        {
+            "id": c["id"],
+            "type": "function",
+            "function": {"name": c["name"], "arguments": c["arguments"]},
+        }
+        for _, c in sorted(calls.items())
+    ]
+    return content or None, out
+
+
 _OPEN = "<tool_call>"
+_PYTHON_TAG = "<|python_tag|>"
+_DECODE = json.JSONDecoder(strict=False)
 
 
-def _value_end(text: str, i: int) -> int | None:
-    """The end (exclusive) of the JSON object or array that starts at text[i], or None while
-    the text holds only part of it (strings and their escapes skipped)."""
-    depth, in_str, esc = 0, False, False
-    for j in range(i, len(text)):
-        c = text[j]
-        if in_str:
-            if esc:
-                esc = False
+def _decode_string(raw: str) -> str:
+    """A JSON string's raw inside (escapes complete) decoded; the raw text when malformed."""
+    try:
+        return _DECODE.decode(f'"{raw}"')
+    except json.JSONDecodeError:
+        return raw
+
+
+def _complete_escapes(text: str, i: int, stop: int) -> int:
+    """The end of the longest run of text[i:stop] (inside a JSON string still being written)
+    that holds no part of an escape: a backslash, a \\uXXXX or a surrogate pair cut short
+    stays for the next piece."""
+    while True:
+        j = text.find("\\", i, stop)
+        if j < 0:
+            return stop
+        if j + 1 >= stop:
+            return j
+        if text[j + 1] != "u":
+            i = j + 2
+            continue
+        if j + 6 > stop:
+            return j
+        if text[j + 2 : j + 4].lower() in ("d8", "d9", "da", "db"):  # a pair's first half
+            rest = text[j + 6 : min(stop, j + 8)]
+            if j + 12 > stop and "\\u".startswith(rest):
+                return j  # its second half may follow
+            if text[j + 6 : j + 8] == "\\u":
+                i = j + 12
+                continue
+        i = j + 6
+
+
+class _Object:
+    """A resumable scan of one JSON object's top level, from its `{` (whitespace before it is
+    skipped): each key's value as (kind, start, end) with kind "string", "nested" (object or
+    array, strings inside skipped) or "scalar", end None while it is being written. state ends
+    "done" after the closing brace, or "bad" at a character no JSON object has there."""
+
+    def __init__(self, start: int):
+        self.pos, self.state = start, "open"  # pos: the next character to read
+        self.values: dict[str, list] = {}
+        self._key_at, self._key, self._cur = 0, "", None
+        self._depth, self._in_str, self._esc = 0, False, False
+
+    def scan(self, text: str) -> None:
+        i, n = self.pos, len(text)
+        while i < n and self.state not in ("done", "bad"):
+            if self._read(text, i):
+                i += 1
+        self.pos = i
+
+    def _read(self, text: str, i: int) -> bool:
+        """Take text[i] in the current state; False: read it again in the new state."""
+        c, st = text[i], self.state
+        if st in ("str", "key_str") or (st == "nested" and self._in_str):
+            if self._esc:
+                self._esc = False
             elif c == "\\":
-                esc = True
+                self._esc = True
             elif c == '"':
-                in_str = False
-        elif c == '"':
-            in_str = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return j + 1
-    return None
+                self._string_end(text, i, st)
+        elif st == "nested":
+            if c == '"':
+                self._in_str = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._cur[2], self.state = i + 1, "after"
+        elif st == "scalar":
+            if c in ",}" or c.isspace():
+                self._cur[2], self.state = i, "after"
+                return False
+        elif st == "value":
+            if not c.isspace():
+                self._value(c, i)
+        elif not c.isspace():
+            self.state = _NEXT.get((st, c), "bad")
+            if self.state == "key_str":
+                self._key_at = i + 1
+        return True
+
+    def _string_end(self, text: str, i: int, st: str) -> None:
+        if st == "nested":
+            self._in_str = False
+        elif st == "key_str":
+            self._key, self.state = _decode_string(text[self._key_at : i]), "colon"
+        else:
+            self._cur[2], self.state = i + 1, "after"
+
+    def _value(self, c: str, i: int) -> None:
+        kind = "string" if c == '"' else "nested" if c in "{[" else "scalar"
+        self._cur = [kind, i, None]
+        self.values.setdefault(self._key, self._cur)
+        self.state = {"string": "str", "nested": "nested", "scalar": "scalar"}[kind]
+        self._depth, self._in_str, self._esc = 1, False, False
+
+    def name(self, text: str) -> str | None:
+        """The value of the "name" key once it is a whole string, else None."""
+        v = self.values.get("name")
+        if v is None or v[0] != "string" or v[2] is None:
+            return None
+        return _decode_string(text[v[1] + 1 : v[2] - 1])
+
+    def arguments(self) -> list | None:
+        """The "arguments" (or "parameters") value, whichever came first."""
+        found = [v for k, v in self.values.items() if k in ("arguments", "parameters")]
+        return min(found, key=lambda v: v[1]) if found else None
+
+
+#: (state, character) -> the next state, for the object's punctuation
+_NEXT = {
+    ("open", "{"): "key",
+    ("key", '"'): "key_str",
+    ("key", "}"): "done",
+    ("colon", ":"): "value",
+    ("after", ","): "key",
+    ("after", "}"): "done",
+}
+
+
+class _Call:
+    """One call object in the reply: its scan, and what of it has been streamed."""
+
+    def __init__(self, at: int):
+        self.obj, self.at = _Object(at), at  # at: the object's start (hermes: after the tag)
+        self.index, self.id, self.name = None, call_id(), None
+        self.sent = None  # where the arguments' streamed text has got to (None: not yet begun)
+        self.empty = False  # "{}" sent for a call without arguments
 
 
 class ToolStream:
-    """A streamed reply's tool calls, as vLLM streams them: each call's first delta carries
-    its index, id, type and name, and its arguments follow as the model writes them (the raw
-    JSON text of the arguments object); content before the first call streams as content.
+    """One parser per format, incremental: a reply's text in pieces in, (content delta,
+    tool-call deltas) out, as vLLM streams them. A call's first delta carries its index, id,
+    type and name; its arguments follow as they are written (the JSON text of an object as
+    written; a string given as the arguments, its decoded text). `ToolPlan.parse` is this
+    parser fed the whole reply, so a streamed answer joins to exactly the whole one, for any
+    chunking.
 
-    named: the whole reply is the arguments. required: each item of the JSON array is a call.
-    auto + hermes: text before `<tool_call>` is content (a possible start of the tag is held
-    back), each block's JSON object is a call. auto + llama3_json: the reply is parsed once
-    complete (a bare JSON object cannot be told from text while it starts)."""
+    A call object is read by its JSON structure, never by searching for a closing tag, so
+    `</tool_call>` or `<tool_call>` inside a string is text; its keys come in any order (a
+    call is announced once its "name" is a whole string and its arguments have begun, or its
+    object has closed). Formats: named, the whole reply is the arguments; required, the items
+    of a JSON array; auto + hermes, the object after each `<tool_call>`, the text before the
+    first call being content (less trailing whitespace and a tail that could begin the tag);
+    auto + llama3_json, bare objects joined by `;` or whitespace when the reply begins with
+    one (after an optional `<|python_tag|>`), else the reply is content. A reply in which no
+    call was found is content, whole. After a call, text outside call objects is dropped."""
 
     def __init__(self, plan: ToolPlan, parallel: bool = True):
         self.plan, self.parallel = plan, parallel
-        self.text, self.pos, self.content_sent = "", 0, 0
-        self.calls: list[dict] = []  # index, id, name, at (arguments' start), sent, end
-        self.incremental = plan.mode in ("named", "required") or plan.parser == "hermes"
+        self.format = plan.parser if plan.mode == "auto" else plan.mode
+        self.text, self.pos, self.content_sent, self.free = "", 0, 0, 0
+        self.calls: list[_Call] = []
+        self.block: _Call | None = None  # the call object being read
+        self.ended = False  # no more calls will be looked for
+        self.as_text = False  # llama3_json: the reply is not a call
 
     @property
     def called(self) -> bool:
@@ -225,96 +303,124 @@ class ToolStream:
     def feed(self, delta: str, final: bool = False) -> tuple[str | None, list[dict]]:
         """(content delta, tool-call deltas) for the next piece of the reply's text."""
         self.text += delta
-        if not self.incremental:
-            if not final:
-                return None, []
-            content, calls = self.plan.parse(self.text, self.parallel)
-            self.calls = [dict(c, index=i) for i, c in enumerate(calls)]
-            return content, [dict(c, index=i) for i, c in enumerate(calls)]
-        if self.plan.mode == "named":
+        if self.format == "named":
             if not self.calls:
-                self.calls.append({"index": 0, "id": call_id(), "name": self.plan.name, "at": 0})
-                self.calls[0].update(sent=0, end=None)
-            return None, self._arguments()
-        content = self._content(final) if self.plan.mode == "auto" else None
-        deltas: list[dict] = []
-        while True:  # a call that ends in this piece lets the next one start in it
-            state = (len(self.calls), self.calls and self.calls[-1]["end"])
-            self._find_calls()
-            deltas += self._arguments()
-            if (len(self.calls), self.calls and self.calls[-1]["end"]) == state:
-                return content, deltas
+                self._announce(_Call(0), self.plan.name)
+            return None, self._deltas()
+        self._advance(final)
+        return self._content(final), self._deltas()
+
+    def _advance(self, final: bool) -> None:
+        """Find and read call objects as far as the text goes."""
+        while True:
+            if self.block is None:
+                at = None if self.ended else self._find(final)
+                if at is None:
+                    return
+                self.block = _Call(at)
+            b = self.block
+            b.obj.scan(self.text)
+            if b.index is None:
+                name = b.obj.name(self.text)
+                if name is not None and (b.obj.arguments() is not None or b.obj.state == "done"):
+                    self._announce(b, name)
+            if b.obj.state not in ("done", "bad"):
+                return
+            self.block, self.pos = None, b.obj.pos
+            if b.index is None:  # not a call
+                if self.format == "llama3_json" and not self.calls:
+                    self.as_text = True
+                self.ended = self.ended or self.format != "hermes"
+            elif not self.parallel:
+                self.ended = True
+
+    def _find(self, final: bool) -> int | None:
+        """Where the next call object starts (None: not yet, or no more)."""
+        text, i = self.text, self.pos
+        if self.format == "hermes":
+            t = text.find(_OPEN, i)
+            if self.calls:  # content ended where the first call began
+                return None if t < 0 else t + len(_OPEN)
+            if t < 0:
+                self.free = len(text) - (0 if final else _tag_tail(text, _OPEN))
+                return None
+            self.free = t
+            return t + len(_OPEN)
+        skip = " \t\n\r" + (";" if self.format == "llama3_json" else ",[")
+        if self.format == "llama3_json" and not self.calls and not self.as_text:
+            j = len(text) - len(text[i:].lstrip())
+            if text.startswith(_PYTHON_TAG, j):
+                i = j + len(_PYTHON_TAG)
+            elif _PYTHON_TAG.startswith(text[j:]) and j < len(text) and not final:
+                return None
+        while i < len(text) and text[i] in skip:
+            i += 1
+        if i < len(text) and text[i] == "{":
+            return i
+        if i < len(text) or final:
+            self.ended = True
+            self.as_text = self.as_text or (self.format == "llama3_json" and not self.calls)
+        return None
 
     def _content(self, final: bool) -> str | None:
-        """Text before the first tool call, less what could be the start of `<tool_call>`."""
-        at = self.text.find(_OPEN)
-        end = len(self.text) if at < 0 else at
-        if at < 0 and not final:
-            for k in range(min(len(_OPEN) - 1, end), 0, -1):
-                if _OPEN.startswith(self.text[end - k :]):
-                    end -= k
-                    break
+        """Content: before any call, text known to be outside calls (less trailing
+        whitespace); the rest of a reply in which no call was found, at its end."""
+        if self.calls:  # up to where the first call began
+            end = self.free if self.format == "hermes" else 0
+        elif final:
+            end = len(self.text)
+        else:
+            end = len(self.text) if self.as_text else self.free
+        if self.calls or not final:
+            while end > self.content_sent and self.text[end - 1].isspace():
+                end -= 1
         out = self.text[self.content_sent : end]
         self.content_sent = max(self.content_sent, end)
         return out or None
 
-    def _find_calls(self) -> None:
-        """Calls whose name and arguments' start the text now holds (one at a time, in order)."""
-        while not self.calls or self.calls[-1]["end"] is not None:
-            if self.calls and not self.parallel:
-                return
-            start = self.pos
-            if self.plan.mode == "auto":
-                start = self.text.find(_OPEN, self.pos)
-                if start < 0:
-                    return
-            obj = self.text.find("{", start)
-            if obj < 0:
-                return
-            name, args = _NAME.search(self.text, obj), _ARGS.search(self.text, obj)
-            if name is None or args is None or args.start() < name.end():
-                return  # not yet (or arguments before the name: left to the last delta)
-            at = args.end()
-            if at >= len(self.text):
-                return
-            self.calls.append(
-                {
-                    "index": len(self.calls),
-                    "id": call_id(),
-                    "name": json.loads(f'"{name.group(1)}"'),
-                    "at": at,
-                    "sent": 0,
-                    "end": None,
-                }
-            )
+    def _announce(self, call: _Call, name: str) -> None:
+        call.index, call.name = len(self.calls), name
+        self.calls.append(call)
 
-    def _arguments(self) -> list[dict]:
-        """Each open call's first delta (id, name) and the arguments text since the last one."""
+    def _deltas(self) -> list[dict]:
+        """Each call's first delta (id, name) and the arguments written since the last one."""
         out = []
         for c in self.calls:
-            if "at" not in c:  # parsed whole (llama3_json)
-                continue
-            first = c["sent"] == 0 and not c.get("announced")
-            if c["end"] is None:
-                if self.plan.mode == "named":
-                    end = len(self.text)
-                else:
-                    end = _value_end(self.text, c["at"])
-                    if end is not None:
-                        c["end"] = end
-                        self.pos = end
-                    else:
-                        end = len(self.text)
-            else:
-                end = c["end"]
-            piece = self.text[c["at"] + c["sent"] : end]
-            c["sent"] += len(piece)
+            first = c.sent is None and not c.empty
+            piece = self._arguments(c)
             if not first and not piece:
                 continue
-            delta: dict = {"index": c["index"], "function": {"arguments": piece}}
+            delta: dict = {"index": c.index, "function": {"arguments": piece}}
             if first:
-                c["announced"] = True
-                delta.update(id=c["id"], type="function")
-                delta["function"]["name"] = c["name"]
+                delta.update(id=c.id, type="function")
+                delta["function"]["name"] = c.name
             out.append(delta)
         return out
+
+    def _arguments(self, c: _Call) -> str:
+        """The arguments' text written since the last piece (named: the reply itself)."""
+        text = self.text
+        if self.format == "named":
+            at, c.sent = c.sent or 0, len(text)
+            return text[at:]
+        v = c.obj.arguments()
+        if v is None:
+            if c.obj.state == "done" and not c.empty:
+                c.empty = True
+                return "{}"
+            return ""
+        kind, start, end = v
+        if kind != "string":
+            at, c.sent = c.sent or start, end if end is not None else c.obj.pos
+            return text[at : c.sent]
+        at = c.sent or start + 1
+        c.sent = end - 1 if end is not None else _complete_escapes(text, at, c.obj.pos)
+        return _decode_string(text[at : c.sent])
+
+
+def _tag_tail(text: str, tag: str) -> int:
+    """How many characters at the end of text could begin the tag."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
