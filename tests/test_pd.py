@@ -87,3 +87,87 @@ def test_a_payload_failing_at_admission_fails_alone(pd):
     assert bad.result.stop_reason == "error" and bad.error is not None
     assert good.result.tokens == dec.generate(IDS, 8, stop_token_ids=[]).tokens
     assert sorted(engine.free) == [0, 1] and engine.slots == [None, None]
+
+
+# ---------------------------------------------------------------------- two real servers
+
+KEY = "pd-test-key"
+
+
+@pytest.fixture(scope="module")
+def pd_servers(default_artifacts):
+    """dflash-serve --role prefill and --role decode on 127.0.0.1 (ephemeral ports), one
+    thread each, sharing an --api-key; stopped by their own process ids."""
+    from dflash_qaic.serve.process import ServerProcess
+
+    common = ["--threads", "1", "--api-key", KEY]
+    with ServerProcess(default_artifacts, *common, "--role", "prefill") as p:
+        with ServerProcess(default_artifacts, *common, "--role", "decode") as d:
+            yield p, d
+            assert d.stop() == 0, d.log()
+        assert p.stop() == 0, p.log()
+
+
+def _post(url, body, timeout=120):
+    import httpx
+
+    headers = {"Authorization": f"Bearer {KEY}"}
+    return httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=timeout,
+                      trust_env=False)  # fmt: skip
+
+
+def test_two_servers_hand_off_and_equal_the_aggregated_tokens(pd_servers, default_artifacts):
+    """vLLM's contract: do_remote_decode on the prefill server -> its answer's
+    kv_transfer_params -> do_remote_prefill on the decode server, which pulls the payload:
+    greedy and seeded tokens equal the aggregated pipeline's; a lease is pulled once."""
+    import dflash_qaic
+
+    pre, dec = pd_servers
+    agg = dflash_qaic.load(default_artifacts)
+    ids = list(range(40, 70))
+    for sp in (dict(temperature=0), dict(temperature=1.0, seed=3)):
+        body = dict(prompt=ids, max_tokens=12, ignore_eos=True, return_token_ids=True, **sp)
+        a = _post(pre.url, {**body, "kv_transfer_params": {"do_remote_decode": True}})
+        assert a.status_code == 200, a.text
+        kv = a.json()["kv_transfer_params"]
+        assert kv["do_remote_prefill"] and kv["payload_bytes"] > 0
+        b = _post(dec.url, {**body, "kv_transfer_params": kv})
+        assert b.status_code == 200, b.text
+        want = agg.generate(ids, 12, stop_token_ids=[], **sp).tokens
+        assert b.json()["choices"][0]["token_ids"] == want, sp
+        again = _post(dec.url, {**body, "kv_transfer_params": kv})  # the lease ended
+        assert again.status_code == 502 and "unknown or its lease expired" in again.text
+    assert "dflash:kv_transfer_bytes_total" in _get(pre.url, "/metrics")
+
+
+def _get(url, path):
+    import httpx
+
+    r = httpx.get(url + path, headers={"Authorization": f"Bearer {KEY}"}, trust_env=False)
+    return r.text
+
+
+def test_unreachable_prefill_fails_that_request_alone(pd_servers):
+    """A decode request whose prefill server cannot be reached gets a clear error; the decode
+    server goes on serving (no row held)."""
+    pre, dec = pd_servers
+    ids = list(range(40, 60))
+    gone = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 9,
+            "remote_handoff_id": "h0"}  # fmt: skip
+    r = _post(dec.url, dict(prompt=ids, max_tokens=4, kv_transfer_params=gone))
+    assert r.status_code == 502 and "unreachable" in r.text
+    streamed = dict(prompt=ids, max_tokens=4, stream=True)
+    r = _post(pre.url, {**streamed, "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 400 and "stream false" in r.text
+    wrong = _post(pre.url, dict(prompt=ids, max_tokens=4, kv_transfer_params=gone))
+    assert wrong.status_code == 400 and "--role decode" in wrong.text
+    a = _post(pre.url, dict(prompt=ids, max_tokens=4, kv_transfer_params={"do_remote_decode": 1}))
+    b = _post(
+        dec.url, dict(prompt=ids, max_tokens=4, kv_transfer_params=a.json()["kv_transfer_params"])
+    )
+    assert b.status_code == 200 and b.json()["usage"]["completion_tokens"] == 4
+    running = [
+        line for line in _get(dec.url, "/metrics").splitlines()
+        if line.startswith("vllm:num_requests_running{")
+    ]  # fmt: skip
+    assert running and running[0].endswith(" 0.0")  # nothing left in a row

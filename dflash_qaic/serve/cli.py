@@ -107,6 +107,13 @@ def _add_server_arguments(p: argparse.ArgumentParser) -> None:
         help="require `Authorization: Bearer KEY` on every endpoint but /health "
         "(default: $VLLM_API_KEY; neither: no authentication)",
     )
+    p.add_argument(
+        "--role",
+        choices=("both", "prefill", "decode"),
+        default="both",
+        help="prefill/decode disaggregation over vLLM's kv_transfer_params (serve/pd.py): "
+        "prefill hands prompts off, decode pulls them (default: both, no hand-off)",
+    )
 
 
 def _add_request_arguments(p: argparse.ArgumentParser) -> None:
@@ -267,6 +274,7 @@ def build_app(args, template: str | None):
         max_request_bytes=args.max_request_bytes,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        role=args.role,
     )
     return app, engine, pipe
 
