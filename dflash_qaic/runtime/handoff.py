@@ -27,6 +27,7 @@ import numpy as np
 
 from dflash_qaic import contract
 from dflash_qaic.runtime.calls import check_committed
+from dflash_qaic.runtime.step import fill_chunk
 from dflash_qaic.state import SlotState, SlotStateError
 
 __all__ = ["VERSION", "HandoffError", "admit", "export", "fingerprint", "parse"]
@@ -92,12 +93,7 @@ def _prefill_rows(engine, ids: list[int], slot: int) -> np.ndarray | None:
     while lo < n_ids:
         L = contract.plan_prefill(n_ids - lo, plan.prefill_lengths)
         n = min(L, n_ids - lo)
-        c = b.chunk[L]  # ids, pos: [1, L]
-        c.ids[0, :n] = ids[lo : lo + n]
-        c.ids[0, n:] = 0
-        c.pos[0, :n] = np.arange(lo, lo + n)
-        c.pos[0, n:] = contract.PAD_POSITION
-        b.bidx[0, 0] = slot
+        c = fill_chunk(b, L, ids, lo, n, slot)
         s = plan.sample_len(L, True)
         out = pre.target.run(b.window(c.feeds[s], lo + n))
         check_committed("prefill", out, np.zeros(1, np.int64), n, [])
