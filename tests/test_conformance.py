@@ -12,7 +12,10 @@ per session (the `exported` fixture):
 7. slot round trip: a sequence's retained state read from its cache row (`read_slot`, through
    SlotState's bytes) and written into another (`write_slot`), target and draft, on ONNX
    Runtime and on the strict stand-in: both rows go on to the same tokens, acceptance and
-   cache bytes (what a prefill/decode hand-off moves).
+   cache bytes (what a prefill/decode hand-off moves);
+8. P/D = aggregated: a prefill pipeline's payload (the target's rows of the prompt's first
+   P − 1 positions and the draft's context) admitted by a decode pipeline on the same
+   artifacts: the same greedy and seeded tokens and acceptance as the aggregated run.
 
 Streamed export = in-memory export per family lives in tests/test_streaming_export.py (dense
 families), tests/test_moe_runtime.py (MoE forms) and tests/test_hybrid.py (the published
@@ -30,6 +33,7 @@ import torch
 from conftest import DRAFT_FORMS, FAMILIES, REFERENCE_LEAVES_HF
 
 from dflash_qaic import contract
+from dflash_qaic.runtime import handoff
 from dflash_qaic.state import SlotState
 
 UNTIED = dict(tie_word_embeddings=False, target_layer_ids=[1, 3])
@@ -327,6 +331,39 @@ def test_slot_round_trip(exported, case):
         upto = len(ids) + new - 1  # every position committed and written in both rows
         for p in (pipe.target, pipe.draft):
             assert p.read_slot(0, upto).same(p.read_slot(2, upto)), (backend, case)
+
+
+@parametrize
+def test_pd_equals_aggregated(exported, case):
+    """P/D = aggregated: a prefill pipeline prefills the prompt's first P − 1 positions and
+    exports the target's rows and the draft's context (runtime/handoff.py); a decode pipeline
+    on the same artifacts admits the request with that payload, computes the last prompt token
+    and goes on: greedy and seeded tokens and per-step acceptance equal the aggregated run's
+    (whole-block verify lengths, the `always` policy), with two requests in flight."""
+    B, chunk = CASES[case][2]["block_size"], CASES[case][3]
+    ids, new = prompt(case, 4 * chunk + 6, 23), 24  # more context than one draft call takes
+    agg = build(exported, case).load(verify_lengths=B)
+    agg.configure(spec_policy="always")
+    sampled = agg.can_sample
+    runs = [dict()] + ([dict(temperature=1.0, seed=9)] if sampled else [])
+    solo = [agg.generate(ids, new, stop_token_ids=[], **sp) for sp in runs]
+    pre, dec = (build(exported, case, full_batch_size=2).load(verify_lengths=B) for _ in "pd")
+    for p in (pre, dec):
+        p.configure(spec_policy="always")
+    payload = handoff.export(pre.engine(), pre.artifacts, ids)
+    engine = dec.engine()
+    seqs = [
+        handoff.admit(
+            engine, dec.artifacts, dec.request(ids, new, stop_token_ids=[], **sp), payload
+        )
+        for sp in runs
+    ]
+    while engine.busy:
+        engine.step()
+    for seq, ref in zip(seqs, solo, strict=True):
+        assert seq.result.tokens == ref.tokens, case
+        assert seq.result.acceptance_lengths == ref.acceptance_lengths, case
+    assert not engine.running and sorted(engine.free) == [0, 1]
 
 
 @parametrize

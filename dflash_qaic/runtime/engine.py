@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash_qaic import contract
+from dflash_qaic.runtime import handoff
 from dflash_qaic.runtime.buffers import PrefillBuffers, StepBuffers
 from dflash_qaic.runtime.options import SPEC_POLICY
 from dflash_qaic.runtime.policy import POLICIES, StepPolicy
@@ -278,6 +279,8 @@ class BatchEngine:
                 continue
             while not seq.finished and seq.t_dec is None and (budget is None or budget > 0):
                 try:
+                    if getattr(seq, "handoff", None) is not None:  # prefilled elsewhere
+                        handoff.enter(self, seq)
                     self.prefill.chunk(seq)
                 except Exception as e:  # its own calls: it fails alone
                     self._fail([seq], e.cause if isinstance(e, CallFailed) else e)

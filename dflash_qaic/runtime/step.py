@@ -138,6 +138,18 @@ def out_of_room(start: int, rows: int, ctx_len: int) -> bool:
     return start + rows > contract.max_positions(ctx_len)
 
 
+def fill_chunk(b: PrefillBuffers, L: int, ids, lo: int, n: int, slot: int):
+    """The prefill call of length L filled with prompt positions lo … lo+n-1 into `slot`
+    (the rest padding); returns it."""
+    c = b.chunk[L]  # ids, pos: [1, L]
+    c.ids[0, :n] = ids[lo : lo + n]
+    c.ids[0, n:] = 0
+    c.pos[0, :n] = np.arange(lo, lo + n)
+    c.pos[0, n:] = contract.PAD_POSITION
+    b.bidx[0, 0] = slot
+    return c
+
+
 class Prefill:
     """A prompt, one chunk per call at batch 1 into its slot's cache row: the target's chunk
     (of the prefill length `contract.plan_prefill` picks for the rest of the prompt), then
@@ -156,12 +168,7 @@ class Prefill:
         L = contract.plan_prefill(P - lo, self.plan.prefill_lengths)
         n = min(L, P - lo)
         last = lo + n == P
-        c = b.chunk[L]  # ids, pos: [1, L]
-        c.ids[0, :n] = ids[lo : lo + n]
-        c.ids[0, n:] = 0
-        c.pos[0, :n] = np.arange(lo, lo + n)
-        c.pos[0, n:] = contract.PAD_POSITION
-        b.bidx[0, 0] = slot
+        c = fill_chunk(b, L, ids, lo, n, slot)
         # only the last chunk's last row is sampled: the chunks before it take the greedy Prefill
         s = self.plan.sample_len(L, seq.uniforms is None or not last)
         b.sampling.set_row(0, seq.req.sampling)

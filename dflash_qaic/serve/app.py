@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException
 from dflash_qaic import contract
 from dflash_qaic.runtime.grammar import MAX_ALTERNATIVES
 from dflash_qaic.runtime.pipeline import GenerationError, Sampling
+from dflash_qaic.serve import pd
 from dflash_qaic.serve import protocol as proto
 from dflash_qaic.serve.engine import AsyncEngine, EngineFull, Handle, Output, Params
 from dflash_qaic.serve.limits import (
@@ -508,6 +509,8 @@ async def answer(
         if calls and reason == "stop":
             reason = "tool_calls"
     body = proto.completion_body(rid, fe.model_name, text, reason, toks, use, chat, calls or None)
+    if last.payload is not None:  # a prefill role's answer: where the decode side pulls it
+        body["kv_transfer_params"] = pd.transfer_params(request, last.payload)
     return JSONResponse(body, headers=_warned(params))
 
 
@@ -675,6 +678,7 @@ def create_app(
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
     grammar_limits: GrammarLimits | None = None,
+    role: str = "both",
 ) -> FastAPI:
     """The FastAPI app over a (not yet started) engine; the app's lifespan starts and stops it.
     api_key: required on every endpoint but /health (None: no authentication); max_model_len:
@@ -703,6 +707,9 @@ def create_app(
     if api_key:
         app.add_middleware(_ApiKey, key=api_key, metrics=engine.metrics)
     app.state.frontend = fe
+    app.state.role, app.state.api_key, app.state.leases = role, api_key, pd.Leases()
+    if role == "prefill":
+        pd.add_routes(app, app.state.leases)
     _add_error_handlers(app, engine.metrics)
     _add_info_routes(app, fe, model_name)
     app.add_api_route("/v1/completions", _completions, methods=["POST"])
@@ -781,7 +788,7 @@ async def _completions(request: Request):
     ids = await fe.prompt_ids(req.prompt, special)
     grammar = fe.allowed(req, await fe.grammar(constraint, "response_format", request))
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    params = fe.params(req, len(ids), max_tokens, grammar)
+    params = await pd.prepare(fe, request, req, fe.params(req, len(ids), max_tokens, grammar))
     return await answer(fe, request, req, ids, params, chat=False)
 
 
@@ -803,5 +810,5 @@ async def _chat_completions(request: Request):
     ids = await fe.chat_ids(req, plan.tools)
     param = "tool_choice" if plan.constraint is not None else "response_format"
     grammar = fe.allowed(req, await fe.grammar(constraint, param, request))
-    params = fe.params(req, len(ids), req.max_new, grammar)
+    params = await pd.prepare(fe, request, req, fe.params(req, len(ids), req.max_new, grammar))
     return await answer(fe, request, req, ids, params, chat=True, plan=plan)

@@ -111,6 +111,13 @@ def _add_server_arguments(p: argparse.ArgumentParser) -> None:
         help="require `Authorization: Bearer KEY` on every endpoint but /health "
         "(default: $VLLM_API_KEY; neither: no authentication)",
     )
+    p.add_argument(
+        "--role",
+        choices=("both", "prefill", "decode"),
+        default="both",
+        help="prefill/decode disaggregation over vLLM's kv_transfer_params (serve/pd.py): "
+        "prefill hands prompts off, decode pulls them (default: both, no hand-off)",
+    )
 
 
 def _add_request_arguments(p: argparse.ArgumentParser) -> None:
@@ -301,6 +308,7 @@ def build_app(args, template: str | None):
             args.max_grammar_alternatives or GrammarLimits.alternatives,
             args.structured_output_lenient,
         ),
+        role=args.role,
     )
     return app, engine, pipe
 

@@ -32,6 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from dflash_qaic.runtime import handoff
 from dflash_qaic.runtime.pipeline import GenerationError
 from dflash_qaic.runtime.streamer import IncrementalDetokenizer
 from dflash_qaic.serve.metrics import Metrics
@@ -56,6 +57,10 @@ class Params:
     seed: int | None = None
     skip_special_tokens: bool = True
     grammar: object = None  # runtime.grammar.Grammar: structured output (None: unconstrained)
+    # prefill/decode roles (serve/pd.py): prefill only and hand the payload back, or admit
+    # with a payload prefilled elsewhere
+    export_only: bool = False
+    handoff: bytes | None = None
 
 
 @dataclass
@@ -69,6 +74,7 @@ class Output:
     error: Exception | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    payload: bytes | None = None  # a prefill role's hand-off payload (serve/pd.py)
 
     @property
     def final(self) -> bool:
@@ -319,9 +325,30 @@ class AsyncEngine:
             except GenerationError as e:  # bad input the HTTP layer did not catch: a 400
                 h._put(Output("", [], error=e))
                 continue
-            self._live.append(_Run(h, core.add(req), self.pipe.tokenizer))
+            if p.export_only or p.handoff is not None:
+                seq = self._handoff(core, h, req)
+                if seq is None:
+                    continue
+            else:
+                seq = core.add(req)
+            self._live.append(_Run(h, seq, self.pipe.tokenizer))
             self.metrics.running_now(len(self._live))
         return True
+
+    def _handoff(self, core, h: Handle, req):
+        """A prefill role's request: its payload exported now, between two steps, and its final
+        Output (None returned); a decode role's: queued with its payload (its Sequence)."""
+        m, P = self.pipe.artifacts, len(h.prompt_ids)
+        try:
+            if h.params.handoff is not None:
+                return handoff.admit(core, m, req, h.params.handoff)
+            payload = handoff.export(core, m, h.prompt_ids)
+        except Exception as e:  # refused or failed: this request alone ends
+            h._put(Output("", [], error=GenerationError(str(e))))
+            return None
+        self.metrics.kv_transfer(len(payload))
+        h._put(Output("", [], "length", prompt_tokens=P, payload=payload))
+        return None
 
     def _emit(self, core, run: _Run, now: float) -> int:
         """Send the new runs of a sequence the step touched; end it at a stop string or when it

@@ -103,9 +103,15 @@ class Metrics:
         self.kv_cache_usage = gauge(
             "vllm:kv_cache_usage_perc", "KV-cache usage: 1 means every slot's context is full"
         )
+        self._kv_bytes = counter(
+            "dflash:kv_transfer_bytes", "Hand-off payload bytes exported (prefill role)"
+        ).labels(model_name)
         self._iteration_tokens = histogram(
             "vllm:iteration_tokens_total", "Tokens per engine step", _ITERATION
         )
+
+    def kv_transfer(self, nbytes: int) -> None:
+        self._kv_bytes.inc(nbytes)
 
     def running_now(self, n: int) -> None:
         """`n` sequences are in the engine's slots."""

@@ -176,7 +176,6 @@ class _Sampling(_Request):
         "logits_processors": None,
         "priority": 0,
         "cache_salt": None,
-        "kv_transfer_params": None,
         "vllm_xargs": None,
         "guided_decoding_backend": None,
         "guided_whitespace_pattern": None,
