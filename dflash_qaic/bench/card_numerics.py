@@ -29,6 +29,7 @@ target alone, 2 on bad input.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -191,6 +192,10 @@ def evaluate(
     from dflash_qaic.bench.run import facts, select_prompts
     from dflash_qaic.exporter.card_numerics import CardNumerics, CardNumericsError
 
+    if chi2_seeds > 0 and importlib.util.find_spec("scipy") is None:
+        raise CardNumericsRunError(
+            "the T = 1 χ² check needs scipy: pip install 'dflash-qaic[bench]' (or skip it)"
+        )
     artifacts = Path(artifacts)
     manifest = json.loads((artifacts / "manifest.json").read_text(encoding="utf-8"))
     prof = profile_for(manifest, profile)

@@ -72,13 +72,11 @@ class CardNumerics:
         )
 
     def describe(self) -> str:
-        w = f"MatMul weights {mx.mx_format(self.weights).name} (MX{self.weights[2:].upper()})"
+        w = "MatMul weights fp16"
+        if self.weights:
+            w = f"MatMul weights MX{mx.mx_format(self.weights).name.upper()} (block 32, E8M0)"
         kv = "KV MXINT8" if self.kv else "KV fp16"
-        return (
-            f"profile {self.profile}: "
-            + (w if self.weights else "MatMul weights fp16")
-            + f", {kv}, fp16 elsewhere"
-        )
+        return f"profile {self.profile}: {w}, {kv}, fp16 elsewhere"
 
 
 # ---------------------------------------------------------------- the weights
