@@ -503,7 +503,7 @@ def test_default_compiler_path():
     assert qpc.default_compiler_path("qaic-exec") == Path("/opt/qti-aic/exec/qaic-exec")
 
 
-@pytest.mark.parametrize("name", PROFILES)
+@pytest.mark.parametrize("name", [p for p in PROFILES if p.startswith("ai100")])  # pinned below
 def test_no_compiler_writes_inputs(name, art, no_compiler):
     profile = load_profile(name)
     for program, io, specs in (("target", TIO, TSPECS), ("draft", DIO, DSPECS)):
