@@ -10,6 +10,7 @@
     dflash-bench --router artifacts/default-cb8    # vllm-router's cost per request (TTFT)
     dflash-bench ARTIFACTS --response-format schema.json   # under a grammar (bench/structured.py)
     dflash-bench --project ai100     # projected AI 100 decode/chain/tree tokens/s (bench/project.py)
+    dflash-bench ARTIFACTS --card-numerics   # τ and tokens under the profile's MXFP6/MXINT8 numerics
 
 Prints the summary screen. Exits 1 when DFlash's tokens differ from the target's at T = 0 (the
 lossless check), 2 on bad input.
@@ -29,6 +30,7 @@ MODES = {"--export": "dflash_lab.export_bench", "--serve": "dflash_lab.serve_ben
 MODES["--long-context"] = "dflash_qaic.bench.longctx"  # prefill, memory, call cost by position
 MODES["--router"] = "dflash_qaic.bench.router"  # vllm-router's cost per request (TTFT)
 MODES["--project"] = "dflash_qaic.bench.project"  # AI 100 roofline projection (no run)
+MODES["--card-numerics"] = "dflash_qaic.bench.card_numerics"  # τ, tokens under MXFP6/MXINT8
 PEER_ROUNDS = 2  # the PyTorch peers are slow on a CPU
 
 

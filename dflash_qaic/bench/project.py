@@ -689,9 +689,12 @@ def tau_from(path: str | None) -> dict:
     if not path:
         return {}
     try:
-        trees = json.loads(Path(path).read_text(encoding="utf-8")).get("trees")
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ProjectionError(f"--tau-from {path}: {e}") from None
+    if data.get("kind") == "card numerics":  # dflash-bench ARTIFACTS --card-numerics
+        return {"chain": round(data["greedy"]["tau_card"], 2)}
+    trees = data.get("trees")
     if not trees:
         raise ProjectionError(
             f"--tau-from {path}: no tree budgets measured in it (dflash-bench TREE_ARTIFACTS "
@@ -704,6 +707,24 @@ def tau_from(path: str | None) -> dict:
         for s in t["temperatures"]:
             if s["temperature"] == 0 and s["status"] == "measured":
                 out["chain" if t["budget"] == 0 else int(t["budget"])] = round(s["tau"], 2)
+    return out
+
+
+def tau_sources(path: str | None, tau_text: str | None) -> dict:
+    """Where each τ of the projection comes from: given on the command line, a card-numerics
+    run (its profile's numerics), a benchmark's results.json, or the built-in default."""
+    out: dict = dict(TAU_SOURCES)
+    if path:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        card = data.get("kind") == "card numerics"
+        what = (
+            f"measured under card numerics ({data.get('numerics')}), T = 0, whole-block chain, "
+            f"{data['artifacts']}; fp32 τ there {data['greedy']['tau_fp32']:.2f}"
+            if card
+            else f"measured: {path}, T = 0"
+        )
+        out.update({k: what for k in tau_from(path)})
+    out.update({k: "given (--tau)" for k in parse_tau(tau_text)})
     return out
 
 
@@ -959,7 +980,7 @@ def plot(results: list[Result], path: Path) -> None:
     plt.close(fig)
 
 
-def results_json(results, budgets, tau, specs, compile_work, args) -> dict:
+def results_json(results, budgets, tau, specs, compile_work, args, sources=None) -> dict:
     def call(c: Call) -> dict:
         return {**asdict(c), "total_bytes": c.total_bytes}
 
@@ -969,7 +990,7 @@ def results_json(results, budgets, tau, specs, compile_work, args) -> dict:
         "profile": args.qpc_config,
         "budgets": list(budgets),
         "tau": {str(k): v for k, v in tau.items()},
-        "tau_sources": {str(k): v for k, v in TAU_SOURCES.items() if k in tau},
+        "tau_sources": {str(k): v for k, v in (sources or TAU_SOURCES).items() if k in tau},
         "bits_per_element": BITS,
         "results": [
             {
@@ -1018,7 +1039,9 @@ def parser() -> argparse.ArgumentParser:
         "--tau-from",
         metavar="RESULTS_JSON",
         help="τ per budget from a `dflash-bench … --tree-budgets 0,16,32,64` results.json (the "
-        "benchmarked draft at T = 0; budget 0 is the chain); --tau overrides single entries",
+        "benchmarked draft at T = 0; budget 0 is the chain), or the chain's τ from a "
+        "`dflash-bench ARTIFACTS --card-numerics` card_numerics.json (τ under the profile's "
+        "MXFP6/MXINT8 numerics); --tau overrides single entries",
     )
     p.add_argument("--out", default="bench/projection", help="output directory")
     p.add_argument(
@@ -1050,6 +1073,7 @@ def run(args) -> int:
     card = CARDS[args.card]
     budgets = _budgets(args.tree_budgets)
     tau = {**DEFAULT_TAU, **tau_from(args.tau_from), **parse_tau(args.tau)}
+    sources = tau_sources(args.tau_from, args.tau)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work)
@@ -1101,13 +1125,15 @@ def run(args) -> int:
         f"AI 100 PROJECTION (roofline, not measured): {card.name}, profile {profile.name} "
         f"(weights {'MXFP6' if profile.mxfp6_matmul else 'fp16'}, KV {profile.kv_dtype}, "
         f"target {profile.target.num_cores} + draft {profile.draft.num_cores} cores); "
-        f"τ: " + ", ".join(f"{k} {v}" for k, v in tau.items())
+        f"τ: "
+        + ", ".join(f"{k} {v}" for k, v in tau.items())
+        + f"\nτ chain from: {sources['chain']}"
     )
     text = summary(results, budgets, specs, header, compile_work)
     (out / "summary.txt").write_text(text)
     (out / "table.md").write_text(table(results, budgets))
     plot(results, out / "projection.png")
-    data = results_json(results, budgets, tau, specs, compile_work, args)
+    data = results_json(results, budgets, tau, specs, compile_work, args, sources)
     (out / "results.json").write_text(json.dumps(data, indent=1, default=str))
     print(text, end="")
     print(f"wrote {out}/summary.txt, table.md, projection.png, results.json")

@@ -7,11 +7,13 @@ programs. Schema (every key is optional unless marked *required*)::
 
     name: ai100_fp16              # str; default: the file's stem
     description: "..."            # str; default ""
-    hw_version: ai100             # ai100 (the only supported hardware version); default ai100
+    hw_version: ai100             # ai100 | ai200 (-aic-hw-version=...); default ai100.
+                                  # `aic_hw_version` (QEfficient's name) is the same key.
     cores_per_device: 16          # NSP cores one device (SoC) offers, 1..16; default 16.
                                   # Used to check the core budget of every device.
     kv_dtype: float16             # *required*: float16 | bfloat16 | mxint8 (KV cache precision,
-                                  # sent to the compiler through custom_io.yaml)
+                                  # sent to the compiler through custom_io.yaml); bfloat16 on
+                                  # ai200 only (as QEfficient allows it)
     mxfp6_matmul: false           # bool; MXFP6 weights for MatMuls (-mxfp6-matmul); default false
     convert_to_fp16: true         # bool; fp32 ONNX compiled as fp16 (-convert-to-fp16); default true
     specializations_format: named # named (current SDKs) | flat (older SDKs); default named
@@ -56,7 +58,9 @@ from typing import Any
 
 from dflash_qaic import contract
 
-HW_VERSIONS = ("ai100",)
+HW_VERSIONS = ("ai100", "ai200")
+BF16_HW_VERSIONS = ("ai200",)  # QEfficient allows bfloat16 only on AI 200
+HW_VERSION_ALIAS = "aic_hw_version"  # QEfficient's name for hw_version
 KV_DTYPES = ("float16", "bfloat16", "mxint8")
 SPECIALIZATION_FORMATS = ("named", "flat")
 COMPILERS = ("qaic-compile", "qaic-exec")
@@ -91,6 +95,7 @@ _TOP_KEYS = (
     "name",
     "description",
     "hw_version",
+    HW_VERSION_ALIAS,
     "cores_per_device",
     "kv_dtype",
     "mxfp6_matmul",
@@ -287,7 +292,7 @@ def profile_from_dict(
     profile = CompileProfile(
         name=name,
         description=v.string(top.get("description", ""), "description"),
-        hw_version=v.choice(top.get("hw_version", "ai100"), "hw_version", HW_VERSIONS),
+        hw_version=_hw_version(v, top),
         cores_per_device=cores_per_device,
         kv_dtype=v.choice(top["kv_dtype"], "kv_dtype", KV_DTYPES),
         mxfp6_matmul=v.boolean(top.get("mxfp6_matmul", False), "mxfp6_matmul"),
@@ -306,7 +311,26 @@ def profile_from_dict(
         source=source,
     )
     _check_core_budget(profile)
+    _check_bf16(profile)
     return profile
+
+
+def _hw_version(v: _Validator, top: Mapping[str, Any]) -> str:
+    """hw_version, or QEfficient's aic_hw_version (not both)."""
+    if "hw_version" in top and HW_VERSION_ALIAS in top:
+        raise v.fail(HW_VERSION_ALIAS, "is hw_version under QEfficient's name: give one of them")
+    key = HW_VERSION_ALIAS if HW_VERSION_ALIAS in top else "hw_version"
+    return v.choice(top.get(key, "ai100"), key, HW_VERSIONS)
+
+
+def _check_bf16(profile: CompileProfile) -> None:
+    if profile.kv_dtype == "bfloat16" and profile.hw_version not in BF16_HW_VERSIONS:
+        raise ProfileError(
+            f"{profile.source}: key 'kv_dtype': bfloat16 needs hw_version "
+            f"{' or '.join(BF16_HW_VERSIONS)} (QEfficient allows bf16 only on AI 200; "
+            f"{profile.hw_version} computes fp16): set kv_dtype: float16 or mxint8, or "
+            "hw_version: ai200 for an AI 200 card"
+        )
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ dflash-export --target DIR --draft DIR --out DIR [--qpc-config qpc_configs/ai100
               [--ctx-len N] [--full-batch-size N] [--no-compile] [--emit-logits]
               [--num-cores N] [--num-devices N] [--mos N] [--[no-]mxfp6-matmul]
               [--[no-]mxint8-kv-cache] [--[no-]aic-enable-depth-first] [--compile-timeout S]
+              [--check-card-numerics [PROFILE]]
 """
 
 from __future__ import annotations
@@ -111,6 +112,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="artifacts directory to write")
     p.add_argument("--recipe", help="export/<name>.yaml (or a name); default: the built-in pair")
     add_arguments(p)  # every export and compile option (dflash_qaic/exporter/options.py)
+    p.add_argument(
+        "--check-card-numerics",
+        nargs="?",
+        const="",
+        metavar="PROFILE",
+        help="after the export, run it under the compile profile's numerics (MXFP6 weights, "
+        "MXINT8 KV, fp16; PROFILE, default the export's) against fp32: τ, greedy agreement, "
+        "losslessness, T = 1 χ² (dflash-bench ARTIFACTS --card-numerics); report in "
+        "OUT.card-numerics.json, the artifacts untouched",
+    )
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     return p
@@ -218,7 +229,27 @@ def _run(args) -> int:
             f"{', '.join(skipped['looked_in'])}); the ONNX artifacts are complete for ONNX "
             f"Runtime. On an AI100 host, in {res.out}, run:\n  " + "\n  ".join(skipped["commands"])
         )
+    if args.check_card_numerics is not None:
+        return check_card_numerics(res.out, args.check_card_numerics or None, args.debug)
     return 0
+
+
+def check_card_numerics(out: Path, profile: str | None, debug: bool) -> int:
+    """`--check-card-numerics`: the evaluation of dflash-bench --card-numerics on the new
+    export, its report beside the artifacts directory (OUT.card-numerics.json)."""
+    from dflash_qaic.bench import card_numerics
+
+    try:
+        result = card_numerics.evaluate(out, profile, log=lambda m: print(m, file=sys.stderr))
+    except card_numerics.CardNumericsRunError as e:
+        if debug:
+            raise
+        print(f"dflash-export: --check-card-numerics: error: {e}", file=sys.stderr)
+        return 2
+    report = out.with_name(out.name + ".card-numerics.json")
+    card_numerics.write(result, report)
+    print(card_numerics.summary(result) + f"wrote {report}")
+    return 0 if result["greedy"]["lossless_card"] else 1
 
 
 if __name__ == "__main__":
