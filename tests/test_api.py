@@ -77,6 +77,11 @@ def _imports(path: Path) -> set[str]:
     return {m for m in out if m.startswith("dflash_qaic")}
 
 
+#: what dflash-export's command line may run after the export, as pyproject.toml's import
+#: contract lists it (the one orchestration exception beside artifacts and the compiler)
+CHECK_AFTER_EXPORT = {"dflash_qaic.bench", "dflash_qaic.bench.card_numerics"}
+
+
 def test_no_stage_imports_one_after_it():
     """checkpoints → modeling → export → compile → artifacts → runtime → serve/bench: each
     module imports only stages before its own (lazy imports included)."""
@@ -87,6 +92,8 @@ def test_no_stage_imports_one_after_it():
         *PKG.glob("artifacts/*.py"),
     ]:
         for m in _imports(path):
+            if path.name == "cli.py" and m in CHECK_AFTER_EXPORT:
+                continue  # dflash-export --check-card-numerics runs the benchmark's evaluation
             assert not m.startswith(later) and m != "dflash_qaic.load", (path, m)
     for path in PKG.glob("compiler/*.py"):
         for m in _imports(path):

@@ -12,6 +12,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from dflash_qaic import state
 from dflash_qaic.compiler.profiles import ProfileError, load_profile, profile_from_dict
 from dflash_qaic.exporter import card_numerics as cn
 from dflash_qaic.exporter import mx
@@ -183,9 +184,15 @@ def test_matmul_weights_rounded_along_the_reduction_axis():
 
 def test_kv_rounding_only_for_k_and_v():
     v = np.random.default_rng(3).standard_normal((1, 2, 8, 32)).astype(np.float16)
-    assert np.array_equal(cn.round_kv("past_key.0", v, "mxint8"), mx.mx_round(v, "mxint8"))
-    assert cn.round_kv("past_state.0", v, "mxint8") is v
-    assert cn.round_kv("past_value.3", v, None) is v
+    specs = [
+        state.FullAttentionSpec(0, "batch_size", 2, 8),
+        state.GatedDeltaNetSpec(1, "batch_size"),
+    ]
+    q = cn.quantized_buffers([s.to_json() for s in specs])  # by the state specs, not by name
+    assert q == {"past_key.0", "past_value.0"}
+    assert np.array_equal(cn.round_kv("past_key.0", v, "mxint8", q), mx.mx_round(v, "mxint8"))
+    assert cn.round_kv("past_state.1", v, "mxint8", q) is v
+    assert cn.round_kv("past_value.0", v, None, q) is v
 
 
 def test_numerics_from_profiles():

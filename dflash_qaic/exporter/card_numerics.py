@@ -36,9 +36,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from dflash_qaic import contract, state
 from dflash_qaic.exporter import fp16_check, mx
-
-KV_PREFIXES = ("past_key.", "past_value.")
 
 
 class CardNumericsError(ValueError):
@@ -144,10 +143,16 @@ def card_model(model: onnx.ModelProto, numerics: CardNumerics) -> onnx.ModelProt
 # ---------------------------------------------------------------- the program
 
 
-def round_kv(name: str, value: np.ndarray, fmt: str | None) -> np.ndarray:
+def quantized_buffers(records: list[dict]) -> set[str]:
+    """The retained buffers a profile's MX KV format applies to, from a program's state specs
+    (the manifest's `state` record, state.py): attention caches, not a recurrent state."""
+    return {b["name"] for r in records if state.KINDS[r["kind"]].quantizable for b in r["buffers"]}
+
+
+def round_kv(name: str, value: np.ndarray, fmt: str | None, quantized: set[str]) -> np.ndarray:
     """A retained cache as the card stores it: K/V in MX `fmt` along head_dim (the last axis),
-    anything else (recurrent state) unchanged."""
-    if fmt is None or not name.startswith(KV_PREFIXES):
+    anything its state spec keeps in fp16 (recurrent state) unchanged."""
+    if fmt is None or name not in quantized:
         return value
     return mx.mx_round(value, fmt, axis=-1)
 
@@ -164,9 +169,10 @@ class CardProgram(fp16_check.FaithfulProgram):
         outputs,
         symbols: dict,
         numerics: CardNumerics,
+        quantized: set[str],
     ):
         super().__init__(onnx_path, inputs, outputs, symbols)
-        self.numerics = numerics
+        self.numerics, self.quantized = numerics, quantized
         # the fp16 form of the card's copy (the parent's session, on the exported graph as it
         # is, is replaced: the file on disk is never rewritten)
         model = card_model(onnx.load(str(onnx_path)), numerics)
@@ -175,16 +181,23 @@ class CardProgram(fp16_check.FaithfulProgram):
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         out = super().run(feeds)
         for name in self.kv:  # the caches as the card stores them for the next call
-            self.kv[name] = round_kv(name, self.kv[name], self.numerics.kv)
+            self.kv[name] = round_kv(name, self.kv[name], self.numerics.kv, self.quantized)
         return out
+
+
+def _state_records(manifest: Mapping, role: str) -> list[dict]:
+    if "state" not in manifest[role]:
+        raise ValueError(
+            f"the {role} program's manifest record has no state specs (an export older than "
+            "them): re-export the artifacts to evaluate them under card numerics"
+        )
+    return manifest[role]["state"]
 
 
 def card_programs(
     artifacts: str | os.PathLike, manifest: Mapping, numerics: CardNumerics
 ) -> dict[str, CardProgram]:
     """The target and draft programs of an export under `numerics` (manifest: its JSON form)."""
-    from dflash_qaic import contract
-
     symbols = {contract.BATCH: int(manifest["batch_size"]), contract.CTX: int(manifest["ctx_len"])}
     if manifest.get("full_batch_size"):
         symbols[contract.FULL_BATCH] = int(manifest["full_batch_size"])
@@ -195,6 +208,7 @@ def card_programs(
             manifest[p]["outputs"],
             symbols,
             numerics,
+            quantized_buffers(_state_records(manifest, p)),
         )
-        for p in ("target", "draft")
+        for p in contract.ROLE_NAMES
     }
