@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 
 
-def doc_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+def doc_parser(prog: str, doc: str, artifacts: bool = True) -> argparse.ArgumentParser:
     """The parser of `prog`: `doc`'s first paragraph as its description, the rest as its epilog
-    (kept as written), and the artifacts directory as its first argument."""
+    (kept as written), and (`artifacts`) the artifacts directory as its first argument."""
     head, _, rest = doc.partition("\n\n")
     p = argparse.ArgumentParser(
         prog=prog,
@@ -16,5 +16,6 @@ def doc_parser(prog: str, doc: str) -> argparse.ArgumentParser:
         epilog=rest,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("artifacts", help="artifacts directory written by dflash-export")
+    if artifacts:
+        p.add_argument("artifacts", help="artifacts directory written by dflash-export")
     return p

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_qaic.commands import doc_parser
+
 KIND = "card numerics"  # results' "kind": what the projection's --tau-from recognises
 SIDES = ("fp32", "card")
 
@@ -265,14 +267,7 @@ def summary(r: dict) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    doc = __doc__
-    p = argparse.ArgumentParser(
-        prog="dflash-bench ARTIFACTS --card-numerics",
-        description=doc.split("\n\n")[0],
-        epilog=doc.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("artifacts", help="artifacts directory written by dflash-export")
+    p = doc_parser("dflash-bench ARTIFACTS --card-numerics", __doc__)
     p.add_argument("--card-profile", help="compile profile to model (default: the export's)")
     p.add_argument("--prompts", help="prompts file (default: as dflash-bench)")
     p.add_argument("--num-prompts", type=int, default=12)

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_qaic.commands import doc_parser
 from dflash_qaic.state import BATCH, GatedDeltaNetSpec
 
 log = logging.getLogger(__name__)
@@ -1009,13 +1010,7 @@ def results_json(results, budgets, tau, specs, compile_work, args, sources=None)
 
 
 def parser() -> argparse.ArgumentParser:
-    doc = __doc__
-    p = argparse.ArgumentParser(
-        prog="dflash-bench --project",
-        description=doc.split("\n\n")[0],
-        epilog=doc.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = doc_parser("dflash-bench --project", __doc__, artifacts=False)
     p.add_argument("card_family", choices=["ai100"], help="the card family to project on")
     p.add_argument("--card", choices=sorted(CARDS), default="standard")
     p.add_argument("--qpc-config", default="ai100_mxfp6_mxint8", help="compile profile")
