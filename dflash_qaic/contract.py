@@ -416,15 +416,6 @@ class TargetIO:
         return rule(self.verify_rule)
 
     @property
-    def block_verify(self) -> bool:
-        return self.sampling and self.verify_rule == BLOCK
-
-    @property
-    def tree(self) -> bool:
-        """Tree verification (TREE): takes TREE_MASK, returns NUM_ACCEPTED and path order."""
-        return self.verify_rule == TREE
-
-    @property
     def state(self) -> list[state.StateSpec]:
         """The retained state of every layer (state.py): full attention, a sliding layer's ring,
         a Gated DeltaNet layer's state and conv window."""

@@ -126,7 +126,7 @@ class _Shared:
             words = contract.bitmask_words(self.target_io.vocab_size)
             mask = np.full((*ids.shape, words), -1, np.int32)
         tree = None
-        if self.target_io.tree:
+        if self.target_io.rule.takes_tree:
             rows, n = ids.shape
             tree = np.broadcast_to(np.tri(n, dtype=np.int32), (rows, n, n)).copy()
         feeds = {}
