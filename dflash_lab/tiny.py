@@ -82,6 +82,9 @@ class TinySpec:
     selector_top_k: int = 4
     # the draft's q/k/v/o biases (`attention_bias`, as the published gpt-oss drafts have)
     attention_bias: bool = False
+    weight_format: str = (
+        "plain"  # fp8 | int4: the target in a published quantized form (tiny_forms.py)
+    )
     # the fields only the family's tiny pairs have (families/: `Family.tiny_fields`), read as
     # the spec's own (s.num_experts); None: the family's defaults
     fields: TinyFields | None = None
@@ -115,7 +118,8 @@ class TinySpec:
     @property
     def streamed(self) -> bool:
         """Written tensor by tensor (dflash_lab/tiny_writer.py) rather than save_pretrained."""
-        return self.dtype != "float32" or self.shards > 1 or self.fields.streamed()
+        plain = self.dtype == "float32" and self.shards == 1 and self.weight_format == "plain"
+        return not plain or self.fields.streamed()
 
 
 # Published shapes (Qwen3-0.6B / Qwen3-4B and z-lab's 5-layer b16 drafts for them): bf16, the
@@ -562,6 +566,9 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("num-experts", "num-experts-per-tok", "moe-intermediate-size"):
         p.add_argument(f"--{flag}", type=int, help="qwen3_moe")
     p.add_argument("--fused-experts", action="store_true", help="qwen3_moe: fused expert tensors")
+    p.add_argument(
+        "--weight-format", choices=["fp8", "int4"], help="FP8 block-scaled / INT4 experts"
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--shards", type=int, help="split the target into N shards with an index")
     p.add_argument("--untied", action="store_true", help="untie the target's lm_head")

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from dflash_lab.tiny_forms import form_blocks, quantization_config, quantized_layout, stored
 from dflash_qaic import families
 from dflash_qaic.checkpoint_files.safetensors import INDEX_NAME
 from dflash_qaic.drafts import default_target_layer_ids
@@ -274,6 +275,9 @@ def draft_layout(s) -> list[tuple[str, tuple, str]]:
 
 
 def _blocks(shape: tuple, kind: str, gen: torch.Generator):
+    if stored(kind):  # a part of a quantized weight (tiny_forms.py)
+        yield from form_blocks(shape, kind, gen, BLOCK_ELEMS)
+        return
     if kind in MX_KINDS:  # MXFP4 codes [E, R, G, 16] or scales [E, R, G], uint8, by rows
         rows = math.prod(shape[:2])
         cols = math.prod(shape[2:])
@@ -306,12 +310,19 @@ def _blocks(shape: tuple, kind: str, gen: torch.Generator):
             yield x * (cols**-0.5) * (4.0 if kind == "embed" else 1.0)
 
 
+def _stored(kind: str, dtype: str) -> tuple[str, torch.dtype]:
+    """(safetensors dtype, torch dtype) a tensor of `kind` is written in."""
+    if kind in MX_KINDS:
+        return "U8", torch.uint8
+    return stored(kind) or DTYPES[dtype]
+
+
 def write_safetensors(path: Path, layout, dtype: str, gen: torch.Generator, bar=None) -> int:
     """Write one safetensors file of random tensors; returns its data bytes."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape, kind in layout:
-        code, tdtype = ("U8", torch.uint8) if kind in MX_KINDS else DTYPES[dtype]
+        code, tdtype = _stored(kind, dtype)
         n = math.prod(shape) * tdtype.itemsize
         header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
@@ -320,7 +331,7 @@ def write_safetensors(path: Path, layout, dtype: str, gen: torch.Generator, bar=
     with open(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little") + raw)
         for _, shape, kind in layout:
-            tdtype = torch.uint8 if kind in MX_KINDS else DTYPES[dtype][1]
+            tdtype = _stored(kind, dtype)[1]
             for block in _blocks(shape, kind, gen):
                 data = block.to(tdtype).contiguous()
                 f.write(memoryview(data.view(torch.uint8).numpy()))
@@ -347,11 +358,14 @@ def write_pair_streamed(s, tdir: Path, ddir: Path, target_config) -> None:
         raise ValueError(f"dtype {s.dtype!r}: choose from {', '.join(DTYPES)}")
     gen = torch.Generator().manual_seed(s.seed + 1)
     itemsize = DTYPES[s.dtype][1].itemsize
-    t_layout, d_layout = target_layout(s), draft_layout(s)
-    total = sum(math.prod(sh) * (1 if k in MX_KINDS else itemsize) for _, sh, k in t_layout)
+    t_layout = quantized_layout(target_layout(s), s.weight_format)
+    d_layout = draft_layout(s)
+    total = sum(math.prod(sh) * _stored(k, s.dtype)[1].itemsize for _, sh, k in t_layout)
     total += sum(math.prod(sh) * itemsize for _, sh, _ in d_layout)
     bar = tqdm(total=total, desc="writing random pair", unit="B", unit_scale=True, leave=False)
     target_config.dtype = s.dtype
+    if s.weight_format != "plain":  # the published quantized forms (tiny_forms.py)
+        target_config.quantization_config = quantization_config(s.weight_format)
     if getattr(s, "multimodal", False):  # the published form: the family's first architecture
         target_config.architectures = [families.get(s.family).architectures[0]]
     target_config.save_pretrained(tdir)

@@ -24,6 +24,11 @@ from dflash_qaic.checkpoint_files.config import (  # noqa: F401 (re-exported)
     check_field_types,
     read_config,
 )
+from dflash_qaic.checkpoint_files.quantized import (  # noqa: F401 (re-exported)
+    QuantizedTensor,
+    published_tensors,
+    quant_form,
+)
 from dflash_qaic.checkpoint_files.safetensors import (  # noqa: F401 (re-exported)
     IGNORED_SUFFIXES,
     INDEX_NAME,
@@ -74,9 +79,29 @@ def expected_target_shapes(t: TargetConfig, fused: bool = False) -> dict[str, li
     return t.spec.expected_shapes(t, fused)
 
 
+def mtp_prefixes(t: TargetConfig) -> tuple[str, ...]:
+    """The multi-token-prediction layers a DeepSeek-V3-shaped checkpoint carries after its
+    decoder (`num_nextn_predict_layers` of them, stored as layers num_hidden_layers, …): no
+    program reads them, as no Hugging Face model does."""
+    n = (t.text or t.raw).get("num_nextn_predict_layers") or 0
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
+    return tuple(f"{t.prefix}layers.{t.num_layers + i}." for i in range(n))
+
+
+def target_weights(t: TargetConfig) -> dict[str, TensorInfo]:
+    """The target's tensors as the weights they stand for: quantized ones (FP8, INT4) as
+    `QuantizedTensor`s of their dequantized names and shapes (checkpoint_files/quantized.py),
+    the multi-token-prediction layers left out."""
+    tensors = checkpoint_tensors(t.path, "target", quantized=True)
+    mtp = mtp_prefixes(t)
+    tensors = {k: v for k, v in tensors.items() if not (mtp and k.startswith(mtp))}
+    form = quant_form(t.raw, t.text, t.path / "config.json")
+    return published_tensors(tensors, form, t.path)
+
+
 def check_target_tensors(t: TargetConfig) -> dict[str, TensorInfo]:
     """Every tensor the target needs, with its shape; nothing unknown. Returns the tensors."""
-    tensors = checkpoint_tensors(t.path, "target")
+    tensors = target_weights(t)
     ignored = {k for k in tensors if k.endswith(IGNORED_SUFFIXES)}
     if t.spec.ignored_prefixes:
         ignored |= {k for k in tensors if k.startswith(t.spec.ignored_prefixes)}
@@ -177,6 +202,8 @@ def load_target_model(t: TargetConfig | str | Path) -> torch.nn.Module:
 
     path = t.path if isinstance(t, TargetConfig) else Path(t)
     quant = (read_config(path, "target").get("quantization_config") or {}).get("quant_method")
+    if quant in ("fp8", "compressed-tensors"):
+        return _load_dequantized(t if isinstance(t, TargetConfig) else read_target_config(path))
     extra = {}
     if quant == "mxfp4":  # gpt-oss's MXFP4 experts, dequantized on load (exact: mxfp4.py)
         from transformers import Mxfp4Config
@@ -186,6 +213,36 @@ def load_target_model(t: TargetConfig | str | Path) -> torch.nn.Module:
         path, dtype=torch.float32, local_files_only=True, attn_implementation="eager", **extra
     )
     return model.float().eval()
+
+
+def _load_dequantized(t: TargetConfig) -> torch.nn.Module:
+    """A FP8 / INT4 target in fp32, its weights dequantized here (exactly: checkpoint_files/
+    quantized.py), not by transformers (whose FP8 path mis-sizes partial edge blocks): an
+    unquantized copy of the checkpoint in a temporary directory, loaded as any other."""
+    import json
+    import tempfile
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from dflash_qaic.checkpoint_files import quantized
+
+    cfg = read_config(t.path, "target")
+    cfg.pop("quantization_config", None)
+    if isinstance(cfg.get("text_config"), dict):
+        cfg["text_config"].pop("quantization_config", None)
+    state = {}
+    for name, info in target_weights(t).items():
+        if isinstance(info, QuantizedTensor):
+            state[name] = quantized.dequantize(info)
+        elif info.dtype in SAFETENSORS_DTYPES:
+            with safe_open(str(info.file), "pt") as f:
+                state[name] = f.get_tensor(name).float()
+    with tempfile.TemporaryDirectory(prefix="dflash-dequantized-") as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(cfg))
+        save_file(state, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+        del state
+        return load_target_model(Path(tmp))
 
 
 def load_draft_state(d: DraftConfig) -> dict[str, torch.Tensor]:

@@ -20,6 +20,12 @@ MXFP4_SUFFIXES = ("_blocks", "_scales")
 # tensors, read only by drafts.read_vocab_map
 INDEX_DTYPES = {"I64": 8, "I32": 4, "BOOL": 1}
 INDEX_TENSORS = ("d2t", "t2d")
+# Parts of quantized weights (checkpoint_files/quantized.py): dtype -> (name suffixes, itemsize)
+QUANT_PARTS = {
+    "F8_E4M3": ((".weight",), 1),  # FP8 codes (their scales are F32 / BF16 tensors)
+    "I32": ((".weight_packed", ".weight_shape"), 4),  # compressed-tensors' int4 words, shape
+    "I64": ((".weight_shape",), 8),
+}
 INDEX_NAME = "model.safetensors.index.json"
 HEADER_MAX = 100 * 1024 * 1024  # the safetensors format's own limit on the JSON header
 # Tensors a checkpoint may carry that no program uses (Hugging Face ignores them too).
@@ -32,7 +38,7 @@ class TensorInfo:
 
     file: Path
     name: str
-    dtype: str  # a key of SAFETENSORS_DTYPES
+    dtype: str  # a key of SAFETENSORS_DTYPES (or of QUANT_PARTS, "U8", INDEX_DTYPES)
     shape: tuple[int, ...]
     offset: int
     nbytes: int
@@ -80,13 +86,17 @@ def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
             raise _corrupt(path, f"the entry of tensor `{name}` is malformed ({err!r})") from err
         mxfp4 = dtype == "U8" and name.endswith(MXFP4_SUFFIXES)  # dflash_qaic/mxfp4.py
         index = dtype in INDEX_DTYPES and name in INDEX_TENSORS
-        if dtype not in SAFETENSORS_DTYPES and not mxfp4 and not index:
+        quant = dtype in QUANT_PARTS and name.endswith(QUANT_PARTS[dtype][0])
+        if dtype not in SAFETENSORS_DTYPES and not (mxfp4 or index or quant):
             raise CheckpointError(
                 f"{path}: tensor `{name}` has dtype {dtype}; supported: "
-                f"{', '.join(SAFETENSORS_DTYPES)} (convert the checkpoint to bf16, fp16 or fp32)"
+                f"{', '.join(SAFETENSORS_DTYPES)}, and the published FP8 / INT4 / MXFP4 forms "
+                "(convert the checkpoint to bf16, fp16 or fp32)"
             )
         if index:
             itemsize = INDEX_DTYPES[dtype]
+        elif quant:
+            itemsize = QUANT_PARTS[dtype][1]
         else:
             itemsize = 1 if mxfp4 else SAFETENSORS_DTYPES[dtype].itemsize
         if not 0 <= begin <= end or end - begin != numel * itemsize:
@@ -116,10 +126,24 @@ def _read_index(index: Path) -> dict[str, str]:
     return wm
 
 
-def checkpoint_tensors(directory: str | Path, what: str = "checkpoint") -> dict[str, TensorInfo]:
+def checkpoint_tensors(
+    directory: str | Path, what: str = "checkpoint", quantized: bool = False
+) -> dict[str, TensorInfo]:
     """Every tensor of a checkpoint directory: one model.safetensors, or shards named by
-    model.safetensors.index.json (each shard must exist, hold exactly what the index says)."""
-    d = Path(directory)
+    model.safetensors.index.json (each shard must exist, hold exactly what the index says).
+    Parts of quantized weights are refused unless `quantized` (a target, whose config says how
+    they read: checkpoint_files/quantized.py)."""
+    tensors = _checkpoint_tensors(Path(directory), what)
+    stored = [i for i in tensors.values() if i.dtype in QUANT_PARTS and i.name not in INDEX_TENSORS]
+    if stored and not quantized:
+        raise CheckpointError(
+            f"{what} {directory}: tensor `{stored[0].name}` is stored quantized "
+            f"({stored[0].dtype}); a quantized {what} is not supported: use its bf16 form"
+        )
+    return tensors
+
+
+def _checkpoint_tensors(d: Path, what: str) -> dict[str, TensorInfo]:
     files = safetensors_files(d, what)
     index = d / INDEX_NAME
     if not index.is_file():

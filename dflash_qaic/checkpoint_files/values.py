@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from dflash_qaic.checkpoint_files.config import CheckpointError
+from dflash_qaic.checkpoint_files.quantized import QuantizedTensor, rows_peak, scale_grid
 from dflash_qaic.checkpoint_files.safetensors import HEADER_MAX, INDEX_NAME, TensorInfo
 
 
@@ -199,6 +200,8 @@ class _Scan:
         (inf or NaN when it holds a non-finite value)."""
         import numpy as np
 
+        if isinstance(info, QuantizedTensor):  # FP8 / INT4: its codes times their scales
+            return self._quantized_peak(fh, info)
         if info.dtype == "U8":  # MXFP4 (dflash_qaic/mxfp4.py): codes are always finite
             return self._mxfp4_peak(fh, info)
         unsigned, signed, sign, inf, decode = _PEAK_BITS[info.dtype]
@@ -220,6 +223,28 @@ class _Scan:
         if peak > inf:
             return math.nan
         return math.inf if peak == inf else decode(peak)
+
+    def _quantized_peak(self, fh, q: QuantizedTensor) -> float:
+        """The largest |dequantized value| of a quantized weight, from its codes read here a
+        few rows at a time (hashed on the way) and its scales (small, read beside); NaN as
+        soon as a code is NaN (FP8 0x7F / 0xFF) or a scale is not finite."""
+        grid, row = scale_grid(q), q.row_bytes
+        rows = max(1, _SCAN_CHUNK // max(row, 1))
+        peak = 0.0
+        for r0 in range(0, q.shape[0], rows):
+            n = min(rows, q.shape[0] - r0)
+            block = self.read(fh, n * row)
+            if len(block) != n * row:
+                raise CheckpointError(
+                    f"{q.file}: tensor `{q.codes.name}` is cut short; the file changed or is "
+                    "truncated; download it again"
+                )
+            p = rows_peak(q, block, r0, grid)
+            if not p <= peak:
+                if math.isnan(p):
+                    return p
+                peak = p
+        return peak
 
     def _mxfp4_peak(self, fh, info: TensorInfo) -> float:
         """An MXFP4 tensor's largest possible |value|: `…_blocks` hold E2M1 codes (at most 6,

@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 
 from dflash_qaic import checkpoints as ck
 from dflash_qaic import mxfp4
+from dflash_qaic.checkpoint_files import quantized
 
 # External data layout: tensors of ≥ 1 MiB start on a 64 KiB boundary (what onnx's own writer
 # does, so ONNX Runtime can map them), smaller ones on 64 bytes.
@@ -422,8 +423,14 @@ def _fp32(x: torch.Tensor, src: Source) -> torch.Tensor:
 def fp32_chunks(src: Source, transpose: bool):
     """The fp32 program tensor of `src` (transposed when `transpose`) as row blocks, in order,
     checked finite; at most the source tensor (in its own dtype, twice when transposed) and one
-    fp32 block in memory."""
+    fp32 block in memory. A quantized source is dequantized a block at a time (its codes, one
+    byte an element, held whole when transposed)."""
     info = src.info
+    if isinstance(info, ck.QuantizedTensor):  # FP8 / INT4 (checkpoint_files/quantized.py)
+        for x in quantized.chunks(info, transpose and len(info.shape) == 2, CHUNK_BYTES):
+            _check_block(x, src)
+            yield _fp32(x, src)
+        return
     shape = info.shape if info.shape else (1,)
     isz = ck.SAFETENSORS_DTYPES[info.dtype].itemsize
     if not transpose or len(shape) == 1:
