@@ -26,7 +26,6 @@ int4; correctly rounded for fp8), which is the definition tests/test_weight_form
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -417,7 +416,3 @@ def rows_peak(q: QuantizedTensor, raw, r0: int, grid: np.ndarray) -> float:
     peaks = per_block * np.abs(grid[np.arange(r0, r0 + n) // bR])
     return float(peaks.max()) if peaks.size else 0.0
 
-
-def dequantized_nbytes(tensors: dict) -> int:
-    """fp32 bytes of the quantized weights among `tensors` once dequantized."""
-    return sum(4 * math.prod(i.shape) for i in tensors.values() if isinstance(i, QuantizedTensor))
