@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_lab.tiny_forms import check_format
 from dflash_qaic import families
 from dflash_qaic.drafts import default_target_layer_ids
 from dflash_qaic.families.base import TinyFields
@@ -82,9 +83,7 @@ class TinySpec:
     selector_top_k: int = 4
     # the draft's q/k/v/o biases (`attention_bias`, as the published gpt-oss drafts have)
     attention_bias: bool = False
-    weight_format: str = (
-        "plain"  # fp8 | int4: the target in a published quantized form (tiny_forms.py)
-    )
+    weight_format: str = "plain"  # fp8 | int4: published quantized forms (tiny_forms.py)
     # the fields only the family's tiny pairs have (families/: `Family.tiny_fields`), read as
     # the spec's own (s.num_experts); None: the family's defaults
     fields: TinyFields | None = None
@@ -92,6 +91,7 @@ class TinySpec:
     def __post_init__(self):
         if self.fields is None:
             self.fields = families.get(self.family).tiny_fields()
+        check_format(self)  # the published quantized forms (tiny_forms.py)
 
     def __getattr__(self, name: str):
         fields = self.__dict__.get("fields")

@@ -44,7 +44,7 @@ def quantization_config(fmt: str) -> dict | None:
             fmt="e4m3",
             activation_scheme="dynamic",
             weight_block_size=list(FP8_BLOCK),
-            modules_to_not_convert=["lm_head", "mlp.gate"],
+            modules_to_not_convert=["gate", "e_score_correction_bias", "lm_head"],
         )
     if fmt == "int4":
         weights = dict(num_bits=4, type="int", symmetric=True, strategy="group")
@@ -57,7 +57,7 @@ def quantization_config(fmt: str) -> dict | None:
             quantization_status="compressed",
             config_groups={"group_0": group},
             ignore=["lm_head", r"re:.*self_attn.*", r"re:.*mlp\.(gate|up|down)_proj$"]
-            + [r"re:.*mlp\.gate$"],
+            + [r"re:.*shared_experts.*", r"re:.*mlp\.gate$"],
             kv_cache_scheme=None,
         )
     return None
@@ -65,8 +65,8 @@ def quantization_config(fmt: str) -> dict | None:
 
 def _quantized(name: str, fmt: str) -> bool:
     """Whether `fmt` stores Linear weight `name` quantized."""
-    if fmt == "fp8":
-        return ".layers." in name and not name.endswith("mlp.gate.weight")
+    if fmt == "fp8":  # the routers (`….gate`) stay unquantized, as published
+        return ".layers." in name and not name.endswith(".gate.weight")
     return fmt == "int4" and ".mlp.experts." in name
 
 
@@ -90,6 +90,22 @@ def quantized_layout(layout, fmt: str) -> list[tuple[str, tuple, str]]:
             out += [(name + "_scale", (R, G), f"int4_scale:{C}")]
             out += [(name + "_shape", (2,), f"int4_shape:{R},{C}")]
     return out
+
+
+def check_format(s) -> None:
+    """`s.weight_format` (s: a TinySpec) is one this family's writer applies."""
+    from dflash_qaic import families
+
+    fam = families.get(s.family)
+    if s.weight_format not in FORMATS:
+        raise ValueError(f"weight format {s.weight_format!r}: choose from {', '.join(FORMATS)}")
+    if s.weight_format != "plain" and fam.tiny_layout in ("mxfp4", "hybrid"):
+        raise ValueError(
+            f"--weight-format {s.weight_format} is not written for {s.family} (its tiny target "
+            "has its own writer; gpt-oss publishes MXFP4 experts)"
+        )
+    if s.weight_format == "int4" and not fam.moe:
+        raise ValueError(f"--weight-format int4 quantizes routed experts; {s.family} has none")
 
 
 def stored(kind: str):

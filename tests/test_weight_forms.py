@@ -357,3 +357,28 @@ def test_multi_token_prediction_layer_is_ignored_by_name(fp8_dirs, tmp_path):
     undeclared = _edited(t, tmp_path / "undeclared", add=mtp)
     with pytest.raises(ck.CheckpointError, match=f"unknown tensor keys.*layers.{L}"):
         ck.read_pair(undeclared, d)
+
+
+def test_writer_layout_and_refusals():
+    """--weight-format fp8 at Qwen3-4B's shapes: every decoder Linear as codes + a ⌈R/128⌉ ×
+    ⌈C/128⌉ scale grid, embedding and norms as they were; formats a family's writer cannot
+    apply are refused by name."""
+    from dflash_lab.tiny import TinySpec, preset_spec
+    from dflash_lab.tiny_forms import quantized_layout
+    from dflash_lab.tiny_writer import target_layout
+
+    s = preset_spec("qwen3-4b", target_layers=2, weight_format="fp8")
+    layout = {n: (shape, kind) for n, shape, kind in quantized_layout(target_layout(s), "fp8")}
+    q = "model.layers.1.mlp.down_proj.weight"
+    assert layout[q] == ((2560, 9728), "fp8")
+    assert layout[q + "_scale_inv"] == ((20, 76), "fp8_scale:9728")
+    assert layout["model.embed_tokens.weight"][1] == "embed"
+    assert not any(
+        n.startswith("model.norm") and k.startswith("fp8") for n, (_, k) in layout.items()
+    )
+    with pytest.raises(ValueError, match="int4 quantizes routed experts; qwen3 has none"):
+        TinySpec(family="qwen3", weight_format="int4")
+    with pytest.raises(ValueError, match="not written for gpt_oss"):
+        TinySpec.of("gpt_oss", weight_format="fp8")
+    with pytest.raises(ValueError, match="choose from plain, fp8, int4"):
+        TinySpec(weight_format="fp4")

@@ -71,21 +71,11 @@ class QuantizedTensor:
     scale: TensorInfo
     block: tuple[int, int]
 
-    @property
-    def file(self) -> Path:
-        return self.codes.file
-
-    @property
-    def offset(self) -> int:
-        return self.codes.offset
-
-    @property
-    def nbytes(self) -> int:
-        return self.codes.nbytes
-
-    @property
-    def dtype(self) -> str:
-        return self.codes.dtype
+    # where its bytes are, and their dtype: its codes' (TensorInfo's fields)
+    file = property(lambda self: self.codes.file)
+    offset = property(lambda self: self.codes.offset)
+    nbytes = property(lambda self: self.codes.nbytes)
+    dtype = property(lambda self: self.codes.dtype)
 
     @property
     def table(self) -> np.ndarray:
@@ -415,4 +405,3 @@ def rows_peak(q: QuantizedTensor, raw, r0: int, grid: np.ndarray) -> float:
     per_block = np.maximum.reduceat(mags, np.arange(0, C, bC), axis=1)  # [n, blocks across]
     peaks = per_block * np.abs(grid[np.arange(r0, r0 + n) // bR])
     return float(peaks.max()) if peaks.size else 0.0
-
