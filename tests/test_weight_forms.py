@@ -137,6 +137,13 @@ def test_fp8_dequantization_is_exact_with_partial_blocks(tmp_path, shape, block)
     small = 4 * shape[1] * 7  # 7 rows a block: blocks straddle the 64 / 128-row scale blocks
     assert same_bits(torch.cat(list(quantized.chunks(q, False, small))), want)
     assert same_bits(torch.cat(list(quantized.chunks(q, True, 4 * shape[0] * 5))), want.T)
+    assert _scanned_peak(q) == np.abs(want).max()  # the value check's peak, from the codes
+
+
+def _scanned_peak(q) -> float:
+    """The largest |value| the value scan computes for `q` (codes and scales, no weights)."""
+    raw = quantized.read_bytes(q.codes, 0, q.codes.nbytes)
+    return quantized.rows_peak(q, raw, 0, quantized.scale_grid(q))
 
 
 def test_int4_dequantization_is_exact(tmp_path):
@@ -159,6 +166,7 @@ def test_int4_dequantization_is_exact(tmp_path):
         want = int4_oracle(words.numpy(), C, scale.float().numpy(), group)
         assert qt.shape == (R, C) and same_bits(quantized.dequantize(qt), want)
         assert same_bits(torch.cat(list(quantized.chunks(qt, True, 4 * R * 3))), want.T)
+        assert _scanned_peak(qt) == np.abs(want).max()
 
 
 # ---------------------------------------------------------------- tiny targets in these forms

@@ -358,10 +358,18 @@ def code_rows(q: QuantizedTensor, raw, n: int) -> np.ndarray:
 
 
 def _scaled(codes: np.ndarray, table, grid: np.ndarray, block, r0: int) -> np.ndarray:
-    """fp32 [n, C]: table[codes] · the scale of each element's block (rows r0 … r0 + n − 1)."""
+    """fp32 [n, C]: table[codes] · the scale of each element's block (rows r0 … r0 + n − 1),
+    multiplied in place block column by block column (views: no scale is repeated)."""
     n, C = codes.shape
+    bC = block[1]
     rows = grid[np.arange(r0, r0 + n) // block[0]]  # [n, blocks across]
-    return table[codes] * np.repeat(rows, block[1], axis=1)[:, :C]
+    vals = table[codes]
+    full = C // bC
+    whole = vals[:, : full * bC].reshape(n, full, bC)  # a view: the last axis split
+    whole *= rows[:, :full, None]
+    if full * bC < C:  # the partial block at the right edge
+        vals[:, full * bC :] *= rows[:, full:]
+    return vals
 
 
 def chunks(q: QuantizedTensor, transpose: bool, chunk_bytes: int):
@@ -399,9 +407,22 @@ def rows_peak(q: QuantizedTensor, raw, r0: int, grid: np.ndarray) -> float:
     (NaN when a code is NaN or a scale is not finite): per element block, the largest |code
     value| times |its scale|, so no fp32 weight is materialised."""
     n = len(raw) // q.row_bytes
-    codes = code_rows(q, raw, n)
-    mags = np.abs(q.table)[codes]  # [n, C]
+    rank, magnitude = _RANKS[q.form]
+    ranks = rank[code_rows(q, raw, n)]  # uint8 [n, C], |value| ascending in the rank
     C, (bR, bC) = q.shape[1], q.block
-    per_block = np.maximum.reduceat(mags, np.arange(0, C, bC), axis=1)  # [n, blocks across]
-    peaks = per_block * np.abs(grid[np.arange(r0, r0 + n) // bR])
+    per_block = np.maximum.reduceat(ranks, np.arange(0, C, bC), axis=1)  # [n, blocks across]
+    peaks = magnitude[per_block] * np.abs(grid[np.arange(r0, r0 + n) // bR])
     return float(peaks.max()) if peaks.size else 0.0
+
+
+def _ranks(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rank of each code, |value| of each rank): codes ordered by |value|, NaN last, so the
+    largest |value| of a block is read from the largest rank, a uint8 max."""
+    mags = np.abs(table.astype(np.float64))
+    order = np.argsort(np.where(np.isnan(mags), np.inf, mags), kind="stable")
+    rank = np.empty(len(table), np.uint8)
+    rank[order] = np.arange(len(table))
+    return rank, mags[order].astype(np.float32)
+
+
+_RANKS = {"fp8": _ranks(fp8.E4M3), "int4": _ranks(int4.CODE_VALUES)}
