@@ -231,13 +231,15 @@ def _load_dequantized(t: TargetConfig) -> torch.nn.Module:
     cfg.pop("quantization_config", None)
     if isinstance(cfg.get("text_config"), dict):
         cfg["text_config"].pop("quantization_config", None)
-    state = {}
+    state, plain = {}, {}
     for name, info in target_weights(t).items():
         if isinstance(info, QuantizedTensor):
             state[name] = quantized.dequantize(info)
         elif info.dtype in SAFETENSORS_DTYPES:
-            with safe_open(str(info.file), "pt") as f:
-                state[name] = f.get_tensor(name).float()
+            plain.setdefault(info.file, []).append(name)
+    for file, names in plain.items():
+        with safe_open(str(file), "pt") as f:
+            state.update({n: f.get_tensor(n).float() for n in names})
     with tempfile.TemporaryDirectory(prefix="dflash-dequantized-") as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(cfg))
         save_file(state, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
