@@ -89,6 +89,11 @@ def quantized_layout(layout, fmt: str) -> list[tuple[str, tuple, str]]:
             out += [(name + "_packed", (R, W), f"int4:{C}")]
             out += [(name + "_scale", (R, G), f"int4_scale:{C}")]
             out += [(name + "_shape", (2,), f"int4_shape:{R},{C}")]
+    if len(out) == len(layout):
+        raise ValueError(
+            f"--weight-format {fmt}: this target has no weight the form quantizes (fp8: 2-D "
+            "Linear weights of the decoder layers; int4: per-expert `mlp.experts.E.*` weights)"
+        )
     return out
 
 

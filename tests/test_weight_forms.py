@@ -395,3 +395,25 @@ def test_writer_layout_and_refusals():
         TinySpec.of("gpt_oss", weight_format="fp8")
     with pytest.raises(ValueError, match="choose from plain, fp8, int4"):
         TinySpec(weight_format="fp4")
+
+
+def test_export_of_a_quantized_target_with_its_mtp_layer(int4_dirs, tmp_path):
+    """`dflash-export`'s path (checks, placeholders, streamed programs, manifest) on the INT4
+    MoE target with a multi-token-prediction layer beside its decoder: the artifacts run, and
+    the fused experts' shapes are refused for --weight-format int4 (nothing to quantize)."""
+    from dflash_lab.tiny import TinySpec
+    from dflash_lab.tiny_forms import quantized_layout
+    from dflash_lab.tiny_writer import target_layout
+    from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
+
+    t, d = int4_dirs
+    L = json.loads((t / "config.json").read_text())["num_hidden_layers"]
+    state = load_file(str(t / "model.safetensors"))
+    mtp = {k.replace("layers.0.", f"layers.{L}."): v for k, v in state.items() if ".layers.0." in k}
+    target = _edited(t, tmp_path / "t", add=mtp, config={"num_nextn_predict_layers": 1})
+    opts = ExportOptions(ctx_len=48, prefill_seq_len=12, compile=False, fp16_check=False)
+    res = build_artifacts(target, d, tmp_path / "out", opts)
+    assert (tmp_path / "out" / "target" / "target.onnx").is_file() and res.manifest["target"]
+    fused = TinySpec.of("qwen3_moe", fused_experts=True, weight_format="int4")
+    with pytest.raises(ValueError, match="no weight the form quantizes"):
+        quantized_layout(target_layout(fused), "int4")
