@@ -171,6 +171,7 @@ def _export_draft(pair, w: _Weights, plan, o: ExportOptions, out: Path, steps) -
             sample_top_k=_q_top_k(pair) if _block(o) else 0,
             top_k=o.draft_top_k,
             plan=plan,
+            context_window=o.draft_context_window,
             **_common(pair, plan, o),
         )
     steps.append(("export draft", f"{facts['onnx_bytes'] / 1e6:.1f} MB", time.perf_counter() - t))

@@ -118,6 +118,7 @@ def export_draft(
     sample_top_k: int = 0,
     top_k: int = 0,
     plan: contract.ShapePlan | None = None,
+    context_window: int | None = None,
 ) -> dict:
     """Export the draft program to `out_path` and check it; returns facts for the manifest.
 
@@ -130,6 +131,8 @@ def export_draft(
     sampling, sample_top_k: the draft samples its proposals and returns its q (`_outputs_k`).
     top_k: it also returns each proposal row's top-k ids and log-probabilities (0: not).
     plan: the export's shape plan (artifacts/preflight.py), made here from the sizes when None.
+    context_window: full layers attend only to the last N context positions, in a ring cache
+    of N + 1 slots (None: all of them; `ExportDraft`).
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=2)
     if stream_from is not None:
@@ -137,8 +140,10 @@ def export_draft(
     else:
         draft = DFlashDraft.from_checkpoint(draft_cfg, draft_state)
     cb = full_batch_size is not None
-    module = ExportDraft(draft, embed_weight, head_weight, ctx_len, emit_logits, cb).eval()
-    rings = module.cache_slots()  # sliding layers: a ring of their window's slots
+    module = ExportDraft(
+        draft, embed_weight, head_weight, ctx_len, emit_logits, cb, context_window=context_window
+    ).eval()
+    rings = module.cache_slots()  # sliding layers (and windowed full ones): ring caches
     V = embed_weight.shape[0]
     Vd = draft_cfg.draft_vocab_size or V  # a reduced draft vocabulary bounds its top-k
     q_top_k, top_k = _outputs_k(module, draft_cfg, Vd, sampling, sample_top_k, top_k)
