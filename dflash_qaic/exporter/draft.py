@@ -112,7 +112,7 @@ def export_draft(
     comp_ctx_lengths: list[int] | None = None,
     emit_logits: bool = False,
     external_data: bool | None = None,
-    fp16_check: bool = True,
+    fp16_check: bool | str = True,
     stream_from: Pair | None = None,
     sampling: bool = False,
     sample_top_k: int = 0,
