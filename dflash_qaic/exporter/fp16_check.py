@@ -232,7 +232,9 @@ class FaithfulSession:
         self.evaluator = ReferenceEvaluator(fp16, new_ops=[_gather_elements_op(), _matmul_op()])
         self.output_names = [o.name for o in fp16.graph.output]
         self.report = Fp16Report(name, dtype=dtype)
-        self.dtype = dtype
+        self.dtype, self.model = dtype, fp16
+        self.keep: set[str] = set()  # intermediates to keep from each run, in `kept`
+        self.kept: dict[str, np.ndarray] = {}
         for node in fp16.graph.node:
             for out in node.output:
                 self.report.op_of[out] = f"{node.op_type} {node.name}".strip()
@@ -247,6 +249,7 @@ class FaithfulSession:
             values = self.evaluator.run(None, feed, intermediate=True)
         self.report.add(values)
         self.report.runs += 1
+        self.kept = {n: values[n] for n in self.keep}
         return {n: values[n] for n in self.output_names}
 
 
