@@ -32,16 +32,12 @@ def test_windowed_program_equals_the_forward_over_the_last_n(tiny_pair, tmp_path
     context (not over all of it), and each layer's cache keeps N + 1 slots."""
     t, d = tiny_pair(block_size=8, vocab_size=V, tie_word_embeddings=False)
     c = ck.read_draft_config(d)
-    state = ck.load_draft_state(c)
-    draft = DFlashDraft.from_checkpoint(c, state)
-    model = ck.load_target_model(t)
-    emb_w, head_w = model.get_input_embeddings().weight, model.lm_head.weight
-    B, ctx_len, rows, H = 4, 64, 2, c.hidden_size
-    facts = export_draft(
-        c, state, emb_w, head_w, tmp_path / "draft.onnx", ctx_len=ctx_len, prefill_seq_len=16,
-        block_size=B, full_batch_size=rows, emit_logits=True, fp16_check=False,
-        context_window=N,
-    )  # fmt: skip
+    state, model, B, H = ck.load_draft_state(c), ck.load_target_model(t), 4, c.hidden_size
+    draft, head_w = DFlashDraft.from_checkpoint(c, state), model.lm_head.weight
+    emb_w = model.get_input_embeddings().weight
+    sizes = dict(ctx_len=64, prefill_seq_len=16, block_size=B, full_batch_size=2)
+    facts = export_draft(c, state, emb_w, head_w, tmp_path / "draft.onnx", **sizes,
+                         emit_logits=True, fp16_check=False, context_window=N)  # fmt: skip
     io = contract.DraftIO(
         n_layers=c.num_layers, n_kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_size=H,
         vocab_size=V, block_size=B, emit_logits=True, continuous_batching=True, comp_ctx=True,
@@ -65,30 +61,26 @@ def test_windowed_program_equals_the_forward_over_the_last_n(tiny_pair, tmp_path
         )
         return draft.logits(h[:, 1:], head_w)[0].numpy(), blk.numpy()
 
+    def row_feed(row, seq_len):
+        """One call row's (features, their positions, block, block positions, cache row); row:
+        None (inactive: all padding) or (seq, first ctx position, ctx rows, start, cache row)."""
+        x, cp = np.zeros((seq_len, H), np.float32), np.full(seq_len, -1, np.int64)
+        if row is None:
+            return x, cp, np.zeros(B, np.int64), np.full(B, -1, np.int64), -1
+        s, lo, n, start, slot = row
+        x[:n], cp[:n] = ctx[s][0, lo : lo + n].numpy(), np.arange(lo, lo + n)
+        return x, cp, expect(s, start, N)[1], np.arange(start, start + B), slot
+
     def call(rows_, seq_len):
-        """rows_: per call row, None (inactive) or (seq, first ctx position, ctx rows, start,
-        cache row)."""
-        b = len(rows_)
-        x = np.zeros((b, seq_len, H), np.float32)
-        cp = np.full((b, seq_len), -1, np.int64)
-        blk = np.zeros((b, B), np.int64)
-        bp = np.full((b, B), -1, np.int64)
-        bidx = np.full((b, 1), -1, np.int64)
-        want = {}
+        x, cp, blk, bp, bidx = zip(*(row_feed(r, seq_len) for r in rows_))
+        got = run(*map(np.stack, (x, cp, blk, bp)), np.array(bidx, np.int64)[:, None])
         for r, row in enumerate(rows_):
             if row is None:
                 continue
-            s, lo, n, start, slot = row
-            x[r, :n] = ctx[s][0, lo : lo + n].numpy()
-            cp[r, :n] = np.arange(lo, lo + n)
-            want[r], blk[r] = expect(s, start, N)
-            far = expect(s, start, start)[0]  # the whole context: the window matters
-            assert np.abs(want[r] - far).max() > 1e-3 or start <= N
-            bp[r] = np.arange(start, start + B)
-            bidx[r] = slot
-        got = run(x, cp, blk, bp, bidx)
-        for r, w in want.items():
-            np.testing.assert_allclose(got[r], w, atol=1e-4, rtol=1e-4)
+            want = expect(row[0], row[3], N)[0]
+            far = expect(row[0], row[3], row[3])[0]  # the whole context: the window matters
+            assert np.abs(want - far).max() > 1e-3 or row[3] <= N
+            np.testing.assert_allclose(got[r], want, atol=1e-4, rtol=1e-4)
 
     call([("a", 0, 3, 3, 1)], 16)  # shorter than the window
     call([None, ("a", 3, 4, 7, 1)], B)  # past it, wrapping the ring, beside an inactive row
