@@ -1119,10 +1119,10 @@ def _budgets(text: str) -> tuple[int, ...]:
     return out
 
 
-def run(args) -> int:
+def _profile(args):
+    """The compile profile (--qpc-config, else the card family's default), of that family."""
     from dflash_qaic.compiler.profiles import ProfileError, load_profile
 
-    card = card_of(args.card_family, args.card, args.bandwidth_gbs)
     args.qpc_config = args.qpc_config or FAMILIES[args.card_family]
     try:
         profile = load_profile(args.qpc_config)
@@ -1133,6 +1133,12 @@ def run(args) -> int:
             f"profile {profile.name} compiles for {profile.hw_version}, not {args.card_family}: "
             f"give --qpc-config {FAMILIES[args.card_family]} (or another {args.card_family} one)"
         )
+    return profile
+
+
+def run(args) -> int:
+    card = card_of(args.card_family, args.card, args.bandwidth_gbs)
+    profile = _profile(args)
     budgets = _budgets(args.tree_budgets)
     tau = {**DEFAULT_TAU, **tau_from(args.tau_from), **parse_tau(args.tau)}
     sources = tau_sources(args.tau_from, args.tau)
