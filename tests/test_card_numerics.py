@@ -289,6 +289,34 @@ def test_evaluation_on_the_default_pair(default_artifacts, tmp_path):
     assert "card numerics" in src and "ai100_mxfp6_mxint8" in src
 
 
+def test_recorded_logits_are_the_committed_choices(default_artifacts):
+    """`record`: the card-numerics target's logits per call and position; the target alone's
+    argmax at every position is the token it committed (and DFlash's, at the last call that
+    computed the position); the gaps `margin_at` reports read from them."""
+    from dflash_qaic.bench import card_numerics as bcn
+
+    pipe = bcn.pipelines(default_artifacts, cn.CardNumerics())["card", "card"]
+    ids = list(b"def f(x):\n    return")
+    base, alone = bcn.record(pipe, ids, 12, dflash=False)
+    dfl, spec = bcn.record(pipe, ids, 12, dflash=True)
+    n = len(ids)
+    assert base == dfl and bcn.margin_at(n, base, dfl, alone, spec) is None
+    for i, tok in enumerate(base):
+        assert int(np.argmax(alone[n + i - 1][-1][1])) == tok
+        assert int(np.argmax(spec[n + i - 1][-1][1])) == tok
+    assert {rows for k in range(n, n + 11) for rows, _ in alone[k]} == {1}  # Decode calls
+    assert max(rows for k in range(n, n + 11) for rows, _ in spec[k]) == pipe.B  # Verify
+    # a divergence at token 2: each run's choice, runner-up and gap there
+    other = base[:2] + [base[2] + 1] + base[3:]
+    logits = np.ones(258)
+    logits[other[2]], logits[base[2]] = 9.0, 2.0
+    fake = {**spec, n + 1: [(pipe.B, logits)]}
+    m = bcn.margin_at(n, base, other, alone, fake)
+    assert m["token"] == 2 and m["position"] == n + 1
+    assert m["alone"]["choice"] == base[2] and m["alone"]["rows"] == 1 and m["alone"]["gap"] >= 0
+    assert m["dflash"] == {"rows": pipe.B, "choice": other[2], "runner_up": base[2], "gap": 7.0}
+
+
 @pytest.mark.slow
 def test_sampling_is_the_card_target_distribution(default_artifacts, tmp_path):
     """T = 1: DFlash's tokens and the card-numerics target's own, pooled over seeds: χ²."""

@@ -3,6 +3,8 @@ backend's sessions and `dflash-serve --device-ids`; bad ids are clear errors at 
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 import dflash_qaic
@@ -119,3 +121,92 @@ def test_dflash_serve_refuses_bad_device_ids_before_serving(cb_artifacts, capsys
     assert "integers separated by commas, e.g. 4 or 4,5" in capsys.readouterr().err
     assert main([str(cb_artifacts), "--port", "0", "--device-ids", "4,4"]) == 2
     assert "dflash-serve: error: device_ids names device 4 twice" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the card generation
+
+QAIC_UTIL_OUTPUT = """
+====================================================================
+QID 0
+--------------------------------------------------------------------
+\tStatus:Ready
+\tNSP IMAGE_VARIANT:{variant}
+\tNetworks Loaded:0
+QID 1
+\tStatus:Ready
+\tNSP IMAGE_VARIANT:{variant}
+"""
+
+
+def fake_tool(tmp_path, monkeypatch, name: str, output: str) -> None:
+    """A stand-in `name` on PATH (the SDK's own qaic-util absent) that prints `output`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / name).write_text(f"#!{sys.executable}\nprint({output!r})\n")
+    (bin_dir / name).chmod(0o755)
+    monkeypatch.setattr(devices, "QAIC_UTIL", tmp_path / "no-sdk" / "qaic-util")
+    monkeypatch.setenv("PATH", str(bin_dir))
+
+
+def _manifest(**commands):
+    from types import SimpleNamespace as NS
+
+    progs = {k: NS(kind=k, qpc=None if c is None else NS(command=c)) for k, c in commands.items()}
+    return NS(programs=progs)
+
+
+@pytest.mark.parametrize(
+    "variant,want", [("AIC200_STANDARD", "ai200"), ("AIC100_PRO", "ai100"), ("UNKNOWN", None)]
+)
+def test_the_generation_from_qaic_util_on_path(tmp_path, monkeypatch, variant, want):
+    fake_tool(tmp_path, monkeypatch, "qaic-util", QAIC_UTIL_OUTPUT.format(variant=variant))
+    assert devices.host_devices() == (0, 1)
+    assert devices.host_generation() == want  # no lspci on this PATH: qaic-util alone
+
+
+def test_the_generation_from_lspci_when_qaic_util_says_nothing(tmp_path, monkeypatch):
+    fake_tool(tmp_path, monkeypatch, "lspci", "00:1f.0 ISA bridge: Intel Device 7a06\n"
+              "76:00.0 Processing accelerators: Qualcomm Technologies, Inc Device a110 (rev 01)")  # fmt: skip
+    assert devices.host_generation() == "ai200"  # no qaic-util at all
+    assert devices.parse_pci_generation("03:00.0 Unassigned class: Qualcomm Device a100") == "ai100"
+    assert devices.parse_pci_generation("03:00.0 Ethernet: Intel Device a110") is None
+
+
+def test_qpcs_of_another_generation_are_refused():
+    ai100 = "qaic-compile -aic-hw -aic-hw-version=ai100 -m=target.onnx"
+    ai200 = "qaic-compile -aic-hw -aic-hw-version=ai200 -m=draft.onnx"
+    devices.check_generation(_manifest(target=ai100, draft=ai100), "ai100")
+    devices.check_generation(_manifest(target=ai200, draft=ai200), None)  # unknown: pass
+    devices.check_generation(_manifest(target=None, draft=None), "ai200")  # not compiled
+    devices.check_generation(_manifest(target="qaic-exec -aic-hw -m=t.onnx"), "ai100")
+    with pytest.raises(BackendError, match=r"draft QPC was compiled for ai200.*card is ai100"):
+        devices.check_generation(_manifest(target=ai100, draft=ai200), "ai100")
+    with pytest.raises(BackendError, match="--qpc-config ai200_bf16"):
+        devices.check_generation(_manifest(target=ai100), "ai200")
+
+
+def test_the_qaic_backend_reads_the_generation_at_load(cb_artifacts, monkeypatch, tmp_path):
+    """`load(..., "qaic")` asks the card's generation (here a fake qaic-util on PATH) and checks
+    the QPCs against it: these artifacts' QPCs (as an ai100 compile records them) refused on an
+    AI200 card, loaded on an AI100 one."""
+    import dataclasses
+
+    from dflash_qaic.artifacts import manifest as mf
+
+    monkeypatch.setattr(runtime, "qaic_session_factory", lambda: _Session)
+    monkeypatch.setattr(runtime, "_qpc_path", lambda d, prog, name: tmp_path / f"{name}.qpc")
+    read = mf.read_manifest
+    rec = mf.QpcRecord(("Decode",), "0" * 16, "target/qpc-0", "target/qpc-0/qpc",
+                       "qaic-compile -aic-hw -aic-hw-version=ai100", 12, (0,), None, "built")  # fmt: skip
+
+    def compiled(*a, **kw):  # the manifest as a compiled export records it
+        m = read(*a, **kw)
+        progs = {k: dataclasses.replace(p, qpc=rec) for k, p in m.programs.items()}
+        return dataclasses.replace(m, programs=progs)
+
+    monkeypatch.setattr(runtime, "read_manifest", compiled)
+    fake_tool(tmp_path, monkeypatch, "qaic-util", QAIC_UTIL_OUTPUT.format(variant="AIC200"))
+    with pytest.raises(BackendError, match="compiled for ai100, but this host's card is ai200"):
+        dflash_qaic.load(cb_artifacts, "qaic")
+    fake_tool(tmp_path, monkeypatch, "qaic-util", QAIC_UTIL_OUTPUT.format(variant="AIC100"))
+    assert dflash_qaic.load(cb_artifacts, "qaic").backend == "qaic"

@@ -108,8 +108,41 @@ def test_cli_writes_the_projection(default_artifacts, tmp_path, capsys):
         10 / (calls["draft"]["seconds"] + calls["tree32"]["seconds"])
     )
     assert calls["tree32"]["flops"] > calls["verify16"]["flops"]
+    # the step policy's break-even τ on the card: (draft + verify) / decode, then verify alone
+    assert r["policy_tau"] == pytest.approx(chain_step / calls["decode"]["seconds"])
+    assert r["policy_tau_drafted"] == pytest.approx(
+        calls["verify16"]["seconds"] / calls["decode"]["seconds"]
+    )
+    assert 1.0 <= r["policy_tau_drafted"] < r["policy_tau"]
+    assert f"drafting pays from τ {r['policy_tau']:.2f}" in (out / "summary.txt").read_text()
     assert main([*argv, "--tau", "chain=oops"]) == 2
     assert "--tau" in capsys.readouterr().err
+
+
+def test_ai200_asks_for_its_bandwidth(default_artifacts, tmp_path, capsys):
+    """No published AI 200 bandwidth: the projection asks for --bandwidth-gbs, then scales
+    with it (bf16 weights and KV by default); on an AI 100 the flag replaces the card's."""
+    from dflash_qaic.bench.cli import main
+
+    argv = ["--artifacts", str(default_artifacts), "--tree-budgets", "32", "--tau", "chain=8"]
+    assert main(["--project", "ai200", *argv, "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert "AI 200 has no published memory bandwidth" in err and "--bandwidth-gbs" in err
+    seconds = {}
+    for name, extra in [("a", ["ai200", "--bandwidth-gbs", "274"]),
+                        ("b", ["ai100", "--bandwidth-gbs", "274"]), ("c", ["ai100"])]:  # fmt: skip
+        out = tmp_path / name
+        assert main(["--project", extra[0], *argv, *extra[1:], "--out", str(out)]) == 0
+        r = json.loads((out / "results.json").read_text())
+        seconds[name] = r["results"][0]["calls"]["decode"]["seconds"]
+        assert r["card"]["bandwidth"] == (274e9 if extra[1:] else 137e9)
+    assert r["profile"] == "ai100_mxfp6_mxint8"
+    assert "AI 200 PROJECTION" in capsys.readouterr().out
+    assert seconds["b"] == pytest.approx(seconds["c"] / 2)  # twice the bandwidth: half the time
+    assert seconds["a"] > seconds["b"]  # bf16 weights move more bytes than MXFP6
+    bad = ["--project", "ai200", *argv, "--bandwidth-gbs", "274", "--qpc-config", "ai100_fp16"]
+    assert main([*bad, "--out", str(tmp_path / "d")]) == 2
+    assert "compiles for ai100, not ai200" in capsys.readouterr().err
 
 
 def test_real_recipes_compile_few_specializations(default_artifacts):

@@ -20,7 +20,7 @@ import torch
 
 import dflash_qaic
 from dflash_qaic.runtime.engine import EngineConfig
-from dflash_qaic.runtime.policy import StepPolicy, expected
+from dflash_qaic.runtime.policy import StepPolicy, break_even, expected
 from dflash_qaic.runtime.stats import StepCosts
 
 PAIR = dict(block_size=8, tie_word_embeddings=False, target_layer_ids=[1, 3])
@@ -50,6 +50,23 @@ def test_threshold_is_the_break_even_estimate():
     assert StepPolicy.threshold(StepCosts()) == -np.inf  # unmeasured: draft, to measure
     # no decode timed yet: the cheapest verify stands for it
     assert StepPolicy.threshold(costs({4: 2.0, 8: 4.0}, 2.0, None)) == pytest.approx(1.0)
+
+
+def test_the_break_even_follows_the_backend_s_cost_profile():
+    """One rule for every backend, read from the costs measured on it: where a verify is
+    nearly free (the card: weight-bound, B rows for the price of one decode) a row keeping half
+    a proposal per step drafts; with a CPU's costs (a 16-row verify ≈ 2 decodes) it decodes."""
+    assert break_even({4: 2.0, 8: 3.0}, 1.0, 1.0) == (pytest.approx(2.0), 4)
+    assert break_even({4: 9.0}, 1.0, 1.0) == (np.inf, None)
+    card = costs({16: 1.05}, 0.1, 1.0)  # bench/project.py's roofline: verify ≈ decode
+    cpu = costs({4: 1.3, 8: 1.5, 16: 2.0}, 0.8, 1.0)  # the built-in pair on ONNX Runtime
+    assert StepPolicy.threshold(card) == pytest.approx(0.15)
+    assert StepPolicy.threshold(cpu) == pytest.approx(1.1)
+    for c, drafts in ((card, True), (cpu, False)):
+        p = StepPolicy("auto", slots=1, block_size=16, confidence=False)
+        p.join(0, None, c)
+        p.est[0] = 0.5  # half a proposal kept per drafted step
+        assert p.want([0], c) == [drafts]
 
 
 def test_auto_drafts_while_it_pays_then_decodes_and_probes():

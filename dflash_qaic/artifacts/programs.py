@@ -94,9 +94,23 @@ def _common(pair: ck.Pair, plan: contract.ShapePlan, o: ExportOptions) -> dict:
         full_batch_size=plan.full_batch_size,
         comp_ctx_lengths=list(plan.windows),
         emit_logits=o.emit_logits,
-        fp16_check=o.fp16_check,
+        fp16_check=_check_dtype(o),
         stream_from=pair,
     )
+
+
+def _check_dtype(o: ExportOptions) -> bool | str:
+    """The graph check's arithmetic: off, or the dtype the compile profile computes in
+    (exporter/fp16_check.check_dtype: bf16's range on a bf16 profile)."""
+    from dflash_qaic.compiler.profiles import ProfileError, load_profile
+    from dflash_qaic.exporter.fp16_check import check_dtype
+
+    if not o.fp16_check:
+        return False
+    try:
+        return check_dtype(load_profile(o.qpc_config))
+    except ProfileError:  # the compile step names it; the check stays fp16's
+        return "float16"
 
 
 def _block(o: ExportOptions) -> bool:
@@ -171,6 +185,7 @@ def _export_draft(pair, w: _Weights, plan, o: ExportOptions, out: Path, steps) -
             sample_top_k=_q_top_k(pair) if _block(o) else 0,
             top_k=o.draft_top_k,
             plan=plan,
+            context_window=o.draft_context_window,
             **_common(pair, plan, o),
         )
     steps.append(("export draft", f"{facts['onnx_bytes'] / 1e6:.1f} MB", time.perf_counter() - t))

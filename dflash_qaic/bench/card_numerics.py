@@ -155,6 +155,81 @@ def summarize_greedy(rows: list[dict]) -> dict:
     }
 
 
+def head_logits(model) -> str | None:
+    """The target's logits: the input of its greedy ArgMax over the head MatMul's output."""
+    made_by = {o: n.op_type for n in model.graph.node for o in n.output}
+    for n in model.graph.node:
+        if n.op_type == "ArgMax" and made_by.get(n.input[0]) == "MatMul":
+            return n.input[0]
+    return None
+
+
+def record(pipe, ids: list[int], max_new: int, dflash: bool):
+    """(tokens, {position: [(rows of the call, the target's logits there)]}) of one greedy run
+    of `pipe` (its target a card-numerics program) alone or with DFlash, in call order."""
+    from dflash_qaic import contract
+
+    target = pipe.target
+    name = head_logits(target.session.model)
+    if name is None:
+        raise CardNumericsRunError("the target program has no greedy ArgMax over its head")
+    calls, run = [], target.run
+
+    def recording(feeds):
+        out = run(feeds)
+        # copies: the runtime refills its feed buffers in place, call after call
+        calls.append((np.array(feeds[contract.POSITION_IDS]), np.array(target.session.kept[name])))
+        return out
+
+    target.session.keep, target.run = {name}, recording
+    try:
+        go = pipe.generate if dflash else pipe.generate_baseline
+        tokens = go(ids, max_new_tokens=max_new, stop_token_ids=[]).tokens
+    finally:
+        target.session.keep = set()
+        del target.run
+    at: dict[int, list] = {}
+    for pos, logits in calls:
+        for r, j in zip(*np.nonzero(pos >= 0)):
+            at.setdefault(int(pos[r, j]), []).append((pos.shape[1], logits[r, j]))
+    return tokens, at
+
+
+def margin_at(n: int, base, dfl, alone_calls, dflash_calls) -> dict | None:
+    """Where DFlash's tokens `dfl` leave the target alone's `base` (prompt of n tokens), each
+    run's choice there with its runner-up and their logit gap, from the last call that computed
+    the position (`record`: a Verify row after a rejected proposal comes earlier, in another
+    context); None when they agree."""
+    d = first_divergence(base, dfl)
+    if d is None or d >= min(len(base), len(dfl)):
+        return None
+    P = n + d - 1  # the position whose logits choose token d
+
+    def choice(calls) -> dict:
+        rows, logits = calls[P][-1]
+        top = np.argsort(logits)[::-1][:2]
+        gap = float(logits[top[0]] - logits[top[1]])
+        return {"rows": rows, "choice": int(top[0]), "runner_up": int(top[1]), "gap": gap}
+
+    return {"token": d, "position": P, "alone": choice(alone_calls), "dflash": choice(dflash_calls)}
+
+
+def margins(pipe, prompts, rows: list[dict], max_new: int, log) -> list[dict]:
+    """For every prompt DFlash is not lossless on (under card numerics), the two choices at
+    the divergence and their top-2 logit gaps (`margin_at`): an fp16 near-tie between call
+    shapes shows as two small gaps of opposite sign."""
+    out = []
+    for p, r in zip(prompts, rows):
+        if r["lossless_card"]:
+            continue
+        base, alone = record(pipe, p.ids, max_new, dflash=False)
+        dfl, spec = record(pipe, p.ids, max_new, dflash=True)
+        m = margin_at(len(p.ids), base, dfl, alone, spec)
+        out.append({"prompt": p.name, **(m or {})})
+        log(f"card numerics: the divergence on {p.name} measured")
+    return out
+
+
 def sampled(pipe, prompts, seeds: int, tokens: int, log) -> dict:
     """T = 1: DFlash and the target alone (both under card numerics), `seeds` independent runs
     per prompt of `tokens` tokens each; the χ² check of their pooled tokens."""
@@ -221,7 +296,8 @@ def evaluate(
         "prompts": {"source": source, "count": len(prompts), "max_new_tokens": max_new},
         "verify": f"whole block ({fp32.B}) every step",
     }
-    out["greedy"] = greedy(pipes, prompts, max_new, log)
+    out["greedy"] = g = greedy(pipes, prompts, max_new, log)
+    g["margins"] = margins(pipes["card", "card"], prompts, g["per_prompt"], max_new, log)
     if chi2_seeds > 0:
         card = pipes["card", "card"]
         out["sampled"] = sampled(card, prompts[:chi2_prompts], chi2_seeds, chi2_tokens, log)
@@ -251,6 +327,16 @@ def summary(r: dict) -> str:
         f"  lossless against the card-numerics target: {'yes' if g['lossless_card'] else 'NO'}"
         f" (fp32: {'yes' if g['lossless_fp32'] else 'NO'})",
     ]
+    for m in g.get("margins", []):
+        if "token" not in m:
+            continue
+        a, d = m["alone"], m["dflash"]
+        lines.append(
+            f"  {m['prompt']}: DFlash leaves the target alone at token {m['token']} (position "
+            f"{m['position']}): alone ({a['rows']}-row call) {a['choice']} over "
+            f"{a['runner_up']} by {a['gap']:.4g}, DFlash ({d['rows']}-row call) {d['choice']} "
+            f"over {d['runner_up']} by {d['gap']:.4g}"
+        )
     s = r.get("sampled")
     if s and s.get("ran"):
         lines.append(

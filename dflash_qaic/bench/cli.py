@@ -6,10 +6,11 @@
     dflash-bench artifacts/default-cb8 --concurrency 1,2,4,8   # continuous batching (batch.py)
     dflash-bench artifacts/default-cb8 --concurrency 1,8 --peers vllm  # upstream vLLM beside us
     dflash-bench --export …  /  dflash-bench --serve …   # the export and server benchmarks
-    dflash-bench --long-context artifacts/DIR --prompt-len 8000     # cost against position
+    dflash-bench --long-context artifacts/DIR --prompt-len 8000     # cost, speedup by context
     dflash-bench --router artifacts/default-cb8    # vllm-router's cost per request (TTFT)
     dflash-bench ARTIFACTS --response-format schema.json   # under a grammar (bench/structured.py)
     dflash-bench --project ai100     # projected AI 100 decode/chain/tree tokens/s (bench/project.py)
+    dflash-bench --project ai200 --bandwidth-gbs N   # AI 200: its bandwidth is unpublished
     dflash-bench ARTIFACTS --card-numerics   # τ and tokens under the profile's MXFP6/MXINT8 numerics
 
 Prints the summary screen. Exits 1 when DFlash's tokens differ from the target's at T = 0 (the

@@ -4,6 +4,7 @@
     dflash-bench --project ai100 --shapes qwen3-4b --tau chain=8.88,32=10.83,64=11.5
     dflash-bench --project ai100 --artifacts artifacts/default     # an export as it is
     dflash-bench --project ai100 --card ultra --qpc-config ai100_multidevice
+    dflash-bench --project ai200 --bandwidth-gbs 500  # AI 200 (bf16): its bandwidth unpublished
 
 A projection, not a measurement: every number comes from a program's ONNX graph (its weights,
 its KV and state inputs, its MatMuls with the shapes ONNX shape inference gives for a call) and
@@ -62,6 +63,31 @@ CARDS = {
     "pro": Card("AI 100 Pro (1 SoC)", 1, 137e9, 125e12),
     "ultra": Card("AI 100 Ultra (4 SoCs)", 4, 548e9, 290e12),
 }
+FAMILIES = {"ai100": "ai100_mxfp6_mxint8", "ai200": "ai200_bf16"}  # family -> default profile
+
+
+def card_of(family: str, card: str, bandwidth_gbs: float | None) -> Card:
+    """The card to project on: an AI 100 of CARDS (--bandwidth-gbs replaces its published
+    bandwidth); an AI 200 only with --bandwidth-gbs, since its bandwidth is unpublished (its
+    fp16 peak is then taken as the AI 100 Standard's, and said so in its name)."""
+    if bandwidth_gbs is not None and not (math.isfinite(bandwidth_gbs) and bandwidth_gbs > 0):
+        raise ProjectionError(f"--bandwidth-gbs must be a positive number, got {bandwidth_gbs}")
+    if family == "ai200":
+        if bandwidth_gbs is None:
+            raise ProjectionError(
+                "AI 200 has no published memory bandwidth (768 GB of LPDDR5X per card; the "
+                "bandwidth per chip is not published): give the one you assume, e.g. "
+                "--bandwidth-gbs 500, and the projection scales with it"
+            )
+        std = CARDS["standard"]
+        name = f"AI 200 ({bandwidth_gbs:g} GB/s given; fp16 peak assumed the AI 100's)"
+        return Card(name, 1, bandwidth_gbs * 1e9, std.flops)
+    c = CARDS[card]
+    if bandwidth_gbs is None:
+        return c
+    name = f"{c.name}, {bandwidth_gbs:g} GB/s given"
+    return Card(name, c.socs, bandwidth_gbs * 1e9, c.flops, c.cores_per_soc)
+
 
 # bits per element: MX formats share one 8-bit exponent per block of 32 elements
 MX_BLOCK = 32
@@ -764,6 +790,11 @@ class Result:
     pick: str | None
     notes: list[str]
     batch: int = 1
+    # the step policy's break-even on this card (runtime/policy.break_even): the τ per step at
+    # which a chain step (draft + B-row verify) commits tokens as fast as decoding, and the
+    # same once the draft call has run (verify alone); None when no τ ≤ B reaches it
+    policy_tau: float | None = None
+    policy_tau_drafted: float | None = None
 
 
 def project(
@@ -810,6 +841,7 @@ def project(
             best, pick = tps[key], key
     if progs.hybrid:
         notes.append("hybrid target: chain verification only (no tree)")
+    even_tau = policy_break_even(calls, B)
     return Result(
         shape=progs.title,
         card=card.name,
@@ -824,7 +856,21 @@ def project(
         pick=pick,
         notes=notes,
         batch=progs.batch,
+        policy_tau=even_tau[0],
+        policy_tau_drafted=even_tau[1],
     )
+
+
+def policy_break_even(calls: dict[str, Call], B: int) -> tuple[float | None, float | None]:
+    """The break-even τ per step of the step policy (runtime/policy.break_even) on these
+    projected calls, before and after the draft call has run (no host time: the card's calls
+    queue back to back): where a verify is nearly free (weight-bound, B rows for the price of
+    one), drafting pays at a τ barely above 1."""
+    from dflash_qaic.runtime.policy import break_even
+
+    verify, dec = {B: calls[f"verify{B}"].seconds}, calls["decode"].seconds
+    out = [break_even(verify, d, dec)[0] for d in (calls["draft"].seconds, 0.0)]
+    return tuple(1.0 + k if math.isfinite(k) else None for k in out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -908,6 +954,12 @@ def summary(
         lines.append(f"{r.shape} (KV read at {r.context} slots{seqs}): " + ", ".join(parts))
         tps = "  ".join(f"{k} {v:.0f}" if v else f"{k} — (no τ)" for k, v in r.tokens_per_s.items())
         lines.append(f"  tokens/s: {tps}")
+        if r.policy_tau is not None:
+            lines.append(
+                f"  step policy: drafting pays from τ {r.policy_tau:.2f} per step (draft + "
+                f"verify{r.calls['draft'].rows} against decode; {r.policy_tau_drafted:.2f} once "
+                "the draft call has run)"
+            )
         if r.step_ratio:
             be = ", ".join(
                 f"{k} {r.step_ratio[k]:.3f}× · {r.break_even_tau[k]:.2f} · {r.goal_tau[k]:.2f}"
@@ -987,7 +1039,7 @@ def results_json(results, budgets, tau, specs, compile_work, args, sources=None)
 
     return {
         "kind": "projection (roofline, not a measurement)",
-        "card": asdict(CARDS[args.card]),
+        "card": asdict(card_of(args.card_family, args.card, args.bandwidth_gbs)),
         "profile": args.qpc_config,
         "budgets": list(budgets),
         "tau": {str(k): v for k, v in tau.items()},
@@ -1011,9 +1063,18 @@ def results_json(results, budgets, tau, specs, compile_work, args, sources=None)
 
 def parser() -> argparse.ArgumentParser:
     p = doc_parser("dflash-bench --project", __doc__, artifacts=False)
-    p.add_argument("card_family", choices=["ai100"], help="the card family to project on")
-    p.add_argument("--card", choices=sorted(CARDS), default="standard")
-    p.add_argument("--qpc-config", default="ai100_mxfp6_mxint8", help="compile profile")
+    p.add_argument("card_family", choices=sorted(FAMILIES), help="the card family to project on")
+    p.add_argument("--card", choices=sorted(CARDS), default="standard", help="an AI 100 card")
+    p.add_argument(
+        "--bandwidth-gbs",
+        type=float,
+        help="the card's memory bandwidth in GB/s: required for ai200 (unpublished), else "
+        "replaces the AI 100 card's published one",
+    )
+    p.add_argument(
+        "--qpc-config",
+        help="compile profile (default: ai100_mxfp6_mxint8 on ai100, ai200_bf16 on ai200)",
+    )
     p.add_argument(
         "--shapes",
         default=",".join(DEFAULT_SHAPES),
@@ -1058,14 +1119,26 @@ def _budgets(text: str) -> tuple[int, ...]:
     return out
 
 
-def run(args) -> int:
+def _profile(args):
+    """The compile profile (--qpc-config, else the card family's default), of that family."""
     from dflash_qaic.compiler.profiles import ProfileError, load_profile
 
+    args.qpc_config = args.qpc_config or FAMILIES[args.card_family]
     try:
         profile = load_profile(args.qpc_config)
     except ProfileError as e:
         raise ProjectionError(str(e)) from e
-    card = CARDS[args.card]
+    if profile.hw_version != args.card_family:
+        raise ProjectionError(
+            f"profile {profile.name} compiles for {profile.hw_version}, not {args.card_family}: "
+            f"give --qpc-config {FAMILIES[args.card_family]} (or another {args.card_family} one)"
+        )
+    return profile
+
+
+def run(args) -> int:
+    card = card_of(args.card_family, args.card, args.bandwidth_gbs)
+    profile = _profile(args)
     budgets = _budgets(args.tree_budgets)
     tau = {**DEFAULT_TAU, **tau_from(args.tau_from), **parse_tau(args.tau)}
     sources = tau_sources(args.tau_from, args.tau)
@@ -1117,8 +1190,10 @@ def run(args) -> int:
         entry["model"] = "estimate: compile work ∝ Σ specializations × graph nodes"
         compile_work[p.title] = entry
     header = (
-        f"AI 100 PROJECTION (roofline, not measured): {card.name}, profile {profile.name} "
-        f"(weights {'MXFP6' if profile.mxfp6_matmul else 'fp16'}, KV {profile.kv_dtype}, "
+        f"{args.card_family.upper().replace('AI', 'AI ')} PROJECTION (roofline, not "
+        f"measured): {card.name}, profile {profile.name} "
+        f"(weights {'MXFP6' if profile.mxfp6_matmul else _dtype(profile)}, KV "
+        f"{profile.kv_dtype}, "
         f"target {profile.target.num_cores} + draft {profile.draft.num_cores} cores); "
         f"τ: "
         + ", ".join(f"{k} {v}" for k, v in tau.items())
@@ -1133,6 +1208,10 @@ def run(args) -> int:
     print(text, end="")
     print(f"wrote {out}/summary.txt, table.md, projection.png, results.json")
     return 0
+
+
+def _dtype(profile) -> str:
+    return "fp16" if profile.convert_to_fp16 else "bf16"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -97,6 +97,12 @@ def _outputs_k(module, draft_cfg, V: int, sampling: bool, sample_top_k: int, top
     return q_top_k, top_k
 
 
+def _plan(block_size, prefill_seq_len, ctx_len, comp_ctx_lengths, **sizes):
+    """The shape plan of these sizes (the export's own is artifacts/preflight.py's)."""
+    windows = contract.windows_or_default(comp_ctx_lengths, ctx_len, prefill_seq_len, block_size)
+    return contract.shape_plan(block_size, prefill_seq_len, ctx_len, windows=windows, **sizes)
+
+
 def export_draft(
     draft_cfg: DraftConfig,
     draft_state: dict[str, torch.Tensor],
@@ -112,12 +118,13 @@ def export_draft(
     comp_ctx_lengths: list[int] | None = None,
     emit_logits: bool = False,
     external_data: bool | None = None,
-    fp16_check: bool = True,
+    fp16_check: bool | str = True,
     stream_from: Pair | None = None,
     sampling: bool = False,
     sample_top_k: int = 0,
     top_k: int = 0,
     plan: contract.ShapePlan | None = None,
+    context_window: int | None = None,
 ) -> dict:
     """Export the draft program to `out_path` and check it; returns facts for the manifest.
 
@@ -130,6 +137,7 @@ def export_draft(
     sampling, sample_top_k: the draft samples its proposals and returns its q (`_outputs_k`).
     top_k: it also returns each proposal row's top-k ids and log-probabilities (0: not).
     plan: the export's shape plan (artifacts/preflight.py), made here from the sizes when None.
+    context_window: full layers see only the last N context positions (`ExportDraft`).
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=2)
     if stream_from is not None:
@@ -137,8 +145,9 @@ def export_draft(
     else:
         draft = DFlashDraft.from_checkpoint(draft_cfg, draft_state)
     cb = full_batch_size is not None
-    module = ExportDraft(draft, embed_weight, head_weight, ctx_len, emit_logits, cb).eval()
-    rings = module.cache_slots()  # sliding layers: a ring of their window's slots
+    module = ExportDraft(draft, embed_weight, head_weight, ctx_len, emit_logits, cb,
+                         context_window=context_window).eval()  # fmt: skip
+    rings = module.cache_slots()  # sliding layers (and windowed full ones): ring caches
     V = embed_weight.shape[0]
     Vd = draft_cfg.draft_vocab_size or V  # a reduced draft vocabulary bounds its top-k
     q_top_k, top_k = _outputs_k(module, draft_cfg, Vd, sampling, sample_top_k, top_k)
@@ -147,11 +156,8 @@ def export_draft(
         pair_k=module.pair_k,
     )  # fmt: skip
     if plan is None:
-        windows = contract.windows_or_default(
-            comp_ctx_lengths, ctx_len, prefill_seq_len, block_size
-        )
-        sizes = dict(batch_size=batch_size, full_batch_size=full_batch_size, windows=windows)
-        plan = contract.shape_plan(block_size, prefill_seq_len, ctx_len, **sizes)
+        sizes = dict(batch_size=batch_size, full_batch_size=full_batch_size)
+        plan = _plan(block_size, prefill_seq_len, ctx_len, comp_ctx_lengths, **sizes)
     specializations = contract.draft_specializations(plan)
     mask_id = draft_cfg.mask_token_id
     sources = None

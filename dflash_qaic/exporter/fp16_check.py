@@ -16,6 +16,11 @@ construction (docs/DESIGN.md, fp16). MatMul accumulates in fp32 and rounds its o
 (numpy's own fp16 matmul is a scalar loop, far too slow); numpy's mean of fp16 values
 accumulates in fp32.
 
+A bf16 profile (`convert_to_fp16: false` with bfloat16 KV, the AI 200's `ai200_bf16`) computes
+in bfloat16, whose exponent is fp32's: the check then evaluates the fp32 graph (same ranges; the
+8-bit significand's rounding is not modelled) and reads bf16's largest finite value,
+3.39e38, instead of fp16's (`check_dtype`, `LIMITS`).
+
 The evaluator is pure numpy (fp16 has no BLAS), so it is for small graphs: `check_graph` runs it
 below `FAITHFUL_MAX_BYTES` of weights and says so in its report when it skips it.
 `FaithfulProgram` runs a program call after call behind the runtime's `Program` interface, so the
@@ -36,10 +41,19 @@ from dflash_qaic import contract
 from dflash_qaic.state import retained_inputs
 
 FP16_MAX = 65504.0  # largest finite fp16 value
+BF16_MAX = 3.3895313892515355e38  # largest finite bfloat16 value, (2 − 2⁻⁷) · 2¹²⁷
+LIMITS = {"float16": FP16_MAX, "bfloat16": BF16_MAX}  # the card's compute dtype -> its range
 MARGIN = 16.0  # flag any intermediate above FP16_MAX / MARGIN (4094)
 # Weights (fp32 bytes) up to which check_graph runs the faithful evaluation: about a 30M-parameter
 # model, which the numpy evaluator runs in seconds per specialization.
 FAITHFUL_MAX_BYTES = 128 * 1024**2
+
+
+def check_dtype(profile) -> str:
+    """The dtype a compile profile computes in: "bfloat16" for a bf16 profile (no fp16
+    conversion, bfloat16 KV), else "float16" (`-convert-to-fp16`)."""
+    bf16 = not profile.convert_to_fp16 and profile.kv_dtype == "bfloat16"
+    return "bfloat16" if bf16 else "float16"
 
 
 # ---------------------------------------------------------------- the fp16 form of a graph
@@ -115,6 +129,11 @@ class Fp16Report:
     runs: int = 0
     max_abs: dict[str, float] = dataclasses.field(default_factory=dict)
     op_of: dict[str, str] = dataclasses.field(default_factory=dict)  # value -> producing op
+    dtype: str = "float16"  # the range checked against (LIMITS)
+
+    @property
+    def limit(self) -> float:
+        return LIMITS[self.dtype]
 
     def add(self, values: Mapping[str, np.ndarray]) -> None:
         for name, v in values.items():
@@ -132,8 +151,8 @@ class Fp16Report:
 
     @property
     def flagged(self) -> list[str]:
-        """Values within a factor MARGIN of fp16's maximum (or beyond it)."""
-        return sorted(k for k, v in self.max_abs.items() if v >= FP16_MAX / MARGIN)
+        """Values within a factor MARGIN of the dtype's maximum (or beyond it)."""
+        return sorted(k for k, v in self.max_abs.items() if v >= self.limit / MARGIN)
 
     @property
     def nonfinite(self) -> list[str]:
@@ -145,7 +164,8 @@ class Fp16Report:
             "ran": True,
             "runs": self.runs,
             "n_values": len(self.max_abs),
-            "limit": FP16_MAX,
+            "dtype": self.dtype,
+            "limit": self.limit,
             "margin": MARGIN,
             "max_abs": top[0]["max_abs"] if top else 0.0,
             "where": f"{top[0]['value']} ({top[0]['op']})" if top else None,
@@ -156,9 +176,10 @@ class Fp16Report:
     def summary(self) -> str:
         j = self.to_json()
         flagged = f"; flagged: {', '.join(j['flagged'])}" if j["flagged"] else ""
+        kind = "fp16" if self.dtype == "float16" else "bf16"
         return (
-            f"{self.program}: largest fp16 intermediate {j['max_abs']:.4g} at {j['where']} "
-            f"(limit {FP16_MAX:g}, flag above {FP16_MAX / MARGIN:g}){flagged}"
+            f"{self.program}: largest {kind} intermediate {j['max_abs']:.4g} at {j['where']} "
+            f"(limit {self.limit:g}, flag above {self.limit / MARGIN:g}){flagged}"
         )
 
 
@@ -199,15 +220,21 @@ def _matmul_op():
 
 
 class FaithfulSession:
-    """ReferenceEvaluator over the fp16 form of `model` (loaded with its external data)."""
+    """ReferenceEvaluator over the fp16 form of `model` (loaded with its external data); with
+    dtype "bfloat16", over the fp32 graph, its values read against bf16's range."""
 
-    def __init__(self, model: onnx.ModelProto, name: str = "program"):
+    def __init__(self, model: onnx.ModelProto, name: str = "program", dtype: str = "float16"):
         from onnx.reference import ReferenceEvaluator
 
-        fp16 = convert_to_fp16(model)
+        if dtype not in LIMITS:
+            raise ValueError(f"dtype must be one of {', '.join(LIMITS)}, got {dtype!r}")
+        fp16 = convert_to_fp16(model) if dtype == "float16" else model
         self.evaluator = ReferenceEvaluator(fp16, new_ops=[_gather_elements_op(), _matmul_op()])
         self.output_names = [o.name for o in fp16.graph.output]
-        self.report = Fp16Report(name)
+        self.report = Fp16Report(name, dtype=dtype)
+        self.dtype, self.model = dtype, fp16
+        self.keep: set[str] = set()  # intermediates to keep from each run, in `kept`
+        self.kept: dict[str, np.ndarray] = {}
         for node in fp16.graph.node:
             for out in node.output:
                 self.report.op_of[out] = f"{node.op_type} {node.name}".strip()
@@ -217,16 +244,21 @@ class FaithfulSession:
         intermediate in `self.report`."""
         # numpy warns when a kernel evaluates both branches of a select (Sigmoid's exp(x) for
         # large x); what counts is the node outputs, which the report checks for inf/NaN.
+        feed = fp16_feed(feed) if self.dtype == "float16" else feed
         with np.errstate(over="ignore", invalid="ignore"):
-            values = self.evaluator.run(None, fp16_feed(feed), intermediate=True)
+            values = self.evaluator.run(None, feed, intermediate=True)
         self.report.add(values)
         self.report.runs += 1
+        self.kept = {n: values[n] for n in self.keep}
         return {n: values[n] for n in self.output_names}
 
 
-def faithful_check(model: onnx.ModelProto, feeds: list[Mapping], name: str) -> Fp16Report:
-    """Run every feed through the fp16-faithful evaluation; the report of all intermediates."""
-    sess = FaithfulSession(model, name)
+def faithful_check(
+    model: onnx.ModelProto, feeds: list[Mapping], name: str, dtype: str = "float16"
+) -> Fp16Report:
+    """Run every feed through the faithful evaluation in `dtype`; the report of all
+    intermediates."""
+    sess = FaithfulSession(model, name, dtype)
     for feed in feeds:
         sess.run(feed)
     return sess.report

@@ -67,6 +67,7 @@ def check_graph(
     fp16_inputs: list[dict] | None = None,
     *,
     faithful_max_bytes: int = FAITHFUL_MAX_BYTES,
+    dtype: str = "float16",
 ) -> dict:
     """Check the ONNX file at `path`; raise GraphCheckError on the first violated rule.
 
@@ -76,6 +77,7 @@ def check_graph(
         "ctx_len": 256}, ...] (a specialization dict with a "symbols" key is accepted too).
     fp16_inputs: feeds (name -> numpy array, fp32 for float inputs) to run the fp16 graph on.
     faithful_max_bytes: run the fp16-faithful evaluation up to this many bytes of weights.
+    dtype: the card's compute dtype (fp16_check.check_dtype): "bfloat16" checks bf16's range.
 
     Returns {"ops": {op_type: count}, "n_nodes", "nodes_per_layer": {"0": n, …, "other": n},
     "unresolved_intermediates", "fp16_max_abs": largest |value| in the fp16 float outputs (None
@@ -113,7 +115,7 @@ def check_graph(
     del model
     full = onnx.load(str(path))  # with external data
     if size <= faithful_max_bytes:
-        report["fp16_max_abs"], faithful = _check_fp16_faithful(full, fp16_inputs, path.name)
+        report["fp16_max_abs"], faithful = _check_fp16_faithful(full, fp16_inputs, path.name, dtype)
         report["fp16_faithful"] = faithful.to_json()
     else:
         report["fp16_faithful"]["skipped"] = (
@@ -322,10 +324,11 @@ def _check_fp16_ort(model: onnx.ModelProto, feeds: list[dict], name: str) -> flo
     return max_abs
 
 
-def _check_fp16_faithful(model: onnx.ModelProto, feeds: list[dict], name: str):
-    """(largest |output|, Fp16Report) of the fp16-faithful evaluation; GraphCheckError on an
-    inf/NaN in any float output or intermediate (an overflow, whatever became of it later)."""
-    sess = FaithfulSession(model, name)
+def _check_fp16_faithful(model: onnx.ModelProto, feeds: list[dict], name: str, dtype: str):
+    """(largest |output|, Fp16Report) of the fp16-faithful evaluation (bf16's range for
+    "bfloat16"); GraphCheckError on an inf/NaN in any float output or intermediate (an
+    overflow, whatever became of it later)."""
+    sess = FaithfulSession(model, name, dtype)
     max_abs = 0.0
     for i, feed in enumerate(feeds):
         max_abs = max(max_abs, _outputs_finite(sess.run(feed), i, name))

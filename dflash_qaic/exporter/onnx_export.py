@@ -268,7 +268,7 @@ def export_and_check(
     trace_rows: int,
     external_data: bool | None,
     sources: dict | None,
-    fp16_check: bool,
+    fp16_check: bool | str,
 ) -> tuple[Path, dict]:
     """Trace `module` at `trace_rows` rows of the first specialization, write the program (its
     weights streamed from `sources` when given, see exporter/weights.py) and run the graph check.
@@ -303,7 +303,8 @@ def export_and_check(
     )
     skipped = weights.graph_run_skip_reason(weights.weights_bytes(sources)) if sources else None
     feeds = feeds_for(check_specs) if fp16_check and not skipped else None
-    report = check_graph(path, io, specializations, feeds)
+    dtype = fp16_check if isinstance(fp16_check, str) else "float16"  # a bf16 profile's
+    report = check_graph(path, io, specializations, feeds, dtype=dtype)
     if fp16_check and skipped:
         report["skipped"] = skipped
     return path, report

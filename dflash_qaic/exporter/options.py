@@ -150,6 +150,16 @@ class ExportOptions:
         hi=contract.MAX_DRAFT_TOP_K,
         recipe=True,
     )
+    draft_context_window: int | None = _opt(
+        None,
+        "int",
+        "the draft's full layers attend only to the last N target-feature positions (a ring "
+        "cache of N + 1 slots: the draft's cost stops growing with the context; lossless, the "
+        "target verifies); default: all of them",
+        lo=1,
+        hi=MAX_CTX_LEN,
+        recipe=True,
+    )
     fp16_check: bool = _opt(True, "bool", "skip the fp16 graph run")
     compile: bool = _opt(True, "bool", "export ONNX only", group="run")
     qpc_config: str = _opt(
@@ -249,6 +259,8 @@ class ExportOptions:
             del d["tree_budgets"]
         else:
             d["tree_budgets"] = list(d["tree_budgets"])
+        if d["draft_context_window"] is None:  # the same
+            del d["draft_context_window"]
         return d
 
     def to_json(self) -> dict:

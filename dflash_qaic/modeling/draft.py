@@ -485,8 +485,9 @@ class ExportDraft(nn.Module):
     Inputs follow `contract.DraftIO`. Each call:
       1. writes K/V of the new context rows (`target_hidden`, already fused by the target
          program) into every layer's cache at `position_ids_target` (−1 → the padding slot);
-         a ring layer (a sliding layer whose window is below ctx_len) at position mod (W − 1)
-         in a ring of W = sliding_window slots (`ops.ring_slots`);
+         a ring layer (a sliding layer whose window W is below ctx_len, or a full layer under
+         a context window of N = W − 1 positions) at position mod (W − 1) in a ring of W slots
+         (`ops.ring_slots`);
       2. runs the block `[anchor, MASK…]` at `position_ids` against every cached slot below the
          block start (a ring layer: the slots holding positions within its window, `ring_held`)
          plus the block's own K/V (bidirectional in b16 layers, else `block_mask`; the block K/V
@@ -512,7 +513,10 @@ class ExportDraft(nn.Module):
         continuous_batching: bool = False,
         comp_ctx: bool = True,
         confidence: bool = True,
+        context_window: int | None = None,
     ):
+        """context_window: a full layer attends only to the last N injected context positions
+        (a ring of N + 1 slots; None: every one). The target verifies, so it is lossless."""
         super().__init__()
         self.continuous_batching = continuous_batching
         self.comp_ctx = comp_ctx
@@ -544,18 +548,37 @@ class ExportDraft(nn.Module):
         self.register_buffer("mask_row", mask_row, persistent=False)  # None: embed[MASK]
         self.ctx_len = ctx_len
         self.emit_logits = emit_logits
-        # a sliding layer's cache is a ring of its window's slots when that is below ctx_len
-        # (with a window ≥ ctx_len every key is in the window: a full cache, the same mask)
-        w = self.c.sliding_window
-        self.ring = w if w is not None and w < ctx_len else None
-        self.ring_layers = [w is not None and layer.window is not None for layer in self.layers]
-        self.ring_layers = [r and self.ring is not None for r in self.ring_layers]
+        # per layer, its ring's slots (0: a ctx_len cache): a sliding layer's window, a full
+        # layer's context_window + 1 (the last N positions, then the padding slot), each when
+        # below ctx_len (else every key is in it: a full cache, the same mask)
+        w, n = self.c.sliding_window, context_window
+        slide = w if w is not None and w < ctx_len else 0
+        full = n + 1 if n is not None and n + 1 < ctx_len else 0
+        self.rings = [slide if layer.window is not None else full for layer in self.layers]
 
     def cache_slots(self) -> tuple[int, ...]:
         """Per layer: the ring's slots, or 0 for a full-context cache (contract.DraftIO)."""
-        if not any(self.ring_layers):
-            return ()
-        return tuple(self.ring if r else 0 for r in self.ring_layers)
+        return tuple(self.rings) if any(self.rings) else ()
+
+    def ring_views(self, pos_t, start, window, rows, block_positions, g: int) -> dict:
+        """(ring slots, sliding) -> (the slots this call's context rows write [b, s], what
+        attention reads, the context mask): a ring of R slots is written by position mod R − 1
+        and read at ≤ R − 1 slots (`ring_held` derives the position each holds); a sliding
+        layer's queries see the keys within its window, a full layer's every held key (a
+        window of R + B covers them all)."""
+        views = {}
+        for R, layer in zip(self.rings, self.layers):
+            sliding = layer.window is not None
+            if not R or (R, sliding) in views:
+                continue
+            M = R - 1
+            slots = ring_slots(pos_t, start, M)  # [b, s]
+            index = window[:M] if window is not None else torch.arange(M)  # [Lr]
+            reads = cache_reads(rows, index, self.c.num_kv_heads, R)
+            wide = R if sliding else R + int(block_positions.shape[1])
+            mask = window_mask(ring_held(start, index, M), block_positions, wide, g)
+            views[R, sliding] = (slots, reads, mask)
+        return views
 
     def forward(self, *inputs: torch.Tensor):
         # the contract's inputs (DraftIO), bound by the names the exporter gives them
@@ -581,12 +604,7 @@ class ExportDraft(nn.Module):
 
         reads = cache_reads(rows, window, self.c.num_kv_heads, self.ctx_len)  # once per call
         g = self.c.num_heads // self.c.num_kv_heads
-        if self.ring is not None:  # ring layers: write by position mod W−1, read ≤ W−1 slots
-            M = self.ring - 1
-            r_slots = ring_slots(position_ids_target, start, M)  # [b, s]
-            r_index = window[:M] if window is not None else torch.arange(M)  # [Lr]
-            r_reads = cache_reads(rows, r_index, self.c.num_kv_heads, self.ring)
-            r_mask = window_mask(ring_held(start, r_index, M), position_ids, self.ring, g)
+        rings = self.ring_views(position_ids_target, start, window, rows, position_ids, g)
         h = embed_rows(input_ids, self.head_t, self.embed)
         if self.mask_row is not None:  # a separate mask embedding replaces embed[MASK]
             h = torch.where((input_ids == self.c.mask_token_id)[..., None], self.mask_row, h)
@@ -594,8 +612,8 @@ class ExportDraft(nn.Module):
         retained = []
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.kv(target_hidden, ccos, csin)  # [b, n_kv, s, hd]
-            if self.ring_layers[i]:
-                (at, read), mask = (r_slots, r_reads), r_mask
+            if self.rings[i]:
+                at, read, mask = rings[self.rings[i], layer.window is not None]
             else:
                 (at, read), mask = (slots, reads), ctx_mask
             cache_k, keys = update_cache(past[2 * i], rows, at, k, read)  # [b, n_kv, L, hd]

@@ -161,6 +161,7 @@ def load(
         backend = "qaic" if m.compiled and qaic_available() else "ort"
     placement = None if device_ids is None else devices.place(device_ids, profile_placement(m))
     if backend == "qaic":
+        devices.check_generation(m, devices.host_generation())  # QPCs for this card's kind
         if placement is None:
             placement = profile_placement(m)
         else:

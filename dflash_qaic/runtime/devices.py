@@ -16,7 +16,11 @@ it:
   profile checked that their cores fit on one device together; a split profile did not).
 
 Ids are distinct non-negative ints. On the `qaic` backend they must exist: the devices on the
-host are read from `qaic-util -q` when the AI100 tools are installed. ONNX Runtime has no
+host are read from `qaic-util -q` when the AI100 tools are installed. The `qaic` backend also
+reads the card's generation as QEfficient does (`host_generation`: `qaic-util -q`'s
+`NSP IMAGE_VARIANT`, else the Qualcomm PCI device id `lspci` lists) and refuses QPCs compiled
+for another (`-aic-hw-version` in their compile command; a QPC of one generation does not run
+on the other). ONNX Runtime has no
 devices: the `ort` backends take any valid ids, record them (`Pipeline.device_ids`) and report
 them (dflash-serve's `/metrics`, `dflash:device_info`), so replicas are told apart the same way
 on a laptop and on a card.
@@ -27,6 +31,7 @@ from __future__ import annotations
 import logging
 import numbers
 import re
+import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -41,6 +46,13 @@ PROGRAMS = contract.ROLE_NAMES  # a Placement field per program role
 #: the AI100 Platform SDK's device query tool (`qaic-util -q` lists each device as "QID n")
 QAIC_UTIL = Path("/opt/qti-aic/tools/qaic-util")
 _QID = re.compile(r"^\s*QID\s+(\d+)\b", re.M)
+#: the card generation: qaic-util's image variant of the first device it lists (AIC100…,
+#: AIC200…), else lspci's Qualcomm PCI device ids (QEfficient's tables)
+_VARIANT = re.compile(r"NSP IMAGE_VARIANT\s*:\s*(\S+)")
+_PCI_DEVICE = re.compile(r"\bDevice\s+([0-9a-fA-F]+)", re.I)
+PCI_GENERATIONS = {"a110": "ai200", "a100": "ai100", "a0dc": "ai100"}
+EXAMPLE_PROFILE = {"ai100": "ai100_mxfp6_mxint8", "ai200": "ai200_bf16"}  # qpc_configs/
+_HW_VERSION = re.compile(r"-aic-hw-version=(\w+)")
 
 
 class Placement(NamedTuple("_Placement", [(role, tuple[int, ...]) for role in PROGRAMS])):
@@ -149,18 +161,71 @@ def _place_each(device_ids: Mapping, profile: Placement) -> Placement:
     return Placement(out["target"], out["draft"])
 
 
-def host_devices(tool: Path = QAIC_UTIL) -> tuple[int, ...] | None:
+def _output(command: list[str]) -> str | None:
+    """A tool's stdout, or None when it is not installed or does not answer."""
+    try:
+        res = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.debug("cannot run %s: %s", command[0], e)
+        return None
+    return res.stdout
+
+
+def qaic_util() -> Path:
+    """The SDK's qaic-util, or the one on PATH when the SDK's directory has none."""
+    found = None if QAIC_UTIL.is_file() else shutil.which("qaic-util")
+    return Path(found) if found else QAIC_UTIL
+
+
+def host_devices(tool: Path | None = None) -> tuple[int, ...] | None:
     """The AI100 devices on this host (the QIDs `qaic-util -q` lists), or None when the tool is
     not installed or does not answer (then nothing is checked here: opening a session on a
     missing device fails in the runtime instead)."""
-    try:
-        res = subprocess.run(
-            [str(tool), "-q"], capture_output=True, text=True, timeout=60, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        log.debug("cannot list the AI100 devices with %s: %s", tool, e)
-        return None
-    return parse_qids(res.stdout)
+    out = _output([str(tool or qaic_util()), "-q"])
+    return None if out is None else parse_qids(out)
+
+
+def host_generation(tool: Path | None = None) -> str | None:
+    """The card generation on this host, "ai100" or "ai200", found as QEfficient finds it:
+    the first `NSP IMAGE_VARIANT` `qaic-util -q` prints (AIC200… or AIC100…), else the first
+    Qualcomm Cloud AI device `lspci` lists by PCI device id; None when neither says."""
+    out = _output([str(tool or qaic_util()), "-q"])
+    gen = parse_generation(out or "")
+    return gen or parse_pci_generation(_output(["lspci"]) or "")
+
+
+def parse_generation(text: str) -> str | None:
+    """ "ai200" / "ai100" from the first `NSP IMAGE_VARIANT` of `qaic-util -q`'s output."""
+    m = _VARIANT.search(text)
+    variant = m.group(1).upper() if m else ""
+    return "ai200" if "AIC200" in variant else "ai100" if "AIC100" in variant else None
+
+
+def parse_pci_generation(text: str) -> str | None:
+    """ "ai200" / "ai100" from the first Qualcomm line of `lspci`'s output that names a known
+    device id (PCI_GENERATIONS)."""
+    for line in text.splitlines():
+        m = _PCI_DEVICE.search(line) if "qualcomm" in line.lower() else None
+        if m and m.group(1).lower() in PCI_GENERATIONS:
+            return PCI_GENERATIONS[m.group(1).lower()]
+    return None
+
+
+def check_generation(manifest, generation: str | None) -> None:
+    """Every compiled program of `manifest` was compiled for the card `generation` (None:
+    unknown, pass): its compile command's `-aic-hw-version` (absent: ai100, the compiler's
+    default). A BackendError naming both and the fix otherwise."""
+    if generation is None:
+        return
+    for p in manifest.programs.values():
+        m = p.qpc and _HW_VERSION.search(p.qpc.command)
+        built = m.group(1) if m else "ai100"
+        if p.qpc is not None and built != generation:
+            raise BackendError(
+                f"the {p.kind} QPC was compiled for {built}, but this host's card is "
+                f"{generation} (`qaic-util -q`): re-export with a profile of hw_version "
+                f"{generation} (e.g. --qpc-config {EXAMPLE_PROFILE.get(generation, '…')})"
+            )
 
 
 def parse_qids(text: str) -> tuple[int, ...] | None:

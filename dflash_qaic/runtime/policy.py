@@ -130,12 +130,7 @@ class StepPolicy:
         h_draft = host.get("draft", host.get("decode", 0.0))
         t_dec += host.get("decode", h_draft)
         extra = costs.draft_s + h_draft if draft else 0.0
-        best = np.inf
-        for n, t in costs.verify_s.items():
-            need = (t + extra) / t_dec - 1.0  # the proposals a step of n rows must keep
-            if need <= n - 1:
-                best = min(best, need)
-        return best
+        return break_even(costs.verify_s, extra, t_dec)[0]
 
     def want(self, slots, costs) -> list[bool]:
         """Which of `slots` (the rows going on after this step) draft for their next step: the
@@ -168,6 +163,21 @@ class StepPolicy:
         thr = self.threshold(costs, draft=False)
         mix = [p if self.probing[r] else 0.5 * (self.est[r] + p) for r, p in zip(slots, e)]
         return [m >= thr for m in mix]
+
+
+def break_even(verify_s: dict[int, float], draft_s: float, decode_s: float):
+    """(the fewest proposals a drafted step must keep on average to commit tokens as fast as
+    decoding does, the verify length that needs fewest): a step of n verify rows costs
+    verify_s[n] + draft_s and commits 1 + kept tokens, a decode step decode_s and 1, so
+    kept ≥ (verify_s[n] + draft_s) / decode_s − 1, which a step of n rows can keep only if
+    ≤ n − 1. (inf, None) when no length can. The break-even τ per step is 1 + kept: the
+    policy's rule, and the projection's (bench/project.py) on the card's roofline."""
+    best, at = np.inf, None
+    for n, t in sorted(verify_s.items()):
+        need = (t + draft_s) / decode_s - 1.0
+        if need <= n - 1 and need < best:
+            best, at = need, n
+    return best, at
 
 
 def _mean(old: float | None, new: float, weight: float) -> float:
