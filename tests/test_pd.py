@@ -171,3 +171,32 @@ def test_unreachable_prefill_fails_that_request_alone(pd_servers):
         if line.startswith("vllm:num_requests_running{")
     ]  # fmt: skip
     assert running and running[0].endswith(" 0.0")  # nothing left in a row
+
+
+def test_a_lease_ends_when_pulled_or_expired():
+    from dflash_qaic.serve.pd import Leases
+
+    now = [0.0]
+    leases = Leases(lease_s=60.0, clock=lambda: now[0])
+    a, b = leases.put(b"a"), leases.put(b"b")
+    assert leases.take(a) == b"a" and leases.take(a) is None  # pulled once
+    now[0] = 60.0
+    assert len(leases) == 0 and leases.take(b) is None  # expired: its memory gone too
+
+
+def test_the_prefill_side_caps_a_payload():
+    """A payload over --kv-max-bytes is refused (413) before a lease holds it."""
+    from types import SimpleNamespace
+
+    from dflash_qaic.serve import pd
+    from dflash_qaic.serve.protocol import APIError
+
+    state = SimpleNamespace(pd=pd.Config("prefill", max_bytes=10), leases=pd.Leases())
+    request = SimpleNamespace(app=SimpleNamespace(state=state), scope={})
+    with pytest.raises(APIError, match="exceeds --kv-max-bytes 10") as e:
+        pd.transfer_params(request, b"x" * 11)
+    assert e.value.status == 413 and len(state.leases) == 0
+    state.engine_id = "e"
+    assert pd.transfer_params(request, b"x" * 10)["payload_bytes"] == 10
+    with pytest.raises(ValueError, match="kv-max-bytes"):
+        pd.Config("decode", max_bytes=0)

@@ -106,12 +106,37 @@ class Metrics:
         self._kv_bytes = counter(
             "dflash:kv_transfer_bytes", "Hand-off payload bytes exported (prefill role)"
         ).labels(model_name)
+        self._kv_pull = histogram(
+            "dflash:kv_transfer_seconds",
+            "Time to pull one hand-off payload, handshake included (decode role)",
+            _LATENCY,
+        )
+        self._kv_pulled = counter(
+            "dflash:kv_transfer_received_bytes", "Hand-off payload bytes pulled (decode role)"
+        ).labels(model_name)
+        self._kv_fallback = counter(
+            "dflash:kv_transfer_fallbacks",
+            "Hand-offs that failed and were prefilled locally (--fallback-local-prefill)",
+        ).labels(model_name)
         self._iteration_tokens = histogram(
             "vllm:iteration_tokens_total", "Tokens per engine step", _ITERATION
         )
 
     def kv_transfer(self, nbytes: int) -> None:
         self._kv_bytes.inc(nbytes)
+
+    def kv_pulled(self, nbytes: int, seconds: float) -> None:
+        self._kv_pulled.inc(nbytes)
+        self._kv_pull.observe(seconds)
+
+    def kv_fallback(self) -> None:
+        self._kv_fallback.inc()
+
+    def pd_role(self, role: str) -> None:
+        """The server's --role (serve/pd.py): dflash:role_info{role=...} 1."""
+        info = Gauge("dflash:role_info", "This server's P/D role", ["model_name", "role"],
+                     registry=self.registry)  # fmt: skip
+        info.labels(self._model, role).set(1)
 
     def running_now(self, n: int) -> None:
         """`n` sequences are in the engine's slots."""

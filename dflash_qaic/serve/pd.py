@@ -1,46 +1,77 @@
 """dflash-serve's prefill and decode roles (docs/DESIGN.md, Disaggregated prefill), over vLLM's
-`kv_transfer_params` contract:
+`kv_transfer_params` contract, so that `vllm-router --vllm-pd-disaggregation --prefill URL
+--decode URL` drives them unchanged:
 
     prefill  (--role prefill) a request with {"do_remote_decode": true} is prefilled up to its
              last prompt token (runtime/handoff.py); the payload waits under a lease and the
              answer's `kv_transfer_params` say where to pull it ({"do_remote_prefill": true,
-             "remote_host", "remote_port", "remote_handoff_id", ...})
-    decode   (--role decode) a request with those params pulls the payload over HTTP from the
-             prefill server (GET /v1/dflash/kv/{id}, with this server's --api-key, bounded
-             size) in a thread off the event loop and the engine thread, then the engine
-             admits it with the payload
+             "remote_host", "remote_port", "remote_handoff_id", "remote_engine_id", ...})
+    decode   (--role decode) a request with those params first checks, once per prefill
+             engine, that the prefill server loads the same artifacts (the handshake,
+             GET /v1/dflash/kv: its format version and programs' fingerprint), then pulls the
+             payload (GET /v1/dflash/kv/{id}, with this server's --api-key, at most
+             --kv-max-bytes) in a thread off the event loop and the engine thread; the engine
+             admits the request with it
     both     (default) as before; kv_transfer_params asking for a hand-off are refused
 
-A lease ends when pulled or after LEASE_S seconds; an unknown or expired lease is a 404 whose
-message the decode side passes on to its client.
+A lease ends when pulled or after `lease_s` seconds; an unknown or expired lease is a 404 whose
+message the decode side passes on. A hand-off that cannot be had (the prefill server
+unreachable or gone mid-transfer, the lease ended, other artifacts, a payload over the cap)
+fails its request alone with a 502 naming the cause, or, with --fallback-local-prefill, the
+decode server prefills the prompt itself. A decode server refuses requests that bring no
+hand-off (they would run their prefill between its decoding steps) unless
+--fallback-local-prefill.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import http.client
 import itertools
+import json
+import logging
 import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 
 from fastapi import Request, Response
 
+from dflash_qaic.runtime import handoff
 from dflash_qaic.serve.protocol import APIError
+
+log = logging.getLogger("dflash_qaic.serve.pd")
 
 ROLES = ("both", "prefill", "decode")
 LEASE_S = 60.0
-MAX_PAYLOAD = 1 << 30  # bytes one pull may take
+MAX_PAYLOAD = 1 << 30  # bytes one hand-off may take (--kv-max-bytes)
 PULL_TIMEOUT_S = 30.0
-KV_PATH = "/v1/dflash/kv/"
+KV_PATH = "/v1/dflash/kv"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A server's P/D settings (dflash-serve --role, --fallback-local-prefill, --kv-max-bytes)."""
+
+    role: str = "both"
+    fallback_local_prefill: bool = False
+    max_bytes: int = MAX_PAYLOAD
+    lease_s: float = LEASE_S
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"role {self.role!r}: one of {', '.join(ROLES)}")
+        if self.max_bytes < 1:
+            raise ValueError(f"--kv-max-bytes must be ≥ 1 (got {self.max_bytes})")
 
 
 class Leases:
     """Payloads waiting for their decode side: id -> (bytes, deadline), swept on each use."""
 
-    def __init__(self, lease_s: float = LEASE_S):
-        self.lease_s = lease_s
+    def __init__(self, lease_s: float = LEASE_S, clock=time.monotonic):
+        self.lease_s, self._clock = lease_s, clock
         self._lock, self._ids = threading.Lock(), itertools.count()
         self._held: dict[str, tuple[bytes, float]] = {}
 
@@ -48,7 +79,7 @@ class Leases:
         with self._lock:
             self._sweep()
             key = f"h{next(self._ids)}-{time.monotonic_ns()}"
-            self._held[key] = (payload, time.monotonic() + self.lease_s)
+            self._held[key] = (payload, self._clock() + self.lease_s)
             return key
 
     def take(self, key: str) -> bytes | None:
@@ -64,51 +95,126 @@ class Leases:
             return len(self._held)
 
     def _sweep(self) -> None:
-        now = time.monotonic()
-        for k in [k for k, (_, t) in self._held.items() if t < now]:
+        now = self._clock()
+        for k in [k for k, (_, t) in self._held.items() if t <= now]:
             del self._held[k]
 
 
-def add_routes(app, leases: Leases) -> None:
-    """GET /v1/dflash/kv/{id}: a prefill server's payloads (behind the app's --api-key)."""
+def setup(app, engine, api_key: str | None, cfg: Config) -> None:
+    """The app's P/D state; a prefill server's routes (behind the app's --api-key):
+    GET /v1/dflash/kv (the handshake) and GET /v1/dflash/kv/{id} (a payload, its lease ends)."""
+    app.state.pd, app.state.role, app.state.api_key = cfg, cfg.role, api_key
+    app.state.leases = Leases(cfg.lease_s)
+    app.state.engine_id = f"dflash-{uuid.uuid4().hex[:16]}"
+    app.state.fingerprint = handoff.fingerprint(engine.pipe.artifacts)
+    app.state.handshaken = set()  # decode side: prefill engines whose handshake passed
+    engine.metrics.pd_role(cfg.role)
+    if cfg.role != "prefill":
+        return
+
+    async def hello():
+        return {
+            "version": handoff.VERSION,
+            "engine_id": app.state.engine_id,
+            "fingerprint": app.state.fingerprint,
+        }
 
     async def pull(key: str):
-        payload = leases.take(key)
+        payload = app.state.leases.take(key)
         if payload is None:
             raise APIError(f"hand-off {key!r} is unknown or its lease expired", 404)
         return Response(payload, media_type="application/octet-stream")
 
-    app.add_api_route(KV_PATH + "{key}", pull, methods=["GET"])
+    app.add_api_route(KV_PATH, hello, methods=["GET"])
+    app.add_api_route(KV_PATH + "/{key}", pull, methods=["GET"])
 
 
-def _pull(url: str, api_key: str | None, max_bytes: int) -> bytes:
+def _open(url: str, api_key: str | None):
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    req = urllib.request.Request(url, headers=headers)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # direct
     try:
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # direct
-        with opener.open(req, timeout=PULL_TIMEOUT_S) as r:
-            data = r.read(max_bytes + 1)
+        return opener.open(urllib.request.Request(url, headers=headers), timeout=PULL_TIMEOUT_S)
     except urllib.error.HTTPError as e:
         detail = e.read(2000).decode("utf-8", "replace")
         raise APIError(f"the prefill server refused the hand-off ({e.code}): {detail}", 502) from e
-    except (OSError, urllib.error.URLError) as e:
+    except (OSError, urllib.error.URLError, http.client.HTTPException) as e:
         raise APIError(f"the prefill server at {url} is unreachable: {e}", 502) from e
+
+
+def _read(resp, url: str, max_bytes: int) -> bytes:
+    """The body of `resp`, at most max_bytes (refused from its Content-Length when it says
+    more), whole (a server gone mid-body is an error, not a short payload)."""
+    size = resp.headers.get("Content-Length")
+    if size is not None and int(size) > max_bytes:
+        raise APIError(
+            f"the hand-off payload of {size} bytes exceeds --kv-max-bytes {max_bytes}", 502
+        )
+    try:
+        data = resp.read(max_bytes + 1)
+    except (OSError, http.client.HTTPException) as e:
+        raise APIError(f"the prefill server at {url} ended the transfer early: {e}", 502) from e
     if len(data) > max_bytes:
-        raise APIError(f"the hand-off payload exceeds {max_bytes} bytes", 502)
+        raise APIError(f"the hand-off payload exceeds --kv-max-bytes {max_bytes}", 502)
+    if size is not None and len(data) != int(size):
+        raise APIError(
+            f"the prefill server at {url} ended the transfer early ({len(data)} of {size} bytes)",
+            502,
+        )
     return data
+
+
+def handshake(base: str, api_key: str | None, mine: dict, engine_id) -> None:
+    """The first contact with a prefill engine: refused (a 502 naming what differs) unless it
+    reads the same payload version and loads the same programs and state specs."""
+    with _open(base + KV_PATH, api_key) as r:
+        try:
+            hello = json.loads(_read(r, base, 1 << 20))
+        except ValueError as e:
+            raise APIError(f"{base} answered the hand-off handshake with no JSON", 502) from e
+    if hello.get("version") != handoff.VERSION:
+        raise APIError(
+            f"the prefill server at {base} writes hand-off version {hello.get('version')!r}; "
+            f"this decode server reads version {handoff.VERSION}: run the same dflash-qaic",
+            502,
+        )
+    theirs = hello.get("fingerprint") or {}
+    differ = [k for k in mine if theirs.get(k) != mine[k]]
+    if differ:
+        raise APIError(
+            f"the prefill server at {base} loads other artifacts ({', '.join(differ)} differ): "
+            "prefill and decode must load the same artifacts directory (same export)",
+            502,
+        )
+    if engine_id is not None and hello.get("engine_id") != engine_id:
+        raise APIError(f"{base} is no longer the prefill engine {engine_id} (restarted?)", 502)
+
+
+def fetch(app, kv: dict) -> bytes:
+    """A decode server's hand-off: the handshake (once per prefill engine), then the payload."""
+    host, port, key = kv.get("remote_host"), kv.get("remote_port"), kv.get("remote_handoff_id")
+    if not (isinstance(host, str) and isinstance(port, int) and isinstance(key, str)):
+        raise APIError(
+            "do_remote_prefill needs remote_host, remote_port and remote_handoff_id (the "
+            "prefill answer's kv_transfer_params)",
+            param="kv_transfer_params",
+        )
+    base = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    api_key, engine_id = app.state.api_key, kv.get("remote_engine_id")
+    if (base, engine_id) not in app.state.handshaken:
+        handshake(base, api_key, app.state.fingerprint, engine_id)
+        app.state.handshaken.add((base, engine_id))
+    with _open(f"{base}{KV_PATH}/{key}", api_key) as r:
+        return _read(r, base, app.state.pd.max_bytes)
 
 
 async def prepare(fe, request: Request, req, params):
     """`params` with the request's hand-off: export only (a prefill role's do_remote_decode),
     or the pulled payload (a decode role's do_remote_prefill)."""
     kv = req.kv_transfer_params or {}
-    role = request.app.state.role
+    app = request.app
+    cfg: Config = app.state.pd
     if kv.get("do_remote_decode"):
-        if role != "prefill":
-            raise APIError(
-                f"do_remote_decode needs a server started with --role prefill (this one: {role})",
-                param="kv_transfer_params",
-            )
+        _need_role(cfg, "prefill", "do_remote_decode")
         if getattr(req, "stream", False):
             raise APIError(
                 "do_remote_decode answers with kv_transfer_params in one body: set stream false",
@@ -116,36 +222,54 @@ async def prepare(fe, request: Request, req, params):
             )
         return dataclasses.replace(params, export_only=True)
     if kv.get("do_remote_prefill"):
-        if role != "decode":
-            raise APIError(
-                f"do_remote_prefill needs a server started with --role decode (this one: {role})",
-                param="kv_transfer_params",
-            )
-        host, port, key = kv.get("remote_host"), kv.get("remote_port"), kv.get("remote_handoff_id")
-        if not (isinstance(host, str) and isinstance(port, int) and isinstance(key, str)):
-            raise APIError(
-                "do_remote_prefill needs remote_host, remote_port and remote_handoff_id (the "
-                "prefill answer's kv_transfer_params)",
-                param="kv_transfer_params",
-            )
-        url = f"http://{host}:{port}{KV_PATH}{key}"
-        api_key = request.app.state.api_key
-        payload = await asyncio.to_thread(_pull, url, api_key, MAX_PAYLOAD)
+        _need_role(cfg, "decode", "do_remote_prefill")
+        t0 = time.monotonic()
+        try:
+            payload = await asyncio.to_thread(fetch, app, kv)
+        except APIError as e:
+            if not cfg.fallback_local_prefill or e.status != 502:
+                raise
+            log.warning("hand-off failed, prefilling locally (--fallback-local-prefill): %s", e)
+            fe.engine.metrics.kv_fallback()
+            return params
+        fe.engine.metrics.kv_pulled(len(payload), time.monotonic() - t0)
         return dataclasses.replace(params, handoff=payload)
+    if cfg.role == "decode" and not cfg.fallback_local_prefill:
+        raise APIError(
+            "this server runs --role decode: a request needs the kv_transfer_params of a "
+            "prefill server's answer (send it through vllm-router --vllm-pd-disaggregation), "
+            "or start it with --fallback-local-prefill to prefill requests that bring none",
+            param="kv_transfer_params",
+        )
     return params
+
+
+def _need_role(cfg: Config, role: str, what: str) -> None:
+    if cfg.role != role:
+        raise APIError(
+            f"{what} needs a server started with --role {role} (this one: {cfg.role})",
+            param="kv_transfer_params",
+        )
 
 
 def transfer_params(request: Request, payload: bytes) -> dict:
     """The prefill answer's kv_transfer_params: where the decode side pulls `payload`."""
+    app = request.app
+    cap = app.state.pd.max_bytes
+    if len(payload) > cap:
+        raise APIError(
+            f"the hand-off payload of {len(payload)} bytes exceeds --kv-max-bytes {cap}: "
+            "raise it on both servers or send shorter prompts",
+            413,
+        )
     host, port = request.scope.get("server") or ("127.0.0.1", 0)
-    key = request.app.state.leases.put(payload)
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_host": host,
         "remote_port": port,
-        "remote_handoff_id": key,
-        "remote_engine_id": "dflash",
+        "remote_handoff_id": app.state.leases.put(payload),
+        "remote_engine_id": app.state.engine_id,
         "remote_block_ids": None,
         "payload_bytes": len(payload),
     }
