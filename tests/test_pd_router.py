@@ -282,3 +282,26 @@ def test_prefill_killed_mid_request(fleet, agg):
     want = agg.generate(ids, 8, stop_token_ids=[]).tokens
     body = dict(prompt=ids, max_tokens=8, ignore_eos=True, return_token_ids=True, temperature=0)
     assert _tokens(fleet.url, body) == want
+
+
+def test_launcher_xpyd_groups(cb_artifacts, capsys):
+    """dflash-serve-replicas --prefill-device-ids … --decode-device-ids …: the prefill groups
+    then the decode groups, each device in one group; mixed with --replicas refused."""
+    from argparse import Namespace
+
+    from dflash_qaic.serve.replicas import ReplicasError, _groups_and_roles, main, parser
+
+    args = parser().parse_args(
+        [str(cb_artifacts), "--prefill-device-ids", "0", "--prefill-device-ids", "1",
+         "--decode-device-ids", "2,3"]
+    )  # fmt: skip
+    assert _groups_and_roles(args) == ([[0], [1], [2, 3]], ["prefill", "prefill", "decode"])
+    both = Namespace(artifacts=cb_artifacts, replicas=2, device_ids=None,
+                     prefill_device_ids=None, decode_device_ids=None)  # fmt: skip
+    assert _groups_and_roles(both) == ([[0], [1]], ["both", "both"])
+    with pytest.raises(ReplicasError, match="device 1 is in the groups of replicas 1 and 2"):
+        _groups_and_roles(Namespace(**{**vars(args), "decode_device_ids": [[1]]}))
+    with pytest.raises(ReplicasError, match="leave out --replicas"):
+        _groups_and_roles(Namespace(**{**vars(args), "replicas": 2}))
+    assert main([str(cb_artifacts), "--prefill-device-ids", "0"]) == 2  # no decode group
+    assert "at least one prefill and one decode" in capsys.readouterr().err

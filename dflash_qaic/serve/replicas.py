@@ -1,7 +1,9 @@
 """`dflash-serve-replicas`: one `dflash-serve` per device group, `vllm-router` in front.
 
     dflash-serve-replicas artifacts/default --device-ids 0 --device-ids 1
-    dflash-serve-replicas ARTIFACTS (--replicas N | --device-ids IDS [--device-ids IDS ...])
+    dflash-serve-replicas artifacts/default --prefill-device-ids 0 --decode-device-ids 1
+    dflash-serve-replicas ARTIFACTS (--replicas N | --device-ids IDS [--device-ids IDS ...]
+                          | --prefill-device-ids IDS [...] --decode-device-ids IDS [...])
                           [--host 127.0.0.1] [--port 8000] [--policy round_robin]
                           [--serve-args "--threads 1 --max-num-seqs 4"] [--router-args "..."]
                           [--router-metrics-port N] [--log-dir DIR] [--startup-timeout S]
@@ -14,6 +16,13 @@ When every replica answers /health, `vllm-router` (the vLLM project's router, `p
 every 2 s, retries, --policy (default round_robin), its Prometheus metrics on 127.0.0.1:
 --router-metrics-port (default: a free port); --router-args adds or overrides router flags. The
 line "dflash-serve-replicas: routing ... on URL" on stdout says where clients go.
+
+With --prefill-device-ids and --decode-device-ids (each given once per replica) the replicas
+are `dflash-serve --role prefill` and `--role decode` servers (xPyD) and the router runs in its
+P/D mode (`--vllm-pd-disaggregation --prefill URL ... --decode URL ...`): each request is
+prefilled on a prefill replica, whose payload the decode replica pulls (serve/pd.py). The router
+sends its own `Authorization: Bearer $OPENAI_API_KEY` upstream in that mode: the launcher sets
+it to the replicas' API key.
 
 A replica that exits is started again on its port and devices (the router's health checks take
 it back when it answers). SIGTERM or Ctrl-C stops the router, then the replicas (each drains
@@ -377,6 +386,15 @@ def parser() -> argparse.ArgumentParser:
     p = doc_parser("dflash-serve-replicas", __doc__)
     p.add_argument("--replicas", type=int, default=None, help="replicas on consecutive devices")
     options.add_arguments(p, "device_ids", repeat=True)
+    for role in ("prefill", "decode"):
+        p.add_argument(
+            f"--{role}-device-ids",
+            action="append",
+            type=options._device_ids,
+            default=None,
+            help=f"one {role} replica's devices (dflash-serve --role {role}), given once per "
+            "replica: prefill/decode disaggregation behind the router's P/D mode",
+        )
     p.add_argument("--host", default="127.0.0.1", help="the router's address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="the router's port (default 8000)")
     p.add_argument("--policy", default="round_robin", choices=POLICIES, help="vllm-router policy")
@@ -402,6 +420,22 @@ def parser() -> argparse.ArgumentParser:
     levels = ["critical", "error", "warning", "info", "debug"]
     p.add_argument("--log-level", default="info", choices=levels, help="replicas' log level")
     return p
+
+
+def _groups_and_roles(args) -> tuple[list[list[int]], list[str]]:
+    """The device groups and their dflash-serve --role: all "both" (--replicas, --device-ids),
+    or the prefill groups then the decode groups."""
+    pre, dec = args.prefill_device_ids or [], args.decode_device_ids or []
+    if not (pre or dec):
+        groups = device_groups(args.artifacts, args.replicas, args.device_ids)
+        return groups, ["both"] * len(groups)
+    if args.replicas is not None or args.device_ids:
+        raise ReplicasError(
+            "--prefill-device-ids/--decode-device-ids name every replica: leave out "
+            "--replicas and --device-ids"
+        )
+    groups = device_groups(args.artifacts, None, pre + dec)  # checked for overlap
+    return groups, ["prefill"] * len(pre) + ["decode"] * len(dec)
 
 
 def _supervise(reps: Replicas, stopping: threading.Event) -> int:
@@ -431,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="dflash-serve-replicas: %(message)s")
     try:
-        groups = device_groups(args.artifacts, args.replicas, args.device_ids)
+        groups, roles = _groups_and_roles(args)
         reps = Replicas(
             args.artifacts,
             groups,
@@ -444,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             log_dir=args.log_dir,
             log_level=args.log_level,
             timeout=args.startup_timeout,
+            roles=roles,
         )
         router_command()
     except (ReplicasError, OSError, ValueError, ImportError) as e:
@@ -469,13 +504,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i, r in enumerate(reps.replicas):
             print(
-                f"dflash-serve-replicas: replica {i} on {r.url} (devices "
+                f"dflash-serve-replicas: replica {i} ({roles[i]}) on {r.url} (devices "
                 f"{','.join(map(str, groups[i]))}, pid {r.proc.pid}, log {r.log_path})",
                 flush=True,
             )
+        pd = f"P/D mode {roles.count('prefill')}P{roles.count('decode')}D, "
+        mode = "" if set(roles) == {"both"} else pd
         print(
             f"dflash-serve-replicas: routing {len(groups)} replicas on {reps.url} (vllm-router, "
-            f"policy {args.policy}, metrics {reps.router.metrics_url}, logs {reps.log_dir})",
+            f"{mode}policy {args.policy}, metrics {reps.router.metrics_url}, logs "
+            f"{reps.log_dir})",
             flush=True,
         )
         return _supervise(reps, stopping)
