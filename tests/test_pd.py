@@ -200,3 +200,20 @@ def test_the_prefill_side_caps_a_payload():
     assert pd.transfer_params(request, b"x" * 10)["payload_bytes"] == 10
     with pytest.raises(ValueError, match="kv-max-bytes"):
         pd.Config("decode", max_bytes=0)
+
+
+def test_payload_bytes_per_prompt_token_equal_the_formula(pd):
+    """The raw bytes after the header are (P − 1) · (every state buffer's bytes per position +
+    the feature row + its int64 position): nothing else crosses."""
+    pre, _, _ = pd
+    m = pre.artifacts
+    per_position = 0
+    for spec in m.target.io.state:
+        for buf in spec.to_json()["buffers"]:
+            dims = [d for i, d in enumerate(buf["shape"]) if i not in (0, buf["slot_axis"])]
+            per_position += int(np.prod(dims)) * np.dtype(buf["dtype"]).itemsize
+    per_position += m.draft.io.hidden_size * 4 + 8  # fp32 feature row, int64 position
+    for P in (2, 9, len(IDS)):
+        data = handoff.export(pre.engine(), m, IDS[:P])
+        (n,) = struct.unpack_from("<I", data, 8)
+        assert len(data) - 12 - n == (P - 1) * per_position
