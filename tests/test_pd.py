@@ -217,3 +217,71 @@ def test_payload_bytes_per_prompt_token_equal_the_formula(pd):
         data = handoff.export(pre.engine(), m, IDS[:P])
         (n,) = struct.unpack_from("<I", data, 8)
         assert len(data) - 12 - n == (P - 1) * per_position
+
+
+def test_shared_memory_leases_live_in_files(tmp_path):
+    """--kv-transport shm: a payload is a 0600 file of the shm directory, removed when read,
+    expired or the server stops."""
+    from dflash_qaic.serve.pd import SHM_PREFIX, Leases
+
+    now = [0.0]
+    leases = Leases(lease_s=60.0, clock=lambda: now[0], shm_dir=tmp_path)
+    a, b = leases.put(b"a"), leases.put(b"b")
+    leases.put(b"c")
+    path = tmp_path / (SHM_PREFIX + a)
+    assert path.read_bytes() == b"a" and path.stat().st_mode & 0o777 == 0o600
+    assert leases.take(a) == b"a" and not path.exists() and leases.take(a) is None
+    (tmp_path / (SHM_PREFIX + b)).unlink()  # read by a decode server on this host
+    assert leases.take(b) is None
+    now[0] = 60.0
+    assert len(leases) == 0 and not list(tmp_path.iterdir())  # c expired: its file removed
+    leases.put(b"d")
+    leases.close()
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture(scope="module")
+def shm_prefill(default_artifacts):
+    from dflash_qaic.serve.process import ServerProcess
+
+    args = ["--threads", "1", "--api-key", KEY, "--role", "prefill", "--kv-transport", "shm"]
+    with ServerProcess(default_artifacts, *args) as p:
+        yield p
+
+
+def test_shared_memory_transport_on_one_host(pd_servers, shm_prefill, default_artifacts):
+    """A decode server on the prefill server's host reads the payload from shared memory (the
+    file gone after, the lease with it); params whose shm name is not this payload's are
+    pulled over HTTP; both to the aggregated tokens."""
+    from pathlib import Path
+
+    import dflash_qaic
+
+    _, dec = pd_servers
+    ids = list(range(60, 90))
+    body = dict(prompt=ids, max_tokens=10, ignore_eos=True, return_token_ids=True, temperature=0)
+    want = dflash_qaic.load(default_artifacts).generate(ids, 10, stop_token_ids=[]).tokens
+    for via_shm in (True, False):
+        before = _transfers(dec.url)
+        a = _post(shm_prefill.url, {**body, "kv_transfer_params": {"do_remote_decode": True}})
+        kv = a.json()["kv_transfer_params"]
+        path = Path("/dev/shm") / kv["remote_shm"]
+        assert path.stat().st_size == kv["payload_bytes"]
+        sent = kv if via_shm else {**kv, "remote_shm": "dflash-kv-h0-000000000000"}
+        b = _post(dec.url, {**body, "kv_transfer_params": sent})
+        assert b.status_code == 200 and b.json()["choices"][0]["token_ids"] == want, b.text
+        assert not path.exists()
+        after = _transfers(dec.url)
+        assert after["shm" if via_shm else "http"] == before["shm" if via_shm else "http"] + 1
+        assert sum(after.values()) == sum(before.values()) + 1
+        again = _post(dec.url, {**body, "kv_transfer_params": kv})
+        assert again.status_code == 502 and "unknown or its lease expired" in again.text
+
+
+def _transfers(url) -> dict[str, float]:
+    """The decode server's pulls by transport (dflash:kv_transfer_seconds_count)."""
+    out = {}
+    for line in _get(url, "/metrics").splitlines():
+        if line.startswith("dflash:kv_transfer_seconds_count{"):
+            out[line.split('transport="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return out

@@ -131,6 +131,13 @@ def _add_server_arguments(p: argparse.ArgumentParser) -> None:
         help="largest hand-off payload a prefill server exports or a decode server pulls "
         "(default 1 GiB)",
     )
+    p.add_argument(
+        "--kv-transport",
+        choices=("http", "shm"),
+        default="http",
+        help="--role prefill: shm also offers each payload in shared memory (/dev/shm), read "
+        "there by a decode server on the same host (others pull it over HTTP); default http",
+    )
 
 
 def _add_request_arguments(p: argparse.ArgumentParser) -> None:
@@ -226,6 +233,8 @@ def _check(args) -> str | None:
         raise UsageError(f"--kv-max-bytes must be ≥ 1 (got {args.kv_max_bytes})")
     if args.fallback_local_prefill and args.role != "decode":
         raise UsageError("--fallback-local-prefill is for --role decode servers")
+    if args.kv_transport == "shm" and args.role != "prefill":
+        raise UsageError("--kv-transport shm is for --role prefill servers (decode reads either)")
     if args.verify_lengths is not None:
         try:
             args.verify_lengths = [int(x) for x in args.verify_lengths.split(",")]
@@ -327,7 +336,9 @@ def build_app(args, template: str | None):
             args.structured_output_lenient,
         ),
         role=args.role,
-        pd_config=Config(args.role, args.fallback_local_prefill, args.kv_max_bytes),
+        pd_config=Config(
+            args.role, args.fallback_local_prefill, args.kv_max_bytes, transport=args.kv_transport
+        ),
     )
     return app, engine, pipe
 

@@ -112,11 +112,14 @@ class Metrics:
             ),
         }
         self._kv = {k: counter(*v).labels(model_name) for k, v in kv.items()}
-        self._kv_pull = histogram(
+        pull = Histogram(
             "dflash:kv_transfer_seconds",
             "Time to pull one hand-off payload, handshake included (decode role)",
-            _LATENCY,
+            [*m, "transport"],
+            buckets=_LATENCY,
+            registry=r,
         )
+        self._kv_pull = {t: pull.labels(model_name, t) for t in ("http", "shm")}
         self._iteration_tokens = histogram(
             "vllm:iteration_tokens_total", "Tokens per engine step", _ITERATION
         )
@@ -124,9 +127,9 @@ class Metrics:
     def kv_transfer(self, nbytes: int) -> None:
         self._kv["bytes"].inc(nbytes)
 
-    def kv_pulled(self, nbytes: int, seconds: float) -> None:
+    def kv_pulled(self, nbytes: int, seconds: float, transport: str) -> None:
         self._kv["pulled"].inc(nbytes)
-        self._kv_pull.observe(seconds)
+        self._kv_pull[transport].observe(seconds)
 
     def kv_fallback(self) -> None:
         self._kv["fallback"].inc()

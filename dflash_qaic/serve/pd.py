@@ -14,6 +14,13 @@
              admits the request with it
     both     (default) as before; kv_transfer_params asking for a hand-off are refused
 
+Transports (--kv-transport, a prefill server's): http (default) holds the payload in the
+prefill server's memory for the pull; shm also offers it in shared memory (a file of
+/dev/shm, mode 0600): a decode server on the same host, running as the same user, reads it
+there and removes it (its params' `remote_shm`), and one on another host pulls it over HTTP
+as before; the handshake is over HTTP either way. A prefill server killed with SIGKILL leaves
+its unread files behind (`dflash-kv-*` in /dev/shm).
+
 A lease ends when pulled or after `lease_s` seconds; an unknown or expired lease is a 404 whose
 message the decode side passes on. A hand-off that cannot be had (the prefill server
 unreachable or gone mid-transfer, the lease ended, other artifacts, a payload over the cap)
@@ -26,16 +33,20 @@ hand-off (they would run their prefill between its decoding steps) unless
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import http.client
 import itertools
 import json
 import logging
+import os
+import re
 import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
+from pathlib import Path
 
 from fastapi import Request, Response
 
@@ -49,6 +60,10 @@ LEASE_S = 60.0
 MAX_PAYLOAD = 1 << 30  # bytes one hand-off may take (--kv-max-bytes)
 PULL_TIMEOUT_S = 30.0
 KV_PATH = "/v1/dflash/kv"
+TRANSPORTS = ("http", "shm")
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "dflash-kv-"
+_SHM_NAME = re.compile(r"dflash-kv-h[0-9]+-[0-9a-f]{12}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,52 +74,97 @@ class Config:
     fallback_local_prefill: bool = False
     max_bytes: int = MAX_PAYLOAD
     lease_s: float = LEASE_S
+    transport: str = "http"  # a prefill server's: "shm" also offers shared memory (one host)
+    shm_dir: str = SHM_DIR
 
     def __post_init__(self):
         if self.role not in ROLES:
             raise ValueError(f"role {self.role!r}: one of {', '.join(ROLES)}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"--kv-transport {self.transport!r}: one of {', '.join(TRANSPORTS)}")
+        if self.transport == "shm" and not os.path.isdir(self.shm_dir):
+            raise ValueError(
+                f"--kv-transport shm needs the shared-memory directory {self.shm_dir} (a tmpfs, "
+                "as Linux's /dev/shm): use --kv-transport http on this host"
+            )
         if self.max_bytes < 1:
             raise ValueError(f"--kv-max-bytes must be ≥ 1 (got {self.max_bytes})")
 
 
 class Leases:
-    """Payloads waiting for their decode side: id -> (bytes, deadline), swept on each use."""
+    """Payloads waiting for their decode side: id -> (bytes, deadline), swept on each use.
+    shm_dir (the shared-memory transport): each payload lives in a file `dflash-kv-{id}` of
+    that tmpfs directory instead of this process's memory (mode 0600), which a decode server
+    on the same host reads and removes itself; the lease then holds only the path."""
 
-    def __init__(self, lease_s: float = LEASE_S, clock=time.monotonic):
-        self.lease_s, self._clock = lease_s, clock
+    def __init__(self, lease_s: float = LEASE_S, clock=time.monotonic, shm_dir=None):
+        self.lease_s, self._clock, self.shm_dir = lease_s, clock, shm_dir
         self._lock, self._ids = threading.Lock(), itertools.count()
-        self._held: dict[str, tuple[bytes, float]] = {}
+        self._held: dict[str, tuple[bytes | Path, float]] = {}
+        self._tag = uuid.uuid4().hex[:12]
 
     def put(self, payload: bytes) -> str:
         with self._lock:
             self._sweep()
-            key = f"h{next(self._ids)}-{time.monotonic_ns()}"
-            self._held[key] = (payload, self._clock() + self.lease_s)
+            key = f"h{next(self._ids)}-{self._tag}"
+            held: bytes | Path = payload
+            if self.shm_dir is not None:
+                held = Path(self.shm_dir) / f"{SHM_PREFIX}{key}"
+                fd = os.open(held, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(payload)
+            self._held[key] = (held, self._clock() + self.lease_s)
             return key
 
     def take(self, key: str) -> bytes | None:
-        """The payload under `key`, its lease ended; None when unknown or expired."""
+        """The payload under `key`, its lease ended; None when unknown, expired or (shared
+        memory) already read by a decode server on this host."""
         with self._lock:
             self._sweep()
             held = self._held.pop(key, None)
-        return None if held is None else held[0]
+        if held is None or isinstance(held[0], bytes):
+            return None if held is None else held[0]
+        return _take_file(held[0])
 
     def __len__(self) -> int:
         with self._lock:
             self._sweep()
             return len(self._held)
 
+    def close(self) -> None:
+        """Every lease ended (the server stops): shared-memory files removed."""
+        with self._lock:
+            for held, _ in self._held.values():
+                if isinstance(held, Path):
+                    held.unlink(missing_ok=True)
+            self._held.clear()
+
     def _sweep(self) -> None:
         now = self._clock()
         for k in [k for k, (_, t) in self._held.items() if t <= now]:
-            del self._held[k]
+            held = self._held.pop(k)[0]
+            if isinstance(held, Path):
+                held.unlink(missing_ok=True)
+
+
+def _take_file(path: Path) -> bytes | None:
+    """A shared-memory payload's bytes, the file removed (None when gone already)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    path.unlink(missing_ok=True)
+    return data
 
 
 def setup(app, engine, api_key: str | None, cfg: Config) -> None:
     """The app's P/D state; a prefill server's routes (behind the app's --api-key):
     GET /v1/dflash/kv (the handshake) and GET /v1/dflash/kv/{id} (a payload, its lease ends)."""
     app.state.pd, app.state.role, app.state.api_key = cfg, cfg.role, api_key
-    app.state.leases = Leases(cfg.lease_s)
+    shm = cfg.shm_dir if cfg.role == "prefill" and cfg.transport == "shm" else None
+    app.state.leases = Leases(cfg.lease_s, shm_dir=shm)
+    atexit.register(app.state.leases.close)  # shared-memory files go with the server
     app.state.engine_id = f"dflash-{uuid.uuid4().hex[:16]}"
     app.state.fingerprint = handoff.fingerprint(engine.pipe.artifacts)
     app.state.handshaken = set()  # decode side: prefill engines whose handshake passed
@@ -189,8 +249,9 @@ def handshake(base: str, api_key: str | None, mine: dict, engine_id) -> None:
         raise APIError(f"{base} is no longer the prefill engine {engine_id} (restarted?)", 502)
 
 
-def fetch(app, kv: dict) -> bytes:
-    """A decode server's hand-off: the handshake (once per prefill engine), then the payload."""
+def fetch(app, kv: dict) -> tuple[bytes, str]:
+    """A decode server's hand-off: the handshake (once per prefill engine), then the payload
+    and the transport it came by ("shm" or "http")."""
     host, port, key = kv.get("remote_host"), kv.get("remote_port"), kv.get("remote_handoff_id")
     if not (isinstance(host, str) and isinstance(port, int) and isinstance(key, str)):
         raise APIError(
@@ -203,8 +264,29 @@ def fetch(app, kv: dict) -> bytes:
     if (base, engine_id) not in app.state.handshaken:
         handshake(base, api_key, app.state.fingerprint, engine_id)
         app.state.handshaken.add((base, engine_id))
+    data = _from_shm(kv.get("remote_shm"), key, app.state.pd)
+    if data is not None:
+        return data, "shm"
     with _open(f"{base}{KV_PATH}/{key}", api_key) as r:
-        return _read(r, base, app.state.pd.max_bytes)
+        return _read(r, base, app.state.pd.max_bytes), "http"
+
+
+def _from_shm(name, key: str, cfg: Config) -> bytes | None:
+    """The payload from shared memory when the prefill server offered it and it is on this
+    host (its file in this server's shm_dir); None otherwise (then it is pulled over HTTP)."""
+    if not isinstance(name, str) or not _SHM_NAME.fullmatch(name) or name != SHM_PREFIX + key:
+        return None
+    path = Path(cfg.shm_dir) / name
+    try:
+        if path.stat().st_size > cfg.max_bytes:
+            raise APIError(
+                f"the hand-off payload of {path.stat().st_size} bytes exceeds --kv-max-bytes "
+                f"{cfg.max_bytes}",
+                502,
+            )
+    except FileNotFoundError:
+        return None  # another host's, or its lease ended: HTTP says which
+    return _take_file(path)
 
 
 async def prepare(fe, request: Request, req, params):
@@ -225,14 +307,14 @@ async def prepare(fe, request: Request, req, params):
         _need_role(cfg, "decode", "do_remote_prefill")
         t0 = time.monotonic()
         try:
-            payload = await asyncio.to_thread(fetch, app, kv)
+            payload, transport = await asyncio.to_thread(fetch, app, kv)
         except APIError as e:
             if not cfg.fallback_local_prefill or e.status != 502:
                 raise
             log.warning("hand-off failed, prefilling locally (--fallback-local-prefill): %s", e)
             fe.engine.metrics.kv_fallback()
             return params
-        fe.engine.metrics.kv_pulled(len(payload), time.monotonic() - t0)
+        fe.engine.metrics.kv_pulled(len(payload), time.monotonic() - t0, transport)
         return dataclasses.replace(params, handoff=payload)
     if cfg.role == "decode" and not cfg.fallback_local_prefill:
         raise APIError(
@@ -263,13 +345,15 @@ def transfer_params(request: Request, payload: bytes) -> dict:
             413,
         )
     host, port = request.scope.get("server") or ("127.0.0.1", 0)
+    key = app.state.leases.put(payload)
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_host": host,
         "remote_port": port,
-        "remote_handoff_id": app.state.leases.put(payload),
+        "remote_handoff_id": key,
         "remote_engine_id": app.state.engine_id,
         "remote_block_ids": None,
         "payload_bytes": len(payload),
+        **({"remote_shm": SHM_PREFIX + key} if app.state.leases.shm_dir else {}),
     }
