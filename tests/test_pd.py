@@ -67,9 +67,23 @@ def test_decode_refuses_a_mismatched_payload(pd):
     plain.meta = {}
     with pytest.raises(handoff.HandoffError, match="format version None"):
         handoff.admit(engine, dec.artifacts, req, plain.to_bytes())
-    with pytest.raises(handoff.HandoffError, match="at least 2 tokens"):
-        handoff.export(pre.engine(), pre.artifacts, IDS[:1])
+    with pytest.raises(handoff.HandoffError, match="at least 1 token"):
+        handoff.export(pre.engine(), pre.artifacts, IDS[:0])
     assert not engine.busy  # nothing queued by a refusal
+
+
+def test_a_one_token_prompt_hands_off_no_position(pd):
+    """P = 1: the payload holds no position; the decode side computes the only prompt token
+    and its tokens equal the aggregated run's, greedy and seeded."""
+    pre, dec, _ = pd
+    for sp in (dict(temperature=0), dict(temperature=1.0, seed=5)):
+        data = handoff.export(pre.engine(), pre.artifacts, IDS[:1])
+        assert SlotState.from_bytes(data).upto == 0
+        engine = dec.engine()
+        seq = handoff.admit(engine, dec.artifacts, dec.request(IDS[:1], 8, [], **sp), data)
+        while engine.busy:
+            engine.step()
+        assert seq.result.tokens == dec.generate(IDS[:1], 8, stop_token_ids=[], **sp).tokens
 
 
 def test_a_payload_failing_at_admission_fails_alone(pd):

@@ -100,9 +100,11 @@ def test_router_pd_mode_equals_the_aggregated_tokens(fleet, agg):
         for stream in (False, True):
             body = dict(prompt=ids, max_tokens=24, ignore_eos=True, return_token_ids=True, **sp)
             assert _tokens(fleet.url, {**body, "stream": stream}) == want, (sp, stream)
+    one = dict(prompt=ids[:1], max_tokens=8, ignore_eos=True, return_token_ids=True, temperature=0)
+    assert _tokens(fleet.url, one) == agg.generate(ids[:1], 8, stop_token_ids=[]).tokens
     sent = _metric(pre.url, "dflash:kv_transfer_bytes_total") - sent
     assert sent > 0 and sent == _metric(dec.url, "dflash:kv_transfer_received_bytes_total")
-    assert _metric(dec.url, "dflash:kv_transfer_seconds_count") == 6
+    assert _metric(dec.url, "dflash:kv_transfer_seconds_count") == 7
     with _client(dec.url) as c:
         assert 'dflash:role_info{model_name="' in c.get("/metrics").text
         assert 'role="decode"} 1.0' in c.get("/metrics").text

@@ -56,11 +56,12 @@ def _prompt_sha(ids) -> str:
 
 
 def export(engine, manifest, ids: list[int]) -> bytes:
-    """The hand-off payload of prompt `ids` (P ≥ 2 tokens), prefilled in a free cache row of
-    `engine` between two of its steps (the row is free again on return)."""
+    """The hand-off payload of prompt `ids` (P ≥ 1 tokens; one token hands off no position),
+    prefilled in a free cache row of `engine` between two of its steps (the row is free again
+    on return)."""
     P = len(ids)
-    if P < 2:
-        raise HandoffError(f"a hand-off needs a prompt of at least 2 tokens, got {P}")
+    if P < 1:
+        raise HandoffError("a hand-off needs a prompt of at least 1 token, got none")
     if not engine.free:
         raise HandoffError("no free cache row to prefill in: retry when a request ends")
     slot = heapq.heappop(engine.free)
