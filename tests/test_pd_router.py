@@ -30,6 +30,8 @@ from tests.test_serve import scrape, sse
 KEY = "pd-router-key"
 HANG = [7, 7, 7, 7, 9]  # the prefill server's device hangs on a prompt beginning so
 TIMEOUT = 120  # seconds a client waits (never expected)
+# acceptance comparable across servers: every step drafts and verifies the whole block
+WHOLE_BLOCKS = ["--verify-lengths", "16", "--spec-policy", "always"]
 
 
 class HangingPrefill(Replicas):
@@ -49,7 +51,7 @@ def fleet(cb_artifacts, tmp_path_factory):
         cb_artifacts,
         [[3], [5]],
         roles=["prefill", "decode"],
-        serve_args=["--threads", "1", "--api-key", KEY],
+        serve_args=["--threads", "1", "--api-key", KEY, *WHOLE_BLOCKS],
         log_dir=tmp_path_factory.mktemp("pd-logs"),
         log_level="info",  # the prefill server logs each request it receives
         timeout=180,
@@ -61,7 +63,9 @@ def fleet(cb_artifacts, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def agg(cb_artifacts):
-    return dflash_qaic.load(cb_artifacts, threads=1)
+    pipe = dflash_qaic.load(cb_artifacts, threads=1)
+    pipe.configure(verify_lengths=[16], spec_policy="always")
+    return pipe
 
 
 def _client(url: str) -> httpx.Client:
@@ -96,10 +100,15 @@ def test_router_pd_mode_equals_the_aggregated_tokens(fleet, agg):
     ids = list(range(40, 90))
     sent = _metric(pre.url, "dflash:kv_transfer_bytes_total")
     for sp in (dict(temperature=0), dict(temperature=1.0, seed=3), dict(temperature=0.7, seed=11)):
-        want = agg.generate(ids, 24, stop_token_ids=[], **sp).tokens
+        ref = agg.generate(ids, 24, stop_token_ids=[], **sp)
         for stream in (False, True):
             body = dict(prompt=ids, max_tokens=24, ignore_eos=True, return_token_ids=True, **sp)
-            assert _tokens(fleet.url, {**body, "stream": stream}) == want, (sp, stream)
+            before = _acceptance(dec.url)
+            assert _tokens(fleet.url, {**body, "stream": stream}) == ref.tokens, (sp, stream)
+            after = _acceptance(dec.url)  # the draft's context crossed: acceptance equal
+            steps = len(ref.acceptance_lengths)
+            want = (steps, sum(ref.acceptance_lengths) - steps)
+            assert (after[0] - before[0], after[1] - before[1]) == want, sp
     one = dict(prompt=ids[:1], max_tokens=8, ignore_eos=True, return_token_ids=True, temperature=0)
     assert _tokens(fleet.url, one) == agg.generate(ids[:1], 8, stop_token_ids=[]).tokens
     sent = _metric(pre.url, "dflash:kv_transfer_bytes_total") - sent
@@ -110,6 +119,12 @@ def test_router_pd_mode_equals_the_aggregated_tokens(fleet, agg):
         assert 'role="decode"} 1.0' in c.get("/metrics").text
         plain = c.post("/v1/completions", json=dict(prompt=ids, max_tokens=4))
     assert plain.status_code == 400 and "--fallback-local-prefill" in plain.text
+
+
+def _acceptance(url: str) -> tuple[float, float]:
+    """A server's vllm:spec_decode_num_drafts and _num_accepted_tokens totals."""
+    m = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total")
+    return _metric(url, m[0]), _metric(url, m[1])
 
 
 # ------------------------------------------------------------ a fake prefill server
