@@ -286,7 +286,10 @@ def _from_shm(name, key: str, cfg: Config) -> bytes | None:
             )
     except FileNotFoundError:
         return None  # another host's, or its lease ended: HTTP says which
-    return _take_file(path)
+    try:
+        return _take_file(path)
+    except PermissionError:
+        return None  # another user's: the lease's GET reads it for us
 
 
 async def prepare(fe, request: Request, req, params):
