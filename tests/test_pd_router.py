@@ -192,8 +192,8 @@ def _idle(url: str) -> None:
 
 def test_faults_of_the_transfer_fail_their_request_alone(fleet, agg):
     """A transfer cut mid-body, a prefill server on other artifacts (refused at the handshake:
-    no payload pulled), a payload over --kv-max-bytes (refused from its Content-Length), an
-    ended lease: each a 502 naming the cause; the decode server then serves the hand-off it
+    no payload pulled), a payload over --kv-max-bytes (refused from its Content-Length), a
+    payload of another prompt, an ended lease: each a 502 naming the cause; the decode server then serves the hand-off it
     can have, to the aggregated tokens, and holds no row."""
     dec = fleet.replicas[1]
     ids = list(range(100, 140))
@@ -215,6 +215,9 @@ def test_faults_of_the_transfer_fail_their_request_alone(fleet, agg):
         assert r.status_code == 502 and message in r.json()["error"]["message"], r.text
         if kw["hello"] is other:
             assert fake.paths == ["/v1/dflash/kv"]  # refused at the handshake: nothing pulled
+    with FakePrefill(hello, data) as fake:  # refused off the engine thread: another prompt
+        r = _decode(dec.url, ids[:-1] + [5], {**kv, "remote_port": fake.port})
+    assert r.status_code == 502 and "prefilled for another prompt" in r.text, r.text
     with FakePrefill(hello, data) as fake:  # the whole payload: served
         r = _decode(dec.url, ids, {**kv, "remote_port": fake.port})
     assert r.status_code == 200, r.text

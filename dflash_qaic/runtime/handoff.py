@@ -128,11 +128,11 @@ def parse(manifest, ids: list[int], payload: bytes) -> SlotState:
     return st
 
 
-def admit(engine, manifest, req, payload: bytes):
-    """Queue `req` on the decode `engine` with its hand-off payload (checked now); at admission
-    its row takes the payload (`enter`) and the engine's prefill computes the last prompt
-    token. Returns its Sequence."""
-    st = parse(manifest, req.ids, payload)
+def admit(engine, manifest, req, payload: bytes | SlotState):
+    """Queue `req` on the decode `engine` with its hand-off payload (its bytes, checked now, or
+    what `parse` made of them for this prompt); at admission its row takes the payload
+    (`enter`) and the engine's prefill computes the last prompt token. Returns its Sequence."""
+    st = payload if isinstance(payload, SlotState) else parse(manifest, req.ids, payload)
     if engine.prefill.dflash and FEATURES not in st.context:
         raise HandoffError("the payload carries no draft context (prefilled without a draft)")
     seq = engine.add(req)

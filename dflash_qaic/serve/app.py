@@ -788,7 +788,7 @@ async def _completions(request: Request):
     ids = await fe.prompt_ids(req.prompt, special)
     grammar = fe.allowed(req, await fe.grammar(constraint, "response_format", request))
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    params = await pd.prepare(fe, request, req, fe.params(req, len(ids), max_tokens, grammar))
+    params = await pd.prepare(fe, request, req, fe.params(req, len(ids), max_tokens, grammar), ids)
     return await answer(fe, request, req, ids, params, chat=False)
 
 
@@ -810,5 +810,5 @@ async def _chat_completions(request: Request):
     ids = await fe.chat_ids(req, plan.tools)
     param = "tool_choice" if plan.constraint is not None else "response_format"
     grammar = fe.allowed(req, await fe.grammar(constraint, param, request))
-    params = await pd.prepare(fe, request, req, fe.params(req, len(ids), req.max_new, grammar))
+    params = await pd.prepare(fe, request, req, fe.params(req, len(ids), req.max_new, grammar), ids)
     return await answer(fe, request, req, ids, params, chat=True, plan=plan)

@@ -292,9 +292,11 @@ def _from_shm(name, key: str, cfg: Config) -> bytes | None:
         return None  # another user's: the lease's GET reads it for us
 
 
-async def prepare(fe, request: Request, req, params):
+async def prepare(fe, request: Request, req, params, ids: list[int]):
     """`params` with the request's hand-off: export only (a prefill role's do_remote_decode),
-    or the pulled payload (a decode role's do_remote_prefill)."""
+    or the pulled payload, checked against these artifacts and the prompt `ids` (a decode
+    role's do_remote_prefill); the pull and the check run off the event loop and the engine
+    thread, which then only writes the rows."""
     kv = req.kv_transfer_params or {}
     app = request.app
     cfg: Config = app.state.pd
@@ -311,6 +313,7 @@ async def prepare(fe, request: Request, req, params):
         t0 = time.monotonic()
         try:
             payload, transport = await asyncio.to_thread(fetch, app, kv)
+            state = await asyncio.to_thread(_checked, fe, ids, payload)
         except APIError as e:
             if not cfg.fallback_local_prefill or e.status != 502:
                 raise
@@ -318,7 +321,7 @@ async def prepare(fe, request: Request, req, params):
             fe.engine.metrics.kv_fallback()
             return params
         fe.engine.metrics.kv_pulled(len(payload), time.monotonic() - t0, transport)
-        return dataclasses.replace(params, handoff=payload)
+        return dataclasses.replace(params, handoff=state)
     if cfg.role == "decode" and not cfg.fallback_local_prefill:
         raise APIError(
             "this server runs --role decode: a request needs the kv_transfer_params of a "
@@ -327,6 +330,14 @@ async def prepare(fe, request: Request, req, params):
             param="kv_transfer_params",
         )
     return params
+
+
+def _checked(fe, ids: list[int], payload: bytes):
+    """The payload's slot state for this prompt (a 502 naming what differs)."""
+    try:
+        return handoff.parse(fe.engine.pipe.artifacts, ids, payload)
+    except handoff.HandoffError as e:
+        raise APIError(f"the hand-off payload was refused: {e}", 502) from e
 
 
 def _need_role(cfg: Config, role: str, what: str) -> None:
