@@ -1,7 +1,9 @@
 """dflash-serve with an injected fault, for tests/test_faults.py: the target program raises on
 a batch-1 (prefill) call whose ids begin with the token ids in $FAULT_PROMPT (comma-separated);
 or, with $SLOW_CALL_S, every target call takes that many seconds longer (a slow device: the
-shutdown tests need requests that cannot finish within the timeout, however fast this host is).
+shutdown tests need requests that cannot finish within the timeout, however fast this host is);
+or, with $HANG_PROMPT, such a call never returns (a device that hangs: the P/D tests kill the
+server while it holds a request).
 
     FAULT_PROMPT=5,9,13 python tests/faulty_serve.py ARTIFACTS --port 0 ...
     SLOW_CALL_S=0.05 python tests/faulty_serve.py ARTIFACTS --port 0 ...
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 from dflash_qaic import contract
@@ -45,6 +48,15 @@ def prefill_of(prompt: list[int]):
     return bad
 
 
+class Hang(Faulty):
+    """A program whose calls `bad(feeds)` picks never return."""
+
+    def run(self, feeds):
+        if self._bad(feeds):
+            threading.Event().wait()
+        return self._program.run(feeds)
+
+
 class Slow(Faulty):
     """A program whose every call takes `seconds` longer."""
 
@@ -64,10 +76,16 @@ def main() -> int:
     load = dflash_qaic.load
     slow = float(os.environ.get("SLOW_CALL_S", 0))
     poison = [int(t) for t in os.environ.get("FAULT_PROMPT", "").split(",") if t]
+    hang = [int(t) for t in os.environ.get("HANG_PROMPT", "").split(",") if t]
 
     def faulty_load(*args, **kw):
         pipe = load(*args, **kw)
-        pipe.target = Slow(pipe.target, slow) if slow else Faulty(pipe.target, prefill_of(poison))
+        if slow:
+            pipe.target = Slow(pipe.target, slow)
+        elif hang:
+            pipe.target = Hang(pipe.target, prefill_of(hang))
+        else:
+            pipe.target = Faulty(pipe.target, prefill_of(poison))
         return pipe
 
     dflash_qaic.load = faulty_load

@@ -8,6 +8,7 @@
     dflash-bench --export …  /  dflash-bench --serve …   # the export and server benchmarks
     dflash-bench --long-context artifacts/DIR --prompt-len 8000     # cost, speedup by context
     dflash-bench --router artifacts/default-cb8    # vllm-router's cost per request (TTFT)
+    dflash-bench --pd artifacts/pd-bench    # P/D against aggregated: ITL while long prompts arrive
     dflash-bench ARTIFACTS --response-format schema.json   # under a grammar (bench/structured.py)
     dflash-bench --project ai100     # projected AI 100 decode/chain/tree tokens/s (bench/project.py)
     dflash-bench --project ai200 --bandwidth-gbs N   # AI 200: its bandwidth is unpublished
@@ -30,6 +31,7 @@ from dflash_qaic.bench.frame import _log, bench, check_common, parse_list
 MODES = {"--export": "dflash_lab.export_bench", "--serve": "dflash_lab.serve_bench"}
 MODES["--long-context"] = "dflash_qaic.bench.longctx"  # prefill, memory, call cost by position
 MODES["--router"] = "dflash_qaic.bench.router"  # vllm-router's cost per request (TTFT)
+MODES["--pd"] = "dflash_qaic.bench.pd"  # P/D against aggregated: ITL while long prompts arrive
 MODES["--project"] = "dflash_qaic.bench.project"  # AI 100 roofline projection (no run)
 MODES["--card-numerics"] = "dflash_qaic.bench.card_numerics"  # τ, tokens under MXFP6/MXINT8
 PEER_ROUNDS = 2  # the PyTorch peers are slow on a CPU

@@ -56,11 +56,12 @@ def _prompt_sha(ids) -> str:
 
 
 def export(engine, manifest, ids: list[int]) -> bytes:
-    """The hand-off payload of prompt `ids` (P ≥ 2 tokens), prefilled in a free cache row of
-    `engine` between two of its steps (the row is free again on return)."""
+    """The hand-off payload of prompt `ids` (P ≥ 1 tokens; one token hands off no position),
+    prefilled in a free cache row of `engine` between two of its steps (the row is free again
+    on return)."""
     P = len(ids)
-    if P < 2:
-        raise HandoffError(f"a hand-off needs a prompt of at least 2 tokens, got {P}")
+    if P < 1:
+        raise HandoffError("a hand-off needs a prompt of at least 1 token, got none")
     if not engine.free:
         raise HandoffError("no free cache row to prefill in: retry when a request ends")
     slot = heapq.heappop(engine.free)
@@ -127,11 +128,11 @@ def parse(manifest, ids: list[int], payload: bytes) -> SlotState:
     return st
 
 
-def admit(engine, manifest, req, payload: bytes):
-    """Queue `req` on the decode `engine` with its hand-off payload (checked now); at admission
-    its row takes the payload (`enter`) and the engine's prefill computes the last prompt
-    token. Returns its Sequence."""
-    st = parse(manifest, req.ids, payload)
+def admit(engine, manifest, req, payload: bytes | SlotState):
+    """Queue `req` on the decode `engine` with its hand-off payload (its bytes, checked now, or
+    what `parse` made of them for this prompt); at admission its row takes the payload
+    (`enter`) and the engine's prefill computes the last prompt token. Returns its Sequence."""
+    st = payload if isinstance(payload, SlotState) else parse(manifest, req.ids, payload)
     if engine.prefill.dflash and FEATURES not in st.context:
         raise HandoffError("the payload carries no draft context (prefilled without a draft)")
     seq = engine.add(req)

@@ -679,6 +679,7 @@ def create_app(
     tool_call_parser: str | None = None,
     grammar_limits: GrammarLimits | None = None,
     role: str = "both",
+    pd_config: pd.Config | None = None,
 ) -> FastAPI:
     """The FastAPI app over a (not yet started) engine; the app's lifespan starts and stops it.
     api_key: required on every endpoint but /health (None: no authentication); max_model_len:
@@ -686,7 +687,8 @@ def create_app(
     bring no seed; log_requests: one info line per request; max_request_bytes: the body limit
     (None: serve/limits.py's default); enable_auto_tool_choice, tool_call_parser: tool_choice
     "auto" and how replies are parsed for calls (serve/tools.py); grammar_limits: how
-    structured-output constraints are compiled (GrammarLimits)."""
+    structured-output constraints are compiled (GrammarLimits); role, pd_config: prefill/decode
+    disaggregation (serve/pd.py: pd.Config, which role alone stands for)."""
     fe = Frontend(
         engine,
         model_name,
@@ -707,9 +709,7 @@ def create_app(
     if api_key:
         app.add_middleware(_ApiKey, key=api_key, metrics=engine.metrics)
     app.state.frontend = fe
-    app.state.role, app.state.api_key, app.state.leases = role, api_key, pd.Leases()
-    if role == "prefill":
-        pd.add_routes(app, app.state.leases)
+    pd.setup(app, engine, api_key, pd_config or pd.Config(role))
     _add_error_handlers(app, engine.metrics)
     _add_info_routes(app, fe, model_name)
     app.add_api_route("/v1/completions", _completions, methods=["POST"])
@@ -788,7 +788,7 @@ async def _completions(request: Request):
     ids = await fe.prompt_ids(req.prompt, special)
     grammar = fe.allowed(req, await fe.grammar(constraint, "response_format", request))
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    params = await pd.prepare(fe, request, req, fe.params(req, len(ids), max_tokens, grammar))
+    params = await pd.prepare(fe, request, req, fe.params(req, len(ids), max_tokens, grammar), ids)
     return await answer(fe, request, req, ids, params, chat=False)
 
 
@@ -810,5 +810,5 @@ async def _chat_completions(request: Request):
     ids = await fe.chat_ids(req, plan.tools)
     param = "tool_choice" if plan.constraint is not None else "response_format"
     grammar = fe.allowed(req, await fe.grammar(constraint, param, request))
-    params = await pd.prepare(fe, request, req, fe.params(req, len(ids), req.max_new, grammar))
+    params = await pd.prepare(fe, request, req, fe.params(req, len(ids), req.max_new, grammar), ids)
     return await answer(fe, request, req, ids, params, chat=True, plan=plan)

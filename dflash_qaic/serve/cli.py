@@ -118,6 +118,26 @@ def _add_server_arguments(p: argparse.ArgumentParser) -> None:
         help="prefill/decode disaggregation over vLLM's kv_transfer_params (serve/pd.py): "
         "prefill hands prompts off, decode pulls them (default: both, no hand-off)",
     )
+    p.add_argument(
+        "--fallback-local-prefill",
+        action="store_true",
+        help="--role decode: prefill a prompt here when its hand-off cannot be had (prefill "
+        "server gone, lease ended) or the request brings none (default: refuse it)",
+    )
+    p.add_argument(
+        "--kv-max-bytes",
+        type=int,
+        default=1 << 30,
+        help="largest hand-off payload a prefill server exports or a decode server pulls "
+        "(default 1 GiB)",
+    )
+    p.add_argument(
+        "--kv-transport",
+        choices=("http", "shm"),
+        default="http",
+        help="--role prefill: shm also offers each payload in shared memory (/dev/shm), read "
+        "there by a decode server on the same host (others pull it over HTTP); default http",
+    )
 
 
 def _add_request_arguments(p: argparse.ArgumentParser) -> None:
@@ -209,6 +229,12 @@ def _check(args) -> str | None:
         raise UsageError(f"--threads must be in 1 … {most} (got {args.threads})")
     if args.max_queue < 1:
         raise UsageError(f"--max-queue must be ≥ 1 (got {args.max_queue})")
+    if args.kv_max_bytes < 1:
+        raise UsageError(f"--kv-max-bytes must be ≥ 1 (got {args.kv_max_bytes})")
+    if args.fallback_local_prefill and args.role != "decode":
+        raise UsageError("--fallback-local-prefill is for --role decode servers")
+    if args.kv_transport == "shm" and args.role != "prefill":
+        raise UsageError("--kv-transport shm is for --role prefill servers (decode reads either)")
     if args.verify_lengths is not None:
         try:
             args.verify_lengths = [int(x) for x in args.verify_lengths.split(",")]
@@ -272,6 +298,7 @@ def build_app(args, template: str | None):
     from dflash_qaic.serve.app import GrammarLimits, create_app
     from dflash_qaic.serve.engine import AsyncEngine
     from dflash_qaic.serve.metrics import Metrics
+    from dflash_qaic.serve.pd import Config
 
     prometheus_client.disable_created_metrics()  # as vLLM: no *_created series
     from dflash_qaic.logs import show
@@ -309,6 +336,9 @@ def build_app(args, template: str | None):
             args.structured_output_lenient,
         ),
         role=args.role,
+        pd_config=Config(
+            args.role, args.fallback_local_prefill, args.kv_max_bytes, transport=args.kv_transport
+        ),
     )
     return app, engine, pipe
 

@@ -60,7 +60,7 @@ class Params:
     # prefill/decode roles (serve/pd.py): prefill only and hand the payload back, or admit
     # with a payload prefilled elsewhere
     export_only: bool = False
-    handoff: bytes | None = None
+    handoff: object = None  # the payload checked off the engine thread (a state.SlotState)
 
 
 @dataclass

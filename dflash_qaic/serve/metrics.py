@@ -103,15 +103,42 @@ class Metrics:
         self.kv_cache_usage = gauge(
             "vllm:kv_cache_usage_perc", "KV-cache usage: 1 means every slot's context is full"
         )
-        self._kv_bytes = counter(
-            "dflash:kv_transfer_bytes", "Hand-off payload bytes exported (prefill role)"
-        ).labels(model_name)
+        kv = {  # prefill/decode hand-offs (serve/pd.py)
+            "bytes": ("dflash:kv_transfer_bytes", "Hand-off payload bytes exported (prefill)"),
+            "pulled": ("dflash:kv_transfer_received_bytes", "Hand-off bytes pulled (decode)"),
+            "fallback": (
+                "dflash:kv_transfer_fallbacks",
+                "Hand-offs that failed and were prefilled locally (--fallback-local-prefill)",
+            ),
+        }
+        self._kv = {k: counter(*v).labels(model_name) for k, v in kv.items()}
+        pull = Histogram(
+            "dflash:kv_transfer_seconds",
+            "Time to pull one hand-off payload, handshake included (decode role)",
+            [*m, "transport"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self._kv_pull = {t: pull.labels(model_name, t) for t in ("http", "shm")}
         self._iteration_tokens = histogram(
             "vllm:iteration_tokens_total", "Tokens per engine step", _ITERATION
         )
 
     def kv_transfer(self, nbytes: int) -> None:
-        self._kv_bytes.inc(nbytes)
+        self._kv["bytes"].inc(nbytes)
+
+    def kv_pulled(self, nbytes: int, seconds: float, transport: str) -> None:
+        self._kv["pulled"].inc(nbytes)
+        self._kv_pull[transport].observe(seconds)
+
+    def kv_fallback(self) -> None:
+        self._kv["fallback"].inc()
+
+    def pd_role(self, role: str) -> None:
+        """The server's --role (serve/pd.py): dflash:role_info{role=...} 1."""
+        info = Gauge("dflash:role_info", "This server's P/D role", ["model_name", "role"],
+                     registry=self.registry)  # fmt: skip
+        info.labels(self._model, role).set(1)
 
     def running_now(self, n: int) -> None:
         """`n` sequences are in the engine's slots."""

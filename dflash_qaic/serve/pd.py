@@ -1,114 +1,307 @@
 """dflash-serve's prefill and decode roles (docs/DESIGN.md, Disaggregated prefill), over vLLM's
-`kv_transfer_params` contract:
+`kv_transfer_params` contract, so that `vllm-router --vllm-pd-disaggregation --prefill URL
+--decode URL` drives them unchanged:
 
     prefill  (--role prefill) a request with {"do_remote_decode": true} is prefilled up to its
              last prompt token (runtime/handoff.py); the payload waits under a lease and the
              answer's `kv_transfer_params` say where to pull it ({"do_remote_prefill": true,
-             "remote_host", "remote_port", "remote_handoff_id", ...})
-    decode   (--role decode) a request with those params pulls the payload over HTTP from the
-             prefill server (GET /v1/dflash/kv/{id}, with this server's --api-key, bounded
-             size) in a thread off the event loop and the engine thread, then the engine
-             admits it with the payload
+             "remote_host", "remote_port", "remote_handoff_id", "remote_engine_id", ...})
+    decode   (--role decode) a request with those params first checks, once per prefill
+             engine, that the prefill server loads the same artifacts (the handshake,
+             GET /v1/dflash/kv: its format version and programs' fingerprint), then pulls the
+             payload (GET /v1/dflash/kv/{id}, with this server's --api-key, at most
+             --kv-max-bytes) in a thread off the event loop and the engine thread; the engine
+             admits the request with it
     both     (default) as before; kv_transfer_params asking for a hand-off are refused
 
-A lease ends when pulled or after LEASE_S seconds; an unknown or expired lease is a 404 whose
-message the decode side passes on to its client.
+Transports (--kv-transport, a prefill server's): http (default) holds the payload in the
+prefill server's memory for the pull; shm also offers it in shared memory (a file of
+/dev/shm, mode 0600): a decode server on the same host, running as the same user, reads it
+there and removes it (its params' `remote_shm`), and one on another host pulls it over HTTP
+as before; the handshake is over HTTP either way. A prefill server killed with SIGKILL leaves
+its unread files behind (`dflash-kv-*` in /dev/shm).
+
+A lease ends when pulled or after `lease_s` seconds; an unknown or expired lease is a 404 whose
+message the decode side passes on. A hand-off that cannot be had (the prefill server
+unreachable or gone mid-transfer, the lease ended, other artifacts, a payload over the cap)
+fails its request alone with a 502 naming the cause, or, with --fallback-local-prefill, the
+decode server prefills the prompt itself. A decode server refuses requests that bring no
+hand-off (they would run their prefill between its decoding steps) unless
+--fallback-local-prefill.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
+import http.client
 import itertools
+import json
+import logging
+import os
+import re
 import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
+from pathlib import Path
 
 from fastapi import Request, Response
 
+from dflash_qaic.runtime import handoff
 from dflash_qaic.serve.protocol import APIError
+
+log = logging.getLogger("dflash_qaic.serve.pd")
 
 ROLES = ("both", "prefill", "decode")
 LEASE_S = 60.0
-MAX_PAYLOAD = 1 << 30  # bytes one pull may take
+MAX_PAYLOAD = 1 << 30  # bytes one hand-off may take (--kv-max-bytes)
 PULL_TIMEOUT_S = 30.0
-KV_PATH = "/v1/dflash/kv/"
+KV_PATH = "/v1/dflash/kv"
+TRANSPORTS = ("http", "shm")
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "dflash-kv-"
+_SHM_NAME = re.compile(r"dflash-kv-h[0-9]+-[0-9a-f]{12}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A server's P/D settings (dflash-serve --role, --fallback-local-prefill, --kv-max-bytes)."""
+
+    role: str = "both"
+    fallback_local_prefill: bool = False
+    max_bytes: int = MAX_PAYLOAD
+    lease_s: float = LEASE_S
+    transport: str = "http"  # a prefill server's: "shm" also offers shared memory (one host)
+    shm_dir: str = SHM_DIR
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"role {self.role!r}: one of {', '.join(ROLES)}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"--kv-transport {self.transport!r}: one of {', '.join(TRANSPORTS)}")
+        if self.transport == "shm" and not os.path.isdir(self.shm_dir):
+            raise ValueError(
+                f"--kv-transport shm needs the shared-memory directory {self.shm_dir} (a tmpfs, "
+                "as Linux's /dev/shm): use --kv-transport http on this host"
+            )
+        if self.max_bytes < 1:
+            raise ValueError(f"--kv-max-bytes must be ≥ 1 (got {self.max_bytes})")
 
 
 class Leases:
-    """Payloads waiting for their decode side: id -> (bytes, deadline), swept on each use."""
+    """Payloads waiting for their decode side: id -> (bytes, deadline), swept on each use.
+    shm_dir (the shared-memory transport): each payload lives in a file `dflash-kv-{id}` of
+    that tmpfs directory instead of this process's memory (mode 0600), which a decode server
+    on the same host reads and removes itself; the lease then holds only the path."""
 
-    def __init__(self, lease_s: float = LEASE_S):
-        self.lease_s = lease_s
+    def __init__(self, lease_s: float = LEASE_S, clock=time.monotonic, shm_dir=None):
+        self.lease_s, self._clock, self.shm_dir = lease_s, clock, shm_dir
         self._lock, self._ids = threading.Lock(), itertools.count()
-        self._held: dict[str, tuple[bytes, float]] = {}
+        self._held: dict[str, tuple[bytes | Path, float]] = {}
+        self._tag = uuid.uuid4().hex[:12]
 
     def put(self, payload: bytes) -> str:
         with self._lock:
             self._sweep()
-            key = f"h{next(self._ids)}-{time.monotonic_ns()}"
-            self._held[key] = (payload, time.monotonic() + self.lease_s)
+            key = f"h{next(self._ids)}-{self._tag}"
+            held: bytes | Path = payload
+            if self.shm_dir is not None:
+                held = Path(self.shm_dir) / f"{SHM_PREFIX}{key}"
+                fd = os.open(held, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(payload)
+            self._held[key] = (held, self._clock() + self.lease_s)
             return key
 
     def take(self, key: str) -> bytes | None:
-        """The payload under `key`, its lease ended; None when unknown or expired."""
+        """The payload under `key`, its lease ended; None when unknown, expired or (shared
+        memory) already read by a decode server on this host."""
         with self._lock:
             self._sweep()
             held = self._held.pop(key, None)
-        return None if held is None else held[0]
+        if held is None or isinstance(held[0], bytes):
+            return None if held is None else held[0]
+        return _take_file(held[0])
 
     def __len__(self) -> int:
         with self._lock:
             self._sweep()
             return len(self._held)
 
+    def close(self) -> None:
+        """Every lease ended (the server stops): shared-memory files removed."""
+        with self._lock:
+            for held, _ in self._held.values():
+                if isinstance(held, Path):
+                    held.unlink(missing_ok=True)
+            self._held.clear()
+
     def _sweep(self) -> None:
-        now = time.monotonic()
-        for k in [k for k, (_, t) in self._held.items() if t < now]:
-            del self._held[k]
+        now = self._clock()
+        for k in [k for k, (_, t) in self._held.items() if t <= now]:
+            held = self._held.pop(k)[0]
+            if isinstance(held, Path):
+                held.unlink(missing_ok=True)
 
 
-def add_routes(app, leases: Leases) -> None:
-    """GET /v1/dflash/kv/{id}: a prefill server's payloads (behind the app's --api-key)."""
+def _take_file(path: Path) -> bytes | None:
+    """A shared-memory payload's bytes, the file removed (None when gone already)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    path.unlink(missing_ok=True)
+    return data
+
+
+def setup(app, engine, api_key: str | None, cfg: Config) -> None:
+    """The app's P/D state; a prefill server's routes (behind the app's --api-key):
+    GET /v1/dflash/kv (the handshake) and GET /v1/dflash/kv/{id} (a payload, its lease ends)."""
+    app.state.pd, app.state.role, app.state.api_key = cfg, cfg.role, api_key
+    shm = cfg.shm_dir if cfg.role == "prefill" and cfg.transport == "shm" else None
+    app.state.leases = Leases(cfg.lease_s, shm_dir=shm)
+    atexit.register(app.state.leases.close)  # shared-memory files go with the server
+    app.state.engine_id = f"dflash-{uuid.uuid4().hex[:16]}"
+    app.state.fingerprint = handoff.fingerprint(engine.pipe.artifacts)
+    app.state.handshaken = set()  # decode side: prefill engines whose handshake passed
+    engine.metrics.pd_role(cfg.role)
+    if cfg.role != "prefill":
+        return
+
+    async def hello():
+        return {
+            "version": handoff.VERSION,
+            "engine_id": app.state.engine_id,
+            "fingerprint": app.state.fingerprint,
+        }
 
     async def pull(key: str):
-        payload = leases.take(key)
+        payload = app.state.leases.take(key)
         if payload is None:
             raise APIError(f"hand-off {key!r} is unknown or its lease expired", 404)
         return Response(payload, media_type="application/octet-stream")
 
-    app.add_api_route(KV_PATH + "{key}", pull, methods=["GET"])
+    app.add_api_route(KV_PATH, hello, methods=["GET"])
+    app.add_api_route(KV_PATH + "/{key}", pull, methods=["GET"])
 
 
-def _pull(url: str, api_key: str | None, max_bytes: int) -> bytes:
+def _open(url: str, api_key: str | None):
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    req = urllib.request.Request(url, headers=headers)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # direct
     try:
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # direct
-        with opener.open(req, timeout=PULL_TIMEOUT_S) as r:
-            data = r.read(max_bytes + 1)
+        return opener.open(urllib.request.Request(url, headers=headers), timeout=PULL_TIMEOUT_S)
     except urllib.error.HTTPError as e:
         detail = e.read(2000).decode("utf-8", "replace")
         raise APIError(f"the prefill server refused the hand-off ({e.code}): {detail}", 502) from e
-    except (OSError, urllib.error.URLError) as e:
+    except (OSError, urllib.error.URLError, http.client.HTTPException) as e:
         raise APIError(f"the prefill server at {url} is unreachable: {e}", 502) from e
+
+
+def _read(resp, url: str, max_bytes: int) -> bytes:
+    """The body of `resp`, at most max_bytes (refused from its Content-Length when it says
+    more), whole (a server gone mid-body is an error, not a short payload)."""
+    size = resp.headers.get("Content-Length")
+    if size is not None and int(size) > max_bytes:
+        raise APIError(
+            f"the hand-off payload of {size} bytes exceeds --kv-max-bytes {max_bytes}", 502
+        )
+    try:
+        data = resp.read(max_bytes + 1)
+    except (OSError, http.client.HTTPException) as e:
+        raise APIError(f"the prefill server at {url} ended the transfer early: {e}", 502) from e
     if len(data) > max_bytes:
-        raise APIError(f"the hand-off payload exceeds {max_bytes} bytes", 502)
+        raise APIError(f"the hand-off payload exceeds --kv-max-bytes {max_bytes}", 502)
+    if size is not None and len(data) != int(size):
+        raise APIError(
+            f"the prefill server at {url} ended the transfer early ({len(data)} of {size} bytes)",
+            502,
+        )
     return data
 
 
-async def prepare(fe, request: Request, req, params):
-    """`params` with the request's hand-off: export only (a prefill role's do_remote_decode),
-    or the pulled payload (a decode role's do_remote_prefill)."""
-    kv = req.kv_transfer_params or {}
-    role = request.app.state.role
-    if kv.get("do_remote_decode"):
-        if role != "prefill":
+def handshake(base: str, api_key: str | None, mine: dict, engine_id) -> None:
+    """The first contact with a prefill engine: refused (a 502 naming what differs) unless it
+    reads the same payload version and loads the same programs and state specs."""
+    with _open(base + KV_PATH, api_key) as r:
+        try:
+            hello = json.loads(_read(r, base, 1 << 20))
+        except ValueError as e:
+            raise APIError(f"{base} answered the hand-off handshake with no JSON", 502) from e
+    if hello.get("version") != handoff.VERSION:
+        raise APIError(
+            f"the prefill server at {base} writes hand-off version {hello.get('version')!r}; "
+            f"this decode server reads version {handoff.VERSION}: run the same dflash-qaic",
+            502,
+        )
+    theirs = hello.get("fingerprint") or {}
+    differ = [k for k in mine if theirs.get(k) != mine[k]]
+    if differ:
+        raise APIError(
+            f"the prefill server at {base} loads other artifacts ({', '.join(differ)} differ): "
+            "prefill and decode must load the same artifacts directory (same export)",
+            502,
+        )
+    if engine_id is not None and hello.get("engine_id") != engine_id:
+        raise APIError(f"{base} is no longer the prefill engine {engine_id} (restarted?)", 502)
+
+
+def fetch(app, kv: dict) -> tuple[bytes, str]:
+    """A decode server's hand-off: the handshake (once per prefill engine), then the payload
+    and the transport it came by ("shm" or "http")."""
+    host, port, key = kv.get("remote_host"), kv.get("remote_port"), kv.get("remote_handoff_id")
+    if not (isinstance(host, str) and isinstance(port, int) and isinstance(key, str)):
+        raise APIError(
+            "do_remote_prefill needs remote_host, remote_port and remote_handoff_id (the "
+            "prefill answer's kv_transfer_params)",
+            param="kv_transfer_params",
+        )
+    base = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    api_key, engine_id = app.state.api_key, kv.get("remote_engine_id")
+    if (base, engine_id) not in app.state.handshaken:
+        handshake(base, api_key, app.state.fingerprint, engine_id)
+        app.state.handshaken.add((base, engine_id))
+    data = _from_shm(kv.get("remote_shm"), key, app.state.pd)
+    if data is not None:
+        return data, "shm"
+    with _open(f"{base}{KV_PATH}/{key}", api_key) as r:
+        return _read(r, base, app.state.pd.max_bytes), "http"
+
+
+def _from_shm(name, key: str, cfg: Config) -> bytes | None:
+    """The payload from shared memory when the prefill server offered it and it is on this
+    host (its file in this server's shm_dir); None otherwise (then it is pulled over HTTP)."""
+    if not isinstance(name, str) or not _SHM_NAME.fullmatch(name) or name != SHM_PREFIX + key:
+        return None
+    path = Path(cfg.shm_dir) / name
+    try:
+        if path.stat().st_size > cfg.max_bytes:
             raise APIError(
-                f"do_remote_decode needs a server started with --role prefill (this one: {role})",
-                param="kv_transfer_params",
+                f"the hand-off payload of {path.stat().st_size} bytes exceeds --kv-max-bytes "
+                f"{cfg.max_bytes}",
+                502,
             )
+    except FileNotFoundError:
+        return None  # another host's, or its lease ended: HTTP says which
+    try:
+        return _take_file(path)
+    except PermissionError:
+        return None  # another user's: the lease's GET reads it for us
+
+
+async def prepare(fe, request: Request, req, params, ids: list[int]):
+    """`params` with the request's hand-off: export only (a prefill role's do_remote_decode),
+    or the pulled payload, checked against these artifacts and the prompt `ids` (a decode
+    role's do_remote_prefill); the pull and the check run off the event loop and the engine
+    thread, which then only writes the rows."""
+    kv = req.kv_transfer_params or {}
+    app = request.app
+    cfg: Config = app.state.pd
+    if kv.get("do_remote_decode"):
+        _need_role(cfg, "prefill", "do_remote_decode")
         if getattr(req, "stream", False):
             raise APIError(
                 "do_remote_decode answers with kv_transfer_params in one body: set stream false",
@@ -116,36 +309,65 @@ async def prepare(fe, request: Request, req, params):
             )
         return dataclasses.replace(params, export_only=True)
     if kv.get("do_remote_prefill"):
-        if role != "decode":
-            raise APIError(
-                f"do_remote_prefill needs a server started with --role decode (this one: {role})",
-                param="kv_transfer_params",
-            )
-        host, port, key = kv.get("remote_host"), kv.get("remote_port"), kv.get("remote_handoff_id")
-        if not (isinstance(host, str) and isinstance(port, int) and isinstance(key, str)):
-            raise APIError(
-                "do_remote_prefill needs remote_host, remote_port and remote_handoff_id (the "
-                "prefill answer's kv_transfer_params)",
-                param="kv_transfer_params",
-            )
-        url = f"http://{host}:{port}{KV_PATH}{key}"
-        api_key = request.app.state.api_key
-        payload = await asyncio.to_thread(_pull, url, api_key, MAX_PAYLOAD)
-        return dataclasses.replace(params, handoff=payload)
+        _need_role(cfg, "decode", "do_remote_prefill")
+        t0 = time.monotonic()
+        try:
+            payload, transport = await asyncio.to_thread(fetch, app, kv)
+            state = await asyncio.to_thread(_checked, fe, ids, payload)
+        except APIError as e:
+            if not cfg.fallback_local_prefill or e.status != 502:
+                raise
+            log.warning("hand-off failed, prefilling locally (--fallback-local-prefill): %s", e)
+            fe.engine.metrics.kv_fallback()
+            return params
+        fe.engine.metrics.kv_pulled(len(payload), time.monotonic() - t0, transport)
+        return dataclasses.replace(params, handoff=state)
+    if cfg.role == "decode" and not cfg.fallback_local_prefill:
+        raise APIError(
+            "this server runs --role decode: a request needs the kv_transfer_params of a "
+            "prefill server's answer (send it through vllm-router --vllm-pd-disaggregation), "
+            "or start it with --fallback-local-prefill to prefill requests that bring none",
+            param="kv_transfer_params",
+        )
     return params
+
+
+def _checked(fe, ids: list[int], payload: bytes):
+    """The payload's slot state for this prompt (a 502 naming what differs)."""
+    try:
+        return handoff.parse(fe.engine.pipe.artifacts, ids, payload)
+    except handoff.HandoffError as e:
+        raise APIError(f"the hand-off payload was refused: {e}", 502) from e
+
+
+def _need_role(cfg: Config, role: str, what: str) -> None:
+    if cfg.role != role:
+        raise APIError(
+            f"{what} needs a server started with --role {role} (this one: {cfg.role})",
+            param="kv_transfer_params",
+        )
 
 
 def transfer_params(request: Request, payload: bytes) -> dict:
     """The prefill answer's kv_transfer_params: where the decode side pulls `payload`."""
+    app = request.app
+    cap = app.state.pd.max_bytes
+    if len(payload) > cap:
+        raise APIError(
+            f"the hand-off payload of {len(payload)} bytes exceeds --kv-max-bytes {cap}: "
+            "raise it on both servers or send shorter prompts",
+            413,
+        )
     host, port = request.scope.get("server") or ("127.0.0.1", 0)
-    key = request.app.state.leases.put(payload)
+    key = app.state.leases.put(payload)
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_host": host,
         "remote_port": port,
         "remote_handoff_id": key,
-        "remote_engine_id": "dflash",
+        "remote_engine_id": app.state.engine_id,
         "remote_block_ids": None,
         "payload_bytes": len(payload),
+        **({"remote_shm": SHM_PREFIX + key} if app.state.leases.shm_dir else {}),
     }

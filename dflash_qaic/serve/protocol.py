@@ -183,6 +183,8 @@ class _Sampling(_Request):
     }
 
     def unsupported(self) -> str | None:
+        if self.min_tokens == 1 and (self.kv_transfer_params or {}).get("do_remote_decode"):
+            self.min_tokens = 0  # vllm-router's P/D prefill leg: it generates no token anyway
         name = super().unsupported()
         if name is not None:
             return name

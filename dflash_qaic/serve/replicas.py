@@ -1,7 +1,9 @@
 """`dflash-serve-replicas`: one `dflash-serve` per device group, `vllm-router` in front.
 
     dflash-serve-replicas artifacts/default --device-ids 0 --device-ids 1
-    dflash-serve-replicas ARTIFACTS (--replicas N | --device-ids IDS [--device-ids IDS ...])
+    dflash-serve-replicas artifacts/default --prefill-device-ids 0 --decode-device-ids 1
+    dflash-serve-replicas ARTIFACTS (--replicas N | --device-ids IDS [--device-ids IDS ...]
+                          | --prefill-device-ids IDS [...] --decode-device-ids IDS [...])
                           [--host 127.0.0.1] [--port 8000] [--policy round_robin]
                           [--serve-args "--threads 1 --max-num-seqs 4"] [--router-args "..."]
                           [--router-metrics-port N] [--log-dir DIR] [--startup-timeout S]
@@ -14,6 +16,13 @@ When every replica answers /health, `vllm-router` (the vLLM project's router, `p
 every 2 s, retries, --policy (default round_robin), its Prometheus metrics on 127.0.0.1:
 --router-metrics-port (default: a free port); --router-args adds or overrides router flags. The
 line "dflash-serve-replicas: routing ... on URL" on stdout says where clients go.
+
+With --prefill-device-ids and --decode-device-ids (each given once per replica) the replicas
+are `dflash-serve --role prefill` and `--role decode` servers (xPyD) and the router runs in its
+P/D mode (`--vllm-pd-disaggregation --prefill URL ... --decode URL ...`): each request is
+prefilled on a prefill replica, whose payload the decode replica pulls (serve/pd.py). The router
+sends its own `Authorization: Bearer $OPENAI_API_KEY` upstream in that mode: the launcher sets
+it to the replicas' API key.
 
 A replica that exits is started again on its port and devices (the router's health checks take
 it back when it answers). SIGTERM or Ctrl-C stops the router, then the replicas (each drains
@@ -30,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shlex
 import signal
 import socket
@@ -135,23 +145,40 @@ def _loopback(host: str) -> bool:
 
 
 class Router:
-    """vllm-router as a child process on host:port over `workers` (urls)."""
+    """vllm-router as a child process on host:port over `workers` (urls); given `decode` urls,
+    in its P/D mode (`--vllm-pd-disaggregation`): `workers` are then the prefill servers.
+    api_key: what the router sends upstream (in P/D mode it sends `Authorization: Bearer
+    $OPENAI_API_KEY` of its own environment, not the client's)."""
 
-    def __init__(self, workers, host, port, policy, metrics_port, extra, log_path: Path):
+    def __init__(
+        self, workers, host, port, policy, metrics_port, extra, log_path: Path, decode=None,
+        api_key: str | None = None,
+    ):  # fmt: skip
         self.argv = [*router_command(), "--host", host, "--port", str(port)]
-        self.argv += ["--worker-urls", *workers, "--policy", policy]
+        if decode:
+            self.argv += ["--vllm-pd-disaggregation"]
+            self.argv += [a for u in workers for a in ("--prefill", u)]
+            self.argv += [a for u in decode for a in ("--decode", u)]
+            self.argv += ["--policy", policy]
+        else:
+            self.argv += ["--worker-urls", *workers, "--policy", policy]
+        self.env = {**os.environ, **({"OPENAI_API_KEY": api_key} if api_key else {})}
         self.argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
         self.argv += [*ROUTER_DEFAULTS, *extra]
         self.url = _url(host, port)
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-        self.n = len(workers)
+        self.n = len(workers) + len(decode or ())
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float) -> None:
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
-                self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
             )
         deadline = time.monotonic() + timeout
         while self.healthy_workers() != self.n:
@@ -166,7 +193,12 @@ class Router:
 
     def healthy_workers(self) -> int | None:
         body = _get(self.url + "/readiness")
-        return None if body is None else json.loads(body).get("healthy_workers")
+        if body is None:
+            return None
+        ready = json.loads(body)  # P/D mode: {"prefill": {"healthy": n, ...}, "decode": ...}
+        if "healthy_workers" in ready:
+            return ready["healthy_workers"]
+        return sum(ready.get(k, {}).get("healthy", 0) for k in ("prefill", "decode"))
 
     def workers(self) -> dict[str, bool]:
         """The router's workers: url -> healthy (empty when the router does not answer)."""
@@ -177,6 +209,30 @@ class Router:
 
     def stop(self, timeout: float = 30.0) -> int | None:
         return _stop(self.proc, timeout)
+
+
+def _check_roles(roles: list[str] | None, n: int) -> list[str]:
+    """One role per replica: all "both", or prefill and decode ones (at least one of each)."""
+    roles = list(roles or ["both"] * n)
+    if len(roles) != n or not set(roles) <= {"both", "prefill", "decode"}:
+        raise ReplicasError(f"give one role (both, prefill or decode) per replica: {roles}")
+    if set(roles) != {"both"} and set(roles) != {"prefill", "decode"}:
+        raise ReplicasError(
+            "prefill/decode replicas need at least one prefill and one decode group "
+            "(--prefill-device-ids and --decode-device-ids) and no other replicas"
+        )
+    return roles
+
+
+def _api_key(serve_args: list[str]) -> str | None:
+    """The replicas' API key: --api-key in their flags, else $VLLM_API_KEY."""
+    key = os.environ.get("VLLM_API_KEY")
+    for i, flag in enumerate(serve_args):
+        if flag == "--api-key" and i + 1 < len(serve_args):
+            key = serve_args[i + 1]
+        elif flag.startswith("--api-key="):
+            key = flag.split("=", 1)[1]
+    return key
 
 
 def _stop(proc: subprocess.Popen | None, timeout: float) -> int | None:
@@ -200,6 +256,9 @@ class Replicas:
         r.url                  # the router: what clients use
         r.replicas[0].url      # replica 0 directly (a ServerProcess)
         r.restart(0)           # start replica 0 again (same port and devices)
+
+    roles: one dflash-serve --role per group ("prefill" | "decode"; default: every one "both"):
+    the router then runs in its P/D mode over the prefill and the decode replicas (xPyD).
     """
 
     def __init__(
@@ -216,7 +275,9 @@ class Replicas:
         log_dir=None,
         log_level: str = "warning",
         timeout: float = 300.0,
+        roles: list[str] | None = None,
     ):
+        self.roles = _check_roles(roles, len(groups))
         for flag in serve_args:
             if flag.split("=")[0] in _OWN_FLAGS:
                 raise ReplicasError(
@@ -242,6 +303,8 @@ class Replicas:
         from dflash_qaic.serve.process import ServerProcess
 
         args = ["--device-ids", ",".join(map(str, self.groups[i])), "--port", str(port)]
+        if self.roles[i] != "both":
+            args += ["--role", self.roles[i]]
         return ServerProcess(
             self.artifacts,
             *args,
@@ -260,15 +323,19 @@ class Replicas:
                     futures.append(ex.submit(self.replicas[i].start))
                 for f in futures:
                     f.result()  # the first failure, with that replica's log
-            urls = [r.url for r in self.replicas]
+            urls = {role: [] for role in ("both", "prefill", "decode")}
+            for r, role in zip(self.replicas, self.roles):
+                urls[role].append(r.url)
             self.router = Router(
-                urls,
+                urls["both"] or urls["prefill"],
                 self.host,
                 self.port,
                 self.policy,
                 self.router_metrics_port,
                 self.router_args,
                 self.log_dir / "router.log",
+                decode=urls["decode"],
+                api_key=_api_key(self.serve_args),
             )
             self.router.start(self.timeout)
         except BaseException:
@@ -319,6 +386,15 @@ def parser() -> argparse.ArgumentParser:
     p = doc_parser("dflash-serve-replicas", __doc__)
     p.add_argument("--replicas", type=int, default=None, help="replicas on consecutive devices")
     options.add_arguments(p, "device_ids", repeat=True)
+    for role in ("prefill", "decode"):
+        p.add_argument(
+            f"--{role}-device-ids",
+            action="append",
+            type=options._device_ids,
+            default=None,
+            help=f"one {role} replica's devices (dflash-serve --role {role}), given once per "
+            "replica: prefill/decode disaggregation behind the router's P/D mode",
+        )
     p.add_argument("--host", default="127.0.0.1", help="the router's address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="the router's port (default 8000)")
     p.add_argument("--policy", default="round_robin", choices=POLICIES, help="vllm-router policy")
@@ -344,6 +420,22 @@ def parser() -> argparse.ArgumentParser:
     levels = ["critical", "error", "warning", "info", "debug"]
     p.add_argument("--log-level", default="info", choices=levels, help="replicas' log level")
     return p
+
+
+def _groups_and_roles(args) -> tuple[list[list[int]], list[str]]:
+    """The device groups and their dflash-serve --role: all "both" (--replicas, --device-ids),
+    or the prefill groups then the decode groups."""
+    pre, dec = args.prefill_device_ids or [], args.decode_device_ids or []
+    if not (pre or dec):
+        groups = device_groups(args.artifacts, args.replicas, args.device_ids)
+        return groups, ["both"] * len(groups)
+    if args.replicas is not None or args.device_ids:
+        raise ReplicasError(
+            "--prefill-device-ids/--decode-device-ids name every replica: leave out "
+            "--replicas and --device-ids"
+        )
+    groups = device_groups(args.artifacts, None, pre + dec)  # checked for overlap
+    return groups, ["prefill"] * len(pre) + ["decode"] * len(dec)
 
 
 def _supervise(reps: Replicas, stopping: threading.Event) -> int:
@@ -373,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="dflash-serve-replicas: %(message)s")
     try:
-        groups = device_groups(args.artifacts, args.replicas, args.device_ids)
+        groups, roles = _groups_and_roles(args)
         reps = Replicas(
             args.artifacts,
             groups,
@@ -386,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             log_dir=args.log_dir,
             log_level=args.log_level,
             timeout=args.startup_timeout,
+            roles=roles,
         )
         router_command()
     except (ReplicasError, OSError, ValueError, ImportError) as e:
@@ -411,13 +504,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i, r in enumerate(reps.replicas):
             print(
-                f"dflash-serve-replicas: replica {i} on {r.url} (devices "
+                f"dflash-serve-replicas: replica {i} ({roles[i]}) on {r.url} (devices "
                 f"{','.join(map(str, groups[i]))}, pid {r.proc.pid}, log {r.log_path})",
                 flush=True,
             )
+        pd = f"P/D mode {roles.count('prefill')}P{roles.count('decode')}D, "
+        mode = "" if set(roles) == {"both"} else pd
         print(
             f"dflash-serve-replicas: routing {len(groups)} replicas on {reps.url} (vllm-router, "
-            f"policy {args.policy}, metrics {reps.router.metrics_url}, logs {reps.log_dir})",
+            f"{mode}policy {args.policy}, metrics {reps.router.metrics_url}, logs "
+            f"{reps.log_dir})",
             flush=True,
         )
         return _supervise(reps, stopping)
