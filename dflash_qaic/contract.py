@@ -138,6 +138,18 @@ CONFIDENCE_TOPK = 16
 # tokens a grammar allows at each row (bit i % 32 of word i // 32 set when token i is allowed,
 # xgrammar's layout); the program sets every other logit out of reach before its token choice
 TOKEN_BITMASK = "token_bitmask"
+# Logprobs (docs/DESIGN.md, Logprobs): a target exported with --logprobs K returns, per row, a few
+# floats of its distribution, never the logits: the log-probability of its choice, of the token
+# LOGPROB_IDS names (a prompt row's next prompt token, which may sit in the next chunk) and its
+# K most likely tokens with theirs; of the raw logits, or of the processed ones (LOGPROBS_MODES)
+LOGPROB_IDS = "logprob_ids"  # int64 [batch, seq_len]: the token each row scores
+TOKEN_LOGPROBS = "token_logprobs"  # float [batch, seq_len]: log p(next_tokens)
+SCORED_LOGPROBS = "scored_logprobs"  # float [batch, seq_len]: log p(logprob_ids)
+TOP_LOGPROB_IDS = "top_logprob_ids"  # int64 [batch, seq_len, K], most likely first
+TOP_LOGPROBS = "top_logprobs"  # float [batch, seq_len, K]
+MAX_LOGPROBS = 20  # OpenAI's largest top_logprobs
+RAW_LOGPROBS, PROCESSED_LOGPROBS = "raw_logprobs", "processed_logprobs"  # vLLM's names
+LOGPROBS_MODES = (RAW_LOGPROBS, PROCESSED_LOGPROBS)
 
 PAD_POSITION = -1
 
@@ -405,6 +417,9 @@ class TargetIO:
     # per layer: the slots of a sliding layer's ring cache, 0 for a ctx_len cache (empty: all
     # ctx_len); docs/DESIGN.md, Layer kinds
     ring_slots: tuple[int, ...] = ()
+    # logprobs: the top K (0: no logprob outputs) and of which distribution (LOGPROBS_MODES)
+    logprobs: int = 0
+    logprobs_mode: str = RAW_LOGPROBS
 
     @property
     def hybrid(self) -> bool:
@@ -446,6 +461,7 @@ class TargetIO:
             *(q_specs(*self.draft_q) if self.sampling and self.draft_q else ()),
             *self.bitmask,
             *self.rule.inputs(self),
+            *([TensorSpec(LOGPROB_IDS, "int64", (BATCH, SEQ))] if self.logprobs else ()),
             *self.kv,
         ]
 
@@ -467,8 +483,21 @@ class TargetIO:
         if self.hybrid:
             out.append(TensorSpec(NUM_COMMITTED, "int64", (BATCH,)))
         out += self.rule.outputs(self)
+        out += logprob_specs(self.logprobs)
         out += [TensorSpec(retained(s.name), s.dtype, s.shape) for s in self.kv]
         return out
+
+
+def logprob_specs(k: int) -> list[TensorSpec]:
+    """The logprob outputs of a target exported with --logprobs k (none for k = 0)."""
+    if not k:
+        return []
+    return [
+        TensorSpec(TOKEN_LOGPROBS, "float32", (BATCH, SEQ)),
+        TensorSpec(SCORED_LOGPROBS, "float32", (BATCH, SEQ)),
+        TensorSpec(TOP_LOGPROB_IDS, "int64", (BATCH, SEQ, k)),
+        TensorSpec(TOP_LOGPROBS, "float32", (BATCH, SEQ, k)),
+    ]
 
 
 @dataclass(frozen=True)

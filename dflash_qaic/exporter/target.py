@@ -76,6 +76,8 @@ def check_feeds(io: contract.TargetIO, specializations: list[dict], seed: int = 
             words = contract.bitmask_words(io.vocab_size)
             bits = rng.integers(-(2**31), 2**31, (b, s, words), dtype=np.int64)
             feed[contract.TOKEN_BITMASK] = (bits | 1).astype(np.int32)
+        if io.logprobs:  # the tokens the rows score
+            feed[contract.LOGPROB_IDS] = rng.integers(0, io.vocab_size, (b, s), dtype=np.int64)
         for kv in io.kv:
             feed[kv.name] = np.zeros(kv.bind(**sym), dtype=np.float32)
         feeds.append(feed)
@@ -146,6 +148,8 @@ def target_io(
         draft_q=tuple(draft_q),
         token_bitmask=token_bitmask,
         verify_rule=verify_rule,
+        logprobs=module.logprobs,
+        logprobs_mode=module.logprobs_mode,
     )
     if io.state != module.state_specs():  # a layer kind the contract's record cannot carry
         raise ValueError(f"the target contract cannot record these layers' state: {io.state}")
@@ -176,6 +180,15 @@ def program_options(
     return dict(block_size=block_size, **options)
 
 
+def logprob_options(k: int, mode: str) -> dict:
+    """The module options of --logprobs k (none for 0, so the program is the one without)."""
+    if not 0 <= k <= contract.MAX_LOGPROBS:
+        raise ValueError(f"--logprobs must be in 0 … {contract.MAX_LOGPROBS} (got {k})")
+    if mode not in contract.LOGPROBS_MODES:
+        raise ValueError(f"--logprobs-mode must be one of {', '.join(contract.LOGPROBS_MODES)}")
+    return {"logprobs": k, "logprobs_mode": mode} if k else {}
+
+
 def set_rule(module: ExportTarget, verify_rule: str, sampling: bool, token_bitmask: bool):
     """The program's verification rule (contract.py), the effective one for its sampling
     (block verification only decides sampled verifies); a rule the program does not support
@@ -191,6 +204,11 @@ def set_rule(module: ExportTarget, verify_rule: str, sampling: bool, token_bitma
         raise ValueError(
             "tree verification (--tree-budgets) with --structured-output is not built (a grammar "
             "state per tree node): export one or the other"
+        )
+    if rule.takes_tree and module.logprobs:
+        raise ValueError(
+            "tree verification (--tree-budgets) with --logprobs is not built (the outputs would "
+            "need the accepted path's order): export one or the other"
         )
     module.rule = rule
     return rule
@@ -221,6 +239,8 @@ def export_target(
     token_bitmask: bool = False,
     verify_rule: str = contract.CHAIN,
     plan: contract.ShapePlan | None = None,
+    logprobs: int = 0,
+    logprobs_mode: str = contract.RAW_LOGPROBS,
 ) -> dict:
     """Export the target program to `out_path` and check it; returns facts for the manifest.
 
@@ -236,6 +256,8 @@ def export_target(
     verification; the program also returns num_accepted; not for a hybrid target);
     contract.TREE, tree verification (docs/DESIGN.md, Tree verification; plan.tree_budgets).
     plan: the export's shape plan (artifacts/preflight.py), made here from the sizes when None.
+    logprobs, logprobs_mode: the top K of the logprob outputs (0: none) and their distribution
+    (docs/DESIGN.md, Logprobs).
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=1)
     options = program_options(hf_model, prefill_seq_len, block_size, draft_q, token_bitmask)
@@ -251,6 +273,7 @@ def export_target(
         sampling_candidates=sampling_candidates,
         continuous_batching=full_batch_size is not None,
         **options,
+        **logprob_options(logprobs, logprobs_mode),
     ).eval()
     rule = set_rule(module, verify_rule, sampling, token_bitmask)
     cfg = hf_model.config

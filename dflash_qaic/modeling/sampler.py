@@ -459,3 +459,27 @@ def _block(w, w_d, total, proposal, has, u, q, rows):
     sampled, _ = inverse_cdf(dist, u[..., 1], V)  # [b, n]
     chosen = torch.where(rows < tau[:, None], proposal, sampled)  # d_0 … d_{τ−1}, then the draw
     return chosen, tau
+
+
+def log_softmax(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """log p over the vocabulary [b, s, V], its normaliser summed over the vocabulary tree (fp16:
+    see the comments at the top; exp(l − max) ≤ 1, so no term overflows)."""
+    top = logits.amax(-1, keepdim=True)  # [b, s, 1]
+    return logits - (top + torch.log(_tree_total(torch.exp(logits - top), vocab))[..., None])
+
+
+def logprob_outputs(logits, chosen, scored, temperature, k: int, processed: bool) -> tuple:
+    """The logprob outputs (contract.logprob_specs) of logits [b, s, V] (raw, or `processed`: the
+    ones the choice was made from, divided by the row's temperature, 0 counting as 1): log p of
+    `chosen` [b, s] and of `scored` [b, s], and the top k (ids, log p), most likely first.
+    A few floats per row; the [b, s, V] log-probabilities stay in the graph."""
+    if processed and temperature is not None:
+        logits = logits / torch.where(temperature > 0, temperature, 1.0)[:, None, None]
+    lp = log_softmax(logits, logits.shape[-1])
+    top = lp.topk(k, dim=-1)  # [b, s, k]
+    return (
+        lp.gather(-1, chosen[..., None])[..., 0],
+        lp.gather(-1, scored.clamp(min=0)[..., None])[..., 0],
+        top.indices,
+        top.values,
+    )

@@ -53,12 +53,18 @@ from dflash_qaic.contract import (
     HIDDEN_STATES,
     INPUT_IDS,
     LOGITS,
+    LOGPROB_IDS,
     NEXT_TOKENS,
     NUM_ACCEPTED,
     NUM_COMMITTED,
     POSITION_IDS,
     SAMPLING_INPUTS,
+    SCORED_LOGPROBS,
+    TEMPERATURE,
     TOKEN_BITMASK,
+    TOKEN_LOGPROBS,
+    TOP_LOGPROB_IDS,
+    TOP_LOGPROBS,
     TREE_MASK,
     VerifyRule,
 )
@@ -97,6 +103,7 @@ from dflash_qaic.modeling.ops import cache_rows, cache_slots, write_cache
 from dflash_qaic.modeling.sampler import (
     ACCEPTANCE,
     SAMPLING_CANDIDATES,
+    logprob_outputs,
     mask_logits,
     token_allowed,
 )
@@ -222,8 +229,11 @@ class ExportTarget(nn.Module):
         max_rows: int | None = None,
         embed_scale: float = 1.0,
         final_logit_softcapping: float | None = None,
+        logprobs: int = 0,
+        logprobs_mode: str = contract.RAW_LOGPROBS,
     ):
         super().__init__()
+        self.logprobs, self.logprobs_mode = int(logprobs), logprobs_mode  # contract.TargetIO
         self.continuous_batching = continuous_batching
         self.token_bitmask = token_bitmask  # structured output: contract.TOKEN_BITMASK
         self.comp_ctx = comp_ctx
@@ -419,6 +429,8 @@ class ExportTarget(nn.Module):
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         out = self.choose(logits, h, x)
+        if self.logprobs:
+            out.update(self.logprob_outputs(logits, out, x))
         hidden = self.fuse(torch.cat([taps[j] for j in self.target_layer_ids], dim=-1))
         if self.rule.path_order:  # the accepted path: its K/V written, the outputs in its order
             rows = next(iter(call.attention.values())).rows
@@ -457,6 +469,17 @@ class ExportTarget(nn.Module):
             picked, out[NUM_ACCEPTED] = picked
         out[NEXT_TOKENS] = picked
         return out
+
+    def logprob_outputs(self, raw, out: dict, x: dict) -> dict:
+        """The logprob outputs (contract.logprob_specs; modeling/sampler.py) of the raw logits or
+        the processed ones `choose` decided from."""
+        processed = self.logprobs_mode == contract.PROCESSED_LOGPROBS
+        names = (TOKEN_LOGPROBS, SCORED_LOGPROBS, TOP_LOGPROB_IDS, TOP_LOGPROBS)
+        values = logprob_outputs(
+            out[LOGITS] if processed else raw, out[NEXT_TOKENS], x[LOGPROB_IDS],
+            x.get(TEMPERATURE), self.logprobs, processed,
+        )  # fmt: skip
+        return dict(zip(names, values, strict=True))
 
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
         """hidden_norm(fc(feats)), safe in fp16: feats [b, s, k*H] -> [b, s, H].

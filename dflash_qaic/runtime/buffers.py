@@ -77,6 +77,9 @@ class TargetCall:
     # a tree program (contract.TREE_MASK): int32 [rows, n, n], row r sees row c; lower-
     # triangular (a chain) unless a tree step writes a tree (runtime/tree.py)
     tree: np.ndarray | None = None
+    # logprobs (contract.LOGPROB_IDS): int64 [rows, n], the token each row scores (a prompt
+    # row's next prompt token); None when the program returns no logprobs
+    scored: np.ndarray | None = None
 
 
 @dataclass
@@ -121,7 +124,11 @@ class _Shared:
             out[contract.COMP_CTX_LENGTHS] = self.window_ids[self.plan.windows[-1]]
         return out
 
-    def target_call(self, ids: np.ndarray, pos: np.ndarray, sample_lens, mask=None) -> TargetCall:
+    def target_call(
+        self, ids: np.ndarray, pos: np.ndarray, sample_lens, mask=None, scored=None
+    ) -> TargetCall:
+        if scored is None and self.target_io.logprobs:
+            scored = np.zeros(ids.shape, np.int64)
         if mask is None and self.target_io.token_bitmask:
             words = contract.bitmask_words(self.target_io.vocab_size)
             mask = np.full((*ids.shape, words), -1, np.int32)
@@ -139,8 +146,10 @@ class _Shared:
                 arrays.update(self.q)
             if mask is not None:
                 arrays[contract.TOKEN_BITMASK] = mask
+            if scored is not None:
+                arrays[contract.LOGPROB_IDS] = scored
             feeds[s] = bind(self.target_io, arrays)
-        return TargetCall(ids, pos, feeds, mask, tree)
+        return TargetCall(ids, pos, feeds, mask, tree, scored)
 
     def draft_call(self, ctx, ctx_pos, blk_ids, blk_pos) -> DraftCall:
         arrays = {
@@ -196,6 +205,7 @@ class PrefillBuffers(_Shared):
         super().__init__(plan, 1, sample_lens, target_io, draft_io)
         self.H, self.mask_id = draft_io.hidden_size, mask_id
         ids, pos = np.zeros((1, C), np.int64), np.zeros((1, C), np.int64)
+        scored = np.zeros((1, C), np.int64) if target_io.logprobs else None
         mask = None
         if target_io.token_bitmask:
             mask = np.full((1, C, contract.bitmask_words(target_io.vocab_size)), -1, np.int32)
@@ -205,6 +215,7 @@ class PrefillBuffers(_Shared):
                 pos[:, :L],
                 {plan.sample_len(L, g) for g in (True, False)},
                 None if mask is None else mask[:, :L],
+                None if scored is None else scored[:, :L],
             )
             for L in plan.prefill_lengths
         }

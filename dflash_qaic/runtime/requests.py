@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -59,9 +59,15 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    # logprobs (docs/DESIGN.md, Logprobs): alternatives per generated / prompt token (None: no
+    # logprobs; 0: the token's own only)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @classmethod
-    def checked(cls, temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Sampling:
+    def checked(
+        cls, temperature=0.0, top_k=0, top_p=1.0, seed=None, logprobs=None, prompt_logprobs=None
+    ) -> Sampling:
         def real(name, x):
             if isinstance(x, bool) or not isinstance(x, numbers.Real):
                 raise GenerationError(f"{name} must be a number (got {x!r})")
@@ -85,7 +91,14 @@ class Sampling:
             raise GenerationError(f"top_p must be in (0, 1] (got {top_p!r}); 1 turns top-p off")
         if seed is not None and integer("seed", seed) < 0:
             raise GenerationError(f"seed must be an integer ≥ 0 or None (got {seed!r})")
-        return cls(t, k, p, None if seed is None else int(seed))
+        lp = {"logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
+        for name, n in lp.items():
+            if n is not None and not 0 <= integer(name, n) <= contract.MAX_LOGPROBS:
+                raise GenerationError(
+                    f"{name} must be in 0 … {contract.MAX_LOGPROBS} or None (got {n!r})"
+                )
+        lp = {name: None if n is None else int(n) for name, n in lp.items()}
+        return cls(t, k, p, None if seed is None else int(seed), **lp)
 
     @property
     def greedy(self) -> bool:
@@ -190,13 +203,17 @@ class RequestChecks:
             return frozenset(self.eos)
         return frozenset(_token_ids(stop_token_ids, "stop_token_ids", None))
 
-    def sampling(self, temperature=None, top_k=0, top_p=1.0, seed=None, do_sample=None) -> Sampling:
+    def sampling(
+        self, temperature=None, top_k=0, top_p=1.0, seed=None, do_sample=None, **logprobs
+    ) -> Sampling:
         """Validated settings this program can run; a sampling request without a seed gets
         fresh entropy (the seed used is reported in stats). do_sample as Hugging Face's: False
         is greedy whatever the temperature, True samples at `temperature` (default 1.0), None
-        lets the temperature decide (default 0: greedy)."""
+        lets the temperature decide (default 0: greedy). logprobs: Sampling's logprobs and
+        prompt_logprobs."""
         temperature = _temperature(temperature, do_sample)
-        sp = Sampling.checked(temperature, top_k, top_p, seed)
+        sp = Sampling.checked(temperature, top_k, top_p, seed, **logprobs)
+        self._check_logprobs(sp)
         if not sp.greedy and not self.can_sample:
             raise GenerationError(
                 "these artifacts' target program has no sampling inputs (exported by an older "
@@ -208,8 +225,27 @@ class RequestChecks:
                 f"reads its top-k / top-p thresholds from: use top_k ≤ {self.max_top_k} or 0 (off)"
             )
         if not sp.greedy and sp.seed is None:
-            sp = Sampling(sp.temperature, sp.top_k, sp.top_p, np.random.SeedSequence().entropy)
+            sp = replace(sp, seed=np.random.SeedSequence().entropy)
         return sp
+
+    def _check_logprobs(self, sp: Sampling) -> None:
+        """Logprobs need a target exported with --logprobs K, and at most K alternatives."""
+        asked = {n: getattr(sp, n) for n in ("logprobs", "prompt_logprobs")}
+        asked = {n: k for n, k in asked.items() if k is not None}
+        if not asked:
+            return
+        have = self.artifacts.target.io.logprobs
+        name, k = max(asked.items(), key=lambda item: item[1])
+        if not have:
+            raise GenerationError(
+                f"{name}: these artifacts' target program returns no logprobs: re-export with "
+                f"`dflash-export --logprobs {max(k, 1)}` (up to {contract.MAX_LOGPROBS})"
+            )
+        if k > have:
+            raise GenerationError(
+                f"{name} {k} is above the {have} alternatives this target program returns: ask "
+                f"for at most {have}, or re-export with `dflash-export --logprobs {k}`"
+            )
 
     @property
     def can_constrain(self) -> bool:

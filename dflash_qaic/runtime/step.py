@@ -176,10 +176,17 @@ class Prefill:
         constrained = last and seq.constraint is not None  # structured output: the first token
         if constrained:
             seq.constraint.mask(c.mask[0, n - 1])
+        lp, scoring = seq.logprobs, min(n, P - lo - 1)  # rows with a prompt token after them
+        if lp is not None and lp.prompt is not None:  # prompt logprobs: each row scores the next
+            c.scored[0, :scoring] = ids[lo + 1 : lo + 1 + scoring]
         out = call("prefill", self.target, b.window(c.feeds[s], lo + n), [seq])
         if constrained:
             c.mask[0, n - 1] = -1
         check_committed("prefill", out, self._row0, n, [seq])
+        if lp is not None:
+            lp.prompt_rows(out, c.scored[0], scoring)
+            if last:  # the first token's
+                lp.rows(out, 0, n - 1, 1)
         first = int(out[contract.NEXT_TOKENS][0, n - 1]) if last else None
         if last:
             seq.t_first = time.perf_counter()  # the first token exists from here on
@@ -397,6 +404,8 @@ class DFlashStep(_Step):
         for seq in seqs:
             r = seq.slot
             seq.verified.append(1)
+            if seq.logprobs is not None:
+                seq.logprobs.rows(out, r, 0, 1)
             seq.commit([tokens[r]], step=True)
             if seq.reason is None and st.start[r] >= self.max_pos:
                 seq.reason = "ctx_len"  # positions ≥ ctx_len − 1 have no slot (contract.py)
@@ -480,6 +489,8 @@ class DecodeStep(_Step):
         tokens = token.tolist()
         full = int(st.start.max()) + 1 > contract.max_positions(self.plan.ctx_len)
         for seq in seqs:
+            if seq.logprobs is not None:
+                seq.logprobs.rows(out, seq.slot, 0, 1)
             seq.commit([tokens[seq.slot]], step=True)
             if (
                 seq.reason is None

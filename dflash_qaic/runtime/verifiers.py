@@ -90,6 +90,8 @@ def commit(step, lens: np.ndarray, rows, seqs: list, n: int, out: dict, acc: np.
     for seq in seqs:  # per sequence: its tokens (the accepted ones, then the target's)
         r = seq.slot
         seq.verified.append(int(lens[r]))
+        if seq.logprobs is not None:  # the committed rows' only: never a rejected proposal's
+            seq.logprobs.rows(out, r, 0, accepted[r] + 1)
         seq.commit(tokens[r][: accepted[r] + 1], step=True)
         if seq.reason is None and full and st.start[r] >= step.max_pos:
             seq.reason = "ctx_len"  # positions ≥ ctx_len − 1 have no slot (contract.py)
