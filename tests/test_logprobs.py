@@ -134,3 +134,104 @@ def test_export_without_logprobs_has_no_logprob_io():
     with_lp = contract.TargetIO(**{**io.__dict__, "logprobs": 3})
     top = next(s for s in with_lp.outputs if s.name == contract.TOP_LOGPROB_IDS)
     assert top.shape == (contract.BATCH, contract.SEQ, 3)
+
+
+# ---------------------------------------------------------------- dflash-serve
+
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def http(lp_artifacts):
+    from fastapi.testclient import TestClient
+
+    from dflash_qaic.serve.app import create_app
+    from dflash_qaic.serve.engine import AsyncEngine
+
+    pipe = dflash_qaic.load(lp_artifacts)
+    with TestClient(create_app(AsyncEngine(pipe), "m", pipe.tokenizer, TEMPLATE)) as c:
+        yield c, pipe
+
+
+def test_completions_logprobs_and_echo_are_openai_shaped_and_equal_hf(http, hf_model):
+    c, pipe = http
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 2, "echo": True}
+    r = c.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    ids = pipe.tokenizer(PROMPT)["input_ids"]
+    assert choice["text"].startswith(PROMPT)
+    lp = choice["logprobs"]
+    n = len(lp["tokens"])
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert "".join(lp["tokens"]) == choice["text"]
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(n)]
+    gen = pipe.tokenizer(choice["text"][len(PROMPT) :])["input_ids"]
+    ref = hf_logprobs(hf_model, ids + gen)
+    want = [ref[j - 1][t] for j, t in enumerate(ids + gen) if j > 0]
+    np.testing.assert_allclose(lp["token_logprobs"][1:], want, atol=TOL)
+    assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"][1:])  # k, and the token itself
+
+
+def test_chat_logprobs_and_prompt_logprobs(http):
+    c, _ = http
+    body = {
+        "messages": [{"role": "user", "content": "def add(a, b):"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "prompt_logprobs": 1,
+    }
+    r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert "".join(x["token"] for x in content) == choice["message"]["content"]
+    for x in content:
+        assert set(x) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert len(x["top_logprobs"]) == 3 and x["top_logprobs"][0]["logprob"] >= x["logprob"]
+        assert x["bytes"] == list(x["token"].encode())
+    pl = choice["prompt_logprobs"]
+    assert pl[0] is None and all(1 <= len(e) <= 2 for e in pl[1:])
+    assert all(v["logprob"] <= 0 for e in pl[1:] for v in e.values())
+
+
+def test_streamed_logprobs_equal_the_whole_answer(http):
+    c, _ = http
+    body = {"prompt": "import os\n", "max_tokens": 16, "temperature": 0, "logprobs": 1}
+    whole = c.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    tokens, values = [], []
+    with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                import json
+
+                lp = json.loads(line[6:])["choices"][0].get("logprobs")
+                if lp:
+                    tokens += lp["tokens"]
+                    values += lp["token_logprobs"]
+    assert tokens == whole["tokens"]
+    np.testing.assert_allclose(values, whole["token_logprobs"], atol=1e-6)
+
+
+def test_serve_refuses_logprobs_on_artifacts_without_them(default_artifacts):
+    from fastapi.testclient import TestClient
+
+    from dflash_qaic.serve.app import create_app
+    from dflash_qaic.serve.engine import AsyncEngine
+
+    pipe = dflash_qaic.load(default_artifacts)
+    with TestClient(create_app(AsyncEngine(pipe), "m", pipe.tokenizer, TEMPLATE)) as c:
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "logprobs": 1})
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert "dflash-export --logprobs" in err["message"] and err["param"] == "logprobs"
+        chat = {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}
+        r = c.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 400 and "needs logprobs: true" in r.json()["error"]["message"]

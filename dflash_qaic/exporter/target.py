@@ -251,13 +251,12 @@ def export_target(
     (modeling.sampler.sampling_weights). fp16_check: the graph check's fp16 evaluations.
     full_batch_size (cache rows; None: off), comp_ctx_lengths, verify_lengths: see contract.py.
     draft_q: (B − 1, k), q-aware verification of a DFlash-2 draft's q (not for a hybrid).
-    token_bitmask: structured output (docs/DESIGN.md, Structured output).
+    token_bitmask: structured output. logprobs, logprobs_mode: the logprob outputs' top K (0:
+    none), their distribution (docs/DESIGN.md, Structured output and Logprobs).
     verify_rule: contract.BLOCK, block verification of sampled verifies (docs/DESIGN.md, Block
     verification; the program also returns num_accepted; not for a hybrid target);
     contract.TREE, tree verification (docs/DESIGN.md, Tree verification; plan.tree_budgets).
     plan: the export's shape plan (artifacts/preflight.py), made here from the sizes when None.
-    logprobs, logprobs_mode: the top K of the logprob outputs (0: none) and their distribution
-    (docs/DESIGN.md, Logprobs).
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=1)
     options = program_options(hf_model, prefill_seq_len, block_size, draft_q, token_bitmask)

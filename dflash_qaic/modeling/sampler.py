@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_qaic import contract
+
 # Precision (the compiler runs this in fp16). The math works on unnormalised weights
 # w = exp((logit - max) / T) <= 1 (the most likely token has w = 1), never on normalised
 # probabilities, and every comparison is made against sums computed in the same graph:
@@ -468,18 +470,24 @@ def log_softmax(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     return logits - (top + torch.log(_tree_total(torch.exp(logits - top), vocab))[..., None])
 
 
-def logprob_outputs(logits, chosen, scored, temperature, k: int, processed: bool) -> tuple:
-    """The logprob outputs (contract.logprob_specs) of logits [b, s, V] (raw, or `processed`: the
-    ones the choice was made from, divided by the row's temperature, 0 counting as 1): log p of
-    `chosen` [b, s] and of `scored` [b, s], and the top k (ids, log p), most likely first.
-    A few floats per row; the [b, s, V] log-probabilities stay in the graph."""
-    if processed and temperature is not None:
-        logits = logits / torch.where(temperature > 0, temperature, 1.0)[:, None, None]
+def logprob_outputs(raw, out: dict, x: dict, k: int, mode: str) -> dict:
+    """The logprob outputs (contract.logprob_specs) of the raw logits [b, s, V], or (mode
+    processed_logprobs) of the ones the choice was made from (out[LOGITS]: the grammar's mask
+    applied) divided by the row's temperature (0 counting as 1): log p of the choice and of
+    the scored token (x[LOGPROB_IDS]) [b, s], and the top k (ids, log p) [b, s, k], most likely
+    first. A few floats per row; the [b, s, V] log-probabilities stay in the graph."""
+    logits = raw
+    if mode == contract.PROCESSED_LOGPROBS:
+        logits = out[contract.LOGITS]
+        t = x.get(contract.TEMPERATURE)
+        if t is not None:
+            logits = logits / torch.where(t > 0, t, 1.0)[:, None, None]
     lp = log_softmax(logits, logits.shape[-1])
     top = lp.topk(k, dim=-1)  # [b, s, k]
-    return (
-        lp.gather(-1, chosen[..., None])[..., 0],
-        lp.gather(-1, scored.clamp(min=0)[..., None])[..., 0],
-        top.indices,
-        top.values,
-    )
+    scored = x[contract.LOGPROB_IDS].clamp(min=0)
+    return {
+        contract.TOKEN_LOGPROBS: lp.gather(-1, out[contract.NEXT_TOKENS][..., None])[..., 0],
+        contract.SCORED_LOGPROBS: lp.gather(-1, scored[..., None])[..., 0],
+        contract.TOP_LOGPROB_IDS: top.indices,
+        contract.TOP_LOGPROBS: top.values,
+    }

@@ -53,18 +53,12 @@ from dflash_qaic.contract import (
     HIDDEN_STATES,
     INPUT_IDS,
     LOGITS,
-    LOGPROB_IDS,
     NEXT_TOKENS,
     NUM_ACCEPTED,
     NUM_COMMITTED,
     POSITION_IDS,
     SAMPLING_INPUTS,
-    SCORED_LOGPROBS,
-    TEMPERATURE,
     TOKEN_BITMASK,
-    TOKEN_LOGPROBS,
-    TOP_LOGPROB_IDS,
-    TOP_LOGPROBS,
     TREE_MASK,
     VerifyRule,
 )
@@ -429,8 +423,8 @@ class ExportTarget(nn.Module):
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         out = self.choose(logits, h, x)
-        if self.logprobs:
-            out.update(self.logprob_outputs(logits, out, x))
+        if self.logprobs:  # a few floats per row of the raw or processed logits
+            out.update(logprob_outputs(logits, out, x, self.logprobs, self.logprobs_mode))
         hidden = self.fuse(torch.cat([taps[j] for j in self.target_layer_ids], dim=-1))
         if self.rule.path_order:  # the accepted path: its K/V written, the outputs in its order
             rows = next(iter(call.attention.values())).rows
@@ -469,17 +463,6 @@ class ExportTarget(nn.Module):
             picked, out[NUM_ACCEPTED] = picked
         out[NEXT_TOKENS] = picked
         return out
-
-    def logprob_outputs(self, raw, out: dict, x: dict) -> dict:
-        """The logprob outputs (contract.logprob_specs; modeling/sampler.py) of the raw logits or
-        the processed ones `choose` decided from."""
-        processed = self.logprobs_mode == contract.PROCESSED_LOGPROBS
-        names = (TOKEN_LOGPROBS, SCORED_LOGPROBS, TOP_LOGPROB_IDS, TOP_LOGPROBS)
-        values = logprob_outputs(
-            out[LOGITS] if processed else raw, out[NEXT_TOKENS], x[LOGPROB_IDS],
-            x.get(TEMPERATURE), self.logprobs, processed,
-        )  # fmt: skip
-        return dict(zip(names, values, strict=True))
 
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
         """hidden_norm(fc(feats)), safe in fp16: feats [b, s, k*H] -> [b, s, H].

@@ -27,7 +27,11 @@ class TokenLogprobs:
     top: list[list[tuple[int, float]]] = field(default_factory=list)
 
     def cut(self, n: int) -> TokenLogprobs:
-        return TokenLogprobs(self.token_ids[:n], self.logprobs[:n], self.top[:n])
+        return self.span(0, n)
+
+    def span(self, lo: int, hi: int) -> TokenLogprobs:
+        """Tokens lo … hi − 1."""
+        return TokenLogprobs(self.token_ids[lo:hi], self.logprobs[lo:hi], self.top[lo:hi])
 
 
 class LogprobRecord:
@@ -62,6 +66,10 @@ class LogprobRecord:
         p.token_ids += scored[:n].tolist()
         p.logprobs += out[contract.SCORED_LOGPROBS][0, :n].tolist()
         p.top += _top(out, 0, 0, n, self.prompt_k)
+
+    def span(self, lo: int, hi: int) -> TokenLogprobs | None:
+        """Generated tokens lo … hi − 1's (None: no logprobs asked for them)."""
+        return self.generated.span(lo, hi) if self.k is not None else None
 
     def result(self, n: int) -> tuple[TokenLogprobs | None, TokenLogprobs | None]:
         """(generated, prompt): the first n generated tokens' (a commit past a stop token or

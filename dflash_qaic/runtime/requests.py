@@ -213,7 +213,7 @@ class RequestChecks:
         prompt_logprobs."""
         temperature = _temperature(temperature, do_sample)
         sp = Sampling.checked(temperature, top_k, top_p, seed, **logprobs)
-        self._check_logprobs(sp)
+        self.check_logprobs(sp)
         if not sp.greedy and not self.can_sample:
             raise GenerationError(
                 "these artifacts' target program has no sampling inputs (exported by an older "
@@ -228,7 +228,7 @@ class RequestChecks:
             sp = replace(sp, seed=np.random.SeedSequence().entropy)
         return sp
 
-    def _check_logprobs(self, sp: Sampling) -> None:
+    def check_logprobs(self, sp: Sampling) -> None:
         """Logprobs need a target exported with --logprobs K, and at most K alternatives."""
         asked = {n: getattr(sp, n) for n in ("logprobs", "prompt_logprobs")}
         asked = {n: k for n, k in asked.items() if k is not None}

@@ -4,7 +4,7 @@ error body, and the response and stream-chunk bodies.
 Requests are validated in pydantic's strict JSON mode, so `"max_tokens": "5"` or `true` is a 400,
 not a silent coercion. Every field OpenAI or vLLM defines for these endpoints is declared here:
 honoured, or refused with a 400 naming it when set to anything but its default (`n` > 1,
-`logprobs`, `echo`, penalties, `min_p`, beam search, …; `UNSUPPORTED`). A field neither defines
+penalties, `min_p`, beam search, …; `UNSUPPORTED`; logprobs need artifacts exported with them). A field neither defines
 (a misspelt `temprature`) is a 400 naming it, never silently ignored.
 """
 
@@ -171,7 +171,6 @@ class _Sampling(_Request):
         "include_stop_str_in_output": False,
         "spaces_between_special_tokens": True,
         "truncate_prompt_tokens": None,
-        "prompt_logprobs": None,
         "return_tokens_as_token_ids": False,
         "logits_processors": None,
         "priority": 0,
@@ -271,8 +270,6 @@ class CompletionRequest(_Sampling):
 
     UNSUPPORTED: ClassVar[dict] = {
         **_Sampling.UNSUPPORTED,
-        "echo": False,
-        "logprobs": None,
         "suffix": None,
         "prompt_embeds": None,
     }
@@ -353,8 +350,6 @@ class ChatCompletionRequest(_Sampling):
 
     UNSUPPORTED: ClassVar[dict] = {
         **_Sampling.UNSUPPORTED,
-        "logprobs": False,
-        "top_logprobs": None,
         "continue_final_message": False,
         "echo": False,
         "functions": None,
