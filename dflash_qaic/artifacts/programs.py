@@ -148,6 +148,7 @@ def _export_target(pair, w: _Weights, plan, o: ExportOptions, out: Path, steps) 
             plan=plan,
             logprobs=o.logprobs,
             logprobs_mode=o.logprobs_mode,
+            extended_sampling=o.extended_sampling,
             **_common(pair, plan, o),
         )
     w.target = None  # the placeholder modules go before the draft is traced

@@ -243,6 +243,7 @@ def program_facts(path: Path, io, specializations: list[dict], report: dict) -> 
         **({"draft_q": list(io.draft_q)} if getattr(io, "draft_q", ()) else {}),
         **({"token_bitmask": True} if getattr(io, "token_bitmask", False) else {}),
         **(_logprob_facts(io) if getattr(io, "logprobs", 0) else {}),
+        **({"extended_sampling": True} if getattr(io, "extended_sampling", False) else {}),
         **(
             {"verify_rule": io.verify_rule}
             if getattr(io, "verify_rule", contract.CHAIN) != contract.CHAIN

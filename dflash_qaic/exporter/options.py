@@ -138,6 +138,14 @@ class ExportOptions:
         "processed_logprobs (after the grammar's mask and the temperature)",
         recipe=True,
     )
+    extended_sampling: bool = _opt(
+        False,
+        "bool",
+        "the target takes repetition / presence / frequency penalties, min_p, logit_bias, "
+        "min_tokens and bad words per row, applied before every row's choice from the "
+        "request's history and the block's own proposals (docs/DESIGN.md, Extended sampling)",
+        recipe=True,
+    )
     verify_rule: str = _opt(
         contract.CHAIN,
         "str",
@@ -226,6 +234,8 @@ class ExportOptions:
                 f"--logprobs-mode must be one of {', '.join(contract.LOGPROBS_MODES)}, got "
                 f"{self.logprobs_mode!r} (`logprobs_mode=` in Python)"
             )
+        if self.extended_sampling and not self.sampling:
+            raise ExportError("--extended-sampling needs the sampler: leave out --no-sampling")
         self._check_tree()
         w = self.comp_ctx_lengths
         if w is not None and (list(w) != sorted(set(w)) or w[-1] != self.ctx_len):
@@ -266,7 +276,8 @@ class ExportOptions:
         d.update(block_size=block_size)
         for k in ("comp_ctx_lengths", "verify_lengths"):  # as JSON has them (the reuse key)
             d[k] = list(d[k]) if d[k] is not None else None
-        for k, off in (("logprobs", 0), ("logprobs_mode", contract.RAW_LOGPROBS)):
+        offs = (("logprobs", 0), ("logprobs_mode", contract.RAW_LOGPROBS))
+        for k, off in (*offs, ("extended_sampling", False)):
             if d[k] == off:  # absent when off: the keys of programs exported before they existed
                 del d[k]
         if d["tree_budgets"] is None:  # absent: keys of programs exported before it existed

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash_qaic import contract
+from dflash_qaic.runtime.history import ExtendedRows
 
 
 def bind(io, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -41,27 +42,34 @@ class SamplingRows:
     top_k: np.ndarray  # int64 [rows]
     top_p: np.ndarray  # float32 [rows]
     u: dict[int, np.ndarray]  # sample_len -> float32 [rows, sample_len, N_RANDOM]
+    # the extended sampling inputs (runtime/history.py), when the program takes them
+    ext: ExtendedRows | None = None
 
     @classmethod
-    def alloc(cls, rows: int, sample_lens) -> SamplingRows:
+    def alloc(cls, rows: int, sample_lens, extended_vocab: int = 0) -> SamplingRows:
         u = {n: np.zeros((rows, n, contract.N_RANDOM), np.float32) for n in sorted(sample_lens)}
+        ext = ExtendedRows(rows, extended_vocab) if extended_vocab else None
         return cls(
-            np.zeros(rows, np.float32), np.zeros(rows, np.int64), np.ones(rows, np.float32), u
+            np.zeros(rows, np.float32), np.zeros(rows, np.int64), np.ones(rows, np.float32), u, ext
         )
 
-    def set_row(self, r: int, sp) -> None:
-        """Row r's settings (runtime.pipeline.Sampling), or greedy for None."""
+    def set_row(self, r: int, sp, req=None) -> None:
+        """Row r's settings (runtime.pipeline.Sampling), or greedy for None; req: the row's
+        request (its prompt and stop set: the extended inputs' history starts there)."""
         self.temperature[r] = sp.temperature if sp else 0.0
         self.top_k[r] = sp.top_k if sp else 0
         self.top_p[r] = sp.top_p if sp else 1.0
+        if self.ext is not None:
+            self.ext.set_row(r, sp, req)
 
     def arrays(self, sample_len: int) -> dict[str, np.ndarray]:
-        return {
+        out = {
             contract.TEMPERATURE: self.temperature,
             contract.TOP_K: self.top_k,
             contract.TOP_P: self.top_p,
             contract.RANDOM_U: self.u[sample_len],
         }
+        return out | (self.ext.arrays() if self.ext is not None else {})
 
 
 @dataclass
@@ -101,7 +109,8 @@ class _Shared:
         self.plan, self.target_io, self.draft_io = plan, target_io, draft_io
         self.bidx = np.zeros((rows, 1), np.int64)  # batch_index: the cache row of each row
         self.slot_ids = np.arange(rows, dtype=np.int64)
-        self.sampling = SamplingRows.alloc(rows, sample_lens)
+        vocab = target_io.vocab_size if target_io.extended_sampling else 0
+        self.sampling = SamplingRows.alloc(rows, sample_lens, vocab)
         # a DFlash-2 draft exported for sampling: its uniform per proposal in, its q out and
         # into the target (docs/DESIGN.md, DFlash-2 drafts); the rows' temperatures are shared
         B = plan.block_size

@@ -63,10 +63,25 @@ class Sampling:
     # logprobs; 0: the token's own only)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # extended sampling (docs/DESIGN.md, Extended sampling; off at these values)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token-id sequences
 
     @classmethod
     def checked(
-        cls, temperature=0.0, top_k=0, top_p=1.0, seed=None, logprobs=None, prompt_logprobs=None
+        cls,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        seed=None,
+        logprobs=None,
+        prompt_logprobs=None,
+        **extended,
     ) -> Sampling:
         def real(name, x):
             if isinstance(x, bool) or not isinstance(x, numbers.Real):
@@ -98,11 +113,109 @@ class Sampling:
                     f"{name} must be in 0 … {contract.MAX_LOGPROBS} or None (got {n!r})"
                 )
         lp = {name: None if n is None else int(n) for name, n in lp.items()}
-        return cls(t, k, p, None if seed is None else int(seed), **lp)
+        return cls(t, k, p, None if seed is None else int(seed), **lp, **_extended(**extended))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def extended(self) -> str | None:
+        """The first extended sampling setting this asks for (None: none)."""
+        return first_set(EXTENDED_OFF, lambda name, off: getattr(self, name))
+
+    @property
+    def history_dependent(self) -> bool:
+        """A setting that reads the generated tokens (penalties, bad words)."""
+        return bool(
+            self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.bad_words
+        )
+
+
+#: the extended sampling settings and their off values
+EXTENDED_OFF: dict[str, object] = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "min_tokens": 0,
+    "logit_bias": (),
+    "bad_words": (),
+}
+
+
+def _extended(
+    repetition_penalty=1.0,
+    presence_penalty=0.0,
+    frequency_penalty=0.0,
+    min_p=0.0,
+    min_tokens=0,
+    logit_bias=None,
+    bad_words=None,
+) -> dict:
+    """The extended settings checked (vLLM's and OpenAI's ranges), as Sampling's fields."""
+    out = {}
+    for name, x, lo, hi in (
+        ("repetition_penalty", repetition_penalty, 0.0, math.inf),
+        ("presence_penalty", presence_penalty, -2.0, 2.0),
+        ("frequency_penalty", frequency_penalty, -2.0, 2.0),
+        ("min_p", min_p, 0.0, 1.0),
+    ):
+        ok = isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+        if not ok or not lo <= x <= hi or (name == "repetition_penalty" and x <= 0):
+            where = "> 0" if name == "repetition_penalty" else f"in [{lo:g}, {hi:g}]"
+            raise GenerationError(f"{name} must be a finite number {where} (got {x!r})")
+        out[name] = float(x)
+    if (
+        isinstance(min_tokens, bool)
+        or not isinstance(min_tokens, numbers.Integral)
+        or min_tokens < 0
+    ):
+        raise GenerationError(f"min_tokens must be an integer ≥ 0 (got {min_tokens!r})")
+    out["min_tokens"] = int(min_tokens)
+    out["logit_bias"] = _logit_bias(logit_bias)
+    out["bad_words"] = _bad_words(bad_words)
+    return out
+
+
+def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    """{token id (int or its decimal string): bias in [-100, 100]} -> sorted pairs."""
+    if not bias:
+        return ()
+    items = bias.items() if isinstance(bias, dict) else bias
+    out = {}
+    for t, v in items:
+        try:
+            t = int(t)
+        except (TypeError, ValueError):
+            raise GenerationError(f"logit_bias keys must be token ids (got {t!r})") from None
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not -100 <= v <= 100:
+            raise GenerationError(f"logit_bias values must be in [-100, 100] (got {v!r})")
+        out[t] = float(v)
+    if len(out) > contract.MAX_LOGIT_BIAS:
+        raise GenerationError(
+            f"logit_bias holds {len(out)} tokens; the program takes at most "
+            f"{contract.MAX_LOGIT_BIAS}"
+        )
+    return tuple(sorted(out.items()))
+
+
+def _bad_words(words) -> tuple[tuple[int, ...], ...]:
+    """Token-id sequences (each 1 … BAD_WORD_TOKENS long, at most MAX_BAD_WORDS of them)."""
+    if not words:
+        return ()
+    out = tuple(tuple(_token_ids(w, "bad_words", None)) for w in words)
+    if len(out) > contract.MAX_BAD_WORDS or any(
+        not 1 <= len(w) <= contract.BAD_WORD_TOKENS for w in out
+    ):
+        raise GenerationError(
+            f"bad_words: at most {contract.MAX_BAD_WORDS} sequences of 1 … "
+            f"{contract.BAD_WORD_TOKENS} tokens each (got {[len(w) for w in out]})"
+        )
+    return out
 
 
 def _temperature(temperature, do_sample):
@@ -204,16 +317,17 @@ class RequestChecks:
         return frozenset(_token_ids(stop_token_ids, "stop_token_ids", None))
 
     def sampling(
-        self, temperature=None, top_k=0, top_p=1.0, seed=None, do_sample=None, **logprobs
+        self, temperature=None, top_k=0, top_p=1.0, seed=None, do_sample=None, **more
     ) -> Sampling:
         """Validated settings this program can run; a sampling request without a seed gets
         fresh entropy (the seed used is reported in stats). do_sample as Hugging Face's: False
         is greedy whatever the temperature, True samples at `temperature` (default 1.0), None
-        lets the temperature decide (default 0: greedy). logprobs: Sampling's logprobs and
-        prompt_logprobs."""
+        lets the temperature decide (default 0: greedy). more: Sampling's other fields
+        (logprobs, penalties, …)."""
         temperature = _temperature(temperature, do_sample)
-        sp = Sampling.checked(temperature, top_k, top_p, seed, **logprobs)
+        sp = Sampling.checked(temperature, top_k, top_p, seed, **more)
         self.check_logprobs(sp)
+        self.check_extended(sp)
         if not sp.greedy and not self.can_sample:
             raise GenerationError(
                 "these artifacts' target program has no sampling inputs (exported by an older "
@@ -227,6 +341,25 @@ class RequestChecks:
         if not sp.greedy and sp.seed is None:
             sp = replace(sp, seed=np.random.SeedSequence().entropy)
         return sp
+
+    def check_extended(self, sp: Sampling) -> None:
+        """Penalties, min_p, logit_bias, min_tokens and bad words need a target exported with
+        --extended-sampling; their token ids must be in the vocabulary."""
+        name = sp.extended
+        if name is None:
+            return
+        if not self.artifacts.target.io.extended_sampling:
+            raise GenerationError(
+                f"{name}: these artifacts' target program takes no extended sampling inputs: "
+                "re-export with `dflash-export --extended-sampling`"
+            )
+        ids = [t for t, _ in sp.logit_bias] + [t for w in sp.bad_words for t in w]
+        bad = [t for t in ids if not 0 <= t < self.vocab]
+        if bad:
+            raise GenerationError(
+                f"logit_bias / bad_words token ids {bad[:5]} are outside the vocabulary "
+                f"0 … {self.vocab - 1}"
+            )
 
     def check_logprobs(self, sp: Sampling) -> None:
         """Logprobs need a target exported with --logprobs K, and at most K alternatives."""
@@ -304,6 +437,11 @@ class RequestChecks:
         self._check_room(len(ids), mode, what)
         stop = self._stop_set(stop_token_ids)
         sampling = self.sampling(**sp)
+        if sampling.min_tokens and len(stop) > contract.MAX_STOP_IDS:
+            raise GenerationError(
+                f"min_tokens with {len(stop)} stop token ids: the program holds back at most "
+                f"{contract.MAX_STOP_IDS}; give fewer stop_token_ids"
+            )
         if grammar is None:
             grammar = self.grammar(response_format)
         return Request(ids, int(max_new_tokens), stop, sampling, grammar)

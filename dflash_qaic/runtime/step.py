@@ -51,7 +51,7 @@ from dflash_qaic.runtime.grammar import StepMasks
 from dflash_qaic.runtime.policy import StepPolicy
 from dflash_qaic.runtime.stats import StepCosts
 from dflash_qaic.runtime.tree import TreeVerifier
-from dflash_qaic.runtime.verifiers import BlockVerifier, ChainVerifier, Verifier
+from dflash_qaic.runtime.verifiers import BlockVerifier, ChainVerifier, Verifier, commit_rows
 
 __all__ = ["VERIFIERS", "CallFailed", "DFlashStep", "DecodeStep", "Prefill", "SlotBook"]
 
@@ -171,7 +171,7 @@ class Prefill:
         c = fill_chunk(b, L, ids, lo, n, slot)
         # only the last chunk's last row is sampled: the chunks before it take the greedy Prefill
         s = self.plan.sample_len(L, seq.uniforms is None or not last)
-        b.sampling.set_row(0, seq.req.sampling)
+        b.sampling.set_row(0, seq.req.sampling, seq.req)
         seq.fill_uniforms(b.sampling.u[s][0], lo + 1)
         constrained = last and seq.constraint is not None  # structured output: the first token
         if constrained:
@@ -404,9 +404,7 @@ class DFlashStep(_Step):
         for seq in seqs:
             r = seq.slot
             seq.verified.append(1)
-            if seq.logprobs is not None:
-                seq.logprobs.rows(out, r, 0, 1)
-            seq.commit([tokens[r]], step=True)
+            commit_rows(self.bufs, seq, r, out, [tokens[r]])
             if seq.reason is None and st.start[r] >= self.max_pos:
                 seq.reason = "ctx_len"  # positions ≥ ctx_len − 1 have no slot (contract.py)
             if seq.reason is None:
@@ -489,9 +487,7 @@ class DecodeStep(_Step):
         tokens = token.tolist()
         full = int(st.start.max()) + 1 > contract.max_positions(self.plan.ctx_len)
         for seq in seqs:
-            if seq.logprobs is not None:
-                seq.logprobs.rows(out, seq.slot, 0, 1)
-            seq.commit([tokens[seq.slot]], step=True)
+            commit_rows(self.bufs, seq, seq.slot, out, [tokens[seq.slot]])
             if (
                 seq.reason is None
                 and full
