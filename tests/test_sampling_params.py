@@ -248,3 +248,44 @@ def test_refused_without_the_option_and_checked(default_artifacts, pipe):
     ):
         with pytest.raises(GenerationError, match=match):
             pipe.generate("x", 2, **kw)
+
+
+# ---------------------------------------------------------------- dflash-serve
+
+
+def _client(artifacts):
+    from fastapi.testclient import TestClient
+
+    from dflash_qaic.serve.app import create_app
+    from dflash_qaic.serve.engine import AsyncEngine
+
+    pipe = dflash_qaic.load(artifacts)
+    return TestClient(create_app(AsyncEngine(pipe), "m", pipe.tokenizer, None)), pipe
+
+
+def test_serve_answers_the_parameters_as_generate(ext_artifacts):
+    c, pipe = _client(ext_artifacts)
+    s = dict(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3, min_tokens=4)
+    s |= dict(logit_bias={"101": 2.0}, min_p=0.05)
+    with c:
+        body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, **s}
+        r = c.post("/v1/completions", json={**body, "bad_words": ["re"]})
+        assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["text"]
+    bad = [pipe.tokenizer.encode(w, add_special_tokens=False) for w in ("re", " re")]
+    want = pipe.generate(PROMPT, 24, stop_token_ids=[], bad_words=bad, **s)
+    assert text == pipe.tokenizer.decode(want.tokens)
+    assert "re" not in text
+
+
+def test_serve_refuses_them_on_artifacts_without_the_option(default_artifacts):
+    c, _ = _client(default_artifacts)
+    with c:
+        for name, value in (("repetition_penalty", 1.1), ("min_p", 0.1), ("bad_words", ["x"])):
+            body = {"prompt": "x", "max_tokens": 2, name: value}
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == name and "dflash-export --extended-sampling" in err["message"]
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"

@@ -20,11 +20,12 @@ class GenerationError(ValueError):
 
 
 #: The sampling parameters (OpenAI's and vLLM's names) the programs cannot honour, each with the
-#: value that turns it off, the only one accepted: the programs choose each token on the device
-#: from temperature, top_k, top_p and seed only. dflash-serve and the vLLM plugin refuse the
-#: others through `refused_sampling`.
-REFUSED_SAMPLING: dict[str, object] = {
-    "n": 1,
+#: value that turns it off, the only one accepted. dflash-serve and the vLLM plugin refuse them
+#: through `refused_sampling`.
+REFUSED_SAMPLING: dict[str, object] = {"n": 1}
+#: The extended sampling parameters (wire names, each with its off value): honoured by a target
+#: exported with --extended-sampling (docs/sampling.md), refused with the re-export otherwise.
+EXTENDED_SAMPLING: dict[str, object] = {
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
     "repetition_penalty": 1.0,
@@ -38,10 +39,10 @@ REFUSED_SAMPLING: dict[str, object] = {
 def first_set(offs: dict[str, object], get) -> str | None:
     """The first name of `offs` (name -> the value that turns it off) that `get(name, off)` (a
     request's value, `off` when it has none) sets to anything else, or None; for an off value
-    of None, an empty dict or list is off too."""
+    of None, an empty dict, list or tuple is off too."""
     for name, off in offs.items():
         value = get(name, off)
-        if value != off and not (off is None and value in ({}, [])):
+        if value != off and not (off is None and value in ({}, [], ())):
             return name
     return None
 
@@ -49,6 +50,12 @@ def first_set(offs: dict[str, object], get) -> str | None:
 def refused_sampling(get) -> str | None:
     """The first parameter of REFUSED_SAMPLING a request sets (`get` as `first_set` takes it)."""
     return first_set(REFUSED_SAMPLING, get)
+
+
+def extended_settings(get) -> dict:
+    """The extended sampling parameters a request sets, by name (`get` as `first_set`)."""
+    found = {n: off for n, off in EXTENDED_SAMPLING.items() if first_set({n: off}, get)}
+    return {n: get(n, off) for n, off in found.items()}
 
 
 @dataclass(frozen=True)
@@ -122,7 +129,7 @@ class Sampling:
     @property
     def extended(self) -> str | None:
         """The first extended sampling setting this asks for (None: none)."""
-        return first_set(EXTENDED_OFF, lambda name, off: getattr(self, name))
+        return first_set(EXTENDED_SAMPLING, lambda name, off: getattr(self, name))
 
     @property
     def history_dependent(self) -> bool:
@@ -133,18 +140,6 @@ class Sampling:
             or self.frequency_penalty
             or self.bad_words
         )
-
-
-#: the extended sampling settings and their off values
-EXTENDED_OFF: dict[str, object] = {
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_p": 0.0,
-    "min_tokens": 0,
-    "logit_bias": (),
-    "bad_words": (),
-}
 
 
 def _extended(

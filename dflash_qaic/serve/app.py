@@ -313,9 +313,11 @@ class Frontend:
         if seed is None and self._seeds is not None and temperature != 0:
             seed = self._seeds.getrandbits(63)  # the server's --seed: reproducible in order
         extra = lp.settings(req, chat=isinstance(req, proto.ChatCompletionRequest))
+        extra |= lp.extended(req, self.tokenizer)  # penalties, min_p, logit_bias, …
         sp = _sampling(temperature=temperature, top_k=top_k, top_p=req.top_p, seed=seed, **extra)
-        try:  # artifacts exported without --logprobs (or fewer): a 400 naming the re-export
+        try:  # artifacts exported without --logprobs / --extended-sampling: a 400 naming it
             self.engine.pipe.check_logprobs(sp)
+            self.engine.pipe.check_extended(sp)
         except GenerationError as e:
             raise APIError(str(e), param=str(e).split(maxsplit=1)[0].rstrip(":")) from None
         if not sp.greedy and not self.can_sample:

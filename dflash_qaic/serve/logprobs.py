@@ -118,3 +118,21 @@ def add_to_chunk(chunk: dict, tok, req, chat: bool, out, offset: int) -> int:
     body = completion_logprobs(tok, gen, None, req.logprobs, offset)
     choice["logprobs"] = body
     return offset + sum(len(t) for t in body["tokens"])
+
+
+def extended(req, tokenizer) -> dict:
+    """The extended sampling settings a request sets (runtime/requests.py EXTENDED_SAMPLING),
+    as Pipeline.request takes them: bad words as token-id sequences, each word with and
+    without a leading space (vLLM's rule)."""
+    from dflash_qaic.runtime.requests import extended_settings
+
+    out = extended_settings(lambda name, off: getattr(req, name))
+    if "bad_words" in out:
+        if tokenizer is None:
+            raise APIError("bad_words need a tokenizer", param="bad_words")
+        seqs: dict[tuple[int, ...], None] = {}
+        for word in out["bad_words"]:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                seqs[tuple(tokenizer.encode(text, add_special_tokens=False))] = None
+        out["bad_words"] = [list(s) for s in seqs if s]
+    return out
