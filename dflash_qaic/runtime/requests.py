@@ -142,37 +142,32 @@ class Sampling:
         )
 
 
-def _extended(
-    repetition_penalty=1.0,
-    presence_penalty=0.0,
-    frequency_penalty=0.0,
-    min_p=0.0,
-    min_tokens=0,
-    logit_bias=None,
-    bad_words=None,
-) -> dict:
-    """The extended settings checked (vLLM's and OpenAI's ranges), as Sampling's fields."""
+def _extended(**settings) -> dict:
+    """The extended settings (EXTENDED_SAMPLING's names) checked against vLLM's and OpenAI's
+    ranges, as Sampling's fields; unset ones off."""
+    unknown = sorted(set(settings) - set(EXTENDED_SAMPLING))
+    if unknown:
+        raise TypeError(f"unknown sampling setting(s) {unknown}; known: {list(EXTENDED_SAMPLING)}")
+    s = {**EXTENDED_SAMPLING, **settings}
     out = {}
-    for name, x, lo, hi in (
-        ("repetition_penalty", repetition_penalty, 0.0, math.inf),
-        ("presence_penalty", presence_penalty, -2.0, 2.0),
-        ("frequency_penalty", frequency_penalty, -2.0, 2.0),
-        ("min_p", min_p, 0.0, 1.0),
+    for name, lo, hi in (
+        ("repetition_penalty", 0.0, math.inf),
+        ("presence_penalty", -2.0, 2.0),
+        ("frequency_penalty", -2.0, 2.0),
+        ("min_p", 0.0, 1.0),
     ):
+        x = s[name]
         ok = isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
         if not ok or not lo <= x <= hi or (name == "repetition_penalty" and x <= 0):
             where = "> 0" if name == "repetition_penalty" else f"in [{lo:g}, {hi:g}]"
             raise GenerationError(f"{name} must be a finite number {where} (got {x!r})")
         out[name] = float(x)
-    if (
-        isinstance(min_tokens, bool)
-        or not isinstance(min_tokens, numbers.Integral)
-        or min_tokens < 0
-    ):
-        raise GenerationError(f"min_tokens must be an integer ≥ 0 (got {min_tokens!r})")
-    out["min_tokens"] = int(min_tokens)
-    out["logit_bias"] = _logit_bias(logit_bias)
-    out["bad_words"] = _bad_words(bad_words)
+    n = s["min_tokens"]
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+        raise GenerationError(f"min_tokens must be an integer ≥ 0 (got {n!r})")
+    out["min_tokens"] = int(n)
+    out["logit_bias"] = _logit_bias(s["logit_bias"])
+    out["bad_words"] = _bad_words(s["bad_words"])
     return out
 
 

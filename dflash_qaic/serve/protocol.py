@@ -134,7 +134,9 @@ class _Sampling(_Request):
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     structural_tag: str | None = None
-    # fields this server does not implement: refused unless left at their defaults
+    # n and the fields after the penalties: refused unless left at their defaults; the
+    # penalties, min_p, logit_bias, min_tokens, bad_words and prompt_logprobs need artifacts
+    # exported with them (serve/logprobs.py; docs/sampling.md)
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
