@@ -273,15 +273,13 @@ def export_target(
 ) -> dict:
     """Export the target program to `out_path` and check it; returns facts for the manifest.
 
-    stream_from: the streaming export (exporter/weights.py): `hf_model` holds placeholder weights
-    and the program's weights are written from this pair's checkpoints tensor by tensor.
+    stream_from: streaming export (exporter/weights.py): placeholder `hf_model`, weights from these.
     sampling: the program takes temperature / top_k / top_p / random_u and returns the lossless
     speculative-sampling choice; False: argmax only. sampling_candidates: the largest top_k
     (modeling.sampler.sampling_weights). fp16_check: the graph check's fp16 evaluations.
-    full_batch_size (cache rows; None: off), comp_ctx_lengths, verify_lengths: see contract.py.
-    draft_q: (B − 1, k), q-aware verification of a DFlash-2 draft's q (not for a hybrid).
-    token_bitmask, logprobs (top K, 0: none), logprobs_mode, extended_sampling: docs/DESIGN.md,
-    Structured output, Logprobs, Extended sampling.
+    full_batch_size (cache rows; None: off), comp_ctx_lengths, verify_lengths: contract.py;
+    draft_q: (B − 1, k), q-aware verification of a DFlash-2 draft's q (not for a hybrid);
+    token_bitmask, logprobs (top K), logprobs_mode, extended_sampling: docs/DESIGN.md sections.
     verify_rule: contract.BLOCK, block verification of sampled verifies (docs/DESIGN.md, Block
     verification; the program also returns num_accepted; not for a hybrid target);
     contract.TREE, tree verification (docs/DESIGN.md, Tree verification; plan.tree_budgets).
