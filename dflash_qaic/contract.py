@@ -138,6 +138,43 @@ CONFIDENCE_TOPK = 16
 # tokens a grammar allows at each row (bit i % 32 of word i // 32 set when token i is allowed,
 # xgrammar's layout); the program sets every other logit out of reach before its token choice
 TOKEN_BITMASK = "token_bitmask"
+# Logprobs (docs/DESIGN.md, Logprobs): a target exported with --logprobs K returns, per row, a few
+# floats of its distribution, never the logits: the log-probability of its choice, of the token
+# LOGPROB_IDS names (a prompt row's next prompt token, which may sit in the next chunk) and its
+# K most likely tokens with theirs; of the raw logits, or of the processed ones (LOGPROBS_MODES)
+LOGPROB_IDS = "logprob_ids"  # int64 [batch, seq_len]: the token each row scores
+TOKEN_LOGPROBS = "token_logprobs"  # float [batch, seq_len]: log p(next_tokens)
+SCORED_LOGPROBS = "scored_logprobs"  # float [batch, seq_len]: log p(logprob_ids)
+TOP_LOGPROB_IDS = "top_logprob_ids"  # int64 [batch, seq_len, K], most likely first
+TOP_LOGPROBS = "top_logprobs"  # float [batch, seq_len, K]
+MAX_LOGPROBS = 20  # OpenAI's largest top_logprobs
+RAW_LOGPROBS, PROCESSED_LOGPROBS = "raw_logprobs", "processed_logprobs"  # vLLM's names
+LOGPROBS_MODES = (RAW_LOGPROBS, PROCESSED_LOGPROBS)
+
+# Extended sampling (docs/DESIGN.md, Extended sampling): a target exported with
+# --extended-sampling takes, per row, the settings and a summary of the request's history, and
+# adjusts each row's logits before its choice by the tokens before it, the block's own
+# proposals included: penalties, logit bias, min_tokens, bad words, min_p
+REPETITION_PENALTY = "repetition_penalty"  # float [batch]: 1 = off (HF's rule, prompt + output)
+PRESENCE_PENALTY = "presence_penalty"  # float [batch]: 0 = off (OpenAI's, output tokens)
+FREQUENCY_PENALTY = "frequency_penalty"  # float [batch]: 0 = off
+MIN_P = "min_p"  # float [batch]: 0 = off (tokens below min_p · p_max leave p)
+# int64 [batch]: the first position of a generated token (the prompt's length): row inputs from
+# there on are generated tokens, counted in the history of the rows after them
+GENERATED_FROM = "generated_from"
+OUTPUT_COUNTS = "output_token_counts"  # float [batch, V]: generated tokens before the call's
+PROMPT_TOKENS = "prompt_token_bitmask"  # int32 [batch, ceil(V / 32)]: the prompt's tokens
+STOP_ALLOWED_FROM = "stop_allowed_from"  # int64 [batch]: min_tokens: a stop token's first position
+MIN_TOKENS_STOP_IDS = "min_tokens_stop_ids"  # int64 [batch, MAX_STOP_IDS]: -1 = none
+LOGIT_BIAS_IDS = "logit_bias_ids"  # int64 [batch, MAX_LOGIT_BIAS]: (0 with bias 0 = none)
+LOGIT_BIAS = "logit_bias"  # float [batch, MAX_LOGIT_BIAS]: added to those logits
+# bad words: int64 [batch, MAX_BAD_WORDS, BAD_WORD_TOKENS], each word's ids right-aligned, -1
+# before them; a word's last token is out of reach where the tokens before it were generated
+# just before (OUTPUT_TAIL: the generated ids before the call's first row, -2 for none)
+BAD_WORDS = "bad_words_ids"
+OUTPUT_TAIL = "output_tail_ids"  # int64 [batch, BAD_WORD_TOKENS - 1]
+MAX_STOP_IDS, MAX_LOGIT_BIAS, MAX_BAD_WORDS, BAD_WORD_TOKENS = 8, 64, 16, 4
+NO_TOKEN = -2  # OUTPUT_TAIL's filler: matches no bad word's token
 
 PAD_POSITION = -1
 
@@ -405,6 +442,11 @@ class TargetIO:
     # per layer: the slots of a sliding layer's ring cache, 0 for a ctx_len cache (empty: all
     # ctx_len); docs/DESIGN.md, Layer kinds
     ring_slots: tuple[int, ...] = ()
+    # logprobs: the top K (0: no logprob outputs) and of which distribution (LOGPROBS_MODES)
+    logprobs: int = 0
+    logprobs_mode: str = RAW_LOGPROBS
+    # the extended sampling inputs (extended_specs), applied before every row's choice
+    extended_sampling: bool = False
 
     @property
     def hybrid(self) -> bool:
@@ -445,7 +487,9 @@ class TargetIO:
             *(sampling_specs() if self.sampling else ()),
             *(q_specs(*self.draft_q) if self.sampling and self.draft_q else ()),
             *self.bitmask,
+            *(extended_specs(self.vocab_size) if self.extended_sampling else ()),
             *self.rule.inputs(self),
+            *([TensorSpec(LOGPROB_IDS, "int64", (BATCH, SEQ))] if self.logprobs else ()),
             *self.kv,
         ]
 
@@ -467,8 +511,38 @@ class TargetIO:
         if self.hybrid:
             out.append(TensorSpec(NUM_COMMITTED, "int64", (BATCH,)))
         out += self.rule.outputs(self)
+        out += logprob_specs(self.logprobs)
         out += [TensorSpec(retained(s.name), s.dtype, s.shape) for s in self.kv]
         return out
+
+
+def extended_specs(vocab_size: int) -> list[TensorSpec]:
+    """The extended sampling inputs (see their names' comments)."""
+    rows = [REPETITION_PENALTY, PRESENCE_PENALTY, FREQUENCY_PENALTY, MIN_P]
+    return [
+        *(TensorSpec(n, "float32", (BATCH,)) for n in rows),
+        TensorSpec(GENERATED_FROM, "int64", (BATCH,)),
+        TensorSpec(OUTPUT_COUNTS, "float32", (BATCH, vocab_size)),
+        TensorSpec(PROMPT_TOKENS, "int32", (BATCH, bitmask_words(vocab_size))),
+        TensorSpec(STOP_ALLOWED_FROM, "int64", (BATCH,)),
+        TensorSpec(MIN_TOKENS_STOP_IDS, "int64", (BATCH, MAX_STOP_IDS)),
+        TensorSpec(LOGIT_BIAS_IDS, "int64", (BATCH, MAX_LOGIT_BIAS)),
+        TensorSpec(LOGIT_BIAS, "float32", (BATCH, MAX_LOGIT_BIAS)),
+        TensorSpec(BAD_WORDS, "int64", (BATCH, MAX_BAD_WORDS, BAD_WORD_TOKENS)),
+        TensorSpec(OUTPUT_TAIL, "int64", (BATCH, BAD_WORD_TOKENS - 1)),
+    ]
+
+
+def logprob_specs(k: int) -> list[TensorSpec]:
+    """The logprob outputs of a target exported with --logprobs k (none for k = 0)."""
+    if not k:
+        return []
+    return [
+        TensorSpec(TOKEN_LOGPROBS, "float32", (BATCH, SEQ)),
+        TensorSpec(SCORED_LOGPROBS, "float32", (BATCH, SEQ)),
+        TensorSpec(TOP_LOGPROB_IDS, "int64", (BATCH, SEQ, k)),
+        TensorSpec(TOP_LOGPROBS, "float32", (BATCH, SEQ, k)),
+    ]
 
 
 @dataclass(frozen=True)

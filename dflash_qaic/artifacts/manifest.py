@@ -286,6 +286,8 @@ class ProgramRecord:
         bitmask = io.pop("token_bitmask", False)  # a target exported for structured output only
         rule = io.pop("verify_rule", contract.CHAIN)  # a target exported with block verify only
         layer_kv = io.pop("layer_kv", ())  # a target whose layers' caches differ (Gemma 4) only
+        logprobs = io.pop("logprobs", 0), io.pop("logprobs_mode", contract.RAW_LOGPROBS)
+        extended = io.pop("extended_sampling", False)  # a target exported with it only
         return {
             **self.facts,
             **io,
@@ -297,6 +299,8 @@ class ProgramRecord:
             **({"token_bitmask": True} if bitmask else {}),
             **({"verify_rule": rule} if rule != contract.CHAIN else {}),
             **({"layer_kv": list(layer_kv)} if layer_kv else {}),
+            **(dict(zip(("logprobs", "logprobs_mode"), logprobs)) if logprobs[0] else {}),
+            **({"extended_sampling": True} if extended else {}),
             "onnx": self.onnx,
             "external_data": self.external_data,
             "onnx_bytes": self.onnx_bytes,
@@ -338,7 +342,12 @@ class ProgramRecord:
                 verify_rule=c.get("verify_rule", contract.CHAIN),
                 layer_kv=_int_tuple(c, "layer_kv", 1, 1 << 24),
                 ring_slots=_int_tuple(c, "ring_slots", 0, 1 << 22),
+                logprobs=c.int("logprobs", 0, contract.MAX_LOGPROBS, default=0),
+                logprobs_mode=c.get("logprobs_mode", contract.RAW_LOGPROBS),
+                extended_sampling=c.bool("extended_sampling", False),
             )
+            if io.logprobs_mode not in contract.LOGPROBS_MODES:
+                c.fail(c.key("logprobs_mode"), f"must be one of {list(contract.LOGPROBS_MODES)}")
             if io.verify_rule not in contract.VERIFY_RULES:
                 c.fail(c.key("verify_rule"), f"must be one of {list(contract.VERIFY_RULES)}")
             if io.layer_kv and len(io.layer_kv) != 2 * io.n_layers:
@@ -372,7 +381,7 @@ class ProgramRecord:
         )
         known |= {"linear_layers", "state_dims", "draft_q", "token_bitmask", "verify_rule"}
         known |= {"confidence", "ring_slots", "q_top_k", "top_k", "inputs", "outputs", "qpc"}
-        known |= {"pair_k", "state"}
+        known |= {"pair_k", "state", "logprobs", "logprobs_mode", "extended_sampling"}
         known |= PLAN_COPIES
         return cls(
             io=io,

@@ -160,6 +160,9 @@ def _export_target(pair, w: _Weights, plan, o: ExportOptions, out: Path, steps) 
             token_bitmask=o.structured_output,
             verify_rule=o.verify_rule,
             plan=plan,
+            logprobs=o.logprobs,
+            logprobs_mode=o.logprobs_mode,
+            extended_sampling=o.extended_sampling,
             **_common(pair, plan, o),
         )
     w.target = None  # the placeholder modules go before the draft is traced

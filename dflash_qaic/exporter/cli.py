@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -166,7 +167,24 @@ def summary_table(res, out: Path) -> str:
             f"{rows * row} B per whole-block verify call ({m.plan.cache_rows} x {m.block_size} "
             "rows)"
         )
+    lines += sampling_costs(io)
     return "\n".join(lines)
+
+
+def sampling_costs(io) -> list[str]:
+    """What --extended-sampling and --logprobs add to every target call, per batch row."""
+    size = {"int64": 8, "float32": 4, "int32": 4}
+    out = []
+    if io.extended_sampling:
+        per_row = sum(
+            size[t.dtype] * math.prod(d for d in t.shape if isinstance(d, int))
+            for t in contract.extended_specs(io.vocab_size)
+        )
+        out.append(f"extended sampling: 0 more specializations; {per_row} B in per batch row")
+    if io.logprobs:
+        per = 8 + 8 + 12 * io.logprobs  # logprob_ids in; two log p and the top K out
+        out.append(f"logprobs: 0 more specializations; {per} B per row (top {io.logprobs})")
+    return out
 
 
 class Interrupted(BaseException):

@@ -242,6 +242,8 @@ def program_facts(path: Path, io, specializations: list[dict], report: dict) -> 
         **({"pair_k": io.pair_k} if getattr(io, "pair_k", 0) else {}),  # … of a DFlash-2 draft
         **({"draft_q": list(io.draft_q)} if getattr(io, "draft_q", ()) else {}),
         **({"token_bitmask": True} if getattr(io, "token_bitmask", False) else {}),
+        **(_logprob_facts(io) if getattr(io, "logprobs", 0) else {}),
+        **({"extended_sampling": True} if getattr(io, "extended_sampling", False) else {}),
         **(
             {"verify_rule": io.verify_rule}
             if getattr(io, "verify_rule", contract.CHAIN) != contract.CHAIN
@@ -255,6 +257,11 @@ def program_facts(path: Path, io, specializations: list[dict], report: dict) -> 
         "onnx_bytes": path.stat().st_size + (data.stat().st_size if data.exists() else 0),
         "check": report,
     }
+
+
+def _logprob_facts(io) -> dict:
+    """A target exported with --logprobs: K and the mode (absent otherwise)."""
+    return {"logprobs": io.logprobs, "logprobs_mode": io.logprobs_mode}
 
 
 def export_and_check(

@@ -122,6 +122,30 @@ class ExportOptions:
         "tokens, applied before its token choice; docs/DESIGN.md, Structured output)",
         recipe=True,
     )
+    logprobs: int = _opt(
+        0,
+        "int",
+        "the target also returns, per row, the log-probability of its choice and of the K most "
+        "likely tokens (K ≤ 20; logprobs and prompt logprobs; docs/DESIGN.md, Logprobs; 0: off)",
+        lo=0,
+        hi=contract.MAX_LOGPROBS,
+        recipe=True,
+    )
+    logprobs_mode: str = _opt(
+        contract.RAW_LOGPROBS,
+        "str",
+        "which distribution --logprobs reports: raw_logprobs (the target's logits) or "
+        "processed_logprobs (after the grammar's mask and the temperature)",
+        recipe=True,
+    )
+    extended_sampling: bool = _opt(
+        False,
+        "bool",
+        "the target takes repetition / presence / frequency penalties, min_p, logit_bias, "
+        "min_tokens and bad words per row, applied before every row's choice from the "
+        "request's history and the block's own proposals (docs/DESIGN.md, Extended sampling)",
+        recipe=True,
+    )
     verify_rule: str = _opt(
         contract.CHAIN,
         "str",
@@ -215,6 +239,13 @@ class ExportOptions:
                 f"--verify-rule must be one of {', '.join(contract.RULES)}, got "
                 f"{self.verify_rule!r} (`verify_rule=` in Python)"
             )
+        if self.logprobs_mode not in contract.LOGPROBS_MODES:
+            raise ExportError(
+                f"--logprobs-mode must be one of {', '.join(contract.LOGPROBS_MODES)}, got "
+                f"{self.logprobs_mode!r} (`logprobs_mode=` in Python)"
+            )
+        if self.extended_sampling and not self.sampling:
+            raise ExportError("--extended-sampling needs the sampler: leave out --no-sampling")
         self._check_tree()
         w = self.comp_ctx_lengths
         if w is not None and (list(w) != sorted(set(w)) or w[-1] != self.ctx_len):
@@ -255,6 +286,10 @@ class ExportOptions:
         d.update(block_size=block_size)
         for k in ("comp_ctx_lengths", "verify_lengths"):  # as JSON has them (the reuse key)
             d[k] = list(d[k]) if d[k] is not None else None
+        offs = (("logprobs", 0), ("logprobs_mode", contract.RAW_LOGPROBS))
+        for k, off in (*offs, ("extended_sampling", False)):
+            if d[k] == off:  # absent when off: the keys of programs exported before they existed
+                del d[k]
         if d["tree_budgets"] is None:  # absent: keys of programs exported before it existed
             del d["tree_budgets"]
         else:

@@ -76,6 +76,10 @@ def check_feeds(io: contract.TargetIO, specializations: list[dict], seed: int = 
             words = contract.bitmask_words(io.vocab_size)
             bits = rng.integers(-(2**31), 2**31, (b, s, words), dtype=np.int64)
             feed[contract.TOKEN_BITMASK] = (bits | 1).astype(np.int32)
+        if io.logprobs:  # the tokens the rows score
+            feed[contract.LOGPROB_IDS] = rng.integers(0, io.vocab_size, (b, s), dtype=np.int64)
+        if io.extended_sampling:
+            feed |= extended_feed(io, b, rng)
         for kv in io.kv:
             feed[kv.name] = np.zeros(kv.bind(**sym), dtype=np.float32)
         feeds.append(feed)
@@ -146,6 +150,9 @@ def target_io(
         draft_q=tuple(draft_q),
         token_bitmask=token_bitmask,
         verify_rule=verify_rule,
+        logprobs=module.logprobs,
+        logprobs_mode=module.logprobs_mode,
+        extended_sampling=module.extended,
     )
     if io.state != module.state_specs():  # a layer kind the contract's record cannot carry
         raise ValueError(f"the target contract cannot record these layers' state: {io.state}")
@@ -176,6 +183,40 @@ def program_options(
     return dict(block_size=block_size, **options)
 
 
+def sampling_options(k: int, mode: str, extended: bool) -> dict:
+    """The module options of --logprobs k and --extended-sampling (none when off, so the
+    program is the one without)."""
+    if not 0 <= k <= contract.MAX_LOGPROBS:
+        raise ValueError(f"--logprobs must be in 0 … {contract.MAX_LOGPROBS} (got {k})")
+    if mode not in contract.LOGPROBS_MODES:
+        raise ValueError(f"--logprobs-mode must be one of {', '.join(contract.LOGPROBS_MODES)}")
+    out = {"logprobs": k, "logprobs_mode": mode} if k else {}
+    return out | ({"extended_sampling": True} if extended else {})
+
+
+def extended_feed(io, b: int, rng) -> dict:
+    """The extended sampling inputs of a check feed: every adjustment on, random history."""
+    V, c = io.vocab_size, contract
+    ids = lambda *shape: rng.integers(0, V, shape, dtype=np.int64)  # noqa: E731
+    words = ids(b, c.MAX_BAD_WORDS, c.BAD_WORD_TOKENS)
+    words[:, ::2, :2] = -1  # half of the words are two tokens long
+    return {
+        c.REPETITION_PENALTY: np.full((b,), 1.3, np.float32),
+        c.PRESENCE_PENALTY: np.full((b,), 0.5, np.float32),
+        c.FREQUENCY_PENALTY: np.full((b,), 0.2, np.float32),
+        c.MIN_P: np.full((b,), 0.05, np.float32),
+        c.GENERATED_FROM: np.zeros((b,), np.int64),
+        c.OUTPUT_COUNTS: rng.integers(0, 3, (b, V)).astype(np.float32),
+        c.PROMPT_TOKENS: rng.integers(-(2**31), 2**31, (b, c.bitmask_words(V))).astype(np.int32),
+        c.STOP_ALLOWED_FROM: np.full((b,), 2, np.int64),
+        c.MIN_TOKENS_STOP_IDS: ids(b, c.MAX_STOP_IDS),
+        c.LOGIT_BIAS_IDS: ids(b, c.MAX_LOGIT_BIAS),
+        c.LOGIT_BIAS: rng.uniform(-5, 5, (b, c.MAX_LOGIT_BIAS)).astype(np.float32),
+        c.BAD_WORDS: words,
+        c.OUTPUT_TAIL: ids(b, c.BAD_WORD_TOKENS - 1),
+    }
+
+
 def set_rule(module: ExportTarget, verify_rule: str, sampling: bool, token_bitmask: bool):
     """The program's verification rule (contract.py), the effective one for its sampling
     (block verification only decides sampled verifies); a rule the program does not support
@@ -191,6 +232,11 @@ def set_rule(module: ExportTarget, verify_rule: str, sampling: bool, token_bitma
         raise ValueError(
             "tree verification (--tree-budgets) with --structured-output is not built (a grammar "
             "state per tree node): export one or the other"
+        )
+    if rule.takes_tree and (module.logprobs or module.extended):
+        raise ValueError(
+            "tree verification (--tree-budgets) with --logprobs or --extended-sampling is not "
+            "built (a tree's rows are not one history): export one or the other"
         )
     module.rule = rule
     return rule
@@ -221,17 +267,19 @@ def export_target(
     token_bitmask: bool = False,
     verify_rule: str = contract.CHAIN,
     plan: contract.ShapePlan | None = None,
+    logprobs: int = 0,
+    logprobs_mode: str = contract.RAW_LOGPROBS,
+    extended_sampling: bool = False,
 ) -> dict:
     """Export the target program to `out_path` and check it; returns facts for the manifest.
 
-    stream_from: the streaming export (exporter/weights.py): `hf_model` holds placeholder weights
-    and the program's weights are written from this pair's checkpoints tensor by tensor.
+    stream_from: streaming export (exporter/weights.py): placeholder `hf_model`, weights from these.
     sampling: the program takes temperature / top_k / top_p / random_u and returns the lossless
     speculative-sampling choice; False: argmax only. sampling_candidates: the largest top_k
     (modeling.sampler.sampling_weights). fp16_check: the graph check's fp16 evaluations.
-    full_batch_size (cache rows; None: off), comp_ctx_lengths, verify_lengths: see contract.py.
-    draft_q: (B − 1, k), q-aware verification of a DFlash-2 draft's q (not for a hybrid).
-    token_bitmask: structured output (docs/DESIGN.md, Structured output).
+    full_batch_size (cache rows; None: off), comp_ctx_lengths, verify_lengths: contract.py;
+    draft_q: (B − 1, k), q-aware verification of a DFlash-2 draft's q (not for a hybrid);
+    token_bitmask, logprobs (top K), logprobs_mode, extended_sampling: docs/DESIGN.md sections.
     verify_rule: contract.BLOCK, block verification of sampled verifies (docs/DESIGN.md, Block
     verification; the program also returns num_accepted; not for a hybrid target);
     contract.TREE, tree verification (docs/DESIGN.md, Tree verification; plan.tree_budgets).
@@ -251,6 +299,7 @@ def export_target(
         sampling_candidates=sampling_candidates,
         continuous_batching=full_batch_size is not None,
         **options,
+        **sampling_options(logprobs, logprobs_mode, extended_sampling),
     ).eval()
     rule = set_rule(module, verify_rule, sampling, token_bitmask)
     cfg = hf_model.config

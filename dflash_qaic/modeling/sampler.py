@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_qaic import contract
+
 # Precision (the compiler runs this in fp16). The math works on unnormalised weights
 # w = exp((logit - max) / T) <= 1 (the most likely token has w = 1), never on normalised
 # probabilities, and every comparison is made against sums computed in the same graph:
@@ -176,8 +178,9 @@ def sampling_weights(
     vocab: int,
     candidates: int = SAMPLING_CANDIDATES,
     floor: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Unnormalised target distribution after temperature, top-k and top-p.
+    """Unnormalised target distribution after temperature, min-p, top-k and top-p.
 
     logits [b, s, V]; temperature, top_k, top_p [b] (top_k 0 = off, top_p >= 1 = off; a
     temperature of 0 is treated as 1 here, the caller takes the argmax for it).
@@ -193,6 +196,8 @@ def sampling_weights(
     Sampling itself always runs over the whole vocabulary.
     floor [b, s, 1] (structured output, `mask_logits`): logits at or below it get weight 0, so
     top-k, top-p and the sample see only the allowed tokens.
+    min_p [b] (extended sampling, vLLM's): tokens whose probability is below min_p times the
+    most likely one's (w < min_p) weigh nothing, before top-k and top-p.
     """
     n = min(candidates, vocab)
     t = torch.where(temperature > 0, temperature, 1.0)[:, None, None]  # [b, 1, 1]
@@ -207,6 +212,9 @@ def sampling_weights(
     if floor is not None:  # the grammar's disallowed tokens weigh nothing
         e = torch.where(srt > floor, e, 0.0)
         w_all = torch.where(logits > floor, w_all, 0.0)
+    if min_p is not None:  # w = p / p_max
+        mp = min_p[:, None, None]
+        e, w_all = torch.where(e >= mp, e, 0.0), torch.where(w_all >= mp, w_all, 0.0)
     # top-p's reference mass: the top-k head, or the whole vocabulary when top-k is off
     head = _tree_total(e, n)[..., None]  # [b, s, 1]
     mass = torch.where(k_on, head, _tree_total(w_all, vocab)[..., None])
@@ -248,7 +256,7 @@ class _Verify:
 
 def _verify_rows(
     logits, input_ids, position_ids, temperature, top_k, top_p, random_u, vocab, candidates,
-    floor, proposals: bool = True,
+    floor, proposals: bool = True, min_p=None,
 ) -> _Verify:  # fmt: skip
     """The sampling rows' distributions and proposals (see `sample_chain`); proposals False:
     no row has one (a tree's nodes are only checked against their parent's draw)."""
@@ -256,7 +264,7 @@ def _verify_rows(
     rows = _leading_rows(random_u)  # [n]: 0 … n−1
     head = logits.index_select(1, rows)  # [b, n, V]: the rows that sample
     head_floor = floor.index_select(1, rows) if floor is not None else None
-    w = sampling_weights(head, temperature, top_k, top_p, vocab, candidates, head_floor)
+    w = sampling_weights(head, temperature, top_k, top_p, vocab, candidates, head_floor, min_p)
     u = random_u.clamp(0.0, U_MAX)
     u_accept, u_sample = u[..., 0], u[..., 1]  # [b, n]
     # proposal of row j: the next row's input token, if that row exists and is not padding
@@ -272,7 +280,7 @@ def _verify_rows(
 
 def sample_chain(
     logits, input_ids, position_ids, temperature, top_k, top_p, random_u, vocab: int,
-    candidates: int = SAMPLING_CANDIDATES, q_ids=None, q_probs=None, floor=None,
+    candidates: int = SAMPLING_CANDIDATES, q_ids=None, q_probs=None, floor=None, min_p=None,
 ) -> torch.Tensor:  # fmt: skip
     """The chain rule's acceptance (contract.CHAIN): the token committed at every row under
     the lossless rule (docs/DESIGN.md, Sampling) -> [b, s].
@@ -284,7 +292,7 @@ def sample_chain(
     rejected row never returns d. Without one: a sample from p. Rows with temperature 0, and
     every row j >= n, return the argmax of the logits, exactly: only the first n rows pay for
     the sampler (a greedy verify binds n = 1, see `contract.target_specializations`).
-    p is `sampling_weights` (see there for `candidates`).
+    p is `sampling_weights` (see there for `candidates` and `min_p`).
 
     q_ids, q_probs [b, m, k] (a DFlash-2 draft's sampled path, docs/DESIGN.md, DFlash-2
     drafts): the draft's distribution q over k candidates for the proposal of row j < m
@@ -298,7 +306,7 @@ def sample_chain(
     """
     v = _verify_rows(
         logits, input_ids, position_ids, temperature, top_k, top_p, random_u, vocab, candidates,
-        floor,
+        floor, min_p=min_p,
     )  # fmt: skip
     if q_ids is not None:
         return _q_aware(
@@ -310,28 +318,28 @@ def sample_chain(
 
 def sample_tree(
     logits, input_ids, position_ids, temperature, top_k, top_p, random_u, vocab: int,
-    candidates: int = SAMPLING_CANDIDATES, floor: torch.Tensor | None = None,
+    candidates: int = SAMPLING_CANDIDATES, floor: torch.Tensor | None = None, min_p=None,
 ) -> torch.Tensor:  # fmt: skip
     """The tree rule's acceptance (contract.TREE): no row has a proposal, every sampling
     row draws from p (a node's children are only checked against its draw; docs/DESIGN.md,
     Tree verification; `accept_path` then picks the path). Arguments as `sample_chain`'s."""
     v = _verify_rows(
         logits, input_ids, position_ids, temperature, top_k, top_p, random_u, vocab, candidates,
-        floor, proposals=False,
+        floor, proposals=False, min_p=min_p,
     )  # fmt: skip
     return _token_rule(v, temperature, vocab)
 
 
 def sample_block(
     logits, input_ids, position_ids, temperature, top_k, top_p, random_u, vocab: int,
-    candidates: int = SAMPLING_CANDIDATES, q_ids=None, q_probs=None, floor=None,
+    candidates: int = SAMPLING_CANDIDATES, q_ids=None, q_probs=None, floor=None, min_p=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The block rule's acceptance (contract.BLOCK; `_block`, docs/DESIGN.md, Block
     verification): (tokens [b, s], accepted [b]): a row commits its first accepted + 1 tokens.
     Arguments as `sample_chain`'s."""
     v = _verify_rows(
         logits, input_ids, position_ids, temperature, top_k, top_p, random_u, vocab, candidates,
-        floor,
+        floor, min_p=min_p,
     )  # fmt: skip
     q = _q_vocab(v.w, v.rows, v.proposal, q_ids, q_probs) if q_ids is not None else None
     chosen, tau = _block(v.w, v.w_d, v.total, v.proposal, v.has, v.u, q, v.rows)
@@ -459,3 +467,33 @@ def _block(w, w_d, total, proposal, has, u, q, rows):
     sampled, _ = inverse_cdf(dist, u[..., 1], V)  # [b, n]
     chosen = torch.where(rows < tau[:, None], proposal, sampled)  # d_0 … d_{τ−1}, then the draw
     return chosen, tau
+
+
+def log_softmax(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """log p over the vocabulary [b, s, V], its normaliser summed over the vocabulary tree (fp16:
+    see the comments at the top; exp(l − max) ≤ 1, so no term overflows)."""
+    top = logits.amax(-1, keepdim=True)  # [b, s, 1]
+    return logits - (top + torch.log(_tree_total(torch.exp(logits - top), vocab))[..., None])
+
+
+def logprob_outputs(raw, out: dict, x: dict, k: int, mode: str) -> dict:
+    """The logprob outputs (contract.logprob_specs) of the raw logits [b, s, V], or (mode
+    processed_logprobs) of the ones the choice was made from (out[LOGITS]: the grammar's mask
+    applied) divided by the row's temperature (0 counting as 1): log p of the choice and of
+    the scored token (x[LOGPROB_IDS]) [b, s], and the top k (ids, log p) [b, s, k], most likely
+    first. A few floats per row; the [b, s, V] log-probabilities stay in the graph."""
+    logits = raw
+    if mode == contract.PROCESSED_LOGPROBS:
+        logits = out[contract.LOGITS]
+        t = x.get(contract.TEMPERATURE)
+        if t is not None:
+            logits = logits / torch.where(t > 0, t, 1.0)[:, None, None]
+    lp = log_softmax(logits, logits.shape[-1])
+    top = lp.topk(k, dim=-1)  # [b, s, k]
+    scored = x[contract.LOGPROB_IDS].clamp(min=0)
+    return {
+        contract.TOKEN_LOGPROBS: lp.gather(-1, out[contract.NEXT_TOKENS][..., None])[..., 0],
+        contract.SCORED_LOGPROBS: lp.gather(-1, scored[..., None])[..., 0],
+        contract.TOP_LOGPROB_IDS: top.indices,
+        contract.TOP_LOGPROBS: top.values,
+    }

@@ -58,7 +58,6 @@ from dflash_qaic.contract import (
     NUM_COMMITTED,
     POSITION_IDS,
     SAMPLING_INPUTS,
-    TOKEN_BITMASK,
     TREE_MASK,
     VerifyRule,
 )
@@ -94,11 +93,11 @@ from dflash_qaic.modeling.layers import (
 )
 from dflash_qaic.modeling.moe import SparseMoeBlock
 from dflash_qaic.modeling.ops import cache_rows, cache_slots, write_cache
+from dflash_qaic.modeling.penalties import choice_logits
 from dflash_qaic.modeling.sampler import (
     ACCEPTANCE,
     SAMPLING_CANDIDATES,
-    mask_logits,
-    token_allowed,
+    logprob_outputs,
 )
 
 
@@ -222,8 +221,13 @@ class ExportTarget(nn.Module):
         max_rows: int | None = None,
         embed_scale: float = 1.0,
         final_logit_softcapping: float | None = None,
+        logprobs: int = 0,
+        logprobs_mode: str = contract.RAW_LOGPROBS,
+        extended_sampling: bool = False,
     ):
         super().__init__()
+        self.extended = extended_sampling  # contract.TargetIO.extended_sampling
+        self.logprobs, self.logprobs_mode = int(logprobs), logprobs_mode  # contract.TargetIO
         self.continuous_batching = continuous_batching
         self.token_bitmask = token_bitmask  # structured output: contract.TOKEN_BITMASK
         self.comp_ctx = comp_ctx
@@ -419,6 +423,8 @@ class ExportTarget(nn.Module):
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         out = self.choose(logits, h, x)
+        if self.logprobs:  # a few floats per row of the raw or processed logits
+            out.update(logprob_outputs(logits, out, x, self.logprobs, self.logprobs_mode))
         hidden = self.fuse(torch.cat([taps[j] for j in self.target_layer_ids], dim=-1))
         if self.rule.path_order:  # the accepted path: its K/V written, the outputs in its order
             rows = next(iter(call.attention.values())).rows
@@ -439,11 +445,9 @@ class ExportTarget(nn.Module):
         """{next_tokens, logits[, num_accepted]}: the argmax, or the rule's acceptance
         (modeling/sampler.py, `ACCEPTANCE`) with the draft's q and the grammar's mask."""
         q = {"q_ids": x[DRAFT_Q_IDS], "q_probs": x[DRAFT_Q_PROBS]} if DRAFT_Q_IDS in x else {}
-        if self.token_bitmask:  # structured output: only the grammar's tokens can be chosen
-            allowed = token_allowed(x[TOKEN_BITMASK], self.vocab_size)
-            logits, floor = mask_logits(logits, allowed)
-            q["floor"] = floor
-        out = {LOGITS: logits}
+        # the grammar's mask, the extended sampling adjustments (modeling/penalties.py)
+        logits, kw = choice_logits(logits, x, self.vocab_size, self.token_bitmask, self.extended)
+        out, q = {LOGITS: logits}, {**q, **kw}
         if not self.sampling:
             out[NEXT_TOKENS] = logits.argmax(dim=-1)  # [b, s] int64
             return out

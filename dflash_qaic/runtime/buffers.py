@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash_qaic import contract
+from dflash_qaic.runtime.history import ExtendedRows
 
 
 def bind(io, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -41,27 +42,34 @@ class SamplingRows:
     top_k: np.ndarray  # int64 [rows]
     top_p: np.ndarray  # float32 [rows]
     u: dict[int, np.ndarray]  # sample_len -> float32 [rows, sample_len, N_RANDOM]
+    # the extended sampling inputs (runtime/history.py), when the program takes them
+    ext: ExtendedRows | None = None
 
     @classmethod
-    def alloc(cls, rows: int, sample_lens) -> SamplingRows:
+    def alloc(cls, rows: int, sample_lens, extended_vocab: int = 0) -> SamplingRows:
         u = {n: np.zeros((rows, n, contract.N_RANDOM), np.float32) for n in sorted(sample_lens)}
+        ext = ExtendedRows(rows, extended_vocab) if extended_vocab else None
         return cls(
-            np.zeros(rows, np.float32), np.zeros(rows, np.int64), np.ones(rows, np.float32), u
+            np.zeros(rows, np.float32), np.zeros(rows, np.int64), np.ones(rows, np.float32), u, ext
         )
 
-    def set_row(self, r: int, sp) -> None:
-        """Row r's settings (runtime.pipeline.Sampling), or greedy for None."""
+    def set_row(self, r: int, sp, req=None) -> None:
+        """Row r's settings (runtime.pipeline.Sampling), or greedy for None; req: the row's
+        request (its prompt and stop set: the extended inputs' history starts there)."""
         self.temperature[r] = sp.temperature if sp else 0.0
         self.top_k[r] = sp.top_k if sp else 0
         self.top_p[r] = sp.top_p if sp else 1.0
+        if self.ext is not None:
+            self.ext.set_row(r, sp, req)
 
     def arrays(self, sample_len: int) -> dict[str, np.ndarray]:
-        return {
+        out = {
             contract.TEMPERATURE: self.temperature,
             contract.TOP_K: self.top_k,
             contract.TOP_P: self.top_p,
             contract.RANDOM_U: self.u[sample_len],
         }
+        return out | (self.ext.arrays() if self.ext is not None else {})
 
 
 @dataclass
@@ -77,6 +85,9 @@ class TargetCall:
     # a tree program (contract.TREE_MASK): int32 [rows, n, n], row r sees row c; lower-
     # triangular (a chain) unless a tree step writes a tree (runtime/tree.py)
     tree: np.ndarray | None = None
+    # logprobs (contract.LOGPROB_IDS): int64 [rows, n], the token each row scores (a prompt
+    # row's next prompt token); None when the program returns no logprobs
+    scored: np.ndarray | None = None
 
 
 @dataclass
@@ -98,7 +109,8 @@ class _Shared:
         self.plan, self.target_io, self.draft_io = plan, target_io, draft_io
         self.bidx = np.zeros((rows, 1), np.int64)  # batch_index: the cache row of each row
         self.slot_ids = np.arange(rows, dtype=np.int64)
-        self.sampling = SamplingRows.alloc(rows, sample_lens)
+        vocab = target_io.vocab_size if target_io.extended_sampling else 0
+        self.sampling = SamplingRows.alloc(rows, sample_lens, vocab)
         # a DFlash-2 draft exported for sampling: its uniform per proposal in, its q out and
         # into the target (docs/DESIGN.md, DFlash-2 drafts); the rows' temperatures are shared
         B = plan.block_size
@@ -121,7 +133,11 @@ class _Shared:
             out[contract.COMP_CTX_LENGTHS] = self.window_ids[self.plan.windows[-1]]
         return out
 
-    def target_call(self, ids: np.ndarray, pos: np.ndarray, sample_lens, mask=None) -> TargetCall:
+    def target_call(
+        self, ids: np.ndarray, pos: np.ndarray, sample_lens, mask=None, scored=None
+    ) -> TargetCall:
+        if scored is None and self.target_io.logprobs:
+            scored = np.zeros(ids.shape, np.int64)
         if mask is None and self.target_io.token_bitmask:
             words = contract.bitmask_words(self.target_io.vocab_size)
             mask = np.full((*ids.shape, words), -1, np.int32)
@@ -139,8 +155,10 @@ class _Shared:
                 arrays.update(self.q)
             if mask is not None:
                 arrays[contract.TOKEN_BITMASK] = mask
+            if scored is not None:
+                arrays[contract.LOGPROB_IDS] = scored
             feeds[s] = bind(self.target_io, arrays)
-        return TargetCall(ids, pos, feeds, mask, tree)
+        return TargetCall(ids, pos, feeds, mask, tree, scored)
 
     def draft_call(self, ctx, ctx_pos, blk_ids, blk_pos) -> DraftCall:
         arrays = {
@@ -196,6 +214,7 @@ class PrefillBuffers(_Shared):
         super().__init__(plan, 1, sample_lens, target_io, draft_io)
         self.H, self.mask_id = draft_io.hidden_size, mask_id
         ids, pos = np.zeros((1, C), np.int64), np.zeros((1, C), np.int64)
+        scored = np.zeros((1, C), np.int64) if target_io.logprobs else None
         mask = None
         if target_io.token_bitmask:
             mask = np.full((1, C, contract.bitmask_words(target_io.vocab_size)), -1, np.int32)
@@ -205,6 +224,7 @@ class PrefillBuffers(_Shared):
                 pos[:, :L],
                 {plan.sample_len(L, g) for g in (True, False)},
                 None if mask is None else mask[:, :L],
+                None if scored is None else scored[:, :L],
             )
             for L in plan.prefill_lengths
         }

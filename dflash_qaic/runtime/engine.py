@@ -267,7 +267,7 @@ class BatchEngine:
             seq = self.waiting.popleft()
             seq.slot = heapq.heappop(self.free)
             self.slots[seq.slot] = seq
-            self.sampling.set_row(seq.slot, seq.req.sampling)
+            self.sampling.set_row(seq.slot, seq.req.sampling, seq.req)
             self.prefilling.append(seq)
 
     def _prefill(self) -> list[Sequence]:

@@ -187,6 +187,9 @@ class Pipeline(RequestChecks):
         do_sample: bool | None | list[bool | None] = None,
         streamer=None,
         response_format: dict | None | list[dict | None] = None,
+        logprobs: int | None | list[int | None] = None,
+        prompt_logprobs: int | None | list[int | None] = None,
+        **extended,
     ) -> GenerationResult | list[GenerationResult]:
         """DFlash generation. Greedy by default: token for token the target's own greedy output.
 
@@ -215,11 +218,20 @@ class Pipeline(RequestChecks):
             under the same constraint. Needs artifacts exported with --structured-output.
         seed: seeds the host's random numbers; the same seed gives the same tokens. None draws
             fresh entropy (the value used is in `stats["seed"]`).
+        logprobs, prompt_logprobs: k ≥ 0 fills `res.logprobs` (each generated token's log p and
+            its k most likely alternatives) and `res.prompt_logprobs` (each prompt token's; the
+            first one's is None), a runtime.logprobs.TokenLogprobs; the committed rows' only.
+            Needs artifacts exported with `--logprobs K`, k ≤ K (docs/sampling.md).
+        **extended: repetition_penalty, presence_penalty, frequency_penalty, min_p, min_tokens,
+            logit_bias ({token id: bias}), bad_words (token-id sequences), as vLLM defines
+            them, applied on the device before every row's choice, lossless under DFlash.
+            Need artifacts exported with `--extended-sampling` (docs/sampling.md).
         For a list of prompts, max_new_tokens and the sampling arguments take one value for all
         or a list with one per prompt.
         """
         sp = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, do_sample=do_sample)
-        sp["response_format"] = response_format
+        sp.update(response_format=response_format, logprobs=logprobs)
+        sp.update(prompt_logprobs=prompt_logprobs, **extended)
         return self._generate(
             prompt, max_new_tokens, stop_token_ids, on_tokens, "dflash", sp, streamer
         )
@@ -261,12 +273,16 @@ class Pipeline(RequestChecks):
         do_sample: bool | None | list[bool | None] = None,
         streamer=None,
         response_format: dict | None | list[dict | None] = None,
+        logprobs: int | None | list[int | None] = None,
+        prompt_logprobs: int | None | list[int | None] = None,
+        **extended,
     ) -> GenerationResult | list[GenerationResult]:
         """The target alone on the decode specialization of the same program; same statistics,
         the same arguments and the same batching as generate (each decode call samples from p;
         under a response_format, from p restricted to the grammar's tokens)."""
         sp = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, do_sample=do_sample)
-        sp["response_format"] = response_format
+        sp.update(response_format=response_format, logprobs=logprobs)
+        sp.update(prompt_logprobs=prompt_logprobs, **extended)
         return self._generate(
             prompt, max_new_tokens, stop_token_ids, on_tokens, "baseline", sp, streamer
         )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -20,11 +20,12 @@ class GenerationError(ValueError):
 
 
 #: The sampling parameters (OpenAI's and vLLM's names) the programs cannot honour, each with the
-#: value that turns it off, the only one accepted: the programs choose each token on the device
-#: from temperature, top_k, top_p and seed only. dflash-serve and the vLLM plugin refuse the
-#: others through `refused_sampling`.
-REFUSED_SAMPLING: dict[str, object] = {
-    "n": 1,
+#: value that turns it off, the only one accepted. dflash-serve and the vLLM plugin refuse them
+#: through `refused_sampling`.
+REFUSED_SAMPLING: dict[str, object] = {"n": 1}
+#: The extended sampling parameters (wire names, each with its off value): honoured by a target
+#: exported with --extended-sampling (docs/sampling.md), refused with the re-export otherwise.
+EXTENDED_SAMPLING: dict[str, object] = {
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
     "repetition_penalty": 1.0,
@@ -38,10 +39,10 @@ REFUSED_SAMPLING: dict[str, object] = {
 def first_set(offs: dict[str, object], get) -> str | None:
     """The first name of `offs` (name -> the value that turns it off) that `get(name, off)` (a
     request's value, `off` when it has none) sets to anything else, or None; for an off value
-    of None, an empty dict or list is off too."""
+    of None, an empty dict, list or tuple is off too."""
     for name, off in offs.items():
         value = get(name, off)
-        if value != off and not (off is None and value in ({}, [])):
+        if value != off and not (off is None and value in ({}, [], ())):
             return name
     return None
 
@@ -49,6 +50,12 @@ def first_set(offs: dict[str, object], get) -> str | None:
 def refused_sampling(get) -> str | None:
     """The first parameter of REFUSED_SAMPLING a request sets (`get` as `first_set` takes it)."""
     return first_set(REFUSED_SAMPLING, get)
+
+
+def extended_settings(get) -> dict:
+    """The extended sampling parameters a request sets, by name (`get` as `first_set`)."""
+    found = {n: off for n, off in EXTENDED_SAMPLING.items() if first_set({n: off}, get)}
+    return {n: get(n, off) for n, off in found.items()}
 
 
 @dataclass(frozen=True)
@@ -59,9 +66,30 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    # logprobs (docs/DESIGN.md, Logprobs): alternatives per generated / prompt token (None: no
+    # logprobs; 0: the token's own only)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # extended sampling (docs/DESIGN.md, Extended sampling; off at these values)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token-id sequences
 
     @classmethod
-    def checked(cls, temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Sampling:
+    def checked(
+        cls,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        seed=None,
+        logprobs=None,
+        prompt_logprobs=None,
+        **extended,
+    ) -> Sampling:
         def real(name, x):
             if isinstance(x, bool) or not isinstance(x, numbers.Real):
                 raise GenerationError(f"{name} must be a number (got {x!r})")
@@ -85,11 +113,99 @@ class Sampling:
             raise GenerationError(f"top_p must be in (0, 1] (got {top_p!r}); 1 turns top-p off")
         if seed is not None and integer("seed", seed) < 0:
             raise GenerationError(f"seed must be an integer ≥ 0 or None (got {seed!r})")
-        return cls(t, k, p, None if seed is None else int(seed))
+        lp = {"logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
+        for name, n in lp.items():
+            if n is not None and not 0 <= integer(name, n) <= contract.MAX_LOGPROBS:
+                raise GenerationError(
+                    f"{name} must be in 0 … {contract.MAX_LOGPROBS} or None (got {n!r})"
+                )
+        lp = {name: None if n is None else int(n) for name, n in lp.items()}
+        return cls(t, k, p, None if seed is None else int(seed), **lp, **_extended(**extended))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def extended(self) -> str | None:
+        """The first extended sampling setting this asks for (None: none)."""
+        return first_set(EXTENDED_SAMPLING, lambda name, off: getattr(self, name))
+
+    @property
+    def history_dependent(self) -> bool:
+        """A setting that reads the generated tokens (penalties, bad words)."""
+        return bool(
+            self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.bad_words
+        )
+
+
+def _extended(**settings) -> dict:
+    """The extended settings (EXTENDED_SAMPLING's names) checked against vLLM's and OpenAI's
+    ranges, as Sampling's fields; unset ones off."""
+    unknown = sorted(set(settings) - set(EXTENDED_SAMPLING))
+    if unknown:
+        raise TypeError(f"unknown sampling setting(s) {unknown}; known: {list(EXTENDED_SAMPLING)}")
+    s = {**EXTENDED_SAMPLING, **settings}
+    out = {}
+    for name, lo, hi in (
+        ("repetition_penalty", 0.0, math.inf),
+        ("presence_penalty", -2.0, 2.0),
+        ("frequency_penalty", -2.0, 2.0),
+        ("min_p", 0.0, 1.0),
+    ):
+        x = s[name]
+        ok = isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+        if not ok or not lo <= x <= hi or (name == "repetition_penalty" and x <= 0):
+            where = "> 0" if name == "repetition_penalty" else f"in [{lo:g}, {hi:g}]"
+            raise GenerationError(f"{name} must be a finite number {where} (got {x!r})")
+        out[name] = float(x)
+    n = s["min_tokens"]
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+        raise GenerationError(f"min_tokens must be an integer ≥ 0 (got {n!r})")
+    out["min_tokens"] = int(n)
+    out["logit_bias"] = _logit_bias(s["logit_bias"])
+    out["bad_words"] = _bad_words(s["bad_words"])
+    return out
+
+
+def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    """{token id (int or its decimal string): bias in [-100, 100]} -> sorted pairs."""
+    if not bias:
+        return ()
+    items = bias.items() if isinstance(bias, dict) else bias
+    out = {}
+    for t, v in items:
+        try:
+            t = int(t)
+        except (TypeError, ValueError):
+            raise GenerationError(f"logit_bias keys must be token ids (got {t!r})") from None
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not -100 <= v <= 100:
+            raise GenerationError(f"logit_bias values must be in [-100, 100] (got {v!r})")
+        out[t] = float(v)
+    if len(out) > contract.MAX_LOGIT_BIAS:
+        raise GenerationError(
+            f"logit_bias holds {len(out)} tokens; the program takes at most "
+            f"{contract.MAX_LOGIT_BIAS}"
+        )
+    return tuple(sorted(out.items()))
+
+
+def _bad_words(words) -> tuple[tuple[int, ...], ...]:
+    """Token-id sequences (each 1 … BAD_WORD_TOKENS long, at most MAX_BAD_WORDS of them)."""
+    if not words:
+        return ()
+    out = tuple(tuple(_token_ids(w, "bad_words", None)) for w in words)
+    if len(out) > contract.MAX_BAD_WORDS or any(
+        not 1 <= len(w) <= contract.BAD_WORD_TOKENS for w in out
+    ):
+        raise GenerationError(
+            f"bad_words: at most {contract.MAX_BAD_WORDS} sequences of 1 … "
+            f"{contract.BAD_WORD_TOKENS} tokens each (got {[len(w) for w in out]})"
+        )
+    return out
 
 
 def _temperature(temperature, do_sample):
@@ -190,13 +306,18 @@ class RequestChecks:
             return frozenset(self.eos)
         return frozenset(_token_ids(stop_token_ids, "stop_token_ids", None))
 
-    def sampling(self, temperature=None, top_k=0, top_p=1.0, seed=None, do_sample=None) -> Sampling:
+    def sampling(
+        self, temperature=None, top_k=0, top_p=1.0, seed=None, do_sample=None, **more
+    ) -> Sampling:
         """Validated settings this program can run; a sampling request without a seed gets
         fresh entropy (the seed used is reported in stats). do_sample as Hugging Face's: False
         is greedy whatever the temperature, True samples at `temperature` (default 1.0), None
-        lets the temperature decide (default 0: greedy)."""
+        lets the temperature decide (default 0: greedy). more: Sampling's other fields
+        (logprobs, penalties, …)."""
         temperature = _temperature(temperature, do_sample)
-        sp = Sampling.checked(temperature, top_k, top_p, seed)
+        sp = Sampling.checked(temperature, top_k, top_p, seed, **more)
+        self.check_logprobs(sp)
+        self.check_extended(sp)
         if not sp.greedy and not self.can_sample:
             raise GenerationError(
                 "these artifacts' target program has no sampling inputs (exported by an older "
@@ -208,8 +329,46 @@ class RequestChecks:
                 f"reads its top-k / top-p thresholds from: use top_k ≤ {self.max_top_k} or 0 (off)"
             )
         if not sp.greedy and sp.seed is None:
-            sp = Sampling(sp.temperature, sp.top_k, sp.top_p, np.random.SeedSequence().entropy)
+            sp = replace(sp, seed=np.random.SeedSequence().entropy)
         return sp
+
+    def check_extended(self, sp: Sampling) -> None:
+        """Penalties, min_p, logit_bias, min_tokens and bad words need a target exported with
+        --extended-sampling; their token ids must be in the vocabulary."""
+        name = sp.extended
+        if name is None:
+            return
+        if not self.artifacts.target.io.extended_sampling:
+            raise GenerationError(
+                f"{name}: these artifacts' target program takes no extended sampling inputs: "
+                "re-export with `dflash-export --extended-sampling`"
+            )
+        ids = [t for t, _ in sp.logit_bias] + [t for w in sp.bad_words for t in w]
+        bad = [t for t in ids if not 0 <= t < self.vocab]
+        if bad:
+            raise GenerationError(
+                f"logit_bias / bad_words token ids {bad[:5]} are outside the vocabulary "
+                f"0 … {self.vocab - 1}"
+            )
+
+    def check_logprobs(self, sp: Sampling) -> None:
+        """Logprobs need a target exported with --logprobs K, and at most K alternatives."""
+        asked = {n: getattr(sp, n) for n in ("logprobs", "prompt_logprobs")}
+        asked = {n: k for n, k in asked.items() if k is not None}
+        if not asked:
+            return
+        have = self.artifacts.target.io.logprobs
+        name, k = max(asked.items(), key=lambda item: item[1])
+        if not have:
+            raise GenerationError(
+                f"{name}: these artifacts' target program returns no logprobs: re-export with "
+                f"`dflash-export --logprobs {max(k, 1)}` (up to {contract.MAX_LOGPROBS})"
+            )
+        if k > have:
+            raise GenerationError(
+                f"{name} {k} is above the {have} alternatives this target program returns: ask "
+                f"for at most {have}, or re-export with `dflash-export --logprobs {k}`"
+            )
 
     @property
     def can_constrain(self) -> bool:
@@ -268,6 +427,11 @@ class RequestChecks:
         self._check_room(len(ids), mode, what)
         stop = self._stop_set(stop_token_ids)
         sampling = self.sampling(**sp)
+        if sampling.min_tokens and len(stop) > contract.MAX_STOP_IDS:
+            raise GenerationError(
+                f"min_tokens with {len(stop)} stop token ids: the program holds back at most "
+                f"{contract.MAX_STOP_IDS}; give fewer stop_token_ids"
+            )
         if grammar is None:
             grammar = self.grammar(response_format)
         return Request(ids, int(max_new_tokens), stop, sampling, grammar)

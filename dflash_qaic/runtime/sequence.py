@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash_qaic import contract
+from dflash_qaic.runtime.logprobs import LogprobRecord
 from dflash_qaic.runtime.stats import CallLog, GenerationResult
 
 
@@ -58,6 +59,7 @@ class Sequence:
         self.error: BaseException | None = None  # reason "error": what failed
         # structured output: the grammar's matcher (runtime/grammar.py), advanced per commit
         self.constraint = req.grammar.constraint() if req.grammar is not None else None
+        self.logprobs = LogprobRecord.of(req)  # None unless logprobs were asked for
         self.log = CallLog()
         self.t_arrival = time.perf_counter()
         self.t_first = self.t_dec = None

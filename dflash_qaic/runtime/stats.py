@@ -23,6 +23,10 @@ class GenerationResult:
     verify_lengths: list[int] = field(default_factory=list, repr=False)
     #: stop_reason "error": what failed (the tokens before it are kept)
     error: str | None = None
+    #: logprobs=k: each generated token's log p and top k (runtime/logprobs.py TokenLogprobs)
+    logprobs: object = field(default=None, repr=False)
+    #: prompt_logprobs=k: each prompt token's (the first one's is None)
+    prompt_logprobs: object = field(default=None, repr=False)
 
 
 class CallLog:
@@ -204,6 +208,7 @@ def result(seq, mode: str) -> GenerationResult:
     if seq.constraint is not None:  # structured output: forced / cut proposals, host time
         stats.update(seq.constraint.stats(steps))
     error = None if seq.error is None else f"{type(seq.error).__name__}: {seq.error}"
+    lp = seq.logprobs.result(n) if seq.logprobs is not None else (None, None)
     return GenerationResult(
         seq.tokens,
         seq.lengths,
@@ -212,4 +217,6 @@ def result(seq, mode: str) -> GenerationResult:
         call_times=log.times,
         verify_lengths=seq.verified,
         error=error,
+        logprobs=lp[0],
+        prompt_logprobs=lp[1],
     )

@@ -51,7 +51,7 @@ from dflash_qaic.runtime.grammar import StepMasks
 from dflash_qaic.runtime.policy import StepPolicy
 from dflash_qaic.runtime.stats import StepCosts
 from dflash_qaic.runtime.tree import TreeVerifier
-from dflash_qaic.runtime.verifiers import BlockVerifier, ChainVerifier, Verifier
+from dflash_qaic.runtime.verifiers import BlockVerifier, ChainVerifier, Verifier, commit_rows
 
 __all__ = ["VERIFIERS", "CallFailed", "DFlashStep", "DecodeStep", "Prefill", "SlotBook"]
 
@@ -171,15 +171,22 @@ class Prefill:
         c = fill_chunk(b, L, ids, lo, n, slot)
         # only the last chunk's last row is sampled: the chunks before it take the greedy Prefill
         s = self.plan.sample_len(L, seq.uniforms is None or not last)
-        b.sampling.set_row(0, seq.req.sampling)
+        b.sampling.set_row(0, seq.req.sampling, seq.req)
         seq.fill_uniforms(b.sampling.u[s][0], lo + 1)
         constrained = last and seq.constraint is not None  # structured output: the first token
         if constrained:
             seq.constraint.mask(c.mask[0, n - 1])
+        lp, scoring = seq.logprobs, min(n, P - lo - 1)  # rows with a prompt token after them
+        if lp is not None and lp.prompt is not None:  # prompt logprobs: each row scores the next
+            c.scored[0, :scoring] = ids[lo + 1 : lo + 1 + scoring]
         out = call("prefill", self.target, b.window(c.feeds[s], lo + n), [seq])
         if constrained:
             c.mask[0, n - 1] = -1
         check_committed("prefill", out, self._row0, n, [seq])
+        if lp is not None:
+            lp.prompt_rows(out, c.scored[0], scoring)
+            if last:  # the first token's
+                lp.rows(out, 0, n - 1, 1)
         first = int(out[contract.NEXT_TOKENS][0, n - 1]) if last else None
         if last:
             seq.t_first = time.perf_counter()  # the first token exists from here on
@@ -397,7 +404,7 @@ class DFlashStep(_Step):
         for seq in seqs:
             r = seq.slot
             seq.verified.append(1)
-            seq.commit([tokens[r]], step=True)
+            commit_rows(self.bufs, seq, r, out, [tokens[r]])
             if seq.reason is None and st.start[r] >= self.max_pos:
                 seq.reason = "ctx_len"  # positions ≥ ctx_len − 1 have no slot (contract.py)
             if seq.reason is None:
@@ -480,7 +487,7 @@ class DecodeStep(_Step):
         tokens = token.tolist()
         full = int(st.start.max()) + 1 > contract.max_positions(self.plan.ctx_len)
         for seq in seqs:
-            seq.commit([tokens[seq.slot]], step=True)
+            commit_rows(self.bufs, seq, seq.slot, out, [tokens[seq.slot]])
             if (
                 seq.reason is None
                 and full

@@ -90,7 +90,7 @@ def commit(step, lens: np.ndarray, rows, seqs: list, n: int, out: dict, acc: np.
     for seq in seqs:  # per sequence: its tokens (the accepted ones, then the target's)
         r = seq.slot
         seq.verified.append(int(lens[r]))
-        seq.commit(tokens[r][: accepted[r] + 1], step=True)
+        commit_rows(step.bufs, seq, r, out, tokens[r][: accepted[r] + 1])
         if seq.reason is None and full and st.start[r] >= step.max_pos:
             seq.reason = "ctx_len"  # positions ≥ ctx_len − 1 have no slot (contract.py)
         if seq.reason is None:
@@ -101,6 +101,18 @@ def commit(step, lens: np.ndarray, rows, seqs: list, n: int, out: dict, acc: np.
     if len(going) < len(seqs):
         step.furthest = int(st.start.max())
     return going
+
+
+def commit_rows(bufs, seq, r: int, out: dict, tokens: list[int]) -> None:
+    """Commit call row r's first len(tokens) choices to `seq`: their logprobs (the committed
+    rows' only, never a rejected proposal's; runtime/logprobs.py), the tokens, then the
+    tokens behind the new anchor into the row's history (runtime/history.py)."""
+    if seq.logprobs is not None:
+        seq.logprobs.rows(out, r, 0, len(tokens))
+    before = len(seq.tokens)
+    seq.commit(tokens, step=True)
+    if bufs.sampling.ext is not None:
+        bufs.sampling.ext.advance(r, seq.tokens, before)
 
 
 class ChainVerifier:

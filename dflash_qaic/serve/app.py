@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException
 from dflash_qaic import contract
 from dflash_qaic.runtime.grammar import MAX_ALTERNATIVES
 from dflash_qaic.runtime.pipeline import GenerationError, Sampling
+from dflash_qaic.serve import logprobs as lp
 from dflash_qaic.serve import pd
 from dflash_qaic.serve import protocol as proto
 from dflash_qaic.serve.engine import AsyncEngine, EngineFull, Handle, Output, Params
@@ -161,6 +162,12 @@ class Frontend:
                 param=param,
             )
         return _encode_text(self._local.tokenizer, text, add_special_tokens)
+
+    def prompt_text(self, prompt, ids: list[int]) -> str:
+        """A completion prompt as echo returns it: the text given, else its ids decoded."""
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     def _need_tokenizer(self, param: str) -> None:
         if self.tokenizer is None:
@@ -305,7 +312,14 @@ class Frontend:
         seed = req.seed
         if seed is None and self._seeds is not None and temperature != 0:
             seed = self._seeds.getrandbits(63)  # the server's --seed: reproducible in order
-        sp = _sampling(temperature=temperature, top_k=top_k, top_p=req.top_p, seed=seed)
+        extra = lp.settings(req, chat=isinstance(req, proto.ChatCompletionRequest))
+        extra |= lp.extended(req, self.tokenizer)  # penalties, min_p, logit_bias, …
+        sp = _sampling(temperature=temperature, top_k=top_k, top_p=req.top_p, seed=seed, **extra)
+        try:  # artifacts exported without --logprobs / --extended-sampling: a 400 naming it
+            self.engine.pipe.check_logprobs(sp)
+            self.engine.pipe.check_extended(sp)
+        except GenerationError as e:
+            raise APIError(str(e), param=str(e).split(maxsplit=1)[0].rstrip(":")) from None
         if not sp.greedy and not self.can_sample:
             raise APIError(
                 "this model's program cannot sample: use temperature 0", param="temperature"
@@ -334,6 +348,7 @@ class Frontend:
             sp.seed,
             req.skip_special_tokens,
             grammar,
+            extra=extra,
         )
 
 
@@ -418,6 +433,7 @@ async def _events(fe: Frontend, first: Output, handle: Handle, rid, chat, req, m
     created, model, ids = int(time.time()), fe.model_name, req.return_token_ids
     tools = plan is not None and plan.calls_tools
     stream = ToolStream(plan, req.parallel_tool_calls) if tools else None
+    offset = 0  # completions' logprobs: the text offset of the next token
     try:
         if chat:
             yield _sse(proto.chunk_body(rid, model, created, chat, text="", role="assistant"))
@@ -444,7 +460,9 @@ async def _events(fe: Frontend, first: Output, handle: Handle, rid, chat, req, m
             elif out.text or out.final or (ids and out.token_ids):
                 reason = out.finish_reason
                 toks = out.token_ids if ids else None
-                yield _sse(proto.chunk_body(rid, model, created, chat, out.text, reason, toks))
+                chunk = proto.chunk_body(rid, model, created, chat, out.text, reason, toks)
+                offset = lp.add_to_chunk(chunk, fe.tokenizer, req, chat, out, offset)
+                yield _sse(chunk)
             if out.final:
                 if req.stream_options is not None and req.stream_options.include_usage:
                     use = proto.usage(out.prompt_tokens, out.completion_tokens)
@@ -509,6 +527,8 @@ async def answer(
         if calls and reason == "stop":
             reason = "tool_calls"
     body = proto.completion_body(rid, fe.model_name, text, reason, toks, use, chat, calls or None)
+    echoed = None if chat or not req.echo else fe.prompt_text(req.prompt, ids)
+    lp.add_to_choice(body["choices"][0], fe.tokenizer, req, chat, last.result, echoed)
     if last.payload is not None:  # a prefill role's answer: where the decode side pulls it
         body["kv_transfer_params"] = pd.transfer_params(request, last.payload)
     return JSONResponse(body, headers=_warned(params))

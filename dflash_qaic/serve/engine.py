@@ -61,6 +61,8 @@ class Params:
     # with a payload prefilled elsewhere
     export_only: bool = False
     handoff: object = None  # the payload checked off the engine thread (a state.SlotState)
+    # further settings as Pipeline.request takes them (logprobs, prompt_logprobs)
+    extra: dict | None = None
 
 
 @dataclass
@@ -75,6 +77,8 @@ class Output:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     payload: bytes | None = None  # a prefill role's hand-off payload (serve/pd.py)
+    logprobs: object = None  # these tokens' logprobs (runtime/logprobs.py), when asked for
+    result: object = None  # the last one's: the GenerationResult (prompt logprobs)
 
     @property
     def final(self) -> bool:
@@ -321,6 +325,7 @@ class AsyncEngine:
                     top_p=p.top_p,
                     seed=p.seed,
                     grammar=p.grammar,
+                    **(p.extra or {}),
                 )
             except GenerationError as e:  # bad input the HTTP layer did not catch: a 400
                 h._put(Output("", [], error=e))
@@ -368,7 +373,8 @@ class AsyncEngine:
                 break
             run.tokens += len(ids)
             delta, run.cut = run.text.push(ids)
-            h._put(Output(delta, list(ids), completion_tokens=run.tokens))
+            lp = run.seq.logprobs and run.seq.logprobs.span(run.tokens - len(ids), run.tokens)
+            h._put(Output(delta, list(ids), completion_tokens=run.tokens, logprobs=lp))
         if run.cut:
             core.abort(run.seq)
         if run.seq.error is not None:  # a call of its own failed: it alone ends (HTTP 500)
@@ -396,7 +402,7 @@ class AsyncEngine:
         ttft = queued + st["ttft_s"] if n else None
         e2e = time.perf_counter() - h.t_arrival
         self.metrics.finished(reason, P, n, queued, ttft, st["decode_s"], e2e)
-        h._put(Output(tail, [], reason, prompt_tokens=P, completion_tokens=n))
+        h._put(Output(tail, [], reason, prompt_tokens=P, completion_tokens=n, result=res))
 
     def _fail(self, run: _Run, e: Exception) -> None:
         self._live.remove(run)

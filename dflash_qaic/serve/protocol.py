@@ -4,7 +4,7 @@ error body, and the response and stream-chunk bodies.
 Requests are validated in pydantic's strict JSON mode, so `"max_tokens": "5"` or `true` is a 400,
 not a silent coercion. Every field OpenAI or vLLM defines for these endpoints is declared here:
 honoured, or refused with a 400 naming it when set to anything but its default (`n` > 1,
-`logprobs`, `echo`, penalties, `min_p`, beam search, …; `UNSUPPORTED`). A field neither defines
+penalties, `min_p`, beam search, …; `UNSUPPORTED`; logprobs need artifacts exported with them). A field neither defines
 (a misspelt `temprature`) is a 400 naming it, never silently ignored.
 """
 
@@ -134,7 +134,9 @@ class _Sampling(_Request):
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     structural_tag: str | None = None
-    # fields this server does not implement: refused unless left at their defaults
+    # n and the fields after the penalties: refused unless left at their defaults; the
+    # penalties, min_p, logit_bias, min_tokens, bad_words and prompt_logprobs need artifacts
+    # exported with them (serve/logprobs.py; docs/sampling.md)
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -171,7 +173,6 @@ class _Sampling(_Request):
         "include_stop_str_in_output": False,
         "spaces_between_special_tokens": True,
         "truncate_prompt_tokens": None,
-        "prompt_logprobs": None,
         "return_tokens_as_token_ids": False,
         "logits_processors": None,
         "priority": 0,
@@ -273,8 +274,6 @@ class CompletionRequest(_Sampling):
 
     UNSUPPORTED: ClassVar[dict] = {
         **_Sampling.UNSUPPORTED,
-        "echo": False,
-        "logprobs": None,
         "suffix": None,
         "prompt_embeds": None,
     }
@@ -355,8 +354,6 @@ class ChatCompletionRequest(_Sampling):
 
     UNSUPPORTED: ClassVar[dict] = {
         **_Sampling.UNSUPPORTED,
-        "logprobs": False,
-        "top_logprobs": None,
         "continue_final_message": False,
         "echo": False,
         "functions": None,

@@ -87,6 +87,7 @@ class Limits:
     vocab: int
     max_prompt: int  # tokens: room for one verify block after the prompt
     structured: bool = False  # the target program takes a token bitmask (--structured-output)
+    extended: bool = False  # the target takes penalties, bad words, … (--extended-sampling)
 
 
 def _block(vllm_config) -> dict:
@@ -198,6 +199,7 @@ class DFlashQaicPlatform(CpuPlatform):
             vocab=m.vocab_size,
             max_prompt=contract.max_prompt(ctx_len, B),
             structured=m.target.io.token_bitmask,
+            extended=m.target.io.extended_sampling,
         )
         log.info(
             "dflash-qaic: %s on %s, %d cache row(s), block %d, max_model_len %d",
@@ -216,7 +218,7 @@ class DFlashQaicPlatform(CpuPlatform):
         def refuse(param: str, what: str) -> None:
             raise VLLMValidationError(
                 f"{what} is not supported by dflash-qaic's programs (they choose each token on "
-                "the device, from temperature, top_k, top_p and seed only)",
+                "the device)",
                 parameter=param,
             )
 
@@ -259,6 +261,27 @@ class DFlashQaicPlatform(CpuPlatform):
         sampling_check(p, cls.limits)
 
 
+def _extended(p, limits: Limits | None) -> dict:
+    """The extended sampling parameters vLLM passes on (penalties, min_tokens, bad words as
+    vLLM tokenized them; vLLM itself refuses min_p and logit_bias with speculative decoding),
+    refused when the artifacts were exported without --extended-sampling."""
+    from vllm.exceptions import VLLMValidationError
+
+    from dflash_qaic.runtime.requests import extended_settings
+
+    ext = extended_settings(lambda name, off: getattr(p, name, off))
+    if ext and limits is not None and not limits.extended:
+        name = next(iter(ext))
+        raise VLLMValidationError(
+            f"{name} is not supported by these artifacts' target program (no extended "
+            "sampling inputs): re-export them with `dflash-export --extended-sampling`",
+            parameter=name,
+        )
+    if "bad_words" in ext:
+        ext["bad_words"] = getattr(p, "bad_words_token_ids", None) or []
+    return ext
+
+
 def sampling_check(p, limits: Limits | None):
     """Our sampler's settings of vLLM's SamplingParams, checked as `Pipeline.sampling` checks
     them (a VLLMValidationError naming the parameter otherwise). Returns a dict for
@@ -270,6 +293,7 @@ def sampling_check(p, limits: Limits | None):
     temperature = 0.0 if p.temperature < GREEDY_EPS else float(p.temperature)
     top_k = 0 if p.top_k is None or p.top_k <= 0 else int(p.top_k)  # vLLM: 0 and -1 are off
     kw = dict(temperature=temperature, top_k=top_k, top_p=float(p.top_p), seed=p.seed)
+    kw |= _extended(p, limits)
     try:
         sp = Sampling.checked(**kw)
     except GenerationError as e:
