@@ -58,7 +58,9 @@ $(VLLM_STAMP): pyproject.toml
 test: setup setup-vllm
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
+# the slow tier also runs lm-evaluation-harness against dflash-serve (the `eval` extra)
 test-slow: setup setup-vllm
+	$(PY) -m pip install -q -e ".[eval]"
 	$(PY) -m pytest -q -m slow
 
 lint: setup
