@@ -338,6 +338,7 @@ class ProgramRecord:
                 verify_rule=c.get("verify_rule", contract.CHAIN),
                 layer_kv=_int_tuple(c, "layer_kv", 1, 1 << 24),
                 ring_slots=_int_tuple(c, "ring_slots", 0, 1 << 22),
+                latent_dims=_int_tuple(c, "latent_dims", 1, 1 << 24),
             )
             if io.verify_rule not in contract.VERIFY_RULES:
                 c.fail(c.key("verify_rule"), f"must be one of {list(contract.VERIFY_RULES)}")
@@ -372,7 +373,7 @@ class ProgramRecord:
         )
         known |= {"linear_layers", "state_dims", "draft_q", "token_bitmask", "verify_rule"}
         known |= {"confidence", "ring_slots", "q_top_k", "top_k", "inputs", "outputs", "qpc"}
-        known |= {"pair_k", "state"}
+        known |= {"pair_k", "state", "latent_dims"}
         known |= PLAN_COPIES
         return cls(
             io=io,
