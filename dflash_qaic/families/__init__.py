@@ -26,7 +26,7 @@ from dflash_qaic.families.base import (  # noqa: F401
     MoeSpec,
     TargetConfig,  # noqa: F401 (the families' config type)
 )
-from dflash_qaic.families.deepseek_v3 import DEEPSEEK_V3
+from dflash_qaic.families.deepseek_v3 import DEEPSEEK_V3, GLM4_MOE_LITE
 from dflash_qaic.families.dense import LLAMA, QWEN3
 from dflash_qaic.families.gemma4 import GEMMA4, GEMMA4_MOE
 from dflash_qaic.families.gpt_oss import GPT_OSS
@@ -38,6 +38,7 @@ FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
         QWEN3, LLAMA, QWEN3_5, QWEN3_MOE, QWEN3_5_MOE, GEMMA4, GEMMA4_MOE, GPT_OSS, DEEPSEEK_V3,
+        GLM4_MOE_LITE,
     )
 }  # fmt: skip
 

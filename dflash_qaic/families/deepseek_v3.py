@@ -23,6 +23,7 @@ from dflash_qaic.checkpoint_files.config import (
     NUMBER,
     POSITIVE_INT,
     STRING,
+    STRINGS,
     CheckpointError,
     check_decoder_supported,
     positive,
@@ -58,6 +59,7 @@ FIELDS = {
     "scoring_func": STRING,
     "rope_interleave": BOOLEAN,
     "num_nextn_predict_layers": NUMBER,
+    "mlp_layer_types": STRINGS,
 }
 # program parameter (under `layers.{i}.`) -> its checkpoint name (under `{prefix}layers.{i}.`)
 RENAMES = {"mlp.bias": "mlp.gate.e_score_correction_bias"}
@@ -75,9 +77,14 @@ REFUSED_TYPES = {
 }
 
 
-def dense_layers(text) -> int:
-    """`first_k_dense_replace`: the leading layers with a dense MLP."""
-    return int(text.get("first_k_dense_replace") or 0)
+def sparse_layers(text, n_layers: int) -> tuple[bool, ...]:
+    """Per layer: routed experts (True) or a dense MLP, by `mlp_layer_types` ("sparse" /
+    "dense", GLM-4.7-Flash) or the leading `first_k_dense_replace` dense layers (DeepSeek-V3)."""
+    types = text.get("mlp_layer_types")
+    if types:
+        return tuple(t == "sparse" for t in types[:n_layers])
+    first = int(text.get("first_k_dense_replace") or 0)
+    return tuple(i >= first for i in range(n_layers))
 
 
 def latent_shapes(text, H: int) -> dict[str, list[int]]:
@@ -157,7 +164,6 @@ class DeepseekTiny(MoeTiny):
     n_group: int = 2
     topk_group: int = 1
     n_shared_experts: int = 1
-    first_k_dense_replace: int = 1
     routed_scaling_factor: float = 2.5
     yarn: bool = True
 
@@ -182,8 +188,16 @@ class DeepseekV3(Family):
         k = positive(text, "num_experts_per_tok", cpath)
         inter = positive(text, "moe_intermediate_size", cpath)
         shared = int(text.get("n_shared_experts") or 0) * inter
-        first = dense_layers(text)
-        sparse = tuple(i >= first for i in range(n_layers))
+        sparse = sparse_layers(text, n_layers)
+        if (
+            len(sparse) != n_layers
+            or (types := text.get("mlp_layer_types"))
+            and set(types) - {"sparse", "dense"}
+        ):
+            raise CheckpointError(
+                f"{cpath}: `mlp_layer_types` must name each of the {n_layers} layers "
+                '"sparse" or "dense"'
+            )
         norm = bool(text.get("norm_topk_prob", True))
         moe = MoeSpec(E, k, inter, norm, sparse, shared_intermediate_size=shared)
         return {"intermediate_size": positive(text, "intermediate_size", cpath), "moe": moe}
@@ -216,9 +230,8 @@ class DeepseekV3(Family):
             )
 
     def layer_kinds(self, text):
-        first = dense_layers(text)
-        n = int(text["num_hidden_layers"])
-        return [LayerKind(LATENT_ATTENTION, MLP if i < first else SIGMOID_MOE) for i in range(n)]
+        sparse = sparse_layers(text, int(text["num_hidden_layers"]))
+        return [LayerKind(LATENT_ATTENTION, SIGMOID_MOE if s else MLP) for s in sparse]
 
     def ignored_tensors(self, t: TargetConfig, names) -> set[str]:
         """The multi-token-prediction layers: layer ids from num_hidden_layers on."""
@@ -269,12 +282,17 @@ class DeepseekV3(Family):
     def tiny_config(self, s):
         from transformers import DeepseekV3Config
 
+        return DeepseekV3Config(**self.tiny_fields_of(s), first_k_dense_replace=1)
+
+    def tiny_fields_of(self, s) -> dict:
+        """The config fields of a tiny target (s: dflash_lab's TinySpec) this family and
+        GLM-4.7-Flash's share."""
         rope = {"rope_type": "default", "rope_theta": s.rope_theta}
         if s.yarn:  # Kimi K2's form: the softmax scale gains mscale² (mscale_all_dim)
             rope = dict(rope_type="yarn", rope_theta=s.rope_theta, factor=4.0, beta_fast=32.0)
             rope |= dict(beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
             rope |= dict(original_max_position_embeddings=s.max_position_embeddings // 4)
-        return DeepseekV3Config(
+        return dict(
             **(decoder_common(s) | {"rope_parameters": rope}),
             kv_lora_rank=s.kv_lora_rank,
             q_lora_rank=s.q_lora_rank,
@@ -287,11 +305,26 @@ class DeepseekV3(Family):
             n_shared_experts=s.n_shared_experts,
             n_group=s.n_group,
             topk_group=s.topk_group,
-            first_k_dense_replace=s.first_k_dense_replace,
             routed_scaling_factor=s.routed_scaling_factor,
             norm_topk_prob=True,
             rope_interleave=True,
         )
 
 
+class Glm4MoeLite(DeepseekV3):
+    """GLM-4.7-Flash (transformers `glm4_moe_lite`): DeepSeek-V3's latent attention and routing,
+    its dense and routed layers named by `mlp_layer_types`."""
+
+    name = "glm4_moe_lite"
+    architectures = ("Glm4MoeLiteForCausalLM",)
+    model_types = ("glm4_moe_lite",)
+
+    def tiny_config(self, s):
+        from transformers import Glm4MoeLiteConfig
+
+        types = ["dense"] + ["sparse"] * (s.target_layers - 1)
+        return Glm4MoeLiteConfig(**self.tiny_fields_of(s), mlp_layer_types=types)
+
+
 DEEPSEEK_V3 = DeepseekV3()
+GLM4_MOE_LITE = Glm4MoeLite()
