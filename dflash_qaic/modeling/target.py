@@ -120,7 +120,7 @@ def fp16_safe_fc_weight(fc_weight: torch.Tensor) -> tuple[torch.Tensor, float]:
 # and its (text) config.
 MIXERS = {
     kinds.ATTENTION: lambda hf, cfg, kind: Attention(
-        hf.self_attn, cfg.num_attention_heads, kind.attention
+        hf.self_attn, cfg.num_attention_heads, kind.attention, rotary_dim(cfg)
     ),
     kinds.GATED_ATTENTION: lambda hf, cfg, kind: GatedAttention(
         hf.self_attn, cfg.num_attention_heads, cfg.num_key_value_heads, rotary_dim(cfg)
