@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from spec_loop import program_io
+from test_conformance import hf_greedy
 from test_target_export import (
     BLOCK,
     VOCAB,
@@ -191,3 +192,32 @@ def test_unsupported_variants_refused_by_name(tiny_pair, tmp_path, edit, named):
     (tmp_path / "target" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ck.CheckpointError, match=named):
         ck.read_pair(tmp_path / "target", d)
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3", "kimi-k2.5", "minimax-m2.5"])
+def test_preset_layout_is_the_published_one(preset):
+    """A real-shape preset's tensors are its family's expected ones at the published shape
+    (nothing written: the layout alone)."""
+    from dflash_lab.tiny import preset_spec
+    from dflash_lab.tiny_writer import target_layout
+
+    s = preset_spec(preset, target_layers=3)
+    family = families.get(s.family)
+    t = family.read(ck.Path("."), family.tiny_config(s).to_dict())
+    layout = {name: list(shape) for name, shape, _ in target_layout(s)}
+    assert layout == family.expected_shapes(t)
+    if s.family == "deepseek_v3":  # 576 cached values per token per layer, at every shape
+        assert t.text["kv_lora_rank"] + t.text["qk_rope_head_dim"] == 576
+        kv_b = layout["model.layers.0.self_attn.kv_b_proj.weight"]
+        assert kv_b == [s.num_heads * 256, 512]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "minimax_m2"])
+def test_streamed_bf16_tiny_pair_reads_back_and_exports(tiny_pair, exported, family):
+    t, d = tiny_pair(family=family, dtype="bfloat16", shards=2)
+    pair = ck.read_pair(t, d)
+    assert pair.target.spec is families.get(family)
+    art = exported(family, pair=dict(dtype="bfloat16", shards=2), prefill_seq_len=8, ctx_len=64)
+    ids = [5, 17, 3, 9, 11]
+    tokens = art.load(tokenizer=False).generate(ids, max_new_tokens=12).tokens
+    assert tokens == hf_greedy(art.model(), ids, 12)  # the bf16 weights, streamed, lossless

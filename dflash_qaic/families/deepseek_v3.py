@@ -155,7 +155,7 @@ def tiny_tensors(family: Family, s) -> list[tuple[str, tuple, str]]:
 class DeepseekTiny(MoeTiny):
     """A tiny DeepSeek-V3 target's fields: the latent attention's ranks and head parts, the
     grouped routing, the shared experts and the dense leading layers; YaRN with mscale (its
-    softmax-scale correction) unless `yarn` is off."""
+    softmax-scale correction) unless `yarn` is off. GLM-4.7-Flash's: its first layer dense."""
 
     kv_lora_rank: int = 32
     q_lora_rank: int | None = 48
@@ -164,8 +164,10 @@ class DeepseekTiny(MoeTiny):
     n_group: int = 2
     topk_group: int = 1
     n_shared_experts: int = 1
+    first_k_dense_replace: int = 1
     routed_scaling_factor: float = 2.5
     yarn: bool = True
+    yarn_factor: float = 4.0  # original context = max_position_embeddings / factor
 
 
 class DeepseekV3(Family):
@@ -282,16 +284,19 @@ class DeepseekV3(Family):
     def tiny_config(self, s):
         from transformers import DeepseekV3Config
 
-        return DeepseekV3Config(**self.tiny_fields_of(s), first_k_dense_replace=1)
+        return DeepseekV3Config(
+            **self.tiny_fields_of(s), first_k_dense_replace=s.first_k_dense_replace
+        )
 
     def tiny_fields_of(self, s) -> dict:
         """The config fields of a tiny target (s: dflash_lab's TinySpec) this family and
         GLM-4.7-Flash's share."""
         rope = {"rope_type": "default", "rope_theta": s.rope_theta}
         if s.yarn:  # Kimi K2's form: the softmax scale gains mscale² (mscale_all_dim)
-            rope = dict(rope_type="yarn", rope_theta=s.rope_theta, factor=4.0, beta_fast=32.0)
+            f = s.yarn_factor
+            rope = dict(rope_type="yarn", rope_theta=s.rope_theta, factor=f, beta_fast=32.0)
             rope |= dict(beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
-            rope |= dict(original_max_position_embeddings=s.max_position_embeddings // 4)
+            rope |= dict(original_max_position_embeddings=int(s.max_position_embeddings // f))
         return dict(
             **(decoder_common(s) | {"rope_parameters": rope}),
             kv_lora_rank=s.kv_lora_rank,
