@@ -221,3 +221,19 @@ def test_streamed_bf16_tiny_pair_reads_back_and_exports(tiny_pair, exported, fam
     ids = [5, 17, 3, 9, 11]
     tokens = art.load(tokenizer=False).generate(ids, max_new_tokens=12).tokens
     assert tokens == hf_greedy(art.model(), ids, 12)  # the bf16 weights, streamed, lossless
+
+
+def test_tree_verification_equals_hf_greedy(exported):
+    """A tree program of latent layers: each call attends to the cache as it came in plus its
+    own rows, and only the accepted path's latent rows are written."""
+    pair = dict(tie_word_embeddings=False, target_layer_ids=[1, 3], block_size=4, agree=2.0)
+    e = exported("deepseek_v3", pair=pair, prefill_seq_len=8, ctx_len=160, tree_budgets=[8, 16])
+    model, pipe = e.model(), e.load(tokenizer=False)
+    for seed, (n, new) in enumerate([(3, 30), (13, 25)]):
+        ids = torch.randint(1, 200, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+        want = hf_greedy(model, ids, new)
+        for budget in (16, None):
+            pipe.configure(tree_budget=budget)
+            res = pipe.generate(ids, max_new_tokens=new, stop_token_ids=[])
+            assert res.tokens == want, (n, budget)
+            assert max(res.acceptance_lengths) > 1
