@@ -8,27 +8,14 @@ end.
 
 from __future__ import annotations
 
-import json
-import shutil
-
-import numpy as np
 import pytest
 import torch
-from spec_loop import program_io
+from test_mla import assert_program_equals_hf, assert_refused
 from test_target_export import (
-    BLOCK,
-    VOCAB,
-    Runner,
-    export_program,
     hf_dims,
-    hf_reference,
-    margin_ok,
-    run_flow,
-    session,
 )
 
 from dflash_qaic import checkpoints as ck
-from dflash_qaic import contract
 from dflash_qaic.exporter.weights import Stacked, placeholder_target, stream_ready, target_sources
 from dflash_qaic.modeling.attention import Attention
 from dflash_qaic.modeling.moe import SigmoidMoE
@@ -65,14 +52,7 @@ def test_program_equals_hf(tmp_path):
     ).layers[0]
     assert isinstance(attn.self_attn, Attention) and attn.self_attn.whole_norm
     assert attn.self_attn.rotary_dim == 8 and isinstance(attn.mlp, SigmoidMoE)
-    e = export_program(model, LAYER_IDS, tmp_path / "target.onnx", emit_logits=True)
-    seq = np.random.default_rng(2).integers(0, VOCAB, 13 + BLOCK + 1).tolist()
-    got = run_flow(Runner(session(str(e["path"])), program_io(e["facts"], e["path"])), seq, 13)
-    ref_logits, ref_hidden, _ = hf_reference(model, seq, LAYER_IDS, e["fc"], *e["hn"])
-    np.testing.assert_allclose(got[contract.LOGITS], ref_logits, atol=3e-4, rtol=1e-4)
-    clear = margin_ok(ref_logits, 1e-3)
-    np.testing.assert_array_equal(got[contract.NEXT_TOKENS][clear], ref_logits.argmax(-1)[clear])
-    np.testing.assert_allclose(got[contract.HIDDEN_STATES], ref_hidden, atol=2e-4, rtol=1e-4)
+    assert_program_equals_hf(model, LAYER_IDS, tmp_path, seed=2)
 
 
 @torch.no_grad()
@@ -115,9 +95,4 @@ def test_published_experts_are_the_stacked_ones(tiny_pair):
     ],
 )
 def test_unsupported_variants_refused_by_name(tiny_pair, tmp_path, edit, named):
-    t, d = tiny_pair(family="minimax_m2")
-    shutil.copytree(t, tmp_path / "target")
-    cfg = json.loads((t / "config.json").read_text()) | edit
-    (tmp_path / "target" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ck.CheckpointError, match=named):
-        ck.read_pair(tmp_path / "target", d)
+    assert_refused(tiny_pair, tmp_path, "minimax_m2", edit, named)

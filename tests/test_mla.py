@@ -103,11 +103,16 @@ def test_absorbed_equals_expanded():
     ids=["q-lora-interleaved-yarn", "q-proj-plain-rope"],
 )
 def test_program_equals_hf(variant, tmp_path):
-    model = deepseek(**variant)
-    e = export_program(model, LAYER_IDS, tmp_path / "target.onnx", emit_logits=True)
-    seq = np.random.default_rng(1).integers(0, VOCAB, 13 + BLOCK + 1).tolist()
+    assert_program_equals_hf(deepseek(**variant), LAYER_IDS, tmp_path, seed=1)
+
+
+def assert_program_equals_hf(model, layer_ids, tmp_path, seed: int) -> None:
+    """`model`'s exported program on ONNX Runtime (chunked prefill of 13, a verify block, a
+    decode) equals the model: logits, clear argmaxes and fused features."""
+    e = export_program(model, layer_ids, tmp_path / "target.onnx", emit_logits=True)
+    seq = np.random.default_rng(seed).integers(0, VOCAB, 13 + BLOCK + 1).tolist()
     got = run_flow(Runner(session(str(e["path"])), program_io(e["facts"], e["path"])), seq, 13)
-    ref_logits, ref_hidden, _ = hf_reference(model, seq, LAYER_IDS, e["fc"], *e["hn"])
+    ref_logits, ref_hidden, _ = hf_reference(model, seq, layer_ids, e["fc"], *e["hn"])
     np.testing.assert_allclose(got[contract.LOGITS], ref_logits, atol=3e-4, rtol=1e-4)
     clear = margin_ok(ref_logits, 1e-3)
     np.testing.assert_array_equal(got[contract.NEXT_TOKENS][clear], ref_logits.argmax(-1)[clear])
@@ -186,7 +191,12 @@ def test_mtp_layer_is_ignored_by_name(tiny_pair, tmp_path):
     ],
 )
 def test_unsupported_variants_refused_by_name(tiny_pair, tmp_path, edit, named):
-    t, d = tiny_pair(family="deepseek_v3")
+    assert_refused(tiny_pair, tmp_path, "deepseek_v3", edit, named)
+
+
+def assert_refused(tiny_pair, tmp_path, family: str, edit: dict, named: str) -> None:
+    """The family's tiny pair with `edit` in its target config is refused, naming `named`."""
+    t, d = tiny_pair(family=family)
     shutil.copytree(t, tmp_path / "target")
     cfg = json.loads((t / "config.json").read_text()) | edit
     (tmp_path / "target" / "config.json").write_text(json.dumps(cfg))

@@ -282,6 +282,17 @@ class Family:
         raise NotImplementedError
 
 
+def experts_top_k(text: Mapping, cpath: Path, key: str, default_k: int | None = None):
+    """(experts, top_k) of a MoE config: `key` experts, `num_experts_per_tok` of them, checked."""
+    E = positive(text, key, cpath)
+    k = positive(text, "num_experts_per_tok", cpath, default_k)
+    if k > E:
+        raise CheckpointError(
+            f"{cpath}: `num_experts_per_tok` {k} exceeds `{key}` {E} (fix config.json)"
+        )
+    return E, k
+
+
 # config field of a tiny target <- its TinySpec field (dflash_lab/tiny.py)
 TINY_DIMS = {
     "vocab_size": "vocab_size",

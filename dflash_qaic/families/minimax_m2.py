@@ -31,6 +31,7 @@ from dflash_qaic.families.base import (
     MoeSpec,
     MoeTiny,
     decoder_common,
+    experts_top_k,
 )
 from dflash_qaic.families.deepseek_v3 import tiny_tensors
 
@@ -67,13 +68,7 @@ class MiniMaxM2(Family):
     tiny_layout = "expected"
 
     def read_fields(self, text, cpath, n_layers):
-        E = positive(text, "num_local_experts", cpath)
-        k = positive(text, "num_experts_per_tok", cpath)
-        if k > E:
-            raise CheckpointError(
-                f"{cpath}: `num_experts_per_tok` {k} exceeds `num_local_experts` {E} "
-                "(fix config.json)"
-            )
+        E, k = experts_top_k(text, cpath, "num_local_experts")
         inter = positive(text, "intermediate_size", cpath)
         moe = MoeSpec(E, k, inter, norm_topk_prob=True, sparse=(True,) * n_layers)
         return {"intermediate_size": inter, "moe": moe}
