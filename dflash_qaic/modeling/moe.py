@@ -1,4 +1,5 @@
-"""The mixture-of-experts MLP (Qwen3-MoE, Qwen3.5-MoE), reading only the experts its tokens chose.
+"""The mixture-of-experts MLP (Qwen3-MoE, Qwen3.5-MoE; DeepSeek-V3 and MiniMax-M2's sigmoid
+routing in `SigmoidMoE`), reading only the experts its tokens chose.
 
     x      [T, H]                   the call's tokens (T = batch · seq_len)
     probs  = softmax(x · routerᵀ)   [T, E]   (the row max subtracted first: fp16-safe)
