@@ -11,6 +11,9 @@
     dflash-make-tiny-pair OUT --preset qwen3-30b-a3b   # Qwen3-30B-A3B layers (4 of them), bf16
     dflash-make-tiny-pair OUT --family gpt_oss         # MXFP4 experts, sinks, sliding + full
     dflash-make-tiny-pair OUT --preset gpt-oss-20b --target-layers 4   # its first 4 layers
+    dflash-make-tiny-pair OUT --family deepseek_v3     # latent attention, grouped routed experts
+    dflash-make-tiny-pair OUT --family minimax_m2      # partial RoPE, sigmoid routing
+    dflash-make-tiny-pair OUT --preset kimi-k2.5 --num-layers 3 --num-experts 16  # bf16
 
 `OUT/target` is a Hugging Face directory (config.json + model.safetensors, or shards
 model-0000i-of-0000n.safetensors with model.safetensors.index.json), `OUT/draft` a DFlash draft
@@ -121,6 +124,24 @@ class TinySpec:
         plain = self.dtype == "float32" and self.shards == 1 and self.weight_format == "plain"
         return not plain or self.fields.streamed()
 
+
+# DeepSeek-V3's latent attention and expert shapes (DeepSeek-V3, Kimi K2.x): H 7168, q LoRA 1536,
+# latent 512, RoPE key 64 (the draft's head_dim), nope 128, v 128, dense MLP 18432, experts 2048
+_DEEPSEEK_ATTENTION = dict(
+    hidden_size=7168,
+    draft_layers=2,
+    intermediate_size=18432,
+    head_dim=64,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=2048,
+    n_shared_experts=1,
+    tie_word_embeddings=False,
+    shards=4,
+)
 
 # Published shapes (Qwen3-0.6B / Qwen3-4B and z-lab's 5-layer b16 drafts for them): bf16, the
 # target sharded with an index and its head tied, the draft's target layers by the default rule.
@@ -235,6 +256,73 @@ PRESETS: dict[str, dict] = {
         tie_word_embeddings=False,
         rope_theta=150000.0,
         max_position_embeddings=131072,
+        shards=3,
+    ),
+    # DeepSeek-V3 (and R1): 61 layers of H 7168, multi-head latent attention (128 heads, q LoRA
+    # 1536, latent 512 + RoPE key 64, nope 128, v 128), the first 3 layers dense (18432), then
+    # 256 routed experts of 2048 (top-8 in 4 of 8 groups, scaled 2.5) beside one shared, YaRN
+    # ×40 with mscale, untied head, vocabulary 129,280; written bf16 (the published FP8 form
+    # is another writer's). The draft (assumed: z-lab publishes none for V3) is Qwen3-shaped with
+    # the target's head shape, 2 layers. `--num-layers N` keeps the first N target layers.
+    "deepseek-v3": dict(
+        _DEEPSEEK_ATTENTION,
+        family="deepseek_v3",
+        target_layers=61,
+        num_heads=128,
+        num_kv_heads=128,
+        num_experts=256,
+        n_group=8,
+        topk_group=4,
+        first_k_dense_replace=3,
+        routed_scaling_factor=2.5,
+        vocab_size=129280,
+        mask_token_id=129279,  # assumed: the last id
+        rope_theta=10000.0,
+        yarn_factor=40.0,
+        max_position_embeddings=163840,
+    ),
+    # Kimi K2.5's text model (the DeepSeek-V3 architecture, text-only form; its published
+    # KimiK25ForConditionalGeneration wrapper is not read yet): 61 layers, 64 heads, 384 routed
+    # experts (top-8, one group, scaled 2.827) beside one shared, the first layer dense, YaRN
+    # ×64 (θ 50000), vocabulary 163,840. The draft as deepseek-v3's (assumed shape).
+    "kimi-k2.5": dict(
+        _DEEPSEEK_ATTENTION,
+        family="deepseek_v3",
+        target_layers=61,
+        num_heads=64,
+        num_kv_heads=64,
+        num_experts=384,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.827,
+        vocab_size=163840,
+        mask_token_id=163839,  # assumed: the last id
+        rope_theta=50000.0,
+        yarn_factor=64.0,
+        max_position_embeddings=262144,
+    ),
+    # MiniMax-M2.5: 62 layers of H 3072, 48 query / 8 KV heads of 128 (RoPE on the first 64),
+    # q/k norm over the projection, 256 experts of 1536 (top-8, sigmoid with the correction
+    # bias), untied head, vocabulary 200,064, θ 5e6. The draft: 2 Qwen3-shaped layers of the
+    # target's head shape (assumed); `--num-layers N` keeps the first N target layers.
+    "minimax-m2.5": dict(
+        family="minimax_m2",
+        hidden_size=3072,
+        target_layers=62,
+        draft_layers=2,
+        intermediate_size=1536,
+        num_heads=48,
+        num_kv_heads=8,
+        head_dim=128,
+        rotary_dim=64,
+        num_experts=256,
+        num_experts_per_tok=8,
+        vocab_size=200064,
+        mask_token_id=200063,  # assumed: the last id
+        tie_word_embeddings=False,
+        rope_theta=5000000.0,
+        max_position_embeddings=196608,
         shards=3,
     ),
 }
@@ -578,8 +666,9 @@ def main(argv: list[str] | None = None) -> None:
         "--num-layers",
         type=int,
         dest="target_layers",
-        help="--preset gemma-4-31b: keep the first N target layers (5 sliding : 1 full, the "
-        "last full), e.g. 6 for the layers that fit",
+        help="--preset: keep the first N target layers (gemma-4-31b: 5 sliding : 1 full, the "
+        "last full, e.g. 6 for the layers that fit; kimi-k2.5 / deepseek-v3: the dense "
+        "layers first)",
     )
     d = p.add_argument_group("newer draft forms")
     d.add_argument(

@@ -243,6 +243,8 @@ def target_layout(s) -> list[tuple[str, tuple, str]]:
     """(name, shape, kind) of every tensor of the target checkpoint, in Hugging Face's order."""
     family = families.get(s.family)
     special = {"hybrid": _hybrid_layout, "gemma4": _gemma4_layout, "mxfp4": _gpt_oss_layout}
+    if family.tiny_layout == "expected":  # the family's own list (its expected shapes)
+        return family.tiny_tensors(s)
     if family.tiny_layout in special:
         return special[family.tiny_layout](s)
     V, H = s.vocab_size, s.hidden_size

@@ -105,6 +105,7 @@ def check_target_tensors(t: TargetConfig) -> dict[str, TensorInfo]:
     ignored = {k for k in tensors if k.endswith(IGNORED_SUFFIXES)}
     if t.spec.ignored_prefixes:
         ignored |= {k for k in tensors if k.startswith(t.spec.ignored_prefixes)}
+    ignored |= t.spec.ignored_tensors(t, tensors)
     if t.tie_word_embeddings:
         ignored.add("lm_head.weight")  # tied: the head is the embedding (as Hugging Face does)
     shapes = {k: list(v.shape) for k, v in tensors.items()}
@@ -118,7 +119,8 @@ def validate_pair(t: TargetConfig, d: DraftConfig) -> None:
     """One clear error per problem between a target and its draft."""
     dcfg = d.path / "config.json"
     # a hybrid's draft has its own attention shape (it borrows only the embedding and the head)
-    same = ("hidden_size",) if t.hybrid else ("num_heads", "num_kv_heads", "head_dim")
+    own = t.hybrid or t.spec.own_draft_attention
+    same = ("hidden_size",) if own else ("num_heads", "num_kv_heads", "head_dim")
     for fld in dict.fromkeys(("hidden_size", *same)):
         tv, dv = getattr(t, fld), getattr(d, fld)
         if tv != dv:

@@ -293,13 +293,17 @@ def layer_states(
     ring_slots: tuple[int, ...] = (),
     linear_layers: tuple[int, ...] = (),
     state_dims: tuple[int, ...] = (),
+    latent_dims: tuple[int, ...] = (),
 ) -> list[state.StateSpec]:
     """The state spec of every layer (state.py): a Gated DeltaNet layer's (`linear_layers`,
     state_dims = v_heads, k_head_dim, v_head_dim, conv_dim, kernel - 1), a sliding layer's ring
     (`ring_slots`: per layer its slots, 0 for a ctx_len cache), else full attention; layer_kv:
     layer i's (kv heads, head dim) at [2i], [2i + 1] when layers differ (Gemma 4), else () for
-    all alike. `full_batch_size` rows with continuous batching, else one per call row."""
+    all alike; latent_dims (kv_lora_rank, rope_dim): every layer a latent (MLA) layer.
+    `full_batch_size` rows with continuous batching, else one per call row."""
     rows = state.rows_symbol(continuous_batching)
+    if latent_dims:
+        return [state.LatentAttentionSpec(i, rows, *latent_dims) for i in range(n_layers)]
     out: list[state.StateSpec] = []
     for i in range(n_layers):
         kvh, hd = layer_kv[2 * i : 2 * i + 2] if layer_kv else (n_kv_heads, head_dim)
@@ -317,7 +321,17 @@ def state_fields(specs: list[state.StateSpec]) -> dict:
     """The TargetIO fields that record these layer state specs (the inverse of `layer_states`):
     n_layers, the attention cache shape (n_kv_heads, head_dim: the first attention layer's;
     `layer_kv` when layers differ), `ring_slots` when a layer is a ring, a hybrid's
-    `linear_layers` and `state_dims`. A spec these fields cannot record is refused."""
+    `linear_layers` and `state_dims`; a latent (MLA) target's `latent_dims` (every layer latent,
+    recorded as one kv head of kv_lora_rank + rope_dim values). A spec these fields cannot
+    record is refused."""
+    latent = [s for s in specs if isinstance(s, state.LatentAttentionSpec)]
+    if (
+        latent
+        and len(latent) == len(specs)
+        and len({(s.kv_lora_rank, s.rope_dim) for s in latent}) == 1
+    ):
+        r, dr = latent[0].kv_lora_rank, latent[0].rope_dim
+        return dict(n_layers=len(specs), n_kv_heads=1, head_dim=r + dr, latent_dims=(r, dr))
     attn = [s for s in specs if isinstance(s, state.FullAttentionSpec | state.SlidingWindowSpec)]
     nets = [s for s in specs if isinstance(s, state.GatedDeltaNetSpec)]
     if len(attn) + len(nets) != len(specs) or not attn:
@@ -447,6 +461,9 @@ class TargetIO:
     logprobs_mode: str = RAW_LOGPROBS
     # the extended sampling inputs (extended_specs), applied before every row's choice
     extended_sampling: bool = False
+    # a latent-attention (MLA) target: (kv_lora_rank, rope_dim) of every layer's latent cache
+    # (state.LatentAttentionSpec); () for attention / DeltaNet caches
+    latent_dims: tuple[int, ...] = ()
 
     @property
     def hybrid(self) -> bool:
@@ -470,6 +487,7 @@ class TargetIO:
             self.ring_slots,
             self.linear_layers,
             self.state_dims,
+            self.latent_dims,
         )
 
     @property

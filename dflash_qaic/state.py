@@ -68,8 +68,8 @@ past_key = _per_layer("past_key")  # attention keys [rows, kv_heads, slots, head
 past_value = _per_layer("past_value")  # attention values, the same shape
 past_state = _per_layer("past_state")  # Gated DeltaNet state [rows, v_heads, k_dim, v_dim]
 past_conv = _per_layer("past_conv")  # Gated DeltaNet conv window [rows, conv_dim, kernel - 1]
-past_latent = _per_layer("past_latent")  # MLA latent [rows, ctx_len, kv_lora_rank]
-past_rope = _per_layer("past_rope")  # MLA decoupled rope key [rows, ctx_len, rope_dim]
+past_latent = _per_layer("past_latent")  # MLA latent [rows, 1, ctx_len, kv_lora_rank]
+past_rope = _per_layer("past_rope")  # MLA decoupled rope key [rows, 1, ctx_len, rope_dim]
 
 
 @dataclass(frozen=True)
@@ -213,9 +213,10 @@ class GatedDeltaNetSpec(StateSpec):
 
 @dataclass(frozen=True)
 class LatentAttentionSpec(StateSpec):
-    """A latent (MLA) layer's compressed cache: one latent [rows, ctx_len, kv_lora_rank] and the
-    decoupled rope key [rows, ctx_len, rope_dim], slot = absolute position. Declared for a
-    latent-cache family (none is exported yet)."""
+    """A latent (MLA) layer's compressed cache (modeling/mla.py): the latent
+    [rows, 1, ctx_len, kv_lora_rank] and the decoupled RoPE key [rows, 1, ctx_len, rope_dim],
+    slot = absolute position: kv_lora_rank + rope_dim values per token. The axis of one "head"
+    keeps the cache ops' [rows, heads, slots, dim] layout (CtxScatter / CtxScatterCB)."""
 
     kv_lora_rank: int = 1
     rope_dim: int = 1
@@ -224,8 +225,8 @@ class LatentAttentionSpec(StateSpec):
     @property
     def buffers(self) -> tuple[Buffer, ...]:
         return (
-            Buffer(past_latent(self.layer), (self.rows, CTX, self.kv_lora_rank), slot_axis=1),
-            Buffer(past_rope(self.layer), (self.rows, CTX, self.rope_dim), slot_axis=1),
+            Buffer(past_latent(self.layer), (self.rows, 1, CTX, self.kv_lora_rank), slot_axis=2),
+            Buffer(past_rope(self.layer), (self.rows, 1, CTX, self.rope_dim), slot_axis=2),
         )
 
 

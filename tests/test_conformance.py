@@ -48,6 +48,9 @@ CASES = {
     "gemma4": ("gemma4", "dflash", dict(block_size=4, agree=0.9), 8, 160),
     "gemma4_moe": ("gemma4_moe", "dflash", dict(block_size=4, agree=0.9), 8, 160),
     "gpt_oss": ("gpt_oss", "dflash", dict(block_size=4, agree=3.0), 8, 160),
+    "deepseek_v3": ("deepseek_v3", "dflash", dict(block_size=4, agree=2.0), 8, 160),
+    "glm4_moe_lite": ("glm4_moe_lite", "dflash", dict(block_size=4, agree=2.0), 8, 160),
+    "minimax_m2": ("minimax_m2", "dflash", dict(block_size=4, agree=2.0), 8, 160),
     "qwen3-dflash2": ("qwen3", "dflash2", dict(block_size=8, vocab_size=24, agree=2.0), 16, 160),
     "qwen3-sliding": ("qwen3", "sliding", dict(block_size=8, vocab_size=24), 16, 160),
 }
@@ -61,6 +64,9 @@ HF_CLASS = {
     "gemma4": "Gemma4ForCausalLM",
     "gemma4_moe": "Gemma4ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
 }
 assert (
     {c[0] for c in CASES.values()} == set(FAMILIES) == set(HF_CLASS)

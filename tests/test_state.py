@@ -33,8 +33,11 @@ def test_specs_per_layer_kind():
     assert [(b.slot_axis, b.window) for b in ring.buffers] == [(2, 8)] * 2  # its live slots
     assert [b.name for b in gdn.buffers] == [contract.past_state(2), contract.past_conv(2)]
     assert [b.shape for b in gdn.buffers] == [(ROWS, 4, 8, 8), (ROWS, 40, 3)] and gdn.rolls
-    assert [b.shape for b in mla.buffers] == [(ROWS, contract.CTX, 32), (ROWS, contract.CTX, 8)]
-    assert [b.slot_axis for b in mla.buffers] == [1, 1] and not mla.rolls
+    assert [b.shape for b in mla.buffers] == [
+        (ROWS, 1, contract.CTX, 32),
+        (ROWS, 1, contract.CTX, 8),
+    ]
+    assert [b.slot_axis for b in mla.buffers] == [2, 2] and not mla.rolls
     # on-card precision: the profile's KV dtype, but a recurrent state stays fp16 under MXINT8
     assert full.card_dtype("mxint8") == ring.card_dtype("mxint8") == "mxint8"
     assert gdn.card_dtype("mxint8") == "float16" and gdn.card_dtype("bfloat16") == "bfloat16"

@@ -141,7 +141,7 @@ class Runner:
     def __init__(self, sess: ort.InferenceSession, io: contract.TargetIO):
         self.sess, self.io = sess, io
         self.out_names = [o.name for o in sess.get_outputs()]
-        fp16 = "float16" in input_type(sess, contract.past_key(0))
+        fp16 = "float16" in input_type(sess, io.kv[0].name)
         self.dtype = np.float16 if fp16 else np.float32
         self.kv = {s.name: np.zeros(s.bind(batch_size=1, ctx_len=CTX), self.dtype) for s in io.kv}
 

@@ -345,6 +345,7 @@ class ProgramRecord:
                 logprobs=c.int("logprobs", 0, contract.MAX_LOGPROBS, default=0),
                 logprobs_mode=c.get("logprobs_mode", contract.RAW_LOGPROBS),
                 extended_sampling=c.bool("extended_sampling", False),
+                latent_dims=_int_tuple(c, "latent_dims", 1, 1 << 24),
             )
             if io.logprobs_mode not in contract.LOGPROBS_MODES:
                 c.fail(c.key("logprobs_mode"), f"must be one of {list(contract.LOGPROBS_MODES)}")
@@ -382,6 +383,7 @@ class ProgramRecord:
         known |= {"linear_layers", "state_dims", "draft_q", "token_bitmask", "verify_rule"}
         known |= {"confidence", "ring_slots", "q_top_k", "top_k", "inputs", "outputs", "qpc"}
         known |= {"pair_k", "state", "logprobs", "logprobs_mode", "extended_sampling"}
+        known |= {"latent_dims"}
         known |= PLAN_COPIES
         return cls(
             io=io,

@@ -237,6 +237,7 @@ def program_facts(path: Path, io, specializations: list[dict], report: dict) -> 
         **(_hybrid_facts(io) if getattr(io, "hybrid", False) else {}),
         **({"ring_slots": list(io.ring_slots)} if getattr(io, "ring_slots", ()) else {}),
         **({"layer_kv": list(io.layer_kv)} if getattr(io, "layer_kv", ()) else {}),
+        **({"latent_dims": list(io.latent_dims)} if getattr(io, "latent_dims", ()) else {}),
         **({"q_top_k": io.q_top_k} if getattr(io, "q_top_k", 0) else {}),  # DFlash-2 draft's q
         **({"top_k": io.top_k} if getattr(io, "top_k", 0) else {}),  # --draft-top-k
         **({"pair_k": io.pair_k} if getattr(io, "pair_k", 0) else {}),  # … of a DFlash-2 draft

@@ -299,10 +299,16 @@ def stream_ready(module: torch.nn.Module) -> torch.nn.Module:
         for name, child in parent.named_children()
         if type(child) is torch.nn.Linear
     ]
-    arena = _ZeroArena(sum(-(-c.weight.numel() // 16) * 16 for _, _, c in linears))
+    # weights a module derives from a checkpoint tensor (`derived_params`: MLA's W_UK / W_UV,
+    # views of one placeholder) get placeholders of their own, so none is merged with another
+    derived = [(m, n) for m in module.modules() for n in getattr(m, "derived_params", ())]
+    sizes = [c.weight.numel() for _, _, c in linears] + [getattr(m, n).numel() for m, n in derived]
+    arena = _ZeroArena(sum(-(-n // 16) * 16 for n in sizes))
     for parent, name, child in linears:
         w = arena.take((child.in_features, child.out_features))
         setattr(parent, name, _MatMulLinear(w, child.bias))
+    for m, n in derived:
+        setattr(m, n, torch.nn.Parameter(arena.take(tuple(getattr(m, n).shape)), False))
     module._dflash_linear_arena = arena
     return module
 
@@ -345,6 +351,8 @@ def target_sources(module: torch.nn.Module, pair: ck.Pair) -> dict[str, Source]:
             out[name] = stored_source(tt[cname], name, tuple(param.shape), inverted)
         elif f"{cname}_blocks" in tt and f"{cname}_scales" in tt:  # MXFP4 (gpt-oss experts)
             out[name] = Mxfp4(tt[f"{cname}_blocks"], tt[f"{cname}_scales"], tuple(param.shape))
+        elif name.startswith("layers.") and (parts := t.spec.weight_parts(t, name, tt)):
+            out[name] = Stacked(parts, tuple(param.shape))  # rows of a checkpoint tensor
         elif name.startswith("layers.") and name.endswith((".mlp.gate_up", ".mlp.down")):
             out[name] = expert_source(tt, t.spec.checkpoint_name(t, name), tuple(param.shape))
         else:

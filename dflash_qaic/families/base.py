@@ -31,9 +31,11 @@ from dflash_qaic.checkpoint_files.config import (
 ATTENTION = "attention"  # softmax attention over a KV cache (Qwen3, Llama, Gemma 4, gpt-oss)
 GATED_ATTENTION = "gated_attention"  # the same, output-gated, partial RoPE (Qwen3.5)
 DELTANET = "deltanet"  # Gated DeltaNet: a recurrent state and a conv window (Qwen3.5)
+LATENT_ATTENTION = "latent_attention"  # MLA: a latent + RoPE-key cache (DeepSeek-V3, Kimi K2)
 MLP = "mlp"  # silu (or, in a SANDWICH layer, gelu-tanh) gated MLP
 MOE = "moe"  # routed experts (modeling/moe.py)
 CLAMPED_MOE = "clamped_moe"  # routed experts with biases and the clamped SwiGLU (gpt-oss)
+SIGMOID_MOE = "sigmoid_moe"  # sigmoid routing with a correction bias (DeepSeek-V3, MiniMax-M2)
 # An attention layer's kind: its window, RoPE table and head shape (docs/DESIGN.md, Layer kinds)
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -141,6 +143,7 @@ class Family:
     # tiny_fields: the dataclass of the fields of a tiny pair only this family has (below)
     tiny_layout = ""  # how dflash_lab writes its tiny target ("": Hugging Face's save_pretrained)
     ignored_prefixes: tuple[str, ...] = ()  # tensors the checkpoint may carry that no program uses
+    own_draft_attention = False  # its drafts' attention shape is their own (not the target's)
     tiny_fields = TinyFields
 
     def __repr__(self) -> str:
@@ -248,6 +251,17 @@ class Family:
             shapes.update({f"{p}layers.{i}.{k}": s for k, s in layer.items()})
         return shapes
 
+    def ignored_tensors(self, t: TargetConfig, names) -> set[str]:
+        """Tensors of this checkpoint (of `names`) no program reads beyond `ignored_prefixes`
+        (DeepSeek-V3's multi-token-prediction layer)."""
+        return set()
+
+    def weight_parts(self, t: TargetConfig, param: str, tensors: dict):
+        """The checkpoint byte ranges (TensorInfo parts, in order) a program weight `param`
+        (`layers.…`) is made of when it is not one checkpoint tensor (None: it is; DeepSeek-V3's
+        per-head halves of kv_b_proj are rows of one)."""
+        return None
+
     def experts_fused(self, names) -> bool:
         """Whether a checkpoint (its tensor names) stores its experts fused; no experts: False."""
         return False
@@ -266,6 +280,17 @@ class Family:
     def tiny_config(self, s):
         """The transformers config of a tiny target of this family (s: dflash_lab's TinySpec)."""
         raise NotImplementedError
+
+
+def experts_top_k(text: Mapping, cpath: Path, key: str, default_k: int | None = None):
+    """(experts, top_k) of a MoE config: `key` experts, `num_experts_per_tok` of them, checked."""
+    E = positive(text, key, cpath)
+    k = positive(text, "num_experts_per_tok", cpath, default_k)
+    if k > E:
+        raise CheckpointError(
+            f"{cpath}: `num_experts_per_tok` {k} exceeds `{key}` {E} (fix config.json)"
+        )
+    return E, k
 
 
 # config field of a tiny target <- its TinySpec field (dflash_lab/tiny.py)

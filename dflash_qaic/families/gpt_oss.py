@@ -38,6 +38,7 @@ from dflash_qaic.families.base import (
     MoeSpec,
     MoeTiny,
     decoder_dims,
+    experts_top_k,
 )
 
 SLIDING, FULL = SLIDING_ATTENTION, FULL_ATTENTION
@@ -94,13 +95,7 @@ class GptOss(Family):
         return [i for i in range(1, min(target_layers, 24), 5)] or [0]
 
     def read_fields(self, text, cpath, n_layers):
-        E = positive(text, "num_local_experts", cpath)
-        k = positive(text, "num_experts_per_tok", cpath, 4)
-        if k > E:
-            raise CheckpointError(
-                f"{cpath}: `num_experts_per_tok` {k} exceeds `num_local_experts` {E} "
-                "(fix config.json)"
-            )
+        E, k = experts_top_k(text, cpath, "num_local_experts", default_k=4)
         inter = positive(text, "intermediate_size", cpath)
         moe = MoeSpec(E, k, inter, norm_topk_prob=False, sparse=(True,) * n_layers)
         return {"intermediate_size": inter, "moe": moe}

@@ -124,9 +124,13 @@ class Attention(nn.Module):
     """Softmax attention. Options, read from the Hugging Face module: per-head RMSNorm on q and
     k before RoPE (Qwen3, Gemma 4; Llama and gpt-oss have none), a weightless v norm (Gemma 4),
     no v_proj (Gemma 4's full layers with attention_k_eq_v: v is the raw k), a learned sink logit
-    per head (gpt-oss). Its kv heads come from k_proj (a layer kind may have its own)."""
+    per head (gpt-oss). Its kv heads come from k_proj (a layer kind may have its own). MiniMax-M2:
+    q/k RMSNorm over the whole projection (all heads at once) and RoPE on the first
+    `rotary_dim` of each head."""
 
-    def __init__(self, hf: nn.Module, n_heads: int, kind: str = FULL_ATTENTION):
+    def __init__(
+        self, hf: nn.Module, n_heads: int, kind: str = FULL_ATTENTION, rotary_dim: int = 0
+    ):
         super().__init__()
         self.kind = kind  # its AttentionKind's name (the target's `kinds`)
         self.n_heads, self.head_dim = n_heads, hf.head_dim
@@ -139,6 +143,10 @@ class Attention(nn.Module):
         qk_norm = getattr(hf, "q_norm", None) is not None
         self.q_norm = RMSNorm.from_hf(hf.q_norm) if qk_norm else None
         self.k_norm = RMSNorm.from_hf(hf.k_norm) if qk_norm else None
+        # the norms span every head's projection (MiniMax-M2), not one head
+        self.whole_norm = qk_norm and hf.q_norm.weight.shape[-1] != hf.head_dim
+        # RoPE on the leading rotary_dim of each head only (0 or head_dim: all of it)
+        self.rotary_dim = rotary_dim if 0 < rotary_dim < hf.head_dim else None
         v_norm = getattr(hf, "v_norm", None)  # weightless (Gemma 4)
         self.v_eps = float(v_norm.eps) if v_norm is not None else None
         self.sinks = None
@@ -159,21 +167,30 @@ class Attention(nn.Module):
         c = call.attention[self.kind]
         b, s, _ = x.shape
         nh, kvh, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        q = self.q_proj(x).view(b, s, nh, hd)
-        k = self.k_proj(x).view(b, s, kvh, hd)
+        q = self.q_proj(x)  # [b, s, nh·hd]
+        q = (self.q_norm(q) if self.whole_norm else q).view(b, s, nh, hd)
+        k = self.k_proj(x)  # [b, s, kvh·hd]
+        k = (self.k_norm(k) if self.whole_norm else k).view(b, s, kvh, hd)
         v = k if self.v_proj is None else self.v_proj(x).view(b, s, kvh, hd)
         if self.v_eps is not None:
             v = RMSNorm.normalize(v, self.v_eps)
         v = v.transpose(1, 2)  # [b, kvh, s, hd]
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.whole_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), c.cos, c.sin, hd)  # [b, nh, s, hd]
-        k = apply_rope(k.transpose(1, 2), c.cos, c.sin, hd)  # [b, kvh, s, hd]
+        q = self.rope(q.transpose(1, 2), c)  # [b, nh, s, hd]
+        k = self.rope(k.transpose(1, 2), c)  # [b, kvh, s, hd]
         dims = (b, s, nh, kvh, hd)
         out, cache_k, cache_v, pending = attend_call(
             q, k, v, dims, self.scale, c, cache_k, cache_v, self.sinks
         )
         return self.o_proj(out), cache_k, cache_v, pending
+
+    def rope(self, x: torch.Tensor, c: AttentionCall) -> torch.Tensor:
+        """RoPE on x [b, h, s, hd]: every dim, or the first rotary_dim (the rest passes)."""
+        rd = self.rotary_dim
+        if rd is None:
+            return apply_rope(x, c.cos, c.sin, self.head_dim)
+        return torch.cat([apply_rope(x[..., :rd], c.cos, c.sin, rd), x[..., rd:]], dim=-1)
 
 
 def attend_call(q, k, v, dims, scale, c: AttentionCall, cache_k, cache_v, sinks=None):
@@ -255,4 +272,5 @@ def rotary_dim(cfg) -> int:
     """The leading part of each head RoPE turns (`partial_rotary_factor` of head_dim)."""
     rp = getattr(cfg, "rope_parameters", None) or {}
     factor = rp.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
-    return int(cfg.head_dim * factor)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return int(head_dim * factor)

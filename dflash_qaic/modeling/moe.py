@@ -1,4 +1,5 @@
-"""The mixture-of-experts MLP (Qwen3-MoE, Qwen3.5-MoE), reading only the experts its tokens chose.
+"""The mixture-of-experts MLP (Qwen3-MoE, Qwen3.5-MoE; DeepSeek-V3 and MiniMax-M2's sigmoid
+routing in `SigmoidMoE`), reading only the experts its tokens chose.
 
     x      [T, H]                   the call's tokens (T = batch · seq_len)
     probs  = softmax(x · routerᵀ)   [T, E]   (the row max subtracted first: fp16-safe)
@@ -107,7 +108,9 @@ class SparseMoeBlock(nn.Module):
 
         union = self.union(chosen.amax(0), shape_as_tensor(xt)[0])  # [U], U traced from T
         y = self.experts(xt, union, weight, chosen)  # [T, H]
-        if self.shared_expert is not None:
+        if self.shared_expert is not None and self.shared_expert_gate is None:
+            y = y + self.shared_expert(xt)  # always on, ungated (DeepSeek-V3)
+        elif self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(xt))  # [T, 1]
             y = y + gate * self.shared_expert(xt)
         return y.reshape(b, s, H)
@@ -131,3 +134,68 @@ def routed(weight: torch.Tensor, chosen: torch.Tensor, union: torch.Tensor):
     r = weight[:, union].t()[:, None]  # [U, 1, T]
     hit = chosen[:, union].t()[:, None] > 0  # [U, 1, T]
     return r, hit
+
+
+class SigmoidMoE(SparseMoeBlock):
+    """Routing by sigmoid scores with a correction bias that only chooses (DeepSeek-V3's
+    `noaux_tc`, MiniMax-M2), optionally group-limited, with shared experts always on:
+
+        s      = sigmoid(x · routerᵀ)                                   # [T, E]
+        c      = s + e_score_correction_bias                            # choosing only
+        groups : the topk_group of n_group groups by the sum of each group's top-2 c;
+                 the experts of the other groups out of the choice      (n_group > 1)
+        top_i  = topk(c, k);  w = s[top_i]  (/ Σ w when norm_topk_prob) · routed_scaling_factor
+        y      = Σ_e w_e expert_e(x)  (+ shared_experts(x))
+
+    The experts read are the call's union, as every MoE here (`SparseMoeBlock`)."""
+
+    def __init__(self, router, bias, gate_up, down, top_k, norm_topk_prob, groups, scaling, shared):
+        super().__init__(router, gate_up, down, top_k, norm_topk_prob, shared_expert=shared)
+        self.bias = frozen(bias)  # [E]
+        self.n_group, self.topk_group = groups  # (1, 1): no group limit
+        self.scaling = float(scaling)
+
+    @classmethod
+    def from_hf(cls, hf: nn.Module) -> SigmoidMoE:
+        """From a Hugging Face DeepSeek-V3 MoE (`gate` a TopkRouter holding the bias and the
+        group fields, `experts`, `shared_experts`) or MiniMax-M2's (`gate`, `experts`, the
+        bias on the block, no groups, no shared experts)."""
+        r = hf.gate
+        lin = nn.Linear(r.weight.shape[1], r.weight.shape[0], bias=False, device="meta")
+        lin.weight = frozen(r.weight)
+        bias = getattr(r, "e_score_correction_bias", None)
+        bias = hf.e_score_correction_bias if bias is None else bias
+        shared = getattr(hf, "shared_experts", None)
+        return cls(
+            lin,
+            bias,
+            hf.experts.gate_up_proj,
+            hf.experts.down_proj,
+            r.top_k,
+            getattr(r, "norm_topk_prob", True),
+            (getattr(r, "num_group", 1) or 1, getattr(r, "topk_group", 1) or 1),
+            getattr(r, "routed_scaling_factor", 1.0),
+            MLP.from_hf(shared) if shared is not None else None,
+        )
+
+    def route(self, x: torch.Tensor):
+        """x [T, H] -> (weights [T, k], experts [T, k]) as the class docstring."""
+        scores = torch.sigmoid(self.gate(x))  # [T, E] in (0, 1)
+        choice = scores + self.bias
+        E, G = self.num_experts, self.n_group
+        if G > 1:
+            per = choice.reshape(-1, G, E // G)  # [T, G, E/G]
+            group = per.topk(2, dim=-1).values.sum(-1)  # [T, G]
+            top_g = group.topk(self.topk_group, dim=-1).indices  # [T, tg]
+            keep = (top_g[..., None] == torch.arange(G)).to(x.dtype).amax(1)  # [T, G]: 1 kept
+            keep = keep[..., None].expand(-1, G, E // G).reshape(-1, E)  # [T, E]
+            # the other groups' experts score below every expert of the row: never chosen while
+            # k fits in the kept groups (families check it), and of the row's own magnitude
+            # (fp16-safe, unlike a large constant)
+            floor = choice.amin(-1, keepdim=True) - 1.0  # [T, 1]
+            choice = torch.where(keep > 0, choice, floor)
+        top_i = choice.topk(self.top_k, dim=-1).indices  # [T, k]
+        top_w = scores.gather(1, top_i)  # the unbiased scores weigh
+        if self.norm_topk_prob:
+            top_w = top_w / (top_w.sum(-1, keepdim=True) + 1e-20)
+        return top_w * self.scaling, top_i

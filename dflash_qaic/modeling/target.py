@@ -91,7 +91,8 @@ from dflash_qaic.modeling.layers import (
     frozen,
     vocab_tables,
 )
-from dflash_qaic.modeling.moe import SparseMoeBlock
+from dflash_qaic.modeling.mla import LatentAttention
+from dflash_qaic.modeling.moe import SigmoidMoE, SparseMoeBlock
 from dflash_qaic.modeling.ops import cache_rows, cache_slots, write_cache
 from dflash_qaic.modeling.penalties import choice_logits
 from dflash_qaic.modeling.sampler import (
@@ -118,17 +119,21 @@ def fp16_safe_fc_weight(fc_weight: torch.Tensor) -> tuple[torch.Tensor, float]:
 # and its (text) config.
 MIXERS = {
     kinds.ATTENTION: lambda hf, cfg, kind: Attention(
-        hf.self_attn, cfg.num_attention_heads, kind.attention
+        hf.self_attn, cfg.num_attention_heads, kind.attention, rotary_dim(cfg)
     ),
     kinds.GATED_ATTENTION: lambda hf, cfg, kind: GatedAttention(
         hf.self_attn, cfg.num_attention_heads, cfg.num_key_value_heads, rotary_dim(cfg)
     ),
     kinds.DELTANET: lambda hf, cfg, kind: GatedDeltaNet(hf.linear_attn),
+    kinds.LATENT_ATTENTION: lambda hf, cfg, kind: LatentAttention(
+        hf.self_attn, cfg.num_attention_heads, bool(getattr(cfg, "rope_interleave", False))
+    ),
 }
 MLPS = {
     kinds.MLP: lambda hf: MLP.from_hf(hf.mlp),
     kinds.MOE: lambda hf: SparseMoeBlock.from_hf(hf.mlp),
     kinds.CLAMPED_MOE: lambda hf: GptOssMoE.from_hf(hf.mlp),
+    kinds.SIGMOID_MOE: lambda hf: SigmoidMoE.from_hf(hf.mlp),
 }
 
 
