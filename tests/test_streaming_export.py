@@ -78,8 +78,13 @@ def _program_io(facts: dict, prog: str):
     """The contract object of an exported program, from its facts."""
     keys = ("n_layers", "n_kv_heads", "head_dim", "hidden_size", "vocab_size", "emit_logits")
     common = {k: facts[k] for k in keys}
-    if prog == "target":
-        return contract.TargetIO(**common, sampling=facts["sampling"], comp_ctx=facts["comp_ctx"])
+    if prog == "target":  # the per-layer cache shapes of ring and latent layers too
+        shapes = {
+            k: tuple(facts[k]) for k in ("layer_kv", "ring_slots", "latent_dims") if k in facts
+        }
+        return contract.TargetIO(
+            **common, **shapes, sampling=facts["sampling"], comp_ctx=facts["comp_ctx"]
+        )
     return contract.DraftIO(block_size=facts["block_size"], comp_ctx=facts["comp_ctx"], **common)
 
 

@@ -175,6 +175,8 @@ FORMS = {
     "qwen3-fp8-bf16-sharded": dict(family="qwen3", weight_format="fp8", dtype="bfloat16", shards=3),
     "qwen3_moe-fp8": dict(family="qwen3_moe", weight_format="fp8"),
     "qwen3_moe-int4": dict(family="qwen3_moe", weight_format="int4"),
+    # latent attention: W_UK / W_UV are row slices of an FP8 kv_b_proj (quantized.row_slice)
+    "deepseek_v3-fp8": dict(family="deepseek_v3", weight_format="fp8"),
 }
 
 

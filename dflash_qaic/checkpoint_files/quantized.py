@@ -27,7 +27,7 @@ int4; correctly rounded for fp8), which is the definition tests/test_weight_form
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +70,9 @@ class QuantizedTensor:
     codes: TensorInfo
     scale: TensorInfo
     block: tuple[int, int]
+    # a slice of a stored weight's rows (`row_slice`): the stored weight's first row of this one
+    # and the stored block's rows; `block` is then (1, cols) and `scale_grid` one row per row
+    rows_of: tuple[int, int] | None = None
 
     # where its bytes are, and their dtype: its codes' (TensorInfo's fields)
     file = property(lambda self: self.codes.file)
@@ -343,10 +346,32 @@ def read_bytes(info: TensorInfo, start: int, n: int) -> bytearray:
 
 
 def scale_grid(q: QuantizedTensor) -> np.ndarray:
-    """fp32 [blocks down, blocks across]: the scales (bf16 / fp16 widen exactly)."""
+    """fp32 [blocks down, blocks across]: the scales (bf16 / fp16 widen exactly); for a row
+    slice, the scale row of each of its rows."""
     raw = read_bytes(q.scale, 0, q.scale.nbytes)
     t = torch.frombuffer(raw, dtype=SAFETENSORS_DTYPES[q.scale.dtype]) if raw else torch.empty(0)
-    return t.float().numpy().reshape(q.scale.shape)
+    grid = t.float().numpy().reshape(q.scale.shape)
+    if q.rows_of is None:
+        return grid
+    first, block_rows = q.rows_of
+    return grid[(first + np.arange(q.shape[0])) // block_rows]
+
+
+def row_slice(info, first: int, n: int, name: str):
+    """Rows first … first + n − 1 of a stored weight [R, C] (a TensorInfo or a QuantizedTensor),
+    read in place from its file: a program weight made of parts of one checkpoint tensor
+    (families: `weight_parts`)."""
+    row = info.nbytes // info.shape[0]
+    shape = (n, info.shape[1])
+    codes = info.codes if isinstance(info, QuantizedTensor) else info
+    part = replace(codes, name=name, shape=shape, offset=codes.offset + first * row, nbytes=n * row)
+    if not isinstance(info, QuantizedTensor):
+        return part
+    start, block_rows = info.rows_of or (0, info.block[0])
+    rows_of = (start + first, block_rows)
+    return replace(
+        info, name=name, shape=shape, codes=part, block=(1, info.block[1]), rows_of=rows_of
+    )
 
 
 def code_rows(q: QuantizedTensor, raw, n: int) -> np.ndarray:

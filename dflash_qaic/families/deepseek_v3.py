@@ -13,7 +13,6 @@ and Kimi's KDA (delta-attention) layers are refused by name.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from dflash_qaic.checkpoint_files.config import (
     check_decoder_supported,
     positive,
 )
+from dflash_qaic.checkpoint_files.quantized import row_slice
 from dflash_qaic.families.base import (
     LATENT_ATTENTION,
     MLP,
@@ -268,15 +268,9 @@ class DeepseekV3(Family):
         info = tensors[f"{t.prefix}layers.{i}.self_attn.kv_b_proj.weight"]
         nh = int(t.text["num_attention_heads"])
         dn, dv = int(t.text["qk_nope_head_dim"]), int(t.text["v_head_dim"])
-        row = info.nbytes // info.shape[0]
         first, n = (0, dn) if KV_B[rest] == 0 else (dn, dv)
-        return tuple(
-            dataclasses.replace(
-                info, name=f"{info.name}[{h}]", shape=(n, info.shape[1]),
-                offset=info.offset + (h * (dn + dv) + first) * row, nbytes=n * row,
-            )
-            for h in range(nh)
-        )  # fmt: skip
+        parts = (row_slice(info, h * (dn + dv) + first, n, f"{info.name}[{h}]") for h in range(nh))
+        return tuple(parts)
 
     def tiny_tensors(self, s):
         return tiny_tensors(self, s)
