@@ -172,10 +172,17 @@ class PrefixCache:
         self.host_bytes += n
 
     def drop(self, entry: Entry) -> None:
-        """A host entry leaves (used or evicted)."""
-        if self.host.pop(id(entry), None) is not None:
-            self.host_bytes -= entry.nbytes
+        """A host entry leaves the tier (evicted)."""
+        self.claim(entry)
         entry.saved = None
+
+    def claim(self, entry: Entry) -> None:
+        """An entry a request resumes from leaves the index (its slot states, for a host entry,
+        kept until they are written)."""
+        if entry.row is not None:
+            self.forget(entry.row)
+        elif self.host.pop(id(entry), None) is not None:
+            self.host_bytes -= entry.nbytes
 
     def evict(self, row: int, target, draft) -> None:
         """Row `row`'s resident entry leaves it (to the host tier when set)."""
@@ -240,14 +247,12 @@ def take_row(engine, seq) -> int:
     seq.hashes = block_hashes(seq.root, ids)
     entry, r = cache.lookup(seq.root, ids, seq.hashes, engine.prefill.dflash)
     cache.count(len(ids), r)
-    if entry is not None and entry.row is not None:
-        slot = _take(engine.free, entry.row)
-        cache.forget(slot)
-    else:
-        slot = free_row(engine)
-    if entry is not None:
-        seq.resume = (entry, r)
-    return slot
+    if entry is None:
+        return free_row(engine)
+    seq.resume = (entry, r)
+    row = entry.row
+    cache.claim(entry)
+    return free_row(engine) if row is None else _take(engine.free, row)
 
 
 def enter(engine, seq) -> None:
@@ -258,8 +263,7 @@ def enter(engine, seq) -> None:
     (entry, r), seq.resume = seq.resume, None
     pre = engine.prefill
     if entry.saved is not None:  # from the host tier
-        target, draft = entry.saved
-        engine.prefix.drop(entry)
+        (target, draft), entry.saved = entry.saved, None
         pre.target.write_slot(seq.slot, target)
         if pre.dflash:
             pre.draft.write_slot(seq.slot, draft)

@@ -1,0 +1,143 @@
+"""Automatic prefix caching (runtime/prefix.py): the ladder-style rung "prefix hit = cold" for
+a dense, an MoE, a hybrid (Gated DeltaNet) and a sliding-window target, greedy and seeded
+(tokens and per-step acceptance equal with whole-block verify lengths and the `always` policy);
+the share of a history found cached; the host tier's bound and its restored rows; and
+`cache_salt` isolation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from dflash_qaic.runtime import prefix
+
+UNTIED = dict(tie_word_embeddings=False, target_layer_ids=[1, 3])
+# case -> (family, TinySpec fields, prefill chunk, ctx_len), biased so acceptance varies
+CASES = {
+    "dense": ("qwen3", dict(block_size=4, agree=1.25), 8, 160),
+    "moe": ("qwen3_moe", dict(block_size=4, agree=2.0), 8, 160),
+    "hybrid": ("qwen3_5", dict(block_size=4, agree=1.0), 16, 112),
+    "sliding": ("gemma4", dict(block_size=4, agree=0.9), 8, 160),
+}
+
+
+def load(exported, case, rows=1, **engine):
+    family, pair, chunk, ctx = CASES[case]
+    e = exported(
+        family, "dflash", pair={**UNTIED, **pair}, prefill_seq_len=chunk, ctx_len=ctx,
+        full_batch_size=rows,
+    )  # fmt: skip
+    pipe = e.load(verify_lengths=pair["block_size"], tokenizer=False)
+    pipe.configure(spec_policy="always", **engine)
+    return pipe
+
+
+def ids(n, seed, hi=200) -> list[int]:
+    return np.random.default_rng(seed).integers(1, hi, n).tolist()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_prefix_hit_equals_cold(exported, case):
+    """A second turn (the first's prompt, its answer and a new message) resumes from the first
+    turn's row: greedy and seeded, its tokens and acceptance equal a cold run's, and it finds
+    the whole history its row holds cached (a rolling target resumes exactly there)."""
+    pipe = load(exported, case)
+    cold = load(exported, case, enable_prefix_caching=False)
+    runs = [dict()] + ([dict(temperature=1.0, seed=9)] if pipe.can_sample else [])
+    for i, sp in enumerate(runs):
+        first = ids(21, 100 + i)
+        pipe.generate(first, 13, stop_token_ids=[], **sp)
+        (entry,) = pipe.prefix_cache.rows.values()
+        # the tokens its row holds state for: the prompt and the answer up to its last token
+        # (past it when max_new_tokens cut a step's committed tokens: a rolling state is there)
+        history = entry.tokens.tolist()
+        turn = history + ids(11, 200 + i)
+        two = pipe.generate(turn, 17, stop_token_ids=[], **sp)
+        ref = cold.generate(turn, 17, stop_token_ids=[], **sp)
+        assert two.tokens == ref.tokens, (case, sp)
+        assert two.acceptance_lengths == ref.acceptance_lengths, (case, sp)
+        assert ref.stats["cached_tokens"] == 0
+        assert two.stats["cached_tokens"] == len(history) >= 21, (case, sp)
+        assert two.stats["prefill_calls"] < ref.stats["prefill_calls"], case
+    assert pipe.prefix_cache.hits > 0 and pipe.prefix_cache.queries > pipe.prefix_cache.hits
+
+
+def test_shared_history_is_found_cached(exported):
+    """An agent-like conversation: each turn re-sends the whole history; from turn 2 on at
+    least 90% of it is cached, and every turn's tokens equal the cold run's."""
+    pipe, cold = load(exported, "dense"), load(exported, "dense", enable_prefix_caching=False)
+    history = ids(40, 1)  # the system prompt and tools
+    for turn in range(4):
+        history = history + ids(7, 10 + turn)
+        res = pipe.generate(history, 9, stop_token_ids=[])
+        assert res.tokens == cold.generate(history, 9, stop_token_ids=[]).tokens
+        if turn:
+            assert res.stats["cached_tokens"] >= 0.9 * (len(history) - 7), turn
+        history = history + res.tokens
+
+
+def test_host_tier_bounded_and_restored(exported):
+    """One cache row: an unrelated request evicts the first one's row to the host tier (its
+    bytes never above the setting); the first conversation's next turn is restored from there
+    (write_slot into the row, the draft's context with it) with the cold run's tokens and
+    acceptance. A tier too small for one entry holds nothing."""
+    cold = load(exported, "dense", enable_prefix_caching=False)
+    first, other = ids(30, 3), ids(30, 4)
+    probe = load(exported, "dense", kv_offloading_size=1.0)
+    probe.generate(first, 10, stop_token_ids=[])
+    probe.generate(other, 10, stop_token_ids=[])
+    need = probe.prefix_cache.host_bytes  # one entry's bytes
+    assert need > 0
+    gib = 1.5 * need / prefix.GIB  # room for one entry, not two
+    pipe = load(exported, "dense", kv_offloading_size=gib)
+    one = pipe.generate(first, 10, stop_token_ids=[])
+    pipe.generate(other, 10, stop_token_ids=[])  # evicts the first row to the host
+    cache = pipe.prefix_cache
+    assert len(cache.host) == 1 and 0 < cache.host_bytes <= cache.limit
+    turn = first + one.tokens + ids(5, 5)
+    res = pipe.generate(turn, 15, stop_token_ids=[])  # restored; the other row to the host
+    ref = cold.generate(turn, 15, stop_token_ids=[])
+    assert res.tokens == ref.tokens and res.acceptance_lengths == ref.acceptance_lengths
+    assert res.stats["cached_tokens"] >= len(first) + len(one.tokens) - 1
+    assert len(cache.host) == 1 and 0 < cache.host_bytes <= cache.limit
+    small = load(exported, "dense", kv_offloading_size=0.5 * need / prefix.GIB)
+    for p in (first, other):
+        small.generate(p, 10, stop_token_ids=[])
+    assert small.prefix_cache.host_bytes == 0 and not small.prefix_cache.host
+
+
+def test_cache_salt_isolates(exported):
+    """Requests of different `cache_salt`s never share a cached block; the same salt does."""
+    pipe = load(exported, "dense")
+    p = ids(40, 7)
+
+    def run(salt, prompt):
+        engine = pipe.engine()
+        req = dataclasses.replace(pipe.request(prompt, 6, stop_token_ids=[]), cache_salt=salt)
+        seq = engine.add(req)
+        while engine.busy:
+            engine.step()
+        return seq.result
+
+    run("tenant-a", p)
+    assert run("tenant-a", p + [5]).stats["cached_tokens"] >= len(p)
+    # tenant-a's row is resident and holds this prompt's prefix: other salts still miss
+    assert run("tenant-b", p + [5, 6]).stats["cached_tokens"] == 0
+    run("tenant-a", p)
+    assert run(None, p + [5, 6]).stats["cached_tokens"] == 0
+
+
+def test_block_hashes_chain():
+    """A block's hash chains its parent's: equal prefixes give equal hashes, one changed token
+    changes its block's hash and every later one; the root (salt) changes all."""
+    root = prefix.root_key({"target_sha256": "x"}, None)
+    a = list(range(50))
+    b = a[:20] + [999] + a[21:]
+    ha, hb = prefix.block_hashes(root, a), prefix.block_hashes(root, b)
+    assert len(ha) == 50 // prefix.BLOCK and ha[0] == hb[0]
+    assert all(x != y for x, y in zip(ha[1:], hb[1:]))
+    salted = prefix.block_hashes(prefix.root_key({"target_sha256": "x"}, "s"), a)
+    assert all(x != y for x, y in zip(ha, salted))
+    assert prefix.block_hashes(ha[0], a, 1) == ha[1:]
