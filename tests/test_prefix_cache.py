@@ -141,3 +141,34 @@ def test_block_hashes_chain():
     salted = prefix.block_hashes(prefix.root_key({"target_sha256": "x"}, "s"), a)
     assert all(x != y for x, y in zip(ha, salted))
     assert prefix.block_hashes(ha[0], a, 1) == ha[1:]
+
+
+def test_served_usage_metrics_and_flags(exported):
+    """dflash-serve: every answer carries usage.prompt_tokens_details.cached_tokens (the second
+    turn's history found, another salt's none); /metrics counts the tokens looked up and hit
+    (vLLM's names) and the host tier's bytes; --no-enable-prefix-caching turns it off."""
+    from fastapi.testclient import TestClient
+
+    from dflash_qaic.serve import cli
+    from dflash_qaic.serve.app import create_app
+    from dflash_qaic.serve.engine import AsyncEngine
+
+    pipe = load(exported, "dense")
+    body = dict(prompt=ids(40, 11), max_tokens=6, temperature=0)
+    with TestClient(create_app(AsyncEngine(pipe), "m", None)) as c:
+        first = c.post("/v1/completions", json=body).json()
+        assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        body["prompt"] = body["prompt"] + [7, 8, 9]
+        two = c.post("/v1/completions", json=body).json()
+        assert two["usage"]["prompt_tokens_details"]["cached_tokens"] >= 40
+        salted = c.post("/v1/completions", json={**body, "cache_salt": "t2"}).json()
+        assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        text = c.get("/metrics").text
+    series = {ln.split("{")[0]: float(ln.split()[-1]) for ln in text.splitlines() if "{" in ln}
+    assert series["vllm:prefix_cache_queries_total"] == 40 + 2 * 43
+    assert series["vllm:prefix_cache_hits_total"] >= 40
+    assert series["dflash:prefix_cache_host_bytes"] == 0
+    args = cli.parser().parse_args(["art", "--no-enable-prefix-caching"])
+    assert args.enable_prefix_caching is False and args.kv_offloading_size is None
+    args = cli.parser().parse_args(["art", "--kv-offloading-size", "2.5"])
+    assert args.enable_prefix_caching is True and args.kv_offloading_size == 2.5

@@ -334,6 +334,7 @@ class Frontend:
             sp.seed,
             req.skip_special_tokens,
             grammar,
+            cache_salt=req.cache_salt,
         )
 
 
@@ -447,7 +448,7 @@ async def _events(fe: Frontend, first: Output, handle: Handle, rid, chat, req, m
                 yield _sse(proto.chunk_body(rid, model, created, chat, out.text, reason, toks))
             if out.final:
                 if req.stream_options is not None and req.stream_options.include_usage:
-                    use = proto.usage(out.prompt_tokens, out.completion_tokens)
+                    use = proto.usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
                     yield _sse(proto.usage_chunk(rid, model, created, chat, use))
                 break
             out = await handle.__anext__()
@@ -502,7 +503,7 @@ async def answer(
         raise _cut_error(fe.engine)
     text = "".join(o.text for o in outs)
     toks = [t for o in outs for t in o.token_ids] if req.return_token_ids else None
-    use = proto.usage(last.prompt_tokens, last.completion_tokens)
+    use = proto.usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
     reason, calls = last.finish_reason, None
     if plan is not None and plan.calls_tools:
         text, calls = plan.parse(text, req.parallel_tool_calls)

@@ -25,6 +25,7 @@ run one at a time.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -61,6 +62,7 @@ class Params:
     # with a payload prefilled elsewhere
     export_only: bool = False
     handoff: bytes | None = None
+    cache_salt: str | None = None  # prefix caching: only requests of one salt share state
 
 
 @dataclass
@@ -75,6 +77,7 @@ class Output:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     payload: bytes | None = None  # a prefill role's hand-off payload (serve/pd.py)
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (the final Output's)
 
     @property
     def final(self) -> bool:
@@ -277,6 +280,8 @@ class AsyncEngine:
                 log.exception("generation failed")  # its requests, in step()): all in flight do
                 for run in list(self._live):
                     self._fail(run, e)
+                if getattr(self.pipe, "prefix_cache", None) is not None:  # rows unknown now
+                    self.pipe.prefix_cache.clear()
                 self._kv_usage()
                 core = self.pipe.engine("dflash")
                 continue
@@ -325,6 +330,8 @@ class AsyncEngine:
             except GenerationError as e:  # bad input the HTTP layer did not catch: a 400
                 h._put(Output("", [], error=e))
                 continue
+            if p.cache_salt is not None:
+                req = dataclasses.replace(req, cache_salt=p.cache_salt)
             if p.export_only or p.handoff is not None:
                 seq = self._handoff(core, h, req)
                 if seq is None:
@@ -380,6 +387,8 @@ class AsyncEngine:
     def _kv_usage(self) -> None:
         held = sum(len(r.handle.prompt_ids) + r.tokens for r in self._live)
         self.metrics.kv_cache_usage.set(held / self._context)
+        cache = getattr(self.pipe, "prefix_cache", None)
+        self.metrics.prefix_host_bytes.set(0 if cache is None else cache.host_bytes)
 
     def _finish(self, run: _Run) -> None:
         """The final Output of a finished sequence, after its metrics."""
@@ -396,7 +405,9 @@ class AsyncEngine:
         ttft = queued + st["ttft_s"] if n else None
         e2e = time.perf_counter() - h.t_arrival
         self.metrics.finished(reason, P, n, queued, ttft, st["decode_s"], e2e)
-        h._put(Output(tail, [], reason, prompt_tokens=P, completion_tokens=n))
+        cached = run.seq.cached
+        self.metrics.prefix_cache(P, cached)
+        h._put(Output(tail, [], reason, prompt_tokens=P, completion_tokens=n, cached_tokens=cached))
 
     def _fail(self, run: _Run, e: Exception) -> None:
         self._live.remove(run)

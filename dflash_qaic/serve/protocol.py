@@ -175,7 +175,6 @@ class _Sampling(_Request):
         "return_tokens_as_token_ids": False,
         "logits_processors": None,
         "priority": 0,
-        "cache_salt": None,
         "vllm_xargs": None,
         "guided_decoding_backend": None,
         "guided_whitespace_pattern": None,
@@ -476,11 +475,13 @@ def request_id(prefix: str, given: str | None = None) -> str:
     return f"{prefix}-{given or uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage, with the prompt tokens found in the prefix cache (runtime/prefix.py)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
