@@ -172,3 +172,37 @@ def test_served_usage_metrics_and_flags(exported):
     assert args.enable_prefix_caching is False and args.kv_offloading_size is None
     args = cli.parser().parse_args(["art", "--kv-offloading-size", "2.5"])
     assert args.enable_prefix_caching is True and args.kv_offloading_size == 2.5
+
+
+def test_n_choices_cost_one_prefill(exported):
+    """n = 4 choices of one prompt: the prompt (but its last token) is prefilled once and
+    forked into the four rows; choice i equals a lone run seeded seed + i (vLLM's seeding),
+    tokens and acceptance. Prefill calls counted: ⌈(P − 1) / chunk⌉ + 4 (each choice's last
+    prompt token with its own sampler) against 4 · ⌈P / chunk⌉ without the fork."""
+    pipe = load(exported, "dense", rows=4)
+    solo = load(exported, "dense", enable_prefix_caching=False)
+    calls = []
+    run = pipe.target.run
+
+    def counted(feeds):
+        calls.append(feeds["input_ids"].shape)
+        return run(feeds)
+
+    pipe.target.run = counted
+    p, sp = ids(37, 12), dict(temperature=1.0, seed=40)
+    engine = pipe.engine()
+    seqs = engine.add_choices(pipe.request(p, 12, stop_token_ids=[], **sp), 4)
+    while engine.busy:
+        engine.step()
+    prefills = [s for s in calls if s[0] == 1]  # batch-1 calls: prefill chunks
+    assert len(prefills) == -(-(len(p) - 1) // 8) + 4
+    outs = []
+    for i, seq in enumerate(seqs):
+        ref = solo.generate(p, 12, stop_token_ids=[], temperature=1.0, seed=40 + i)
+        assert seq.result.tokens == ref.tokens and seq.result.acceptance_lengths == (
+            ref.acceptance_lengths
+        ), i
+        outs.append(tuple(ref.tokens))
+    assert len(set(outs)) > 1  # the choices sampled apart
+    with pytest.raises(ValueError, match="n must be in 1"):
+        engine.add_choices(pipe.request(p, 4), 5)

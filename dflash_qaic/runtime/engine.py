@@ -231,6 +231,18 @@ class BatchEngine:
         self.waiting.append(seq)
         return seq
 
+    def add_choices(self, req: Request, n: int) -> list[Sequence]:
+        """n choices of one request from one prefill (runtime/prefix.py, fork): they take n
+        rows together; choice i samples with the request's seed + i. Returns their Sequences."""
+        if not 1 <= n <= self.max_running:
+            raise ValueError(f"n must be in 1 … {self.max_running} (the rows that run at once)")
+        leader, *rest = prefix.choices(req, n)
+        seq = self.add(leader)
+        seq.fork = [Sequence(r, self.block_size) for r in rest]
+        for f in seq.fork:
+            f.per_step, f.held = self.per_step, True
+        return [seq, *seq.fork]
+
     @property
     def running(self) -> int:
         return len(self.slots) - len(self.free)
@@ -242,8 +254,10 @@ class BatchEngine:
     def abort(self, seq: Sequence) -> None:
         if seq.finished:
             return
-        if seq.slot is None:
+        if seq.slot is None and seq in self.waiting:
             self.waiting.remove(seq)
+            for f in seq.fork:  # its group never took rows
+                self.abort(f)
         seq.reason = seq.reason or "abort"
         self._retire(seq)
 
@@ -276,11 +290,19 @@ class BatchEngine:
 
     def _admit(self) -> None:
         while self.waiting and self.free and self.running < self.max_running:
+            need = 1 + len(self.waiting[0].fork)  # a group takes its rows together
+            if need > len(self.free) or self.running + need > self.max_running:
+                break
             seq = self.waiting.popleft()
-            seq.slot = prefix.take_row(self, seq)
-            self.slots[seq.slot] = seq
-            self.sampling.set_row(seq.slot, seq.req.sampling)
-            self.prefilling.append(seq)
+            if seq.fork:
+                slots = prefix.take_rows(self, seq)
+            else:
+                slots = [prefix.take_row(self, seq)]
+            for s, slot in zip([seq, *seq.fork], slots):
+                s.slot = slot
+                self.slots[slot] = s
+                self.sampling.set_row(slot, s.req.sampling)
+                self.prefilling.append(s)
 
     def _prefill(self) -> list[Sequence]:
         """Prompt chunks of the sequences in prefill, oldest first, within the budget. Returns
@@ -289,12 +311,17 @@ class BatchEngine:
         for seq in self.prefilling:
             if seq.finished:  # aborted in the meantime
                 continue
+            if seq.held:  # a choice waiting for its group's prefill
+                still.append(seq)
+                continue
             while not seq.finished and seq.t_dec is None and (budget is None or budget > 0):
                 try:
                     if getattr(seq, "handoff", None) is not None:  # prefilled elsewhere
                         handoff.enter(self, seq)
                     if seq.resume is not None:  # a prefix-cache hit
                         prefix.enter(self, seq)
+                    if seq.fork:  # n > 1: the prompt once, into every choice's row
+                        prefix.fork(self, seq)
                     self.prefill.chunk(seq)
                 except Exception as e:  # its own calls: it fails alone
                     self._fail([seq], e.cause if isinstance(e, CallFailed) else e)

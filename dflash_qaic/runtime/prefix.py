@@ -29,6 +29,7 @@ request's calls or held from the matching prefix).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import heapq
 import json
@@ -310,3 +311,59 @@ def keep(engine, seq) -> None:
     hashes = seq.hashes[:n]
     hashes += block_hashes(hashes[-1] if hashes else seq.root, tokens, n)
     cache.keep(slot, Entry(seq.root, tokens, hashes, draft_end, owed))
+
+
+# ---------------------------------------------------------------------------------------------
+# n > 1: one prompt's prefill forked into n cache rows
+
+
+def choices(req, n: int) -> list:
+    """The n child requests of a request: choice i samples with seed + i (vLLM's seeding of
+    parallel sampling's children), its own generator; greedy choices are equal."""
+    seed = req.sampling.seed
+    out = []
+    for i in range(n):
+        sp = req.sampling if seed is None else dataclasses.replace(req.sampling, seed=seed + i)
+        out.append(dataclasses.replace(req, sampling=sp))
+    return out
+
+
+def take_rows(engine, leader) -> list[int]:
+    """Rows for a group (`leader` and its `fork`): free rows, no lookup (the group's prompt is
+    prefilled once and forked); each keeps its hashes for its entry at retirement."""
+    slots = []
+    for seq in [leader, *leader.fork]:
+        if engine.prefix is not None:
+            seq.root = engine.prefix.root(seq.req.cache_salt)
+            seq.hashes = block_hashes(seq.root, seq.req.ids)
+            engine.prefix.count(len(seq.req.ids), 0)
+        slots.append(free_row(engine))
+    return slots
+
+
+def fork(engine, leader) -> None:
+    """The group's prompt but its last token prefilled once, in the leader's row, and its
+    target state written into each follower's row (`write_slot`); each row's draft context
+    rebuilt from the features (the hand-off's path); then each choice computes the last prompt
+    token with its own sampler, as a decode side of the hand-off does."""
+    from dflash_qaic.runtime import handoff
+
+    followers = [f for f in leader.fork if not f.finished]  # an aborted one's row is not its
+    leader.fork = []
+    try:
+        ids, pre = leader.req.ids, engine.prefill
+        P = len(ids)
+        if P >= 2:
+            feats = handoff._prefill_rows(engine, ids[: P - 1], leader.slot)
+            state = pre.target.read_slot(leader.slot, P - 1)
+            for seq in followers:
+                pre.target.write_slot(seq.slot, state)
+            for seq in [leader, *followers]:
+                seq.prefilled = P - 1
+                if pre.dflash:
+                    handoff.queue_context(engine, seq, feats, 0, 1)
+    except Exception as e:
+        engine._fail(followers, e)
+        raise
+    for seq in followers:
+        seq.held = False

@@ -46,6 +46,10 @@ class Sequence:
         # prefix caching (runtime/prefix.py): prompt tokens found cached, the hit to enter at
         # admission, the last step's committed rows the draft never took
         self.cached, self.resume, self.unsent = 0, None, 0
+        # n > 1: a group's leader forks its prefill into its followers' rows (`fork`), which
+        # wait for it (`held`)
+        self.fork: list[Sequence] = []
+        self.held = False
         # sampling: the uniforms of the token at position len(ids) + i are row i, drawn once
         # from the seed (a step may look B − 1 past the budget; the rows it discards are never
         # used again); None when greedy
