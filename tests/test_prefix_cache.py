@@ -206,3 +206,27 @@ def test_n_choices_cost_one_prefill(exported):
     assert len(set(outs)) > 1  # the choices sampled apart
     with pytest.raises(ValueError, match="n must be in 1"):
         engine.add_choices(pipe.request(p, 4), 5)
+
+
+def test_bench_multi_turn(exported, tmp_path, capsys):
+    """dflash-bench --multi-turn: the trace with and without the cache, the same tokens (exit
+    0), each later turn's history found cached, the report written."""
+    import json
+
+    from dflash_qaic.bench import cli
+
+    family, pair, chunk, ctx = CASES["dense"]
+    e = exported(family, "dflash", pair={**UNTIED, **pair}, prefill_seq_len=chunk, ctx_len=ctx,
+                 full_batch_size=1)  # fmt: skip
+    out = tmp_path / "mt.json"
+    argv = ["--multi-turn", str(e.artifacts), "--turns", "3", "--system-tokens", "40"]
+    argv += ["--user-tokens", "6", "--max-new-tokens", "8", "--repeats", "1", "--out", str(out)]
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["tokens_equal"] and len(report["turns"]) == 3
+    first, *later = report["turns"]
+    assert first["cached_tokens"] == 0
+    assert all(t["cached_tokens"] >= t["prompt_tokens"] - 6 - 1 for t in later)
+    assert "prefill tokens saved" in capsys.readouterr().out
+    argv[argv.index("--turns") + 1] = "40"  # more than the context holds: refused
+    assert cli.main(argv) == 2

@@ -31,6 +31,7 @@ MODES["--long-context"] = "dflash_qaic.bench.longctx"  # prefill, memory, call c
 MODES["--router"] = "dflash_qaic.bench.router"  # vllm-router's cost per request (TTFT)
 MODES["--project"] = "dflash_qaic.bench.project"  # AI 100 roofline projection (no run)
 MODES["--card-numerics"] = "dflash_qaic.bench.card_numerics"  # τ, tokens under MXFP6/MXINT8
+MODES["--multi-turn"] = "dflash_qaic.bench.multi_turn"  # agent-like turns, prefix cache off/on
 PEER_ROUNDS = 2  # the PyTorch peers are slow on a CPU
 
 
