@@ -230,3 +230,38 @@ def test_bench_multi_turn(exported, tmp_path, capsys):
     assert "prefill tokens saved" in capsys.readouterr().out
     argv[argv.index("--turns") + 1] = "40"  # more than the context holds: refused
     assert cli.main(argv) == 2
+
+
+def test_served_n_choices(exported):
+    """dflash-serve n > 1: the choices by index, choice i equal to a lone run seeded seed + i,
+    usage counting the prompt once; streamed, every chunk names its choice and each choice
+    ends once; n above the rows and best_of ≠ n are refused naming the field."""
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from dflash_qaic.serve.app import create_app
+    from dflash_qaic.serve.engine import AsyncEngine
+
+    pipe = load(exported, "dense", rows=4)
+    solo = load(exported, "dense", enable_prefix_caching=False)
+    p = ids(30, 21)
+    body = dict(prompt=p, max_tokens=8, temperature=1.0, seed=5, n=3, return_token_ids=True)
+    with TestClient(create_app(AsyncEngine(pipe), "m", None)) as c:
+        r = c.post("/v1/completions", json=body).json()
+        assert [ch["index"] for ch in r["choices"]] == [0, 1, 2]
+        for i, ch in enumerate(r["choices"]):
+            ref = solo.generate(p, 8, temperature=1.0, seed=5 + i)
+            assert ch["token_ids"] == ref.tokens, i
+        assert r["usage"]["prompt_tokens"] == 30 and r["usage"]["completion_tokens"] == 24
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+            lines = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        chunks = [json.loads(x)["choices"][0] for x in lines[:-1]]
+        streamed = {i: [t for ch in chunks if ch["index"] == i for t in ch["token_ids"]]
+                    for i in range(3)}  # fmt: skip
+        assert streamed == {i: ch["token_ids"] for i, ch in enumerate(r["choices"])}
+        assert sorted(ch["index"] for ch in chunks if ch["finish_reason"]) == [0, 1, 2]
+        for bad, field in (({"n": 5}, "n"), ({"best_of": 4}, "best_of")):
+            e = c.post("/v1/completions", json={**body, **bad})
+            assert e.status_code == 400 and e.json()["error"]["param"] == field, e.text

@@ -24,7 +24,6 @@ class GenerationError(ValueError):
 #: from temperature, top_k, top_p and seed only. dflash-serve and the vLLM plugin refuse the
 #: others through `refused_sampling`.
 REFUSED_SAMPLING: dict[str, object] = {
-    "n": 1,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
     "repetition_penalty": 1.0,

@@ -43,7 +43,7 @@ from starlette.exceptions import HTTPException
 from dflash_qaic import contract
 from dflash_qaic.runtime.grammar import MAX_ALTERNATIVES
 from dflash_qaic.runtime.pipeline import GenerationError, Sampling
-from dflash_qaic.serve import pd
+from dflash_qaic.serve import choices, pd
 from dflash_qaic.serve import protocol as proto
 from dflash_qaic.serve.engine import AsyncEngine, EngineFull, Handle, Output, Params
 from dflash_qaic.serve.limits import (
@@ -460,6 +460,10 @@ async def _events(fe: Frontend, first: Output, handle: Handle, rid, chat, req, m
 async def answer(
     fe: Frontend, request: Request, req, ids: list[int], params: Params, chat: bool, plan=None
 ):
+    n = choices.check(fe, req, params, plan, APIError)
+    if n > 1:  # one prefill, n choices (serve/choices.py)
+        args = (n, _unless_gone, _error_of, APIError)
+        return await choices.answer(fe, request, req, ids, params, chat, *args)
     try:
         handle = fe.engine.submit(ids, params)
     except EngineFull as e:

@@ -167,7 +167,6 @@ class _Sampling(_Request):
         **REFUSED_SAMPLING,  # what the programs' sampler cannot do (runtime/requests.py)
         "length_penalty": 1.0,
         "use_beam_search": False,
-        "best_of": None,
         "include_stop_str_in_output": False,
         "spaces_between_special_tokens": True,
         "truncate_prompt_tokens": None,
