@@ -109,12 +109,12 @@ class Metrics:
         self._kv_bytes = counter(
             "dflash:kv_transfer_bytes", "Hand-off payload bytes exported (prefill role)"
         ).labels(model_name)
-        self._cache_queries = counter(
-            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
-        ).labels(model_name)
-        self._cache_hits = counter(
-            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache"
-        ).labels(model_name)
+        self._cache_queries, self._cache_hits = (
+            counter(f"vllm:prefix_cache_{name}", f"Prompt tokens {what} the prefix cache").labels(
+                model_name
+            )
+            for name, what in (("queries", "looked up in"), ("hits", "found in"))
+        )
         self.prefix_host_bytes = gauge(
             "dflash:prefix_cache_host_bytes", "Bytes held by the prefix cache's host tier"
         )
