@@ -214,7 +214,7 @@ def _compare(prompts, args) -> dict:
         args.compare, backend=args.backend, threads=args.ort_threads, check_files=args.check_files
     )
     _log(f"dflash-bench: loaded {args.compare} (--compare) on {args.backend}")
-    pipe.configure(spec_policy=SPEC_POLICY.value(args))
+    pipe.configure(spec_policy=SPEC_POLICY.value(args), enable_prefix_caching=False)  # as ours
     f = run.facts(pipe, args.compare)
     sections, _ = _measure(pipe, prompts, args, f["block_size"])
     skipped = {"skipped": "measured for the benchmarked artifacts only"}
