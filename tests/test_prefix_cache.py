@@ -265,3 +265,23 @@ def test_served_n_choices(exported):
         for bad, field in (({"n": 5}, "n"), ({"best_of": 4}, "best_of")):
             e = c.post("/v1/completions", json={**body, **bad})
             assert e.status_code == 400 and e.json()["error"]["param"] == field, e.text
+
+
+def test_a_row_another_pipeline_writes_is_forgotten(exported):
+    """Two pipelines over the same program objects (as dflash-bench --card-numerics pairs
+    them): a row the second one writes leaves the first one's cache, so the first never
+    resumes from a row that no longer holds its tokens."""
+    from dflash_qaic.runtime.pipeline import Pipeline
+
+    a = load(exported, "dense")
+    b = Pipeline(a.artifacts, a.target, a.draft, None)
+    b.configure(verify_lengths=[a.B], spec_policy="always", enable_prefix_caching=False)
+    cold = load(exported, "dense", enable_prefix_caching=False)
+    x = ids(35, 31)
+    a.generate(x, 6, stop_token_ids=[])
+    assert a.prefix_cache.rows
+    b.generate(ids(35, 32), 6, stop_token_ids=[])  # row 0, written under a's entry
+    assert not a.prefix_cache.rows
+    res = a.generate(x + [4, 5], 10, stop_token_ids=[])
+    assert res.stats["cached_tokens"] == 0
+    assert res.tokens == cold.generate(x + [4, 5], 10, stop_token_ids=[]).tokens

@@ -33,6 +33,7 @@ import dataclasses
 import hashlib
 import heapq
 import json
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -216,12 +217,29 @@ def shared(pipe, config) -> PrefixCache | None:
         m = pipe.artifacts
         spin = (rolls(m.target.io.state or ()), rolls(m.draft.io.state or ()))
         cache = pipe.prefix_cache = PrefixCache(handoff.fingerprint(m), spin, gib)
+        _register(cache, pipe.target, pipe.draft)
     return cache
 
 
-def _take(free: list[int], slot: int) -> int:
-    free.remove(slot)
-    heapq.heapify(free)
+#: program id -> the caches holding entries on its rows (pipelines may share a program)
+_USERS: dict[int, weakref.WeakSet] = {}
+
+
+def _register(cache: PrefixCache, *programs) -> None:
+    for p in programs:
+        _USERS.setdefault(id(p), weakref.WeakSet()).add(cache)
+
+
+def _take(engine, slot: int) -> int:
+    """`slot` out of the free rows; every other cache with an entry there (another pipeline
+    over the same target or draft program) forgets it: the row is about to be written."""
+    engine.free.remove(slot)
+    heapq.heapify(engine.free)
+    pre = engine.prefill
+    for p in (pre.target, pre.draft):
+        for other in list(_USERS.get(id(p), ())):
+            if other is not engine.prefix:
+                other.forget(slot)
     return slot
 
 
@@ -230,9 +248,9 @@ def free_row(engine) -> int:
     else the least recently used idle row (its entry evicted, to the host tier when set)."""
     cache = engine.prefix
     if cache is None:
-        return heapq.heappop(engine.free)
+        return _take(engine, min(engine.free))
     empty = [r for r in engine.free if r not in cache.rows]
-    slot = _take(engine.free, min(empty) if empty else next(iter(cache.rows)))
+    slot = _take(engine, min(empty) if empty else next(iter(cache.rows)))
     cache.evict(slot, engine.prefill.target, engine.prefill.draft)
     return slot
 
@@ -242,7 +260,7 @@ def take_row(engine, seq) -> int:
     from, else a free row (`free_row`); its hit (`seq.resume`) is entered with its prefill."""
     cache = engine.prefix
     if cache is None:
-        return heapq.heappop(engine.free)
+        return free_row(engine)
     ids = seq.req.ids
     seq.root = cache.root(seq.req.cache_salt)
     seq.hashes = block_hashes(seq.root, ids)
@@ -253,7 +271,7 @@ def take_row(engine, seq) -> int:
     seq.resume = (entry, r)
     row = entry.row
     cache.claim(entry)
-    return free_row(engine) if row is None else _take(engine.free, row)
+    return free_row(engine) if row is None else _take(engine, row)
 
 
 def enter(engine, seq) -> None:
