@@ -20,7 +20,15 @@ CASES = {
     "moe": ("qwen3_moe", dict(block_size=4, agree=2.0), 8, 160),
     "hybrid": ("qwen3_5", dict(block_size=4, agree=1.0), 16, 112),
     "sliding": ("gemma4", dict(block_size=4, agree=0.9), 8, 160),
-}
+    # a sliding draft (its ring rolls): one sliding and one full layer
+    "sliding-draft": (
+        "qwen3",
+        dict(block_size=4, agree=1.25, layer_types=["sliding_attention", "full_attention"],
+             sliding_window=6),
+        8,
+        160,
+    ),
+}  # fmt: skip
 
 
 def load(exported, case, rows=1, **engine):
@@ -30,7 +38,7 @@ def load(exported, case, rows=1, **engine):
         full_batch_size=rows,
     )  # fmt: skip
     pipe = e.load(verify_lengths=pair["block_size"], tokenizer=False)
-    pipe.configure(spec_policy="always", **engine)
+    pipe.configure(**{"spec_policy": "always", **engine})
     return pipe
 
 
@@ -285,3 +293,17 @@ def test_a_row_another_pipeline_writes_is_forgotten(exported):
     res = a.generate(x + [4, 5], 10, stop_token_ids=[])
     assert res.stats["cached_tokens"] == 0
     assert res.tokens == cold.generate(x + [4, 5], 10, stop_token_ids=[]).tokens
+
+
+def test_auto_policy_hit_equals_cold(exported):
+    """Under the `auto` step policy a row may end with context the draft never took (decoded
+    steps' features waiting): the hit sends it first, and the tokens equal a cold run's."""
+    pipe = load(exported, "dense", spec_policy="auto")
+    cold = load(exported, "dense", spec_policy="auto", enable_prefix_caching=False)
+    first = ids(25, 41)
+    pipe.generate(first, 30, stop_token_ids=[])
+    (entry,) = pipe.prefix_cache.rows.values()
+    turn = entry.tokens.tolist() + ids(9, 42)
+    res = pipe.generate(turn, 20, stop_token_ids=[])
+    assert res.stats["cached_tokens"] == entry.end
+    assert res.tokens == cold.generate(turn, 20, stop_token_ids=[]).tokens
