@@ -24,13 +24,11 @@ from conftest import serving, stream_lines
 
 import dflash_qaic
 from dflash_qaic import assets
-from dflash_qaic.runtime.requests import REFUSED_SAMPLING, refused_sampling
 from dflash_qaic.serve import app as app_module
 from dflash_qaic.serve.app import _CancelledAtShutdown, create_app
 from dflash_qaic.serve.engine import AsyncEngine
 from dflash_qaic.serve.limits import longest_token_chars
 from dflash_qaic.serve.process import ServerProcess
-from dflash_qaic.serve.protocol import ChatCompletionRequest, CompletionRequest
 from tests.test_serve import TEMPLATE, scrape, sse
 
 SLOTS = 4
@@ -433,23 +431,3 @@ def test_the_fields_vllm_router_adds_are_accepted(pipe):
     a, b, bad = in_process(engine, app, requests)
     assert a.status_code == 200 and b.status_code == 200, (a.text, b.text)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "return_hidden_states"
-
-
-#: a value that is not the off value, per refused sampling parameter
-ON = {"n": 2, "min_tokens": 3, "logit_bias": {"5": 1.0}, "bad_words": ["x"]}
-
-
-@pytest.mark.parametrize("name", list(REFUSED_SAMPLING))
-def test_the_refused_sampling_parameters_are_one_table(name):
-    """runtime/requests.py's REFUSED_SAMPLING is what dflash-serve refuses (on both endpoints)
-    and what the vLLM plugin's check finds, by name; at its off value each one is accepted."""
-    on = ON[name] if name in ON else REFUSED_SAMPLING[name] + 0.5  # a penalty, min_p
-    for cls, body in (
-        (CompletionRequest, {"prompt": "x"}),
-        (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}),
-    ):
-        assert cls.model_validate({**body, name: on}).unsupported() == name
-        assert cls.model_validate({**body, name: REFUSED_SAMPLING[name]}).unsupported() is None
-    params = types.SimpleNamespace(**{name: on})  # as vLLM's SamplingParams, unset fields off
-    assert refused_sampling(lambda n, off: getattr(params, n, off)) == name
-    assert refused_sampling(lambda n, off: off) is None

@@ -34,6 +34,7 @@ MODES["--router"] = "dflash_qaic.bench.router"  # vllm-router's cost per request
 MODES["--pd"] = "dflash_qaic.bench.pd"  # P/D against aggregated: ITL while long prompts arrive
 MODES["--project"] = "dflash_qaic.bench.project"  # AI 100 roofline projection (no run)
 MODES["--card-numerics"] = "dflash_qaic.bench.card_numerics"  # τ, tokens under MXFP6/MXINT8
+MODES["--multi-turn"] = "dflash_qaic.bench.multi_turn"  # agent-like turns, prefix cache off/on
 PEER_ROUNDS = 2  # the PyTorch peers are slow on a CPU
 
 
@@ -216,7 +217,7 @@ def _compare(prompts, args) -> dict:
         args.compare, backend=args.backend, threads=args.ort_threads, check_files=args.check_files
     )
     _log(f"dflash-bench: loaded {args.compare} (--compare) on {args.backend}")
-    pipe.configure(spec_policy=SPEC_POLICY.value(args))
+    pipe.configure(spec_policy=SPEC_POLICY.value(args), enable_prefix_caching=False)  # as ours
     f = run.facts(pipe, args.compare)
     sections, _ = _measure(pipe, prompts, args, f["block_size"])
     skipped = {"skipped": "measured for the benchmarked artifacts only"}

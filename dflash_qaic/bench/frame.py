@@ -87,6 +87,8 @@ def bench(args, command: str, out, body) -> int:
     )
     machine["ort_threads"] = pipe.threads  # None: ONNX Runtime's default
     pipe.configure(spec_policy=SPEC_POLICY.value(args))  # the step policy of every DFlash run
+    # rounds repeat each prompt and the target alone runs it too: every run from position 0
+    pipe.configure(enable_prefix_caching=False)
     _log(
         f"dflash-bench: loaded {args.artifacts} on {args.backend} ({pipe.threads or 'default'} threads)"
     )

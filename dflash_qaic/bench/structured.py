@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     spec = read_format(a.response_format)
     pipe = dflash_qaic.load(a.artifacts, threads=a.threads)
+    pipe.configure(enable_prefix_caching=False)  # rounds repeat each prompt: none from a cache
     try:
         pipe.grammar(spec)  # a bad format or artifacts without the option: say so now
         prompts, source = select_prompts(

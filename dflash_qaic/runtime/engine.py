@@ -50,9 +50,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash_qaic import contract
-from dflash_qaic.runtime import handoff
+from dflash_qaic.runtime import handoff, prefix
 from dflash_qaic.runtime.buffers import PrefillBuffers, StepBuffers
-from dflash_qaic.runtime.options import SPEC_POLICY
+from dflash_qaic.runtime.options import KV_OFFLOADING_SIZE, PREFIX_CACHING, SPEC_POLICY
 from dflash_qaic.runtime.policy import POLICIES, StepPolicy
 from dflash_qaic.runtime.sequence import Request, Sequence
 from dflash_qaic.runtime.stats import GenerationResult, StepCosts, result
@@ -87,6 +87,8 @@ class EngineConfig:
     spec_policy: per sequence and step, drafting or plain decoding (runtime/policy.py):
         "always" drafts every step, "never" decodes every step (the draft never runs), "auto"
         drafts while the measured costs and the sequence's acceptance say it pays.
+    enable_prefix_caching: a prompt extending what a cache row or the host tier holds resumes
+        there (runtime/prefix.py); kv_offloading_size: the host tier's GiB (None: none).
     """
 
     mode: str = "dflash"
@@ -99,6 +101,8 @@ class EngineConfig:
     fill_forced_tokens: bool = True
     tree_budget: int | None = None
     spec_policy: str = SPEC_POLICY.default
+    enable_prefix_caching: bool = PREFIX_CACHING.default
+    kv_offloading_size: float | None = KV_OFFLOADING_SIZE.default
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -107,6 +111,9 @@ class EngineConfig:
             raise ValueError(
                 f"spec_policy must be one of {', '.join(POLICIES)}, got {self.spec_policy!r}"
             )
+        size = self.kv_offloading_size
+        if size is not None and (isinstance(size, bool) or not size >= 0):
+            raise ValueError(f"kv_offloading_size must be a number of GiB ≥ 0, got {size!r}")
         for name in ("max_running", "prefill_chunks_per_step"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -171,11 +178,14 @@ class BatchEngine:
         draft_io,
         mask_token_id: int,
         costs: StepCosts | None = None,
+        prefix_cache: prefix.PrefixCache | None = None,
     ):
         """target_io, draft_io: the programs' contract I/O (contract.TargetIO / DraftIO), the
         names their inputs are bound by; costs: the timings that pick verify lengths (a
-        Pipeline passes its own, kept across engines)."""
+        Pipeline passes its own, kept across engines); prefix_cache: the programs' cached
+        prefixes (runtime/prefix.py; None: every prompt from position 0)."""
         self.config, self.plan = config, plan
+        self.prefix = prefix_cache
         N, B = plan.cache_rows, plan.block_size
         # the draft runs unless the target alone steps ("never": every step decodes)
         dflash = config.mode == "dflash" and config.spec_policy != "never"
@@ -221,6 +231,18 @@ class BatchEngine:
         self.waiting.append(seq)
         return seq
 
+    def add_choices(self, req: Request, n: int) -> list[Sequence]:
+        """n choices of one request from one prefill (runtime/prefix.py, fork): they take n
+        rows together; choice i samples with the request's seed + i. Returns their Sequences."""
+        if not 1 <= n <= self.max_running:
+            raise ValueError(f"n must be in 1 … {self.max_running} (the rows that run at once)")
+        leader, *rest = prefix.choices(req, n)
+        seq = self.add(leader)
+        seq.fork = [Sequence(r, self.block_size) for r in rest]
+        for f in seq.fork:
+            f.per_step, f.held = self.per_step, True
+        return [seq, *seq.fork]
+
     @property
     def running(self) -> int:
         return len(self.slots) - len(self.free)
@@ -232,8 +254,10 @@ class BatchEngine:
     def abort(self, seq: Sequence) -> None:
         if seq.finished:
             return
-        if seq.slot is None:
+        if seq.slot is None and seq in self.waiting:
             self.waiting.remove(seq)
+            for f in seq.fork:  # its group never took rows
+                self.abort(f)
         seq.reason = seq.reason or "abort"
         self._retire(seq)
 
@@ -254,6 +278,8 @@ class BatchEngine:
                 self._fail(e.seqs, e.cause)
             except Exception as e:
                 self._fail(seqs, e)
+            if self.prefix is not None:
+                prefix.ended(self, seqs)
         touched += seqs
         for seq in touched:
             if seq.reason is not None and not seq.finished:
@@ -264,11 +290,19 @@ class BatchEngine:
 
     def _admit(self) -> None:
         while self.waiting and self.free and self.running < self.max_running:
+            need = 1 + len(self.waiting[0].fork)  # a group takes its rows together
+            if need > len(self.free) or self.running + need > self.max_running:
+                break
             seq = self.waiting.popleft()
-            seq.slot = heapq.heappop(self.free)
-            self.slots[seq.slot] = seq
-            self.sampling.set_row(seq.slot, seq.req.sampling, seq.req)
-            self.prefilling.append(seq)
+            if seq.fork:
+                slots = prefix.take_rows(self, seq)
+            else:
+                slots = [prefix.take_row(self, seq)]
+            for s, slot in zip([seq, *seq.fork], slots):
+                s.slot = slot
+                self.slots[slot] = s
+                self.sampling.set_row(slot, s.req.sampling, s.req)
+                self.prefilling.append(s)
 
     def _prefill(self) -> list[Sequence]:
         """Prompt chunks of the sequences in prefill, oldest first, within the budget. Returns
@@ -277,10 +311,17 @@ class BatchEngine:
         for seq in self.prefilling:
             if seq.finished:  # aborted in the meantime
                 continue
+            if seq.held:  # a choice waiting for its group's prefill
+                still.append(seq)
+                continue
             while not seq.finished and seq.t_dec is None and (budget is None or budget > 0):
                 try:
                     if getattr(seq, "handoff", None) is not None:  # prefilled elsewhere
                         handoff.enter(self, seq)
+                    if seq.resume is not None:  # a prefix-cache hit
+                        prefix.enter(self, seq)
+                    if seq.fork:  # n > 1: the prompt once, into every choice's row
+                        prefix.fork(self, seq)
                     self.prefill.chunk(seq)
                 except Exception as e:  # its own calls: it fails alone
                     self._fail([seq], e.cause if isinstance(e, CallFailed) else e)
@@ -351,9 +392,16 @@ class BatchEngine:
     def _retire(self, seq: Sequence) -> None:
         slot = seq.slot
         if slot is not None and self.slots[slot] is seq:
+            prefix.keep(self, seq)
             self.slots[slot] = None
             self.spec.leave(slot)
             self._changed = True
             self.sampling.set_row(slot, None)
             heapq.heappush(self.free, slot)
         seq.result = result(seq, self.config.mode)
+        seq.result.stats["cached_tokens"] = seq.cached
+
+    def take_free(self) -> int:
+        """A free cache row taken outside admission (the hand-off's prefill): see
+        runtime/prefix.py, free_row."""
+        return prefix.free_row(self)

@@ -30,7 +30,7 @@ from dflash_qaic.runtime.calls import check_committed
 from dflash_qaic.runtime.step import fill_chunk
 from dflash_qaic.state import SlotState, SlotStateError
 
-__all__ = ["VERSION", "HandoffError", "admit", "export", "fingerprint", "parse"]
+__all__ = ["VERSION", "HandoffError", "admit", "export", "fingerprint", "parse", "queue_context"]
 
 VERSION = 1
 FEATURES, POSITIONS = "features", "positions"
@@ -64,7 +64,7 @@ def export(engine, manifest, ids: list[int]) -> bytes:
         raise HandoffError("a hand-off needs a prompt of at least 1 token, got none")
     if not engine.free:
         raise HandoffError("no free cache row to prefill in: retry when a request ends")
-    slot = heapq.heappop(engine.free)
+    slot = engine.take_free()
     try:
         feats = _prefill_rows(engine, ids[: P - 1], slot)
         slot_state = engine.prefill.target.read_slot(slot, P - 1)
@@ -148,13 +148,20 @@ def enter(engine, seq) -> None:
     seq.handoff = None  # entered once; the memory goes with it
     pre.target.write_slot(seq.slot, st)
     seq.prefilled = st.upto
-    if not pre.dflash:
-        return
-    feats, D, k = st.context[FEATURES], pre.context_rows, 0
-    while len(feats) - k + 1 > D:  # the rest and the last prompt row do not fit one call
+    if pre.dflash:
+        queue_context(engine, seq, st.context[FEATURES], 0, 1)
+
+
+def queue_context(engine, seq, feats: np.ndarray, first: int, room: int) -> None:
+    """Features `feats` (positions first …) into `seq`'s draft context: DraftPrefill calls of
+    at most D rows while the rest and the `room` rows of its next prefill chunk do not fit one
+    call; the rest left queued for the call that also takes that chunk."""
+    pre, k = engine.prefill, 0
+    D = pre.context_rows
+    while len(feats) - k + room > D:
         n = min(D, len(feats) - k)
-        pre.queue(seq, feats[k : k + n], k, n)
-        pre.flush(seq, k + n, None)
+        pre.queue(seq, feats[k : k + n], first + k, n)
+        pre.flush(seq, first + k + n, None)
         k += n
     if k < len(feats):
-        pre.queue(seq, feats[k:], k, len(feats) - k)
+        pre.queue(seq, feats[k:], first + k, len(feats) - k)

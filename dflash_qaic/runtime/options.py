@@ -140,13 +140,20 @@ class EngineOption:
     default: Any
     help: str
     choices: tuple | None = None
+    type: Any = None  # how the flag's text becomes the value (bool: --X / --no-X)
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
 
     def add(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument(self.flag, default=self.default, choices=self.choices, help=self.help)
+        if self.type is bool:
+            action = argparse.BooleanOptionalAction
+            parser.add_argument(self.flag, default=self.default, action=action, help=self.help)
+            return
+        parser.add_argument(
+            self.flag, default=self.default, choices=self.choices, help=self.help, type=self.type
+        )
 
     def value(self, args: argparse.Namespace) -> Any:
         return getattr(args, self.name, self.default)
@@ -161,6 +168,33 @@ SPEC_POLICY = EngineOption(
     "then; tokens unchanged, docs/DESIGN.md, Step policy)",
     POLICIES,
 )
+
+
+PREFIX_CACHING = EngineOption(
+    "enable_prefix_caching",
+    True,
+    "automatic prefix caching, on by default as in vLLM: a prompt extending what a cache row or "
+    "the host tier holds resumes there, tokens and acceptance unchanged (docs/prefix-caching.md)",
+    type=bool,
+)
+KV_OFFLOADING_SIZE = EngineOption(
+    "kv_offloading_size",
+    None,
+    "GiB of host memory for evicted prefix-cache rows (vLLM's name; default: no host tier)",
+    type=float,
+)
+#: the engine options the commands take as flags (`add_engine_arguments`, `engine_values`)
+ENGINE_OPTIONS = (SPEC_POLICY, PREFIX_CACHING, KV_OFFLOADING_SIZE)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    for o in ENGINE_OPTIONS:
+        o.add(parser)
+
+
+def engine_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The `pipe.configure` keywords of the parsed engine flags."""
+    return {o.name: o.value(args) for o in ENGINE_OPTIONS}
 
 
 def names() -> list[str]:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from dflash_qaic.artifacts.manifest import Manifest
+from dflash_qaic.runtime import prefix
 from dflash_qaic.runtime.engine import BatchEngine, EngineConfig
 from dflash_qaic.runtime.requests import GenerationError, RequestChecks, Sampling
 from dflash_qaic.runtime.sequence import Request
@@ -88,6 +89,7 @@ class Pipeline(RequestChecks):
             self.configure(config)
         #: timings that pick each step's verify length, kept across calls (stats.StepCosts)
         self.step_costs = StepCosts()
+        self.prefix_cache = None  # runtime/prefix.py: made by the first engine that caches
         self._grammars = None  # structured output, made at its first use
 
     def configure(self, config: EngineConfig | None = None, **changes) -> EngineConfig:
@@ -111,9 +113,9 @@ class Pipeline(RequestChecks):
     def engine(self, mode: str = "dflash", **changes) -> BatchEngine:
         """A continuous-batching engine over these programs (what dflash-serve drives), with
         the pipeline's config (and `changes` to it)."""
-        m = self.artifacts
+        m, config = self.artifacts, dataclasses.replace(self.config, mode=mode, **changes)
         return BatchEngine(
-            dataclasses.replace(self.config, mode=mode, **changes),
+            config,
             self.plan,
             self.target,
             self.draft,
@@ -121,6 +123,7 @@ class Pipeline(RequestChecks):
             draft_io=m.draft.io,
             mask_token_id=m.mask_token_id,
             costs=self.step_costs,
+            prefix_cache=prefix.shared(self, config),  # kept across engines, as the rows are
         )
 
     # ------------------------------------------------------------------ running

@@ -19,12 +19,9 @@ class GenerationError(ValueError):
     """Bad input to generate(): says what is wrong and how to fix it."""
 
 
-#: The sampling parameters (OpenAI's and vLLM's names) the programs cannot honour, each with the
-#: value that turns it off, the only one accepted. dflash-serve and the vLLM plugin refuse them
-#: through `refused_sampling`.
-REFUSED_SAMPLING: dict[str, object] = {"n": 1}
 #: The extended sampling parameters (wire names, each with its off value): honoured by a target
 #: exported with --extended-sampling (docs/sampling.md), refused with the re-export otherwise.
+#: (Every other sampling parameter OpenAI and vLLM define is honoured by every program.)
 EXTENDED_SAMPLING: dict[str, object] = {
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
@@ -45,11 +42,6 @@ def first_set(offs: dict[str, object], get) -> str | None:
         if value != off and not (off is None and value in ({}, [], ())):
             return name
     return None
-
-
-def refused_sampling(get) -> str | None:
-    """The first parameter of REFUSED_SAMPLING a request sets (`get` as `first_set` takes it)."""
-    return first_set(REFUSED_SAMPLING, get)
 
 
 def extended_settings(get) -> dict:

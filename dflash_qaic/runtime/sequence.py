@@ -21,6 +21,8 @@ class Request:
     stop: frozenset[int]
     sampling: object  # runtime.pipeline.Sampling, seed resolved when sampling
     grammar: object = None  # runtime.grammar.Grammar: structured output (None: unconstrained)
+    # prefix caching (runtime/prefix.py): only requests of the same salt share cached state
+    cache_salt: str | None = None
 
 
 class Sequence:
@@ -38,6 +40,17 @@ class Sequence:
         self.new: list[list[int]] = []  # runs of tokens committed since the caller took them
         self.prefilled = 0  # prompt tokens already in the target's cache
         self.pending = 0  # prompt feature rows waiting in its slot's context for the draft
+        # the position of its newest token (the anchor): the state below it is committed
+        self.end = len(req.ids) - 1
+        self.last_run = 0  # tokens its last commit was given (before a cut)
+        self.tail: list[int] = []  # its last commit's tokens cut off (their state exists)
+        # prefix caching (runtime/prefix.py): prompt tokens found cached, the hit to enter at
+        # admission, the last step's committed rows the draft never took
+        self.cached, self.resume, self.unsent = 0, None, 0
+        # n > 1: a group's leader forks its prefill into its followers' rows (`fork`), which
+        # wait for it (`held`)
+        self.fork: list[Sequence] = []
+        self.held = False
         # sampling: the uniforms of the token at position len(ids) + i are row i, drawn once
         # from the seed (a step may look B − 1 past the budget; the rows it discards are never
         # used again); None when greedy
@@ -82,6 +95,8 @@ class Sequence:
     def commit(self, committed: list[int], step: bool) -> None:
         """Commit tokens, cut at max_new_tokens and after a stop token (which ends it)."""
         req = self.req
+        self.end += len(committed)
+        self.last_run = len(committed)
         produced = committed[: req.max_new_tokens - len(self.tokens)]
         for i, t in enumerate(produced):
             if t in req.stop:
@@ -89,6 +104,7 @@ class Sequence:
                 self.reason = "stop_token"
                 break
         self.tokens += produced
+        self.tail = committed[len(produced) :]
         if produced:
             self.new.append(produced)
         if self.constraint is not None:

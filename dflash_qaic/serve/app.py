@@ -43,8 +43,8 @@ from starlette.exceptions import HTTPException
 from dflash_qaic import contract
 from dflash_qaic.runtime.grammar import MAX_ALTERNATIVES
 from dflash_qaic.runtime.pipeline import GenerationError, Sampling
+from dflash_qaic.serve import choices, pd
 from dflash_qaic.serve import logprobs as lp
-from dflash_qaic.serve import pd
 from dflash_qaic.serve import protocol as proto
 from dflash_qaic.serve.engine import AsyncEngine, EngineFull, Handle, Output, Params
 from dflash_qaic.serve.limits import (
@@ -349,6 +349,7 @@ class Frontend:
             req.skip_special_tokens,
             grammar,
             extra=extra,
+            cache_salt=req.cache_salt,
         )
 
 
@@ -465,7 +466,7 @@ async def _events(fe: Frontend, first: Output, handle: Handle, rid, chat, req, m
                 yield _sse(chunk)
             if out.final:
                 if req.stream_options is not None and req.stream_options.include_usage:
-                    use = proto.usage(out.prompt_tokens, out.completion_tokens)
+                    use = proto.usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
                     yield _sse(proto.usage_chunk(rid, model, created, chat, use))
                 break
             out = await handle.__anext__()
@@ -477,6 +478,10 @@ async def _events(fe: Frontend, first: Output, handle: Handle, rid, chat, req, m
 async def answer(
     fe: Frontend, request: Request, req, ids: list[int], params: Params, chat: bool, plan=None
 ):
+    n = choices.check(fe, req, params, plan, APIError)
+    if n > 1:  # one prefill, n choices (serve/choices.py)
+        args = (n, _unless_gone, _error_of, APIError)
+        return await choices.answer(fe, request, req, ids, params, chat, *args)
     try:
         handle = fe.engine.submit(ids, params)
     except EngineFull as e:
@@ -520,7 +525,7 @@ async def answer(
         raise _cut_error(fe.engine)
     text = "".join(o.text for o in outs)
     toks = [t for o in outs for t in o.token_ids] if req.return_token_ids else None
-    use = proto.usage(last.prompt_tokens, last.completion_tokens)
+    use = proto.usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
     reason, calls = last.finish_reason, None
     if plan is not None and plan.calls_tools:
         text, calls = plan.parse(text, req.parallel_tool_calls)

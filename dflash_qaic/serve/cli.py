@@ -63,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one)")
     options.add_arguments(p, "backend", "threads", "device_ids", "check_files")
-    options.SPEC_POLICY.add(p)
+    options.add_engine_arguments(p)
     p.add_argument(
         "--verify-lengths",
         default=None,
@@ -294,7 +294,7 @@ def build_app(args, template: str | None):
     import prometheus_client
 
     import dflash_qaic
-    from dflash_qaic.runtime.options import SPEC_POLICY, from_args
+    from dflash_qaic.runtime.options import engine_values, from_args
     from dflash_qaic.serve.app import GrammarLimits, create_app
     from dflash_qaic.serve.engine import AsyncEngine
     from dflash_qaic.serve.metrics import Metrics
@@ -305,7 +305,10 @@ def build_app(args, template: str | None):
 
     show(stream="stderr")
     pipe = dflash_qaic.load(args.artifacts, **from_args(args))
-    pipe.configure(spec_policy=SPEC_POLICY.value(args))
+    try:
+        pipe.configure(**engine_values(args))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if args.verify_lengths is not None:
         try:
             pipe.configure(verify_lengths=args.verify_lengths)  # checked against the artifacts

@@ -25,6 +25,7 @@ run one at a time.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -63,6 +64,7 @@ class Params:
     handoff: object = None  # the payload checked off the engine thread (a state.SlotState)
     # further settings as Pipeline.request takes them (logprobs, prompt_logprobs)
     extra: dict | None = None
+    cache_salt: str | None = None  # prefix caching: only requests of one salt share state
 
 
 @dataclass
@@ -79,6 +81,7 @@ class Output:
     payload: bytes | None = None  # a prefill role's hand-off payload (serve/pd.py)
     logprobs: object = None  # these tokens' logprobs (runtime/logprobs.py), when asked for
     result: object = None  # the last one's: the GenerationResult (prompt logprobs)
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (the final Output's)
 
     @property
     def final(self) -> bool:
@@ -239,6 +242,21 @@ class AsyncEngine:
         self._queue.put_nowait(handle)
         return handle
 
+    def submit_choices(self, prompt_ids: list[int], params: Params, n: int) -> list[Handle]:
+        """Queue one request's n choices (serve/choices.py): n handles admitted together, the
+        prompt prefilled once. Raises EngineFull as submit does."""
+        if self._stopping.is_set():
+            raise EngineFull("the server is shutting down")
+        with self._count_lock:
+            if self._in_engine + n > self.slots + self.max_queue:
+                raise EngineFull(f"the request queue is full ({self.max_queue} waiting)")
+            self._in_engine += n
+        loop = asyncio.get_running_loop()
+        handles = tuple(Handle(prompt_ids, params, loop, self._left) for _ in range(n))
+        self.metrics.waiting.inc()
+        self._queue.put_nowait(handles)
+        return list(handles)
+
     def _left(self) -> None:  # a request got its final Output (any thread)
         with self._count_lock:
             self._in_engine -= 1
@@ -257,7 +275,8 @@ class AsyncEngine:
                 break
             if h is not None:
                 self.metrics.waiting.dec()
-                self._finish_unstarted(h)
+                for one in h if isinstance(h, tuple) else (h,):
+                    self._finish_unstarted(one)
         self._queue.put_nowait(None)  # wake the worker if it waits
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -281,6 +300,8 @@ class AsyncEngine:
                 log.exception("generation failed")  # its requests, in step()): all in flight do
                 for run in list(self._live):
                     self._fail(run, e)
+                if getattr(self.pipe, "prefix_cache", None) is not None:  # rows unknown now
+                    self.pipe.prefix_cache.clear()
                 self._kv_usage()
                 core = self.pipe.engine("dflash")
                 continue
@@ -310,26 +331,16 @@ class AsyncEngine:
             if h is None:
                 return False
             self.metrics.waiting.dec()
+            if isinstance(h, tuple):  # n > 1: the choices of one request
+                self._admit_choices(core, h)
+                continue
             if h.cancelled or self._stopping.is_set():
                 self._finish_unstarted(h)
                 continue
-            p = h.params
-            try:
-                req = self.pipe.request(
-                    h.prompt_ids,
-                    p.max_tokens,
-                    list(p.stop_token_ids),
-                    "dflash",
-                    temperature=p.temperature,
-                    top_k=p.top_k,
-                    top_p=p.top_p,
-                    seed=p.seed,
-                    grammar=p.grammar,
-                    **(p.extra or {}),
-                )
-            except GenerationError as e:  # bad input the HTTP layer did not catch: a 400
-                h._put(Output("", [], error=e))
+            req = self._request(h)
+            if req is None:
                 continue
+            p = h.params
             if p.export_only or p.handoff is not None:
                 seq = self._handoff(core, h, req)
                 if seq is None:
@@ -339,6 +350,51 @@ class AsyncEngine:
             self._live.append(_Run(h, seq, self.pipe.tokenizer))
             self.metrics.running_now(len(self._live))
         return True
+
+    def _admit_choices(self, core, handles: tuple) -> None:
+        """n choices into the engine at once (runtime/engine.py, add_choices)."""
+        h = handles[0]
+        if any(x.cancelled for x in handles) or self._stopping.is_set():
+            for x in handles:
+                self._finish_unstarted(x)
+            return
+        req = self._request(h)  # None: refused, h has its error
+        if req is not None:
+            try:
+                seqs = core.add_choices(req, len(handles))
+            except ValueError as e:
+                h._put(Output("", [], error=GenerationError(str(e))))
+                req = None
+        if req is None:  # every other choice ends too
+            for x in handles[1:]:
+                x._put(Output("", [], error=GenerationError("the request was refused")))
+            return
+        for x, seq in zip(handles, seqs, strict=True):
+            self._live.append(_Run(x, seq, self.pipe.tokenizer))
+        self.metrics.running_now(len(self._live))
+
+    def _request(self, h: Handle):
+        """The runtime request of a handle (None: refused, its error Output sent)."""
+        p = h.params
+        try:
+            req = self.pipe.request(
+                h.prompt_ids,
+                p.max_tokens,
+                list(p.stop_token_ids),
+                "dflash",
+                temperature=p.temperature,
+                top_k=p.top_k,
+                top_p=p.top_p,
+                seed=p.seed,
+                grammar=p.grammar,
+                **(p.extra or {}),
+            )
+        except GenerationError as e:  # bad input the HTTP layer did not catch: a 400
+            h._put(Output("", [], error=e))
+            return None
+        if p.cache_salt is not None:
+            req = dataclasses.replace(req, cache_salt=p.cache_salt)
+        return req
 
     def _handoff(self, core, h: Handle, req):
         """A prefill role's request: its payload exported now, between two steps, and its final
@@ -386,6 +442,8 @@ class AsyncEngine:
     def _kv_usage(self) -> None:
         held = sum(len(r.handle.prompt_ids) + r.tokens for r in self._live)
         self.metrics.kv_cache_usage.set(held / self._context)
+        cache = getattr(self.pipe, "prefix_cache", None)
+        self.metrics.prefix_host_bytes.set(0 if cache is None else cache.host_bytes)
 
     def _finish(self, run: _Run) -> None:
         """The final Output of a finished sequence, after its metrics."""
@@ -402,7 +460,19 @@ class AsyncEngine:
         ttft = queued + st["ttft_s"] if n else None
         e2e = time.perf_counter() - h.t_arrival
         self.metrics.finished(reason, P, n, queued, ttft, st["decode_s"], e2e)
-        h._put(Output(tail, [], reason, prompt_tokens=P, completion_tokens=n, result=res))
+        cached = run.seq.cached
+        self.metrics.prefix_cache(P, cached)
+        h._put(
+            Output(
+                tail,
+                [],
+                reason,
+                prompt_tokens=P,
+                completion_tokens=n,
+                cached_tokens=cached,
+                result=res,
+            )
+        )
 
     def _fail(self, run: _Run, e: Exception) -> None:
         self._live.remove(run)

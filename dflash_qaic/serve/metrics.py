@@ -30,6 +30,9 @@ commits 1 … B tokens at once, so this is the step latency a client sees, while
 ctx_len, updated every step), and the histogram `vllm:iteration_tokens_total` (tokens per engine
 step: the tokens the step committed plus the prompt tokens of the sequences whose prefill it
 finished).
+Prefix caching (runtime/prefix.py): `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total`
+(prompt tokens asked for and found cached, as vLLM counts them) and the gauge
+`dflash:prefix_cache_host_bytes` (the host tier's bytes, never above `--kv-offloading-size`).
 `dflash:device_info{backend, target_device_ids, draft_device_ids}` (value 1) says where this
 replica's programs run (`--device-ids`; empty on ONNX Runtime without them), so replicas behind a
 router are told apart (docs/DESIGN.md, Replicas).
@@ -120,9 +123,22 @@ class Metrics:
             registry=r,
         )
         self._kv_pull = {t: pull.labels(model_name, t) for t in ("http", "shm")}
+        self._cache_queries, self._cache_hits = (
+            counter(f"vllm:prefix_cache_{name}", f"Prompt tokens {what} the prefix cache").labels(
+                model_name
+            )
+            for name, what in (("queries", "looked up in"), ("hits", "found in"))
+        )
+        self.prefix_host_bytes = gauge(
+            "dflash:prefix_cache_host_bytes", "Bytes held by the prefix cache's host tier"
+        )
         self._iteration_tokens = histogram(
             "vllm:iteration_tokens_total", "Tokens per engine step", _ITERATION
         )
+
+    def prefix_cache(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self._cache_queries.inc(prompt_tokens)
+        self._cache_hits.inc(cached_tokens)
 
     def kv_transfer(self, nbytes: int) -> None:
         self._kv["bytes"].inc(nbytes)

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dflash_qaic.runtime.requests import REFUSED_SAMPLING, first_set
+from dflash_qaic.runtime.requests import first_set
 
 
 class APIError(Exception):
@@ -166,17 +166,14 @@ class _Sampling(_Request):
     UNSUPPORTED: ClassVar[dict] = {
         "no_stop_trim": False,
         "return_hidden_states": False,
-        **REFUSED_SAMPLING,  # what the programs' sampler cannot do (runtime/requests.py)
         "length_penalty": 1.0,
         "use_beam_search": False,
-        "best_of": None,
         "include_stop_str_in_output": False,
         "spaces_between_special_tokens": True,
         "truncate_prompt_tokens": None,
         "return_tokens_as_token_ids": False,
         "logits_processors": None,
         "priority": 0,
-        "cache_salt": None,
         "vllm_xargs": None,
         "guided_decoding_backend": None,
         "guided_whitespace_pattern": None,
@@ -475,11 +472,13 @@ def request_id(prefix: str, given: str | None = None) -> str:
     return f"{prefix}-{given or uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage, with the prompt tokens found in the prefix cache (runtime/prefix.py)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

@@ -241,11 +241,6 @@ class DFlashQaicPlatform(CpuPlatform):
         p = params
         if p.logprobs is not None or p.prompt_logprobs is not None:
             refuse("logprobs", "logprobs (and beam search, which needs them)")
-        from dflash_qaic.runtime.requests import REFUSED_SAMPLING, refused_sampling
-
-        name = refused_sampling(lambda name, off: getattr(p, name, off))
-        if name is not None:
-            refuse(name, name if REFUSED_SAMPLING[name] is None else f"{name}={getattr(p, name)}")
         for name in ("structured_outputs", "allowed_token_ids"):
             if getattr(p, name, None) and cls.limits is not None and not cls.limits.structured:
                 raise VLLMValidationError(

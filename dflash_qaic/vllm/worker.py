@@ -81,7 +81,10 @@ class DFlashWorker(WorkerBase):
             self.pipe.configure(spec_policy=s.spec_policy)
         self.max_model_len = self.model_config.max_model_len
         self.engine = self.pipe.engine(
-            "dflash", first_token_alone=True, max_running=self.scheduler_config.max_num_seqs
+            "dflash",
+            first_token_alone=True,
+            max_running=self.scheduler_config.max_num_seqs,
+            enable_prefix_caching=False,  # vLLM's scheduler owns the cache (platform: off)
         )
         self.B = self.pipe.B
         self.words = contract.bitmask_words(self.pipe.vocab)  # the programs' bitmask width
