@@ -227,7 +227,6 @@ def test_seeded_sampling_equals_pipe(server, pipe):
     [
         ({"logprobs": 2}, "logprobs"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"n": 2}, "n"),
         ({"extra_body": {"min_p": 0.1}}, "min_p"),
         ({"logit_bias": {"5": 1.0}}, "logit_bias"),
         ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
@@ -246,6 +245,18 @@ def test_unsupported_sampling_params_are_400(server, kw, param):
     assert "supported" in msg or "beam" in msg.lower(), msg
     if param is not None:
         assert param in msg, msg
+
+
+def test_n_choices_run_as_vllm_child_requests(server, pipe):
+    """`n > 1` under the plugin: vLLM's own parallel-sampling children, each choice (greedy)
+    equal to pipe.generate's tokens."""
+    r = client(server).completions.create(
+        model=server.model, prompt=PROMPTS[3], max_tokens=12, n=2, temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    want = pipe.generate(PROMPTS[3], 12, stop_token_ids=[]).text
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert [c.text for c in r.choices] == [want, want]
 
 
 def test_a_failed_program_call_ends_that_request_alone(server, pipe):

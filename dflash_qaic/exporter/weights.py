@@ -229,6 +229,23 @@ def _materialize(module: torch.nn.Module, transposed: set[str] = frozenset()) ->
     module._dflash_arena = arena  # keep the mapping alive with the module
 
 
+def _marked_zeros(shape, dtype) -> torch.Tensor:
+    """Zeros of `dtype` but for a mark no other placeholder has (never merged, as `_ZeroArena`'s).
+    In a narrow float (a bf16 checkpoint's buffer: MiniMax-M2's e_score_correction_bias) a large
+    count is not exact and two marks can round to one value, so the mark is written as base-128
+    digits over the first elements (each exact in bf16 and fp16), as many as the tensor holds."""
+    z = torch.zeros(shape, dtype=dtype)
+    flat, mark = z.view(-1), next(_MARKS)
+    if not flat.numel():
+        return z
+    if dtype in (torch.float32, torch.float64) or not dtype.is_floating_point or flat.numel() == 1:
+        flat[0] = mark
+        return z
+    for i in range(min(flat.numel(), 4)):
+        flat[i] = (mark >> (7 * i)) & 127
+    return z
+
+
 def placeholder_target(t: ck.TargetConfig) -> torch.nn.Module:
     """The Hugging Face model of `t` with zero placeholder weights (no RSS) and real rotary
     tables: what `ExportTarget.from_hf` needs to build the export module."""
@@ -244,9 +261,7 @@ def placeholder_target(t: ck.TargetConfig) -> torch.nn.Module:
     for m in text.modules():  # checkpoint buffers (Gemma 4's layer_scalar): placeholders too
         for k, b in list(m._buffers.items()):
             if b is not None and b.is_meta:
-                z = torch.zeros(b.shape, dtype=b.dtype)
-                z.view(-1)[:1] = next(_MARKS)  # distinct, as every placeholder (never merged)
-                m._buffers[k] = z
+                m._buffers[k] = _marked_zeros(b.shape, b.dtype)
     flip = t.spec.transposed_params  # gpt-oss's [E, in, out] experts
     names = {n for n, _ in model.named_parameters() if flip and n.endswith(flip)}
     _materialize(model, transposed={"lm_head.weight"} | names)
