@@ -1,0 +1,309 @@
+"""DFlashQaicConnector: vLLM's KV-connector API over our hand-off, so two `vllm serve` on the
+same artifacts split prefill and decode (docs/vllm.md, Prefill/decode; docs/DESIGN.md,
+Disaggregated prefill):
+
+    DFLASH_QAIC_VLLM=1 vllm serve ARTIFACTS --kv-transfer-config \\
+        '{"kv_connector": "DFlashQaicConnector", "kv_role": "kv_producer", "kv_port": 14579}'
+    DFLASH_QAIC_VLLM=1 vllm serve ARTIFACTS --kv-transfer-config \\
+        '{"kv_connector": "DFlashQaicConnector", "kv_role": "kv_consumer"}'
+
+and a client (or `vllm-router --vllm-pd-disaggregation`) sends a request to the producer with
+`max_tokens: 1` and `kv_transfer_params: {"do_remote_decode": true}`, then the same request to
+the consumer with the producer answer's `kv_transfer_params`.
+
+One class, two roles (vLLM's): the SCHEDULER side lives in vLLM's scheduler (engine-core
+process), the WORKER side in our worker (vllm/worker.py calls `add` and `bind_connector_metadata`;
+vLLM's layer-wise worker hooks never run, as our programs own their caches).
+
+    producer  a request with do_remote_decode: the worker prefills the prompt's first P − 1
+              positions into a payload (runtime/handoff.py: the target's rows and the draft's
+              context), holds it under a lease keyed by vLLM's request id and admits the
+              request with it (the engine computes the last prompt token and the one token
+              the producer answers); `request_finished` answers the params that say where to
+              pull it. The worker serves the lease on its side channel: an HTTP server on
+              host:kv_port (127.0.0.1:14579 unless told) with GET /v1/dflash/kv (the
+              handshake) and GET /v1/dflash/kv/{request id} (the payload; the lease ends)
+    consumer  a request with do_remote_prefill: `get_num_new_matched_tokens` answers P − 1
+              (vLLM schedules the last prompt token alone); the worker pulls the payload
+              (runtime/transfer.py: the handshake once per producer engine, at most
+              max_bytes), checks it against these artifacts and the prompt, and admits the
+              request with it instead of prefilling. The pull runs in the step (a
+              synchronous load)
+
+kv_connector_extra_config: "host" (the side channel's address, bound and advertised: 127.0.0.1
+unless told), "max_bytes" (a payload's cap, 1 GiB), "lease_s" (60),
+"fallback_local_prefill" (false: a hand-off that cannot be had fails its request alone; true:
+the consumer prefills that prompt itself). VLLM_API_KEY (as `vllm serve --api-key` reads it),
+when set, guards the side channel and is sent by the consumer's pull: both servers need it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.request import RequestStatus
+
+from dflash_qaic.runtime import handoff, transfer
+from dflash_qaic.vllm.platform import CONNECTOR as NAME
+
+log = logging.getLogger("dflash_qaic.vllm")
+
+_KEY = re.compile(r"[A-Za-z0-9._:-]{1,200}")
+JSON = "application/json"
+EXTRA = ("host", "max_bytes", "lease_s", "fallback_local_prefill")
+
+
+@dataclasses.dataclass
+class DFlashMeta(KVConnectorMetadata):
+    """One step's work for the worker: request id -> the consumer's kv_transfer_params to pull
+    (load), and the producer's request ids to export (export)."""
+
+    load: dict[str, dict] = dataclasses.field(default_factory=dict)
+    export: set[str] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """kv_transfer_config as this connector reads it."""
+
+    producer: bool
+    consumer: bool
+    host: str
+    port: int
+    engine_id: str
+    max_bytes: int = transfer.MAX_PAYLOAD
+    lease_s: float = transfer.LEASE_S
+    fallback_local_prefill: bool = False
+
+    @classmethod
+    def of(cls, vllm_config) -> Options:
+        c = vllm_config.kv_transfer_config
+        extra = dict(c.kv_connector_extra_config or {})
+        unknown = sorted(set(extra) - set(EXTRA))
+        if unknown:
+            raise ValueError(
+                f"{NAME}: unknown kv_connector_extra_config keys {unknown}; it reads "
+                f"{', '.join(EXTRA)}"
+            )
+        opts = cls(
+            producer=bool(c.is_kv_producer),
+            consumer=bool(c.is_kv_consumer),
+            host=str(extra.get("host", "127.0.0.1")),
+            port=int(c.kv_port),
+            engine_id=str(c.engine_id),
+            max_bytes=int(extra.get("max_bytes", transfer.MAX_PAYLOAD)),
+            lease_s=float(extra.get("lease_s", transfer.LEASE_S)),
+            fallback_local_prefill=bool(extra.get("fallback_local_prefill", False)),
+        )
+        if opts.max_bytes < 1 or opts.lease_s <= 0:
+            raise ValueError(f"{NAME}: max_bytes and lease_s must be > 0 (got {extra})")
+        return opts
+
+
+class DFlashQaicConnector(KVConnectorBase_V1):
+    """vLLM's KV connector over dflash-qaic's hand-off (module docstring)."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.opts = Options.of(vllm_config)
+        self._meta = DFlashMeta()
+        self.side: SideChannel | None = None  # the worker's, once it has its engine
+        self.puller: Puller | None = None
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        """P − 1 for a consumer's request that brings a prefill answer's params (vLLM then
+        schedules its last prompt token alone), else none."""
+        kv = request.kv_transfer_params or {}
+        if not (self.opts.consumer and kv.get("do_remote_prefill")):
+            return 0, False
+        return max(request.num_prompt_tokens - 1 - num_computed_tokens, 0), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        kv = request.kv_transfer_params or {}
+        if self.opts.consumer and kv.get("do_remote_prefill"):
+            self._meta.load[request.request_id] = dict(kv)
+        elif self.opts.producer and kv.get("do_remote_decode"):
+            self._meta.export.add(request.request_id)
+
+    def build_connector_meta(self, scheduler_output) -> DFlashMeta:
+        meta, self._meta = self._meta, DFlashMeta()
+        return meta
+
+    def request_finished(self, request, block_ids):
+        """The producer's answer params: where the consumer pulls this request's payload (none
+        for a request that failed or was aborted, whose payload was never made or is gone)."""
+        kv = request.kv_transfer_params or {}
+        ok = request.status in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+        )
+        if not (self.opts.producer and kv.get("do_remote_decode") and ok):
+            return False, None
+        return False, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_host": self.opts.host,
+            "remote_port": self.opts.port,
+            "remote_handoff_id": request.request_id,
+            "remote_engine_id": self.opts.engine_id,
+            "remote_block_ids": None,
+        }
+
+    # ------------------------------------------------------------------ worker side
+
+    def attach(self, pipe) -> None:
+        """The worker's engine is loaded: a producer opens its side channel, a consumer its
+        puller (both check payloads against these artifacts)."""
+        m = pipe.artifacts
+        api_key = os.environ.get("VLLM_API_KEY") or None
+        if self.opts.producer:
+            self.side = SideChannel(self.opts, handoff.fingerprint(m), api_key)
+        if self.opts.consumer:
+            self.puller = Puller(self.opts, handoff.fingerprint(m), api_key)
+
+    def add(self, engine, manifest, req, rid: str):
+        """`req` onto `engine` as this step's metadata says: admitted with its pulled payload
+        (consumer), exported then admitted with its own payload (producer), or added."""
+        meta = self._connector_metadata
+        kv = meta.load.get(rid) if isinstance(meta, DFlashMeta) else None
+        if kv is not None and self.puller is not None:
+            try:
+                state = self.puller.state(manifest, req.ids, kv)
+            except (transfer.TransferError, handoff.HandoffError) as e:
+                if not self.opts.fallback_local_prefill:
+                    raise RuntimeError(f"the hand-off of request {rid} failed: {e}") from e
+                log.warning("request %s: hand-off failed, prefilling locally: %s", rid, e)
+                return engine.add(req)
+            return handoff.admit(engine, manifest, req, state)
+        if isinstance(meta, DFlashMeta) and rid in meta.export and self.side is not None:
+            payload = handoff.export(engine, manifest, req.ids)
+            self.side.hold(rid, payload)
+            return handoff.admit(engine, manifest, req, payload)
+        return engine.add(req)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        pass  # our worker loads in `add`; vLLM's layer hooks never run here
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        if self.side is not None:
+            self.side.close()
+            self.side = None
+
+
+def for_worker(vllm_config, pipe) -> DFlashQaicConnector | None:
+    """The worker side of the configured connector, attached to the worker's `pipe` (None
+    without --kv-transfer-config); another connector is refused, as its worker hooks would
+    never run over our programs."""
+    c = vllm_config.kv_transfer_config
+    if c is None or c.kv_connector is None:
+        return None
+    if c.kv_connector != NAME:
+        raise ValueError(
+            f"--kv-transfer-config names the connector {c.kv_connector!r}: the dflash-qaic "
+            f"plugin's programs keep their own caches, so it moves them with {NAME!r} only"
+        )
+    conn = DFlashQaicConnector(vllm_config, KVConnectorRole.WORKER, None)
+    conn.attach(pipe)
+    return conn
+
+
+class Puller:
+    """A consumer's pulls (runtime/transfer.py), each checked against the artifacts and the
+    request's prompt."""
+
+    def __init__(self, opts: Options, fingerprint: dict, api_key: str | None):
+        self.opts, self.fingerprint, self.api_key = opts, fingerprint, api_key
+        self.handshaken: set = set()
+
+    def state(self, manifest, ids: list[int], kv: dict):
+        payload, _ = transfer.fetch(
+            kv, self.api_key, self.fingerprint, self.handshaken, self.opts.max_bytes
+        )
+        return handoff.parse(manifest, ids, payload)
+
+
+class SideChannel:
+    """A producer's payloads under leases, served over HTTP on opts.host:opts.port from a
+    thread of the worker (transfer.Leases; vLLM's request id names each)."""
+
+    def __init__(self, opts: Options, fingerprint: dict, api_key: str | None):
+        self.leases = transfer.Leases(opts.lease_s)  # keyed by vLLM's request id
+        self.cap = opts.max_bytes
+        self.hello = transfer.hello(opts.engine_id, fingerprint)
+        self.api_key = api_key
+        try:
+            self.server = ThreadingHTTPServer((opts.host, opts.port), _handler(self))
+        except OSError as e:
+            raise RuntimeError(
+                f"{NAME}: the side channel cannot listen on {opts.host}:{opts.port} ({e}): "
+                'give the producer a free "kv_port" in --kv-transfer-config'
+            ) from e
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, name="dflash-kv", daemon=True).start()
+
+    def hold(self, rid: str, payload: bytes) -> None:
+        if len(payload) > self.cap:
+            raise RuntimeError(
+                f"the hand-off payload of {len(payload)} bytes exceeds max_bytes {self.cap}: "
+                "raise it in kv_connector_extra_config on both servers"
+            )
+        self.leases.put(payload, rid)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.leases.close()
+
+
+def _handler(side: SideChannel):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def _send(self, status: int, body: bytes, kind: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _error(self, status: int, message: str) -> None:
+            self._send(status, json.dumps({"error": {"message": message}}).encode(), JSON)
+
+        def do_GET(self) -> None:
+            if side.api_key and self.headers.get("Authorization") != f"Bearer {side.api_key}":
+                return self._error(401, "the side channel needs this server's VLLM_API_KEY")
+            path = self.path.split("?", 1)[0]
+            if path == transfer.KV_PATH:
+                return self._send(200, json.dumps(side.hello).encode(), JSON)
+            key = path.removeprefix(transfer.KV_PATH + "/")
+            if path == key or not _KEY.fullmatch(key):
+                return self._error(404, f"no such path {path!r}")
+            payload = side.leases.take(key)
+            if payload is None:
+                return self._error(404, f"hand-off {key!r} is unknown or its lease expired")
+            self._send(200, payload, "application/octet-stream")
+
+    return Handler
