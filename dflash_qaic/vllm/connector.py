@@ -23,8 +23,8 @@ vLLM's layer-wise worker hooks never run, as our programs own their caches).
               pull it. The worker serves the lease on its side channel: an HTTP server on
               host:kv_port (127.0.0.1:14579 unless told) with GET /v1/dflash/kv (the
               handshake) and GET /v1/dflash/kv/{request id} (the payload; the lease ends)
-    consumer  a request with do_remote_prefill: `get_num_new_matched_tokens` answers P − 1
-              (vLLM schedules the last prompt token alone); the worker pulls the payload
+    consumer  a request with do_remote_prefill: `get_num_new_matched_tokens` answers that
+              the prompt is cached but its end; the worker pulls the payload
               (runtime/transfer.py: the handshake once per producer engine, at most
               max_bytes), checks it against these artifacts and the prompt, and admits the
               request with it instead of prefilling. The pull runs in the step (a
@@ -124,12 +124,16 @@ class DFlashQaicConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        """P − 1 for a consumer's request that brings a prefill answer's params (vLLM then
-        schedules its last prompt token alone), else none."""
+        """For a consumer's request that brings a prefill answer's params: the payload's
+        positions but one (P − 2), so that vLLM schedules the last two prompt tokens as a
+        prefill step, as in the aggregated run (scheduled with one token, vLLM would pad the
+        step with placeholder drafts, and its spec-decode counters would count a rejected
+        draft the aggregated run never had). Our worker admits the request with the whole
+        payload (P − 1 positions) either way and computes the last prompt token."""
         kv = request.kv_transfer_params or {}
         if not (self.opts.consumer and kv.get("do_remote_prefill")):
             return 0, False
-        return max(request.num_prompt_tokens - 1 - num_computed_tokens, 0), False
+        return max(request.num_prompt_tokens - 2 - num_computed_tokens, 0), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         kv = request.kv_transfer_params or {}

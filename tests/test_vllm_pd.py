@@ -1,0 +1,167 @@
+"""Prefill/decode between two `vllm serve` (dflash_qaic/vllm/connector.py): a producer and a
+consumer from `.venv-vllm` (make setup-vllm) with `--kv-transfer-config` naming
+DFlashQaicConnector, each bound to 127.0.0.1 and stopped by its pid, over the continuous-batching
+artifacts of the built-in pair, both guarded by VLLM_API_KEY (the side channel too).
+
+A request crosses as vllm-router's P/D mode sends it, by hand: to the producer with max_tokens 1
+and {"do_remote_decode": true}, then to the consumer with the producer answer's
+kv_transfer_params. The aggregated run it must equal is the same request sent to the consumer
+without params (a consumer prefills those itself, as vLLM's connectors do) and pipe.generate
+(dflash-serve's engine) in this process. Every server verifies whole blocks with the "always"
+step policy, so acceptance is determined and vLLM's spec-decode counters compare per request.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+import dflash_qaic
+from dflash_qaic import assets
+from dflash_qaic.bench.vllm_host import VllmServer, free_port
+
+B = 16
+BLOCK = {"dflash_qaic": {"verify_lengths": [B], "spec_policy": "always", "threads": 1}}
+KEY = "vllm-pd-key"
+PROMPTS = assets.heldout_prompts()
+#: this checkout (the servers import its dflash_qaic even if .venv-vllm's editable install
+#: points at another checkout)
+ROOT = Path(dflash_qaic.__file__).resolve().parent.parent
+COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total")
+
+
+def _kv_config(role: str, **kw) -> str:
+    return json.dumps({"kv_connector": "DFlashQaicConnector", "kv_role": role, **kw})
+
+
+@pytest.fixture(scope="module")
+def pipe(cb_artifacts):
+    p = dflash_qaic.load(cb_artifacts, threads=1)
+    p.configure(verify_lengths=[B], spec_policy="always")
+    return p
+
+
+@pytest.fixture(scope="module")
+def pd(cb_artifacts):
+    env = {"PYTHONPATH": str(ROOT), "VLLM_API_KEY": KEY}
+    common = ("--max-num-seqs", "4", "--additional-config", json.dumps(BLOCK))
+    port = free_port()
+    prod = _kv_config("kv_producer", kv_port=port)
+    cons = _kv_config("kv_consumer")
+    with (
+        VllmServer(cb_artifacts, *common, "--kv-transfer-config", prod, timeout=420, env=env) as p,
+        VllmServer(cb_artifacts, *common, "--kv-transfer-config", cons, timeout=420, env=env) as c,
+    ):
+        yield SimpleNamespace(prod=p, cons=c, model=str(cb_artifacts), kv_port=port)
+
+
+def _client() -> httpx.Client:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    return httpx.Client(trust_env=False, timeout=300, headers=auth)
+
+
+def _counters(url: str) -> tuple[float, ...]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with _client() as c:
+        text = c.get(url + "/metrics").text
+    got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return tuple(got.get(name, 0.0) for name in COUNTERS)
+
+
+def _complete(url: str, body: dict) -> httpx.Response:
+    with _client() as c:
+        return c.post(url + "/v1/completions", json=body)
+
+
+def _measured(url: str, body: dict) -> tuple[list[int], tuple[float, ...]]:
+    """A completion's token ids and the server's spec-decode counters it moved."""
+    before = _counters(url)
+    r = _complete(url, body)
+    assert r.status_code == 200, r.text
+    after = _counters(url)
+    return r.json()["choices"][0]["token_ids"], tuple(a - b for a, b in zip(after, before))
+
+
+def _prefilled(pd, body: dict) -> dict:
+    """The producer's answer's kv_transfer_params for `body` (its one token dropped)."""
+    pre = {**body, "max_tokens": 1, "stream": False}
+    pre["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+    r = _complete(pd.prod.url, pre)
+    assert r.status_code == 200, r.text
+    kv = r.json()["kv_transfer_params"]
+    assert kv["do_remote_prefill"] is True and kv["remote_port"] == pd.kv_port
+    return kv
+
+
+def _side_channel(pd, path: str, key: str | None = KEY) -> httpx.Response:
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
+    with httpx.Client(trust_env=False, timeout=30, headers=auth) as c:
+        return c.get(f"http://127.0.0.1:{pd.kv_port}/v1/dflash/kv{path}")
+
+
+def _body(pd, prompt, n: int, **kw) -> dict:
+    body = dict(model=pd.model, prompt=prompt, max_tokens=n, temperature=0)
+    return {**body, "ignore_eos": True, "return_token_ids": True, **kw}
+
+
+@pytest.mark.parametrize("i", [3, 14])
+def test_pd_equals_aggregated_tokens_and_acceptance(pd, pipe, i):
+    """Greedy through producer -> consumer: the tokens of the consumer's aggregated run and of
+    pipe.generate, and per request the same vllm:spec_decode_* counts as the aggregated run
+    and as our acceptance lengths (the draft's context crossed); the lease was taken."""
+    body = _body(pd, PROMPTS[i], 64)
+    agg, agg_acc = _measured(pd.cons.url, body)
+    kv = _prefilled(pd, body)
+    got, pd_acc = _measured(pd.cons.url, {**body, "kv_transfer_params": kv})
+    ref = pipe.generate(PROMPTS[i], 64, stop_token_ids=[])
+    assert got == agg == ref.tokens
+    lengths = ref.acceptance_lengths
+    assert pd_acc == agg_acc == (len(lengths), sum(lengths) - len(lengths))
+    assert sum(lengths) / len(lengths) > 2  # real multi-token steps were compared
+    gone = _side_channel(pd, "/" + kv["remote_handoff_id"])
+    assert gone.status_code == 404 and "unknown or its lease expired" in gone.text
+
+
+def test_pd_seeded_sampling_equals_aggregated(pd, pipe):
+    """T > 0 with a seed: the consumer computes the last prompt token itself, so no sampler
+    state crosses and the draws equal the aggregated run's."""
+    body = _body(pd, PROMPTS[5], 40, temperature=1.0, top_p=0.9, seed=7)
+    agg, _ = _measured(pd.cons.url, body)
+    got, _ = _measured(pd.cons.url, {**body, "kv_transfer_params": _prefilled(pd, body)})
+    ref = pipe.generate(PROMPTS[5], 40, stop_token_ids=[], temperature=1.0, top_p=0.9, seed=7)
+    assert got == agg == ref.tokens
+
+
+def test_side_channel_handshake_and_key(pd, cb_artifacts):
+    """The producer's side channel answers the handshake with its payload version and the
+    artifacts' fingerprint, behind VLLM_API_KEY."""
+    from dflash_qaic.runtime import handoff
+
+    hello = _side_channel(pd, "").json()
+    assert hello["version"] == handoff.VERSION
+    assert hello["fingerprint"] == handoff.fingerprint(dflash_qaic.load(cb_artifacts).artifacts)
+    assert _side_channel(pd, "", key=None).status_code == 401
+    assert _side_channel(pd, "", key="wrong").status_code == 401
+
+
+def test_a_hand_off_that_cannot_be_had_fails_its_request_alone(pd, pipe):
+    """Params naming a lease the producer does not hold, or a producer that is not there: that
+    request ends with vLLM's error naming the cause; the consumer goes on, and the lease of a
+    real hand-off is not consumed by the failed ones."""
+    body = _body(pd, PROMPTS[7], 24)
+    kv = _prefilled(pd, body)
+    for bad in (
+        {**kv, "remote_handoff_id": "no-such-request"},
+        {**kv, "remote_port": free_port(), "remote_engine_id": "elsewhere"},
+    ):
+        r = _complete(pd.cons.url, {**body, "kv_transfer_params": bad})
+        assert r.status_code >= 400 or r.json()["choices"][0]["finish_reason"] == "error", r.text
+    log = pd.cons.log()
+    assert "unknown or its lease expired" in log and "is unreachable" in log
+    got, _ = _measured(pd.cons.url, {**body, "kv_transfer_params": kv})
+    assert got == pipe.generate(PROMPTS[7], 24, stop_token_ids=[]).tokens
