@@ -137,6 +137,31 @@ def test_pd_seeded_sampling_equals_aggregated(pd, pipe):
     assert got == agg == ref.tokens
 
 
+def test_through_vllm_router_pd_mode(pd, pipe, tmp_path):
+    """vllm-router --vllm-pd-disaggregation in front of the producer and the consumer (it asks
+    the producer for min_tokens 1 and sends its own $OPENAI_API_KEY upstream): the tokens and
+    the consumer's spec-decode counts of the aggregated run."""
+    from dflash_qaic.serve.replicas import Router
+
+    body = _body(pd, PROMPTS[9], 48)
+    agg, agg_acc = _measured(pd.cons.url, body)
+    router = Router(
+        [pd.prod.url], "127.0.0.1", free_port(), "round_robin", free_port(), [],
+        tmp_path / "router.log", decode=[pd.cons.url], api_key=KEY,
+    )  # fmt: skip
+    router.start(60)
+    try:
+        before = _counters(pd.cons.url)
+        r = _complete(router.url, body)
+        assert r.status_code == 200, r.text
+        moved = tuple(a - b for a, b in zip(_counters(pd.cons.url), before))
+    finally:
+        router.stop()
+    assert r.json()["choices"][0]["token_ids"] == agg
+    assert agg == pipe.generate(PROMPTS[9], 48, stop_token_ids=[]).tokens
+    assert moved == agg_acc
+
+
 def test_side_channel_handshake_and_key(pd, cb_artifacts):
     """The producer's side channel answers the handshake with its payload version and the
     artifacts' fingerprint, behind VLLM_API_KEY."""

@@ -43,8 +43,8 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import threading
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -59,7 +59,6 @@ from dflash_qaic.vllm.platform import CONNECTOR as NAME
 
 log = logging.getLogger("dflash_qaic.vllm")
 
-_KEY = re.compile(r"[A-Za-z0-9._:-]{1,200}")
 JSON = "application/json"
 EXTRA = ("host", "max_bytes", "lease_s", "fallback_local_prefill")
 
@@ -302,8 +301,8 @@ def _handler(side: SideChannel):
             path = self.path.split("?", 1)[0]
             if path == transfer.KV_PATH:
                 return self._send(200, json.dumps(side.hello).encode(), JSON)
-            key = path.removeprefix(transfer.KV_PATH + "/")
-            if path == key or not _KEY.fullmatch(key):
+            key = urllib.parse.unquote(path.removeprefix(transfer.KV_PATH + "/"))
+            if not path.startswith(transfer.KV_PATH + "/"):
                 return self._error(404, f"no such path {path!r}")
             payload = side.leases.take(key)
             if payload is None:

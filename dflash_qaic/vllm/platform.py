@@ -244,7 +244,11 @@ class DFlashQaicPlatform(CpuPlatform):
             refuse("logprobs", "logprobs (and beam search, which needs them)")
         from dflash_qaic.runtime.requests import REFUSED_SAMPLING, refused_sampling
 
-        name = refused_sampling(lambda name, off: getattr(p, name, off))
+        leg = _prefill_leg(p)  # P/D: the router asks min_tokens 1 of a one-token leg
+
+        name = refused_sampling(
+            lambda name, off: off if leg and name == "min_tokens" else getattr(p, name, off)
+        )
         if name is not None:
             refuse(name, name if REFUSED_SAMPLING[name] is None else f"{name}={getattr(p, name)}")
         for name in ("structured_outputs", "allowed_token_ids"):
@@ -260,6 +264,13 @@ class DFlashQaicPlatform(CpuPlatform):
         if getattr(p, "logits_processors", None):
             refuse("logits_processors", "logits_processors")
         sampling_check(p, cls.limits)
+
+
+def _prefill_leg(p) -> bool:
+    """A P/D prefill leg (vllm/connector.py): {"do_remote_decode": true} and one token, where
+    vllm-router's min_tokens 1 asks nothing more (the token is dropped)."""
+    kv = (getattr(p, "extra_args", None) or {}).get("kv_transfer_params") or {}
+    return bool(kv.get("do_remote_decode")) and p.max_tokens == 1 and (p.min_tokens or 0) <= 1
 
 
 def sampling_check(p, limits: Limits | None):
