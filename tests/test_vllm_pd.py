@@ -162,6 +162,17 @@ def test_through_vllm_router_pd_mode(pd, pipe, tmp_path):
     assert moved == agg_acc
 
 
+@pytest.mark.parametrize("ids", [[72], [72, 101]])
+def test_one_and_two_token_prompts(pd, pipe, ids):
+    """A one-token prompt hands off no position and a two-token prompt one: the consumer still
+    computes the last prompt token itself, to the aggregated tokens and counts."""
+    body = _body(pd, ids, 24)
+    agg, agg_acc = _measured(pd.cons.url, body)
+    got, pd_acc = _measured(pd.cons.url, {**body, "kv_transfer_params": _prefilled(pd, body)})
+    assert got == agg == pipe.generate(ids, 24, stop_token_ids=[]).tokens
+    assert pd_acc == agg_acc
+
+
 def test_side_channel_handshake_and_key(pd, cb_artifacts):
     """The producer's side channel answers the handshake with its payload version and the
     artifacts' fingerprint, behind VLLM_API_KEY."""
@@ -190,3 +201,18 @@ def test_a_hand_off_that_cannot_be_had_fails_its_request_alone(pd, pipe):
     assert "unknown or its lease expired" in log and "is unreachable" in log
     got, _ = _measured(pd.cons.url, {**body, "kv_transfer_params": kv})
     assert got == pipe.generate(PROMPTS[7], 24, stop_token_ids=[]).tokens
+
+
+def test_fallback_local_prefill(pd, pipe, cb_artifacts):
+    """A consumer with fallback_local_prefill prefills a request whose hand-off cannot be had
+    itself, to the aggregated tokens, and says so in its log."""
+    extra = {"fallback_local_prefill": True}
+    cons = _kv_config("kv_consumer", kv_connector_extra_config=extra)
+    args = ("--max-num-seqs", "4", "--additional-config", json.dumps(BLOCK))
+    env = {"PYTHONPATH": str(ROOT), "VLLM_API_KEY": KEY}
+    with VllmServer(cb_artifacts, *args, "--kv-transfer-config", cons, timeout=420, env=env) as c:
+        body = _body(pd, PROMPTS[8], 24)
+        kv = {**_prefilled(pd, body), "remote_handoff_id": "no-such-request"}
+        got, _ = _measured(c.url, {**body, "kv_transfer_params": kv})
+        assert got == pipe.generate(PROMPTS[8], 24, stop_token_ids=[]).tokens
+        assert "prefilling locally" in c.log() and "unknown or its lease expired" in c.log()
