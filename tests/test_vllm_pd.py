@@ -14,6 +14,8 @@ step policy, so acceptance is determined and vLLM's spec-decode counters compare
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -216,3 +218,55 @@ def test_fallback_local_prefill(pd, pipe, cb_artifacts):
         got, _ = _measured(c.url, {**body, "kv_transfer_params": kv})
         assert got == pipe.generate(PROMPTS[8], 24, stop_token_ids=[]).tokens
         assert "prefilling locally" in c.log() and "unknown or its lease expired" in c.log()
+
+
+CONFIG_CHECKS = """
+import json
+import os
+import subprocess
+from types import SimpleNamespace
+from vllm.config import KVTransferConfig
+from dflash_qaic.vllm import connector, platform
+
+def cfg(name="DFlashQaicConnector", role="kv_consumer", **extra):
+    kv = KVTransferConfig(kv_connector=name, kv_role=role, kv_connector_extra_config=extra)
+    return SimpleNamespace(kv_transfer_config=kv)
+
+out = {}
+for key, c in (("unknown", cfg(lease=5)), ("zero", cfg(max_bytes=0))):
+    try:
+        connector.Options.of(c)
+        out[key] = "accepted"
+    except ValueError as e:
+        out[key] = str(e)
+try:
+    connector.for_worker(cfg("NixlConnector", "kv_both"), None)
+    out["other"] = "accepted"
+except ValueError as e:
+    out["other"] = str(e)
+out["none"] = connector.for_worker(SimpleNamespace(kv_transfer_config=None), None)
+c = cfg(role="kv_producer")
+platform._connector_module(c)
+out["module"] = c.kv_transfer_config.kv_connector_module_path
+out["producer"] = connector.Options.of(c).producer
+print(json.dumps(out))
+"""
+
+
+def test_connector_config_errors_name_the_fix():
+    """Unknown extra keys and a cap of 0 are refused naming what it reads; another connector
+    under the plugin is refused (its worker hooks would never run); our connector by name is
+    imported from our module (no registration)."""
+    from dflash_qaic.bench.vllm_host import vllm_bin
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    py = vllm_bin().parent / "python"
+    run = subprocess.run([str(py), "-c", CONFIG_CHECKS], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert "unknown kv_connector_extra_config keys ['lease']" in out["unknown"]
+    assert "max_bytes" in out["unknown"] and "lease_s" in out["unknown"]
+    assert "must be > 0" in out["zero"]
+    assert "'NixlConnector'" in out["other"] and "DFlashQaicConnector" in out["other"]
+    assert out["none"] is None
+    assert out["module"] == "dflash_qaic.vllm.connector" and out["producer"] is True
