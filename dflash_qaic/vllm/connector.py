@@ -26,9 +26,9 @@ vLLM's layer-wise worker hooks never run, as our programs own their caches).
     consumer  a request with do_remote_prefill: `get_num_new_matched_tokens` answers that
               the prompt is cached but its end; the worker pulls the payload
               (runtime/transfer.py: the handshake once per producer engine, at most
-              max_bytes), checks it against these artifacts and the prompt, and admits the
-              request with it instead of prefilling. The pull runs in the step (a
-              synchronous load)
+              max_bytes) and checks it against these artifacts and the prompt in a thread
+              while vLLM holds the request back (an asynchronous load: the other requests
+              go on stepping), then admits the request with it instead of prefilling
 
 kv_connector_extra_config: "host" (the side channel's address, bound and advertised: 127.0.0.1
 unless told), "max_bytes" (a payload's cap, 1 GiB), "lease_s" (60),
@@ -39,6 +39,7 @@ when set, guards the side channel and is sent by the consumer's pull: both serve
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -52,6 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 from dflash_qaic.runtime import handoff, transfer
@@ -65,10 +67,13 @@ EXTRA = ("host", "max_bytes", "lease_s", "fallback_local_prefill")
 
 @dataclasses.dataclass
 class DFlashMeta(KVConnectorMetadata):
-    """One step's work for the worker: request id -> the consumer's kv_transfer_params to pull
-    (load), and the producer's request ids to export (export)."""
+    """One step's work for the worker: request id -> the consumer's kv_transfer_params and
+    prompt ids to pull for (load; those in `background` are pulled off the step while vLLM
+    holds the request in WAITING_FOR_REMOTE_KVS, the others in the step that schedules them),
+    and the producer's request ids to export (export)."""
 
-    load: dict[str, dict] = dataclasses.field(default_factory=dict)
+    load: dict[str, tuple[dict, list[int]]] = dataclasses.field(default_factory=dict)
+    background: set[str] = dataclasses.field(default_factory=set)
     export: set[str] = dataclasses.field(default_factory=set)
 
 
@@ -117,6 +122,7 @@ class DFlashQaicConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self.opts = Options.of(vllm_config)
         self._meta = DFlashMeta()
+        self._loading: set[str] = set()  # scheduler: requests waiting for their pull
         self.side: SideChannel | None = None  # the worker's, once it has its engine
         self.puller: Puller | None = None
 
@@ -128,18 +134,27 @@ class DFlashQaicConnector(KVConnectorBase_V1):
         prefill step, as in the aggregated run (scheduled with one token, vLLM would pad the
         step with placeholder drafts, and its spec-decode counters would count a rejected
         draft the aggregated run never had). Our worker admits the request with the whole
-        payload (P − 1 positions) either way and computes the last prompt token."""
+        payload (P − 1 positions) either way and computes the last prompt token. The load is
+        asynchronous (vLLM schedules the request once the worker reports the pull done) when
+        it names any position; a prompt of 1 or 2 tokens is pulled in its step."""
         kv = request.kv_transfer_params or {}
         if not (self.opts.consumer and kv.get("do_remote_prefill")):
             return 0, False
-        return max(request.num_prompt_tokens - 2 - num_computed_tokens, 0), False
+        n = max(request.num_prompt_tokens - 2 - num_computed_tokens, 0)
+        return n, n > 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        kv = request.kv_transfer_params or {}
+        kv, rid = request.kv_transfer_params or {}, request.request_id
         if self.opts.consumer and kv.get("do_remote_prefill"):
-            self._meta.load[request.request_id] = dict(kv)
+            if rid in self._loading:  # vLLM's second call, after the load: nothing to do
+                self._loading.discard(rid)
+                return
+            self._meta.load[rid] = (dict(kv), list(request.prompt_token_ids))
+            if num_external_tokens > 0:
+                self._meta.background.add(rid)
+                self._loading.add(rid)
         elif self.opts.producer and kv.get("do_remote_decode"):
-            self._meta.export.add(request.request_id)
+            self._meta.export.add(rid)
 
     def build_connector_meta(self, scheduler_output) -> DFlashMeta:
         meta, self._meta = self._meta, DFlashMeta()
@@ -148,6 +163,7 @@ class DFlashQaicConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids):
         """The producer's answer params: where the consumer pulls this request's payload (none
         for a request that failed or was aborted, whose payload was never made or is gone)."""
+        self._loading.discard(request.request_id)
         kv = request.kv_transfer_params or {}
         ok = request.status in (
             RequestStatus.FINISHED_STOPPED,
@@ -175,16 +191,29 @@ class DFlashQaicConnector(KVConnectorBase_V1):
         if self.opts.producer:
             self.side = SideChannel(self.opts, handoff.fingerprint(m), api_key)
         if self.opts.consumer:
-            self.puller = Puller(self.opts, handoff.fingerprint(m), api_key)
+            self.puller = Puller(self.opts, m, api_key)
+
+    def bind(self, so) -> None:
+        """A step's scheduler output: its metadata bound; the background pulls it asks for
+        started, and those of requests that ended forgotten once done."""
+        meta = so.kv_connector_metadata
+        self.bind_connector_metadata(meta)
+        if self.puller is not None and isinstance(meta, DFlashMeta):
+            self.puller.begin(meta, so.finished_req_ids)
+
+    def finished(self) -> KVConnectorOutput | None:
+        """The background pulls done since the last step (vLLM's finished_recving: it then
+        schedules those requests)."""
+        done = self.puller.done() if self.puller is not None else None
+        return KVConnectorOutput(finished_recving=done) if done else None
 
     def add(self, engine, manifest, req, rid: str):
         """`req` onto `engine` as this step's metadata says: admitted with its pulled payload
         (consumer), exported then admitted with its own payload (producer), or added."""
         meta = self._connector_metadata
-        kv = meta.load.get(rid) if isinstance(meta, DFlashMeta) else None
-        if kv is not None and self.puller is not None:
+        if self.puller is not None and self.puller.expects(rid, meta):
             try:
-                state = self.puller.state(manifest, req.ids, kv)
+                state = self.puller.state(rid, meta)
             except (transfer.TransferError, handoff.HandoffError) as e:
                 if not self.opts.fallback_local_prefill:
                     raise RuntimeError(f"the hand-off of request {rid} failed: {e}") from e
@@ -210,6 +239,8 @@ class DFlashQaicConnector(KVConnectorBase_V1):
         pass
 
     def shutdown(self) -> None:
+        if self.puller is not None:
+            self.puller.pool.shutdown(wait=False, cancel_futures=True)
         if self.side is not None:
             self.side.close()
             self.side = None
@@ -234,17 +265,48 @@ def for_worker(vllm_config, pipe) -> DFlashQaicConnector | None:
 
 class Puller:
     """A consumer's pulls (runtime/transfer.py), each checked against the artifacts and the
-    request's prompt."""
+    request's prompt: in a thread pool while vLLM waits for them (`begin`, `done`), or in the
+    step (a prompt of 1 or 2 tokens)."""
 
-    def __init__(self, opts: Options, fingerprint: dict, api_key: str | None):
-        self.opts, self.fingerprint, self.api_key = opts, fingerprint, api_key
+    def __init__(self, opts: Options, manifest, api_key: str | None):
+        self.opts, self.manifest, self.api_key = opts, manifest, api_key
+        self.fingerprint = handoff.fingerprint(manifest)
         self.handshaken: set = set()
+        self.pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="dflash-kv")
+        self.pulls: dict[str, concurrent.futures.Future] = {}
+        self.reported: set[str] = set()  # done, told to vLLM, not yet admitted
+        self.dropped: set[str] = set()  # ended before admission: forgotten once done
 
-    def state(self, manifest, ids: list[int], kv: dict):
+    def pull(self, kv: dict, ids: list[int]):
         payload, _ = transfer.fetch(
             kv, self.api_key, self.fingerprint, self.handshaken, self.opts.max_bytes
         )
-        return handoff.parse(manifest, ids, payload)
+        return handoff.parse(self.manifest, ids, payload)
+
+    def begin(self, meta: DFlashMeta, ended) -> None:
+        self.dropped.update(rid for rid in ended if rid in self.pulls)
+        for rid in meta.background:
+            self.pulls[rid] = self.pool.submit(self.pull, *meta.load[rid])
+
+    def done(self) -> set[str]:
+        done = {r for r, f in self.pulls.items() if f.done() and r not in self.reported}
+        self.reported |= done
+        for rid in self.dropped & self.reported:
+            self.pulls.pop(rid)
+            self.reported.discard(rid)
+            self.dropped.discard(rid)
+        return done
+
+    def expects(self, rid: str, meta) -> bool:
+        return rid in self.pulls or (isinstance(meta, DFlashMeta) and rid in meta.load)
+
+    def state(self, rid: str, meta):
+        """The request's checked payload state (raising why it cannot be had)."""
+        future = self.pulls.pop(rid, None)
+        if future is None:
+            return self.pull(*meta.load[rid])
+        self.reported.discard(rid)
+        return future.result()
 
 
 class SideChannel:

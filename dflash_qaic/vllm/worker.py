@@ -193,7 +193,7 @@ class DFlashWorker(WorkerBase):
             )
         self._failed = {}  # request id -> why it failed in this step
         if self.kv is not None:
-            self.kv.bind_connector_metadata(so.kv_connector_metadata)
+            self.kv.bind(so)
         for new in so.scheduled_new_reqs:
             try:
                 self._add(new)
@@ -202,7 +202,7 @@ class DFlashWorker(WorkerBase):
                 self._failed[new.req_id] = f"{type(e).__name__}: {e}"
         scheduled = so.num_scheduled_tokens
         if not scheduled:  # nothing to run (e.g. vLLM paused its scheduling): no row advances
-            return ModelRunnerOutput(req_ids=[], req_id_to_index={})
+            return self._kv_done(ModelRunnerOutput(req_ids=[], req_id_to_index={}))
         skipped = [rid for rid in self.seqs if rid not in scheduled]
         if skipped:  # a step advances every row in flight: vLLM must schedule all of them
             raise RuntimeError(
@@ -278,6 +278,11 @@ class DFlashWorker(WorkerBase):
         )
         if failed:  # read by DFlashScheduler (vllm/scheduler.py): vLLM's output has no field
             out.dflash_failed = failed
+        return self._kv_done(out)
+
+    def _kv_done(self, out: ModelRunnerOutput) -> ModelRunnerOutput:
+        if self.kv is not None:  # P/D: the hand-offs pulled since the last step
+            out.kv_connector_output = self.kv.finished()
         return out
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
