@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -224,6 +226,8 @@ CONFIG_CHECKS = """
 import json
 import os
 import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 from vllm.config import KVTransferConfig
 from dflash_qaic.vllm import connector, platform
@@ -270,3 +274,73 @@ def test_connector_config_errors_name_the_fix():
     assert "'NixlConnector'" in out["other"] and "DFlashQaicConnector" in out["other"]
     assert out["none"] is None
     assert out["module"] == "dflash_qaic.vllm.connector" and out["producer"] is True
+
+
+class HeldProducer:
+    """A producer's side channel on 127.0.0.1 that answers the handshake with `hello` and holds
+    every payload GET until `release` is set, then sends `payload`."""
+
+    def __init__(self, hello: dict, payload: bytes):
+        self.asked, self.release = threading.Event(), threading.Event()
+        held = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                body = json.dumps(hello).encode()
+                if self.path != "/v1/dflash/kv":
+                    held.asked.set()
+                    held.release.wait(120)
+                    body = payload
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_pull_in_flight_does_not_hold_the_other_requests(pd, pipe):
+    """While one request's payload is still on its way (a side channel that holds it), a
+    request already decoding on the consumer runs to its end; the held request then gets its
+    payload and the aggregated tokens (a pull inside the step would have stalled the other
+    request until the pull timed out, failing the held one)."""
+    body = _body(pd, PROMPTS[10], 24)
+    kv = _prefilled(pd, body)
+    payload = _side_channel(pd, "/" + kv["remote_handoff_id"]).content
+    held = HeldProducer(_side_channel(pd, "").json(), payload)
+    out: dict = {}
+
+    def go(key, b):
+        out[key] = _complete(pd.cons.url, b)
+
+    other = threading.Thread(target=go, args=("other", _body(pd, PROMPTS[11], 160)))
+    waiting = threading.Thread(
+        target=go, args=("held", {**body, "kv_transfer_params": {**kv, "remote_port": held.port}})
+    )
+    try:
+        other.start()
+        waiting.start()
+        assert held.asked.wait(120), "the consumer never asked for the payload"
+        other.join(240)
+        assert not other.is_alive() and out["other"].status_code == 200
+        assert "held" not in out  # its payload is still held
+    finally:
+        held.close()
+    waiting.join(240)
+    assert out["held"].status_code == 200, out["held"].text
+    assert (
+        out["held"].json()["choices"][0]["token_ids"]
+        == pipe.generate(PROMPTS[10], 24, stop_token_ids=[]).tokens
+    )
+    ref = pipe.generate(PROMPTS[11], 160, stop_token_ids=[]).tokens
+    assert out["other"].json()["choices"][0]["token_ids"] == ref
