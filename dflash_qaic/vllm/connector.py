@@ -12,7 +12,7 @@ and a client (or `vllm-router --vllm-pd-disaggregation`) sends a request to the 
 the consumer with the producer answer's `kv_transfer_params`.
 
 One class, two roles (vLLM's): the SCHEDULER side lives in vLLM's scheduler (engine-core
-process), the WORKER side in our worker (vllm/worker.py calls `add` and `bind_connector_metadata`;
+process), the WORKER side in our worker (vllm/worker.py calls `bind`, `add` and `finished`;
 vLLM's layer-wise worker hooks never run, as our programs own their caches).
 
     producer  a request with do_remote_decode: the worker prefills the prompt's first P − 1
