@@ -214,6 +214,7 @@ class DFlashQaicPlatform(CpuPlatform):
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:
         """One sentence for what the programs cannot do (vLLM answers it with a 400)."""
+        _prefill_leg(params)
         from vllm.exceptions import VLLMValidationError
 
         def refuse(param: str, what: str) -> None:
@@ -244,11 +245,7 @@ class DFlashQaicPlatform(CpuPlatform):
             refuse("logprobs", "logprobs (and beam search, which needs them)")
         from dflash_qaic.runtime.requests import REFUSED_SAMPLING, refused_sampling
 
-        leg = _prefill_leg(p)  # P/D: the router asks min_tokens 1 of a one-token leg
-
-        name = refused_sampling(
-            lambda name, off: off if leg and name == "min_tokens" else getattr(p, name, off)
-        )
+        name = refused_sampling(lambda name, off: getattr(p, name, off))
         if name is not None:
             refuse(name, name if REFUSED_SAMPLING[name] is None else f"{name}={getattr(p, name)}")
         for name in ("structured_outputs", "allowed_token_ids"):
@@ -266,11 +263,14 @@ class DFlashQaicPlatform(CpuPlatform):
         sampling_check(p, cls.limits)
 
 
-def _prefill_leg(p) -> bool:
-    """A P/D prefill leg (vllm/connector.py): {"do_remote_decode": true} and one token, where
-    vllm-router's min_tokens 1 asks nothing more (the token is dropped)."""
+def _prefill_leg(p) -> None:
+    """A P/D prefill leg (vllm/connector.py: {"do_remote_decode": true}, one token, which the
+    router drops): vllm-router's min_tokens 1 asks nothing of it, so it is cleared here, before
+    vLLM copies the parameters into the request."""
     kv = (getattr(p, "extra_args", None) or {}).get("kv_transfer_params") or {}
-    return bool(kv.get("do_remote_decode")) and p.max_tokens == 1 and (p.min_tokens or 0) <= 1
+    if kv.get("do_remote_decode") and getattr(p, "max_tokens", None) == 1:
+        if (getattr(p, "min_tokens", 0) or 0) <= 1:
+            p.min_tokens = 0
 
 
 def sampling_check(p, limits: Limits | None):
