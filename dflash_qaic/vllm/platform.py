@@ -263,16 +263,6 @@ class DFlashQaicPlatform(CpuPlatform):
         sampling_check(p, cls.limits)
 
 
-def _prefill_leg(p) -> None:
-    """A P/D prefill leg (vllm/connector.py: {"do_remote_decode": true}, one token, which the
-    router drops): vllm-router's min_tokens 1 asks nothing of it, so it is cleared here, before
-    vLLM copies the parameters into the request."""
-    kv = (getattr(p, "extra_args", None) or {}).get("kv_transfer_params") or {}
-    if kv.get("do_remote_decode") and getattr(p, "max_tokens", None) == 1:
-        if (getattr(p, "min_tokens", 0) or 0) <= 1:
-            p.min_tokens = 0
-
-
 def sampling_check(p, limits: Limits | None):
     """Our sampler's settings of vLLM's SamplingParams, checked as `Pipeline.sampling` checks
     them (a VLLMValidationError naming the parameter otherwise). Returns a dict for
@@ -450,6 +440,16 @@ def _connector_module(vllm_config) -> None:
     c = vllm_config.kv_transfer_config
     if c is not None and c.kv_connector == CONNECTOR and not c.kv_connector_module_path:
         c.kv_connector_module_path = "dflash_qaic.vllm.connector"
+
+
+def _prefill_leg(p) -> None:
+    """A P/D prefill leg (vllm/connector.py: {"do_remote_decode": true}, one token, which the
+    router drops): vllm-router's min_tokens 1 asks nothing of it, so it is cleared here, before
+    vLLM copies the parameters into the request."""
+    kv = (getattr(p, "extra_args", None) or {}).get("kv_transfer_params") or {}
+    if kv.get("do_remote_decode") and getattr(p, "max_tokens", None) == 1:
+        if (getattr(p, "min_tokens", 0) or 0) <= 1:
+            p.min_tokens = 0
 
 
 def _install_worker(vllm_config, block: dict, artifacts: str, backend: str, B: int) -> None:
