@@ -35,34 +35,26 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
-import http.client
-import itertools
-import json
 import logging
 import os
 import re
-import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 
 from fastapi import Request, Response
 
-from dflash_qaic.runtime import handoff
+from dflash_qaic.runtime import handoff, transfer
+from dflash_qaic.runtime.transfer import KV_PATH, LEASE_S, MAX_PAYLOAD, SHM_PREFIX, Leases
 from dflash_qaic.serve.protocol import APIError
 
 log = logging.getLogger("dflash_qaic.serve.pd")
 
+__all__ = ["KV_PATH", "LEASE_S", "MAX_PAYLOAD", "SHM_PREFIX", "Config", "Leases", "setup"]
+
 ROLES = ("both", "prefill", "decode")
-LEASE_S = 60.0
-MAX_PAYLOAD = 1 << 30  # bytes one hand-off may take (--kv-max-bytes)
-PULL_TIMEOUT_S = 30.0
-KV_PATH = "/v1/dflash/kv"
 TRANSPORTS = ("http", "shm")
 SHM_DIR = "/dev/shm"
-SHM_PREFIX = "dflash-kv-"
 _SHM_NAME = re.compile(r"dflash-kv-h[0-9]+-[0-9a-f]{12}")
 
 
@@ -91,73 +83,6 @@ class Config:
             raise ValueError(f"--kv-max-bytes must be ≥ 1 (got {self.max_bytes})")
 
 
-class Leases:
-    """Payloads waiting for their decode side: id -> (bytes, deadline), swept on each use.
-    shm_dir (the shared-memory transport): each payload lives in a file `dflash-kv-{id}` of
-    that tmpfs directory instead of this process's memory (mode 0600), which a decode server
-    on the same host reads and removes itself; the lease then holds only the path."""
-
-    def __init__(self, lease_s: float = LEASE_S, clock=time.monotonic, shm_dir=None):
-        self.lease_s, self._clock, self.shm_dir = lease_s, clock, shm_dir
-        self._lock, self._ids = threading.Lock(), itertools.count()
-        self._held: dict[str, tuple[bytes | Path, float]] = {}
-        self._tag = uuid.uuid4().hex[:12]
-
-    def put(self, payload: bytes) -> str:
-        with self._lock:
-            self._sweep()
-            key = f"h{next(self._ids)}-{self._tag}"
-            held: bytes | Path = payload
-            if self.shm_dir is not None:
-                held = Path(self.shm_dir) / f"{SHM_PREFIX}{key}"
-                fd = os.open(held, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(payload)
-            self._held[key] = (held, self._clock() + self.lease_s)
-            return key
-
-    def take(self, key: str) -> bytes | None:
-        """The payload under `key`, its lease ended; None when unknown, expired or (shared
-        memory) already read by a decode server on this host."""
-        with self._lock:
-            self._sweep()
-            held = self._held.pop(key, None)
-        if held is None or isinstance(held[0], bytes):
-            return None if held is None else held[0]
-        return _take_file(held[0])
-
-    def __len__(self) -> int:
-        with self._lock:
-            self._sweep()
-            return len(self._held)
-
-    def close(self) -> None:
-        """Every lease ended (the server stops): shared-memory files removed."""
-        with self._lock:
-            for held, _ in self._held.values():
-                if isinstance(held, Path):
-                    held.unlink(missing_ok=True)
-            self._held.clear()
-
-    def _sweep(self) -> None:
-        now = self._clock()
-        for k in [k for k, (_, t) in self._held.items() if t <= now]:
-            held = self._held.pop(k)[0]
-            if isinstance(held, Path):
-                held.unlink(missing_ok=True)
-
-
-def _take_file(path: Path) -> bytes | None:
-    """A shared-memory payload's bytes, the file removed (None when gone already)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return None
-    path.unlink(missing_ok=True)
-    return data
-
-
 def setup(app, engine, api_key: str | None, cfg: Config) -> None:
     """The app's P/D state; a prefill server's routes (behind the app's --api-key):
     GET /v1/dflash/kv (the handshake) and GET /v1/dflash/kv/{id} (a payload, its lease ends)."""
@@ -173,11 +98,7 @@ def setup(app, engine, api_key: str | None, cfg: Config) -> None:
         return
 
     async def hello():
-        return {
-            "version": handoff.VERSION,
-            "engine_id": app.state.engine_id,
-            "fingerprint": app.state.fingerprint,
-        }
+        return transfer.hello(app.state.engine_id, app.state.fingerprint)
 
     async def pull(key: str):
         payload = app.state.leases.take(key)
@@ -189,86 +110,21 @@ def setup(app, engine, api_key: str | None, cfg: Config) -> None:
     app.add_api_route(KV_PATH + "/{key}", pull, methods=["GET"])
 
 
-def _open(url: str, api_key: str | None):
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # direct
-    try:
-        return opener.open(urllib.request.Request(url, headers=headers), timeout=PULL_TIMEOUT_S)
-    except urllib.error.HTTPError as e:
-        detail = e.read(2000).decode("utf-8", "replace")
-        raise APIError(f"the prefill server refused the hand-off ({e.code}): {detail}", 502) from e
-    except (OSError, urllib.error.URLError, http.client.HTTPException) as e:
-        raise APIError(f"the prefill server at {url} is unreachable: {e}", 502) from e
-
-
-def _read(resp, url: str, max_bytes: int) -> bytes:
-    """The body of `resp`, at most max_bytes (refused from its Content-Length when it says
-    more), whole (a server gone mid-body is an error, not a short payload)."""
-    size = resp.headers.get("Content-Length")
-    if size is not None and int(size) > max_bytes:
-        raise APIError(
-            f"the hand-off payload of {size} bytes exceeds --kv-max-bytes {max_bytes}", 502
-        )
-    try:
-        data = resp.read(max_bytes + 1)
-    except (OSError, http.client.HTTPException) as e:
-        raise APIError(f"the prefill server at {url} ended the transfer early: {e}", 502) from e
-    if len(data) > max_bytes:
-        raise APIError(f"the hand-off payload exceeds --kv-max-bytes {max_bytes}", 502)
-    if size is not None and len(data) != int(size):
-        raise APIError(
-            f"the prefill server at {url} ended the transfer early ({len(data)} of {size} bytes)",
-            502,
-        )
-    return data
-
-
-def handshake(base: str, api_key: str | None, mine: dict, engine_id) -> None:
-    """The first contact with a prefill engine: refused (a 502 naming what differs) unless it
-    reads the same payload version and loads the same programs and state specs."""
-    with _open(base + KV_PATH, api_key) as r:
-        try:
-            hello = json.loads(_read(r, base, 1 << 20))
-        except ValueError as e:
-            raise APIError(f"{base} answered the hand-off handshake with no JSON", 502) from e
-    if hello.get("version") != handoff.VERSION:
-        raise APIError(
-            f"the prefill server at {base} writes hand-off version {hello.get('version')!r}; "
-            f"this decode server reads version {handoff.VERSION}: run the same dflash-qaic",
-            502,
-        )
-    theirs = hello.get("fingerprint") or {}
-    differ = [k for k in mine if theirs.get(k) != mine[k]]
-    if differ:
-        raise APIError(
-            f"the prefill server at {base} loads other artifacts ({', '.join(differ)} differ): "
-            "prefill and decode must load the same artifacts directory (same export)",
-            502,
-        )
-    if engine_id is not None and hello.get("engine_id") != engine_id:
-        raise APIError(f"{base} is no longer the prefill engine {engine_id} (restarted?)", 502)
-
-
 def fetch(app, kv: dict) -> tuple[bytes, str]:
     """A decode server's hand-off: the handshake (once per prefill engine), then the payload
-    and the transport it came by ("shm" or "http")."""
-    host, port, key = kv.get("remote_host"), kv.get("remote_port"), kv.get("remote_handoff_id")
-    if not (isinstance(host, str) and isinstance(port, int) and isinstance(key, str)):
-        raise APIError(
-            "do_remote_prefill needs remote_host, remote_port and remote_handoff_id (the "
-            "prefill answer's kv_transfer_params)",
-            param="kv_transfer_params",
+    and the transport it came by ("shm" or "http"); runtime/transfer.py."""
+    st = app.state
+    try:
+        return transfer.fetch(
+            kv,
+            st.api_key,
+            st.fingerprint,
+            st.handshaken,
+            st.pd.max_bytes,
+            lambda key: _from_shm(kv.get("remote_shm"), key, st.pd),
         )
-    base = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    api_key, engine_id = app.state.api_key, kv.get("remote_engine_id")
-    if (base, engine_id) not in app.state.handshaken:
-        handshake(base, api_key, app.state.fingerprint, engine_id)
-        app.state.handshaken.add((base, engine_id))
-    data = _from_shm(kv.get("remote_shm"), key, app.state.pd)
-    if data is not None:
-        return data, "shm"
-    with _open(f"{base}{KV_PATH}/{key}", api_key) as r:
-        return _read(r, base, app.state.pd.max_bytes), "http"
+    except transfer.TransferError as e:
+        raise APIError(str(e), e.status, e.param) from e
 
 
 def _from_shm(name, key: str, cfg: Config) -> bytes | None:
@@ -287,7 +143,7 @@ def _from_shm(name, key: str, cfg: Config) -> bytes | None:
     except FileNotFoundError:
         return None  # another host's, or its lease ended: HTTP says which
     try:
-        return _take_file(path)
+        return transfer.take_file(path)
     except PermissionError:
         return None  # another user's: the lease's GET reads it for us
 

@@ -45,6 +45,8 @@ BACKENDS = ("ort", "qaic", "auto", "qaic-standin")
 WORKER = "dflash_qaic.vllm.worker.DFlashWorker"
 #: vLLM's scheduler, which also ends the requests whose program call failed
 SCHEDULER = "dflash_qaic.vllm.scheduler.DFlashScheduler"
+#: the KV connector of two `vllm serve` split into prefill and decode (vllm/connector.py)
+CONNECTOR = "DFlashQaicConnector"
 #: vLLM's "greedy" threshold (temperatures below it sample greedily)
 GREEDY_EPS = 1e-5
 
@@ -193,6 +195,7 @@ class DFlashQaicPlatform(CpuPlatform):
         backend = _checked_backend(block, m)
         M = _fit_to_artifacts(vllm_config, artifacts, rows, ctx_len)
         _install_worker(vllm_config, block, artifacts, backend, B)
+        _connector_module(vllm_config)
         cls.limits = Limits(
             can_sample=m.target.io.sampling,
             max_top_k=m.target.sampling_candidates or m.vocab_size,
@@ -213,6 +216,7 @@ class DFlashQaicPlatform(CpuPlatform):
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:
         """One sentence for what the programs cannot do (vLLM answers it with a 400)."""
+        _prefill_leg(params)
         from vllm.exceptions import VLLMValidationError
 
         def refuse(param: str, what: str) -> None:
@@ -447,6 +451,24 @@ def _fit_to_artifacts(vllm_config, artifacts: str, rows: int, ctx_len: int) -> i
         sched.max_num_scheduled_tokens = sched.max_num_batched_tokens
     sched.long_prefill_token_threshold = 0
     return M
+
+
+def _connector_module(vllm_config) -> None:
+    """--kv-transfer-config's DFlashQaicConnector needs no registration: vLLM imports it from
+    our module (vllm/connector.py: prefill/decode between two `vllm serve`)."""
+    c = vllm_config.kv_transfer_config
+    if c is not None and c.kv_connector == CONNECTOR and not c.kv_connector_module_path:
+        c.kv_connector_module_path = "dflash_qaic.vllm.connector"
+
+
+def _prefill_leg(p) -> None:
+    """A P/D prefill leg (vllm/connector.py: {"do_remote_decode": true}, one token, which the
+    router drops): vllm-router's min_tokens 1 asks nothing of it, so it is cleared here, before
+    vLLM copies the parameters into the request."""
+    kv = (getattr(p, "extra_args", None) or {}).get("kv_transfer_params") or {}
+    if kv.get("do_remote_decode") and getattr(p, "max_tokens", None) == 1:
+        if (getattr(p, "min_tokens", 0) or 0) <= 1:
+            p.min_tokens = 0
 
 
 def _install_worker(vllm_config, block: dict, artifacts: str, backend: str, B: int) -> None:

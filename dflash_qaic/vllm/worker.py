@@ -49,6 +49,7 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from dflash_qaic import contract
 from dflash_qaic.runtime.grammar import Constraint
+from dflash_qaic.vllm import connector
 from dflash_qaic.vllm.platform import Settings, accepts_device_ids, sampling_check
 
 log = logging.getLogger("dflash_qaic.vllm")
@@ -92,6 +93,7 @@ class DFlashWorker(WorkerBase):
         self._drafts = DraftTokenIds([], [])
         self._pending = None  # the scheduler output whose step waits for vLLM's bitmask
         self._failed: dict[str, str] = {}
+        self.kv = connector.for_worker(self.vllm_config, self.pipe)  # P/D (vllm/connector.py)
 
     # ------------------------------------------------------------------ KV cache: one row = block
 
@@ -134,6 +136,9 @@ class DFlashWorker(WorkerBase):
     def get_cache_block_size_bytes(self) -> int:
         return self._spec().page_size_bytes
 
+    def get_kv_connector_handshake_metadata(self) -> None:
+        return None  # the P/D handshake is the producer's side channel's (vllm/connector.py)
+
     def execute_dummy_batch(self) -> None:
         pass
 
@@ -150,6 +155,8 @@ class DFlashWorker(WorkerBase):
         return set()
 
     def shutdown(self) -> None:
+        if self.kv is not None:
+            self.kv.shutdown()
         for seq in list(self.seqs.values()):
             self.engine.abort(seq)
         self.seqs.clear()
@@ -167,7 +174,10 @@ class DFlashWorker(WorkerBase):
         req = self.pipe.request(
             ids, max_tokens, sorted(stop), grammar=fixed, **sampling_check(p, None)
         )
-        seq = self.engine.add(req)
+        if self.kv is None:
+            seq = self.engine.add(req)
+        else:  # a hand-off's request is admitted with its payload
+            seq = self.kv.add(self.engine, self.pipe.artifacts, req, new.req_id)
         if p.structured_outputs is not None:  # vLLM's grammar gives its masks, step by step
             seq.constraint = VllmMasks(self.words)
         self.seqs[new.req_id] = seq
@@ -185,6 +195,8 @@ class DFlashWorker(WorkerBase):
                 "block per cache row it never preempts; this is a dflash-qaic plugin bug"
             )
         self._failed = {}  # request id -> why it failed in this step
+        if self.kv is not None:
+            self.kv.bind(so)
         for new in so.scheduled_new_reqs:
             try:
                 self._add(new)
@@ -193,7 +205,7 @@ class DFlashWorker(WorkerBase):
                 self._failed[new.req_id] = f"{type(e).__name__}: {e}"
         scheduled = so.num_scheduled_tokens
         if not scheduled:  # nothing to run (e.g. vLLM paused its scheduling): no row advances
-            return ModelRunnerOutput(req_ids=[], req_id_to_index={})
+            return self._kv_done(ModelRunnerOutput(req_ids=[], req_id_to_index={}))
         skipped = [rid for rid in self.seqs if rid not in scheduled]
         if skipped:  # a step advances every row in flight: vLLM must schedule all of them
             raise RuntimeError(
@@ -269,6 +281,11 @@ class DFlashWorker(WorkerBase):
         )
         if failed:  # read by DFlashScheduler (vllm/scheduler.py): vLLM's output has no field
             out.dflash_failed = failed
+        return self._kv_done(out)
+
+    def _kv_done(self, out: ModelRunnerOutput) -> ModelRunnerOutput:
+        if self.kv is not None:  # P/D: the hand-offs pulled since the last step
+            out.kv_connector_output = self.kv.finished()
         return out
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
