@@ -533,6 +533,13 @@ def extended_specs(vocab_size: int) -> list[TensorSpec]:
     ]
 
 
+def draft_extended_specs(vocab_size: int) -> list[TensorSpec]:
+    """The draft's extended sampling inputs: the target's but MIN_P (a sampler setting; the
+    draft's proposals need only the adjusted logits). The host feeds both programs the same
+    arrays."""
+    return [s for s in extended_specs(vocab_size) if s.name != MIN_P]
+
+
 def logprob_specs(k: int) -> list[TensorSpec]:
     """The logprob outputs of a target exported with --logprobs k (none for k = 0)."""
     if not k:
@@ -609,6 +616,9 @@ class DraftIO:
     top_k: int = 0
     # a DFlash-2 draft's pairwise log q over its first pair_k candidates (0: none)
     pair_k: int = 0
+    # the target's extended sampling inputs but min_p (`draft_extended_specs`): the draft
+    # adjusts its logits as the target will before it proposes
+    extended_sampling: bool = False
 
     @property
     def state(self) -> list[state.StateSpec]:
@@ -637,6 +647,7 @@ class DraftIO:
             *batch_index_specs(self.continuous_batching),
             *window_specs(self.comp_ctx),
             *self.q_inputs,
+            *(draft_extended_specs(self.vocab_size) if self.extended_sampling else ()),
             *self.kv,
         ]
 

@@ -366,6 +366,7 @@ class ProgramRecord:
                 q_top_k=c.int("q_top_k", 0, 1 << 24, default=0),
                 top_k=c.int("top_k", 0, contract.MAX_DRAFT_TOP_K, default=0),
                 pair_k=c.int("pair_k", 0, contract.MAX_DRAFT_TOP_K, default=0),
+                extended_sampling=c.bool("extended_sampling", False),
             )
         for which, specs in (("inputs", io.inputs), ("outputs", io.outputs)):
             want = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]

@@ -11,6 +11,10 @@ those tokens, and the lossless rules then act on the adjusted distribution. Orde
 logit bias, then the penalties (repetition, frequency, presence), then the masks (grammar, bad
 words, min_tokens: applied last, so no penalty can lift a masked token back), min_p in the
 sampler after the temperature.
+
+The draft (`proposal_logits`) applies the same adjustments and masks before it proposes, so its
+proposals follow the adjusted target; it proposes its block in one pass, so its history is the
+summary and the anchor alone (the proposals before a row are not known to it yet).
 """
 
 from __future__ import annotations
@@ -35,6 +39,17 @@ def choice_logits(logits, x: dict, vocab: int, bitmask: bool, extended: bool) ->
     if allowed is not None:
         logits, kw["floor"] = mask_logits(logits, allowed)
     return logits, kw
+
+
+def proposal_logits(logits, x: dict, block_ids, block_pos, vocab: int) -> torch.Tensor:
+    """The draft's logits [b, B − 1, V] (row j proposes position start + j + 1) adjusted as
+    the target's verify row j will be, from the history summary and the anchor: the block's
+    rows after the anchor are not tokens yet (NO_TOKEN: counted nowhere, matching no bad
+    word). Banned tokens sink to the floor (`mask_logits`), so no argmax takes one."""
+    ids = torch.cat([block_ids[:, :1], block_ids[:, 1:-1] * 0 + c.NO_TOKEN], dim=1)  # [b, B−1]
+    x = {**x, c.INPUT_IDS: ids, c.POSITION_IDS: block_pos[:, :-1]}  # the target's row layout
+    logits, banned = adjust_logits(logits, x, vocab)
+    return mask_logits(logits, ~banned)[0]
 
 
 def adjust_logits(logits, x: dict, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
