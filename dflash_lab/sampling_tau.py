@@ -3,8 +3,9 @@
     python -m dflash_lab.sampling_tau ARTIFACTS [--prompts 12] [--max-new-tokens 128]
         [--unadjusted-draft]
 
-ARTIFACTS: exported with `--extended-sampling`. Per setting (none, repetition 1.1, repetition
-1.05 + presence 0.3, presence 0.5 + frequency 0.5) and temperature (0; 1 with seed = the
+ARTIFACTS: exported with `--extended-sampling`. Per setting (`SETTINGS`: none, repetition
+1.1, repetition 1.05 + presence 0.3, presence 0.5 + frequency 0.5, a logit bias, a bad word)
+and temperature (0; 1 with seed = the
 prompt's index), the mean over the first N held-out prompts of each generation's τ (the tokens
 committed per step), every step verifying the whole block (`fixed_steps`). --unadjusted-draft feeds the draft neutral settings (`UnadjustedDraft`):
 it then proposes as a draft exported without the option, the target's choices unchanged.
@@ -24,6 +25,8 @@ SETTINGS = {
     "repetition 1.1": {"repetition_penalty": 1.1},
     "repetition 1.05 + presence 0.3": {"repetition_penalty": 1.05, "presence_penalty": 0.3},
     "presence 0.5 + frequency 0.5": {"presence_penalty": 0.5, "frequency_penalty": 0.5},
+    "logit_bias 'e' −100": {"logit_bias": {101: -100.0}},  # the byte-level tokenizer's 'e'
+    "bad_words ['=']": {"bad_words": [[61]]},
 }
 
 
