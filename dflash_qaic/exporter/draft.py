@@ -102,6 +102,19 @@ def _outputs_k(module, draft_cfg, V: int, sampling: bool, sample_top_k: int, top
     return q_top_k, top_k
 
 
+def _module(cfg, state, stream_from, embed, head, ctx_len, emit_logits, cb, window, extended):
+    """The ExportDraft of `export_draft`'s arguments (the placeholder draft when streaming).
+    extended: it takes the target's extended sampling inputs, unless the draft has its own
+    reduced vocabulary (its logits are not over the target's ids: it proposes unadjusted)."""
+    if stream_from is not None:
+        draft = weights.placeholder_draft(cfg)
+    else:
+        draft = DFlashDraft.from_checkpoint(cfg, state)
+    module = ExportDraft(draft, embed, head, ctx_len, emit_logits, cb, context_window=window)
+    module.extended = extended and module.vocab_map is None
+    return module.eval()
+
+
 def _plan(block_size, prefill_seq_len, ctx_len, comp_ctx_lengths, **sizes):
     """The shape plan of these sizes (the export's own is artifacts/preflight.py's)."""
     windows = contract.windows_or_default(comp_ctx_lengths, ctx_len, prefill_seq_len, block_size)
@@ -144,23 +157,16 @@ def export_draft(
     top_k: it also returns each proposal row's top-k ids and log-probabilities (0: not).
     plan: the export's shape plan (artifacts/preflight.py), made here from the sizes when None.
     context_window: full layers see only the last N context positions (`ExportDraft`).
-    extended_sampling: the draft takes the target's extended sampling inputs and proposes from
-    the adjusted logits (a draft with its own reduced vocabulary does not: its logits are not
-    over the target's ids).
+    extended_sampling: the draft proposes from its logits adjusted as the target's (`_module`).
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=2)
-    if stream_from is not None:
-        draft = weights.placeholder_draft(draft_cfg)
-    else:
-        draft = DFlashDraft.from_checkpoint(draft_cfg, draft_state)
     cb = full_batch_size is not None
-    module = ExportDraft(draft, embed_weight, head_weight, ctx_len, emit_logits, cb,
-                         context_window=context_window).eval()  # fmt: skip
+    module = _module(draft_cfg, draft_state, stream_from, embed_weight, head_weight, ctx_len,
+                     emit_logits, cb, context_window, extended_sampling)  # fmt: skip
     rings = module.cache_slots()  # sliding layers (and windowed full ones): ring caches
     V = embed_weight.shape[0]
     Vd = draft_cfg.draft_vocab_size or V  # a reduced draft vocabulary bounds its top-k
     q_top_k, top_k = _outputs_k(module, draft_cfg, Vd, sampling, sample_top_k, top_k)
-    module.extended = extended_sampling and module.vocab_map is None
     io = draft_io(
         draft_cfg, V, block_size, emit_logits, cb, ring_slots=rings, q_top_k=q_top_k, top_k=top_k,
         pair_k=module.pair_k, extended_sampling=module.extended,
