@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_sampling_params import N_NEW, PROMPT, reference_greedy
+from test_sampling_params import (  # noqa: F401 (ext_artifacts, model: fixtures)
+    N_NEW,
+    PROMPT,
+    ext_artifacts,
+    model,
+    reference_greedy,
+)
 
 import dflash_qaic
 from dflash_lab.sampling_tau import UnadjustedDraft, fixed_steps, measure
@@ -16,24 +22,10 @@ from dflash_qaic import assets, contract
 
 
 @pytest.fixture(scope="module")
-def pipe(tmp_path_factory):
-    from dflash_qaic.exporter.cli import load_recipe
-
-    r = load_recipe("default")
-    out = tmp_path_factory.mktemp("draftext") / "art"
-    opts = dict(compile=False, prefill_seq_len=64, ctx_len=512, extended_sampling=True)
-    dflash_qaic.export(r["target"], r["draft"], out, **opts)
-    pipe = dflash_qaic.load(out)
+def pipe(ext_artifacts):  # noqa: F811 (the fixture imported above)
+    pipe = dflash_qaic.load(ext_artifacts)
     fixed_steps(pipe)  # whole blocks every step: τ depends on the proposals alone
     return pipe
-
-
-@pytest.fixture(scope="module")
-def model():
-    from dflash_qaic import checkpoints as ck
-    from dflash_qaic.exporter.cli import load_recipe
-
-    return ck.load_target_model(load_recipe("default")["target"])
 
 
 class Recorder:
@@ -92,7 +84,7 @@ def test_the_proposals_obey_the_masks_and_the_bias(pipe):
     [dict(repetition_penalty=1.2, presence_penalty=0.6, frequency_penalty=0.4),
      dict(logit_bias={"101": -100.0}, bad_words=[[32, 32], [61]])],
 )  # fmt: skip
-def test_greedy_tokens_are_the_target_alones(pipe, model, s):
+def test_greedy_tokens_are_the_target_alones(pipe, model, s):  # noqa: F811
     ids = pipe.tokenizer(PROMPT)["input_ids"]
     res = pipe.generate(PROMPT, N_NEW, stop_token_ids=[], **s)
     assert res.tokens == reference_greedy(model, ids, N_NEW, s)
