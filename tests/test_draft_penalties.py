@@ -123,3 +123,38 @@ def test_a_sampling_dflash2_draft_proposes_from_the_adjusted_q(tmp_path):
     favourite = int(np.bincount(plain.ravel()).argmax())
     banned, _ = proposals(pipe, pipe.draft, bad_words=[[favourite]], **s)
     assert favourite in plain and favourite not in banned
+
+
+def test_proposal_logits_are_the_reference_rule(pipe):
+    """Every draft row adjusted as the reference adjusts the target after the history and the
+    anchor, min_tokens by the row's position (the rows after the anchor are not tokens yet: a word of several tokens can only
+    end at row 0, after the tail and the anchor); banned tokens at the row's floor."""
+    import torch
+    from test_sampling_params import adjust
+
+    from dflash_qaic.modeling.penalties import proposal_logits
+    from dflash_qaic.runtime.history import ExtendedRows
+
+    V, B, rng = pipe.vocab, pipe.B, np.random.default_rng(0)
+    prompt, earlier, anchor = [5, 9, 40, 41], [40, 77, 77, 12], 101
+    one = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.4}
+    one |= {"logit_bias": {9: 3.0, 77: -1.5, 200: 2.0}, "bad_words": [[32]], "min_tokens": 8}
+    s = {**one, "bad_words": [[32], [12, anchor, 61]]}  # [12, anchor] are the last generated
+    req = type("Req", (), {"ids": prompt, "stop": frozenset({7})})()
+    ext = ExtendedRows(1, V)
+    ext.set_row(0, pipe.sampling(**s), req)
+    ext.advance(0, [*earlier, anchor], 0)  # the anchor is the last committed token
+    x = {n: torch.from_numpy(a) for n, a in ext.arrays().items()}
+    start = len(prompt) + len(earlier)
+    ids = torch.tensor([[anchor] + [pipe.artifacts.mask_token_id] * (B - 1)])
+    pos = start + torch.arange(B)[None]
+    logits = torch.from_numpy(rng.normal(0, 4, (1, B - 1, V)).astype(np.float32))
+    out = proposal_logits(logits, x, ids, pos, V)[0].double()
+    for j in range(B - 1):
+        want = adjust(logits[0, j], prompt, [*earlier, anchor], s if j == 0 else one)
+        if len(earlier) + 1 + j < 8:  # min_tokens: row j decides the (5 + j + 1)-th token
+            want[7] = -torch.inf
+        banned = torch.isinf(want)
+        assert (out[j][banned] == out[j].min()).all() and out[j].min() < want[~banned].min()
+        torch.testing.assert_close(out[j][~banned], want[~banned], rtol=1e-5, atol=1e-5)
+    assert torch.isinf(adjust(logits[0, 0], prompt, [*earlier, anchor], s))[61]  # it bit
