@@ -45,8 +45,8 @@ class UnadjustedDraft:
         neutral = {c.REPETITION_PENALTY: 1.0, c.PRESENCE_PENALTY: 0.0, c.FREQUENCY_PENALTY: 0.0}
         neutral |= {c.LOGIT_BIAS: 0.0, c.MIN_TOKENS_STOP_IDS: -1, c.BAD_WORDS: -1}
         feeds = dict(feeds)
-        for name, v in neutral.items():
-            feeds[name] = np.full_like(feeds[name], v)
+        for name in neutral.keys() & feeds.keys():
+            feeds[name] = np.full_like(feeds[name], neutral[name])
         return self.program.run(feeds)
 
 

@@ -534,10 +534,11 @@ def extended_specs(vocab_size: int) -> list[TensorSpec]:
 
 
 def draft_extended_specs(vocab_size: int) -> list[TensorSpec]:
-    """The draft's extended sampling inputs: the target's but MIN_P (a sampler setting; the
-    draft's proposals need only the adjusted logits). The host feeds both programs the same
-    arrays."""
-    return [s for s in extended_specs(vocab_size) if s.name != MIN_P]
+    """The draft's extended sampling inputs: the target's but MIN_P (a sampler setting) and the
+    repetition penalty's (the draft leaves it out: modeling/penalties.py, proposal_logits).
+    The host feeds both programs the same arrays."""
+    skip = (MIN_P, REPETITION_PENALTY, PROMPT_TOKENS)
+    return [s for s in extended_specs(vocab_size) if s.name not in skip]
 
 
 def logprob_specs(k: int) -> list[TensorSpec]:
@@ -616,8 +617,8 @@ class DraftIO:
     top_k: int = 0
     # a DFlash-2 draft's pairwise log q over its first pair_k candidates (0: none)
     pair_k: int = 0
-    # the target's extended sampling inputs but min_p (`draft_extended_specs`): the draft
-    # adjusts its logits as the target will before it proposes
+    # the target's extended sampling inputs but min_p and the repetition penalty's
+    # (`draft_extended_specs`): the draft adjusts its logits as the target will before it proposes
     extended_sampling: bool = False
 
     @property

@@ -59,7 +59,8 @@ def test_the_draft_takes_the_targets_history_inputs(pipe):
     io = pipe.artifacts.draft.io
     assert io.extended_sampling
     names = {s.name for s in io.inputs}
-    assert {s.name for s in contract.extended_specs(io.vocab_size)} - names == {contract.MIN_P}
+    left_out = {contract.MIN_P, contract.REPETITION_PENALTY, contract.PROMPT_TOKENS}
+    assert {s.name for s in contract.extended_specs(io.vocab_size)} - names == left_out
     plain = contract.DraftIO(**{**io.__dict__, "extended_sampling": False})
     assert contract.OUTPUT_COUNTS not in {s.name for s in plain.inputs}
     eng = pipe.engine()  # the step's draft call reads the very arrays its verify calls read
@@ -127,8 +128,9 @@ def test_a_sampling_dflash2_draft_proposes_from_the_adjusted_q(tmp_path):
 
 def test_proposal_logits_are_the_reference_rule(pipe):
     """Every draft row adjusted as the reference adjusts the target after the history and the
-    anchor, min_tokens by the row's position (the rows after the anchor are not tokens yet: a word of several tokens can only
-    end at row 0, after the tail and the anchor); banned tokens at the row's floor."""
+    anchor, but for the repetition penalty (left out), min_tokens by the row's position (the
+    rows after the anchor are not tokens yet: a word of several tokens can only end at row 0,
+    after the tail and the anchor); banned tokens at the row's floor."""
     import torch
     from test_sampling_params import adjust
 
@@ -151,7 +153,8 @@ def test_proposal_logits_are_the_reference_rule(pipe):
     logits = torch.from_numpy(rng.normal(0, 4, (1, B - 1, V)).astype(np.float32))
     out = proposal_logits(logits, x, ids, pos, V)[0].double()
     for j in range(B - 1):
-        want = adjust(logits[0, j], prompt, [*earlier, anchor], s if j == 0 else one)
+        rule = {**(s if j == 0 else one), "repetition_penalty": 1.0}  # additive ones only
+        want = adjust(logits[0, j], prompt, [*earlier, anchor], rule)
         if len(earlier) + 1 + j < 8:  # min_tokens: row j decides the (5 + j + 1)-th token
             want[7] = -torch.inf
         banned = torch.isinf(want)
