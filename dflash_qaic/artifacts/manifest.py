@@ -287,7 +287,7 @@ class ProgramRecord:
         rule = io.pop("verify_rule", contract.CHAIN)  # a target exported with block verify only
         layer_kv = io.pop("layer_kv", ())  # a target whose layers' caches differ (Gemma 4) only
         logprobs = io.pop("logprobs", 0), io.pop("logprobs_mode", contract.RAW_LOGPROBS)
-        extended = io.pop("extended_sampling", False)  # a target exported with it only
+        extended = io.pop("extended_sampling", False)  # a program exported with it only
         return {
             **self.facts,
             **io,
