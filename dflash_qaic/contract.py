@@ -551,6 +551,14 @@ def extended_specs(vocab_size: int) -> list[TensorSpec]:
     ]
 
 
+def draft_extended_specs(vocab_size: int) -> list[TensorSpec]:
+    """The draft's extended sampling inputs: the target's but MIN_P (a sampler setting) and the
+    repetition penalty's (the draft leaves it out: modeling/penalties.py, proposal_logits).
+    The host feeds both programs the same arrays."""
+    skip = (MIN_P, REPETITION_PENALTY, PROMPT_TOKENS)
+    return [s for s in extended_specs(vocab_size) if s.name not in skip]
+
+
 def logprob_specs(k: int) -> list[TensorSpec]:
     """The logprob outputs of a target exported with --logprobs k (none for k = 0)."""
     if not k:
@@ -627,6 +635,9 @@ class DraftIO:
     top_k: int = 0
     # a DFlash-2 draft's pairwise log q over its first pair_k candidates (0: none)
     pair_k: int = 0
+    # the target's extended sampling inputs but min_p and the repetition penalty's
+    # (`draft_extended_specs`): the draft adjusts its logits as the target will before it proposes
+    extended_sampling: bool = False
 
     @property
     def state(self) -> list[state.StateSpec]:
@@ -655,6 +666,7 @@ class DraftIO:
             *batch_index_specs(self.continuous_batching),
             *window_specs(self.comp_ctx),
             *self.q_inputs,
+            *(draft_extended_specs(self.vocab_size) if self.extended_sampling else ()),
             *self.kv,
         ]
 

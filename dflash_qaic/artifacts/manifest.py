@@ -287,7 +287,7 @@ class ProgramRecord:
         rule = io.pop("verify_rule", contract.CHAIN)  # a target exported with block verify only
         layer_kv = io.pop("layer_kv", ())  # a target whose layers' caches differ (Gemma 4) only
         logprobs = io.pop("logprobs", 0), io.pop("logprobs_mode", contract.RAW_LOGPROBS)
-        extended = io.pop("extended_sampling", False)  # a target exported with it only
+        extended = io.pop("extended_sampling", False)  # a program exported with it only
         return {
             **self.facts,
             **io,
@@ -367,6 +367,7 @@ class ProgramRecord:
                 q_top_k=c.int("q_top_k", 0, 1 << 24, default=0),
                 top_k=c.int("top_k", 0, contract.MAX_DRAFT_TOP_K, default=0),
                 pair_k=c.int("pair_k", 0, contract.MAX_DRAFT_TOP_K, default=0),
+                extended_sampling=c.bool("extended_sampling", False),
             )
         for which, specs in (("inputs", io.inputs), ("outputs", io.outputs)):
             want = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]

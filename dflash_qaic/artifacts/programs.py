@@ -189,6 +189,7 @@ def _export_draft(pair, w: _Weights, plan, o: ExportOptions, out: Path, steps) -
             top_k=o.draft_top_k,
             plan=plan,
             context_window=o.draft_context_window,
+            extended_sampling=o.extended_sampling,
             **_common(pair, plan, o),
         )
     steps.append(("export draft", f"{facts['onnx_bytes'] / 1e6:.1f} MB", time.perf_counter() - t))

@@ -11,7 +11,7 @@ from dflash_qaic import contract
 from dflash_qaic.checkpoints import DraftConfig, Pair
 from dflash_qaic.exporter import weights
 from dflash_qaic.exporter.onnx_export import export_and_check, program_facts
-from dflash_qaic.exporter.target import batch_index_feed, check_sizes, window_feed
+from dflash_qaic.exporter.target import batch_index_feed, check_sizes, extended_feed, window_feed
 from dflash_qaic.modeling.draft import DFlashDraft, ExportDraft
 
 
@@ -27,6 +27,7 @@ def draft_io(
     q_top_k: int = 0,
     top_k: int = 0,
     pair_k: int = 0,
+    extended_sampling: bool = False,
 ) -> contract.DraftIO:
     return contract.DraftIO(
         n_layers=c.num_layers,
@@ -43,6 +44,7 @@ def draft_io(
         q_top_k=q_top_k,
         top_k=top_k,
         pair_k=pair_k,
+        extended_sampling=extended_sampling,
     )
 
 
@@ -74,6 +76,9 @@ def check_feeds(io: contract.DraftIO, specializations: list[dict], mask_id: int,
                 np.float32
             )
             feed[contract.DRAFT_RANDOM_U] = rng.random((b, B - 1)).astype(np.float32)
+        if io.extended_sampling:  # every adjustment on, a random history (as the target's)
+            ext = extended_feed(io, b, rng)
+            feed |= {t.name: ext[t.name] for t in contract.draft_extended_specs(io.vocab_size)}
         if contract.BATCH_INDEX in feed:  # an inactive row's context positions are -1 too
             pos_t[feed[contract.BATCH_INDEX][:, 0] < 0] = contract.PAD_POSITION
         for kv in io.kv:
@@ -95,6 +100,19 @@ def _outputs_k(module, draft_cfg, V: int, sampling: bool, sample_top_k: int, top
     if draft_cfg.dflash2 and top_k:  # the selector ranks a tree's branches after their parents
         module.pair_k = min(top_k, draft_cfg.selector_top_k)
     return q_top_k, top_k
+
+
+def _module(cfg, state, stream_from, embed, head, ctx_len, emit_logits, cb, window, extended):
+    """The ExportDraft of `export_draft`'s arguments (the placeholder draft when streaming).
+    extended: it takes the target's extended sampling inputs, unless the draft has its own
+    reduced vocabulary (its logits are not over the target's ids: it proposes unadjusted)."""
+    if stream_from is not None:
+        draft = weights.placeholder_draft(cfg)
+    else:
+        draft = DFlashDraft.from_checkpoint(cfg, state)
+    module = ExportDraft(draft, embed, head, ctx_len, emit_logits, cb, context_window=window)
+    module.extended = extended and module.vocab_map is None
+    return module.eval()
 
 
 def _plan(block_size, prefill_seq_len, ctx_len, comp_ctx_lengths, **sizes):
@@ -125,6 +143,7 @@ def export_draft(
     top_k: int = 0,
     plan: contract.ShapePlan | None = None,
     context_window: int | None = None,
+    extended_sampling: bool = False,
 ) -> dict:
     """Export the draft program to `out_path` and check it; returns facts for the manifest.
 
@@ -138,22 +157,19 @@ def export_draft(
     top_k: it also returns each proposal row's top-k ids and log-probabilities (0: not).
     plan: the export's shape plan (artifacts/preflight.py), made here from the sizes when None.
     context_window: full layers see only the last N context positions (`ExportDraft`).
+    extended_sampling: the draft proposes from its logits adjusted as the target's (`_module`).
     """
     check_sizes(ctx_len, prefill_seq_len, block_size, min_block=2)
-    if stream_from is not None:
-        draft = weights.placeholder_draft(draft_cfg)
-    else:
-        draft = DFlashDraft.from_checkpoint(draft_cfg, draft_state)
     cb = full_batch_size is not None
-    module = ExportDraft(draft, embed_weight, head_weight, ctx_len, emit_logits, cb,
-                         context_window=context_window).eval()  # fmt: skip
+    module = _module(draft_cfg, draft_state, stream_from, embed_weight, head_weight, ctx_len,
+                     emit_logits, cb, context_window, extended_sampling)  # fmt: skip
     rings = module.cache_slots()  # sliding layers (and windowed full ones): ring caches
     V = embed_weight.shape[0]
     Vd = draft_cfg.draft_vocab_size or V  # a reduced draft vocabulary bounds its top-k
     q_top_k, top_k = _outputs_k(module, draft_cfg, Vd, sampling, sample_top_k, top_k)
     io = draft_io(
         draft_cfg, V, block_size, emit_logits, cb, ring_slots=rings, q_top_k=q_top_k, top_k=top_k,
-        pair_k=module.pair_k,
+        pair_k=module.pair_k, extended_sampling=module.extended,
     )  # fmt: skip
     if plan is None:
         sizes = dict(batch_size=batch_size, full_batch_size=full_batch_size)

@@ -73,6 +73,7 @@ from dflash_qaic.modeling.ops import (
     ring_slots,
     update_cache,
 )
+from dflash_qaic.modeling.penalties import proposal_logits
 
 __all__ = [
     "CandidateSelector",
@@ -492,7 +493,8 @@ class ExportDraft(nn.Module):
          block start (a ring layer: the slots holding positions within its window, `ring_held`)
          plus the block's own K/V (bidirectional in b16 layers, else `block_mask`; the block K/V
          are not persisted);
-      3. returns argmax of the target's head over rows 1 … B−1, with `confidence` the softmax
+      3. returns argmax of the target's head over rows 1 … B−1 (with the extended sampling
+         inputs: of the logits adjusted as the target's, `proposal_logits`), with `confidence` the softmax
          over the CONFIDENCE_TOPK largest logits at the argmax (contract.DRAFT_CONFIDENCE),
          and the updated caches.
     """
@@ -502,6 +504,9 @@ class ExportDraft(nn.Module):
     #: top-k ids and log-probabilities returned per proposal row (set by the exporter; 0: none)
     top_k = 0
     pair_k = 0  # a DFlash-2 draft with top_k: its selector's pairwise log q (contract.py)
+    #: the target's extended sampling inputs (set by the exporter): the logits are adjusted as
+    #: the target's will be before any proposal (modeling/penalties.py: proposal_logits)
+    extended = False
 
     def __init__(
         self,
@@ -627,6 +632,8 @@ class ExportDraft(nn.Module):
         if self.c.final_logit_softcapping:
             cap = self.c.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
+        if self.extended:  # penalties, logit bias, bad words, min_tokens: as the target's rows
+            logits = proposal_logits(logits, x, input_ids, position_ids, int(logits.shape[-1]))
         draft_tokens, conf, logits, q = self.propose(x, hidden, logits, input_ids)
         out = {DRAFT_TOKENS: draft_tokens, DRAFT_CONFIDENCE: conf, LOGITS: logits, **q}
         out.update((retained_name(n), t) for n, t in zip(kv, retained, strict=True))

@@ -11,6 +11,10 @@ those tokens, and the lossless rules then act on the adjusted distribution. Orde
 logit bias, then the penalties (repetition, frequency, presence), then the masks (grammar, bad
 words, min_tokens: applied last, so no penalty can lift a masked token back), min_p in the
 sampler after the temperature.
+
+The draft (`proposal_logits`) applies the additive adjustments and the masks before it
+proposes, so its proposals follow the adjusted target; it proposes its block in one pass, so its
+history is the summary and the anchor alone (the proposals before a row are not known to it yet).
 """
 
 from __future__ import annotations
@@ -37,9 +41,27 @@ def choice_logits(logits, x: dict, vocab: int, bitmask: bool, extended: bool) ->
     return logits, kw
 
 
-def adjust_logits(logits, x: dict, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def proposal_logits(logits, x: dict, block_ids, block_pos, vocab: int) -> torch.Tensor:
+    """The draft's logits [b, B − 1, V] (row j proposes position start + j + 1) adjusted as
+    the target's verify row j will be, from the history summary and the anchor: the block's
+    rows after the anchor are not tokens yet (NO_TOKEN: counted nowhere, matching no bad
+    word). Banned tokens sink to the floor (`mask_logits`), so no argmax takes one. The
+    additive adjustments only: bias, frequency and presence move a token's logit by the same
+    amount in the draft as in the target, so they carry over; the repetition penalty scales a
+    logit by where it sits (l / r or l · r), and the draft's logits sit elsewhere than the
+    target's (measured in docs/sampling.md: it gains nothing on a DFlash draft and costs a
+    DFlash-2 selector, whose unary scores it rescales against the pairwise ones)."""
+    ids = torch.cat([block_ids[:, :1], block_ids[:, 1:-1] * 0 + c.NO_TOKEN], dim=1)  # [b, B−1]
+    x = {**x, c.INPUT_IDS: ids, c.POSITION_IDS: block_pos[:, :-1]}  # the target's row layout
+    logits, banned = adjust_logits(logits, x, vocab, repetition=False)
+    return mask_logits(logits, ~banned)[0]
+
+
+def adjust_logits(
+    logits, x: dict, vocab: int, repetition: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits after logit bias and the penalties [b, s, V], the tokens bad words and
-    min_tokens rule out [b, s, V] bool)."""
+    min_tokens rule out [b, s, V] bool); repetition False: without the repetition penalty."""
     ids, pos = x[c.INPUT_IDS], x[c.POSITION_IDS]  # [b, s]
     v = torch.arange(vocab, device=logits.device)
     generated = (pos >= x[c.GENERATED_FROM][:, None]) & (pos >= 0)  # [b, s]
@@ -48,9 +70,10 @@ def adjust_logits(logits, x: dict, vocab: int) -> tuple[torch.Tensor, torch.Tens
     bias = (logits[:, 0, :] * 0).scatter_add(1, x[c.LOGIT_BIAS_IDS], x[c.LOGIT_BIAS])  # [b, V]
     logits = logits + bias[:, None, :]
     out_seen = counts > 0
-    seen = out_seen | token_allowed(x[c.PROMPT_TOKENS][:, None, :], vocab)  # [b, s, V]
-    r = x[c.REPETITION_PENALTY][:, None, None]
-    logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    if repetition:
+        seen = out_seen | token_allowed(x[c.PROMPT_TOKENS][:, None, :], vocab)  # [b, s, V]
+        r = x[c.REPETITION_PENALTY][:, None, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
     logits = logits - x[c.FREQUENCY_PENALTY][:, None, None] * counts
     logits = logits - x[c.PRESENCE_PENALTY][:, None, None] * out_seen.to(logits.dtype)
     return logits, min_tokens_bans(pos, x, v) | bad_word_bans(ids, pos, generated, x, v)

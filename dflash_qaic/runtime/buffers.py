@@ -122,6 +122,9 @@ class _Shared:
             self.q[contract.DRAFT_Q_PROBS] = np.zeros((rows, *dq), np.float32)
         # attention windows (contract.COMP_CTX_LENGTHS): a call reads the smallest one holding
         # every slot it needs, so its cost follows the context, not ctx_len
+        self.draft_ext = []  # the draft's extended sampling inputs (contract.draft_extended_specs)
+        if draft_io.extended_sampling:
+            self.draft_ext = contract.draft_extended_specs(draft_io.vocab_size)
         self.windows = list(plan.windows or ())
         self.window_ids = {n: np.arange(n, dtype=np.int64) for n in self.windows}
 
@@ -160,7 +163,9 @@ class _Shared:
             feeds[s] = bind(self.target_io, arrays)
         return TargetCall(ids, pos, feeds, mask, tree, scored)
 
-    def draft_call(self, ctx, ctx_pos, blk_ids, blk_pos) -> DraftCall:
+    def draft_call(self, ctx, ctx_pos, blk_ids, blk_pos, ext=None) -> DraftCall:
+        """ext: the extended sampling arrays the draft reads, by name (None: this call's rows,
+        the target's arrays themselves: never a copy)."""
         arrays = {
             contract.TARGET_HIDDEN: ctx,
             contract.POSITION_IDS_TARGET: ctx_pos,
@@ -168,6 +173,9 @@ class _Shared:
             contract.POSITION_IDS: blk_pos,
             **self._common(),
         }
+        if self.draft_ext:  # adjusts its proposals as the target's rows will be
+            ext = self.sampling.ext.arrays() if ext is None else ext
+            arrays.update((t.name, ext[t.name]) for t in self.draft_ext)
         if self.draft_u is not None:
             arrays[contract.TEMPERATURE] = self.sampling.temperature
             arrays[contract.DRAFT_RANDOM_U] = self.draft_u
@@ -206,9 +214,12 @@ class StepBuffers(_Shared):
 class PrefillBuffers(_Shared):
     """The batch-1 calls of a prompt. A target chunk of each prefill length (views of one
     [1, C] pair); the draft's prompt context per slot (its rows wait there across chunks, and
-    prefills of several slots may interleave), allocated at a slot's first prompt."""
+    prefills of several slots may interleave), allocated at a slot's first prompt. A draft
+    taking the extended sampling inputs reads the slot's row of the step's (views, no copy):
+    the history a decoding row drafting again has there, empty at the prompt's end."""
 
-    def __init__(self, plan, target_io, draft_io, mask_id: int):
+    def __init__(self, plan, target_io, draft_io, mask_id: int, step_ext=None):
+        """step_ext: the step's ExtendedRows, whose slot row a DraftPrefill call reads."""
         C, B = plan.prefill_seq_len, plan.block_size
         sample_lens = {plan.sample_len(n, g) for n in plan.prefill_lengths for g in (True, False)}
         super().__init__(plan, 1, sample_lens, target_io, draft_io)
@@ -232,6 +243,7 @@ class PrefillBuffers(_Shared):
         self.blk_pos = np.zeros((1, B), np.int64)
         self._ctx: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # slot -> ctx, ctx_pos
         self._calls: dict[tuple[int, int], DraftCall] = {}  # (slot, rows) -> its call
+        self.step_ext = step_ext
 
     def context(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """The slot's prompt-context rows: float32 [1, D, H] and int64 [1, D]."""
@@ -245,6 +257,11 @@ class PrefillBuffers(_Shared):
         call = self._calls.get((slot, rows))
         if call is None:
             ctx, ctx_pos = self.context(slot)
-            call = self.draft_call(ctx[:, :rows], ctx_pos[:, :rows], self.blk_ids, self.blk_pos)
+            ext = None
+            if self.draft_ext:  # the slot's history as the step holds it: [1, …] views
+                ext = {n: a[slot : slot + 1] for n, a in self.step_ext.arrays().items()}
+            call = self.draft_call(
+                ctx[:, :rows], ctx_pos[:, :rows], self.blk_ids, self.blk_pos, ext
+            )
             self._calls[slot, rows] = call
         return call

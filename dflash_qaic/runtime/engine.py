@@ -197,7 +197,7 @@ class BatchEngine:
         state = SlotBook(N, B)
         bufs = StepBuffers(plan, sorted({*lengths, *trees}), target_io, draft_io, mask_token_id)
         self.sampling = bufs.sampling  # the step calls' per-slot settings
-        prefill_bufs = PrefillBuffers(plan, target_io, draft_io, mask_token_id)
+        prefill_bufs = PrefillBuffers(plan, target_io, draft_io, mask_token_id, bufs.sampling.ext)
         self.prefill = Prefill(plan, target, draft, prefill_bufs, state, dflash)
         costs = costs if costs is not None else StepCosts()
         if dflash:
