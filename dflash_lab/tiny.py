@@ -582,7 +582,10 @@ def make_tiny_pair(
 
     torch.manual_seed(s.seed)
     gen = torch.Generator().manual_seed(s.seed + 1)
-    target = AutoModelForCausalLM.from_config(_target_config(s)).float().eval()
+    cfg = _target_config(s)
+    wrapper = families.get(s.family).text_model  # built as its text model, saved as wrapped
+    target = AutoModelForCausalLM.from_config(cfg.get_text_config() if wrapper else cfg)
+    target = target.float().eval()
     with torch.no_grad():
         # Random init with a readable scale (HF's 0.02 std makes every logit nearly equal).
         for name, p in target.named_parameters():
@@ -597,11 +600,35 @@ def make_tiny_pair(
             head = target.get_output_embeddings().weight
             # token 0 leads whenever that component dominates; in units of a head row's norm
             head[0, 0] += s.agree * head.norm(dim=1).mean()
-    target.save_pretrained(tdir)
+    if wrapper:
+        _save_wrapped(s, cfg, target, tdir, gen)
+    else:
+        target.save_pretrained(tdir)
 
     (ddir / "config.json").write_text(json.dumps(draft_config_dict(s), indent=2) + "\n")
     save_file(random_draft_state(s, gen), str(ddir / "model.safetensors"))
     return tdir, ddir
+
+
+def _save_wrapped(s: TinySpec, cfg, target, tdir: Path, gen: torch.Generator) -> None:
+    """A text model saved in its family's wrapper form (Kimi K2.5's): Hugging Face's saved
+    tensors (experts per expert, as published) under the family's prefix and head name, beside
+    the tiny vision tower's when s.multimodal."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    family = families.get(s.family)
+    with tempfile.TemporaryDirectory(prefix="dflash-wrapped-") as tmp:
+        target.save_pretrained(tmp)
+        state = load_file(str(Path(tmp) / "model.safetensors"))
+    cfg.save_pretrained(tdir)
+    prefix = family.text_config(cfg.to_dict(), tdir / "config.json")[1]
+    out = {family.head if k == "lm_head.weight" else prefix + k[len("model.") :]: v
+           for k, v in state.items()}  # fmt: skip
+    want = {n: sh for n, sh, _ in family.tiny_tensors(s)}
+    out |= {n: torch.randn(sh, generator=gen) * 0.02 for n, sh in want.items() if n not in out}
+    save_file(out, str(tdir / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _make_hybrid(s: TinySpec, tdir: Path, ddir: Path) -> None:

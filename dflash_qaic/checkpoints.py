@@ -107,7 +107,7 @@ def check_target_tensors(t: TargetConfig) -> dict[str, TensorInfo]:
         ignored |= {k for k in tensors if k.startswith(t.spec.ignored_prefixes)}
     ignored |= t.spec.ignored_tensors(t, tensors)
     if t.tie_word_embeddings:
-        ignored.add("lm_head.weight")  # tied: the head is the embedding (as Hugging Face does)
+        ignored.add(t.spec.head)  # tied: the head is the embedding (as Hugging Face does)
     shapes = {k: list(v.shape) for k, v in tensors.items()}
     hint = f"not a {t.family} checkpoint with {t.num_layers} layers as config.json declares"
     expected = expected_target_shapes(t, fused=t.spec.experts_fused(tensors))
@@ -203,9 +203,17 @@ def load_target_model(t: TargetConfig | str | Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     path = t.path if isinstance(t, TargetConfig) else Path(t)
-    quant = (read_config(path, "target").get("quantization_config") or {}).get("quant_method")
+    cfg = read_config(path, "target")
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    quant = (cfg.get("quantization_config") or text.get("quantization_config") or {}).get(
+        "quant_method"
+    )
+    if not isinstance(t, TargetConfig) and (text or quant in ("fp8", "compressed-tensors")):
+        t = read_target_config(path)
+    if isinstance(t, TargetConfig) and t.spec.text_model:  # a wrapper: its text model
+        return _load_text_model(t)
     if quant in ("fp8", "compressed-tensors"):
-        return _load_dequantized(t if isinstance(t, TargetConfig) else read_target_config(path))
+        return _load_dequantized(t)
     extra = {}
     if quant == "mxfp4":  # gpt-oss's MXFP4 experts, dequantized on load (exact: mxfp4.py)
         from transformers import Mxfp4Config
@@ -217,22 +225,13 @@ def load_target_model(t: TargetConfig | str | Path) -> torch.nn.Module:
     return model.float().eval()
 
 
-def _load_dequantized(t: TargetConfig) -> torch.nn.Module:
-    """A FP8 / INT4 target in fp32, its weights dequantized here (exactly: checkpoint_files/
-    quantized.py), not by transformers (whose FP8 path mis-sizes partial edge blocks): an
-    unquantized copy of the checkpoint in a temporary directory, loaded as any other."""
-    import json
-    import tempfile
-
+def _fp32_state(t: TargetConfig) -> dict[str, torch.Tensor]:
+    """Every tensor of the target in fp32 under its checkpoint name, quantized ones (FP8,
+    INT4) dequantized exactly (checkpoint_files/quantized.py)."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     from dflash_qaic.checkpoint_files import quantized
 
-    cfg = read_config(t.path, "target")
-    cfg.pop("quantization_config", None)
-    if isinstance(cfg.get("text_config"), dict):
-        cfg["text_config"].pop("quantization_config", None)
     state, plain = {}, {}
     for name, info in target_weights(t).items():
         if isinstance(info, QuantizedTensor):
@@ -242,6 +241,45 @@ def _load_dequantized(t: TargetConfig) -> torch.nn.Module:
     for file, names in plain.items():
         with safe_open(str(file), "pt") as f:
             state.update({n: f.get_tensor(n).float() for n in names})
+    return state
+
+
+def _load_text_model(t: TargetConfig) -> torch.nn.Module:
+    """The text model of a wrapper (Kimi K2.5's) in fp32: its text config and its tensors
+    (from under the family's prefix and head name; the vision tower's left out) copied to a
+    temporary directory, loaded as a text-only checkpoint."""
+    import json
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    text = t.spec.text_model_config(t.text)
+    names = {t.spec.head: "lm_head.weight"}
+    state = {}
+    for k, v in _fp32_state(t).items():
+        if k.startswith(t.prefix) or k in names:
+            state[names.get(k) or "model." + k[len(t.prefix) :]] = v
+    with tempfile.TemporaryDirectory(prefix="dflash-text-model-") as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(text))
+        save_file(state, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+        del state
+        return load_target_model(Path(tmp))
+
+
+def _load_dequantized(t: TargetConfig) -> torch.nn.Module:
+    """A FP8 / INT4 target in fp32, its weights dequantized here (exactly: checkpoint_files/
+    quantized.py), not by transformers (whose FP8 path mis-sizes partial edge blocks): an
+    unquantized copy of the checkpoint in a temporary directory, loaded as any other."""
+    import json
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    cfg = read_config(t.path, "target")
+    cfg.pop("quantization_config", None)
+    if isinstance(cfg.get("text_config"), dict):
+        cfg["text_config"].pop("quantization_config", None)
+    state = _fp32_state(t)
     with tempfile.TemporaryDirectory(prefix="dflash-dequantized-") as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(cfg))
         save_file(state, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})

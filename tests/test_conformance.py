@@ -51,6 +51,7 @@ CASES = {
     "deepseek_v3": ("deepseek_v3", "dflash", dict(block_size=4, agree=2.0), 8, 160),
     "glm4_moe_lite": ("glm4_moe_lite", "dflash", dict(block_size=4, agree=2.0), 8, 160),
     "minimax_m2": ("minimax_m2", "dflash", dict(block_size=4, agree=2.0), 8, 160),
+    "kimi_k25": ("kimi_k25", "dflash", dict(block_size=4, agree=2.0, multimodal=True), 8, 160),
     "qwen3-dflash2": ("qwen3", "dflash2", dict(block_size=8, vocab_size=24, agree=2.0), 16, 160),
     "qwen3-sliding": ("qwen3", "sliding", dict(block_size=8, vocab_size=24), 16, 160),
 }
@@ -67,6 +68,7 @@ HF_CLASS = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
+    "kimi_k25": "DeepseekV3ForCausalLM",  # the wrapper's text model (built from text_config)
 }
 assert (
     {c[0] for c in CASES.values()} == set(FAMILIES) == set(HF_CLASS)

@@ -252,6 +252,7 @@ def placeholder_target(t: ck.TargetConfig) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.from_pretrained(t.path, local_files_only=True)
+    cfg = cfg.get_text_config() if t.spec.text_model else cfg  # a wrapper: its text model
     cfg._attn_implementation = "eager"
     cfg.get_text_config()._attn_implementation = "eager"
     with torch.device("meta"):
@@ -339,7 +340,7 @@ def _transposed_names(module: torch.nn.Module) -> set[str]:
 
 def _head_sources(pair: ck.Pair, tied: bool) -> dict[str, Source]:
     tt, p = pair.target_tensors, pair.target.prefix  # "model." (or a multimodal text model's)
-    head = tt[p + "embed_tokens.weight"] if tied else tt["lm_head.weight"]
+    head = tt[p + "embed_tokens.weight"] if tied else tt[pair.target.spec.head]
     out = {"head_t": Source(head, transpose=True)}
     if not tied:
         out["embed"] = Source(tt[p + "embed_tokens.weight"])

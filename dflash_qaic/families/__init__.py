@@ -30,6 +30,7 @@ from dflash_qaic.families.deepseek_v3 import DEEPSEEK_V3, GLM4_MOE_LITE
 from dflash_qaic.families.dense import LLAMA, QWEN3
 from dflash_qaic.families.gemma4 import GEMMA4, GEMMA4_MOE
 from dflash_qaic.families.gpt_oss import GPT_OSS
+from dflash_qaic.families.kimi_k25 import KIMI_K25
 from dflash_qaic.families.minimax_m2 import MINIMAX_M2
 from dflash_qaic.families.qwen3_5 import QWEN3_5
 from dflash_qaic.families.qwen3_5_moe import QWEN3_5_MOE
@@ -39,7 +40,7 @@ FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
         QWEN3, LLAMA, QWEN3_5, QWEN3_MOE, QWEN3_5_MOE, GEMMA4, GEMMA4_MOE, GPT_OSS, DEEPSEEK_V3,
-        GLM4_MOE_LITE, MINIMAX_M2,
+        GLM4_MOE_LITE, MINIMAX_M2, KIMI_K25,
     )
 }  # fmt: skip
 

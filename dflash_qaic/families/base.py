@@ -144,6 +144,9 @@ class Family:
     tiny_layout = ""  # how dflash_lab writes its tiny target ("": Hugging Face's save_pretrained)
     ignored_prefixes: tuple[str, ...] = ()  # tensors the checkpoint may carry that no program uses
     own_draft_attention = False  # its drafts' attention shape is their own (not the target's)
+    head = "lm_head.weight"  # the untied head's checkpoint tensor (Kimi K2.5's wrapper: its own)
+    # Hugging Face builds the model from its text config (a wrapper no causal-LM class loads)
+    text_model = False
     tiny_fields = TinyFields
 
     def __repr__(self) -> str:
@@ -245,7 +248,7 @@ class Family:
         H, V, p = t.hidden_size, t.vocab_size, t.prefix
         shapes = {p + "embed_tokens.weight": [V, H], p + "norm.weight": [H]}
         if not t.tie_word_embeddings:
-            shapes["lm_head.weight"] = [V, H]
+            shapes[self.head] = [V, H]
         for i in range(t.num_layers):
             layer = self.layer_shapes(t, i, fused)
             shapes.update({f"{p}layers.{i}.{k}": s for k, s in layer.items()})
@@ -271,6 +274,11 @@ class Family:
         return t.prefix + param
 
     # ------------------------------------------------------------ tiny preset
+
+    def text_model_config(self, text: Mapping) -> dict:
+        """A wrapper's text config as a text-only checkpoint's config.json (`text_model`
+        families; dequantized: no quantization_config)."""
+        return {k: v for k, v in text.items() if k != "quantization_config"}
 
     def draft_layer_ids(self, target_layers: int) -> list[int] | None:
         """The target layers a real-shape preset's draft reads, when its published drafts fix
