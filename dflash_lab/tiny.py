@@ -282,7 +282,7 @@ PRESETS: dict[str, dict] = {
         max_position_embeddings=163840,
     ),
     # Kimi K2.5's text model (the DeepSeek-V3 architecture, text-only form; its published
-    # KimiK25ForConditionalGeneration wrapper is not read yet): 61 layers, 64 heads, 384 routed
+    # wrapper is the kimi_k25 family: --family kimi_k25 --multimodal): 61 layers, 64 heads, 384 routed
     # experts (top-8, one group, scaled 2.827) beside one shared, the first layer dense, YaRN
     # ×64 (θ 50000), vocabulary 163,840. The draft as deepseek-v3's (assumed shape).
     "kimi-k2.5": dict(
@@ -672,7 +672,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--multimodal",
         action="store_true",
-        help="qwen3_5: the published Qwen3_5ForConditionalGeneration form (text_config)",
+        help="qwen3_5 / gemma4: the published ConditionalGeneration form (text_config); "
+        "kimi_k25: its wrapper with a tiny vision tower's tensors (skipped by the export)",
     )
     for flag in ("hidden-size", "target-layers", "draft-layers", "num-heads", "num-kv-heads"):
         p.add_argument(f"--{flag}", type=int)

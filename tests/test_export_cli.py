@@ -189,7 +189,8 @@ def test_shipped_recipes_parse():
     assert any(n.startswith("llama-3.1-8b") for n in names)
     for p in RECIPE_DIR.glob("*.yaml"):
         data = yaml.safe_load(p.read_text())
-        block = 8 if p.stem.startswith("gpt-oss") else 16  # z-lab's gpt-oss drafts: block 8
+        # z-lab's gpt-oss and Kimi K2.5 drafts: block 8
+        block = 8 if p.stem.startswith(("gpt-oss", "kimi-k2.5")) else 16
         assert set(data) <= RECIPE_KEYS and data["block_size"] == block
 
 
