@@ -19,7 +19,6 @@ steps the step policy drafted, per length. Exit 1 when DFlash's tokens differ at
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import statistics
@@ -196,15 +195,10 @@ def render(r: dict) -> str:
 
 def parse(argv: list[str] | None):
     from dflash_qaic.bench.frame import parse_list
+    from dflash_qaic.commands import doc_parser
     from dflash_qaic.runtime.options import SPEC_POLICY
 
-    p = argparse.ArgumentParser(
-        prog="dflash-bench --long-context",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("artifacts")
+    p = doc_parser("dflash-bench --long-context", __doc__)
     p.add_argument("--prompt-len", type=int, default=8000)
     p.add_argument("--positions", default="1000,2000,4000,8000", help="comma-separated")
     p.add_argument("--context-lens", default=None, help="comma-separated (default: --positions)")

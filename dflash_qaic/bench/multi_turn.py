@@ -104,15 +104,10 @@ def table(report: dict) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
+    from dflash_qaic.commands import doc_parser
     from dflash_qaic.runtime import options
 
-    p = argparse.ArgumentParser(
-        prog="dflash-bench --multi-turn",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("artifacts")
+    p = doc_parser("dflash-bench --multi-turn", __doc__)
     options.add_arguments(p, "backend", "threads", "check_files")
     options.SPEC_POLICY.add(p)
     for flag, default, text in (
