@@ -5,7 +5,10 @@ arguments: the API server, or the `LLM` caller). Here the platform finds the art
 them against what the user typed, and fixes vLLM's settings so its scheduler drives our step:
 
 - one cache row of the artifacts is one vLLM block: block_size = max_model_len, blocks = rows
-  + 1 (block 0 is vLLM's null block), max_num_seqs at most the rows; prefix caching off;
+  + 1 (block 0 is vLLM's null block), max_num_seqs at most the rows;
+- prefix caching is our engine's, not vLLM's block manager's: vLLM's --enable-prefix-caching
+  (on by default) is kept for our worker (`prefix_caching`) and vLLM's own is turned off, since
+  a block it matched would count as computed state that only our worker's rows hold;
 - no chunked prefill and a token budget that holds every row's prompt: a request's prompt is
   scheduled whole, and our engine prefills it in its own chunks;
 - vLLM's speculative decoding on, `num_speculative_tokens` = block size − 1: the scheduler
@@ -47,6 +50,8 @@ WORKER = "dflash_qaic.vllm.worker.DFlashWorker"
 SCHEDULER = "dflash_qaic.vllm.scheduler.DFlashScheduler"
 #: the KV connector of two `vllm serve` split into prefill and decode (vllm/connector.py)
 CONNECTOR = "DFlashQaicConnector"
+#: the key of --additional-config that keeps vLLM's --enable-prefix-caching for our worker
+PREFIX_CACHING = "dflash_qaic_prefix_caching"
 #: vLLM's "greedy" threshold (temperatures below it sample greedily)
 GREEDY_EPS = 1e-5
 
@@ -195,6 +200,7 @@ class DFlashQaicPlatform(CpuPlatform):
         backend = _checked_backend(block, m)
         M = _fit_to_artifacts(vllm_config, artifacts, rows, ctx_len)
         _install_worker(vllm_config, block, artifacts, backend, B)
+        _keep_prefix_caching(vllm_config)
         _connector_module(vllm_config)
         cls.limits = Limits(
             can_sample=m.target.io.sampling,
@@ -441,7 +447,6 @@ def _fit_to_artifacts(vllm_config, artifacts: str, rows: int, ctx_len: int) -> i
     cache = vllm_config.cache_config
     cache.block_size = M
     cache.user_specified_block_size = True
-    cache.enable_prefix_caching = False
     cache.num_gpu_blocks_override = sched.max_num_seqs + 1  # + vLLM's null block
 
     sched.enable_chunked_prefill = False
@@ -451,6 +456,25 @@ def _fit_to_artifacts(vllm_config, artifacts: str, rows: int, ctx_len: int) -> i
         sched.max_num_scheduled_tokens = sched.max_num_batched_tokens
     sched.long_prefill_token_threshold = 0
     return M
+
+
+def _keep_prefix_caching(vllm_config) -> None:
+    """vLLM's --enable-prefix-caching (on by default, as vLLM resolved it) is our engine's
+    setting (runtime/prefix.py matches and resumes in its own cache rows); vLLM's block manager
+    runs with it off, so it never marks a matched prefix as computed: only our worker's rows hold
+    that state, and the worker reports its hits to our scheduler (vllm/scheduler.py). Kept in
+    additional_config, since the engine-core process re-runs this on the config made here."""
+    extra = vllm_config.additional_config
+    cache = vllm_config.cache_config
+    if PREFIX_CACHING not in extra:
+        extra[PREFIX_CACHING] = bool(cache.enable_prefix_caching)
+    cache.enable_prefix_caching = False
+
+
+def prefix_caching(vllm_config) -> bool:
+    """Whether our engine caches prefixes (the user's --enable-prefix-caching, kept by the
+    platform)."""
+    return bool((vllm_config.additional_config or {}).get(PREFIX_CACHING, True))
 
 
 def _connector_module(vllm_config) -> None:

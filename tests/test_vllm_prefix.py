@@ -1,0 +1,130 @@
+"""Prefix caching under the vLLM plugin (docs/prefix-caching.md, under vLLM): a real `vllm
+serve` from `.venv-vllm` over the continuous-batching artifacts of the built-in pair, with
+vLLM's --enable-prefix-caching on by default. Our engine matches and resumes in its own cache
+rows; vLLM's counters (`vllm:prefix_cache_queries` / `_hits`) and the answer's
+`usage.prompt_tokens_details.cached_tokens` say what it found; tokens equal `pipe.generate`'s
+(the tokens dflash-serve answers) and a server with --no-enable-prefix-caching.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+from openai import OpenAI
+
+import dflash_qaic
+from dflash_qaic.bench.vllm_host import VllmServer
+
+B = 16
+BLOCK = {"dflash_qaic": {"verify_lengths": [B], "threads": 1}}
+ARGS = ("--max-num-seqs", "4", "--enable-prompt-tokens-details")
+ARGS += ("--additional-config", json.dumps(BLOCK))
+#: a long shared prefix (a system prompt) and the turns that follow it
+PREFIX = [int(t) for t in np.random.default_rng(54).integers(1, 250, 300)]
+TAILS = [[int(t) for t in np.random.default_rng(i).integers(1, 250, 20)] for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def pipe(cb_artifacts):
+    p = dflash_qaic.load(cb_artifacts, threads=1)
+    p.configure(verify_lengths=[B], enable_prefix_caching=False)  # every answer cold
+    return p
+
+
+@pytest.fixture(scope="module")
+def server(cb_artifacts):
+    """One `DFLASH_QAIC_VLLM=1 vllm serve` for the module, prefix caching as vLLM's default."""
+    with VllmServer(cb_artifacts, *ARGS, timeout=420) as s:
+        s.model = str(cb_artifacts)
+        yield s
+
+
+def complete(server, prompt, max_tokens=24, **extra):
+    """One greedy completion: (token ids, cached_tokens of its usage)."""
+    c = OpenAI(base_url=server.url + "/v1", api_key="x", http_client=httpx.Client(trust_env=False))
+    out = c.completions.create(
+        model=server.model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True, **extra},
+    )  # fmt: skip
+    details = out.usage.prompt_tokens_details
+    return out.choices[0].token_ids, None if details is None else details.cached_tokens
+
+
+def counters(server) -> dict:
+    """vllm:prefix_cache_queries / _hits totals, summed over their labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics", trust_env=False).text
+    out = {"queries": 0.0, "hits": 0.0}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            for k in out:
+                if s.name == f"vllm:prefix_cache_{k}_total":
+                    out[k] += s.value
+    return out
+
+
+def delta(before: dict, after: dict) -> dict:
+    return {k: after[k] - before[k] for k in before}
+
+
+def test_a_shared_prefix_hits_and_the_tokens_are_a_cold_runs(server, pipe):
+    """Two requests sharing a 300-token prefix: the second finds it (vLLM's hits counter and its
+    cached_tokens), and each answer equals its own cold run."""
+    first, second = PREFIX + TAILS[0], PREFIX + TAILS[1]
+    before = counters(server)
+    got1, cached1 = complete(server, first)
+    mid = counters(server)
+    got2, cached2 = complete(server, second)
+    after = counters(server)
+    assert delta(before, mid) == {"queries": len(first), "hits": 0}
+    assert cached1 == 0
+    d = delta(mid, after)
+    assert d["queries"] == len(second)
+    assert len(PREFIX) <= d["hits"] < len(second)  # the prefix (its 16-token blocks and more)
+    assert cached2 == d["hits"]
+    assert got1 == pipe.generate(first, 24, stop_token_ids=[]).tokens
+    assert got2 == pipe.generate(second, 24, stop_token_ids=[]).tokens
+
+
+def test_a_conversation_resumes_after_the_answer(server, pipe):
+    """The next turn re-sends the history with the answer: it resumes past the prefix, in the
+    answer (up to its last token, which no state holds yet)."""
+    turn1 = PREFIX[:150] + TAILS[2]
+    answer, _ = complete(server, turn1, 32)
+    turn2 = turn1 + answer + TAILS[3]
+    got, cached = complete(server, turn2, 32)
+    assert cached >= len(turn1) + len(answer) - 1
+    assert got == pipe.generate(turn2, 32, stop_token_ids=[]).tokens
+
+
+def test_a_different_cache_salt_never_hits(server, pipe):
+    """cache_salt is the sharing boundary: the same prompt under another salt finds nothing,
+    under its own salt again it does."""
+    prompt = PREFIX[:200] + TAILS[4]
+    want = pipe.generate(prompt, 24, stop_token_ids=[]).tokens
+    got, _ = complete(server, prompt, cache_salt="tenant-a")
+    assert got == want
+    before = counters(server)
+    got, cached = complete(server, prompt, cache_salt="tenant-b")
+    assert got == want
+    assert cached == 0 and delta(before, counters(server))["hits"] == 0
+    got, cached = complete(server, prompt, cache_salt="tenant-a")
+    assert got == want and cached >= 200
+
+
+def test_no_enable_prefix_caching_turns_it_off(cb_artifacts, server):
+    """--no-enable-prefix-caching: the same two requests find nothing (hits stay 0), and the
+    tokens are the caching server's."""
+    first, second = PREFIX + TAILS[0], PREFIX + TAILS[5]
+    with_cache = [complete(server, p)[0] for p in (first, second)]
+    with VllmServer(cb_artifacts, *ARGS, "--no-enable-prefix-caching", timeout=420) as off:
+        off.model = str(cb_artifacts)
+        got = [complete(off, p) for p in (first, second)]
+        c = counters(off)
+    assert [ids for ids, _ in got] == with_cache
+    assert c["hits"] == 0
+    assert all(not cached for _, cached in got)
