@@ -20,7 +20,7 @@ from dflash_qaic.bench.vllm_host import VllmServer
 
 B = 16
 BLOCK = {"dflash_qaic": {"verify_lengths": [B], "threads": 1}}
-ARGS = ("--max-num-seqs", "4", "--enable-prompt-tokens-details")
+ARGS = ("--max-num-seqs", "4", "--enable-prompt-tokens-details", "--kv-offloading-size", "0.25")
 ARGS += ("--additional-config", json.dumps(BLOCK))
 #: a long shared prefix (a system prompt) and the turns that follow it
 PREFIX = [int(t) for t in np.random.default_rng(54).integers(1, 250, 300)]
@@ -116,15 +116,35 @@ def test_a_different_cache_salt_never_hits(server, pipe):
     assert got == want and cached >= 200
 
 
+def test_an_evicted_row_hits_in_the_host_tier(server, pipe):
+    """--kv-offloading-size (vLLM's option, our engine's host tier): four other prompts take
+    the four cache rows, the least recently used, this prompt's, goes to the host, and the
+    next turn still finds it there. One salt of its own, and first tokens all different, so no
+    other request of the module hits or evicts what this one holds."""
+    rng = np.random.default_rng(7)
+    firsts = rng.choice(np.arange(1, 251), 5, replace=False)
+    prompts = [[int(f)] + [int(t) for t in rng.integers(1, 250, 119)] for f in firsts]
+    salt = {"cache_salt": "host-tier"}
+    complete(server, prompts[0] + TAILS[0], **salt)
+    for other in prompts[1:]:  # each misses: a row holding nothing, else the LRU one
+        assert complete(server, other, **salt)[1] == 0
+    again = prompts[0] + TAILS[1]
+    got, cached = complete(server, again, **salt)
+    assert cached >= len(prompts[0])
+    assert got == pipe.generate(again, 24, stop_token_ids=[]).tokens
+
+
 def test_no_enable_prefix_caching_turns_it_off(cb_artifacts, server):
     """--no-enable-prefix-caching: the same two requests find nothing (hits stay 0), and the
     tokens are the caching server's."""
     first, second = PREFIX + TAILS[0], PREFIX + TAILS[5]
+    before = counters(server)
     with_cache = [complete(server, p)[0] for p in (first, second)]
+    assert delta(before, counters(server))["hits"] >= len(PREFIX)  # here the prefix hits
     with VllmServer(cb_artifacts, *ARGS, "--no-enable-prefix-caching", timeout=420) as off:
         off.model = str(cb_artifacts)
         got = [complete(off, p) for p in (first, second)]
         c = counters(off)
     assert [ids for ids, _ in got] == with_cache
-    assert c["hits"] == 0
+    assert c == {"queries": 0, "hits": 0}  # vLLM counts no lookup when caching is off
     assert all(not cached for _, cached in got)

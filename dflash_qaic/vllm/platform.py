@@ -7,8 +7,9 @@ them against what the user typed, and fixes vLLM's settings so its scheduler dri
 - one cache row of the artifacts is one vLLM block: block_size = max_model_len, blocks = rows
   + 1 (block 0 is vLLM's null block), max_num_seqs at most the rows;
 - prefix caching is our engine's, not vLLM's block manager's: vLLM's --enable-prefix-caching
-  (on by default) is kept for our worker (`prefix_caching`) and vLLM's own is turned off, since
-  a block it matched would count as computed state that only our worker's rows hold;
+  (on by default) and --kv-offloading-size are kept for our worker (`prefix_caching`) and
+  vLLM's own are turned off, since a block it matched would count as computed state that only
+  our worker's rows hold;
 - no chunked prefill and a token budget that holds every row's prompt: a request's prompt is
   scheduled whole, and our engine prefills it in its own chunks;
 - vLLM's speculative decoding on, `num_speculative_tokens` = block size − 1: the scheduler
@@ -459,22 +460,29 @@ def _fit_to_artifacts(vllm_config, artifacts: str, rows: int, ctx_len: int) -> i
 
 
 def _keep_prefix_caching(vllm_config) -> None:
-    """vLLM's --enable-prefix-caching (on by default, as vLLM resolved it) is our engine's
-    setting (runtime/prefix.py matches and resumes in its own cache rows); vLLM's block manager
-    runs with it off, so it never marks a matched prefix as computed: only our worker's rows hold
-    that state, and the worker reports its hits to our scheduler (vllm/scheduler.py). Kept in
-    additional_config, since the engine-core process re-runs this on the config made here."""
+    """vLLM's --enable-prefix-caching (on by default, as vLLM resolved it) and
+    --kv-offloading-size (GiB of host memory) are our engine's settings (runtime/prefix.py
+    matches and resumes in its own cache rows, its host tier holds evicted rows); vLLM runs with
+    neither: its block manager never marks a matched prefix as computed (only our worker's rows
+    hold that state; the worker reports its hits to our scheduler, vllm/scheduler.py), and it
+    makes no offloading connector of its own. Kept in additional_config, since the engine-core
+    process re-runs this on the config made here."""
     extra = vllm_config.additional_config
     cache = vllm_config.cache_config
     if PREFIX_CACHING not in extra:
-        extra[PREFIX_CACHING] = bool(cache.enable_prefix_caching)
+        extra[PREFIX_CACHING] = {
+            "enable_prefix_caching": bool(cache.enable_prefix_caching),
+            "kv_offloading_size": cache.kv_offloading_size,
+        }
     cache.enable_prefix_caching = False
+    cache.kv_offloading_size = None
 
 
-def prefix_caching(vllm_config) -> bool:
-    """Whether our engine caches prefixes (the user's --enable-prefix-caching, kept by the
-    platform)."""
-    return bool((vllm_config.additional_config or {}).get(PREFIX_CACHING, True))
+def prefix_caching(vllm_config) -> dict:
+    """Our engine's prefix-cache settings (`enable_prefix_caching`, `kv_offloading_size`): the
+    user's vLLM options, kept by the platform."""
+    kept = (vllm_config.additional_config or {}).get(PREFIX_CACHING) or {}
+    return {"enable_prefix_caching": True, "kv_offloading_size": None, **kept}
 
 
 def _connector_module(vllm_config) -> None:

@@ -93,7 +93,7 @@ class DFlashWorker(WorkerBase):
             "dflash",
             first_token_alone=True,
             max_running=self.scheduler_config.max_num_seqs,
-            enable_prefix_caching=prefix_caching(self.vllm_config),  # ours, not vLLM's blocks
+            **prefix_caching(self.vllm_config),  # vLLM's options, for our cache rows
         )
         self.B = self.pipe.B
         self.words = contract.bitmask_words(self.pipe.vocab)  # the programs' bitmask width
