@@ -9,6 +9,9 @@ rows; vLLM's counters (`vllm:prefix_cache_queries` / `_hits`) and the answer's
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -16,7 +19,7 @@ import pytest
 from openai import OpenAI
 
 import dflash_qaic
-from dflash_qaic.bench.vllm_host import VllmServer
+from dflash_qaic.bench.vllm_host import VllmServer, vllm_bin
 
 B = 16
 BLOCK = {"dflash_qaic": {"verify_lengths": [B], "threads": 1}}
@@ -148,3 +151,47 @@ def test_no_enable_prefix_caching_turns_it_off(cb_artifacts, server):
     assert [ids for ids, _ in got] == with_cache
     assert c == {"queries": 0, "hits": 0}  # vLLM counts no lookup when caching is off
     assert all(not cached for _, cached in got)
+
+
+SETTINGS_CHECKS = """
+import json
+from types import SimpleNamespace as NS
+from dflash_qaic.vllm import platform
+
+def config(on, size):
+    return NS(additional_config={}, cache_config=NS(enable_prefix_caching=on, kv_offloading_size=size))
+
+out = {}
+for on, size in ((True, None), (False, 2.5)):
+    c = config(on, size)
+    platform._keep_prefix_caching(c)
+    first = platform.prefix_caching(c)
+    platform._keep_prefix_caching(c)  # the engine-core process re-runs it on this config
+    out[str(on)] = [first, platform.prefix_caching(c), c.cache_config.enable_prefix_caching,
+                    c.cache_config.kv_offloading_size]
+out["default"] = platform.prefix_caching(NS(additional_config=None))
+try:
+    platform._keep_prefix_caching(config(True, -1.0))
+except platform.PluginConfigError as e:
+    out["negative"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_vllms_settings_are_kept_for_our_engine_and_vllms_turned_off():
+    """The platform keeps vLLM's --enable-prefix-caching and --kv-offloading-size for the
+    worker (also through the engine-core process's second pass, where vLLM's are off) and turns
+    vLLM's own off; a negative size is refused naming the option."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    py = vllm_bin().parent / "python"
+    run = subprocess.run(
+        [str(py), "-c", SETTINGS_CHECKS], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    on = {"enable_prefix_caching": True, "kv_offloading_size": None}
+    off = {"enable_prefix_caching": False, "kv_offloading_size": 2.5}
+    assert out["True"] == [on, on, False, None]
+    assert out["False"] == [off, off, False, None]
+    assert out["default"] == on
+    assert "--kv-offloading-size -1.0" in out["negative"]

@@ -469,6 +469,12 @@ def _keep_prefix_caching(vllm_config) -> None:
     process re-runs this on the config made here."""
     extra = vllm_config.additional_config
     cache = vllm_config.cache_config
+    size = cache.kv_offloading_size
+    if size is not None and (isinstance(size, bool) or not size >= 0):
+        raise PluginConfigError(
+            f"--kv-offloading-size {size}: give the host tier's GiB, a number ≥ 0 (or leave it "
+            "out: no host tier)"
+        )
     if PREFIX_CACHING not in extra:
         extra[PREFIX_CACHING] = {
             "enable_prefix_caching": bool(cache.enable_prefix_caching),
