@@ -5,7 +5,11 @@ arguments: the API server, or the `LLM` caller). Here the platform finds the art
 them against what the user typed, and fixes vLLM's settings so its scheduler drives our step:
 
 - one cache row of the artifacts is one vLLM block: block_size = max_model_len, blocks = rows
-  + 1 (block 0 is vLLM's null block), max_num_seqs at most the rows; prefix caching off;
+  + 1 (block 0 is vLLM's null block), max_num_seqs at most the rows;
+- prefix caching is our engine's, not vLLM's block manager's: vLLM's --enable-prefix-caching
+  (on by default) and --kv-offloading-size are kept for our worker (`prefix_caching`) and
+  vLLM's own are turned off, since a block it matched would count as computed state that only
+  our worker's rows hold;
 - no chunked prefill and a token budget that holds every row's prompt: a request's prompt is
   scheduled whole, and our engine prefills it in its own chunks;
 - vLLM's speculative decoding on, `num_speculative_tokens` = block size − 1: the scheduler
@@ -47,6 +51,8 @@ WORKER = "dflash_qaic.vllm.worker.DFlashWorker"
 SCHEDULER = "dflash_qaic.vllm.scheduler.DFlashScheduler"
 #: the KV connector of two `vllm serve` split into prefill and decode (vllm/connector.py)
 CONNECTOR = "DFlashQaicConnector"
+#: the key of --additional-config that keeps vLLM's --enable-prefix-caching for our worker
+PREFIX_CACHING = "dflash_qaic_prefix_caching"
 #: vLLM's "greedy" threshold (temperatures below it sample greedily)
 GREEDY_EPS = 1e-5
 
@@ -195,6 +201,7 @@ class DFlashQaicPlatform(CpuPlatform):
         backend = _checked_backend(block, m)
         M = _fit_to_artifacts(vllm_config, artifacts, rows, ctx_len)
         _install_worker(vllm_config, block, artifacts, backend, B)
+        _keep_prefix_caching(vllm_config)
         _connector_module(vllm_config)
         cls.limits = Limits(
             can_sample=m.target.io.sampling,
@@ -441,7 +448,6 @@ def _fit_to_artifacts(vllm_config, artifacts: str, rows: int, ctx_len: int) -> i
     cache = vllm_config.cache_config
     cache.block_size = M
     cache.user_specified_block_size = True
-    cache.enable_prefix_caching = False
     cache.num_gpu_blocks_override = sched.max_num_seqs + 1  # + vLLM's null block
 
     sched.enable_chunked_prefill = False
@@ -451,6 +457,38 @@ def _fit_to_artifacts(vllm_config, artifacts: str, rows: int, ctx_len: int) -> i
         sched.max_num_scheduled_tokens = sched.max_num_batched_tokens
     sched.long_prefill_token_threshold = 0
     return M
+
+
+def _keep_prefix_caching(vllm_config) -> None:
+    """vLLM's --enable-prefix-caching (on by default, as vLLM resolved it) and
+    --kv-offloading-size (GiB of host memory) are our engine's settings (runtime/prefix.py
+    matches and resumes in its own cache rows, its host tier holds evicted rows); vLLM runs with
+    neither: its block manager never marks a matched prefix as computed (only our worker's rows
+    hold that state; the worker reports its hits to our scheduler, vllm/scheduler.py), and it
+    makes no offloading connector of its own. Kept in additional_config, since the engine-core
+    process re-runs this on the config made here."""
+    extra = vllm_config.additional_config
+    cache = vllm_config.cache_config
+    size = cache.kv_offloading_size
+    if size is not None and (isinstance(size, bool) or not size >= 0):
+        raise PluginConfigError(
+            f"--kv-offloading-size {size}: give the host tier's GiB, a number ≥ 0 (or leave it "
+            "out: no host tier)"
+        )
+    if PREFIX_CACHING not in extra:
+        extra[PREFIX_CACHING] = {
+            "enable_prefix_caching": bool(cache.enable_prefix_caching),
+            "kv_offloading_size": cache.kv_offloading_size,
+        }
+    cache.enable_prefix_caching = False
+    cache.kv_offloading_size = None
+
+
+def prefix_caching(vllm_config) -> dict:
+    """Our engine's prefix-cache settings (`enable_prefix_caching`, `kv_offloading_size`): the
+    user's vLLM options, kept by the platform."""
+    kept = (vllm_config.additional_config or {}).get(PREFIX_CACHING) or {}
+    return {"enable_prefix_caching": True, "kv_offloading_size": None, **kept}
 
 
 def _connector_module(vllm_config) -> None:

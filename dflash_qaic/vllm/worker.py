@@ -33,12 +33,19 @@ A program call that fails fails the requests in it, not vLLM's engine: the worke
 in the output (`failed`), and our scheduler (vllm/scheduler.py) finishes them with vLLM's error
 status; the other requests go on.
 
+Prefix caching is our engine's (runtime/prefix.py), with vLLM's --enable-prefix-caching
+(vllm/platform.py keeps it; vLLM's block manager runs with its own off): a new request's
+`cache_salt` comes from our scheduler beside the scheduler output, and the step reports each
+admitted request's prompt tokens and cached tokens (`dflash_prefix`), which our scheduler adds to
+vLLM's prefix-cache counters and the request's prefill stats.
+
 vLLM may cut the scheduled drafts near max_model_len; then it receives at most the scheduled
 drafts + 1 tokens, which reach max_model_len, so it ends the request there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -50,7 +57,8 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 from dflash_qaic import contract
 from dflash_qaic.runtime.grammar import Constraint
 from dflash_qaic.vllm import connector
-from dflash_qaic.vllm.platform import Settings, accepts_device_ids, sampling_check
+from dflash_qaic.vllm.platform import Settings, accepts_device_ids, prefix_caching, sampling_check
+from dflash_qaic.vllm.scheduler import SALTS
 
 log = logging.getLogger("dflash_qaic.vllm")
 
@@ -85,7 +93,7 @@ class DFlashWorker(WorkerBase):
             "dflash",
             first_token_alone=True,
             max_running=self.scheduler_config.max_num_seqs,
-            enable_prefix_caching=False,  # vLLM's scheduler owns the cache (platform: off)
+            **prefix_caching(self.vllm_config),  # vLLM's options, for our cache rows
         )
         self.B = self.pipe.B
         self.words = contract.bitmask_words(self.pipe.vocab)  # the programs' bitmask width
@@ -93,6 +101,8 @@ class DFlashWorker(WorkerBase):
         self._drafts = DraftTokenIds([], [])
         self._pending = None  # the scheduler output whose step waits for vLLM's bitmask
         self._failed: dict[str, str] = {}
+        self._salts: dict[str, str] = {}  # this step's new requests' cache_salt (our scheduler's)
+        self._admitted: dict = {}  # vLLM request id -> Sequence: admitted in this step
         self.kv = connector.for_worker(self.vllm_config, self.pipe)  # P/D (vllm/connector.py)
 
     # ------------------------------------------------------------------ KV cache: one row = block
@@ -174,6 +184,7 @@ class DFlashWorker(WorkerBase):
         req = self.pipe.request(
             ids, max_tokens, sorted(stop), grammar=fixed, **sampling_check(p, None)
         )
+        req = self._salted(req, new.req_id)
         if self.kv is None:
             seq = self.engine.add(req)
         else:  # a hand-off's request is admitted with its payload
@@ -197,12 +208,16 @@ class DFlashWorker(WorkerBase):
         self._failed = {}  # request id -> why it failed in this step
         if self.kv is not None:
             self.kv.bind(so)
+        self._salts = getattr(so, SALTS, None) or {}
         for new in so.scheduled_new_reqs:
             try:
                 self._add(new)
             except Exception as e:  # this request alone: vLLM ends it with an error
                 log.warning("request %s: %s: %s", new.req_id, type(e).__name__, e)
                 self._failed[new.req_id] = f"{type(e).__name__}: {e}"
+        self._admitted = {
+            n.req_id: self.seqs[n.req_id] for n in so.scheduled_new_reqs if n.req_id in self.seqs
+        }
         scheduled = so.num_scheduled_tokens
         if not scheduled:  # nothing to run (e.g. vLLM paused its scheduling): no row advances
             return self._kv_done(ModelRunnerOutput(req_ids=[], req_id_to_index={}))
@@ -281,7 +296,24 @@ class DFlashWorker(WorkerBase):
         )
         if failed:  # read by DFlashScheduler (vllm/scheduler.py): vLLM's output has no field
             out.dflash_failed = failed
+        self._prefix_hits(out)
         return self._kv_done(out)
+
+    def _salted(self, req, rid: str):
+        """The request with its cache_salt (vLLM's request field, passed on by our scheduler):
+        requests of different salts never share a cached prefix (runtime/prefix.py)."""
+        salt = self._salts.get(rid)
+        return req if salt is None else dataclasses.replace(req, cache_salt=salt)
+
+    def _prefix_hits(self, out: ModelRunnerOutput) -> None:
+        """Each request admitted in this step: its prompt tokens and those our prefix cache
+        found (`Sequence.cached`), read by DFlashScheduler for vLLM's counters and the answer's
+        cached_tokens; nothing when caching is off (vLLM's counters stay 0, as in vLLM)."""
+        admitted, self._admitted = self._admitted, {}
+        if self.engine.prefix is not None and admitted:
+            out.dflash_prefix = {
+                rid: (len(seq.req.ids), seq.cached) for rid, seq in admitted.items()
+            }
 
     def _kv_done(self, out: ModelRunnerOutput) -> ModelRunnerOutput:
         if self.kv is not None:  # P/D: the hand-offs pulled since the last step
