@@ -19,6 +19,8 @@ import pytest
 from sampling_ref import check_against_hf, check_prompt_logprobs, hf_logprobs, reference_greedy
 from test_conformance import CASES, build, hf_greedy, prompt
 
+from dflash_qaic.runtime.prefix import BLOCK
+
 K = 5
 N_NEW = 28
 #: family -> its case on the ladder (the DFlash draft form: the family's own pair)
@@ -51,19 +53,22 @@ def pairs(exported):
 
 
 def prompts(case) -> list[list[int]]:
-    """Three prompts: a short one, one under a prefill chunk, one over it."""
+    """Three prompts: a short one, one under a prefill chunk, one over it and over a prefix
+    cache block (runtime/prefix.py)."""
     chunk = CASES[case][3]
-    return [prompt(case, n, seed) for seed, n in enumerate((3, chunk - 1, chunk + 3), 1)]
+    lengths = (3, chunk - 1, max(chunk, BLOCK) + 3)
+    return [prompt(case, n, seed) for seed, n in enumerate(lengths, 1)]
 
 
-def run(pipe, case, check, **settings):
-    """pipe.generate(**settings) on each prompt, check(ids, result) on each; some step of them
-    accepted a proposal (the verify rows decided tokens)."""
+def run(pipe, case, check, times: int = 1, **settings):
+    """pipe.generate(**settings) on each prompt (`times` times in a row), check(ids, result) on
+    each; some step of them accepted a proposal (the verify rows decided tokens)."""
     lengths = []
     for ids in prompts(case):
-        res = pipe.generate(ids, N_NEW, **{"stop_token_ids": [], **settings})
-        check(ids, res)
-        lengths += res.acceptance_lengths
+        for _ in range(times):
+            res = pipe.generate(ids, N_NEW, **{"stop_token_ids": [], **settings})
+            check(ids, res)
+            lengths += res.acceptance_lengths
     assert max(lengths) > 1, lengths
 
 
@@ -77,7 +82,8 @@ def test_logprobs_equal_hf(pairs, family):
         check_against_hf(res, ids, ref, K)
         check_prompt_logprobs(res.prompt_logprobs, ids, ref, 2)
 
-    run(pipe, case, check, logprobs=K, prompt_logprobs=2)
+    # twice: the second finds the prompt in the prefix cache, which prompt logprobs skip
+    run(pipe, case, check, times=2, logprobs=K, prompt_logprobs=2)
 
 
 @families
@@ -131,3 +137,19 @@ def test_penalties_bias_bad_words_and_min_tokens_equal_the_reference(pairs, fami
     assert stop == [free[2]] and free[2] not in want[:MIN_TOKENS]  # min_tokens bit
     assert any(changed)
     assert max(lengths) > 1, lengths
+
+
+@pytest.mark.parametrize(
+    "options, flags",
+    [(dict(logprobs=2), "--logprobs"), (dict(extended_sampling=True), "--extended-sampling"),
+     (dict(logprobs=2, extended_sampling=True), "--logprobs and --extended-sampling")],
+)  # fmt: skip
+def test_tree_verification_refuses_them_by_name_before_reading(tiny_pair, tmp_path, options, flags):
+    import dflash_qaic
+    from dflash_qaic.exporter.options import ExportError
+
+    t, d = tiny_pair(family="qwen3")
+    fix = f"export without --tree-budgets .* or without {flags}$"
+    with pytest.raises(ExportError, match=rf"--tree-budgets\) with {flags} is not built: .*{fix}"):
+        dflash_qaic.export(t, d, tmp_path / "art", compile=False, tree_budgets=(16,), **options)
+    assert not (tmp_path / "art").exists()
