@@ -106,7 +106,7 @@ def lm_eval(tasks: Path, out: Path, *model: str) -> dict:
     return got
 
 
-@pytest.mark.slow  # two lm_eval runs and a dflash-serve process: about two minutes
+@pytest.mark.slow  # two lm_eval runs (two tasks each) and a dflash-serve process: about a minute
 def test_lm_eval_local_completions_equals_hf(tmp_path):
     # a missing harness is a failure, not a skip: the slow tier installs the `eval` extra
     if importlib.util.find_spec("lm_eval") is None:
