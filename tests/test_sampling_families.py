@@ -45,8 +45,10 @@ def pairs(exported):
         if family not in cache:
             case = FAMILY_CASES[family]
             e = build(exported, case, logprobs=K, extended_sampling=True)
-            assert e.load().artifacts.target.io.extended_sampling
-            cache[family] = (e.load(verify_lengths=CASES[case][2]["block_size"]), e.model(), case)
+            pipe = e.load(verify_lengths=CASES[case][2]["block_size"])
+            io = pipe.artifacts.target.io
+            assert io.extended_sampling and io.logprobs == K
+            cache[family] = (pipe, e.model(), case)
         return cache[family]
 
     return get
