@@ -98,12 +98,13 @@ def prompts(case) -> list[tuple[int, int]]:
     return [(1, 30), (chunk - 1, 33), (chunk + 3, 25), (2 * chunk + 5, 41)]
 
 
-def hf_greedy(model, ids, n) -> list[int]:
+def hf_greedy(model, ids, n, **kw) -> list[int]:
+    """HF greedy `generate`'s n tokens after `ids`, no stop token; kw: more generate settings."""
     x = torch.tensor([ids])  # an explicit mask: token 0 in the ids is not padding
     with torch.no_grad():
         out = model.generate(
             x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-            eos_token_id=None, pad_token_id=0,
+            eos_token_id=None, pad_token_id=0, **kw,
         )  # fmt: skip
     return out[0, len(ids) :].tolist()
 

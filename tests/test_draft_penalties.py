@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from sampling_ref import adjust, reference_greedy
 from test_sampling_params import (  # noqa: F401 (ext_artifacts, model: fixtures)
     N_NEW,
     PROMPT,
     ext_artifacts,
     model,
-    reference_greedy,
 )
 
 import dflash_qaic
@@ -132,7 +132,6 @@ def test_proposal_logits_are_the_reference_rule(pipe):
     rows after the anchor are not tokens yet: a word of several tokens can only end at row 0,
     after the tail and the anchor); banned tokens at the row's floor."""
     import torch
-    from test_sampling_params import adjust
 
     from dflash_qaic.modeling.penalties import proposal_logits
     from dflash_qaic.runtime.history import ExtendedRows

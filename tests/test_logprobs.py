@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
+from sampling_ref import TOL, check_against_hf, check_prompt_logprobs, hf_logprobs
 
 import dflash_qaic
 from dflash_qaic import contract
@@ -17,7 +17,6 @@ from dflash_qaic.runtime.pipeline import GenerationError
 K = 5
 # longer than the 64-row prefill chunk: prompt logprobs cross a chunk boundary
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fib"
-TOL = 2e-3
 
 
 def _export(d, **options):
@@ -42,26 +41,6 @@ def hf_model():
     return ck.load_target_model(load_recipe("default")["target"])
 
 
-def hf_logprobs(model, ids: list[int], temperature: float = 1.0) -> np.ndarray:
-    """log_softmax of the target's logits at every position of `ids` [len(ids), V] (fp32)."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].float()
-    return torch.log_softmax(logits / temperature, -1).numpy()
-
-
-def check_against_hf(res, prompt_ids, ref, k: int = K) -> None:
-    P = len(prompt_ids)
-    gen = res.logprobs
-    assert gen.token_ids == res.tokens and len(gen.logprobs) == len(res.tokens)
-    for i, t in enumerate(res.tokens):  # token i was chosen at position P - 1 + i
-        row = ref[P - 1 + i]
-        assert abs(gen.logprobs[i] - row[t]) < TOL, (i, gen.logprobs[i], row[t])
-        top_ids = [j for j, _ in gen.top[i]]
-        assert len(top_ids) == k
-        np.testing.assert_allclose([v for _, v in gen.top[i]], row[top_ids], atol=TOL)
-        np.testing.assert_allclose(sorted(row, reverse=True)[:k], row[top_ids], atol=TOL)
-
-
 def test_generated_and_prompt_logprobs_equal_hf_greedy(lp_artifacts, hf_model):
     pipe = dflash_qaic.load(lp_artifacts)
     pipe.configure(verify_lengths=[16])
@@ -70,18 +49,10 @@ def test_generated_and_prompt_logprobs_equal_hf_greedy(lp_artifacts, hf_model):
     ids = pipe.tokenizer(PROMPT)["input_ids"]
     assert len(ids) > 64
     ref = hf_logprobs(hf_model, ids + res.tokens)
-    check_against_hf(res, ids, ref)
+    check_against_hf(res, ids, ref, K)
     # greedy: every token is the argmax, its logprob the top one's
     assert all(gen[0][0] == t for gen, t in zip(res.logprobs.top, res.tokens, strict=True))
-    pl = res.prompt_logprobs
-    assert pl.token_ids == ids and pl.logprobs[0] is None and pl.top[0] == []
-    want = [ref[j - 1][ids[j]] for j in range(1, len(ids))]
-    np.testing.assert_allclose(pl.logprobs[1:], want, atol=TOL)
-    for j in range(1, len(ids)):
-        top = [t for t, _ in pl.top[j]]
-        assert len(top) == 2
-        np.testing.assert_allclose([v for _, v in pl.top[j]], ref[j - 1][top], atol=TOL)
-        assert top[0] == int(ref[j - 1].argmax())
+    check_prompt_logprobs(res.prompt_logprobs, ids, ref, 2)
 
 
 def test_sampled_logprobs_equal_hf_and_batch_rows_mix(lp_artifacts, hf_model):

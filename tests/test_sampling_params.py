@@ -7,11 +7,11 @@ call is distributed as the target alone with the same adjustments (chi-square)."
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 import pytest
 import torch
+from sampling_ref import adjust, reference_greedy
+from test_conformance import hf_greedy
 from test_sampling import ALPHA, REJECT, gof, gof_pvalue
 
 import dflash_qaic
@@ -48,50 +48,10 @@ def model():
     return ck.load_target_model(load_recipe("default")["target"])
 
 
-def adjust(logits, prompt, output, s: dict, stop=()) -> torch.Tensor:
-    """The reference adjustment of one row's logits [V] after `output` (generated tokens) as
-    vLLM orders it: logit bias, repetition (HF's rule over prompt + output), frequency and
-    presence (OpenAI's formula over output), then bad words and min_tokens out of reach."""
-    x = logits.clone().double()
-    for t, b in (s.get("logit_bias") or {}).items():
-        x[int(t)] += b
-    counts = Counter(output)
-    r = s.get("repetition_penalty", 1.0)
-    for t in set(prompt) | set(output):
-        x[t] = x[t] / r if x[t] > 0 else x[t] * r
-    for t, n in counts.items():
-        x[t] -= s.get("frequency_penalty", 0.0) * n + s.get("presence_penalty", 0.0)
-    for word in s.get("bad_words") or ():
-        *before, last = word
-        if not before or output[len(output) - len(before) :] == before:
-            x[last] = -torch.inf
-    if len(output) < s.get("min_tokens", 0):
-        x[list(stop)] = -torch.inf
-    return x
-
-
-def reference_greedy(model, prompt: list[int], n: int, s: dict, stop=()) -> list[int]:
-    out: list[int] = []
-    for _ in range(n):
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + out])).logits[0, -1]
-        out.append(int(adjust(logits, prompt, out, s, stop).argmax()))
-    return out
-
-
 def test_repetition_penalty_equals_hf_generate(pipe, model):
     ids = pipe.tokenizer(PROMPT)["input_ids"]
     res = pipe.generate(PROMPT, N_NEW, stop_token_ids=[], repetition_penalty=1.3)
-    with torch.no_grad():
-        hf = model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=N_NEW,
-            do_sample=False,
-            repetition_penalty=1.3,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    assert res.tokens == hf[0, len(ids) :].tolist()
+    assert res.tokens == hf_greedy(model, ids, N_NEW, repetition_penalty=1.3)
     assert max(res.acceptance_lengths) > 1  # proposals were accepted under the penalty
     assert res.tokens != pipe.generate(PROMPT, N_NEW, stop_token_ids=[]).tokens
 

@@ -60,6 +60,22 @@ def _opt(default, kind: str, help: str, **kw):
     return field(default=default, metadata={"option": meta})
 
 
+def tree_refusal(logprobs: int, extended_sampling: bool) -> str | None:
+    """Why tree verification cannot take these options (None: it can): a tree's rows are
+    branches, not one sequence (docs/DESIGN.md, Logprobs and Extended sampling)."""
+    given = [f for f, on in (("--logprobs", logprobs), ("--extended-sampling", extended_sampling))
+             if on]  # fmt: skip
+    if not given:
+        return None
+    flags = " and ".join(given)
+    return (
+        f"tree verification (--tree-budgets) with {flags} is not built: a tree verify's rows "
+        f"are branches, not one sequence, so a row has no single history to adjust by and the "
+        f"accepted path's logprobs no order; export without --tree-budgets (chain and block "
+        f"verification take {flags}) or without {flags}"
+    )
+
+
 @dataclass(frozen=True)
 class ExportOptions:
     """Every option of an export (see the module docstring); None: the default it names."""
@@ -267,6 +283,9 @@ class ExportOptions:
                 "(a tree program verifies chains too)"
             )
         object.__setattr__(self, "verify_rule", contract.TREE)
+        why = tree_refusal(self.logprobs, self.extended_sampling)
+        if why is not None:  # refused before anything is read
+            raise ExportError(why)
         if not self.draft_top_k:
             object.__setattr__(self, "draft_top_k", contract.MAX_DRAFT_TOP_K)
 

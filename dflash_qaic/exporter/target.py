@@ -13,6 +13,7 @@ from dflash_qaic import checkpoints as ck
 from dflash_qaic import contract, families
 from dflash_qaic.exporter import weights
 from dflash_qaic.exporter.onnx_export import export_and_check, program_facts
+from dflash_qaic.exporter.options import tree_refusal
 from dflash_qaic.modeling.sampler import SAMPLING_CANDIDATES
 from dflash_qaic.modeling.target import ExportTarget
 
@@ -233,11 +234,9 @@ def set_rule(module: ExportTarget, verify_rule: str, sampling: bool, token_bitma
             "tree verification (--tree-budgets) with --structured-output is not built (a grammar "
             "state per tree node): export one or the other"
         )
-    if rule.takes_tree and (module.logprobs or module.extended):
-        raise ValueError(
-            "tree verification (--tree-budgets) with --logprobs or --extended-sampling is not "
-            "built (a tree's rows are not one history): export one or the other"
-        )
+    why = tree_refusal(module.logprobs, module.extended) if rule.takes_tree else None
+    if why is not None:
+        raise ValueError(why)
     module.rule = rule
     return rule
 
