@@ -174,6 +174,19 @@ def test_prompt_logprobs_equal_generate(server, pipe):
         assert entry[ids[j]]["rank"] >= 1
 
 
+def test_prompt_logprobs_after_a_prefix_cache_hit(pipe):
+    """A prompt the prefix cache holds is still scored whole when its prompt logprobs are asked
+    for (the cache is not read for it, as vLLM): dflash-serve's echo after the same prompt."""
+    ids = pipe.tokenizer(PROMPT)["input_ids"]
+    first = pipe.generate(ids, 4, prompt_logprobs=1)
+    pipe.generate(ids, 4)  # its prefix is cached now
+    again = pipe.generate(ids, 4, prompt_logprobs=1).prompt_logprobs
+    assert again.token_ids == ids
+    assert (
+        again.logprobs == first.prompt_logprobs.logprobs and again.top == first.prompt_logprobs.top
+    )
+
+
 def test_sampled_tokens_and_logprobs_equal_generate(server, pipe):
     """T > 0 with a seed: the same tokens as pipe.generate, and their raw logprobs."""
     kw = dict(temperature=0.8, seed=3)
@@ -186,23 +199,43 @@ def test_sampled_tokens_and_logprobs_equal_generate(server, pipe):
     np.testing.assert_allclose(got["logprobs"]["token_logprobs"], res.logprobs.logprobs, atol=TOL)
 
 
-def test_penalties_and_bad_words_equal_dflash_serve(server, serve, pipe):
-    """The extended parameters reach the programs: token for token dflash-serve's answer
-    (and pipe.generate's), and different from the answer without them."""
-    s = {**PENALTIES, "min_tokens": 4, "min_p": 0.05, "logit_bias": {"101": 2.0}}
-    body = dict(prompt=PROMPT, max_tokens=32, temperature=0, **s)
-    vllm_body = {k: v for k, v in body.items() if k in ("prompt", "max_tokens", "temperature")}
-    extra = {k: v for k, v in body.items() if k not in vllm_body}
-    extra |= {"ignore_eos": True, "bad_words": ["re"], "return_token_ids": True}
-    got = completion(server, **vllm_body, extra_body=extra)
-    want = ours(serve, "/v1/completions", {**body, "ignore_eos": True, "bad_words": ["re"]})
-    assert got["text"] == want["text"]
-    bad = [pipe.tokenizer.encode(w, add_special_tokens=False) for w in ("re", " re")]
+def test_penalties_logit_bias_and_bad_words_equal_dflash_serve(server, serve, pipe):
+    """Greedy under the penalties, logit_bias (which vLLM itself refuses with speculative
+    decoding) and bad words: token for token dflash-serve's answer and pipe.generate's, and
+    each setting changed the answer."""
+    s = {**PENALTIES, "logit_bias": {"101": 2.0}}
+    body = dict(prompt=PROMPT, max_tokens=32, temperature=0)
+    extra = {**s, "ignore_eos": True, "bad_words": ["not"], "return_token_ids": True}
+    got = completion(server, **body, extra_body=extra)
+    want = ours(serve, "/v1/completions", {**body, **s, "ignore_eos": True, "bad_words": ["not"]})
+    assert got["text"] == want["text"] and "not" not in got["text"]
+    bad = [pipe.tokenizer.encode(w, add_special_tokens=False) for w in ("not", " not")]
     s["logit_bias"] = {101: 2.0}
     res = pipe.generate(PROMPT, 32, stop_token_ids=[], bad_words=bad, **s)
     assert got["token_ids"] == res.tokens
-    plain = pipe.generate(PROMPT, 32, stop_token_ids=[])
-    assert res.tokens != plain.tokens  # the settings changed the answer
+    without_bad = pipe.generate(PROMPT, 32, stop_token_ids=[], **s)
+    assert "not" in pipe.tokenizer.decode(without_bad.tokens)
+    s.pop("logit_bias")
+    assert pipe.generate(PROMPT, 32, stop_token_ids=[], bad_words=bad, **s).tokens != res.tokens
+    assert pipe.generate(PROMPT, 32, stop_token_ids=[]).tokens != res.tokens
+
+
+def test_min_p_and_min_tokens_equal_generate(server, pipe):
+    """Seeded sampling under min_p (refused by vLLM itself with speculative decoding) and
+    min_tokens holding back a stop token id: pipe.generate's tokens, which each changes."""
+    kw = dict(temperature=1.0, seed=5, min_p=0.3)
+    early = pipe.generate(PROMPT, 32, stop_token_ids=[10], **kw)
+    assert early.stop_reason == "stop_token" and len(early.tokens) < 28
+    n = len(early.tokens) + 4  # the stop token is out of reach until then
+    extra = {"stop_token_ids": [10], "min_tokens": n, "min_p": kw["min_p"]}
+    got = completion(
+        server, prompt=PROMPT, max_tokens=32, temperature=1.0, seed=5,
+        extra_body={**extra, "ignore_eos": True, "return_token_ids": True},
+    )["token_ids"]  # fmt: skip
+    res = pipe.generate(PROMPT, 32, stop_token_ids=[10], min_tokens=n, **kw)
+    assert got == res.tokens and len(got) > len(early.tokens)
+    kw.pop("min_p")
+    assert pipe.generate(PROMPT, 32, stop_token_ids=[10], min_tokens=n, **kw).tokens != got
 
 
 @pytest.mark.parametrize(

@@ -264,6 +264,9 @@ def take_row(engine, seq) -> int:
     ids = seq.req.ids
     seq.root = cache.root(seq.req.cache_salt)
     seq.hashes = block_hashes(seq.root, ids)
+    if seq.logprobs is not None and seq.logprobs.prompt is not None:
+        cache.count(len(ids), 0)  # prompt logprobs need every prompt row computed (as vLLM)
+        return free_row(engine)
     entry, r = cache.lookup(seq.root, ids, seq.hashes, engine.prefill.dflash)
     cache.count(len(ids), r)
     if entry is None:
