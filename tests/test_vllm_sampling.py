@@ -117,6 +117,29 @@ def test_completions_logprobs_equal_dflash_serve_and_generate(server, serve, pip
     np.testing.assert_allclose(got["logprobs"]["token_logprobs"], res.logprobs.logprobs, atol=TOL)
     for alts, top in zip(got["logprobs"]["top_logprobs"], res.logprobs.top, strict=True):
         assert set(alts) >= {pipe.tokenizer.decode([i]) for i, _ in top}
+    # streamed: the same logprobs, chunk by chunk
+    stream = client(server).completions.create(
+        model=server.model, **body, stream=True, extra_body={"ignore_eos": True}
+    )
+    tokens, values = [], []
+    for chunk in stream:
+        lp = chunk.choices[0].logprobs if chunk.choices else None
+        if lp is not None:
+            tokens += lp.tokens
+            values += lp.token_logprobs
+    assert tokens == got["logprobs"]["tokens"]
+    np.testing.assert_allclose(values, got["logprobs"]["token_logprobs"], atol=TOL)
+
+
+def test_beam_search_runs_on_the_logprobs(server, pipe):
+    """vLLM's beam search (its own loop over one-token requests with logprobs): width 1 is the
+    greedy answer."""
+    r = client(server).completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=6, temperature=0, n=1,
+        extra_body={"use_beam_search": True, "ignore_eos": True},
+    )  # fmt: skip
+    want = pipe.generate(PROMPT, 6, stop_token_ids=[])
+    assert r.choices[0].text == pipe.tokenizer.decode(want.tokens)
 
 
 def test_echo_with_logprobs_equals_dflash_serve(server, serve):
@@ -270,18 +293,35 @@ for name, kw in (("logprobs", {"logprobs": 2}), ("prompt_logprobs", {"prompt_log
         out[name] = None
     except VLLMValidationError as e:
         out[name] = [str(e), e.parameter]
+
+import sys
+from types import SimpleNamespace as NS
+from dflash_qaic.vllm.platform import PluginConfigError, _logprobs_mode
+
+io = NS(logprobs=5, logprobs_mode="raw_logprobs")
+config = NS(model_config=NS(logprobs_mode="processed_logprobs"))
+_logprobs_mode(config, NS(target=NS(io=io)))  # not typed: the artifacts' mode
+out["mode"] = config.model_config.logprobs_mode
+sys.argv += ["--logprobs-mode", "processed_logprobs"]
+try:
+    _logprobs_mode(NS(model_config=NS(logprobs_mode="processed_logprobs")), NS(target=NS(io=io)))
+except PluginConfigError as e:
+    out["typed"] = str(e)
 print("OUT", json.dumps(out))
 """
 
 
 def test_artifacts_without_the_options_refuse_with_the_re_export():
     """The platform's check (vLLM answers it with a 400) on artifacts exported without
-    --logprobs and --extended-sampling: each names its parameter and the re-export."""
+    --logprobs and --extended-sampling: each names its parameter and the re-export. And vLLM's
+    --logprobs-mode: the artifacts' unless typed, a typed other one refused."""
     python = vllm_bin().parent / "python"
     out = subprocess.run([str(python), "-c", REFUSALS], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("OUT "))
     got = json.loads(line[4:])
+    assert got.pop("mode") == "raw_logprobs"
+    assert "re-export with `dflash-export --logprobs-mode processed_logprobs`" in got.pop("typed")
     for name, (msg, param) in got.items():
         assert param == name, (name, msg)
         option = "--logprobs" if "logprobs" in name else "--extended-sampling"
