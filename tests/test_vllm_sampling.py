@@ -10,24 +10,20 @@ from __future__ import annotations
 import json
 import subprocess
 
-import httpx
 import numpy as np
 import pytest
-from openai import BadRequestError, OpenAI
+from openai import BadRequestError
+
+# PROMPT: longer than the 64-row prefill chunk, so prompt logprobs cross a chunk boundary;
+# TEMPLATE: the chat template of dflash-serve's app and of vllm serve
+from test_logprobs import PROMPT, TEMPLATE
+from test_vllm import BLOCK, B, client  # whole-block verifies, one thread
 
 import dflash_qaic
 from dflash_qaic.bench.vllm_host import VllmServer, vllm_bin
 
-B = 16
 K = 5
 TOL = 1e-5
-BLOCK = {"dflash_qaic": {"verify_lengths": [B], "threads": 1}}
-# longer than the 64-row prefill chunk: prompt logprobs cross a chunk boundary
-PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fib"
-TEMPLATE = (
-    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 PENALTIES = dict(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3)
 
 
@@ -70,12 +66,6 @@ def server(art, tmp_path_factory):
     with VllmServer(art, *args, "--chat-template", str(template), timeout=420) as s:
         s.model = str(art)
         yield s
-
-
-def client(server) -> OpenAI:
-    return OpenAI(
-        base_url=server.url + "/v1", api_key="x", http_client=httpx.Client(trust_env=False)
-    )
 
 
 def completion(server, **kw) -> dict:
