@@ -21,6 +21,13 @@ import numpy as np
 import torch
 from vllm.v1.outputs import LogprobsLists, LogprobsTensors
 
+#: why a request's logprobs are missing: its prompt was computed elsewhere (vllm/connector.py)
+HANDOFF = (
+    "its logprobs were not recorded here: a request admitted from a prefill hand-off has "
+    "none (its prompt and first token were computed by the prefill server); serve requests "
+    "that ask for logprobs without prefill/decode disaggregation"
+)
+
 
 def _rows(token_ids, logprobs, top, k: int):
     """(ids [n, k + 1], log p [n, k + 1], ranks [n]) of a TokenLogprobs' entries."""
@@ -56,6 +63,8 @@ class StepLogprobs:
             return None
         if rec.prompt is not None and lo == 0 and tokens:  # the step of its first token
             p = rec.prompt
+            if len(p.token_ids) != len(seq.req.ids):
+                return HANDOFF
             ids, values, ranks = _rows(p.token_ids[1:], p.logprobs[1:], p.top[1:], self.k)
             self.prompts[rid] = LogprobsTensors(
                 torch.from_numpy(ids), torch.from_numpy(values), torch.from_numpy(ranks)
@@ -64,10 +73,7 @@ class StepLogprobs:
         if span is None:
             return None
         if span.token_ids != tokens:
-            return (
-                f"its logprobs were not recorded for tokens {lo} … {lo + len(tokens) - 1} "
-                "(a request admitted from a prefill hand-off answers no logprobs)"
-            )
+            return HANDOFF
         self.start[rid] = self.rows
         self.parts.append(_rows(span.token_ids, span.logprobs, span.top, self.k))
         self.rows += len(tokens)
