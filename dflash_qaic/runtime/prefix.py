@@ -264,11 +264,10 @@ def take_row(engine, seq) -> int:
     ids = seq.req.ids
     seq.root = cache.root(seq.req.cache_salt)
     seq.hashes = block_hashes(seq.root, ids)
-    entry, r = None, 0
-    if getattr(seq.req.sampling, "prompt_logprobs", None) is None:
-        # prompt logprobs need every prompt row run (each scores the next prompt token): such a
-        # request skips the lookup, as vLLM's do; its row is still kept for later ones
-        entry, r = cache.lookup(seq.root, ids, seq.hashes, engine.prefill.dflash)
+    if seq.logprobs is not None and seq.logprobs.prompt is not None:
+        cache.count(len(ids), 0)  # prompt logprobs need every prompt row computed (as vLLM)
+        return free_row(engine)
+    entry, r = cache.lookup(seq.root, ids, seq.hashes, engine.prefill.dflash)
     cache.count(len(ids), r)
     if entry is None:
         return free_row(engine)

@@ -96,6 +96,7 @@ class Limits:
     max_prompt: int  # tokens: room for one verify block after the prompt
     structured: bool = False  # the target program takes a token bitmask (--structured-output)
     extended: bool = False  # the target takes penalties, bad words, … (--extended-sampling)
+    logprobs: int = 0  # the top K the target returns per row (--logprobs K; 0: none)
 
 
 def _block(vllm_config) -> dict:
@@ -210,7 +211,10 @@ class DFlashQaicPlatform(CpuPlatform):
             max_prompt=contract.max_prompt(ctx_len, B),
             structured=m.target.io.token_bitmask,
             extended=m.target.io.extended_sampling,
+            logprobs=m.target.io.logprobs,
         )
+        _logprobs_mode(vllm_config, m)
+        _own_min_p_and_logit_bias()
         log.info(
             "dflash-qaic: %s on %s, %d cache row(s), block %d, max_model_len %d",
             artifacts,
@@ -250,8 +254,7 @@ class DFlashQaicPlatform(CpuPlatform):
         if not isinstance(params, SamplingParams):
             refuse("pooling", "pooling (embeddings, scores)")
         p = params
-        if p.logprobs is not None or p.prompt_logprobs is not None:
-            refuse("logprobs", "logprobs (and beam search, which needs them)")
+        logprobs_check(p, cls.limits)
         for name in ("structured_outputs", "allowed_token_ids"):
             if getattr(p, name, None) and cls.limits is not None and not cls.limits.structured:
                 raise VLLMValidationError(
@@ -265,6 +268,80 @@ class DFlashQaicPlatform(CpuPlatform):
         if getattr(p, "logits_processors", None):
             refuse("logits_processors", "logits_processors")
         sampling_check(p, cls.limits)
+
+
+def logprobs_check(p, limits: Limits | None) -> None:
+    """vLLM's logprobs and prompt_logprobs (−1: the whole vocabulary) against the top K the
+    artifacts' target program returns per row (--logprobs K): a VLLMValidationError naming the
+    re-export otherwise."""
+    from vllm.exceptions import VLLMValidationError
+
+    asked = {n: getattr(p, n) for n in ("logprobs", "prompt_logprobs")}
+    asked = {n: k for n, k in asked.items() if k is not None}
+    if not asked or limits is None:
+        return
+    name, k = max(asked.items(), key=lambda item: item[1] if item[1] >= 0 else 1 << 30)
+    want = contract.MAX_LOGPROBS if k < 0 else min(max(k, 1), contract.MAX_LOGPROBS)
+    if not limits.logprobs:
+        raise VLLMValidationError(
+            f"{name} is not supported by these artifacts' target program (it returns no "
+            f"logprobs): re-export them with `dflash-export --logprobs {want}`",
+            parameter=name,
+        )
+    if k < 0 or k > limits.logprobs:
+        raise VLLMValidationError(
+            f"{name} {k} is above the {limits.logprobs} alternatives these artifacts' target "
+            f"program returns: ask for 0 … {limits.logprobs}, or re-export them with "
+            f"`dflash-export --logprobs {want}` (up to "
+            f"{contract.MAX_LOGPROBS})",
+            parameter=name,
+        )
+
+
+def logprob_settings(p, limits_k: int) -> dict:
+    """Our request's logprob settings of vLLM's SamplingParams: the artifacts' whole top K
+    (`limits_k`) whenever any are asked (vLLM keeps each request's own k of them, and the K
+    make a token's rank exact when it is among them); None: none asked."""
+    return {
+        name: (limits_k if getattr(p, name) is not None else None)
+        for name in ("logprobs", "prompt_logprobs")
+    }
+
+
+def _logprobs_mode(vllm_config, m) -> None:
+    """vLLM's --logprobs-mode is the artifacts' (`dflash-export --logprobs-mode`): taken from
+    them unless typed, refused when typed otherwise."""
+    have = m.target.io.logprobs_mode
+    model_config = vllm_config.model_config
+    if not m.target.io.logprobs or model_config.logprobs_mode == have:
+        return
+    if _argv_value("--logprobs-mode") is not None:
+        raise PluginConfigError(
+            f"--logprobs-mode {model_config.logprobs_mode}: the artifacts' target program "
+            f"returns {have}; drop --logprobs-mode, or re-export with `dflash-export "
+            f"--logprobs-mode {model_config.logprobs_mode}`"
+        )
+    model_config.logprobs_mode = have
+
+
+def _own_min_p_and_logit_bias() -> None:
+    """vLLM refuses min_p and logit_bias under speculative decoding (its rejection sampler does
+    not apply them). Our programs apply both on the device in every verify row, as the target
+    alone would (docs/sampling.md), and `validate_request` refuses them on artifacts without
+    --extended-sampling; so for our worker's speculative config vLLM's check is skipped."""
+    from vllm.sampling_params import SamplingParams
+
+    upstream = SamplingParams._validate_spec_decode
+    if getattr(upstream, "dflash_qaic", False):
+        return
+
+    def check(self, speculative_config) -> None:
+        ours = speculative_config is not None and speculative_config.model == WORKER
+        if not (ours and speculative_config.method == "custom_class"):
+            upstream(self, speculative_config)
+
+    check.dflash_qaic = True
+    SamplingParams._validate_spec_decode = check
 
 
 def _extended(p, limits: Limits | None) -> dict:

@@ -57,7 +57,14 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 from dflash_qaic import contract
 from dflash_qaic.runtime.grammar import Constraint
 from dflash_qaic.vllm import connector
-from dflash_qaic.vllm.platform import Settings, accepts_device_ids, prefix_caching, sampling_check
+from dflash_qaic.vllm.logprobs import StepLogprobs
+from dflash_qaic.vllm.platform import (
+    Settings,
+    accepts_device_ids,
+    logprob_settings,
+    prefix_caching,
+    sampling_check,
+)
 from dflash_qaic.vllm.scheduler import SALTS
 
 log = logging.getLogger("dflash_qaic.vllm")
@@ -97,6 +104,7 @@ class DFlashWorker(WorkerBase):
         )
         self.B = self.pipe.B
         self.words = contract.bitmask_words(self.pipe.vocab)  # the programs' bitmask width
+        self.top_k_logprobs = self.pipe.artifacts.target.io.logprobs  # --logprobs K (0: none)
         self.seqs: dict = {}  # vLLM request id -> our Sequence
         self._drafts = DraftTokenIds([], [])
         self._pending = None  # the scheduler output whose step waits for vLLM's bitmask
@@ -181,9 +189,8 @@ class DFlashWorker(WorkerBase):
         ids = new.prompt_token_ids
         max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len - len(ids)
         fixed = self.pipe.allowed_tokens(p.allowed_token_ids) if p.allowed_token_ids else None
-        req = self.pipe.request(
-            ids, max_tokens, sorted(stop), grammar=fixed, **sampling_check(p, None)
-        )
+        kw = sampling_check(p, None) | logprob_settings(p, self.top_k_logprobs)
+        req = self.pipe.request(ids, max_tokens, sorted(stop), grammar=fixed, **kw)
         req = self._salted(req, new.req_id)
         if self.kv is None:
             seq = self.engine.add(req)
@@ -268,6 +275,7 @@ class DFlashWorker(WorkerBase):
         scheduled = so.num_scheduled_tokens
         req_ids = list(scheduled)
         sampled, spec, failed = [], so.scheduled_spec_decode_tokens, self._failed
+        lps = StepLogprobs(self.top_k_logprobs)  # the committed rows' logprobs, vLLM's shapes
         for rid in req_ids:
             seq = self.seqs.get(rid)
             if seq is None:  # failed before its step (_add)
@@ -284,6 +292,9 @@ class DFlashWorker(WorkerBase):
             if not tokens and not seq.finished:
                 raise RuntimeError(f"request {rid} was scheduled and produced no token")
             sampled.append(tokens[: len(spec.get(rid, ())) + 1])
+            why = lps.add(rid, seq, len(seq.tokens) - len(tokens), sampled[-1])
+            if why is not None:
+                failed[rid] = why
             if seq.finished:  # our stop agrees with vLLM's: it ends this request now too
                 self.seqs.pop(rid)
         going = [rid for rid in req_ids if rid in self.seqs]
@@ -294,6 +305,7 @@ class DFlashWorker(WorkerBase):
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=sampled,
         )
+        lps.fill(out, req_ids)
         if failed:  # read by DFlashScheduler (vllm/scheduler.py): vLLM's output has no field
             out.dflash_failed = failed
         self._prefix_hits(out)
