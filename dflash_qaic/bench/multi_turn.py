@@ -1,7 +1,8 @@
 """`dflash-bench --multi-turn`: an agent-like conversation with and without prefix caching.
 
     dflash-bench --multi-turn ARTIFACTS [--turns 8] [--system-tokens 600] [--user-tokens 40]
-                 [--max-new-tokens 32] [--repeats 3] [--out FILE.json]
+                 [--max-new-tokens 32] [--repeats 3] [--kv-offloading-size GIB]
+                 [--out FILE.json]
 
 The trace: a system prompt with its tool list (--system-tokens), then --turns turns, each
 re-sending the whole history (the system prompt, every earlier user message and answer) plus
@@ -110,6 +111,7 @@ def parser() -> argparse.ArgumentParser:
     p = doc_parser("dflash-bench --multi-turn", __doc__)
     options.add_arguments(p, "backend", "threads", "check_files")
     options.SPEC_POLICY.add(p)
+    options.KV_OFFLOADING_SIZE.add(p)  # the cached runs' host tier (the cache is off, then on)
     for flag, default, text in (
         ("--turns", 8, "turns of the conversation"),
         ("--system-tokens", 600, "tokens of the system prompt and tools"),
@@ -138,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     pipe = dflash_qaic.load(
         args.artifacts, **options.from_args(args, "backend", "threads", "check_files")
     )
-    pipe.configure(spec_policy=options.SPEC_POLICY.value(args))
+    size = options.KV_OFFLOADING_SIZE.value(args)
+    pipe.configure(spec_policy=options.SPEC_POLICY.value(args), kv_offloading_size=size)
     need = args.system_tokens + args.turns * (args.user_tokens + args.max_new_tokens)
     if need >= pipe.ctx_len:
         print(
@@ -148,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     report = measure(pipe, args)
+    report["kv_offloading_size"] = size
     print(table(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
