@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_prefix_cache import CASES, UNTIED, ids, load
+from test_prefix_cache import CASES, UNTIED, ids, load, run_choices, same_as_solo
 
 from dflash_qaic.runtime import prefix
 
@@ -110,25 +110,11 @@ def test_n_choices_resume_from_a_cached_prefix(exported, case):
     chunk = CASES[case][2]
     first = ids(45, 800)
     pipe.generate(first, 6, stop_token_ids=[])
-    calls = []
-    run = pipe.target.run
-
-    def counted(feeds):
-        calls.append(feeds["input_ids"].shape)
-        return run(feeds)
-
-    pipe.target.run = counted
     p, sp = diverging(first, 32, 11, 801), dict(temperature=1.0, seed=70)
-    engine = pipe.engine()
-    seqs = engine.add_choices(pipe.request(p, 10, stop_token_ids=[], **sp), 3)
-    while engine.busy:
-        engine.step()
-    assert len([s for s in calls if s[0] == 1]) == -(-(len(p) - 1 - 32) // chunk) + 3
-    for i, seq in enumerate(seqs):
-        ref = solo.generate(p, 10, stop_token_ids=[], temperature=1.0, seed=70 + i)
-        assert seq.result.stats["cached_tokens"] == 32, i
-        assert seq.result.tokens == ref.tokens, i
-        assert seq.result.acceptance_lengths == ref.acceptance_lengths, i
+    _, seqs, prefills = run_choices(pipe, p, 3, 10, **sp)
+    assert prefills == -(-(len(p) - 1 - 32) // chunk) + 3
+    assert [seq.result.stats["cached_tokens"] for seq in seqs] == [32] * 3
+    same_as_solo(solo, p, seqs, 10, **sp)
 
 
 def test_the_flags_on_dflash_run(exported, capsys, monkeypatch):
