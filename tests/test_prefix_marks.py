@@ -146,7 +146,8 @@ def test_the_flags_on_dflash_run(exported, capsys, monkeypatch):
 
 def test_the_flags_on_dflash_bench(exported, tmp_path):
     """dflash-bench takes both flags (the cache off by default there: rounds repeat each
-    prompt); --multi-turn takes --kv-offloading-size for its cached runs and reports it."""
+    prompt); --multi-turn takes --kv-offloading-size for its cached runs and reports it, and
+    --agent (no history) hits a hybrid target from its third turn."""
     from dflash_qaic.bench import cli, multi_turn
 
     for p in (cli.parser(), cli.common_parser("a\n\nb", "artifacts", [])):
@@ -165,3 +166,9 @@ def test_the_flags_on_dflash_bench(exported, tmp_path):
     report = json.loads(out.read_text())
     assert report["kv_offloading_size"] == 0.5 and report["tokens_equal"]
     assert report["turns"][1]["cached_tokens"] > 0  # a hybrid target: the history's end
+    # --agent: the system prompt and a new user message each turn; from the third turn on they
+    # hit at the block where the prompts branch (the system prompt's last whole block)
+    argv[argv.index("--turns") + 1] = "3"
+    assert cli.main([*argv, "--agent", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [t["cached_tokens"] for t in report["turns"]] == [0, 0, 16] and report["tokens_equal"]
