@@ -117,6 +117,23 @@ def test_n_choices_resume_from_a_cached_prefix(exported, case):
     same_as_solo(solo, p, seqs, 10, **sp)
 
 
+def test_a_group_saves_its_marks(exported):
+    """An n = 2 group's shared prefill of a 45-token prompt on a hybrid target ends a call at
+    block 32 and saves it; both choices' rows keep it, and a lone prompt diverging after it
+    resumes there with a cold run's tokens and acceptance."""
+    pipe = load(exported, "hybrid", rows=4)
+    cold = load(exported, "hybrid", enable_prefix_caching=False)
+    first = ids(45, 820)
+    _, seqs, _ = run_choices(pipe, first, 2, 6, temperature=1.0, seed=3)
+    same_as_solo(cold, first, seqs, 6, temperature=1.0, seed=3)
+    assert [[m.end for m in e.marks] for e in pipe.prefix_cache.rows.values()] == [[32], [32]]
+    turn = diverging(first, 32, 11, 821)
+    res = pipe.generate(turn, 12, stop_token_ids=[])
+    ref = cold.generate(turn, 12, stop_token_ids=[])
+    assert res.stats["cached_tokens"] == 32
+    assert res.tokens == ref.tokens and res.acceptance_lengths == ref.acceptance_lengths
+
+
 def test_the_flags_on_dflash_run(exported, capsys, monkeypatch):
     """dflash-run takes --enable-prefix-caching/--no-enable-prefix-caching and
     --kv-offloading-size (runtime/options.py): the run's pipeline caches its prompt (a longer

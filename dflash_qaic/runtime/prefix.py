@@ -345,17 +345,19 @@ def _choose_marks(engine, seq, r: int) -> None:
 def save_mark(engine, seq) -> None:
     """After a prefill chunk: at one of `seq`'s marks, its rolling buffers (the target's, the
     draft's) and the draft's owed context there are kept (`Mark`) for its entry."""
-    b = seq.prefilled
-    if b not in seq.marks:
-        return
-    pre, rolls, slot = engine.prefill, engine.prefix.rolls, seq.slot
+    b, pre = seq.prefilled, engine.prefill
+    if b in seq.marks:
+        owed = pre.bufs.context(seq.slot)[0][0, : seq.pending].copy() if pre.dflash else None
+        seq.saved.append(_mark(engine, seq.slot, b, owed))
+
+
+def _mark(engine, slot: int, b: int, owed: np.ndarray | None) -> Mark:
+    """Row `slot`'s rolling buffers at block boundary b, the draft owing `owed` (None: no
+    draft) for the positions before b."""
+    pre, rolls = engine.prefill, engine.prefix.rolls
     target = pre.target.read_slot(slot, 0) if rolls[0] else None  # no positional slot
-    draft_end = owed = draft = None
-    if pre.dflash:
-        owed = pre.bufs.context(slot)[0][0, : seq.pending].copy()
-        draft_end = b - seq.pending
-        draft = pre.draft.read_slot(slot, 0) if rolls[1] else None
-    seq.saved.append(Mark(b, draft_end, owed, target, draft))
+    draft = pre.draft.read_slot(slot, 0) if pre.dflash and rolls[1] else None
+    return Mark(b, None if owed is None else b - len(owed), owed, target, draft)
 
 
 def enter(engine, seq) -> None:
@@ -447,7 +449,6 @@ def take_rows(engine, leader) -> list[int]:
     a cached prefix is its hit, resumed by `fork`), free rows for the others; each choice keeps
     the hashes for its entry at retirement and counts its prompt and the hit."""
     slots = [take_row(engine, leader)]
-    leader.marks = []  # the group's prefill (`fork`) saves no mark
     r = 0 if leader.resume is None else leader.resume[1]
     for seq in leader.fork:
         if engine.prefix is not None:
@@ -472,9 +473,7 @@ def fork(engine, leader) -> None:
         ids, pre = leader.req.ids, engine.prefill
         P, r, k = len(ids), leader.prefilled, leader.pending
         if P >= 2:
-            owed = pre.bufs.context(leader.slot)[0][0, :k].copy() if pre.dflash else None
-            leader.pending = 0
-            feats = handoff._prefill_rows(engine, ids[: P - 1], leader.slot, r)
+            feats = _group_prefill(engine, leader)
             state = pre.target.read_slot(leader.slot, P - 1)
             draft = pre.draft.read_slot(leader.slot, r - k) if pre.dflash and r else None
             for seq in followers:
@@ -484,9 +483,31 @@ def fork(engine, leader) -> None:
             for seq in [leader, *followers]:
                 seq.prefilled, seq.cached, seq.saved = P - 1, r, list(leader.saved)
                 if pre.dflash:
-                    handoff.queue_context(engine, seq, np.concatenate([owed, feats]), r - k, 1)
+                    handoff.queue_context(engine, seq, feats, r - k, 1)
     except Exception as e:
         engine._fail(followers, e)
         raise
     for seq in followers:
         seq.held = False
+
+
+def _group_prefill(engine, leader) -> np.ndarray | None:
+    """The group's prompt but its last token into the leader's row from its hit, a call ending
+    at each of its marks, saved there (the draft not run yet: its state that of the hit, every
+    feature since owed). Returns the features the draft is owed from the hit's draft_end: the
+    hit's queued ones, then the new ones (None without a draft)."""
+    from dflash_qaic.runtime import handoff
+
+    pre, ids, lo, slot = engine.prefill, leader.req.ids, leader.prefilled, leader.slot
+    parts = [pre.bufs.context(slot)[0][0, : leader.pending].copy()] if pre.dflash else None
+    leader.pending = 0
+    last = len(ids) - 1
+    for end in [*(m for m in leader.marks if lo < m < last), last]:
+        feats = handoff._prefill_rows(engine, ids[:end], slot, lo)
+        lo = end
+        if pre.dflash:
+            parts.append(feats)
+        if end < last:
+            owed = np.concatenate(parts) if pre.dflash else None
+            leader.saved.append(_mark(engine, slot, end, owed))
+    return np.concatenate(parts) if pre.dflash else None
