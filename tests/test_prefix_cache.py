@@ -256,7 +256,7 @@ def test_bench_multi_turn(exported, tmp_path, capsys):
 
 def test_served_n_choices(exported):
     """dflash-serve n > 1: the choices by index, choice i equal to a lone run seeded seed + i,
-    usage counting the prompt once; streamed, every chunk names its choice and each choice
+    usage counting the prompt once (and the cached prefix a later group resumes from); streamed, every chunk names its choice and each choice
     ends once; n above the rows and best_of ≠ n are refused naming the field."""
     import json
 
@@ -276,6 +276,13 @@ def test_served_n_choices(exported):
             ref = solo.generate(p, 8, temperature=1.0, seed=5 + i)
             assert ch["token_ids"] == ref.tokens, i
         assert r["usage"]["prompt_tokens"] == 30 and r["usage"]["completion_tokens"] == 24
+        # the choices' rows hold the prompt: a longer one's n choices resume from it
+        more = c.post("/v1/completions", json={**body, "prompt": p + [7, 8]}).json()
+        assert more["usage"]["prompt_tokens_details"]["cached_tokens"] == 30
+        for i, ch in enumerate(more["choices"]):
+            assert (
+                ch["token_ids"] == solo.generate(p + [7, 8], 8, temperature=1.0, seed=5 + i).tokens
+            )
         with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
             lines = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
         assert lines[-1] == "[DONE]"
