@@ -182,6 +182,38 @@ def test_served_usage_metrics_and_flags(exported):
     assert args.enable_prefix_caching is True and args.kv_offloading_size == 2.5
 
 
+def run_choices(pipe, p, n, max_new, **sp):
+    """n choices of prompt `p` through a new engine: the engine, their Sequences, and how many
+    batch-1 target calls (prefill chunks) ran."""
+    calls, run = [], pipe.target.run
+
+    def counted(feeds):
+        calls.append(feeds["input_ids"].shape)
+        return run(feeds)
+
+    pipe.target.run = counted
+    try:
+        engine = pipe.engine()
+        seqs = engine.add_choices(pipe.request(p, max_new, stop_token_ids=[], **sp), n)
+        while engine.busy:
+            engine.step()
+    finally:
+        pipe.target.run = run
+    return engine, seqs, sum(1 for s in calls if s[0] == 1)
+
+
+def same_as_solo(solo, p, seqs, max_new, temperature, seed) -> list[list[int]]:
+    """Choice i equals a lone run of `solo` seeded seed + i, tokens and acceptance; returns the
+    choices' tokens."""
+    out = []
+    for i, seq in enumerate(seqs):
+        ref = solo.generate(p, max_new, stop_token_ids=[], temperature=temperature, seed=seed + i)
+        assert seq.result.tokens == ref.tokens, i
+        assert seq.result.acceptance_lengths == ref.acceptance_lengths, i
+        out.append(seq.result.tokens)
+    return out
+
+
 def test_n_choices_cost_one_prefill(exported):
     """n = 4 choices of one prompt: the prompt (but its last token) is prefilled once and
     forked into the four rows; choice i equals a lone run seeded seed + i (vLLM's seeding),
@@ -189,28 +221,10 @@ def test_n_choices_cost_one_prefill(exported):
     prompt token with its own sampler) against 4 · ⌈P / chunk⌉ without the fork."""
     pipe = load(exported, "dense", rows=4)
     solo = load(exported, "dense", enable_prefix_caching=False)
-    calls = []
-    run = pipe.target.run
-
-    def counted(feeds):
-        calls.append(feeds["input_ids"].shape)
-        return run(feeds)
-
-    pipe.target.run = counted
     p, sp = ids(37, 12), dict(temperature=1.0, seed=40)
-    engine = pipe.engine()
-    seqs = engine.add_choices(pipe.request(p, 12, stop_token_ids=[], **sp), 4)
-    while engine.busy:
-        engine.step()
-    prefills = [s for s in calls if s[0] == 1]  # batch-1 calls: prefill chunks
-    assert len(prefills) == -(-(len(p) - 1) // 8) + 4
-    outs = []
-    for i, seq in enumerate(seqs):
-        ref = solo.generate(p, 12, stop_token_ids=[], temperature=1.0, seed=40 + i)
-        assert seq.result.tokens == ref.tokens and seq.result.acceptance_lengths == (
-            ref.acceptance_lengths
-        ), i
-        outs.append(tuple(ref.tokens))
+    engine, seqs, prefills = run_choices(pipe, p, 4, 12, **sp)
+    assert prefills == -(-(len(p) - 1) // 8) + 4
+    outs = [tuple(same_as_solo(solo, p, seqs, 12, **sp)[i]) for i in range(4)]
     assert len(set(outs)) > 1  # the choices sampled apart
     with pytest.raises(ValueError, match="n must be in 1"):
         engine.add_choices(pipe.request(p, 4), 5)
@@ -242,7 +256,7 @@ def test_bench_multi_turn(exported, tmp_path, capsys):
 
 def test_served_n_choices(exported):
     """dflash-serve n > 1: the choices by index, choice i equal to a lone run seeded seed + i,
-    usage counting the prompt once; streamed, every chunk names its choice and each choice
+    usage counting the prompt once (and the cached prefix a later group resumes from); streamed, every chunk names its choice and each choice
     ends once; n above the rows and best_of ≠ n are refused naming the field."""
     import json
 
@@ -262,6 +276,13 @@ def test_served_n_choices(exported):
             ref = solo.generate(p, 8, temperature=1.0, seed=5 + i)
             assert ch["token_ids"] == ref.tokens, i
         assert r["usage"]["prompt_tokens"] == 30 and r["usage"]["completion_tokens"] == 24
+        # the choices' rows hold the prompt: a longer one's n choices resume from it
+        more = c.post("/v1/completions", json={**body, "prompt": p + [7, 8]}).json()
+        assert more["usage"]["prompt_tokens_details"]["cached_tokens"] == 30
+        for i, ch in enumerate(more["choices"]):
+            assert (
+                ch["token_ids"] == solo.generate(p + [7, 8], 8, temperature=1.0, seed=5 + i).tokens
+            )
         with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
             lines = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
         assert lines[-1] == "[DONE]"

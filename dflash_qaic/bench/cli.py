@@ -68,7 +68,10 @@ def common_parser(doc: str, artifacts: str, options) -> argparse.ArgumentParser:
     )
     p.add_argument("artifacts", help=artifacts)
     load_options.add_arguments(p, "backend", "check_files")
-    load_options.SPEC_POLICY.add(p)
+    load_options.add_engine_arguments(p)
+    # rounds repeat each prompt and the target alone runs it too: each from position 0 unless
+    # --enable-prefix-caching asks for the cache (--multi-turn measures it both ways)
+    p.set_defaults(enable_prefix_caching=False)
     for flag, typ, default, text in options:
         p.add_argument(flag, type=typ, default=default, help=f"{text} (default %(default)s)")
     p.add_argument("--debug", action="store_true", help="tracebacks on errors")
@@ -211,13 +214,13 @@ def _compare(prompts, args) -> dict:
     temperatures, rounds and seeds, each DFlash run against the target alone of its round."""
     import dflash_qaic
     from dflash_qaic.bench import run
-    from dflash_qaic.runtime.options import SPEC_POLICY
+    from dflash_qaic.runtime.options import engine_values
 
     pipe = dflash_qaic.load(
         args.compare, backend=args.backend, threads=args.ort_threads, check_files=args.check_files
     )
     _log(f"dflash-bench: loaded {args.compare} (--compare) on {args.backend}")
-    pipe.configure(spec_policy=SPEC_POLICY.value(args), enable_prefix_caching=False)  # as ours
+    pipe.configure(**engine_values(args))  # as ours
     f = run.facts(pipe, args.compare)
     sections, _ = _measure(pipe, prompts, args, f["block_size"])
     skipped = {"skipped": "measured for the benchmarked artifacts only"}

@@ -75,7 +75,7 @@ def bench(args, command: str, out, body) -> int:
     `out.problems` finds tokens that differ."""
     import dflash_qaic
     from dflash_qaic.bench import run
-    from dflash_qaic.runtime.options import SPEC_POLICY
+    from dflash_qaic.runtime.options import engine_values
 
     t0, started = time.perf_counter(), datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     machine = run.machine(args.threads)
@@ -86,9 +86,8 @@ def bench(args, command: str, out, body) -> int:
         args.artifacts, backend=args.backend, threads=args.ort_threads, check_files=args.check_files
     )
     machine["ort_threads"] = pipe.threads  # None: ONNX Runtime's default
-    pipe.configure(spec_policy=SPEC_POLICY.value(args))  # the step policy of every DFlash run
-    # rounds repeat each prompt and the target alone runs it too: every run from position 0
-    pipe.configure(enable_prefix_caching=False)
+    # the step policy of every DFlash run; prefix caching off unless asked (bench/cli.py)
+    pipe.configure(**engine_values(args))
     _log(
         f"dflash-bench: loaded {args.artifacts} on {args.backend} ({pipe.threads or 'default'} threads)"
     )

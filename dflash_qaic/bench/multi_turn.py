@@ -1,7 +1,8 @@
 """`dflash-bench --multi-turn`: an agent-like conversation with and without prefix caching.
 
     dflash-bench --multi-turn ARTIFACTS [--turns 8] [--system-tokens 600] [--user-tokens 40]
-                 [--max-new-tokens 32] [--repeats 3] [--out FILE.json]
+                 [--max-new-tokens 32] [--repeats 3] [--kv-offloading-size GIB]
+                 [--agent] [--out FILE.json]
 
 The trace: a system prompt with its tool list (--system-tokens), then --turns turns, each
 re-sending the whole history (the system prompt, every earlier user message and answer) plus
@@ -11,6 +12,10 @@ with the cache off, then on (fresh: its first turn misses), --repeats times afte
 turn; per turn it reports the median time to first token of both, their ratio, the prompt
 tokens found cached and the prefill tokens saved, and checks that the answers are the same
 tokens with and without the cache (exit 1 otherwise).
+
+--agent: each turn sends the system prompt and its own user message only, no history (an
+agent's independent requests sharing one system prompt and tool list; on a hybrid or sliding
+target they hit at the block boundary saved where the prompts branch, from the third turn on).
 """
 
 from __future__ import annotations
@@ -32,11 +37,12 @@ def trace(vocab: int, args) -> tuple[list[int], list[list[int]]]:
     return system, [rng.integers(3, hi, args.user_tokens).tolist() for _ in range(args.turns)]
 
 
-def conversation(pipe, system, users, max_new: int) -> list[dict]:
-    """One run of the trace: per turn its prompt length, TTFT, cached tokens and answer."""
+def conversation(pipe, system, users, max_new: int, agent: bool = False) -> list[dict]:
+    """One run of the trace: per turn its prompt length, TTFT, cached tokens and answer (agent:
+    each turn the system prompt and its user message, no history)."""
     history, out = list(system), []
     for user in users:
-        history += user
+        history = system + user if agent else history + user
         res = pipe.generate(history, max_new, stop_token_ids=[])
         out.append(
             dict(
@@ -59,7 +65,7 @@ def measure(pipe, args) -> dict:
         for cache in (False, True):
             pipe.configure(enable_prefix_caching=False)  # drops the cache
             pipe.configure(enable_prefix_caching=cache)
-            runs[cache].append(conversation(pipe, system, users, args.max_new_tokens))
+            runs[cache].append(conversation(pipe, system, users, args.max_new_tokens, args.agent))
     turns = []
     for t in range(args.turns):
         cold = statistics.median(r[t]["ttft_s"] for r in runs[False])
@@ -110,6 +116,7 @@ def parser() -> argparse.ArgumentParser:
     p = doc_parser("dflash-bench --multi-turn", __doc__)
     options.add_arguments(p, "backend", "threads", "check_files")
     options.SPEC_POLICY.add(p)
+    options.KV_OFFLOADING_SIZE.add(p)  # the cached runs' host tier (the cache is off, then on)
     for flag, default, text in (
         ("--turns", 8, "turns of the conversation"),
         ("--system-tokens", 600, "tokens of the system prompt and tools"),
@@ -119,6 +126,11 @@ def parser() -> argparse.ArgumentParser:
         ("--seed", 0, "seed of the trace's ids"),
     ):
         p.add_argument(flag, type=int, default=default, help=f"{text} (default %(default)s)")
+    p.add_argument(
+        "--agent",
+        action="store_true",
+        help="each turn the system prompt and its own user message, no history",
+    )
     p.add_argument("--out", default=None, help="write the report as JSON here")
     return p
 
@@ -138,8 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     pipe = dflash_qaic.load(
         args.artifacts, **options.from_args(args, "backend", "threads", "check_files")
     )
-    pipe.configure(spec_policy=options.SPEC_POLICY.value(args))
-    need = args.system_tokens + args.turns * (args.user_tokens + args.max_new_tokens)
+    size = options.KV_OFFLOADING_SIZE.value(args)
+    pipe.configure(spec_policy=options.SPEC_POLICY.value(args), kv_offloading_size=size)
+    turns = 1 if args.agent else args.turns  # the longest prompt holds this many turns
+    need = args.system_tokens + turns * (args.user_tokens + args.max_new_tokens)
     if need >= pipe.ctx_len:
         print(
             f"dflash-bench --multi-turn: the trace needs {need} positions, the artifacts hold "
@@ -148,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     report = measure(pipe, args)
+    report["kv_offloading_size"] = size
     print(table(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))

@@ -25,7 +25,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     p.add_argument("--max-new-tokens", type=int, default=64)
     options.add_arguments(p, "backend", "threads", "check_files")
-    options.SPEC_POLICY.add(p)
+    options.add_engine_arguments(p)  # --spec-policy, prefix caching, the host tier
     p.add_argument(
         "--stop-token-ids",
         default=None,
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         pipe = dflash_qaic.load(
             args.artifacts, **options.from_args(args, "backend", "threads", "check_files")
         )
-        pipe.configure(spec_policy=options.SPEC_POLICY.value(args))
+        pipe.configure(**options.engine_values(args))
         stream, flush = None, None
         if args.stream and not args.json:
             stream, flush = _printer(pipe.tokenizer)

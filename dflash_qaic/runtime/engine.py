@@ -323,6 +323,8 @@ class BatchEngine:
                     if seq.fork:  # n > 1: the prompt once, into every choice's row
                         prefix.fork(self, seq)
                     self.prefill.chunk(seq)
+                    if seq.marks:  # a rolling state saved at a block boundary
+                        prefix.save_mark(self, seq)
                 except Exception as e:  # its own calls: it fails alone
                     self._fail([seq], e.cause if isinstance(e, CallFailed) else e)
                 budget = None if budget is None else budget - 1

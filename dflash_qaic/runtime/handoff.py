@@ -83,14 +83,14 @@ def export(engine, manifest, ids: list[int]) -> bytes:
     return slot_state.to_bytes()
 
 
-def _prefill_rows(engine, ids: list[int], slot: int) -> np.ndarray | None:
-    """The target's prefill chunks of `ids` (positions 0 … len − 1) into cache row `slot`,
-    greedy and unsampled; returns their fused features [len, H] (None without a draft)."""
+def _prefill_rows(engine, ids: list[int], slot: int, lo: int = 0) -> np.ndarray | None:
+    """The target's prefill chunks of `ids` from position `lo` (lo … len − 1) into cache row
+    `slot`, greedy and unsampled; returns their fused features [len − lo, H] (None without a
+    draft)."""
     pre = engine.prefill
-    b, plan, n_ids = pre.bufs, pre.plan, len(ids)
-    feats = np.zeros((n_ids, b.H), np.float32) if pre.dflash else None
+    b, plan, n_ids, first = pre.bufs, pre.plan, len(ids), lo
+    feats = np.zeros((n_ids - lo, b.H), np.float32) if pre.dflash else None
     b.sampling.set_row(0, None)
-    lo = 0
     while lo < n_ids:
         L = contract.plan_prefill(n_ids - lo, plan.prefill_lengths)
         n = min(L, n_ids - lo)
@@ -99,7 +99,7 @@ def _prefill_rows(engine, ids: list[int], slot: int) -> np.ndarray | None:
         out = pre.target.run(b.window(c.feeds[s], lo + n))
         check_committed("prefill", out, np.zeros(1, np.int64), n, [])
         if feats is not None:
-            feats[lo : lo + n] = out[contract.HIDDEN_STATES][0, :n]
+            feats[lo - first : lo - first + n] = out[contract.HIDDEN_STATES][0, :n]
         lo += n
     return feats
 

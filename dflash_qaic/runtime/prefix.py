@@ -20,10 +20,21 @@ draft's context comes back whole and acceptance equals a cold run's.
 Where a hit may resume (`Entry.resume`): at r ≤ end with prompt[:r] equal to the entry's
 tokens, r ≤ P − 1 (the last prompt token is always computed: its logits give the first token).
 A target whose state rolls (Gated DeltaNet states, sliding rings: state.rolls) holds its state
-at `end` only, so it resumes at r = end exactly or not at all; a draft whose state rolls needs
-r ≥ draft_end. A full-attention cache resumes at any r: positions r … are rewritten by the new
-prefill before any query reads them (a query at p reads only slots ≤ p, each written by this
-request's calls or held from the matching prefix).
+at `end`, and at the block boundaries its prefill saved (`Mark`), so it resumes at r = end or
+at the furthest mark ≤ r, never elsewhere; a draft whose state rolls needs r ≥ draft_end (or a
+mark). A full-attention cache resumes at any r: positions r … are rewritten by the new prefill
+before any query reads them (a query at p reads only slots ≤ p, each written by this request's
+calls or held from the matching prefix).
+
+Marks (`Mark`): where a state rolls, a prompt's prefill ends a chunk at chosen 16-token block
+boundaries b (`Sequence.marks`: the prompt's last whole block before its last token, and the
+furthest block it shares with a cached entry, where prompts branch: the agent's system prompt)
+and copies the rolling buffers there (`read_slot(row, 0)`: the recurrent states, conv windows
+and rings whole, no positional slot), with the draft's context still owed at b. The positional
+caches need no copy: the row keeps positions < b, which no later call of that request rewrites.
+A hit at a mark writes the rolling buffers back into the row (after the host tier's state, for
+a host entry). An entry keeps at most `MARKS` of them, carried on to the entry of a request
+that resumed at or past them.
 """
 
 from __future__ import annotations
@@ -40,10 +51,11 @@ import numpy as np
 
 from dflash_qaic.state import SlotState
 
-__all__ = ["BLOCK", "Entry", "PrefixCache", "block_hashes", "root_key"]
+__all__ = ["BLOCK", "Entry", "Mark", "PrefixCache", "block_hashes", "root_key"]
 
 BLOCK = 16  # tokens per hashed block (vLLM's default block size)
 GIB = 1 << 30
+MARKS = 4  # saved block boundaries per entry: its earliest and its latest three
 
 
 def root_key(identity: dict, salt: str | None) -> bytes:
@@ -63,6 +75,38 @@ def block_hashes(parent: bytes, ids, first: int = 0) -> list[bytes]:
     return out
 
 
+def _common(a: list[bytes], b: list[bytes]) -> int:
+    """How many leading block hashes `a` and `b` share."""
+    k = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        k += 1
+    return k
+
+
+def _nbytes(*states) -> int:
+    return sum(a.nbytes for st in states if st is not None for a in st.arrays.values())
+
+
+@dataclass
+class Mark:
+    """A rolling state saved at block boundary `end` of a prompt: the target's rolling buffers
+    (`target`; None when only the draft rolls), the draft's (`draft`; None when it does not
+    roll), the draft's positions held there (`draft_end`; None: no draft state) and the
+    features it still owed, of draft_end … end − 1 (`owed`)."""
+
+    end: int
+    draft_end: int | None
+    owed: np.ndarray | None
+    target: SlotState | None
+    draft: SlotState | None
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.target, self.draft) + (0 if self.owed is None else self.owed.nbytes)
+
+
 @dataclass
 class Entry:
     """One cached state: `tokens` its positions 0 … end − 1, `hashes` their full blocks' hashes,
@@ -77,6 +121,7 @@ class Entry:
     owed: np.ndarray | None
     row: int | None = None
     saved: tuple[SlotState, SlotState | None] | None = None
+    marks: list[Mark] = dataclasses.field(default_factory=list)  # ascending ends < end
 
     @property
     def end(self) -> int:
@@ -84,34 +129,38 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes of its slot states and owed features."""
+        """Host bytes of its slot states, owed features and marks."""
         n = 0 if self.owed is None else self.owed.nbytes
-        for st in self.saved or ():
-            if st is not None:
-                n += sum(a.nbytes for a in st.arrays.values())
-        return n
+        return n + _nbytes(*(self.saved or ())) + sum(m.nbytes for m in self.marks)
 
     def resume(self, ids, hashes, rolls: tuple[bool, bool], dflash: bool) -> int:
         """Where a prompt `ids` (its block `hashes`) resumes from this entry (0: no hit);
         `rolls`: whether the target's and the draft's states roll."""
         if dflash and self.draft_end is None:
             return 0
-        k = 0
-        for a, b in zip(hashes, self.hashes):
-            if a != b:
-                break
-            k += 1
         limit = min(self.end, len(ids) - 1)
-        r = min(k * BLOCK, limit)
+        r = min(_common(hashes, self.hashes) * BLOCK, limit)
         if r < limit:  # the partial block: token by token (at most BLOCK − 1)
             a = np.asarray(ids[r : min(limit, r + BLOCK)])
             same = a == self.tokens[r : r + len(a)]
             r += len(a) if same.all() else int(same.argmin())
+        if self._held(r, rolls, dflash):
+            return r
+        # a rolling state exists at `end` and at the marks only: the furthest mark ≤ r
+        ok = [m.end for m in self.marks if m.end <= r and (not dflash or m.draft_end is not None)]
+        return max(ok, default=0)
+
+    def _held(self, r: int, rolls: tuple[bool, bool], dflash: bool) -> bool:
+        """Whether the entry's own state (no mark) resumes at r."""
         if rolls[0] and r != self.end:
-            return 0  # a rolling state exists at `end` only
-        if dflash and rolls[1] and r < self.draft_end:
-            return 0
-        return r
+            return False
+        return not (dflash and rolls[1] and r < self.draft_end)
+
+    def at(self, r: int, rolls: tuple[bool, bool], dflash: bool) -> Mark | None:
+        """The mark a resume at r (from `resume`) restores; None: the entry's own state."""
+        if r == 0 or self._held(r, rolls, dflash):
+            return None
+        return next(m for m in self.marks if m.end == r)
 
 
 class PrefixCache:
@@ -140,6 +189,12 @@ class PrefixCache:
             if r > where and (e.row is not None or r >= BLOCK):
                 best, where = e, r
         return best, where
+
+    def common_blocks(self, root: bytes, hashes) -> int:
+        """The most leading blocks `hashes` shares with an entry of `root` (where a prompt
+        branches from what is cached: a mark is saved there)."""
+        held = [*self.rows.values(), *self.host.values()]
+        return max((_common(hashes, e.hashes) for e in held if e.root == root), default=0)
 
     def count(self, prompt: int, hit: int) -> None:
         self.queries += prompt
@@ -269,6 +324,7 @@ def take_row(engine, seq) -> int:
         return free_row(engine)
     entry, r = cache.lookup(seq.root, ids, seq.hashes, engine.prefill.dflash)
     cache.count(len(ids), r)
+    _choose_marks(engine, seq, r)
     if entry is None:
         return free_row(engine)
     seq.resume = (entry, r)
@@ -277,23 +333,62 @@ def take_row(engine, seq) -> int:
     return free_row(engine) if row is None else _take(engine, row)
 
 
+def _choose_marks(engine, seq, r: int) -> None:
+    """Where `seq`'s prefill saves its rolling states (module docstring, Marks): past its hit r,
+    the furthest block it shares with a cached entry and its last whole block before its last
+    token; none where no state rolls."""
+    cache, dflash = engine.prefix, engine.prefill.dflash
+    if not (cache.rolls[0] or (dflash and cache.rolls[1])):
+        return
+    last = (len(seq.req.ids) - 1) // BLOCK * BLOCK
+    branch = min(cache.common_blocks(seq.root, seq.hashes) * BLOCK, last)
+    seq.marks = sorted({b for b in (branch, last) if b > r})
+
+
+def save_mark(engine, seq) -> None:
+    """After a prefill chunk: at one of `seq`'s marks, its rolling buffers (the target's, the
+    draft's) and the draft's owed context there are kept (`Mark`) for its entry."""
+    b, pre = seq.prefilled, engine.prefill
+    if b in seq.marks:
+        owed = pre.bufs.context(seq.slot)[0][0, : seq.pending].copy() if pre.dflash else None
+        seq.saved.append(_mark(engine, seq.slot, b, owed))
+
+
+def _mark(engine, slot: int, b: int, owed: np.ndarray | None) -> Mark:
+    """Row `slot`'s rolling buffers at block boundary b, the draft owing `owed` (None: no
+    draft) for the positions before b."""
+    pre, rolls = engine.prefill, engine.prefix.rolls
+    target = pre.target.read_slot(slot, 0) if rolls[0] else None  # no positional slot
+    draft = pre.draft.read_slot(slot, 0) if pre.dflash and rolls[1] else None
+    return Mark(b, None if owed is None else b - len(owed), owed, target, draft)
+
+
 def enter(engine, seq) -> None:
-    """`seq`'s hit into its row: a host entry's slot states written (`write_slot`), the target
-    resumes at r, and the draft's owed context up to r is queued (the hand-off's path)."""
+    """`seq`'s hit into its row: a host entry's slot states written (`write_slot`), a mark's
+    rolling buffers over them, the target resumes at r, and the draft's owed context up to r is
+    queued (the hand-off's path). The entry's marks up to r are carried to `seq`'s entry."""
     from dflash_qaic.runtime import handoff
 
     (entry, r), seq.resume = seq.resume, None
     pre = engine.prefill
+    mark = entry.at(r, engine.prefix.rolls, pre.dflash)
     if entry.saved is not None:  # from the host tier
         (target, draft), entry.saved = entry.saved, None
         pre.target.write_slot(seq.slot, target)
         if pre.dflash:
             pre.draft.write_slot(seq.slot, draft)
+    if mark is not None:  # the rolling states at block boundary r
+        if mark.target is not None:
+            pre.target.write_slot(seq.slot, mark.target)
+        if pre.dflash and mark.draft is not None:
+            pre.draft.write_slot(seq.slot, mark.draft)
+    seq.saved = [m for m in entry.marks if m.end <= r]
     seq.prefilled = seq.cached = r
-    if pre.dflash and r > entry.draft_end:
+    point = entry if mark is None else mark
+    if pre.dflash and r > point.draft_end:
         room = min(engine.plan.prefill_seq_len, len(seq.req.ids) - r)
-        feats = entry.owed[: r - entry.draft_end]
-        handoff.queue_context(engine, seq, feats, entry.draft_end, room)
+        feats = point.owed[: r - point.draft_end]
+        handoff.queue_context(engine, seq, feats, point.draft_end, room)
 
 
 def ended(engine, seqs) -> None:
@@ -331,7 +426,10 @@ def keep(engine, seq) -> None:
     n = min(len(seq.hashes), T // BLOCK)
     hashes = seq.hashes[:n]
     hashes += block_hashes(hashes[-1] if hashes else seq.root, tokens, n)
-    cache.keep(slot, Entry(seq.root, tokens, hashes, draft_end, owed))
+    marks = {m.end: m for m in seq.saved if m.end < T and (m.draft_end is None) == (owed is None)}
+    marks = [marks[b] for b in sorted(marks)]
+    marks = marks[:1] + marks[1:][-(MARKS - 1) :]  # the earliest and the latest
+    cache.keep(slot, Entry(seq.root, tokens, hashes, draft_end, owed, marks=marks))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,41 +448,69 @@ def choices(req, n: int) -> list:
 
 
 def take_rows(engine, leader) -> list[int]:
-    """Rows for a group (`leader` and its `fork`): free rows, no lookup (the group's prompt is
-    prefilled once and forked); each keeps its hashes for its entry at retirement."""
-    slots = []
-    for seq in [leader, *leader.fork]:
+    """Rows for a group (`leader` and its `fork`): the leader's as a lone request's (`take_row`:
+    a cached prefix is its hit, resumed by `fork`), free rows for the others; each choice keeps
+    the hashes for its entry at retirement and counts its prompt and the hit."""
+    slots = [take_row(engine, leader)]
+    r = 0 if leader.resume is None else leader.resume[1]
+    for seq in leader.fork:
         if engine.prefix is not None:
-            seq.root = engine.prefix.root(seq.req.cache_salt)
-            seq.hashes = block_hashes(seq.root, seq.req.ids)
-            engine.prefix.count(len(seq.req.ids), 0)
+            seq.root, seq.hashes = leader.root, leader.hashes
+            engine.prefix.count(len(seq.req.ids), r)
         slots.append(free_row(engine))
     return slots
 
 
 def fork(engine, leader) -> None:
-    """The group's prompt but its last token prefilled once, in the leader's row, and its
-    target state written into each follower's row (`write_slot`); each row's draft context
-    rebuilt from the features (the hand-off's path); then each choice computes the last prompt
-    token with its own sampler, as a decode side of the hand-off does."""
+    """The group's prompt but its last token prefilled once, in the leader's row (from its hit
+    r, entered before: 0 on a miss), and its target state written into each follower's row
+    (`write_slot`), with the draft's held positions on a hit; each row's draft context from
+    there rebuilt from the features (the hit's owed ones, then the new ones: the hand-off's
+    path); then each choice computes the last prompt token with its own sampler, as a decode
+    side of the hand-off does."""
     from dflash_qaic.runtime import handoff
 
     followers = [f for f in leader.fork if not f.finished]  # an aborted one's row is not its
     leader.fork = []
     try:
         ids, pre = leader.req.ids, engine.prefill
-        P = len(ids)
+        P, r, k = len(ids), leader.prefilled, leader.pending
         if P >= 2:
-            feats = handoff._prefill_rows(engine, ids[: P - 1], leader.slot)
+            feats = _group_prefill(engine, leader)
             state = pre.target.read_slot(leader.slot, P - 1)
+            draft = pre.draft.read_slot(leader.slot, r - k) if pre.dflash and r else None
             for seq in followers:
                 pre.target.write_slot(seq.slot, state)
+                if draft is not None:
+                    pre.draft.write_slot(seq.slot, draft)
             for seq in [leader, *followers]:
-                seq.prefilled = P - 1
+                seq.prefilled, seq.cached, seq.saved = P - 1, r, list(leader.saved)
                 if pre.dflash:
-                    handoff.queue_context(engine, seq, feats, 0, 1)
+                    handoff.queue_context(engine, seq, feats, r - k, 1)
     except Exception as e:
         engine._fail(followers, e)
         raise
     for seq in followers:
         seq.held = False
+
+
+def _group_prefill(engine, leader) -> np.ndarray | None:
+    """The group's prompt but its last token into the leader's row from its hit, a call ending
+    at each of its marks, saved there (the draft not run yet: its state that of the hit, every
+    feature since owed). Returns the features the draft is owed from the hit's draft_end: the
+    hit's queued ones, then the new ones (None without a draft)."""
+    from dflash_qaic.runtime import handoff
+
+    pre, ids, lo, slot = engine.prefill, leader.req.ids, leader.prefilled, leader.slot
+    parts = [pre.bufs.context(slot)[0][0, : leader.pending].copy()] if pre.dflash else None
+    leader.pending = 0
+    last = len(ids) - 1
+    for end in [*(m for m in leader.marks if lo < m < last), last]:
+        feats = handoff._prefill_rows(engine, ids[:end], slot, lo)
+        lo = end
+        if pre.dflash:
+            parts.append(feats)
+        if end < last:
+            owed = np.concatenate(parts) if pre.dflash else None
+            leader.saved.append(_mark(engine, slot, end, owed))
+    return np.concatenate(parts) if pre.dflash else None

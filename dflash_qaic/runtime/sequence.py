@@ -47,6 +47,10 @@ class Sequence:
         # prefix caching (runtime/prefix.py): prompt tokens found cached, the hit to enter at
         # admission, the last step's committed rows the draft never took
         self.cached, self.resume, self.unsent = 0, None, 0
+        # a rolling state's saved block boundaries: where its prefill chunks end (`marks`) and
+        # the states saved there (`saved`, prefix.Mark), kept with its entry at retirement
+        self.marks: list[int] = []
+        self.saved: list = []
         # n > 1: a group's leader forks its prefill into its followers' rows (`fork`), which
         # wait for it (`held`)
         self.fork: list[Sequence] = []

@@ -165,8 +165,10 @@ class Prefill:
     def chunk(self, seq) -> None:
         b, ids, slot = self.bufs, seq.req.ids, seq.slot
         lo, P = seq.prefilled, len(ids)
-        L = contract.plan_prefill(P - lo, self.plan.prefill_lengths)
-        n = min(L, P - lo)
+        # a chunk ends at a prefix-cache mark (runtime/prefix.py: a rolling state saved there)
+        stop = next((m for m in seq.marks if lo < m < P), P)
+        L = contract.plan_prefill(stop - lo, self.plan.prefill_lengths)
+        n = min(L, stop - lo)
         last = lo + n == P
         c = fill_chunk(b, L, ids, lo, n, slot)
         # only the last chunk's last row is sampled: the chunks before it take the greedy Prefill

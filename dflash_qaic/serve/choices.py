@@ -1,8 +1,9 @@
 """`n > 1` on dflash-serve: one request's n choices from one prefill (runtime/prefix.py: the
-prompt is prefilled once and forked into n cache rows; choice i samples with seed + i, as vLLM
-seeds parallel sampling's children). A whole answer lists the n choices by index; a streamed
-one interleaves their chunks, each carrying its choice's index, as vLLM streams them. The usage
-counts the prompt once and every choice's tokens. `best_of` is taken when it equals n (ranking
+prompt is prefilled once, from a cached prefix when there is one, and forked into n cache rows;
+choice i samples with seed + i, as vLLM seeds parallel sampling's children). A whole answer
+lists the n choices by index; a streamed one interleaves their chunks, each carrying its
+choice's index, as vLLM streams them. The usage counts the prompt once and every choice's
+tokens, and the prefix found cached once. `best_of` is taken when it equals n (ranking
 more choices than are returned needs their log-probabilities)."""
 
 from __future__ import annotations
