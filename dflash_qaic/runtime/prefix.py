@@ -319,6 +319,8 @@ def take_row(engine, seq) -> int:
     ids = seq.req.ids
     seq.root = cache.root(seq.req.cache_salt)
     seq.hashes = block_hashes(seq.root, ids)
+    if getattr(seq, "handoff", None) is not None:  # prefilled elsewhere: its state arrives whole
+        return free_row(engine)
     if seq.logprobs is not None and seq.logprobs.prompt is not None:
         cache.count(len(ids), 0)  # prompt logprobs need every prompt row computed (as vLLM)
         return free_row(engine)
