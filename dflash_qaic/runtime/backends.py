@@ -37,6 +37,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from dflash_qaic import contract, state
+from dflash_qaic.runtime.ort_rewrite import ort_session
 from dflash_qaic.state import SlotState, StateSpec
 
 
@@ -270,7 +271,8 @@ class OrtProgram:
         if threads:
             so.intra_op_num_threads = threads
             so.inter_op_num_threads = 1
-        self.sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+        # routed experts on ORT's MoE kernel (ort_rewrite.py); the arrays it adds stay alive here
+        self.sess, self._borrowed = ort_session(onnx_path, so)
         self.state, self.capabilities = state, capabilities
         self.kv_names = retained_names(inputs, outputs, state)
         kept = {*self.kv_names, *map(contract.retained, self.kv_names)}
