@@ -143,17 +143,20 @@ def _replace(g, m: dict, i: int, fc1_name: str) -> None:
     """Nodes computing the MoE output into the old block's output name."""
     from onnx import helper
 
-    p = f"/moe_rewrite/{i}/"
+    p = f"{m['out'].name.rsplit('/', 1)[0]}/moe_rewrite_{i}/"  # the block's scope kept
     y = m["out"].output[0]
     g.node.remove(m["out"])
     g.node.extend(
         [
-            helper.make_node("ReduceSum", [m["weight"], p + "ax1"], [p + "S"], keepdims=1),
-            helper.make_node("Log", [m["weight"]], [p + "L"]),
+            helper.make_node(
+                "ReduceSum", [m["weight"], p + "ax1"], [p + "S"], p + "ReduceSum", keepdims=1
+            ),
+            helper.make_node("Log", [m["weight"]], [p + "L"], p + "Log"),
             helper.make_node(
                 "MoE",
                 [m["x"], p + "L", fc1_name, "", m["down"]],
                 [p + "y"],
+                p + "MoE",
                 domain="com.microsoft",
                 k=m["k"],
                 activation_type="swiglu",
@@ -163,7 +166,7 @@ def _replace(g, m: dict, i: int, fc1_name: str) -> None:
                 swiglu_limit=float("inf"),
                 normalize_routing_weights=0,
             ),
-            helper.make_node("Mul", [p + "y", p + "S"], [y]),
+            helper.make_node("Mul", [p + "y", p + "S"], [y], p + "Mul"),
         ]
     )
     g.initializer.append(helper.make_tensor(p + "ax1", 7, [1], [1]))
