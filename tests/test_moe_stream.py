@@ -2,7 +2,7 @@
 finds every union-gather expert block, leaves no expert Gather behind, and the rewritten program's
 outputs equal the exported one's (every specialization's feeds: prefill, verify, decode) for the
 softmax (qwen3_moe) and the grouped sigmoid (deepseek_v3) routers; programs without that block
-(dense, gpt-oss's biased experts) are left to open as files.
+(dense, gpt-oss's biased experts, Gemma 4's gelu-tanh experts) are left to open as files.
 
 Tiny pairs from dflash_lab.tiny, exported in memory as tests/test_streaming_export.py does.
 """
@@ -65,7 +65,7 @@ def test_rewritten_outputs_equal_the_exported_program(moe_program):
                 np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss", "gemma4_moe"])
 def test_programs_without_the_block_open_unchanged(tmp_path, family):
     _, _, path = _export(tmp_path, family)
     assert rewrite_moe(path) is None

@@ -80,13 +80,26 @@ def _route_k(G: _Graph, weight: str) -> int | None:
     return None
 
 
+def _silu_gate(G: _Graph, slices: list) -> bool:
+    """The slice starting at 0 (the gate rows) goes through silu, g · sigmoid(g), as the
+    families' SparseMoeBlock writes it (not Gemma 4's gelu-tanh experts)."""
+    gate = [s for s in slices if G.const_int(s.input[1]) == 0]
+    if len(gate) != 1:
+        return False
+    g = gate[0].output[0]
+    for sig in G.users(g, "Sigmoid"):
+        if any(g in n.input for n in G.users(sig.output[0], "Mul")):
+            return True
+    return False
+
+
 def _match(G: _Graph, gather_gu) -> dict | None:
     """The pieces of one union-gather expert block, or None if any is not as exported."""
     gu, union = gather_gu.input
     mm1 = G.users(gather_gu.output[0], "MatMul")
     slices = G.cons.get(mm1[0].output[0], []) if len(mm1) == 1 else []
-    if len(slices) != 2 or any(s.op_type != "Slice" for s in slices):
-        return None  # an added bias or another activation (gpt-oss): not this block
+    if len(slices) != 2 or any(s.op_type != "Slice" for s in slices) or not _silu_gate(G, slices):
+        return None  # an added bias (gpt-oss) or another activation (Gemma 4): not this block
     tr = G.prod.get(mm1[0].input[1])
     by_axis = {}
     for n in G.users(union, "Gather"):
