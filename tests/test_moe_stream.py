@@ -71,3 +71,22 @@ def test_programs_without_the_block_open_unchanged(tmp_path, family):
     assert rewrite_moe(path) is None
     sess, kept = ort_session(path, ort.SessionOptions())
     assert kept == {} and sess.get_outputs()
+
+
+def test_routed_shapes_projection_arithmetic():
+    """The published parameter counts come out of the dimensions (DeepSeek-V3 671 B, Kimi K2.5
+    about 1.03 T, MiniMax-M2.5 about 229 B), the latent cache is kv_lora_rank + qk_rope_head_dim
+    values per token per layer, and a call reads the union of its rows' experts."""
+    from dflash_qaic.bench.moe_shapes import ROUTED_SHAPES, project_routed
+
+    ds, kimi, mm = (ROUTED_SHAPES[n] for n in ("deepseek-v3", "kimi-k2.5", "minimax-m2.5"))
+    assert round(ds.resident() / 1e9) == 671
+    assert 1.02e12 < kimi.resident() < 1.04e12 and 2.2e11 < mm.resident() < 2.4e11
+    assert ds.cache_per_token() == 512 + 64 and mm.cache_per_token() == 2 * 8 * 128
+    assert kimi.routed(16) == 60 * 128 * kimi.expert()  # 16 rows · top-8 of 384
+    assert ds.routed(64) == 58 * 256 * ds.expert()  # the union is capped at every expert
+    one, four = project_routed(kimi, 1, 8192, "mxfp4"), project_routed(kimi, 4, 8192, "mxfp4")
+    assert one.cards == four.cards > 1  # over a terabyte does not fit one Ultra (128 GB)
+    assert four.routed_gb == pytest.approx(4 * one.routed_gb) and four.ms > one.ms
+    with pytest.raises(ValueError, match="experts format"):
+        project_routed(kimi, 1, 8192, "fp8")
