@@ -9,6 +9,9 @@ Tiny pairs from dflash_lab.tiny, exported in memory as tests/test_streaming_expo
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -24,6 +27,7 @@ def _export(root, family: str):
     t, d = make_tiny_pair(root, family=family)
     pair = ck.read_pair(t, d)
     tf, _ = _streamed(pair, root / "art")
+    tf["top_k"] = json.loads((Path(t) / "config.json").read_text()).get("num_experts_per_tok")
     return pair, tf, root / "art" / "target.onnx"
 
 
@@ -63,6 +67,19 @@ def test_rewritten_outputs_equal_the_exported_program(moe_program):
                 assert np.array_equal(a, b), name  # tokens
             else:
                 np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_layer_cost_counts_the_routed_union(moe_program):
+    """dflash_lab.layer_cost's bytes: a decode row reads k of each stack's E experts."""
+    from dflash_lab.layer_cost import layer_bytes
+
+    _, facts, path = moe_program
+    src = onnx.load(str(path), load_external_data=False).graph
+    stacks = [t for t in src.initializer if t.name.endswith((".gate_up", ".down"))]
+    E, k = stacks[0].dims[0], facts["top_k"]
+    full = sum(4 * int(np.prod(t.dims)) for t in stacks)
+    assert 0 < k < E and layer_bytes(path, 1, k)["routed"] == full * k // E
+    assert layer_bytes(path, E, k)["routed"] == full  # the union capped at every expert
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gpt_oss", "gemma4_moe"])
