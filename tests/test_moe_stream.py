@@ -107,3 +107,11 @@ def test_routed_shapes_projection_arithmetic():
     assert four.routed_gb == pytest.approx(4 * one.routed_gb) and four.ms > one.ms
     with pytest.raises(ValueError, match="experts format"):
         project_routed(kimi, 1, 8192, "fp8")
+
+
+def test_an_older_onnx_runtime_runs_the_program_as_exported(moe_program, monkeypatch, caplog):
+    pair, facts, path = moe_program
+    monkeypatch.setattr(ort, "__version__", "1.20.1")
+    sess, kept = ort_session(path, ort.SessionOptions())
+    assert kept == {} and "install onnxruntime>=" in caplog.text
+    assert sess.run(None, _feeds("target", facts, pair)[0])

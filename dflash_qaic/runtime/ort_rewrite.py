@@ -19,6 +19,7 @@ session opens the file as before); gpt-oss's experts (biases, clamped activation
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,9 @@ from pathlib import Path
 import numpy as np
 
 EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
+# the CPU MoE kernel with interleaved SwiGLU: checked on 1.32, the version this project runs
+MIN_ORT = (1, 32)
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -224,6 +228,15 @@ def ort_session(onnx_path, so, moe: bool = True):
     import onnxruntime as ort
 
     rw = rewrite_moe(onnx_path) if moe else None
+    version = tuple(int(p) for p in ort.__version__.split(".")[:2] if p.isdigit())
+    if rw is not None and version < MIN_ORT:
+        log.warning(
+            "%s: ONNX Runtime %s predates the CPU MoE kernel this rewrite was checked on "
+            "(%d.%d): its routed experts run as exported (gathered, then multiplied: slower); "
+            "install onnxruntime>=%d.%d for the rewrite",
+            onnx_path, ort.__version__, *MIN_ORT, *MIN_ORT,
+        )  # fmt: skip
+        rw = None
     if rw is None:
         return ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"]), {}
     so.add_session_config_entry(EXTERNAL_FOLDER, rw.folder)
