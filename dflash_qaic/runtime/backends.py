@@ -248,6 +248,7 @@ class OrtProgram:
     when `inplace_cache_safe` holds, else double buffered (a call reads one set, writes the
     other). `threads`: intra-op threads (None: ONNX Runtime's default); worker threads do not
     spin between calls, so an idle program costs no CPU and the host loop keeps its core.
+    Routed experts run on ONNX Runtime's MoE kernel (ort_rewrite.py; the file is unchanged).
     """
 
     def __init__(
