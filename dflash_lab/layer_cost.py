@@ -6,10 +6,15 @@ time to stream the program's weights once at this machine's read bandwidth.
 For each position p: a decode call at p (the attention window holding p, as the runtime picks
 it; caches zero, which costs what any values cost), profiled `--repeats` times; the median of
 each node's time, summed per decoder layer (`/layers.i/…` nodes) and over the rest (head,
-embedding, rope tables). The layer kinds come from the artifacts' config.json `layer_types`.
+embedding, rope tables); per layer its weights' bytes and its time over their stream time. The layer kinds come from the artifacts' config.json `layer_types`.
 Then the weights' bytes (bench.run.weight_bytes: every initializer but Gather-only tables) and
 the seconds numpy takes to sum a buffer of that size (single thread, median of 3 after one
-touch; above 4 GiB a 4 GiB buffer, the time scaled): the time to stream them once.
+touch; above 4 GiB a 4 GiB buffer, the time scaled): the time to stream them once. The routed
+experts a decode call reads (the stacked `*.gate_up` / `*.down` tensors, which bench.run leaves
+out as gathered tables) are counted at min(rows · k, E) of their E experts.
+
+The session is the runtime's (runtime/ort_rewrite.py: routed experts on ONNX Runtime's MoE
+kernel); `--plain` profiles the exported graph as written (the experts gathered, then multiplied).
 """
 
 from __future__ import annotations
@@ -45,7 +50,29 @@ def layer_kinds(artifacts: Path) -> list[str]:
     return list(text.get("layer_types") or [])
 
 
-def profile_decode(artifacts: Path, position: int, repeats: int, threads: int | None):
+def layer_bytes(onnx_path, rows: int, top_k: int) -> dict[str, int]:
+    """Bytes a decode call of `rows` rows reads per decoder layer (`layers.i.*` initializers),
+    and "routed": the routed experts of all layers. A stacked expert tensor [E, …]
+    (`*.gate_up`, `*.down`) counts min(rows · top_k, E) of its E experts."""
+    import math
+
+    import onnx
+
+    g = onnx.load(str(onnx_path), load_external_data=False).graph
+    out: dict[str, int] = collections.Counter()
+    for t in g.initializer:
+        size = math.prod(t.dims) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        if t.name.endswith((".gate_up", ".down")) and len(t.dims) == 3:
+            size = size * min(rows * top_k, t.dims[0]) // t.dims[0]
+            out["routed"] += size
+        if t.name.startswith("layers."):
+            out[".".join(t.name.split(".")[:2])] += size
+    return out
+
+
+def profile_decode(
+    artifacts: Path, position: int, repeats: int, threads: int | None, plain: bool = False
+):
     """(median wall seconds of the call, {group: median seconds}) for a decode call at p."""
     import onnxruntime as ort
 
@@ -70,7 +97,9 @@ def profile_decode(artifacts: Path, position: int, repeats: int, threads: int | 
     so.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "decode")
     if threads:
         so.intra_op_num_threads = threads
-    sess = ort.InferenceSession(str(artifacts / m.target.onnx), so, ["CPUExecutionProvider"])
+    from dflash_qaic.runtime.ort_rewrite import ort_session
+
+    sess, _kept = ort_session(artifacts / m.target.onnx, so, moe=not plain)
     names = [o.name for o in sess.get_outputs()]
     walls = []
     for _ in range(repeats + 1):
@@ -99,20 +128,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--positions", default="1000", help="comma-separated decode positions")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--plain", action="store_true", help="the exported graph, not rewritten")
     a = p.parse_args(argv)
     art = Path(a.artifacts)
     kinds = layer_kinds(art)
     from dflash_qaic.bench.run import weight_bytes
 
+    cfg = json.loads((art / "config.json").read_text())
+    k = int(cfg.get("text_config", cfg).get("num_experts_per_tok") or 0)
     for position in [int(x) for x in a.positions.split(",")]:
-        wall, groups, m = profile_decode(art, position, a.repeats, a.threads)
+        wall, groups, m = profile_decode(art, position, a.repeats, a.threads, a.plain)
+        onnx_path = art / m.target.onnx
+        per = layer_bytes(onnx_path, m.full_batch_size or m.batch_size, k)
+        nbytes = weight_bytes(onnx_path) + per["routed"]
+        s = stream_seconds(nbytes)
         print(f"decode at {position} (ctx {m.ctx_len}): {1e3 * wall:.1f} ms (median wall)")
         for g in sorted(groups, key=lambda g: (g == "rest", g)):
             i = int(g.split(".")[1]) if g.startswith("layers.") else None
             kind = kinds[i] if i is not None and i < len(kinds) else ""
-            print(f"  {g:10s} {kind:18s} {1e3 * groups[g]:8.2f} ms")
-    nbytes = weight_bytes(art / m.target.onnx)
-    s = stream_seconds(nbytes)
+            ratio = (
+                f"{per[g] / 1e9:6.3f} GB  {groups[g] / (s * per[g] / nbytes):5.2f}×"
+                if per[g]
+                else ""
+            )
+            print(f"  {g:10s} {kind:18s} {1e3 * groups[g]:8.2f} ms  {ratio}")
+    print(f"routed experts read per call: {per['routed'] / 1e9:.3f} GB (counted in the weights)")
     print(
         f"weights {nbytes / 1e9:.3f} GB; streamed once in {1e3 * s:.1f} ms ({nbytes / s / 1e9:.1f} GB/s)"
     )

@@ -37,6 +37,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from dflash_qaic import contract, state
+from dflash_qaic.runtime.ort_rewrite import ort_session
 from dflash_qaic.state import SlotState, StateSpec
 
 
@@ -247,6 +248,7 @@ class OrtProgram:
     when `inplace_cache_safe` holds, else double buffered (a call reads one set, writes the
     other). `threads`: intra-op threads (None: ONNX Runtime's default); worker threads do not
     spin between calls, so an idle program costs no CPU and the host loop keeps its core.
+    Routed experts run on ONNX Runtime's MoE kernel (ort_rewrite.py; the file is unchanged).
     """
 
     def __init__(
@@ -270,7 +272,8 @@ class OrtProgram:
         if threads:
             so.intra_op_num_threads = threads
             so.inter_op_num_threads = 1
-        self.sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+        # routed experts on ORT's MoE kernel (ort_rewrite.py); the arrays it adds stay alive here
+        self.sess, self._borrowed = ort_session(onnx_path, so)
         self.state, self.capabilities = state, capabilities
         self.kv_names = retained_names(inputs, outputs, state)
         kept = {*self.kv_names, *map(contract.retained, self.kv_names)}
