@@ -222,6 +222,25 @@ def test_preset_layout_is_the_published_one(preset):
         assert kv_b == [s.num_heads * 256, 512]
 
 
+def test_kimi_wrapper_preset_is_the_published_layout():
+    """Kimi K2.5's published multimodal wrapper at its real shape (`--preset kimi-k2.5 --family
+    kimi_k25 --multimodal`): the text model's tensors under `language_model.*` at the published
+    shapes, and besides them only the vision tower's, which the export skips by name."""
+    from dflash_lab.tiny import preset_spec
+    from dflash_lab.tiny_writer import target_layout
+
+    s = preset_spec("kimi-k2.5", target_layers=3, family="kimi_k25", multimodal=True)
+    family = families.get(s.family)
+    t = family.read(ck.Path("."), family.tiny_config(s).to_dict())
+    layout = {name: list(shape) for name, shape, _ in target_layout(s)}
+    expected = family.expected_shapes(t)
+    assert {k: layout[k] for k in expected} == expected
+    extra = set(layout) - set(expected)
+    assert extra and all(k.startswith(("vision_tower.", "mm_projector.")) for k in extra)
+    assert layout["language_model.lm_head.weight"] == [163840, 7168]
+    assert layout["language_model.model.layers.1.mlp.experts.383.down_proj.weight"] == [7168, 2048]
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "minimax_m2"])
 def test_streamed_bf16_tiny_pair_reads_back_and_exports(tiny_pair, exported, family):
     t, d = tiny_pair(family=family, dtype="bfloat16", shards=2)
