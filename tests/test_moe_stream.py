@@ -115,3 +115,26 @@ def test_an_older_onnx_runtime_runs_the_program_as_exported(moe_program, monkeyp
     sess, kept = ort_session(path, ort.SessionOptions())
     assert kept == {} and "install onnxruntime>=" in caplog.text
     assert sess.run(None, _feeds("target", facts, pair)[0])
+
+
+def test_without_onnx_installed_the_program_runs_as_exported(moe_program, monkeypatch, caplog):
+    """Running exported programs needs no `onnx` package (a runtime-only install: the vLLM
+    environment): a MoE program then opens as the file, with a warning naming the install; a
+    program without routed experts never reaches the rewrite at all."""
+    import sys
+
+    from dflash_qaic.runtime import ort_rewrite
+
+    pair, facts, path = moe_program
+    assert ort_rewrite._multiplies_gathered(path)
+    monkeypatch.setitem(sys.modules, "onnx", None)  # `import onnx` raises ImportError
+    sess, kept = ort_session(path, ort.SessionOptions())
+    assert kept == {} and "pip install onnx" in caplog.text
+    assert sess.run(None, _feeds("target", facts, pair)[0])
+
+
+def test_a_dense_program_is_not_parsed_for_experts(tmp_path):
+    _, _, path = _export(tmp_path, "qwen3")
+    from dflash_qaic.runtime import ort_rewrite
+
+    assert not ort_rewrite._multiplies_gathered(path)

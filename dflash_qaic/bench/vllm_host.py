@@ -3,13 +3,15 @@
 
     python -m dflash_qaic.bench.vllm_host ARTIFACTS [--vllm .venv-vllm/bin/vllm]
         [--concurrency 1,4] [--rounds 3] [--max-tokens 128] [--threads N] [--json OUT]
+        [--temperatures 0,1] [--spec-policy auto|always|never]
 
 Both servers run at once (`dflash-serve`, and `vllm serve` with DFLASH_QAIC_VLLM=1 and
 `--max-num-seqs` = the artifacts' cache rows), each bound to 127.0.0.1 and stopped by its pid.
 For each concurrency c and round, each server in turn gets c greedy completion requests at once
 (held-out prompts, `ignore_eos`, `max_tokens`), then the next c, until every prompt of the
 round has run; tokens/s = completion tokens / wall time of the round. Rounds alternate the two
-servers so a change of the machine's load hits both. Tokens must be identical (T = 0).
+servers so a change of the machine's load hits both. Tokens must be identical (at T > 0 prompt i
+of a round carries seed i, so they must be there too).
 
 `VllmServer` is the `vllm serve` child process the plugin's tests use too.
 """
@@ -129,17 +131,20 @@ class VllmServer:
         self._log.close()
 
 
-async def _complete(http, url: str, model: str, prompt: str, max_tokens: int) -> dict:
-    body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+async def _complete(http, url, model, prompt, max_tokens, temperature=0.0, seed=None) -> dict:
+    body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature)
     body.update(ignore_eos=True, return_token_ids=True)
+    if temperature > 0:  # seeded: both servers' samplers then draw the same tokens
+        body["seed"] = seed
     r = await http.post(url + "/v1/completions", json=body)
     r.raise_for_status()
     c = r.json()["choices"][0]
     return {"ids": c["token_ids"], "text": c["text"]}
 
 
-async def _round(url, model, prompts, max_tokens, c) -> tuple[list[dict], float]:
-    """Every prompt, c at a time; returns the outputs and the wall time."""
+async def _round(url, model, prompts, max_tokens, c, temperature=0.0):
+    """Every prompt, c at a time (prompt i seeded i at T > 0); returns the outputs and the wall
+    time."""
     import httpx
 
     async with httpx.AsyncClient(timeout=600, trust_env=False) as http:
@@ -148,7 +153,10 @@ async def _round(url, model, prompts, max_tokens, c) -> tuple[list[dict], float]
         for i in range(0, len(prompts), c):
             chunk = prompts[i : i + c]
             out += await asyncio.gather(
-                *(_complete(http, url, model, p, max_tokens) for p in chunk)
+                *(
+                    _complete(http, url, model, p, max_tokens, temperature, i + j)
+                    for j, p in enumerate(chunk)
+                )
             )
         return out, time.perf_counter() - t0
 
@@ -162,9 +170,12 @@ def measure(
     max_tokens: int = 128,
     num_prompts: int = 8,
     threads: int | None = None,
+    temperatures=(0.0,),
+    spec_policy: str | None = None,
     progress=lambda msg: print(msg, file=sys.stderr),
 ) -> dict:
-    """tokens/s of dflash-serve and of vllm serve (the plugin) on `artifacts` (module doc)."""
+    """tokens/s of dflash-serve and of vllm serve (the plugin) on `artifacts` (module doc), for
+    each concurrency and temperature; `spec_policy` set on both (None: their default)."""
     from dflash_qaic import assets
     from dflash_qaic.artifacts.manifest import read_manifest
     from dflash_qaic.serve.process import ServerProcess
@@ -176,8 +187,12 @@ def measure(
     load_before = os.getloadavg()
     res: dict = {"artifacts": str(artifacts), "max_tokens": max_tokens, "rounds": rounds}
     res["threads"] = threads  # ONNX Runtime threads of both servers (None: its default)
+    res["spec_policy"] = spec_policy
     ours_args = ["--threads", str(threads)] if threads else []
-    block = {"dflash_qaic": {"threads": threads}} if threads else {}
+    ours_args += ["--spec-policy", spec_policy] if spec_policy else []
+    conf = {"threads": threads, "spec_policy": spec_policy}
+    conf = {k: v for k, v in conf.items() if v is not None}
+    block = {"dflash_qaic": conf} if conf else {}
     theirs_args = ["--max-num-seqs", str(rows)]
     theirs_args += ["--additional-config", json.dumps(block)] if block else []
     with (
@@ -191,7 +206,7 @@ def measure(
                 url + "/v1/models"
             ) as r:
                 servers[name] = (url, json.load(r)["data"][0]["id"])
-        for c in concurrency:
+        for c, t in [(c, t) for t in temperatures for c in concurrency]:
             n = max(num_prompts, c) // c * c
             prompts = [pool[i % len(pool)] for i in range(n)]
             tps: dict[str, list[float]] = {k: [] for k in servers}
@@ -200,12 +215,12 @@ def measure(
                 order = list(servers) if r % 2 == 0 else list(servers)[::-1]
                 for name in order:
                     url, model = servers[name]
-                    out, wall = asyncio.run(_round(url, model, prompts, max_tokens, c))
+                    out, wall = asyncio.run(_round(url, model, prompts, max_tokens, c, t))
                     tps[name].append(sum(len(o["ids"]) for o in out) / wall)
                     outs[name] = [o["ids"] for o in out]
-                    progress(f"c={c} round {r + 1} {name}: {tps[name][-1]:.0f} tokens/s")
+                    progress(f"c={c} T={t:g} round {r + 1} {name}: {tps[name][-1]:.0f} tokens/s")
             med = {k: sorted(v)[len(v) // 2] for k, v in tps.items()}
-            res[f"c{c}"] = {
+            res[f"c{c}" if t == 0 else f"c{c} T={t:g}"] = {
                 "tokens_per_s": tps,
                 "median": med,
                 "ratio": med["vllm"] / med["dflash-serve"],
@@ -224,6 +239,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads of both")
+    p.add_argument("--temperatures", default="0", help="e.g. 0,1 (T > 0: prompt i seeded i)")
+    p.add_argument("--spec-policy", default=None, help="both servers' step policy (default theirs)")
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args(argv)
     res = measure(
@@ -234,6 +251,8 @@ def main(argv=None) -> int:
         max_tokens=a.max_tokens,
         num_prompts=a.num_prompts,
         threads=a.threads,
+        temperatures=tuple(float(t) for t in a.temperatures.split(",")),
+        spec_policy=a.spec_policy,
     )
     for k, v in res.items():
         if k.startswith("c"):

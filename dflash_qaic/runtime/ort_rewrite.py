@@ -192,8 +192,16 @@ def _replace(g, m: dict, i: int, fc1_name: str) -> None:
 def rewrite_moe(onnx_path) -> Rewritten | None:
     """The program at `onnx_path` with its union-gather expert blocks on ORT's MoE kernel, or
     None when it has none."""
-    import onnx
-    from onnx import helper
+    try:
+        import onnx
+        from onnx import helper
+    except ImportError:  # a runtime-only install (the vLLM environment, a wheel without extras)
+        log.warning(
+            "%s: the `onnx` package is not installed: routed experts run as exported (gathered, "
+            "then multiplied: slower on ONNX Runtime); `pip install onnx` for the rewrite",
+            onnx_path,
+        )
+        return None
 
     path = Path(onnx_path)
     model = onnx.load(str(path), load_external_data=False)
@@ -222,12 +230,31 @@ def rewrite_moe(onnx_path) -> Rewritten | None:
     return Rewritten(model.SerializeToString(), str(path.parent), added, len(matches))
 
 
+def _multiplies_gathered(onnx_path) -> bool:
+    """Whether some MatMul multiplies a Gather's output and is sliced in two (gate and up: the
+    union-gather expert block's start, `_match`): read from the wire format
+    (runtime/backends.graph_nodes), so that a program without routed experts never loads
+    `onnx`, which running exported programs does not need."""
+    from dflash_qaic.runtime.backends import graph_nodes
+
+    nodes = graph_nodes(onnx_path)
+    gathered = {o for n in nodes if n.op_type == "Gather" for o in n.output}
+    sliced: dict[str, int] = {}
+    for n in nodes:
+        if n.op_type == "Slice":
+            sliced[n.input[0]] = sliced.get(n.input[0], 0) + 1
+    return any(
+        n.op_type == "MatMul" and gathered.intersection(n.input) and sliced.get(n.output[0]) == 2
+        for n in nodes
+    )
+
+
 def ort_session(onnx_path, so, moe: bool = True):
     """An ONNX Runtime CPU session of `onnx_path`, its routed experts rewritten when `moe` and
     the program has them; returns (session, arrays the session borrows: keep them alive)."""
     import onnxruntime as ort
 
-    rw = rewrite_moe(onnx_path) if moe else None
+    rw = rewrite_moe(onnx_path) if moe and _multiplies_gathered(onnx_path) else None
     version = tuple(int(p) for p in ort.__version__.split(".")[:2] if p.isdigit())
     if rw is not None and version < MIN_ORT:
         log.warning(
