@@ -27,6 +27,8 @@ from dflash_qaic.artifacts.build import ExportError, ExportOptions, build_artifa
 from dflash_qaic.artifacts.manifest import ArtifactsError, Manifest
 from dflash_qaic.runtime import GenerationError
 
+pytestmark = pytest.mark.draft_every_step  # acceptance and seeded tokens compared across runs
+
 N = 3  # slots: fewer than most batches below, so requests also queue for a free slot
 # family, block, prefill chunk, ctx, agreement bias (see dflash_lab.tiny)
 CONFIGS = [("qwen3", 4, 8, 160, 1.25), ("llama", 8, 16, 160, 1.25)]

@@ -178,6 +178,7 @@ def test_never_is_the_target_alone(random_pair):
 
 def test_auto_equals_always_on_a_random_pair(random_pair):
     pipe = random_pair.load()
+    pipe.configure(spec_policy="always")
     ids = prompt(11, 1)
     want = pipe.generate(ids, 60, stop_token_ids=[])  # always: every step drafts
     assert want.stats["decode_steps"] == 0 and want.stats["drafted_steps"] == want.stats["steps"]
@@ -191,8 +192,11 @@ def test_auto_equals_always_on_a_random_pair(random_pair):
 
 def test_auto_equals_always_on_the_default_pair(default_artifacts):
     pipe = dflash_qaic.load(default_artifacts)
+    assert pipe.spec_policy == "auto"  # the default
+    pipe.configure(spec_policy="always")
     text = "def fibonacci(n):"
     want = pipe.generate(text, 96, stop_token_ids=[])
+    assert want.stats["drafted_steps"] == want.stats["steps"]
     pipe.configure(spec_policy="auto")
     for _ in range(2):
         res = pipe.generate(text, 96, stop_token_ids=[])
@@ -259,6 +263,7 @@ def test_a_resumed_row_proposes_from_its_whole_context(default_artifacts, monkey
 
     pipe = dflash_qaic.load(default_artifacts)
     ids = pipe.tokenizer.encode("def fibonacci(n):")
+    pipe.configure(spec_policy="always")
     always = pipe.generate(ids, 100, stop_token_ids=[])
     force(monkeypatch, lambda slot, step: step % 6 == 0)  # draft once after 5 decode steps
     resumed, real = [], Prefill.flush
@@ -286,24 +291,30 @@ def test_a_resumed_row_proposes_from_its_whole_context(default_artifacts, monkey
 
 
 def test_the_flag_on_every_command(default_artifacts, capsys):
-    """--spec-policy on dflash-run, dflash-serve and dflash-bench: one declaration (its
-    default, values and help), a bad value refused by argparse; dflash-run reports the path."""
+    """--spec-policy on dflash-run, dflash-serve, dflash-bench (and its --multi-turn and
+    --long-context modes): one declaration (its default, auto, values and help), a bad value
+    refused by argparse; dflash-run reports the path. The Python API's default is the same
+    declaration's; replicas and Ray Serve parse dflash-serve's flags, and the vLLM plugin
+    leaves the pipeline's default unless its block sets one."""
     import json
 
+    from dflash_qaic.bench import longctx, multi_turn
     from dflash_qaic.bench.cli import parser as bench_parser
     from dflash_qaic.runtime.cli import main as run_main
     from dflash_qaic.runtime.cli import parser as run_parser
     from dflash_qaic.runtime.options import SPEC_POLICY
     from dflash_qaic.serve.cli import parser as serve_parser
 
-    assert EngineConfig().spec_policy == SPEC_POLICY.default == "always"
-    for make in (run_parser, serve_parser, bench_parser):
+    assert EngineConfig().spec_policy == SPEC_POLICY.default == "auto"
+    assert dflash_qaic.load(default_artifacts).spec_policy == "auto"
+    for make in (run_parser, serve_parser, bench_parser, multi_turn.parser):
         p = make()
         extra = ["--prompt", "x"] if make is run_parser else []
         assert p.parse_args(["a", *extra]).spec_policy == SPEC_POLICY.default
-        assert p.parse_args(["a", *extra, "--spec-policy", "auto"]).spec_policy == "auto"
+        assert p.parse_args(["a", *extra, "--spec-policy", "always"]).spec_policy == "always"
         with pytest.raises(SystemExit):
             p.parse_args(["a", *extra, "--spec-policy", "sometimes"])
+    assert longctx.parse(["a"]).spec_policy == SPEC_POLICY.default
     capsys.readouterr()
     argv = [str(default_artifacts), "--prompt-ids", "1,2,3", "--max-new-tokens", "20", "--json"]
     assert run_main([*argv, "--spec-policy", "never", "--stop-token-ids", ""]) == 0

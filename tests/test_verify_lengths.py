@@ -24,6 +24,10 @@ from dflash_qaic.artifacts.build import ExportError, ExportOptions, build_artifa
 from dflash_qaic.exporter.draft import check_feeds
 from dflash_qaic.runtime.stats import StepCosts
 
+pytestmark = (
+    pytest.mark.draft_every_step
+)  # acceptance compared with the reference and across runs, seeded tokens
+
 B, CHUNK, CTX = 8, 16, 96
 
 

@@ -95,6 +95,12 @@ class StepPolicy:
             prior = e[0]
         else:
             prior = self.B - 1.0 if costs.kept is None else costs.kept
+        if not sampled and costs.kept is not None:
+            # a greedy row starts from the pair's memory when that promises more: one block's
+            # confidences are a noisy sample of a run whose acceptance comes in long stretches,
+            # and a row that starts decoding learns nothing until a probe, while one that
+            # drafts learns at each step (its slow mean takes it out of a real desert)
+            prior = max(prior, costs.kept)
         self.est[slot], self.idle[slot], self.probing[slot] = prior, 0, False
         self.seen[slot], self.fast[slot] = 0, sampled
         paid = costs.kept is None or costs.kept >= self.threshold(costs)
