@@ -120,12 +120,16 @@ def pytest_configure(config):
 @contextlib.contextmanager
 def _draft_every_step():
     """Pipelines made inside start with spec_policy "always" (a later configure may change
-    it), and dflash-serve processes started inside get `--spec-policy always` unless their
-    flags name a policy."""
+    it), the commands run in this process (dflash-run, -serve, -bench) take "always" as
+    --spec-policy's default, and dflash-serve processes started inside get `--spec-policy
+    always` unless their flags name a policy."""
+    from dflash_qaic.runtime import options
     from dflash_qaic.runtime.pipeline import Pipeline
     from dflash_qaic.serve.process import ServerProcess
 
     pipe_init, server_init = Pipeline.__init__, ServerProcess.__init__
+    flag = dataclasses.replace(options.SPEC_POLICY, default="always")  # the commands' default
+    engine_flags = tuple(flag if o is options.SPEC_POLICY else o for o in options.ENGINE_OPTIONS)
 
     def pinned_pipe(self, *args, **kw):
         pipe_init(self, *args, **kw)
@@ -139,6 +143,8 @@ def _draft_every_step():
     with pytest.MonkeyPatch.context() as m:
         m.setattr(Pipeline, "__init__", pinned_pipe)
         m.setattr(ServerProcess, "__init__", pinned_server)
+        m.setattr(options, "SPEC_POLICY", flag)
+        m.setattr(options, "ENGINE_OPTIONS", engine_flags)
         yield
 
 

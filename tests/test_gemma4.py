@@ -230,6 +230,7 @@ def _pair(tmp_path, family: str, multimodal: bool):
 E2E_FORMS = [("gemma4", False), pytest.param("gemma4_moe", True, marks=pytest.mark.slow)]
 
 
+@pytest.mark.draft_every_step  # acceptance 1 … B asserted
 @pytest.mark.parametrize("family,multimodal", E2E_FORMS)
 def test_lossless_from_the_checkpoints(tmp_path, family, multimodal):
     """dflash-export's streamed export of the on-disk pair (the multimodal form's vision tower
