@@ -410,3 +410,32 @@ def test_a_mixed_tree_batch_equals_each_alone(exported, monkeypatch):
             res.tokens == pipe.generate_baseline(ids, max_new_tokens=new, stop_token_ids=[]).tokens
         )
         assert res.stats["drafted_steps"] > 0 and res.stats["decode_steps"] > 0
+
+
+def test_a_greedy_row_starts_from_the_pair_s_memory():
+    """A greedy row whose first block's confidences promise little still drafts when the
+    pair's drafts have paid so far (its own steps then say whether they pay for it); a sampled
+    row starts from the promise."""
+    c = costs({4: 2.0, 8: 3.0}, 1.0, 1.0)  # drafting pays at ≥ 2 kept proposals
+    c.kept, c.promised = 6.0, 6.0  # the pair's memory: 6 kept per drafted step
+    unsure = np.full(7, 0.3, np.float32)  # this block promises ≈ 0.43
+    p = StepPolicy("auto", slots=2, block_size=8)
+    p.join(0, unsure, c)
+    p.join(1, unsure, c, sampled=True)
+    assert p.est[0] == 6.0 and p.est[1] < 0.5
+    assert p.want([0, 1], c) == [True, False]
+    for _ in range(20):  # a real desert takes the greedy row out
+        p.observe([0], [0], None, c)
+    assert p.want([0], c) == [False]
+
+
+def test_the_call_means_follow_a_loaded_machine():
+    """Under load a short call's wall time has a heavy tail: most decode calls take 1 ms, one
+    in five is preempted to 20 ms (mean 4.8 ms). The running mean the policy reads follows the
+    mean, not the typical call (a tight cap read ≈ 1.3 ms and made drafting look dearer)."""
+    c = StepCosts(warmup_calls=0)
+    seen = []
+    for i in range(400):
+        c.observe("decode", 0.020 if i % 5 == 4 else 0.001, 1)
+        seen.append(c.decode_s)
+    assert np.mean(seen[100:]) == pytest.approx(0.0048, rel=0.2)
