@@ -5,12 +5,13 @@ choice changes speed only, never what the target would have chosen.
     always   every step drafts (the behaviour before the policy: with fixed verify lengths a
              run's acceptance counters are reproducible from run to run)
     never    every step decodes (the target alone; the draft never runs)
-    auto     a row drafts while its expected tokens per second beat decoding's, from
+    auto     the default (options.SPEC_POLICY): a row drafts while its expected tokens per
+             second beat decoding's, from
 
              - `est`, a running estimate of the proposals the row keeps per drafted step,
                updated from each drafted step's acceptance (and the draft's own confidences in
                its proposals, when the draft returns them), seeded from its first block's
-               confidences;
+               confidences (a greedy row: or the pair's memory, if that promises more);
              - the step's cost profile, `StepCosts`: the measured seconds of a verify call of
                n rows, of a draft call and of a decode call, in this process on this backend.
 
