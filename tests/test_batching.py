@@ -228,9 +228,10 @@ def test_engine_config_is_one_frozen_checked_value(built):
     _, _, art, _ = built(*CONFIGS[0])
     pipe = dflash_qaic.load(art)
     old = pipe.configure(max_running=2, prefill_chunks_per_step=1)
-    assert old == EngineConfig() and pipe.config.max_running == 2
+    pinned = dict(spec_policy="always")  # the module's draft_every_step mark
+    assert old == EngineConfig(**pinned) and pipe.config.max_running == 2
     engine = pipe.engine("baseline")  # a copy of the config, with the mode
-    assert engine.config == EngineConfig("baseline", 2, 1) and engine.max_running == 2
+    assert engine.config == EngineConfig("baseline", 2, 1, **pinned) and engine.max_running == 2
     pipe.configure(old)
     assert engine.config.max_running == 2  # an engine keeps the config it was made with
     with pytest.raises(ValueError, match="pick some of them"):

@@ -164,10 +164,14 @@ class StepPolicy:
         [rows, B − 1], theirs): those whose proposals pay for the verify alone (the draft's
         cost is spent), by the running estimate and what the confidences promise (a probe by
         the promise alone). Without confidences, every one."""
-        e = self.promise(confidence, costs) if self.mode == "auto" else None
-        if e is None:
+        if self.mode != "auto" or not self.confidence or confidence is None:
             return [self.mode != "never"] * len(slots)
         thr = self.threshold(costs, draft=False)
+        if not any(self.probing[r] or 0.5 * self.est[r] < thr for r in slots):
+            # the usual greedy step: half the estimate pays alone, so its mean with any promise
+            # (≥ 0) does, and the confidences need not be read (the step's host work)
+            return [True] * len(slots)
+        e = self.promise(confidence, costs)
         mix = [p if self.probing[r] else 0.5 * (self.est[r] + p) for r, p in zip(slots, e)]
         return [m >= thr for m in mix]
 
