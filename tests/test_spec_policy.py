@@ -219,6 +219,7 @@ def force(monkeypatch, pattern):
         return out
 
     monkeypatch.setattr(StepPolicy, "want", want)
+    monkeypatch.setattr(StepPolicy, "steady", lambda self, slots, costs: False)  # want decides
     monkeypatch.setattr(StepPolicy, "use", lambda self, slots, conf, costs: [True] * len(slots))
     from dflash_qaic.runtime import verifiers
 
@@ -439,3 +440,25 @@ def test_the_call_means_follow_a_loaded_machine():
         c.observe("decode", 0.020 if i % 5 == 4 else 0.001, 1)
         seen.append(c.decode_s)
     assert np.mean(seen[100:]) == pytest.approx(0.0048, rel=0.2)
+
+
+def test_steady_is_want_and_use_in_one_pass():
+    """`steady` (the usual greedy step's shortcut) says yes only where `want` would draft every
+    row without a probe and `use` would verify every fresh block whatever its confidences."""
+    c = costs({4: 2.0, 8: 3.0}, 1.0, 1.0)  # drafting pays at ≥ 2 kept; the verify alone at ≥ 1
+    for est, probing, want in ((6.0, False, True), (3.0, False, True), (1.5, False, False),
+                               (6.0, True, False)):  # fmt: skip
+        p = StepPolicy("auto", slots=1, block_size=8)
+        p.join(0, None, c)
+        p.est[0], p.probing[0], p.idle[0] = est, probing, 3
+        assert p.steady([0], c) is want
+        if want:
+            q = StepPolicy("auto", slots=1, block_size=8)
+            q.join(0, None, c)
+            q.est[0] = est
+            nothing = np.zeros((1, 7), np.float32)  # promises no proposal
+            assert q.want([0], c) == [True] and q.use([0], nothing, c) == [True]
+            assert p.idle[0] == 0  # want's bookkeeping
+    assert StepPolicy("always", 1, 8).steady([0], c) and not StepPolicy("never", 1, 8).steady(
+        [0], c
+    )

@@ -119,7 +119,7 @@ class StepPolicy:
             self.seen[r] += 1
         costs.kept = _mean(costs.kept, sum(obs) / len(obs), self.MEMORY)
         if self.confidence and confidence is not None:
-            e = float(expected(confidence).mean())
+            e = float(expected(confidence).sum()) / len(obs)
             costs.promised = _mean(costs.promised, e, self.MEMORY)
 
     @staticmethod
@@ -158,6 +158,21 @@ class StepPolicy:
             self.idle[r] = 0 if want else self.idle[r] + 1
             out.append(want)
         return out
+
+    def steady(self, slots, costs) -> bool:
+        """Whether `want` would have every one of `slots` draft because drafting pays for it
+        (none is probing) and `use` would have it verify its fresh proposals without reading
+        their confidences (half its estimate pays for the verify alone): the usual greedy step,
+        decided here in one pass, with `want`'s bookkeeping."""
+        if self.mode != "auto":
+            return self.mode == "always"
+        thr, thr_v = self.threshold(costs), self.threshold(costs, draft=False)
+        for r in slots:
+            if self.probing[r] or self.est[r] < thr or 0.5 * self.est[r] < thr_v:
+                return False
+        for r in slots:
+            self.idle[r] = 0
+        return True
 
     def use(self, slots, confidence: np.ndarray | None, costs) -> list[bool]:
         """Which of `slots`, whose draft call just ran, verify its proposals (confidence
