@@ -4,6 +4,8 @@ wait for it and read the same directory)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -100,6 +102,75 @@ def _one_torch_thread():
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+# ---------------------------------------------------------------- the step policy pinned
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "draft_every_step: this test's (or, as `pytestmark`, this module's) pipelines and "
+        "dflash-serve processes draft every step (spec_policy always, not the default auto): "
+        "for tests that assert acceptance, accepted counts or draft calls, compare them with "
+        "the reference or between runs and servers, or compare seeded tokens across runs",
+    )
+
+
+@contextlib.contextmanager
+def _draft_every_step():
+    """Pipelines made inside start with spec_policy "always" (a later configure may change
+    it), the commands run in this process (dflash-run, -serve, -bench) take "always" as
+    --spec-policy's default, and dflash-serve processes started inside get `--spec-policy
+    always` unless their flags name a policy."""
+    from dflash_qaic.runtime import options
+    from dflash_qaic.runtime.pipeline import Pipeline
+    from dflash_qaic.serve.process import ServerProcess
+
+    pipe_init, server_init = Pipeline.__init__, ServerProcess.__init__
+    flag = dataclasses.replace(options.SPEC_POLICY, default="always")  # the commands' default
+    engine_flags = tuple(flag if o is options.SPEC_POLICY else o for o in options.ENGINE_OPTIONS)
+
+    def pinned_pipe(self, *args, **kw):
+        pipe_init(self, *args, **kw)
+        self.config = dataclasses.replace(self.config, spec_policy="always")
+
+    def pinned_server(self, artifacts, *args, **kw):
+        if "--spec-policy" not in args:
+            args = (*args, "--spec-policy", "always")
+        server_init(self, artifacts, *args, **kw)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Pipeline, "__init__", pinned_pipe)
+        m.setattr(ServerProcess, "__init__", pinned_server)
+        m.setattr(options, "SPEC_POLICY", flag)
+        m.setattr(options, "ENGINE_OPTIONS", engine_flags)
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_drafts_every_step(request):
+    """A module marked `pytestmark = pytest.mark.draft_every_step`: for its module fixtures
+    (servers, pipelines) and its tests."""
+    if any(m.name == "draft_every_step" for m in request.node.own_markers):
+        with _draft_every_step():
+            yield
+    else:
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _test_drafts_every_step(request):
+    """A test marked `@pytest.mark.draft_every_step`: the pipelines and servers it makes."""
+    parent = request.node.parent  # a test class's marks too (a module's: the fixture above)
+    own = request.node.own_markers + (
+        parent.own_markers if isinstance(parent, pytest.Class) else []
+    )
+    if any(m.name == "draft_every_step" for m in own):
+        with _draft_every_step():
+            yield
+    else:
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -27,6 +27,8 @@ from dflash_qaic.artifacts.build import ExportError, ExportOptions, build_artifa
 from dflash_qaic.artifacts.manifest import ArtifactsError, Manifest
 from dflash_qaic.runtime import GenerationError
 
+pytestmark = pytest.mark.draft_every_step  # acceptance and seeded tokens compared across runs
+
 N = 3  # slots: fewer than most batches below, so requests also queue for a free slot
 # family, block, prefill chunk, ctx, agreement bias (see dflash_lab.tiny)
 CONFIGS = [("qwen3", 4, 8, 160, 1.25), ("llama", 8, 16, 160, 1.25)]
@@ -226,9 +228,10 @@ def test_engine_config_is_one_frozen_checked_value(built):
     _, _, art, _ = built(*CONFIGS[0])
     pipe = dflash_qaic.load(art)
     old = pipe.configure(max_running=2, prefill_chunks_per_step=1)
-    assert old == EngineConfig() and pipe.config.max_running == 2
+    pinned = dict(spec_policy="always")  # the module's draft_every_step mark
+    assert old == EngineConfig(**pinned) and pipe.config.max_running == 2
     engine = pipe.engine("baseline")  # a copy of the config, with the mode
-    assert engine.config == EngineConfig("baseline", 2, 1) and engine.max_running == 2
+    assert engine.config == EngineConfig("baseline", 2, 1, **pinned) and engine.max_running == 2
     pipe.configure(old)
     assert engine.config.max_running == 2  # an engine keeps the config it was made with
     with pytest.raises(ValueError, match="pick some of them"):

@@ -14,6 +14,8 @@ from scipy.stats import chisquare
 
 from dflash_qaic.modeling.sampler import sample_block, sample_chain
 
+pytestmark = pytest.mark.draft_every_step  # acceptance and seeded tokens compared across runs
+
 V, GAMMA, DEPTH, SAMPLES = 5, 3, 3, 40_000
 
 

@@ -36,6 +36,10 @@ from dflash_qaic import contract
 from dflash_qaic.runtime import handoff
 from dflash_qaic.state import SlotState
 
+pytestmark = (
+    pytest.mark.draft_every_step
+)  # per-step acceptance against the reference, across runs and programs
+
 UNTIED = dict(tie_word_embeddings=False, target_layer_ids=[1, 3])
 # case -> (family, draft form, TinySpec fields, prefill chunk, ctx_len); a biased pair (`agree`,
 # or a small vocabulary) so acceptance varies from 1 to B

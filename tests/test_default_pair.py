@@ -17,6 +17,10 @@ from dflash_qaic import assets
 from dflash_qaic import checkpoints as ck
 from dflash_qaic.exporter.cli import main as export_main
 
+pytestmark = (
+    pytest.mark.draft_every_step
+)  # acceptance compared with the reference and across runs, seeded tokens
+
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):

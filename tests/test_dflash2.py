@@ -24,6 +24,10 @@ from dflash_qaic import checkpoints as ck
 from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
 from dflash_qaic.modeling.draft import DFlashDraft
 
+pytestmark = (
+    pytest.mark.draft_every_step
+)  # acceptance compared with the reference and across runs, seeded tokens
+
 V = 24  # a small vocabulary; `agree` makes the target and the draft lean to token 0
 FORM = dict(draft_form="dflash2", block_size=8, vocab_size=V, tie_word_embeddings=False)
 FORM["target_layer_ids"] = [1, 3]

@@ -96,6 +96,7 @@ def test_the_option_is_checked_and_absent_from_the_default_key():
     assert ExportOptions(draft_context_window=64).program_options(16)["draft_context_window"] == 64
 
 
+@pytest.mark.draft_every_step  # τ asserted
 @pytest.mark.parametrize("window", [4, 16])
 def test_tokens_equal_the_target_alone(exported, window):
     """Prompts from shorter than the window to far longer (the ring wrapped many times): the
@@ -136,6 +137,7 @@ def test_long_context_bench_runs_dflash_against_the_target(exported, tmp_path):
     out = tmp_path / "long.json"
     argv = ["--long-context", str(e.artifacts), "--prompt-len", "40", "--positions", "10,100"]
     argv += ["--context-lens", "20,100", "--num-prompts", "2", "--max-new-tokens", "16"]
+    argv += ["--spec-policy", "always"]  # every step drafts: τ and the share asserted
     assert main([*argv, "--repeats", "1", "--temperatures", "0,1", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["ring_slots"] == [17, 17] and r["spec_policy"] == "always" and not r["problems"]

@@ -29,6 +29,10 @@ from dflash_qaic.exporter.draft import export_draft
 from dflash_qaic.modeling.draft import DFlashDraft
 from dflash_qaic.modeling.layers import MASK_VALUE
 
+pytestmark = (
+    pytest.mark.draft_every_step
+)  # acceptance asserted (drafts accepted, every length), seeded tokens
+
 V, H, B, CTX, N = 64, 64, 8, 32, 9  # vocabulary, hidden, block, ctx_len, context rows
 DV = 40  # the reduced draft vocabulary
 

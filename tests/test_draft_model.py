@@ -11,6 +11,10 @@ from dflash.model import DFlashDraftModel, dflash_generate
 from dflash_qaic import checkpoints as ck
 from dflash_qaic.modeling.draft import DFlashDraft
 
+pytestmark = (
+    pytest.mark.draft_every_step
+)  # acceptance asserted (drafts accepted, every length), seeded tokens
+
 CONFIGS = [
     # (family, heads, kv_heads, draft_layers, target_layers, layer_ids, tied)
     ("qwen3", 4, 4, 1, 4, None, True),  # MHA, one layer, default rule -> [2]

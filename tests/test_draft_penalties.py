@@ -20,6 +20,10 @@ import dflash_qaic
 from dflash_lab.sampling_tau import UnadjustedDraft, fixed_steps, measure
 from dflash_qaic import assets, contract
 
+pytestmark = (
+    pytest.mark.draft_every_step
+)  # acceptance asserted (drafts accepted, every length), seeded tokens
+
 
 @pytest.fixture(scope="module")
 def pipe(ext_artifacts):  # noqa: F811 (the fixture imported above)

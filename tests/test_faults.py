@@ -22,6 +22,10 @@ from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
 from dflash_qaic.serve.process import ServerProcess
 from tests.faulty_serve import Faulty, prefill_of
 
+pytestmark = (
+    pytest.mark.draft_every_step
+)  # acceptance compared with the reference and across runs, seeded tokens
+
 N, B = 3, 4  # slots, block size
 
 

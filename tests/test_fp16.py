@@ -39,6 +39,10 @@ from dflash_qaic.exporter.target import check_feeds, export_target
 from dflash_qaic.modeling import layers
 from dflash_qaic.runtime.pipeline import Pipeline
 
+pytestmark = (
+    pytest.mark.draft_every_step
+)  # acceptance asserted (drafts accepted, every length), seeded tokens
+
 CH = 5  # the massive channel
 TRIGGERS = [7, 11]  # the tokens that raise it
 LIMIT = fp16_check.FP16_MAX / fp16_check.MARGIN  # 4094

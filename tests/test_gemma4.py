@@ -230,6 +230,7 @@ def _pair(tmp_path, family: str, multimodal: bool):
 E2E_FORMS = [("gemma4", False), pytest.param("gemma4_moe", True, marks=pytest.mark.slow)]
 
 
+@pytest.mark.draft_every_step  # acceptance 1 … B asserted
 @pytest.mark.parametrize("family,multimodal", E2E_FORMS)
 def test_lossless_from_the_checkpoints(tmp_path, family, multimodal):
     """dflash-export's streamed export of the on-disk pair (the multimodal form's vision tower
@@ -246,6 +247,7 @@ def test_lossless_from_the_checkpoints(tmp_path, family, multimodal):
     build_artifacts(t, d, tmp_path / "art", opts, progress=lambda m: None)
     model = ck.load_target_model(t)
     pipe = dflash_qaic.load(tmp_path / "art")
+    pipe.configure(verify_lengths=[pipe.B])  # whole blocks every step: acceptance 1 … B
     lengths = []
     for seed, (n, new) in enumerate([(1, 30), (CHUNK - 1, 41), (3 * CHUNK, 40)]):
         ids = np.random.default_rng(seed).integers(1, 255, n).tolist()

@@ -19,6 +19,10 @@ from dflash_qaic.artifacts.manifest import read_manifest
 from dflash_qaic.modeling import hybrid
 from dflash_qaic.modeling.target import ExportTarget
 
+pytestmark = (
+    pytest.mark.draft_every_step
+)  # acceptance compared with the reference and across runs, seeded tokens
+
 B, CHUNK, CTX = 4, 16, 112
 HYBRID = dict(family="qwen3_5", block_size=B, tie_word_embeddings=False, target_layer_ids=[1, 3])
 PUBLISHED = dict(multimodal=True, dtype="bfloat16", shards=2)

@@ -16,6 +16,10 @@ from dflash_qaic import families
 from dflash_qaic.checkpoint_files.safetensors import read_safetensors_header
 from dflash_qaic.families.kimi_k25 import HEAD, PREFIX, TINY_VISION
 
+pytestmark = (
+    pytest.mark.draft_every_step
+)  # acceptance asserted (drafts accepted, every length), seeded tokens
+
 PAIR = dict(target_layer_ids=[1, 3], block_size=4, agree=2.0)
 
 

@@ -14,6 +14,10 @@ import dflash_qaic
 from dflash_qaic import contract
 from dflash_qaic.runtime.pipeline import GenerationError
 
+pytestmark = (
+    pytest.mark.draft_every_step
+)  # acceptance asserted (drafts accepted, every length), seeded tokens
+
 K = 5
 # longer than the 64-row prefill chunk: prompt logprobs cross a chunk boundary
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fib"

@@ -35,6 +35,10 @@ from dflash_qaic.checkpoint_files.safetensors import read_safetensors_header
 from dflash_qaic.modeling.mla import latent_attention
 from dflash_qaic.modeling.moe import SigmoidMoE
 
+pytestmark = (
+    pytest.mark.draft_every_step
+)  # acceptance asserted (drafts accepted, every length), seeded tokens
+
 LAYER_IDS = [1, 2]
 R, DR, DN, DV, NH = 32, 16, 16, 24, 4
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0)

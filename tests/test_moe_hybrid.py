@@ -14,6 +14,10 @@ from test_hybrid import hf_greedy, prompt
 import dflash_qaic
 from dflash_qaic import checkpoints as ck
 
+pytestmark = (
+    pytest.mark.draft_every_step
+)  # acceptance asserted (drafts accepted, every length), seeded tokens
+
 B, CHUNK, CTX = 4, 16, 112
 MOE = dict(family="qwen3_5_moe", block_size=B, tie_word_embeddings=False, target_layer_ids=[1, 3])
 FORMS = {

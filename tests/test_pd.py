@@ -13,6 +13,8 @@ import pytest
 from dflash_qaic.runtime import handoff
 from dflash_qaic.state import MAGIC, SlotState
 
+pytestmark = pytest.mark.draft_every_step  # P/D against the aggregated run: seeded tokens
+
 PAIR = dict(block_size=4, agree=1.25, tie_word_embeddings=False, target_layer_ids=[1, 3])
 
 

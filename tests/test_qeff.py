@@ -18,6 +18,10 @@ from dflash_qaic.assets import default_pair, heldout_prompts
 from dflash_qaic.exporter.options import ExportError
 from dflash_qaic.qeff import AutoDFlashModel, QEffConfigError, compile_options, qaic_options
 
+pytestmark = (
+    pytest.mark.draft_every_step
+)  # acceptance asserted (drafts accepted, every length), seeded tokens
+
 
 def test_import_stays_light_and_the_name_resolves():
     code = (

@@ -18,6 +18,8 @@ from dflash_qaic.runtime.cli import _printer, main
 from dflash_qaic.runtime.streamer import IncrementalDetokenizer, iter_text
 from dflash_qaic.serve.engine import _Text
 
+pytestmark = pytest.mark.draft_every_step  # seeded tokens compared between runs
+
 TEXT = "naïve café costs 3 € — 😀 ok"
 
 

@@ -16,6 +16,10 @@ from dflash_qaic import contract
 from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
 from dflash_qaic.runtime import ArtifactsError, BackendError, GenerationError
 
+pytestmark = (
+    pytest.mark.draft_every_step
+)  # acceptance compared with the reference and across runs, seeded tokens
+
 # family, block, prefill chunk, ctx, agreement bias (see dflash_lab.tiny)
 CONFIGS = [("qwen3", 4, 8, 160, 1.25), ("llama", 8, 16, 160, 1.25), ("qwen3", 16, 16, 192, 1.5)]
 CONFIGS += [("qwen3", 4, 32, 160, 2.0)]  # two prefill lengths: 8 and the chunk of 32

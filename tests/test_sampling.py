@@ -47,6 +47,10 @@ from dflash_qaic.modeling.sampler import (
 )
 from dflash_qaic.runtime import GenerationError, Pipeline
 
+pytestmark = (
+    pytest.mark.draft_every_step
+)  # acceptance compared with the reference and across runs, seeded tokens
+
 V, B, CHUNK, CTX = 32, 4, 8, 32
 PROMPT = [7, 19, 3, 25, 11]  # shorter than the chunk: prefill pads, the first token has no proposal
 # (temperature, top_k, top_p)

@@ -18,6 +18,10 @@ import dflash_qaic
 from dflash_qaic import contract
 from dflash_qaic.runtime.pipeline import GenerationError
 
+pytestmark = (
+    pytest.mark.draft_every_step
+)  # acceptance asserted (drafts accepted, every length), seeded tokens
+
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return "
 N_NEW = 40
 

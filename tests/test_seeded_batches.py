@@ -10,6 +10,10 @@ import pytest
 import dflash_qaic
 from dflash_qaic import assets
 
+pytestmark = (
+    pytest.mark.draft_every_step
+)  # acceptance compared with the reference and across runs, seeded tokens
+
 
 @pytest.fixture(scope="module")
 def dflash2_cb_artifacts(tmp_path_factory):

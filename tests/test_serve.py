@@ -24,6 +24,10 @@ from dflash_qaic import assets
 from dflash_qaic.serve.engine import AsyncEngine, Params
 from dflash_qaic.serve.process import ServerProcess
 
+pytestmark = (
+    pytest.mark.draft_every_step
+)  # acceptance compared with the reference and across runs, seeded tokens
+
 MODEL = "default-pair"
 TEMPLATE = (
     "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"

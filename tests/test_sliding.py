@@ -28,6 +28,10 @@ from dflash_qaic.artifacts.build import ExportOptions, build_artifacts
 from dflash_qaic.exporter.draft import export_draft
 from dflash_qaic.modeling.draft import DFlashDraft
 
+pytestmark = (
+    pytest.mark.draft_every_step
+)  # acceptance compared with the reference and across runs, seeded tokens
+
 SLIDE, FULL = "sliding_attention", "full_attention"
 # name -> draft fields (dflash_lab.tiny.TinySpec); every window is shorter than most prompts
 DRAFTS = {

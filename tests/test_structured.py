@@ -143,12 +143,13 @@ def test_filling_forced_tokens_raises_tau(pipe):
     """On a schema of fixed keys, filling the tokens the grammar forces raises τ ≥ 1.2×, with
     the same tokens (the switch only changes the proposals)."""
     spec = FORMATS["person"]
-    filled = pipe.generate(PROMPT, 80, response_format=spec)
-    pipe.configure(fill_forced_tokens=False)
+    before = pipe.configure(spec_policy="always")  # τ compared: every step drafts
     try:
+        filled = pipe.generate(PROMPT, 80, response_format=spec)
+        pipe.configure(fill_forced_tokens=False)
         plain = pipe.generate(PROMPT, 80, response_format=spec)
     finally:
-        pipe.configure(fill_forced_tokens=True)
+        pipe.configure(before)
     assert filled.tokens == plain.tokens
     assert plain.stats["forced_proposals"] == 0
     assert filled.stats["tau"] >= 1.2 * plain.stats["tau"], (filled.stats, plain.stats)

@@ -26,6 +26,10 @@ from dflash_qaic.modeling.sampler import sample_tree
 from dflash_qaic.modeling.target import accept_path
 from dflash_qaic.runtime import tree as host_tree
 
+pytestmark = (
+    pytest.mark.draft_every_step
+)  # acceptance compared with the reference and across runs, seeded tokens
+
 # ---------------------------------------------------------------- the rule, on the graph's functions
 
 V, K, SAMPLES = 5, 2, 40_000

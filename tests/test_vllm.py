@@ -2,8 +2,8 @@
 setup-vllm) over the continuous-batching artifacts of the built-in pair, driven by the `openai`
 client, against `pipe.generate` in this process (and Hugging Face greedy once).
 
-The server runs with whole-block verifies (verify_lengths [16], as the reference pipe), so the
-acceptance of every step is determined and vLLM's spec-decode counters can be compared with
+The server runs with whole-block verifies (verify_lengths [16], as the reference pipe) on every
+step (spec_policy "always"), so the acceptance of every step is determined and vLLM's spec-decode counters can be compared with
 our acceptance lengths exactly.
 """
 
@@ -24,7 +24,7 @@ from dflash_qaic import assets
 from dflash_qaic.bench.vllm_host import VllmServer, vllm_bin
 
 B = 16
-BLOCK = {"dflash_qaic": {"verify_lengths": [B], "threads": 1}}
+BLOCK = {"dflash_qaic": {"verify_lengths": [B], "spec_policy": "always", "threads": 1}}
 PROMPTS = assets.heldout_prompts()
 #: a prompt whose prefill call fails in the server (tests/vllm_fault/sitecustomize.py)
 POISON = [11, 22, 33, 44, 55, 66, 77, 88]
@@ -33,7 +33,7 @@ POISON = [11, 22, 33, 44, 55, 66, 77, 88]
 @pytest.fixture(scope="module")
 def pipe(cb_artifacts):
     p = dflash_qaic.load(cb_artifacts, threads=1)
-    p.configure(verify_lengths=[B])
+    p.configure(verify_lengths=[B], spec_policy="always")
     return p
 
 

@@ -85,8 +85,9 @@ class EngineConfig:
         verify lengths and the exported tree budgets; N verifies a tree of N rows every step
         (an exported budget); 0 verifies chains only.
     spec_policy: per sequence and step, drafting or plain decoding (runtime/policy.py):
-        "always" drafts every step, "never" decodes every step (the draft never runs), "auto"
-        drafts while the measured costs and the sequence's acceptance say it pays.
+        "auto" (the default, options.SPEC_POLICY) drafts while the measured costs and the
+        sequence's acceptance say it pays, "always" drafts every step (acceptance counters
+        reproducible), "never" decodes every step (the draft never runs).
     enable_prefix_caching: a prompt extending what a cache row or the host tier holds resumes
         there (runtime/prefix.py); kv_offloading_size: the host tier's GiB (None: none).
     """

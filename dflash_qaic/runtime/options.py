@@ -161,11 +161,12 @@ class EngineOption:
 
 SPEC_POLICY = EngineOption(
     "spec_policy",
-    "always",
-    "per sequence and step, a DFlash step or plain decoding: always (draft every step; a run's "
-    "acceptance counters reproducible), never (the target alone), auto (draft while the "
+    "auto",
+    "per sequence and step, a DFlash step or plain decoding: auto, the default (draft while the "
     "measured call costs and the sequence's running acceptance say it pays, probing now and "
-    "then; tokens unchanged, docs/DESIGN.md, Step policy)",
+    "then; tokens unchanged), always (draft every step: with fixed verify lengths a run's "
+    "acceptance counters are reproducible from run to run and server to server), never (the "
+    "target alone); docs/DESIGN.md, Step policy",
     POLICIES,
 )
 

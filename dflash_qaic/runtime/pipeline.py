@@ -94,7 +94,7 @@ class Pipeline(RequestChecks):
 
     def configure(self, config: EngineConfig | None = None, **changes) -> EngineConfig:
         """Replace the engine config (or change some of its fields, e.g.
-        `pipe.configure(verify_lengths=[pipe.B])` or `pipe.configure(spec_policy="auto")`, the
+        `pipe.configure(verify_lengths=[pipe.B])` or `pipe.configure(spec_policy="always")`, the
         step policy: runtime/policy.py), checked against these artifacts; engines made
         afterwards use it. Returns the config it replaced."""
         new = dataclasses.replace(config or self.config, **changes)

@@ -5,12 +5,13 @@ choice changes speed only, never what the target would have chosen.
     always   every step drafts (the behaviour before the policy: with fixed verify lengths a
              run's acceptance counters are reproducible from run to run)
     never    every step decodes (the target alone; the draft never runs)
-    auto     a row drafts while its expected tokens per second beat decoding's, from
+    auto     the default (options.SPEC_POLICY): a row drafts while its expected tokens per
+             second beat decoding's, from
 
              - `est`, a running estimate of the proposals the row keeps per drafted step,
                updated from each drafted step's acceptance (and the draft's own confidences in
                its proposals, when the draft returns them), seeded from its first block's
-               confidences;
+               confidences (a greedy row: or the pair's memory, if that promises more);
              - the step's cost profile, `StepCosts`: the measured seconds of a verify call of
                n rows, of a draft call and of a decode call, in this process on this backend.
 
@@ -95,6 +96,12 @@ class StepPolicy:
             prior = e[0]
         else:
             prior = self.B - 1.0 if costs.kept is None else costs.kept
+        if not sampled and costs.kept is not None:
+            # a greedy row starts from the pair's memory when that promises more: one block's
+            # confidences are a noisy sample of a run whose acceptance comes in long stretches,
+            # and a row that starts decoding learns nothing until a probe, while one that
+            # drafts learns at each step (its slow mean takes it out of a real desert)
+            prior = max(prior, costs.kept)
         self.est[slot], self.idle[slot], self.probing[slot] = prior, 0, False
         self.seen[slot], self.fast[slot] = 0, sampled
         paid = costs.kept is None or costs.kept >= self.threshold(costs)
@@ -112,7 +119,7 @@ class StepPolicy:
             self.seen[r] += 1
         costs.kept = _mean(costs.kept, sum(obs) / len(obs), self.MEMORY)
         if self.confidence and confidence is not None:
-            e = float(expected(confidence).mean())
+            e = float(expected(confidence).sum()) / len(obs)
             costs.promised = _mean(costs.promised, e, self.MEMORY)
 
     @staticmethod
@@ -152,15 +159,34 @@ class StepPolicy:
             out.append(want)
         return out
 
+    def steady(self, slots, costs) -> bool:
+        """Whether `want` would have every one of `slots` draft because drafting pays for it
+        (none is probing) and `use` would have it verify its fresh proposals without reading
+        their confidences (half its estimate pays for the verify alone): the usual greedy step,
+        decided here in one pass, with `want`'s bookkeeping."""
+        if self.mode != "auto":
+            return self.mode == "always"
+        thr, thr_v = self.threshold(costs), self.threshold(costs, draft=False)
+        for r in slots:
+            if self.probing[r] or self.est[r] < thr or 0.5 * self.est[r] < thr_v:
+                return False
+        for r in slots:
+            self.idle[r] = 0
+        return True
+
     def use(self, slots, confidence: np.ndarray | None, costs) -> list[bool]:
         """Which of `slots`, whose draft call just ran, verify its proposals (confidence
         [rows, B − 1], theirs): those whose proposals pay for the verify alone (the draft's
         cost is spent), by the running estimate and what the confidences promise (a probe by
         the promise alone). Without confidences, every one."""
-        e = self.promise(confidence, costs) if self.mode == "auto" else None
-        if e is None:
+        if self.mode != "auto" or not self.confidence or confidence is None:
             return [self.mode != "never"] * len(slots)
         thr = self.threshold(costs, draft=False)
+        if not any(self.probing[r] or 0.5 * self.est[r] < thr for r in slots):
+            # the usual greedy step: half the estimate pays alone, so its mean with any promise
+            # (≥ 0) does, and the confidences need not be read (the step's host work)
+            return [True] * len(slots)
+        e = self.promise(confidence, costs)
         mix = [p if self.probing[r] else 0.5 * (self.est[r] + p) for r, p in zip(slots, e)]
         return [m >= thr for m in mix]
 

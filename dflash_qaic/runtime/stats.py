@@ -67,7 +67,14 @@ class StepCosts:
     call's, and the verify length they make best (docs/DESIGN.md, Verify length); the step
     policy reads them too (runtime/policy.py). A Pipeline keeps one for all its engines."""
 
-    WEIGHT = 0.2  # of the newest call in the running mean
+    WEIGHT = 0.1  # of the newest call in the running mean
+    # a call counts as at most CAP running means: on a shared machine a call's wall time has a
+    # heavy tail (a short call the OS preempts takes tens of times its cost, and a short call
+    # is preempted as often per second as a long one), so a tight cap (2) measured a decode
+    # call at a fifth of its mean under load and a 16-row verify at nine tenths, which made
+    # drafting look 3× dearer than it was; at 8 the means are within a few % of the true ones
+    # while one outlier still moves a mean by at most WEIGHT × (CAP − 1)
+    CAP = 8.0
     LOSS = 0.1  # sampled steps: expected tokens per row a shorter verify may give up
 
     def __init__(self, warmup_calls: int = 1):
@@ -101,13 +108,13 @@ class StepCosts:
         setattr(self, name, self._mean(getattr(self, name), seconds))
 
     def _mean(self, old: float | None, seconds: float) -> float:
-        """The running mean after a call of `seconds`, counted as at most twice the mean: a call
-        the OS preempted (on a shared machine, tens of times its cost) moves the mean by one
-        WEIGHT of the mean, not by its own length, while a real change of cost still gets
+        """The running mean after a call of `seconds`, counted as at most CAP means: a call the
+        OS preempted (on a shared machine, tens of times its cost) moves the mean by at most
+        WEIGHT × (CAP − 1) of it, not by its own length, while a real change of cost still gets
         through in a few calls."""
         if old is None:
             return seconds
-        return old + self.WEIGHT * (min(seconds, 2 * old) - old)
+        return old + self.WEIGHT * (min(seconds, self.CAP * old) - old)
 
     def step(self, path: str, seconds: float) -> None:
         """A step of `path` ("draft": it verified proposals; "decode") took `seconds` of wall

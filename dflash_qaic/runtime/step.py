@@ -428,11 +428,14 @@ class DFlashStep(_Step):
         waiting (`Prefill.queue`), and a row drafting again after decoding sends it with its
         own DraftPrefill call, which proposes its block; then each row with fresh proposals
         verifies them or decodes (`StepPolicy.use`)."""
-        pol = self.policy
-        if pol.mode == "always":
-            return self._draft(seqs)
-        st, d, ctx = self.state, self.bufs.draft, self.context
+        pol, st = self.policy, self.state
         slots = [q.slot for q in seqs]
+        if pol.mode == "always" or (  # every row drafts on and will verify: as under always
+            not any(st.decoding[r] or q.pending for r, q in zip(slots, seqs))
+            and pol.steady(slots, self.costs)
+        ):
+            return self._draft(seqs)
+        d, ctx = self.bufs.draft, self.context
         batched, fresh = [], []
         for seq, w in zip(seqs, pol.want(slots, self.costs)):
             r = seq.slot
