@@ -32,7 +32,7 @@ from torch import nn
 from dflash_qaic import state
 from dflash_qaic.families.base import FULL_ATTENTION
 from dflash_qaic.modeling.layers import MASK_VALUE, RMSNorm, apply_rope, frozen, frozen_linear
-from dflash_qaic.modeling.ops import cache_reads, read_cache, write_cache
+from dflash_qaic.modeling.ops import cache_reads, read_cache, update_cache
 
 
 @dataclass(frozen=True)
@@ -201,26 +201,14 @@ def attend_call(q, k, v, dims, scale, c: AttentionCall, cache_k, cache_v, sinks=
     the prefix by position, the rows by the tree mask), and leaves the caches unwritten:
     `pending` (k, v) is written once the call has accepted its path (target.py, `accept_path`)."""
     if not c.tree:
-        cache_k = write_cache(cache_k, c.rows, c.slots, k)  # the new rows only, in place
-        cache_v = write_cache(cache_v, c.rows, c.slots, v)
-        keys, values = window_view(cache_k, c), window_view(cache_v, c)  # [b, kvh, L, hd]
+        cache_k, keys = update_cache(cache_k, c.rows, c.slots, k, c.reads)  # [b, kvh, L, hd]
+        cache_v, values = update_cache(cache_v, c.rows, c.slots, v, c.reads)
         out = softmax_attention(q, keys, values, dims, scale, c.mask, sinks)
         return out, cache_k, cache_v, None
-    keys = torch.cat([window_view(cache_k, c), k], dim=2)  # [b, kvh, L + s, hd]
-    values = torch.cat([window_view(cache_v, c), v], dim=2)
+    keys = torch.cat([read_cache(cache_k, c.rows, c.reads), k], dim=2)  # [b, kvh, L + s, hd]
+    values = torch.cat([read_cache(cache_v, c.rows, c.reads), v], dim=2)
     out = softmax_attention(q, keys, values, dims, scale, c.mask, sinks)
     return out, cache_k, cache_v, (k, v)
-
-
-def window_view(cache, c: AttentionCall) -> torch.Tensor:
-    """The slots a call's attention reads, [b, kvh, L, hd]. One row per call row (rows None):
-    the first L slots, L the window's length (the window is 0 … L−1 by contract, a ring's reads
-    0 … R−1), one contiguous Slice per kv head: ONNX Runtime copies it at memory speed where a
-    Gather of the same L indices costs several times that (docs/DESIGN.md, Attention windows).
-    With continuous batching, the flat Gather of the call's rows' windows (`ops.read_cache`)."""
-    if c.rows is not None or c.reads is None:
-        return read_cache(cache, c.rows, c.reads)
-    return cache[:, :, : c.reads.shape[0]]
 
 
 def softmax_attention(q, keys, values, dims, scale, mask, sinks=None):
