@@ -126,3 +126,16 @@ def test_decode_under_a_short_window_equals_the_full_window(program):
     np.testing.assert_array_equal(a[contract.NEXT_TOKENS], b[contract.NEXT_TOKENS])
     for name in kv_a:
         np.testing.assert_array_equal(kv_a[name], kv_b[name])
+
+
+def test_layer_cost_counts_the_window_and_the_rings():
+    """dflash_lab.layer_cost's accounting: one row's window of a ctx_len cache, a ring whole."""
+    from dflash_lab.layer_cost import cache_read_bytes
+
+    specs = [
+        contract.TensorSpec("past_key.0", "float32", (contract.BATCH, 4, contract.CTX, 8)),
+        contract.TensorSpec("past_key.1", "float32", (contract.BATCH, 2, 7, 16)),
+    ]
+    sym = {contract.BATCH: 3, contract.CTX: 64}
+    assert cache_read_bytes(specs, sym, 32) == 4 * (4 * 32 * 8 + 2 * 7 * 16)
+    assert cache_read_bytes(specs, sym, 64) == 4 * (4 * 64 * 8 + 2 * 7 * 16)
