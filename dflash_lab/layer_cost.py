@@ -83,7 +83,10 @@ def profile_decode(artifacts: Path, position: int, repeats: int, threads: int | 
         t = time.perf_counter()
         sess.run_with_iobinding(binding)
         walls.append(time.perf_counter() - t)
-    per_node = node_times(json.loads(Path(sess.end_profiling()).read_text()), repeats + 1)
+    profile = Path(sess.end_profiling())
+    per_node = node_times(json.loads(profile.read_text()), repeats + 1)
+    profile.unlink()  # the profiler's file, in a directory of its own
+    profile.parent.rmdir()
     nodes = {n: statistics.median(v[1:]) for n, v in per_node.items()}
     groups: dict[str, float] = collections.defaultdict(float)
     for node, sec in nodes.items():
