@@ -395,6 +395,10 @@ LONGEST_FIRST = (
     "test_reliability.py",
     "test_batching.py",
     "test_vllm.py",  # its server starts in its own process: the worker mostly waits
+    "test_vllm_prefix.py",
+    "test_vllm_sampling.py",
+    "test_sampling_families.py",
+    "test_prefix_marks.py",
     "test_sampling.py",
     "test_bench.py",
     "test_tree_verify.py",

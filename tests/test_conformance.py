@@ -281,6 +281,9 @@ def test_standin_equals_ort(exported, case):
     e = build(exported, case)
     B, chunk = CASES[case][2]["block_size"], CASES[case][3]
     a, s = e.load(verify_lengths=B), e.load(verify_lengths=B, backend="qaic-standin")
+    # the prefix cache saves a rolling state at block boundaries through read_slot, an exchange
+    # by design (docs/prefix-caching.md); the steps themselves make none
+    s.configure(enable_prefix_caching=False)
     for n in (5, 4 * chunk + 6):
         ids = prompt(case, n, n)
         x, y = a.generate(ids, 24, stop_token_ids=[]), s.generate(ids, 24, stop_token_ids=[])

@@ -21,6 +21,9 @@ from test_conformance import CASES, build, hf_greedy, prompt
 
 from dflash_qaic.runtime.prefix import BLOCK
 
+# the blocks are asserted accepted: every step drafts (not the default auto)
+pytestmark = pytest.mark.draft_every_step
+
 K = 5
 N_NEW = 28
 #: family -> its case on the ladder (the DFlash draft form: the family's own pair)

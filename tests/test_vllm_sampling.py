@@ -41,7 +41,7 @@ def art(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pipe(art):
     p = dflash_qaic.load(art, threads=1)
-    p.configure(verify_lengths=[B])
+    p.configure(verify_lengths=[B], spec_policy="always")  # as the server's BLOCK: seeds agree
     return p
 
 
