@@ -55,7 +55,7 @@ def _child(mode: str, **kw) -> dict:
 
 
 def _child_main(mode: str, kw: dict) -> dict:
-    import dflash_qaic.exporter.artifacts  # noqa: F401
+    import dflash_qaic.exporter.cli  # noqa: F401
     import torch  # noqa: F401  (imports are not the export's work: time what follows)
 
     t = time.perf_counter()
@@ -98,7 +98,7 @@ def _ort_target_greedy(artifacts: str, prompt: list[int], n: int) -> list[int]:
     is lossless, so these are the tokens the full pipeline commits."""
     import numpy as np
     import onnxruntime as ort
-    from dflash_qaic.manifest import read_manifest
+    from dflash_qaic.artifacts.manifest import read_manifest
 
     from dflash_qaic import contract
 
