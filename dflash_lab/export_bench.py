@@ -55,8 +55,9 @@ def _child(mode: str, **kw) -> dict:
 
 
 def _child_main(mode: str, kw: dict) -> dict:
-    import dflash_qaic.exporter.cli  # noqa: F401
     import torch  # noqa: F401  (imports are not the export's work: time what follows)
+
+    import dflash_qaic.exporter.cli  # noqa: F401
 
     t = time.perf_counter()
     if mode == "export":
@@ -98,9 +99,9 @@ def _ort_target_greedy(artifacts: str, prompt: list[int], n: int) -> list[int]:
     is lossless, so these are the tokens the full pipeline commits."""
     import numpy as np
     import onnxruntime as ort
-    from dflash_qaic.artifacts.manifest import read_manifest
 
     from dflash_qaic import contract
+    from dflash_qaic.artifacts.manifest import read_manifest
 
     m = read_manifest(artifacts)
     io = m.target.io  # the contract object (typed manifest)
