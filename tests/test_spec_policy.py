@@ -154,6 +154,56 @@ def test_always_and_never():
 # ------------------------------------------------------------------ through the programs
 
 
+def test_sampled_rows_keep_their_own_memory():
+    """The pair's memory is kept apart for greedy and sampled rows: what sampled rows keep
+    does not move the greedy rows' (nor the reverse), each kind's promises are read through its
+    own calibration, and each kind's probes back off by its own record."""
+    c = costs({4: 2.0, 8: 3.0}, 1.0, 1.0)  # drafting pays at ≥ 2 kept proposals
+    sure = np.full((2, 7), 0.99, np.float32)
+    p = StepPolicy("auto", slots=2, block_size=8)
+    p.join(0, sure[0], c)
+    p.join(1, sure[1], c, sampled=True)
+    for _ in range(30):  # greedy rows keep 6 a step, sampled ones none
+        p.observe([0, 1], [6, 0], sure, c)
+    assert c.kept == pytest.approx(6.0, rel=0.05) and c.kept_sampled < 0.3
+    assert c.promised == pytest.approx(c.promised_sampled) and c.promised > 6
+    e_greedy, e_sampled = p.promise(sure, c, [False, True])
+    assert e_greedy > 5.5 and e_sampled < 0.3  # the same confidences, each kind's calibration
+    assert p.use([0, 1], sure, c) == [True, False]
+    # a decoding greedy row's probes back off to 2 × PROBE_FIRST (greedy drafts pay here), a
+    # sampled row's to PROBE_MAX (sampled ones do not)
+    p.est = [0.0, 0.0]
+    waits = {0: [], 1: []}
+    for _ in range(1500):
+        for r in (0, 1):
+            p.want([r], c)
+            waits[r].append(p.wait[r])
+    assert max(waits[0]) == 2 * StepPolicy.PROBE_FIRST
+    assert max(waits[1]) == StepPolicy.PROBE_MAX
+
+
+def test_a_row_whose_kind_has_not_paid_starts_decoding():
+    """`lazy`: under auto, a sequence whose kind (greedy, sampled) kept less than the break-even
+    so far starts decoding without its first block, and probes after PROBE_LATE steps; until
+    the kind has a record (or the costs are measured), and under always / never, it does not."""
+    c = costs({4: 2.0, 8: 3.0}, 1.0, 1.0)
+    p = StepPolicy("auto", slots=1, block_size=8)
+    assert not p.lazy(c) and not p.lazy(c, sampled=True)  # no record yet: the first block runs
+    c.kept_sampled, c.promised_sampled = 0.5, 4.0
+    assert p.lazy(c, sampled=True) and not p.lazy(c)
+    c.kept = 2.5  # greedy rows have paid
+    assert not p.lazy(c)
+    c.kept = 1.0
+    assert p.lazy(c)
+    assert not p.lazy(StepCosts())  # nothing timed: every row drafts, to measure
+    for mode in ("always", "never"):
+        assert not StepPolicy(mode, slots=1, block_size=8).lazy(c, sampled=True)
+    p.join(0, None, c, sampled=True, fresh=False)
+    assert p.est[0] == 0.5 and p.wait[0] == StepPolicy.PROBE_LATE
+    decisions = [p.want([0], c)[0] for _ in range(StepPolicy.PROBE_LATE + 2)]
+    assert decisions == [False] * StepPolicy.PROBE_LATE + [True, False]
+
+
 @pytest.fixture(scope="module")
 def random_pair(exported):
     """A random tiny pair (τ ≈ 1) exported for 3 slots."""
@@ -188,6 +238,56 @@ def test_auto_equals_always_on_a_random_pair(random_pair):
         res = pipe.generate(ids, 60, stop_token_ids=[])
         assert res.tokens == want.tokens
     assert res.stats["drafted_steps"] + res.stats["decode_steps"] == res.stats["steps"]
+
+
+def test_a_lazy_row_sends_its_prompt_with_its_first_probe(random_pair, monkeypatch):
+    """On a pair whose drafts have not paid, a new request's prefill runs no draft call (its
+    prompt's context waits in its slot), it decodes, and the draft gets every position from the
+    first on, in order: in calls of the context alone when the slot's context fills, and the
+    rest with its first probe after PROBE_LATE decode steps; the tokens are the target's own."""
+    from dflash_qaic.runtime.step import Prefill
+
+    pipe = random_pair.load()
+    pipe.configure(spec_policy="auto")
+    for i in range(3):  # the pair's record: its drafts keep nothing
+        pipe.generate(prompt(10, 60 + i), 12, stop_token_ids=[])
+    costs = pipe.step_costs
+    assert costs.kept is not None and costs.kept < StepPolicy.threshold(costs)
+    sent, real = [], Prefill.flush
+
+    def flush(self, seq, end, first, costs=None):
+        sent.append((end, seq.pending))
+        real(self, seq, end, first, costs)
+
+    monkeypatch.setattr(Prefill, "flush", flush)
+    ids = prompt(9, 70)
+    new = StepPolicy.PROBE_LATE + 20
+    res = pipe.generate(ids, new, stop_token_ids=[])
+    assert res.tokens == pipe.generate_baseline(ids, new, stop_token_ids=[]).tokens
+    assert "draft_prefill" not in res.call_times  # no draft call at the prompt's end
+    starts = [end - pending for end, pending in sent]
+    assert starts == [0] + [end for end, _ in sent[:-1]]  # every position, from the prompt's first
+    # the probe: the step after PROBE_LATE decode steps that waited, the first token's the 1
+    assert len(ids) + 1 + StepPolicy.PROBE_LATE in [end for end, _ in sent]
+    assert pipe.engine().prefill.context_rows < len(ids) + StepPolicy.PROBE_LATE  # one filled
+    assert res.stats["decode_steps"] >= StepPolicy.PROBE_LATE
+
+
+def test_a_lazy_row_waiting_to_join_has_no_proposals(random_pair):
+    """first_token_alone (the vLLM worker's engine): a lazily started request reports no
+    proposals for its first step, and its tokens are the target's."""
+    pipe = random_pair.load()
+    pipe.configure(spec_policy="auto")
+    for i in range(3):
+        pipe.generate(prompt(10, 80 + i), 12, stop_token_ids=[])
+    engine = pipe.engine(first_token_alone=True)
+    ids = prompt(12, 90)
+    seq = engine.add(pipe.request(ids, 20, [], "dflash"))
+    engine.step()
+    assert seq.lazy and len(seq.tokens) == 1 and engine.proposals(seq).size == 0
+    while not seq.finished:
+        engine.step()
+    assert seq.tokens == pipe.generate_baseline(ids, 20, stop_token_ids=[]).tokens
 
 
 def test_auto_equals_always_on_the_default_pair(default_artifacts):

@@ -207,6 +207,8 @@ class BatchEngine:
                 rule = contract.CHAIN_RULE
             self.per_step = rule is contract.BLOCK_RULE
             policy = StepPolicy(config.spec_policy, N, B, draft_io.confidence)
+            if policy.mode == "auto":
+                self.prefill.lazy = lambda seq: policy.lazy(costs, seq.uniforms is not None)
             self.spec = DFlashStep(
                 plan, target, draft, bufs, state, lengths, costs, rule, trees,
                 policy=policy, context=self.prefill,
@@ -334,7 +336,7 @@ class BatchEngine:
                     self.joining.append((seq, self._hold(seq.slot)))
                     ended.append(seq)  # its first token is this step's
                 elif seq.decoding:
-                    self.spec.join(seq.slot, seq.uniforms is not None)
+                    self.spec.join(seq.slot, seq.uniforms is not None, not seq.lazy)
                     self._changed = True
                 else:
                     ended.append(seq)
@@ -371,7 +373,7 @@ class BatchEngine:
                 st.proposals[slot], st.confidence[slot] = proposals, confidence
                 if q is not None:
                     st.q_ids[slot], st.q_probs[slot] = q
-                self.spec.join(slot, seq.uniforms is not None)
+                self.spec.join(slot, seq.uniforms is not None, not seq.lazy)
                 self._changed = True
         self.joining.clear()
 
@@ -381,7 +383,7 @@ class BatchEngine:
         step decodes (the step policy's choice)."""
         for waiting, held in self.joining:
             if waiting is seq:
-                return held[2]
+                return held[2][: 0 if seq.lazy else None]
         st = self.spec.state
         return st.proposals[seq.slot, : 0 if st.decoding[seq.slot] else None]
 

@@ -11,7 +11,8 @@ choice changes speed only, never what the target would have chosen.
              - `est`, a running estimate of the proposals the row keeps per drafted step,
                updated from each drafted step's acceptance (and the draft's own confidences in
                its proposals, when the draft returns them), seeded from its first block's
-               confidences (a greedy row: or the pair's memory, if that promises more);
+               confidences (a greedy row: or the pair's memory, if that promises more); the
+               pair's memory is kept apart for greedy and sampled rows;
              - the step's cost profile, `StepCosts`: the measured seconds of a verify call of
                n rows, of a draft call and of a decode call, in this process on this backend.
 
@@ -22,7 +23,10 @@ verifies the fresh proposals only if verify(n) alone pays for what their confide
 (`use`). A row that decodes is probed after `wait` steps (a draft call and, if its confidences
 promise enough, a verify); a probe that does not pay doubles `wait` (up to PROBE_MAX), one that
 pays resets it, so a sequence that becomes predictable again gets its drafts back within a
-bounded number of steps while a hopeless one costs one draft call per PROBE_MAX tokens.
+bounded number of steps while a hopeless one costs one draft call per PROBE_MAX tokens. A row
+whose kind (greedy, sampled) has not paid on this pair so far starts decoding without its first
+block (`lazy`): the prompt's context waits for the draft with the rows it decodes, and goes to
+it with its first probe (or when the context buffer fills).
 
 Decisions depend on measured times, so under `auto` which steps draft varies from run to run;
 greedy tokens never do (both paths commit the target's own argmax). Sampled tokens are exactly
@@ -36,6 +40,14 @@ from __future__ import annotations
 import numpy as np
 
 POLICIES = ("auto", "always", "never")
+
+
+def memory(costs, sampled: bool) -> tuple[float | None, float | None]:
+    """The pair's memory for greedy or sampled rows (StepCosts): (proposals kept per drafted
+    step, what the draft's confidences promised for them), running means, None until seen."""
+    if sampled:
+        return costs.kept_sampled, costs.promised_sampled
+    return costs.kept, costs.promised
 
 
 def expected(confidence: np.ndarray) -> np.ndarray:
@@ -78,49 +90,83 @@ class StepPolicy:
         self.fast = [False] * slots  # the row samples (WEIGHT_SAMPLED)
         self.seen = [0] * slots  # drafted steps observed since the sequence joined
 
-    def promise(self, confidence, costs) -> list[float] | None:
+    def promise(self, confidence, costs, sampled) -> list[float] | None:
         """The proposals the draft's confidences ([rows, B − 1]) promise, calibrated by what
-        such promises kept so far (`StepCosts.kept` / `promised`); None without confidences."""
+        such promises kept so far for rows of their kind (`sampled`, one per row: `memory`);
+        None without confidences."""
         if not self.confidence or confidence is None:
             return None
-        e = expected(confidence)
-        if costs.kept is not None and costs.promised:
-            e *= costs.kept / costs.promised
-        return e.tolist()
+        out = expected(confidence).tolist()
+        for i, s in enumerate(sampled):
+            kept, promised = memory(costs, s)
+            if kept is not None and promised:
+                out[i] *= kept / promised
+        return out
 
-    def join(self, slot: int, confidence: np.ndarray | None, costs, sampled: bool = False) -> None:
+    def lazy(self, costs, sampled: bool = False) -> bool:
+        """Whether a sequence of this kind (`sampled`: T > 0) starts decoding without its first
+        block: under auto, when what rows of its kind kept so far is below the break-even (the
+        prompt's last draft call would most likely be wasted; its first probe comes after
+        PROBE_LATE decode steps, as `join` has it)."""
+        if self.mode != "auto":
+            return False
+        kept, _ = memory(costs, sampled)
+        return kept is not None and kept < self.threshold(costs)
+
+    def join(
+        self,
+        slot: int,
+        confidence: np.ndarray | None,
+        costs,
+        sampled: bool = False,
+        fresh: bool = True,
+    ) -> None:
         """A sequence starts stepping in `slot`; `confidence` [B − 1]: its first proposals';
-        `sampled`: it samples (T > 0)."""
-        e = self.promise(None if confidence is None else confidence[None], costs)
+        `sampled`: it samples (T > 0); fresh False: it has no first proposals (`lazy`) and
+        decodes until its first probe."""
+        kept, _ = memory(costs, sampled)
+        e = None if not fresh or confidence is None else confidence[None]
+        e = self.promise(e, costs, [sampled])
         if e is not None:
             prior = e[0]
         else:
-            prior = self.B - 1.0 if costs.kept is None else costs.kept
-        if not sampled and costs.kept is not None:
+            prior = self.B - 1.0 if kept is None else kept
+        if not sampled and fresh and kept is not None:
             # a greedy row starts from the pair's memory when that promises more: one block's
             # confidences are a noisy sample of a run whose acceptance comes in long stretches,
             # and a row that starts decoding learns nothing until a probe, while one that
             # drafts learns at each step (its slow mean takes it out of a real desert)
-            prior = max(prior, costs.kept)
+            prior = max(prior, kept)
         self.est[slot], self.idle[slot], self.probing[slot] = prior, 0, False
         self.seen[slot], self.fast[slot] = 0, sampled
-        paid = costs.kept is None or costs.kept >= self.threshold(costs)
+        paid = fresh and (kept is None or kept >= self.threshold(costs))
         self.wait[slot] = self.PROBE_FIRST if paid else self.PROBE_LATE
 
     def observe(self, slots, accepted, confidence, costs) -> None:
         """The drafted rows `slots` kept `accepted` proposals of a block the draft gave
         `confidence` ([rows, B − 1]) in: their estimates, and the pipeline's."""
         obs = [float(a) for a in accepted]
-        for r, a in zip(slots.tolist() if hasattr(slots, "tolist") else slots, obs):
+        rows = slots.tolist() if hasattr(slots, "tolist") else list(slots)
+        for r, a in zip(rows, obs):
             # a probe's step weighs as a sampled row's: the row's estimate is stale by then
             w = self.WEIGHT_SAMPLED if self.fast[r] or self.probing[r] else self.WEIGHT
             first = self.seen[r] == 0 and self.fast[r]  # replaces the prior
             self.est[r] = a if first else self.est[r] + w * (a - self.est[r])
             self.seen[r] += 1
-        costs.kept = _mean(costs.kept, sum(obs) / len(obs), self.MEMORY)
+        e = None
         if self.confidence and confidence is not None:
-            e = float(expected(confidence).sum()) / len(obs)
-            costs.promised = _mean(costs.promised, e, self.MEMORY)
+            e = expected(confidence).tolist()
+        for sampled in (False, True):  # the pair's memory, greedy and sampled rows apart
+            idx = [i for i, r in enumerate(rows) if self.fast[r] == sampled]
+            if not idx:
+                continue
+            kept = sum(obs[i] for i in idx) / len(idx)
+            name = "_sampled" if sampled else ""
+            setattr(costs, "kept" + name, _mean(getattr(costs, "kept" + name), kept, self.MEMORY))
+            if e is not None:
+                p = sum(e[i] for i in idx) / len(idx)
+                old = getattr(costs, "promised" + name)
+                setattr(costs, "promised" + name, _mean(old, p, self.MEMORY))
 
     @staticmethod
     def threshold(costs, draft: bool = True) -> float:
@@ -147,12 +193,18 @@ class StepPolicy:
         if self.mode != "auto":
             return [self.mode == "always"] * len(slots)
         thr, out = self.threshold(costs), []
-        # a pair whose drafts pay on the whole has dips, not deserts: its probes back off less
-        most = self.PROBE_MAX if costs.kept is None or costs.kept < thr else 2 * self.PROBE_FIRST
+        # a pair whose drafts pay on the whole (for rows of this kind) has dips, not deserts:
+        # its probes back off less
+        most = [
+            self.PROBE_MAX if kept is None or kept < thr else 2 * self.PROBE_FIRST
+            for kept in (costs.kept, costs.kept_sampled)
+        ]
         for r in slots:
             pays = self.est[r] >= thr
             if self.probing[r]:  # the last draft was a probe: its outcome sets the wait
-                self.wait[r] = self.PROBE_FIRST if pays else min(2 * self.wait[r], most)
+                self.wait[r] = (
+                    self.PROBE_FIRST if pays else min(2 * self.wait[r], most[self.fast[r]])
+                )
             want = pays or self.idle[r] >= self.wait[r]
             self.probing[r] = want and not pays
             self.idle[r] = 0 if want else self.idle[r] + 1
@@ -186,7 +238,7 @@ class StepPolicy:
             # the usual greedy step: half the estimate pays alone, so its mean with any promise
             # (≥ 0) does, and the confidences need not be read (the step's host work)
             return [True] * len(slots)
-        e = self.promise(confidence, costs)
+        e = self.promise(confidence, costs, [self.fast[r] for r in slots])
         mix = [p if self.probing[r] else 0.5 * (self.est[r] + p) for r, p in zip(slots, e)]
         return [m >= thr for m in mix]
 

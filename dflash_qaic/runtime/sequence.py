@@ -40,6 +40,7 @@ class Sequence:
         self.new: list[list[int]] = []  # runs of tokens committed since the caller took them
         self.prefilled = 0  # prompt tokens already in the target's cache
         self.pending = 0  # prompt feature rows waiting in its slot's context for the draft
+        self.lazy = False  # it starts decoding, without a first block (Prefill.lazy)
         # the position of its newest token (the anchor): the state below it is committed
         self.end = len(req.ids) - 1
         self.last_run = 0  # tokens its last commit was given (before a cut)

@@ -89,6 +89,10 @@ class StepCosts:
         # drafted step, and what the draft's confidences promised for them (running means)
         self.kept: float | None = None
         self.promised: float | None = None
+        # the same for sampled rows (T > 0), apart: a sampled row keeps fewer proposals for
+        # the same confidences, and a pair that pays greedy may not pay sampled (or the reverse)
+        self.kept_sampled: float | None = None
+        self.promised_sampled: float | None = None
         # the host's seconds per step outside its timed calls, by path ("draft", "decode"):
         # Python, copies and, on a shared machine, waiting for a core
         self.host_s: dict[str, float] = {}

@@ -161,6 +161,9 @@ class Prefill:
         self.dflash = dflash
         self._arange_b = np.arange(plan.block_size, dtype=np.int64)
         self._row0 = np.zeros(1, np.int64)
+        #: seq -> whether it starts decoding without its first block (the step policy's
+        #: `StepPolicy.lazy`, set by the engine; None: every prompt's last call proposes it)
+        self.lazy = None
 
     def chunk(self, seq) -> None:
         b, ids, slot = self.bufs, seq.req.ids, seq.slot
@@ -207,11 +210,17 @@ class Prefill:
         takes up to D = draft_prefill_rows[-1] rows (several target chunks), so the block it
         also runs, wasted on every call but the last, runs ⌈P / D⌉ times, not once per chunk; a
         call takes the smallest DraftPrefill that holds its rows. The last call's block starts
-        at the prompt's end: its proposals are the first step's."""
+        at the prompt's end: its proposals are the first step's. A sequence that starts
+        decoding (`lazy`) has no first block: its context waits with the rows it decodes."""
         self.queue(seq, hidden, lo, n)
         end, P, plan = lo + n, len(seq.req.ids), self.plan
         if first is None and seq.pending + min(plan.prefill_seq_len, P - end) <= self.context_rows:
             return  # the next chunk still fits
+        if first is not None and self.lazy is not None and self.lazy(seq):
+            seq.lazy = True
+            if seq.pending + plan.block_size <= self.context_rows:
+                return  # sent when it drafts, or when its decoded rows fill the context
+            first = None  # the context alone (the proposals are not kept)
         self.flush(seq, end, first)
 
     @property
@@ -266,9 +275,9 @@ class _Step:
         # structured output: the constrained rows' token masks (runtime/grammar.py)
         self.masks = StepMasks(state, [*bufs.verify.values(), bufs.decode], plan.block_size)
 
-    def join(self, slot: int, sampled: bool = False) -> None:
+    def join(self, slot: int, sampled: bool = False, fresh: bool = True) -> None:
         """The slot's sequence steps from now on (its anchor and start set by its prefill;
-        `sampled`: it samples, for the step policy)."""
+        `sampled`: it samples, `fresh` False: it has no first block, for the step policy)."""
         self.state.alive[slot] = True
         self.state.offsets[slot] = self._arange_b
         self.bufs.bidx[slot, 0] = slot
@@ -350,11 +359,15 @@ class DFlashStep(_Step):
         self._ones = np.ones(plan.cache_rows, np.int64)  # and its rows
         self._queued = False  # the last step decoded every row: its context already waits
 
-    def join(self, slot: int, sampled: bool = False) -> None:
-        """The slot steps from now on; the policy sees its first proposals' confidences."""
+    def join(self, slot: int, sampled: bool = False, fresh: bool = True) -> None:
+        """The slot steps from now on; the policy sees its first proposals' confidences (fresh
+        False: it has none, `Prefill.lazy`, and decodes until its first probe)."""
         super().join(slot)
         st, one = self.state, slice(slot, slot + 1)
-        self.policy.join(slot, st.confidence[slot], self.costs, sampled)
+        self.policy.join(slot, st.confidence[slot], self.costs, sampled, fresh)
+        if not fresh:
+            st.decoding[slot] = True
+            return
         st.decoding[slot] = not self.policy.use([slot], st.confidence[one], self.costs)[0]
 
     def leave(self, slot: int) -> None:
