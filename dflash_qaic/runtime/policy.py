@@ -22,10 +22,11 @@ rate at least the second (`pays`). Once the draft call has run (its cost spent),
 verifies the fresh proposals only if verify(n) alone pays for what their confidences promise
 (`use`). A row that decodes is probed after `wait` steps (a draft call and, if its confidences
 promise enough, a verify); a probe that does not pay doubles `wait` (up to PROBE_MAX), one that
-pays resets it, so a sequence that becomes predictable again gets its drafts back within a
-bounded number of steps while a hopeless one costs one draft call per PROBE_MAX tokens. A row
-whose kind (greedy, sampled) has not paid on this pair so far starts decoding without its first
-block (`lazy`): the prompt's context waits for the draft with the rows it decodes, and goes to
+pays resets it (to PROBE_FIRST where drafts pay on the whole, else PROBE_LATE), so a sequence
+that becomes predictable again gets its drafts back within a bounded number of steps while a
+hopeless one costs one draft call per PROBE_MAX tokens. A row
+whose kind (greedy, sampled) kept less than half the break-even on this pair so far starts
+decoding without its first block (`lazy`): the prompt's context waits for the draft with the rows it decodes, and goes to
 it with its first probe (or when the context buffer fills).
 
 Decisions depend on measured times, so under `auto` which steps draft varies from run to run;
@@ -77,6 +78,7 @@ class StepPolicy:
     PROBE_FIRST = 8  # decode steps before a row's first probe, when drafting paid so far
     PROBE_LATE = 64  # the same when the pair's acceptance so far says drafting does not pay
     PROBE_MAX = 128  # the longest wait between two probes
+    LAZY = 0.5  # a kind that kept under this share of the break-even starts decoding
 
     def __init__(self, mode: str, slots: int, block_size: int, confidence: bool = True):
         """confidence: the draft returns confidences in its proposals (contract.DraftIO)."""
@@ -105,13 +107,16 @@ class StepPolicy:
 
     def lazy(self, costs, sampled: bool = False) -> bool:
         """Whether a sequence of this kind (`sampled`: T > 0) starts decoding without its first
-        block: under auto, when what rows of its kind kept so far is below the break-even (the
-        prompt's last draft call would most likely be wasted; its first probe comes after
-        PROBE_LATE decode steps, as `join` has it)."""
+        block: under auto, when rows of its kind kept less than half the break-even so far (a
+        pair whose draft does not fit its target: the prompt's last draft call would be wasted;
+        its first probe comes after PROBE_LATE decode steps, as `join` has it). Where drafts
+        only fall short of paying (a sampled row on a CPU) the first block is kept: it comes
+        with the prompt's context, which the draft needs before any probe anyway, and its
+        proposals often pay where a completion starts."""
         if self.mode != "auto":
             return False
         kept, _ = memory(costs, sampled)
-        return kept is not None and kept < self.threshold(costs)
+        return kept is not None and kept < self.LAZY * self.threshold(costs)
 
     def join(
         self,
@@ -199,12 +204,19 @@ class StepPolicy:
             self.PROBE_MAX if kept is None or kept < thr else 2 * self.PROBE_FIRST
             for kept in (costs.kept, costs.kept_sampled)
         ]
+        # and after a probe that paid, the next run of drafts ends in a short wait only where
+        # drafts pay on the whole: elsewhere (a sampled row on a CPU, a pair that does not fit)
+        # a lucky step is most often followed by a plain one, and short waits would probe
+        # again and again (as `join` has it for a row's first wait)
+        first = [
+            self.PROBE_FIRST if kept is None or kept >= thr else self.PROBE_LATE
+            for kept in (costs.kept, costs.kept_sampled)
+        ]
         for r in slots:
             pays = self.est[r] >= thr
             if self.probing[r]:  # the last draft was a probe: its outcome sets the wait
-                self.wait[r] = (
-                    self.PROBE_FIRST if pays else min(2 * self.wait[r], most[self.fast[r]])
-                )
+                kind = self.fast[r]
+                self.wait[r] = first[kind] if pays else min(2 * self.wait[r], most[kind])
             want = pays or self.idle[r] >= self.wait[r]
             self.probing[r] = want and not pays
             self.idle[r] = 0 if want else self.idle[r] + 1

@@ -384,7 +384,7 @@ class DFlashStep(_Step):
     def verify(self, rows: np.ndarray, seqs: list) -> list:
         """The verify call (or, when every row decodes, the decode call) and the commits;
         returns the sequences that go on, whose committed rows are now the draft's context."""
-        v, st, d = self.verifier, self.state, self.bufs.draft
+        v, st = self.verifier, self.state
         self._queued = bool(st.decoding[rows].all())
         if self._queued:  # every row decodes: the decode call
             going = self._decode_all(rows, seqs)
@@ -395,11 +395,6 @@ class DFlashStep(_Step):
             if self.policy.mode == "auto":
                 self._observe(rows, acc, v.lens)
             going = v.commit(rows, seqs, n, out, acc)
-        d.blk_ids[:, 0] = st.anchor
-        np.add(st.start[:, None], st.offsets, out=d.blk_pos)  # inactive rows: all -1
-        # near the end, block rows past the last slot propose what no verify will take: they
-        # sit at the last position (the draft's tables and windows end there)
-        np.minimum(d.blk_pos, self.max_pos - 1, out=d.blk_pos)
         return going
 
     def _decode_all(self, rows: np.ndarray, seqs: list) -> list:
@@ -442,9 +437,12 @@ class DFlashStep(_Step):
         own DraftPrefill call, which proposes its block; then each row with fresh proposals
         verifies them or decodes (`StepPolicy.use`)."""
         pol, st = self.policy, self.state
+        if pol.mode == "always":
+            return self._draft(seqs)
         slots = [q.slot for q in seqs]
-        if pol.mode == "always" or (  # every row drafts on and will verify: as under always
-            not any(st.decoding[r] or q.pending for r, q in zip(slots, seqs))
+        if (  # every row drafts on and will verify: as under always
+            not self._queued
+            and not any(st.decoding[r] or q.pending for r, q in zip(slots, seqs))
             and pol.steady(slots, self.costs)
         ):
             return self._draft(seqs)
@@ -459,13 +457,13 @@ class DFlashStep(_Step):
                 k = int(np.count_nonzero(d.ctx_pos[r] >= 0))
                 ctx.queue(seq, d.ctx[r, :k], int(d.ctx_pos[r, 0]), k)
                 d.ctx_pos[r] = contract.PAD_POSITION  # not in the draft call
-            d.blk_pos[r] = contract.PAD_POSITION
             if w or seq.pending + self.plan.block_size > ctx.context_rows:
                 # proposes its block; its seconds are a call's, not the host's (StepCosts.step)
                 ctx.flush(seq, int(st.start[r]), int(st.anchor[r]), self.costs)
             if w:
                 fresh.append(r)
-        st.decoding[slots] = True
+        if not self._queued:  # (after a decode call every row decodes already)
+            st.decoding[slots] = True
         if batched:
             self._draft(batched, part=len(batched) < len(seqs))
             fresh += [q.slot for q in batched]
@@ -474,15 +472,25 @@ class DFlashStep(_Step):
 
     def _draft(self, seqs: list, part: bool = False) -> None:
         """The draft call over every row (part: only `seqs`' rows are kept; the others sat out
-        with positions -1)."""
+        with positions -1). Each row's block: its anchor at its position start."""
         st, d = self.state, self.bufs.draft
+        d.blk_ids[:, 0] = st.anchor
+        np.add(st.start[:, None], st.offsets, out=d.blk_pos)  # inactive rows: all -1
+        # near the end, block rows past the last slot propose what no verify will take: they
+        # sit at the last position (the draft's tables and windows end there)
+        np.minimum(d.blk_pos, self.max_pos - 1, out=d.blk_pos)
+        rows = None
+        if part:  # the others sit out
+            rows = np.fromiter((q.slot for q in seqs), np.int64, len(seqs))
+            out_rows = np.ones(len(d.blk_pos), bool)
+            out_rows[rows] = False
+            d.blk_pos[out_rows] = contract.PAD_POSITION
         feeds = self.bufs.window(d.feeds, self.furthest)  # the cached slots: below each block
         if self.bufs.draft_u is not None:  # each row's proposals: positions start + 1 …
             for seq in seqs:
                 seq.fill_draft_uniforms(self.bufs.draft_u[seq.slot], int(st.start[seq.slot]) + 1)
         out = call("draft", self.draft, feeds, seqs, self.costs)
         if part:
-            rows = np.fromiter((q.slot for q in seqs), np.int64, len(seqs))
             st.keep(out, rows, rows)
         else:
             st.keep(out, slice(None))
