@@ -199,8 +199,8 @@ def test_after_a_lucky_probe_the_wait_restarts_by_the_kind_s_record():
 
 def test_a_row_whose_kind_has_not_paid_starts_decoding():
     """`lazy`: under auto, a sequence whose kind (greedy, sampled) kept less than half the
-    break-even so far starts decoding without its first block, and probes after PROBE_LATE
-    steps; until the kind has a record (or the costs are measured), and under always / never,
+    break-even so far starts decoding without its first block, and probes after PROBE_MAX
+    steps (a hopeless kind); until the kind has a record (or the costs are measured), and under always / never,
     it does not."""
     c = costs({4: 2.0, 8: 3.0}, 1.0, 1.0)
     p = StepPolicy("auto", slots=1, block_size=8)
@@ -217,9 +217,9 @@ def test_a_row_whose_kind_has_not_paid_starts_decoding():
     for mode in ("always", "never"):
         assert not StepPolicy(mode, slots=1, block_size=8).lazy(c, sampled=True)
     p.join(0, None, c, sampled=True, fresh=False)
-    assert p.est[0] == 0.5 and p.wait[0] == StepPolicy.PROBE_LATE
-    decisions = [p.want([0], c)[0] for _ in range(StepPolicy.PROBE_LATE + 2)]
-    assert decisions == [False] * StepPolicy.PROBE_LATE + [True, False]
+    assert p.est[0] == 0.5 and p.wait[0] == StepPolicy.PROBE_MAX
+    decisions = [p.want([0], c)[0] for _ in range(StepPolicy.PROBE_MAX + 2)]
+    assert decisions == [False] * StepPolicy.PROBE_MAX + [True, False]
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +270,7 @@ def test_a_lazy_row_sends_its_prompt_with_its_first_probe(random_pair, monkeypat
     """On a pair whose drafts have not paid, a new request's prefill runs no draft call (its
     prompt's context waits in its slot), it decodes, and the draft gets every position from the
     first on, in order: in calls of the context alone when the slot's context fills, and the
-    rest with its first probe after PROBE_LATE decode steps; the tokens are the target's own."""
+    rest with its first probe after PROBE_MAX decode steps; the tokens are the target's own."""
     from dflash_qaic.runtime.step import Prefill
 
     fixed_break_even(monkeypatch)
@@ -287,16 +287,16 @@ def test_a_lazy_row_sends_its_prompt_with_its_first_probe(random_pair, monkeypat
 
     monkeypatch.setattr(Prefill, "flush", flush)
     ids = prompt(9, 70)
-    new = StepPolicy.PROBE_LATE + 20
+    new = StepPolicy.PROBE_MAX + 8
     res = pipe.generate(ids, new, stop_token_ids=[])
     assert res.tokens == pipe.generate_baseline(ids, new, stop_token_ids=[]).tokens
     assert "draft_prefill" not in res.call_times  # no draft call at the prompt's end
     starts = [end - pending for end, pending in sent]
     assert starts == [0] + [end for end, _ in sent[:-1]]  # every position, from the prompt's first
-    # the probe: the step after PROBE_LATE decode steps that waited, the first token's the 1
-    assert len(ids) + 1 + StepPolicy.PROBE_LATE in [end for end, _ in sent]
-    assert pipe.engine().prefill.context_rows < len(ids) + StepPolicy.PROBE_LATE  # one filled
-    assert res.stats["decode_steps"] >= StepPolicy.PROBE_LATE
+    # the probe: the step after PROBE_MAX decode steps that waited, the first token's the 1
+    assert len(ids) + 1 + StepPolicy.PROBE_MAX in [end for end, _ in sent]
+    assert pipe.engine().prefill.context_rows < len(ids) + StepPolicy.PROBE_MAX  # one filled
+    assert res.stats["decode_steps"] >= StepPolicy.PROBE_MAX
 
 
 def test_a_lazy_row_waiting_to_join_has_no_proposals(random_pair, monkeypatch):

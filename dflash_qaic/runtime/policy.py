@@ -26,8 +26,9 @@ pays resets it (to PROBE_FIRST where drafts pay on the whole, else PROBE_LATE), 
 that becomes predictable again gets its drafts back within a bounded number of steps while a
 hopeless one costs one draft call per PROBE_MAX tokens. A row
 whose kind (greedy, sampled) kept less than half the break-even on this pair so far starts
-decoding without its first block (`lazy`): the prompt's context waits for the draft with the rows it decodes, and goes to
-it with its first probe (or when the context buffer fills).
+decoding without its first block (`lazy`) and probes first after PROBE_MAX steps: the prompt's
+context waits for the draft with the rows it decodes, and goes to it with that probe (or when
+the context buffer fills).
 
 Decisions depend on measured times, so under `auto` which steps draft varies from run to run;
 greedy tokens never do (both paths commit the target's own argmax). Sampled tokens are exactly
@@ -109,7 +110,7 @@ class StepPolicy:
         """Whether a sequence of this kind (`sampled`: T > 0) starts decoding without its first
         block: under auto, when rows of its kind kept less than half the break-even so far (a
         pair whose draft does not fit its target: the prompt's last draft call would be wasted;
-        its first probe comes after PROBE_LATE decode steps, as `join` has it). Where drafts
+        its first probe comes after PROBE_MAX decode steps, as `join` has it). Where drafts
         only fall short of paying (a sampled row on a CPU) the first block is kept: it comes
         with the prompt's context, which the draft needs before any probe anyway, and its
         proposals often pay where a completion starts."""
@@ -128,7 +129,7 @@ class StepPolicy:
     ) -> None:
         """A sequence starts stepping in `slot`; `confidence` [B − 1]: its first proposals';
         `sampled`: it samples (T > 0); fresh False: it has no first proposals (`lazy`) and
-        decodes until its first probe."""
+        decodes until its first probe, PROBE_MAX steps on."""
         kept, _ = memory(costs, sampled)
         e = None if not fresh or confidence is None else confidence[None]
         e = self.promise(e, costs, [sampled])
@@ -145,7 +146,10 @@ class StepPolicy:
         self.est[slot], self.idle[slot], self.probing[slot] = prior, 0, False
         self.seen[slot], self.fast[slot] = 0, sampled
         paid = fresh and (kept is None or kept >= self.threshold(costs))
-        self.wait[slot] = self.PROBE_FIRST if paid else self.PROBE_LATE
+        # a lazy row's kind is hopeless here: it waits as long as a row that probed in vain
+        self.wait[slot] = (
+            self.PROBE_MAX if not fresh else self.PROBE_FIRST if paid else self.PROBE_LATE
+        )
 
     def observe(self, slots, accepted, confidence, costs) -> None:
         """The drafted rows `slots` kept `accepted` proposals of a block the draft gave
