@@ -198,34 +198,38 @@ class StepPolicy:
         """Which of `slots` (the rows going on after this step) draft for their next step: the
         ones it pays for, and the ones due a probe. A probe that did not pay doubles the row's
         wait (to at most PROBE_MAX, or twice PROBE_FIRST while drafting pays on the pair's
-        memory), one that did resets it."""
+        memory for rows of its kind), one that did resets it (to PROBE_FIRST, or PROBE_LATE
+        where drafting does not pay on that memory)."""
         if self.mode != "auto":
             return [self.mode == "always"] * len(slots)
         thr, out = self.threshold(costs), []
-        # a pair whose drafts pay on the whole (for rows of this kind) has dips, not deserts:
-        # its probes back off less
-        most = [
-            self.PROBE_MAX if kept is None or kept < thr else 2 * self.PROBE_FIRST
-            for kept in (costs.kept, costs.kept_sampled)
-        ]
-        # and after a probe that paid, the next run of drafts ends in a short wait only where
-        # drafts pay on the whole: elsewhere (a sampled row on a CPU, a pair that does not fit)
-        # a lucky step is most often followed by a plain one, and short waits would probe
-        # again and again (as `join` has it for a row's first wait)
-        first = [
-            self.PROBE_FIRST if kept is None or kept >= thr else self.PROBE_LATE
-            for kept in (costs.kept, costs.kept_sampled)
-        ]
+        # (a probe that did not pay) a pair whose drafts pay on the whole for rows of this kind
+        # has dips, not deserts: its probes back off less; (one that paid) the next run of
+        # drafts ends in a short wait only where drafts pay on the whole: elsewhere (a sampled
+        # row on a CPU, a pair that does not fit) a lucky step is most often followed by a
+        # plain one, and short waits would probe again and again (as `join` has it)
+        waits = None  # per kind: (after a probe in vain: the longest, after one that paid)
         for r in slots:
             pays = self.est[r] >= thr
             if self.probing[r]:  # the last draft was a probe: its outcome sets the wait
-                kind = self.fast[r]
-                self.wait[r] = first[kind] if pays else min(2 * self.wait[r], most[kind])
+                if waits is None:
+                    waits = [self._waits(kept, thr) for kept in (costs.kept, costs.kept_sampled)]
+                most, first = waits[self.fast[r]]
+                self.wait[r] = first if pays else min(2 * self.wait[r], most)
             want = pays or self.idle[r] >= self.wait[r]
             self.probing[r] = want and not pays
             self.idle[r] = 0 if want else self.idle[r] + 1
             out.append(want)
         return out
+
+    def _waits(self, kept: float | None, thr: float) -> tuple[int, int]:
+        """(the longest wait, the wait after a probe that paid) for rows of a kind that kept
+        `kept` per drafted step so far (None: no record)."""
+        if kept is None:
+            return self.PROBE_MAX, self.PROBE_FIRST
+        if kept < thr:
+            return self.PROBE_MAX, self.PROBE_LATE
+        return 2 * self.PROBE_FIRST, self.PROBE_FIRST
 
     def steady(self, slots, costs) -> bool:
         """Whether `want` would have every one of `slots` draft because drafting pays for it
