@@ -285,9 +285,10 @@ def machine(threads: int) -> dict:
 
 def _call_times(pipe, ids, tokens, temperature) -> dict:
     """Seconds of each call, by kind, in one target-only and one DFlash run (verify calls of
-    the whole block: the profile is of each call at its full size)."""
+    the whole block: the profile is of each call at its full size; every step drafts, so each
+    kind is called whatever the step policy would choose)."""
     kw = dict(max_new_tokens=tokens, stop_token_ids=[], temperature=temperature, seed=0)
-    chosen = pipe.configure(verify_lengths=[pipe.B])
+    chosen = pipe.configure(verify_lengths=[pipe.B], spec_policy="always")
     try:
         runs = (pipe.generate_baseline(ids, **kw), pipe.generate(ids, **kw))
     finally:
