@@ -13,8 +13,9 @@ from dflash_qaic.bench.vllm_host import VllmServer
 
 @pytest.fixture(scope="module")
 def server(cb_artifacts):
-    """One `DFLASH_QAIC_VLLM=1 vllm serve`, test_vllm_prefix.py's options."""
-    with VllmServer(cb_artifacts, *ARGS, timeout=420) as s:
+    """One `DFLASH_QAIC_VLLM=1 vllm serve`, test_vllm_prefix.py's options, with vLLM's dev
+    endpoints (where /reset_prefix_cache is)."""
+    with VllmServer(cb_artifacts, *ARGS, timeout=420, env={"VLLM_SERVER_DEV_MODE": "1"}) as s:
         s.model = str(cb_artifacts)
         yield s
 
@@ -28,7 +29,7 @@ def test_reset_prefix_cache_clears_our_cache(server):
     assert cached >= len(PREFIX) and delta(before, counters(server))["hits"] >= len(PREFIX)
 
     r = httpx.post(server.url + "/reset_prefix_cache", trust_env=False, timeout=60)
-    assert r.status_code == 200, r.text
+    assert r.status_code == 200 and r.json() == {"success": True}, r.text
 
     before = counters(server)
     got, cached = complete(server, prompt)  # cached before the reset: now a miss
