@@ -14,6 +14,10 @@ tokens and the tokens our cache found (`dflash_prefix`). They are recorded as vL
 would record them: `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits`, and the request's
 prefill stats, which vLLM's answer reads for `usage.prompt_tokens_details.cached_tokens`
 (docs/prefix-caching.md, under vLLM).
+
+`reset_prefix_cache` (vLLM's `POST /reset_prefix_cache`) clears our cache: the next scheduler
+output carries the reset (`RESET`), and the worker clears the pipeline's cache before it admits
+that step's new requests. Requests in flight are untouched: their rows are never in the index.
 """
 
 from __future__ import annotations
@@ -28,11 +32,27 @@ log = logging.getLogger("dflash_qaic.vllm")
 
 #: the scheduler output's attribute with its new requests' cache_salt (request id -> salt)
 SALTS = "dflash_salts"
+#: the scheduler output's attribute, True when our prefix cache is cleared before this step
+RESET = "dflash_reset_prefix"
 
 
 class DFlashScheduler(Scheduler):
+    _reset = False  # a prefix-cache reset the worker has not yet been sent
+
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """Our engine's cache is cleared before the next step's admissions, whatever runs (its
+        rows in flight are not in the index), so nothing is preempted. vLLM's block manager
+        caches nothing here (caching off): its reset only resets the stats."""
+        self._reset = True
+        super().reset_prefix_cache(False, False)
+        return self.reset_connector_cache() if reset_connector else True
+
     def schedule(self, *args, **kwargs):
         out = super().schedule(*args, **kwargs)
+        setattr(out, RESET, self._reset)
+        self._reset = False
         salts = {}
         for new in out.scheduled_new_reqs:
             req = self.requests.get(new.req_id)

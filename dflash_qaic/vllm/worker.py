@@ -65,7 +65,7 @@ from dflash_qaic.vllm.platform import (
     prefix_caching,
     sampling_check,
 )
-from dflash_qaic.vllm.scheduler import SALTS
+from dflash_qaic.vllm.scheduler import RESET, SALTS
 
 log = logging.getLogger("dflash_qaic.vllm")
 
@@ -216,6 +216,8 @@ class DFlashWorker(WorkerBase):
         if self.kv is not None:
             self.kv.bind(so)
         self._salts = getattr(so, SALTS, None) or {}
+        if getattr(so, RESET, False) and self.engine.prefix is not None:  # /reset_prefix_cache
+            self.engine.prefix.clear()  # before this step's lookups (the engine's, at admission)
         for new in so.scheduled_new_reqs:
             try:
                 self._add(new)
