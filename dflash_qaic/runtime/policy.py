@@ -52,6 +52,14 @@ def memory(costs, sampled: bool) -> tuple[float | None, float | None]:
     return costs.kept, costs.promised
 
 
+def _remember(costs, sampled: bool, kept: float, promised: float | None) -> None:
+    """`memory`'s pair for greedy or sampled rows, replaced."""
+    if sampled:
+        costs.kept_sampled, costs.promised_sampled = kept, promised
+    else:
+        costs.kept, costs.promised = kept, promised
+
+
 def expected(confidence: np.ndarray) -> np.ndarray:
     """Expected kept proposals per row from the draft's confidences ([rows, B − 1], the
     probability the target takes proposal j given it took those before): Σ_j Π_{i ≤ j} c_i."""
@@ -145,11 +153,9 @@ class StepPolicy:
             prior = max(prior, kept)
         self.est[slot], self.idle[slot], self.probing[slot] = prior, 0, False
         self.seen[slot], self.fast[slot] = 0, sampled
-        paid = fresh and (kept is None or kept >= self.threshold(costs))
-        # a lazy row's kind is hopeless here: it waits as long as a row that probed in vain
-        self.wait[slot] = (
-            self.PROBE_MAX if not fresh else self.PROBE_FIRST if paid else self.PROBE_LATE
-        )
+        # a lazy row's kind is hopeless here: it waits as long as a row that probed in vain;
+        # another waits as after a probe that paid, by its kind's record
+        self.wait[slot] = self._waits(kept, self.threshold(costs))[1] if fresh else self.PROBE_MAX
 
     def observe(self, slots, accepted, confidence, costs) -> None:
         """The drafted rows `slots` kept `accepted` proposals of a block the draft gave
@@ -169,13 +175,11 @@ class StepPolicy:
             idx = [i for i, r in enumerate(rows) if self.fast[r] == sampled]
             if not idx:
                 continue
-            kept = sum(obs[i] for i in idx) / len(idx)
-            name = "_sampled" if sampled else ""
-            setattr(costs, "kept" + name, _mean(getattr(costs, "kept" + name), kept, self.MEMORY))
+            kept, promised = memory(costs, sampled)
+            kept = _mean(kept, sum(obs[i] for i in idx) / len(idx), self.MEMORY)
             if e is not None:
-                p = sum(e[i] for i in idx) / len(idx)
-                old = getattr(costs, "promised" + name)
-                setattr(costs, "promised" + name, _mean(old, p, self.MEMORY))
+                promised = _mean(promised, sum(e[i] for i in idx) / len(idx), self.MEMORY)
+            _remember(costs, sampled, kept, promised)
 
     @staticmethod
     def threshold(costs, draft: bool = True) -> float:
